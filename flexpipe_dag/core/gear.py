@@ -1,0 +1,111 @@
+"""A gear: one complete, runnable pipeline configuration, and its estimated behaviour.
+
+A gear assigns contiguous layer ranges (``[layer_start, layer_end)``, 0-based decoder layers) to
+stages; each stage runs on one device, or on ``replicas`` > 1 devices as data-parallel copies of a
+hot stage. The embedding is charged to the first stage, final norm + LM head to the last.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GearKind = Literal["latency", "balanced", "throughput", "uniform", "parameters", "oracle", "manual"]
+#: The three operating gears the planner proposes (baselines use the other kinds).
+OPERATING_KINDS: tuple[GearKind, ...] = ("latency", "balanced", "throughput")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StagePlan(_Model):
+    """One pipeline stage: a contiguous layer range on one device (or on several replicas)."""
+
+    stage_index: Annotated[int, Field(ge=0)]
+    layer_start: Annotated[int, Field(ge=0)]
+    layer_end: Annotated[int, Field(ge=1)] = Field(description="exclusive")
+    device_ids: list[str] = Field(min_length=1, description="one per replica")
+    est_stage_ms: float | None = Field(None, description="estimated time per micro-batch step, ms")
+    weight_gib: float | None = None
+    kv_capacity_tokens: int | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def replicas(self) -> int:
+        return len(self.device_ids)
+
+
+class GearEstimate(_Model):
+    """What the cost model and simulator expect a gear to do at its operating envelope."""
+
+    throughput_rps: float = Field(ge=0)
+    tokens_per_s: float = Field(ge=0)
+    ttft_p50_ms: float = Field(ge=0)
+    ttft_p99_ms: float = Field(ge=0)
+    tpot_p50_ms: float = Field(ge=0)
+    tpot_p99_ms: float = Field(ge=0)
+    bottleneck_stage: int = Field(ge=0)
+
+
+class Gear(_Model):
+    """A complete pipeline configuration plus its operating envelope.
+
+    Validation: stages are numbered 0..n-1, cover ``[0, num_layers)`` contiguously, none is empty,
+    and no device serves two stages.
+    """
+
+    gear_id: str = Field(min_length=1)
+    kind: GearKind
+    model_name: str
+    dtype: str = "bf16"
+    num_layers: Annotated[int, Field(ge=1)]
+    stages: list[StagePlan] = Field(min_length=1)
+    micro_batch_size: Annotated[int, Field(ge=1)] = 1
+    max_inflight_micro_batches: Annotated[int, Field(ge=1)] = 1
+    kv_block_size_tokens: Annotated[int, Field(ge=1)] = 16
+    kv_capacity_tokens: Annotated[int, Field(ge=0)] = 0
+    qps_min: float = Field(0.0, ge=0)
+    qps_max: float = Field(float("inf"), ge=0, allow_inf_nan=True)
+    target_p99_ms: float = Field(1000.0, gt=0)
+    estimate: GearEstimate | None = None
+    cluster_id: str | None = None
+    profile_version: int | None = None
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> Gear:
+        expected_start = 0
+        used: set[str] = set()
+        for i, st in enumerate(self.stages):
+            if st.stage_index != i:
+                raise ValueError(f"stages[{i}].stage_index: expected {i}, got {st.stage_index}")
+            if st.layer_start != expected_start:
+                raise ValueError(f"stages[{i}].layer_start: expected {expected_start} (contiguous), got {st.layer_start}")
+            if st.layer_end <= st.layer_start:
+                raise ValueError(f"stages[{i}]: empty stage [{st.layer_start}, {st.layer_end})")
+            for d in st.device_ids:
+                if d in used:
+                    raise ValueError(f"stages[{i}].device_ids: device {d!r} already serves another stage")
+                used.add(d)
+            expected_start = st.layer_end
+        if expected_start != self.num_layers:
+            raise ValueError(f"stages: cover layers [0, {expected_start}), model has {self.num_layers}")
+        if self.qps_max < self.qps_min:
+            raise ValueError(f"qps_max: {self.qps_max} is below qps_min {self.qps_min}")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def device_ids(self) -> list[str]:
+        return [d for st in self.stages for d in st.device_ids]
+
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """``[(layer_start, layer_end), ...]`` per stage (end exclusive)."""
+        return [(st.layer_start, st.layer_end) for st in self.stages]

@@ -1,0 +1,60 @@
+"""Metric samples: the one schema both the simulator and the live runtime emit (every 2 s).
+
+The controller reads these and nothing else, so it behaves the same on simulated and live data.
+Times are in ms, rates per second, ``t_s`` in seconds since the start of the run (simulated or
+wall clock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Default sampling period of both emitters, seconds (design seed figure).
+SAMPLE_PERIOD_S = 2.0
+
+
+@dataclass(frozen=True)
+class StageSample:
+    """One stage over one sampling window."""
+
+    stage_index: int
+    busy_fraction: float  # 0..1, time the stage's devices computed / (window x replicas)
+    queue_length: int  # micro-batches waiting at the stage at the end of the window
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    """One pipeline-wide sample over the window ``(t_s - period, t_s]``.
+
+    Latency percentiles are over requests that finished (TTFT: got their first token) in the window;
+    ``None`` when none did.
+    """
+
+    t_s: float
+    gear_id: str
+    source: str  # "sim" or "live"
+    qps: float  # arrivals per second in the window
+    completed: int  # requests finished in the window
+    tokens_per_s: float  # output tokens per second in the window
+    queue_length: int  # requests waiting for admission at t_s
+    running: int  # requests admitted and unfinished at t_s
+    kv_used_fraction: float
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    e2e_p50_ms: float | None = None
+    e2e_p99_ms: float | None = None
+    stages: tuple[StageSample, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MetricSample:
+        data = dict(data)
+        data["stages"] = tuple(StageSample(**s) for s in data.get("stages", ()))
+        return cls(**data)

@@ -1,0 +1,24 @@
+"""Where FlexPipe keeps its state, from the environment.
+
+* ``FLEXPIPE_HOME``: directory for the embedded SQLite store, cached model conversions and reports
+  (default ``~/.flexpipe``).
+* ``FLEXPIPE_DATABASE_URL``: an SQLAlchemy URL (e.g. ``postgresql+psycopg2://user@host/db``); when
+  set, the store uses it instead of SQLite.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def flexpipe_home() -> Path:
+    """The FlexPipe home directory (created if missing)."""
+    home = Path(os.environ.get("FLEXPIPE_HOME") or Path.home() / ".flexpipe").expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def database_url() -> str:
+    """The store's SQLAlchemy URL: ``FLEXPIPE_DATABASE_URL`` or SQLite under :func:`flexpipe_home`."""
+    return os.environ.get("FLEXPIPE_DATABASE_URL") or f"sqlite:///{flexpipe_home() / 'flexpipe.db'}"

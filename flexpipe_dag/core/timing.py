@@ -1,0 +1,31 @@
+"""The interface between the cost model (planner) and its users (simulator, controller).
+
+The simulator replays requests through a gear using only these per-stage times, so any timing
+source (the analytic cost model, a calibrated one, or measured tables) can drive it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class StageTimingModel(Protocol):
+    """Per-stage time estimates for one gear on one cluster, in milliseconds.
+
+    All times are for **one replica** of a stage; a stage with ``r`` replicas can work on ``r``
+    micro-batches at once.
+    """
+
+    num_stages: int
+
+    def prefill_ms(self, stage_index: int, num_tokens: int) -> float:
+        """Time for the stage to run prefill over ``num_tokens`` prompt tokens (summed over the micro-batch)."""
+        ...
+
+    def decode_ms(self, stage_index: int, batch_size: int, context_tokens: int) -> float:
+        """Time for one decode step of ``batch_size`` sequences whose KV contexts total ``context_tokens``."""
+        ...
+
+    def transfer_ms(self, stage_index: int, num_tokens: int) -> float:
+        """Time to send the activations of ``num_tokens`` tokens from stage ``i`` to ``i + 1`` (0 after the last)."""
+        ...

@@ -1,0 +1,243 @@
+"""SQLAlchemy 2.0 typed models of the FlexPipe store.
+
+One schema serves SQLite (embedded default) and PostgreSQL. Constraint names follow a fixed naming
+convention so Alembic migrations are stable on both. ``*_key`` columns hold the user-facing ids
+(device ids, gear ids, request ids); ``id`` columns are surrogate keys.
+
+Tables: clusters, profile_versions, devices, links, models, gears, gear_stages, health_tags,
+metric_samples, shift_events, inference_jobs, request_results.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, dt.datetime: DateTime(timezone=True)}
+
+
+class Cluster(Base):
+    __tablename__ = "clusters"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    cluster_key: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    versions: Mapped[list[ProfileVersion]] = relationship(back_populates="cluster", order_by="ProfileVersion.version")
+
+
+class ProfileVersion(Base):
+    """One measurement (or declaration) of a cluster; never updated, only superseded."""
+
+    __tablename__ = "profile_versions"
+    __table_args__ = (UniqueConstraint("cluster_id", "version"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    cluster_id: Mapped[int] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    source: Mapped[str] = mapped_column(String(40))
+    measured_at: Mapped[dt.datetime]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    notes: Mapped[list[Any]] = mapped_column(default=list)
+    cluster: Mapped[Cluster] = relationship(back_populates="versions")
+    devices: Mapped[list[DeviceRow]] = relationship(cascade="all, delete-orphan", order_by="DeviceRow.id")
+    links: Mapped[list[LinkRow]] = relationship(cascade="all, delete-orphan", order_by="LinkRow.id")
+
+
+class DeviceRow(Base):
+    __tablename__ = "devices"
+    __table_args__ = (UniqueConstraint("profile_version_id", "device_key"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    profile_version_id: Mapped[int] = mapped_column(ForeignKey("profile_versions.id", ondelete="CASCADE"), index=True)
+    device_key: Mapped[str] = mapped_column(String(200))
+    node_key: Mapped[str] = mapped_column(String(200))
+    model_name: Mapped[str] = mapped_column(String(200))
+    generation: Mapped[str | None] = mapped_column(String(100))
+    kind: Mapped[str] = mapped_column(String(20))
+    memory_gib: Mapped[float] = mapped_column(Float)
+    peak_tflops: Mapped[float] = mapped_column(Float)
+    hbm_bandwidth_gbps: Mapped[float] = mapped_column(Float)
+    compute_score: Mapped[float] = mapped_column(Float)
+    max_micro_batch: Mapped[int | None]
+    available_until: Mapped[dt.datetime | None]
+    op_timings_ms: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    facts: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class LinkRow(Base):
+    __tablename__ = "links"
+    __table_args__ = (UniqueConstraint("profile_version_id", "src_device_key", "dst_device_key"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    profile_version_id: Mapped[int] = mapped_column(ForeignKey("profile_versions.id", ondelete="CASCADE"), index=True)
+    src_device_key: Mapped[str] = mapped_column(String(200))
+    dst_device_key: Mapped[str] = mapped_column(String(200))
+    bandwidth_gbps: Mapped[float] = mapped_column(Float)
+    latency_us: Mapped[float] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(40))
+
+
+class ModelRow(Base):
+    """A model profile (ModelSpec as JSON); a new ``spec_hash`` means the model changed."""
+
+    __tablename__ = "models"
+    __table_args__ = (UniqueConstraint("name", "dtype", "spec_hash"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    dtype: Mapped[str] = mapped_column(String(20))
+    spec_hash: Mapped[str] = mapped_column(String(64))
+    num_layers: Mapped[int]
+    spec: Mapped[dict[str, Any]]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class GearRow(Base):
+    __tablename__ = "gears"
+    __table_args__ = (UniqueConstraint("gear_key", "profile_version_id", "model_id"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    gear_key: Mapped[str] = mapped_column(String(200), index=True)
+    profile_version_id: Mapped[int] = mapped_column(ForeignKey("profile_versions.id", ondelete="CASCADE"))
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(20))
+    micro_batch_size: Mapped[int]
+    max_inflight_micro_batches: Mapped[int]
+    kv_capacity_tokens: Mapped[int]
+    qps_min: Mapped[float] = mapped_column(Float)
+    qps_max: Mapped[float | None] = mapped_column(Float, comment="NULL = unbounded")
+    target_p99_ms: Mapped[float] = mapped_column(Float)
+    estimate: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    spec: Mapped[dict[str, Any]]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    stages: Mapped[list[GearStageRow]] = relationship(cascade="all, delete-orphan", order_by="GearStageRow.stage_index")
+
+
+class GearStageRow(Base):
+    __tablename__ = "gear_stages"
+    __table_args__ = (UniqueConstraint("gear_id", "stage_index"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    gear_id: Mapped[int] = mapped_column(ForeignKey("gears.id", ondelete="CASCADE"))
+    stage_index: Mapped[int]
+    layer_start: Mapped[int]
+    layer_end: Mapped[int]
+    device_keys: Mapped[list[Any]]
+    est_stage_ms: Mapped[float | None] = mapped_column(Float)
+    weight_gib: Mapped[float | None] = mapped_column(Float)
+    kv_capacity_tokens: Mapped[int | None]
+
+
+class HealthTag(Base):
+    """A gear marked unhealthy after a failure; cleared by a profile refresh or a model change."""
+
+    __tablename__ = "health_tags"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    gear_key: Mapped[str] = mapped_column(String(200), index=True)
+    cluster_key: Mapped[str] = mapped_column(String(200))
+    model_name: Mapped[str] = mapped_column(String(200))
+    failure: Mapped[str] = mapped_column(String(40), comment="oom | timeout | crashed_stage | health_check")
+    reason: Mapped[str] = mapped_column(Text)
+    run_key: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    cleared_at: Mapped[dt.datetime | None]
+    cleared_reason: Mapped[str | None] = mapped_column(Text)
+
+
+class MetricSampleRow(Base):
+    """One metric sample: ``scope='pipeline'`` (stage_index NULL) or ``scope='stage'``."""
+
+    __tablename__ = "metric_samples"
+    __table_args__ = (Index("ix_metric_samples_run_key_t_s", "run_key", "t_s"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_key: Mapped[str] = mapped_column(String(200))
+    gear_key: Mapped[str] = mapped_column(String(200))
+    source: Mapped[str] = mapped_column(String(10))
+    t_s: Mapped[float] = mapped_column(Float)
+    scope: Mapped[str] = mapped_column(String(10))
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("metric_samples.id", ondelete="CASCADE"), index=True,
+                                                  comment="the pipeline row a stage row belongs to")
+    stage_index: Mapped[int | None]
+    qps: Mapped[float | None] = mapped_column(Float)
+    completed: Mapped[int | None]
+    tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    queue_length: Mapped[int | None]
+    running: Mapped[int | None]
+    kv_used_fraction: Mapped[float | None] = mapped_column(Float)
+    ttft_p50_ms: Mapped[float | None] = mapped_column(Float)
+    ttft_p99_ms: Mapped[float | None] = mapped_column(Float)
+    tpot_p50_ms: Mapped[float | None] = mapped_column(Float)
+    tpot_p99_ms: Mapped[float | None] = mapped_column(Float)
+    e2e_p50_ms: Mapped[float | None] = mapped_column(Float)
+    e2e_p99_ms: Mapped[float | None] = mapped_column(Float)
+    busy_fraction: Mapped[float | None] = mapped_column(Float)
+    kv_blocks_used: Mapped[int | None]
+    kv_blocks_total: Mapped[int | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ShiftEvent(Base):
+    """A controller decision (taken or declined) and, when taken, how the shift went."""
+
+    __tablename__ = "shift_events"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    action: Mapped[str] = mapped_column(String(20), comment="shift | hold | rollback")
+    status: Mapped[str] = mapped_column(String(20), comment="decided | running | done | rolled_back | failed | declined")
+    from_gear_key: Mapped[str | None] = mapped_column(String(200))
+    to_gear_key: Mapped[str | None] = mapped_column(String(200))
+    trigger: Mapped[str | None] = mapped_column(String(40))
+    reason: Mapped[str] = mapped_column(Text)
+    est_gain: Mapped[float | None] = mapped_column(Float)
+    migration_cost_s: Mapped[float | None] = mapped_column(Float)
+    run_key: Mapped[str | None] = mapped_column(String(200))
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class InferenceJob(Base):
+    __tablename__ = "inference_jobs"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_key: Mapped[str] = mapped_column(String(200), unique=True)
+    kind: Mapped[str] = mapped_column(String(20), comment="batch | online")
+    status: Mapped[str] = mapped_column(String(20), comment="queued | running | paused | done | failed")
+    priority: Mapped[int] = mapped_column(default=0)
+    source_path: Mapped[str | None] = mapped_column(Text)
+    gear_key: Mapped[str | None] = mapped_column(String(200))
+    total_requests: Mapped[int] = mapped_column(default=0)
+    malformed_rows: Mapped[int] = mapped_column(default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    results: Mapped[list[RequestResult]] = relationship(back_populates="job", cascade="all, delete-orphan")
+
+
+class RequestResult(Base):
+    """One finished request; unique per (job, request_key) so writes are idempotent."""
+
+    __tablename__ = "request_results"
+    __table_args__ = (UniqueConstraint("job_id", "request_key"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("inference_jobs.id", ondelete="CASCADE"), index=True)
+    request_key: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(20), comment="done | failed")
+    gear_key: Mapped[str | None] = mapped_column(String(200))
+    prompt_tokens: Mapped[int]
+    output_tokens: Mapped[int]
+    output_token_ids: Mapped[list[Any]]
+    output_text: Mapped[str | None] = mapped_column(Text)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    tpot_ms: Mapped[float | None] = mapped_column(Float)
+    e2e_ms: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    job: Mapped[InferenceJob] = relationship(back_populates="results")

@@ -1,0 +1,457 @@
+"""The FlexPipe store: typed reads and writes over the SQL schema in :mod:`sql.models`.
+
+SQLite (WAL mode, foreign keys on) under ``FLEXPIPE_HOME`` by default; PostgreSQL when
+``FLEXPIPE_DATABASE_URL`` is set. Every write that adds several rows runs in one transaction, so bad
+input never leaves partial rows behind.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
+from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.metrics import MetricSample, StageSample
+from flexpipe_dag.core.settings import database_url
+from sql import models as m
+
+_SQL_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class ProfileVersionInfo:
+    """Identity of a stored profile version."""
+
+    id: int
+    cluster_key: str
+    version: int
+    source: str
+    measured_at: dt.datetime
+
+
+def make_engine(url: str | None = None, **engine_kwargs: Any) -> Engine:
+    """Create an engine for ``url`` (default: :func:`database_url`), with SQLite set up for WAL.
+
+    ``engine_kwargs`` go to :func:`sqlalchemy.create_engine` (e.g. ``connect_args``).
+    """
+    url = url or database_url()
+    engine = create_engine(url, **engine_kwargs)
+    if engine.dialect.name == "sqlite":
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):  # pragma: no cover - exercised by every SQLite test
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+    return engine
+
+
+def alembic_config(engine: Engine | None = None) -> Config:
+    """Alembic config pointing at the packaged migrations (``sql/migrations``)."""
+    cfg = Config(str(_SQL_DIR / "alembic.ini"))
+    cfg.set_main_option("script_location", str(_SQL_DIR / "migrations"))
+    if engine is not None:
+        cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
+    return cfg
+
+
+def migrate(engine: Engine, revision: str = "head") -> None:
+    """Upgrade the database behind ``engine`` to ``revision`` (idempotent)."""
+    cfg = alembic_config(engine)
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    """Downgrade the database behind ``engine`` to ``revision`` (``"base"`` drops everything)."""
+    cfg = alembic_config(engine)
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def head_revisions() -> tuple[str, ...]:
+    return tuple(ScriptDirectory.from_config(alembic_config()).get_heads())
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    """Stable SHA-256 of a JSON-able spec (sorted keys)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None or math.isinf(x) else x
+
+
+def _gear_spec(gear: Gear) -> dict[str, Any]:
+    """Gear as strict JSON (PostgreSQL's JSON has no Infinity: an unbounded ``qps_max`` is null)."""
+    spec = gear.model_dump(mode="json")
+    spec["qps_max"] = _finite_or_none(gear.qps_max)
+    return spec
+
+
+def _gear_from_spec(spec: dict[str, Any]) -> Gear:
+    spec = dict(spec)
+    if spec.get("qps_max") is None:
+        spec["qps_max"] = math.inf
+    return Gear.model_validate(spec)
+
+
+class Store:
+    """Typed access to the FlexPipe store.
+
+    Args:
+        engine: an SQLAlchemy engine (see :func:`make_engine`).
+        auto_migrate: upgrade the schema to head on construction (default True).
+    """
+
+    def __init__(self, engine: Engine, auto_migrate: bool = True):
+        self.engine = engine
+        if auto_migrate:
+            migrate(engine)
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+
+    @classmethod
+    def from_url(cls, url: str | None = None, auto_migrate: bool = True) -> Store:
+        return cls(make_engine(url), auto_migrate=auto_migrate)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session in one transaction: committed on success, rolled back on any error."""
+        with self._sessions.begin() as s:
+            yield s
+
+    # -- profiles -------------------------------------------------------------------------------
+    def save_profile(self, profile: ClusterProfile) -> ProfileVersionInfo:
+        """Store ``profile`` as the next version of its cluster (all rows in one transaction)."""
+        with self.session() as s:
+            cluster = s.scalar(select(m.Cluster).where(m.Cluster.cluster_key == profile.cluster_id))
+            if cluster is None:
+                cluster = m.Cluster(cluster_key=profile.cluster_id)
+                s.add(cluster)
+                s.flush()
+            last = s.scalar(select(func.max(m.ProfileVersion.version)).where(m.ProfileVersion.cluster_id == cluster.id))
+            pv = m.ProfileVersion(cluster_id=cluster.id, version=(last or 0) + 1, source=profile.source,
+                                  measured_at=profile.measured_at, notes=list(profile.notes))
+            pv.devices = [
+                m.DeviceRow(device_key=d.device_id, node_key=d.node_id, model_name=d.model_name,
+                            generation=d.generation, kind=d.kind, memory_gib=d.memory_gib,
+                            peak_tflops=d.peak_tflops, hbm_bandwidth_gbps=d.hbm_bandwidth_gbps,
+                            compute_score=d.compute_score, max_micro_batch=d.max_micro_batch,
+                            available_until=d.available_until, op_timings_ms=dict(d.op_timings_ms),
+                            facts=json.loads(json.dumps(d.facts, default=str)))
+                for d in profile.devices
+            ]
+            pv.links = [
+                m.LinkRow(src_device_key=l.src_device_id, dst_device_key=l.dst_device_id,
+                          bandwidth_gbps=l.bandwidth_gbps, latency_us=l.latency_us, kind=l.kind)
+                for l in profile.links
+            ]
+            s.add(pv)
+            s.flush()
+            return ProfileVersionInfo(pv.id, cluster.cluster_key, pv.version, pv.source, pv.measured_at)
+
+    def list_profile_versions(self, cluster_key: str | None = None) -> list[ProfileVersionInfo]:
+        """All stored profile versions, oldest first (optionally of one cluster)."""
+        with self.session() as s:
+            q = select(m.ProfileVersion, m.Cluster.cluster_key).join(m.Cluster).order_by(m.ProfileVersion.id)
+            if cluster_key is not None:
+                q = q.where(m.Cluster.cluster_key == cluster_key)
+            return [ProfileVersionInfo(pv.id, key, pv.version, pv.source, pv.measured_at) for pv, key in s.execute(q)]
+
+    def load_profile(self, profile_version_id: int) -> ClusterProfile:
+        """Rebuild the :class:`ClusterProfile` of one stored version; ``KeyError`` if absent."""
+        with self.session() as s:
+            pv = s.get(m.ProfileVersion, profile_version_id,
+                       options=[selectinload(m.ProfileVersion.devices), selectinload(m.ProfileVersion.links),
+                                selectinload(m.ProfileVersion.cluster)])
+            if pv is None:
+                raise KeyError(profile_version_id)
+            return ClusterProfile(
+                cluster_id=pv.cluster.cluster_key, source=pv.source, measured_at=pv.measured_at,
+                notes=list(pv.notes),
+                devices=[Device(device_id=d.device_key, node_id=d.node_key, model_name=d.model_name,
+                                generation=d.generation, kind=d.kind, memory_gib=d.memory_gib,
+                                peak_tflops=d.peak_tflops, hbm_bandwidth_gbps=d.hbm_bandwidth_gbps,
+                                compute_score=d.compute_score, max_micro_batch=d.max_micro_batch,
+                                available_until=d.available_until, op_timings_ms=d.op_timings_ms, facts=d.facts)
+                         for d in pv.devices],
+                links=[Link(src_device_id=l.src_device_key, dst_device_id=l.dst_device_key,
+                            bandwidth_gbps=l.bandwidth_gbps, latency_us=l.latency_us, kind=l.kind)
+                       for l in pv.links],
+            )
+
+    def latest_profile(self, cluster_key: str | None = None) -> tuple[ProfileVersionInfo, ClusterProfile] | None:
+        """The newest profile version (of ``cluster_key``, or of any cluster) or ``None``."""
+        versions = self.list_profile_versions(cluster_key)
+        if not versions:
+            return None
+        info = versions[-1]
+        return info, self.load_profile(info.id)
+
+    # -- models and gears -----------------------------------------------------------------------
+    def save_model(self, name: str, dtype: str, num_layers: int, spec: dict[str, Any]) -> int:
+        """Store a model profile once per (name, dtype, spec); return its id."""
+        digest = spec_hash(spec)
+        with self.session() as s:
+            row = s.scalar(select(m.ModelRow).where(m.ModelRow.name == name, m.ModelRow.dtype == dtype,
+                                                    m.ModelRow.spec_hash == digest))
+            if row is None:
+                row = m.ModelRow(name=name, dtype=dtype, spec_hash=digest, num_layers=num_layers, spec=spec)
+                s.add(row)
+                s.flush()
+            return row.id
+
+    def save_gears(self, gears: Iterable[Gear], profile_version_id: int, model_id: int) -> list[int]:
+        """Store gears planned for a profile version and model (replacing same-key gears); return ids."""
+        ids = []
+        with self.session() as s:
+            for gear in gears:
+                old = s.scalar(select(m.GearRow).where(m.GearRow.gear_key == gear.gear_id,
+                                                       m.GearRow.profile_version_id == profile_version_id,
+                                                       m.GearRow.model_id == model_id))
+                if old is not None:
+                    s.delete(old)
+                    s.flush()
+                row = m.GearRow(
+                    gear_key=gear.gear_id, profile_version_id=profile_version_id, model_id=model_id,
+                    kind=gear.kind, micro_batch_size=gear.micro_batch_size,
+                    max_inflight_micro_batches=gear.max_inflight_micro_batches,
+                    kv_capacity_tokens=gear.kv_capacity_tokens, qps_min=gear.qps_min,
+                    qps_max=_finite_or_none(gear.qps_max), target_p99_ms=gear.target_p99_ms,
+                    estimate=gear.estimate.model_dump() if gear.estimate else None,
+                    spec=_gear_spec(gear),
+                    stages=[m.GearStageRow(stage_index=st.stage_index, layer_start=st.layer_start,
+                                           layer_end=st.layer_end, device_keys=list(st.device_ids),
+                                           est_stage_ms=st.est_stage_ms, weight_gib=st.weight_gib,
+                                           kv_capacity_tokens=st.kv_capacity_tokens)
+                            for st in gear.stages],
+                )
+                s.add(row)
+                s.flush()
+                ids.append(row.id)
+        return ids
+
+    def load_gears(self, profile_version_id: int | None = None, model_id: int | None = None) -> list[Gear]:
+        """Gears stored for a profile version and/or model, in insertion order."""
+        with self.session() as s:
+            q = select(m.GearRow).order_by(m.GearRow.id)
+            if profile_version_id is not None:
+                q = q.where(m.GearRow.profile_version_id == profile_version_id)
+            if model_id is not None:
+                q = q.where(m.GearRow.model_id == model_id)
+            return [_gear_from_spec(r.spec) for r in s.scalars(q)]
+
+    # -- health ---------------------------------------------------------------------------------
+    def mark_unhealthy(self, gear_key: str, cluster_key: str, model_name: str, failure: str, reason: str,
+                       run_key: str | None = None) -> int:
+        """Tag a gear unhealthy after a failure (OOM, timeout, crashed stage); return the tag id."""
+        with self.session() as s:
+            tag = m.HealthTag(gear_key=gear_key, cluster_key=cluster_key, model_name=model_name,
+                              failure=failure, reason=reason, run_key=run_key)
+            s.add(tag)
+            s.flush()
+            return tag.id
+
+    def unhealthy_gear_keys(self, cluster_key: str | None = None, model_name: str | None = None) -> set[str]:
+        """Keys of gears with an uncleared health tag."""
+        with self.session() as s:
+            q = select(m.HealthTag.gear_key).where(m.HealthTag.cleared_at.is_(None))
+            if cluster_key is not None:
+                q = q.where(m.HealthTag.cluster_key == cluster_key)
+            if model_name is not None:
+                q = q.where(m.HealthTag.model_name == model_name)
+            return set(s.scalars(q))
+
+    def health_tags(self, include_cleared: bool = False) -> list[m.HealthTag]:
+        with self.session() as s:
+            q = select(m.HealthTag).order_by(m.HealthTag.id)
+            if not include_cleared:
+                q = q.where(m.HealthTag.cleared_at.is_(None))
+            return list(s.scalars(q))
+
+    def clear_health(self, reason: str, cluster_key: str | None = None, model_name: str | None = None) -> int:
+        """Clear open health tags (profile refreshed / model changed); return how many were cleared."""
+        with self.session() as s:
+            q = update(m.HealthTag).where(m.HealthTag.cleared_at.is_(None))
+            if cluster_key is not None:
+                q = q.where(m.HealthTag.cluster_key == cluster_key)
+            if model_name is not None:
+                q = q.where(m.HealthTag.model_name == model_name)
+            return s.execute(q.values(cleared_at=m.utcnow(), cleared_reason=reason)).rowcount
+
+    # -- metric samples -------------------------------------------------------------------------
+    def write_samples(self, run_key: str, samples: Iterable[MetricSample]) -> int:
+        """Append metric samples (one pipeline row + one row per stage each); return rows written."""
+        written = 0
+        with self.session() as s:
+            for smp in samples:
+                head = m.MetricSampleRow(
+                    run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s, scope="pipeline",
+                    qps=smp.qps, completed=smp.completed, tokens_per_s=smp.tokens_per_s,
+                    queue_length=smp.queue_length, running=smp.running, kv_used_fraction=smp.kv_used_fraction,
+                    ttft_p50_ms=smp.ttft_p50_ms, ttft_p99_ms=smp.ttft_p99_ms, tpot_p50_ms=smp.tpot_p50_ms,
+                    tpot_p99_ms=smp.tpot_p99_ms, e2e_p50_ms=smp.e2e_p50_ms, e2e_p99_ms=smp.e2e_p99_ms)
+                s.add(head)
+                s.flush()
+                s.add_all(m.MetricSampleRow(
+                    run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s, scope="stage",
+                    parent_id=head.id, stage_index=st.stage_index, busy_fraction=st.busy_fraction,
+                    queue_length=st.queue_length, kv_blocks_used=st.kv_blocks_used,
+                    kv_blocks_total=st.kv_blocks_total) for st in smp.stages)
+                written += 1 + len(smp.stages)
+        return written
+
+    def read_samples(self, run_key: str | None = None, after_t_s: float | None = None,
+                     after_id: int | None = None, limit: int | None = None) -> list[tuple[int, MetricSample]]:
+        """Metric samples rebuilt from rows, oldest first, as ``(row_id, sample)`` pairs.
+
+        ``after_id`` lets a sensor read only what arrived since its cursor.
+        """
+        with self.session() as s:
+            q = select(m.MetricSampleRow).where(m.MetricSampleRow.scope == "pipeline")
+            if run_key is not None:
+                q = q.where(m.MetricSampleRow.run_key == run_key)
+            if after_t_s is not None:
+                q = q.where(m.MetricSampleRow.t_s > after_t_s)
+            if after_id is not None:
+                q = q.where(m.MetricSampleRow.id > after_id)
+            q = q.order_by(m.MetricSampleRow.id)
+            if limit is not None:
+                q = q.limit(limit)
+            heads = list(s.scalars(q))
+            if not heads:
+                return []
+            stage_rows = s.scalars(select(m.MetricSampleRow).where(
+                m.MetricSampleRow.parent_id.in_([h.id for h in heads])).order_by(m.MetricSampleRow.id))
+            stages: dict[int, list[StageSample]] = {}
+            for r in stage_rows:
+                stages.setdefault(r.parent_id, []).append(StageSample(
+                    stage_index=r.stage_index, busy_fraction=r.busy_fraction, queue_length=r.queue_length,
+                    kv_blocks_used=r.kv_blocks_used, kv_blocks_total=r.kv_blocks_total))
+            return [(h.id, MetricSample(
+                t_s=h.t_s, gear_id=h.gear_key, source=h.source, qps=h.qps, completed=h.completed,
+                tokens_per_s=h.tokens_per_s, queue_length=h.queue_length, running=h.running,
+                kv_used_fraction=h.kv_used_fraction, ttft_p50_ms=h.ttft_p50_ms, ttft_p99_ms=h.ttft_p99_ms,
+                tpot_p50_ms=h.tpot_p50_ms, tpot_p99_ms=h.tpot_p99_ms, e2e_p50_ms=h.e2e_p50_ms,
+                e2e_p99_ms=h.e2e_p99_ms, stages=tuple(stages.get(h.id, ()))))
+                for h in heads]
+
+    # -- shift events ---------------------------------------------------------------------------
+    def record_shift_event(self, action: str, status: str, reason: str, *, from_gear_key: str | None = None,
+                           to_gear_key: str | None = None, trigger: str | None = None,
+                           est_gain: float | None = None, migration_cost_s: float | None = None,
+                           run_key: str | None = None, details: dict[str, Any] | None = None) -> int:
+        """Record a controller decision or a shift's outcome; return the event id."""
+        with self.session() as s:
+            ev = m.ShiftEvent(action=action, status=status, reason=reason, from_gear_key=from_gear_key,
+                              to_gear_key=to_gear_key, trigger=trigger, est_gain=_finite_or_none(est_gain),
+                              migration_cost_s=_finite_or_none(migration_cost_s), run_key=run_key,
+                              details=json.loads(json.dumps(details or {}, default=str)))
+            s.add(ev)
+            s.flush()
+            return ev.id
+
+    def update_shift_event(self, event_id: int, status: str, details: dict[str, Any] | None = None) -> None:
+        with self.session() as s:
+            ev = s.get(m.ShiftEvent, event_id)
+            if ev is None:
+                raise KeyError(event_id)
+            ev.status = status
+            if details:
+                ev.details = {**ev.details, **json.loads(json.dumps(details, default=str))}
+
+    def shift_events(self, limit: int | None = None) -> list[m.ShiftEvent]:
+        with self.session() as s:
+            q = select(m.ShiftEvent).order_by(m.ShiftEvent.id)
+            if limit is not None:
+                q = q.limit(limit)
+            return list(s.scalars(q))
+
+    # -- inference jobs -------------------------------------------------------------------------
+    def get_or_create_job(self, job_key: str, kind: str = "batch", *, priority: int = 0,
+                          source_path: str | None = None, gear_key: str | None = None) -> int:
+        """The id of job ``job_key``, creating it (status ``queued``) if new."""
+        with self.session() as s:
+            job = s.scalar(select(m.InferenceJob).where(m.InferenceJob.job_key == job_key))
+            if job is None:
+                job = m.InferenceJob(job_key=job_key, kind=kind, status="queued", priority=priority,
+                                     source_path=source_path, gear_key=gear_key)
+                s.add(job)
+                s.flush()
+            return job.id
+
+    def update_job(self, job_id: int, **fields: Any) -> None:
+        """Set columns of a job (status, total_requests, malformed_rows, error, gear_key)."""
+        with self.session() as s:
+            job = s.get(m.InferenceJob, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            for k, v in fields.items():
+                setattr(job, k, v)
+
+    def jobs(self, status: str | None = None, kind: str | None = None) -> list[m.InferenceJob]:
+        with self.session() as s:
+            q = select(m.InferenceJob).order_by(m.InferenceJob.priority.desc(), m.InferenceJob.id)
+            if status is not None:
+                q = q.where(m.InferenceJob.status == status)
+            if kind is not None:
+                q = q.where(m.InferenceJob.kind == kind)
+            return list(s.scalars(q))
+
+    def write_result(self, job_id: int, request_key: str, *, prompt_tokens: int, output_token_ids: list[int],
+                     status: str = "done", gear_key: str | None = None, output_text: str | None = None,
+                     ttft_ms: float | None = None, tpot_ms: float | None = None,
+                     e2e_ms: float | None = None) -> bool:
+        """Write one request's result idempotently; returns False if it was already stored."""
+        try:
+            return self._insert_result(job_id, request_key, prompt_tokens, output_token_ids, status, gear_key,
+                                       output_text, ttft_ms, tpot_ms, e2e_ms)
+        except IntegrityError:  # a concurrent writer stored the same request first
+            return False
+
+    def _insert_result(self, job_id, request_key, prompt_tokens, output_token_ids, status, gear_key,
+                       output_text, ttft_ms, tpot_ms, e2e_ms) -> bool:
+        with self.session() as s:
+            exists = s.scalar(select(m.RequestResult.id).where(m.RequestResult.job_id == job_id,
+                                                               m.RequestResult.request_key == request_key))
+            if exists is not None:
+                return False
+            s.add(m.RequestResult(job_id=job_id, request_key=request_key, status=status, gear_key=gear_key,
+                                  prompt_tokens=prompt_tokens, output_tokens=len(output_token_ids),
+                                  output_token_ids=list(output_token_ids), output_text=output_text,
+                                  ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms))
+            return True
+
+    def done_request_keys(self, job_id: int) -> set[str]:
+        with self.session() as s:
+            return set(s.scalars(select(m.RequestResult.request_key).where(
+                m.RequestResult.job_id == job_id, m.RequestResult.status == "done")))
+
+    def results(self, job_id: int) -> list[m.RequestResult]:
+        with self.session() as s:
+            return list(s.scalars(select(m.RequestResult).where(m.RequestResult.job_id == job_id)
+                                  .order_by(m.RequestResult.id)))

@@ -1,0 +1,98 @@
+"""The SQL store on SQLite and PostgreSQL: round trips, idempotence, and nothing partial on failure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from sqlalchemy import func, select
+
+from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
+from flexpipe_dag.core.metrics import MetricSample, StageSample
+from sql import models as m
+
+
+def _gear(gear_id="balanced-2s", qps_max=float("inf")) -> Gear:
+    return Gear(gear_id=gear_id, kind="balanced", model_name="SmolLM2-135M", num_layers=30,
+                stages=[StagePlan(stage_index=0, layer_start=0, layer_end=12, device_ids=["a"]),
+                        StagePlan(stage_index=1, layer_start=12, layer_end=30, device_ids=["b", "c"])],
+                micro_batch_size=4, qps_max=qps_max,
+                estimate=GearEstimate(throughput_rps=3, tokens_per_s=300, ttft_p50_ms=10, ttft_p99_ms=20,
+                                      tpot_p50_ms=5, tpot_p99_ms=9, bottleneck_stage=1))
+
+
+def test_profile_versions_round_trip(store, lab_profile):
+    v1 = store.save_profile(lab_profile)
+    v2 = store.save_profile(lab_profile)
+    assert (v1.version, v2.version) == (1, 2)
+    assert [v.id for v in store.list_profile_versions("fragmented-lab")] == [v1.id, v2.id]
+    info, loaded = store.latest_profile("fragmented-lab")
+    assert info.id == v2.id
+    assert loaded.devices == lab_profile.devices
+    assert loaded.links == lab_profile.links
+    with pytest.raises(KeyError):
+        store.load_profile(10_000)
+
+
+def test_gears_round_trip_and_replace(store, lab_profile):
+    pv = store.save_profile(lab_profile)
+    model_id = store.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30})
+    assert store.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30}) == model_id
+    store.save_gears([_gear(), _gear("latency-1s", qps_max=4.0)], pv.id, model_id)
+    store.save_gears([_gear()], pv.id, model_id)  # re-plan replaces the same key
+    gears = store.load_gears(pv.id, model_id)
+    assert sorted(g.gear_id for g in gears) == ["balanced-2s", "latency-1s"]
+    got = next(g for g in gears if g.gear_id == "balanced-2s")
+    assert got == _gear() and math.isinf(got.qps_max)
+    with store.session() as s:
+        assert s.scalar(select(func.count()).select_from(m.GearStageRow)) == 4
+
+
+def test_health_tags_mark_and_clear(store):
+    store.mark_unhealthy("g1", "lab", "SmolLM2-135M", "oom", "stage 1 OOM at 8 micro-batches")
+    store.mark_unhealthy("g2", "other", "SmolLM2-135M", "timeout", "stage 0 hung")
+    assert store.unhealthy_gear_keys("lab") == {"g1"}
+    assert store.clear_health("profile refreshed", cluster_key="lab") == 1
+    assert store.unhealthy_gear_keys() == {"g2"}
+    assert len(store.health_tags(include_cleared=True)) == 2
+
+
+def test_metric_samples_round_trip(store):
+    samples = [MetricSample(t_s=2.0 * i, gear_id="g", source="sim", qps=1.5, completed=3, tokens_per_s=40.0,
+                            queue_length=i, running=2, kv_used_fraction=0.25, ttft_p99_ms=12.0,
+                            stages=(StageSample(0, 0.5, 1, 10, 100), StageSample(1, 0.9, 0, 12, 100)))
+               for i in range(1, 4)]
+    assert store.write_samples("run-1", samples) == 9
+    store.write_samples("run-2", samples[:1])
+    got = store.read_samples("run-1")
+    assert [s for _, s in got] == samples
+    last_id = got[1][0]
+    assert [s.t_s for _, s in store.read_samples(after_id=last_id)] == [6.0, 2.0]
+
+
+def test_results_are_idempotent_and_jobs_tracked(store):
+    job = store.get_or_create_job("batch-1", source_path="prompts.jsonl")
+    assert store.get_or_create_job("batch-1") == job
+    assert store.write_result(job, "r1", prompt_tokens=5, output_token_ids=[1, 2, 3])
+    assert not store.write_result(job, "r1", prompt_tokens=5, output_token_ids=[9])
+    assert store.done_request_keys(job) == {"r1"}
+    assert store.results(job)[0].output_token_ids == [1, 2, 3]
+    store.update_job(job, status="done", total_requests=1)
+    assert [j.job_key for j in store.jobs(status="done")] == ["batch-1"]
+
+
+def test_shift_events(store):
+    ev = store.record_shift_event("shift", "decided", "p99 over 1.2 x target for 3 samples",
+                                  from_gear_key="balanced", to_gear_key="latency", trigger="latency_over",
+                                  est_gain=0.4, migration_cost_s=float("inf"))
+    store.update_shift_event(ev, "done", {"switch_s": 1.5})
+    (got,) = store.shift_events()
+    assert got.status == "done" and got.details == {"switch_s": 1.5} and got.migration_cost_s is None
+
+
+def test_failed_write_leaves_nothing(store, lab_profile):
+    pv = store.save_profile(lab_profile)
+    model_id = store.save_model("m", "bf16", 30, {})
+    with pytest.raises(Exception):
+        store.save_gears([_gear(), "not a gear"], pv.id, model_id)  # second item fails mid-transaction
+    assert store.load_gears(pv.id, model_id) == []

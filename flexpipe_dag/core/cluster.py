@@ -221,10 +221,11 @@ def _device_from_spec(device_id: str, node_id: str, generation: str | None, memo
 
 def _from_seed(form: _SeedForm, source: str) -> ClusterProfile:
     ids = [n.node_id for n in form.nodes]
+    for i, node_id in enumerate(ids):
+        if node_id in ids[:i]:
+            raise InputError(source, f"nodes[{i}].node_id", f"duplicate id {node_id!r}")
     devices, links = [], []
     for i, n in enumerate(form.nodes):
-        if ids.count(n.node_id) > 1:
-            raise InputError(source, f"nodes[{i}].node_id", f"duplicate id {n.node_id!r}")
         devices.append(_device_from_spec(
             n.node_id, n.host or n.node_id, n.generation, n.memory_gb, n.compute_score,
             n.hbm_bandwidth_gbps, model_name=n.model_name, max_micro_batch=n.max_batch_microbatch,
@@ -264,7 +265,7 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
                 hbm_bandwidth_gbps=spec.hbm_bandwidth_gbps, available_until=node.available_until))
     node_ids = [n.node_id for n in form.fleet]
     for i, nid in enumerate(node_ids):
-        if node_ids.count(nid) > 1:
+        if nid in node_ids[:i]:
             raise InputError(source, f"fleet[{i}].node_id", f"duplicate node id {nid!r}")
     links = []
     for a in devices:

@@ -1,0 +1,1 @@
+"""Dagster assets: what FlexPipe knows, kept in the SQL store (assets return MaterializeResults)."""

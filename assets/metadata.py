@@ -1,0 +1,27 @@
+"""Helpers that turn FlexPipe objects into Dagster metadata a user can read in the UI."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pandas as pd
+from dagster import MetadataValue
+
+from flexpipe_dag.core.settings import flexpipe_home
+
+
+def png_metadata(png: bytes, name: str) -> dict[str, MetadataValue]:
+    """A PNG as two metadata entries: an inline markdown image and the file's path under FLEXPIPE_HOME."""
+    out_dir = flexpipe_home() / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir, f"{name}.png")
+    path.write_bytes(png)
+    data = base64.b64encode(png).decode()
+    return {name: MetadataValue.md(f"![{name}](data:image/png;base64,{data})"),
+            f"{name}_path": MetadataValue.path(str(path))}
+
+
+def table_metadata(frame: pd.DataFrame) -> MetadataValue:
+    """A DataFrame as a markdown table (floats to 4 significant digits)."""
+    return MetadataValue.md(frame.to_markdown(index=False, floatfmt=".4g"))

@@ -1,0 +1,69 @@
+"""``flexpipe profile``: validate a declared cluster profile and/or measure this host, store it, print it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from flexpipe_dag.core.errors import InputError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="validate / measure a cluster profile, store it and print it",
+                       description=__doc__)
+    p.add_argument("--cluster", metavar="FILE", help="declared inventory (native, seed or fleet YAML/JSON)")
+    p.add_argument("--probe", action="store_true", help="measure this host's devices (GPUs, or CPU workers)")
+    p.add_argument("--cpu-workers", type=int, default=2, help="CPU worker processes to measure without GPUs")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.add_argument("--no-store", action="store_true", help="validate and print only; write nothing")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from resources.prober import ProberResource
+
+    if not args.cluster and not args.probe:
+        raise InputError(None, "--cluster/--probe", "give a cluster file, --probe, or both")
+    if args.cpu_workers < 1:
+        raise InputError(None, "--cpu-workers", f"expected >= 1, got {args.cpu_workers}")
+    profile = ProberResource(probe=args.probe, cluster_file=args.cluster or "",
+                             num_cpu_workers=args.cpu_workers).get_profile()
+    version = None
+    if not args.no_store:
+        from sql.store import Store
+
+        version = Store.from_url().save_profile(profile)
+    if args.json:
+        doc = profile.to_dict()
+        if version is not None:
+            doc["profile_version"] = {"id": version.id, "version": version.version}
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+        return 0
+    _print_table(profile, version)
+    return 0
+
+
+def _print_table(profile, version) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from assets.profiling import device_table
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    title = f"{profile.cluster_id} ({profile.source})"
+    if version is not None:
+        title += f" stored as version {version.version}"
+    table = Table(title=title)
+    frame = device_table(profile)
+    for col in frame.columns:
+        table.add_column(col, justify="right" if frame[col].dtype.kind in "fi" else "left")
+    for row in frame.itertuples(index=False):
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+    console.print(table)
+    console.print(f"{len(profile.links)} links; "
+                  + "; ".join(f"{l.src_device_id}->{l.dst_device_id} {l.bandwidth_gbps:.3g} GB/s {l.latency_us:.3g} us"
+                              for l in profile.links[:6]) + (" ..." if len(profile.links) > 6 else ""))
+    for note in profile.notes:
+        console.print(f"note: {note}")

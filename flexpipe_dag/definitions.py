@@ -1,0 +1,36 @@
+"""The FlexPipe Dagster code location: one ``Definitions`` object (``dagster dev -m flexpipe_dag.definitions``).
+
+Resources are environment-driven: ``FLEXPIPE_DATABASE_URL`` (store), ``FLEXPIPE_CLUSTER_FILE`` (a
+declared inventory merged with what is measured) and ``FLEXPIPE_PROBE`` (``0`` to skip measuring).
+"""
+
+from __future__ import annotations
+
+import os
+
+from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
+
+from assets import profiling
+from jobs.profiling import profile_refresh_job, profile_refresh_schedule
+from resources.prober import ProberResource
+from resources.store_resource import StoreResource
+
+ASSET_MODULES = [profiling]
+
+
+def build_resources() -> dict:
+    """Resources from the environment (see module docstring)."""
+    return {
+        "store": StoreResource(database_url=os.environ.get("FLEXPIPE_DATABASE_URL", "")),
+        "prober": ProberResource(probe=os.environ.get("FLEXPIPE_PROBE", "1") != "0",
+                                 cluster_file=os.environ.get("FLEXPIPE_CLUSTER_FILE", "")),
+    }
+
+
+defs = Definitions(
+    assets=load_assets_from_modules(ASSET_MODULES),
+    asset_checks=load_asset_checks_from_modules(ASSET_MODULES),
+    jobs=[profile_refresh_job],
+    schedules=[profile_refresh_schedule()],
+    resources=build_resources(),
+)

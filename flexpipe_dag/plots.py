@@ -1,0 +1,48 @@
+"""Plots FlexPipe shows users (Dagster metadata, HTML reports), rendered to PNG bytes with matplotlib."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+
+def _figure(width_in: float = 6.0, height_in: float = 4.0):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width_in, height_in), dpi=100)
+
+
+def to_png(fig) -> bytes:
+    """Render and close a matplotlib figure; returns PNG bytes."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def link_bandwidth_heatmap(device_ids: Sequence[str], bandwidth_gbps: Sequence[Sequence[float | None]],
+                           title: str) -> bytes:
+    """Heatmap of directed link bandwidth (GB/s), row = source, column = destination; None = no link."""
+    import numpy as np
+
+    n = len(device_ids)
+    grid = np.array([[np.nan if v is None else v for v in row] for row in bandwidth_gbps], dtype=float)
+    fig, ax = _figure(1.5 + 0.55 * n, 1.2 + 0.5 * n)
+    im = ax.imshow(np.log10(grid), cmap="viridis")
+    ax.set_xticks(range(n), device_ids, rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(n), device_ids, fontsize=7)
+    for i in range(n):
+        for j in range(n):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=6, color="w")
+    fig.colorbar(im, ax=ax, label="log10 GB/s")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("destination")
+    ax.set_ylabel("source")
+    return to_png(fig)

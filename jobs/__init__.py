@@ -1,0 +1,1 @@
+"""Dagster jobs, schedules and sensors."""

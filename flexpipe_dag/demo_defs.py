@@ -1,0 +1,18 @@
+"""Module-level job factories so ``flexpipe demo`` can launch the code location's jobs with
+``dagster.reconstructable`` (runs then appear in the instance like any launched from the UI)."""
+
+from __future__ import annotations
+
+from flexpipe_dag.definitions import defs
+
+
+def profile_refresh():
+    return defs.resolve_job_def("profile_refresh")
+
+
+#: Jobs the demo runs, in order.
+DEMO_JOBS = {"profile_refresh": profile_refresh}
+
+
+def get_job_factory(name: str):
+    return DEMO_JOBS[name]

@@ -102,3 +102,18 @@ def test_cli_profile_json_and_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nodes[0].memory_gb" in err and str(bad) in err and len(err.strip().splitlines()) == 1
     assert cli_main(["profile"]) == 2
+
+
+@pytest.mark.gpu
+def test_probe_on_cuda_writes_fixture():
+    """On a CUDA host: the probe runs on the GPUs with NCCL; its output is kept as a test fixture."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this host: the GPU probe runs where one is available")
+    from conftest import REPO
+
+    profile = ProberResource(probe=True).get_profile()
+    assert all(d.kind == "cuda" for d in profile.devices)
+    assert all(d.facts["nvml"].get("name") for d in profile.devices)
+    out = REPO / "tests" / "fixtures" / "probe_cuda.json"
+    out.write_text(json.dumps(profile.to_dict(), indent=1))

@@ -10,12 +10,13 @@ import os
 
 from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
-from assets import profiling
+from assets import evaluation, planning, profiling
 from jobs.profiling import profile_refresh_job, profile_refresh_schedule
+from resources.planning import PlanningSettings
 from resources.prober import ProberResource
 from resources.store_resource import StoreResource
 
-ASSET_MODULES = [profiling]
+ASSET_MODULES = [profiling, planning, evaluation]
 
 
 def build_resources() -> dict:
@@ -24,6 +25,7 @@ def build_resources() -> dict:
         "store": StoreResource(database_url=os.environ.get("FLEXPIPE_DATABASE_URL", "")),
         "prober": ProberResource(probe=os.environ.get("FLEXPIPE_PROBE", "1") != "0",
                                  cluster_file=os.environ.get("FLEXPIPE_CLUSTER_FILE", "")),
+        "planning": PlanningSettings(model=os.environ.get("FLEXPIPE_MODEL", "SmolLM2-135M")),
     }
 
 

@@ -46,3 +46,30 @@ def link_bandwidth_heatmap(device_ids: Sequence[str], bandwidth_gbps: Sequence[S
     ax.set_xlabel("destination")
     ax.set_ylabel("source")
     return to_png(fig)
+
+
+def gear_layout_plot(gears: Sequence) -> bytes:
+    """Left: layers per device for each gear (one bar per gear, one segment per stage, labelled with its
+    devices). Right: each stage's estimated time per micro-batch step, ms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(12.0, 1.5 + 0.8 * len(gears)), dpi=100)
+    colors = plt.get_cmap("tab10").colors
+    for row, gear in enumerate(gears):
+        for st in gear.stages:
+            ax_l.barh(row, st.num_layers, left=st.layer_start, color=colors[st.stage_index % 10], edgecolor="k")
+            ax_l.text(st.layer_start + st.num_layers / 2, row, "\n".join(st.device_ids), ha="center",
+                      va="center", fontsize=6)
+        times = [st.est_stage_ms or 0.0 for st in gear.stages]
+        ax_t.plot(range(len(times)), times, marker="o", label=gear.gear_id)
+    ax_l.set_yticks(range(len(gears)), [g.gear_id for g in gears], fontsize=7)
+    ax_l.set_xlabel("decoder layer")
+    ax_l.set_title("layers per stage / device", fontsize=9)
+    ax_t.set_xlabel("stage")
+    ax_t.set_ylabel("est. ms per micro-batch step")
+    ax_t.set_title("estimated stage times", fontsize=9)
+    ax_t.legend(fontsize=7)
+    return to_png(fig)

@@ -106,20 +106,6 @@ def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or math.isinf(x) else x
 
 
-def _gear_spec(gear: Gear) -> dict[str, Any]:
-    """Gear as strict JSON (PostgreSQL's JSON has no Infinity: an unbounded ``qps_max`` is null)."""
-    spec = gear.model_dump(mode="json")
-    spec["qps_max"] = _finite_or_none(gear.qps_max)
-    return spec
-
-
-def _gear_from_spec(spec: dict[str, Any]) -> Gear:
-    spec = dict(spec)
-    if spec.get("qps_max") is None:
-        spec["qps_max"] = math.inf
-    return Gear.model_validate(spec)
-
-
 class Store:
     """Typed access to the FlexPipe store.
 
@@ -225,6 +211,11 @@ class Store:
                 s.flush()
             return row.id
 
+    def model_ids(self, name: str) -> set[int]:
+        """Ids of every stored version of model ``name``."""
+        with self.session() as s:
+            return set(s.scalars(select(m.ModelRow.id).where(m.ModelRow.name == name)))
+
     def save_gears(self, gears: Iterable[Gear], profile_version_id: int, model_id: int) -> list[int]:
         """Store gears planned for a profile version and model (replacing same-key gears); return ids."""
         ids = []
@@ -243,7 +234,7 @@ class Store:
                     kv_capacity_tokens=gear.kv_capacity_tokens, qps_min=gear.qps_min,
                     qps_max=_finite_or_none(gear.qps_max), target_p99_ms=gear.target_p99_ms,
                     estimate=gear.estimate.model_dump() if gear.estimate else None,
-                    spec=_gear_spec(gear),
+                    spec=gear.model_dump(mode="json"),
                     stages=[m.GearStageRow(stage_index=st.stage_index, layer_start=st.layer_start,
                                            layer_end=st.layer_end, device_keys=list(st.device_ids),
                                            est_stage_ms=st.est_stage_ms, weight_gib=st.weight_gib,
@@ -263,7 +254,7 @@ class Store:
                 q = q.where(m.GearRow.profile_version_id == profile_version_id)
             if model_id is not None:
                 q = q.where(m.GearRow.model_id == model_id)
-            return [_gear_from_spec(r.spec) for r in s.scalars(q)]
+            return [Gear.model_validate(r.spec) for r in s.scalars(q)]
 
     # -- health ---------------------------------------------------------------------------------
     def mark_unhealthy(self, gear_key: str, cluster_key: str, model_name: str, failure: str, reason: str,

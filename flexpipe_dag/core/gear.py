@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 GearKind = Literal["latency", "balanced", "throughput", "uniform", "parameters", "oracle", "manual"]
 #: The three operating gears the planner proposes (baselines use the other kinds).
@@ -75,6 +75,16 @@ class Gear(_Model):
     estimate: GearEstimate | None = None
     cluster_id: str | None = None
     profile_version: int | None = None
+
+    @field_validator("qps_max", mode="before")
+    @classmethod
+    def _unbounded(cls, value):
+        """JSON has no Infinity: ``null`` (or a missing value) means an unbounded envelope."""
+        return float("inf") if value is None else value
+
+    @field_serializer("qps_max", when_used="json")
+    def _qps_max_json(self, value: float) -> float | None:
+        return None if value == float("inf") else value
 
     @model_validator(mode="after")
     def _check_stages(self) -> Gear:

@@ -1,0 +1,57 @@
+"""The ``gear_evaluations`` asset: every candidate gear replayed on a real reference trace in the simulator."""
+
+import pandas as pd
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+
+from assets.metadata import png_metadata, table_metadata
+from flexpipe_dag.core.errors import InfeasibleError
+from resources.planning import PlanningSettings
+from resources.store_resource import StoreResource
+
+
+def evaluation_table(evaluations) -> pd.DataFrame:
+    rows = []
+    for ev in evaluations:
+        s = ev.result.summary
+        rows.append({"gear": ev.gear_id, "throughput_rps": s["throughput_rps"], "tokens_per_s": s["tokens_per_s"],
+                     "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+                     "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p99_ms": s["tpot_ms"]["p99"],
+                     "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"]})
+    return pd.DataFrame(rows)
+
+
+@asset(group_name="planning", kinds={"sql"}, deps=["candidate_gears"],
+       description="Each candidate gear x a real reference workload in the serving simulator; refreshes gear estimates.")
+def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings, store: StoreResource) -> MaterializeResult:
+    from flexpipe_dag.planner.cost_model import CostModel
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.sim.config import SimConfig
+    from flexpipe_dag.sim.evaluate import evaluate_gear, plot_evaluation
+    from flexpipe_dag.workload.bundled import load_trace
+    from flexpipe_dag.workload.transform import head
+
+    db = store.get_store()
+    latest = db.latest_profile()
+    if latest is None:
+        raise InfeasibleError("no cluster profile stored yet: materialise gpu_profile first")
+    info, cluster = latest
+    spec = load_model_spec(planning.model)
+    gears = db.load_gears(info.id)
+    if not gears:
+        raise InfeasibleError(f"no gears stored for profile version {info.id}: materialise candidate_gears first")
+    cost_model = CostModel(spec, cluster, dtype=planning.dtype)
+    workload = head(load_trace(planning.reference_trace), planning.reference_requests)
+    config = SimConfig(slo_ttft_ms=planning.slo_ttft_ms, slo_tpot_ms=planning.slo_tpot_ms)
+    evaluations = [evaluate_gear(g, cost_model.timings(g), workload, config) for g in gears]
+    for ev in evaluations:
+        context.log.info(f"{ev.gear_id}: {ev.result.summary['throughput_rps']:.3g} req/s, "
+                         f"TTFT p99 {ev.estimate.ttft_p99_ms:.4g} ms on {workload.name}")
+    from flexpipe_dag.core.settings import flexpipe_home
+
+    png_path = plot_evaluation(evaluations, flexpipe_home() / "plots" / "gear_evaluations.png")
+    return MaterializeResult(metadata={
+        "profile_version_id": info.id, "workload": workload.name, "requests": len(workload),
+        "evaluations": table_metadata(evaluation_table(evaluations)),
+        **png_metadata(png_path.read_bytes(), "gear_evaluations"),
+        "ttft_cdf_ms": MetadataValue.json({ev.gear_id: ev.ttft_cdf_ms[::10] for ev in evaluations}),
+    })

@@ -1,0 +1,67 @@
+"""``flexpipe plan``: print the latency / balanced / throughput gears for a model on a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from flexpipe_dag.core.cluster import load_cluster_profile
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="plan candidate gears for a model on a cluster",
+                              description=__doc__.splitlines()[0].strip("`: "))
+    p.add_argument("--cluster", required=True, help="cluster profile file (.yaml / .json; native, seed or fleet form)")
+    p.add_argument("--model", required=True,
+                   help="built-in model name, a Hugging Face config.json directory, or a .gguf file")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "int8", "int4"])
+    p.add_argument("--context-p95", type=int, default=4096, help="P95 context tokens the KV pool is sized for")
+    p.add_argument("--concurrency", type=int, default=64, help="sequences in flight the KV pool must hold")
+    p.add_argument("--min-residence-s", type=float, default=600.0,
+                   help="devices whose available_until is sooner are not used")
+    p.add_argument("--json", action="store_true", help="print the gears as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from flexpipe_dag.planner.gears import plan_gears
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.planner.workload import PlanWorkload
+
+    cluster = load_cluster_profile(args.cluster)
+    model = load_model_spec(args.model)
+    workload = PlanWorkload(context_p95_tokens=args.context_p95, concurrency=args.concurrency,
+                            min_residence_s=args.min_residence_s)
+    gears = plan_gears(cluster, model, dtype=args.dtype, workload=workload)
+    if args.json:
+        print(json.dumps({"cluster_id": cluster.cluster_id, "model": model.summary(args.dtype),
+                          "gears": [g.model_dump(mode="json") for g in gears]}, indent=2))
+        return 0
+    _print_table(cluster.cluster_id, model.name, args.dtype, gears)
+    return 0
+
+
+def _print_table(cluster_id: str, model_name: str, dtype: str, gears) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    summary = Table(title=f"gears for {model_name} ({dtype}) on {cluster_id}")
+    for col in ("gear", "stages", "micro-batch", "in-flight", "tokens/s", "req/s", "TTFT p50/p99 ms",
+                "TPOT p50/p99 ms", "qps envelope", "KV tokens"):
+        summary.add_column(col, justify="right" if col not in ("gear",) else "left")
+    for g in gears:
+        e = g.estimate
+        summary.add_row(g.gear_id, str(g.num_stages), str(g.micro_batch_size), str(g.max_inflight_micro_batches),
+                        f"{e.tokens_per_s:,.0f}", f"{e.throughput_rps:.2f}",
+                        f"{e.ttft_p50_ms:,.0f} / {e.ttft_p99_ms:,.0f}", f"{e.tpot_p50_ms:.1f} / {e.tpot_p99_ms:.1f}",
+                        f"{g.qps_min:.2f}..{g.qps_max:.2f}", f"{g.kv_capacity_tokens:,}")
+    console.print(summary)
+    for g in gears:
+        t = Table(title=f"{g.gear_id} stages")
+        for col in ("stage", "layers", "devices", "est ms/step", "weights GiB", "KV tokens"):
+            t.add_column(col)
+        for s in g.stages:
+            t.add_row(str(s.stage_index), f"{s.layer_start}-{s.layer_end - 1} ({s.num_layers})", ", ".join(s.device_ids),
+                      f"{s.est_stage_ms:.2f}", f"{s.weight_gib:.2f}", f"{s.kv_capacity_tokens:,}")
+        console.print(t)

@@ -1,0 +1,104 @@
+"""Every figure the gear-shift controller uses, with the design's seed defaults.
+
+Seed figures (``DESIGN.md``, "Seed figures the controller starts from"): sample every 2 s, EMA
+alpha 0.3; imbalance when the busiest stage is > 0.9 utilised while the idlest is < 0.6; latency
+over when P99 > 1.2 x target (shift toward the latency gear) and under when P99 < 0.7 x target
+(back toward balanced / throughput); a condition must hold for 3 consecutive samples, the reverse
+shift needs its own 3; 10 min minimum dwell after a shift; a shift must pay back
+(estimated gain x expected residence > migration cost).
+
+"One step" of dwell escalation, precisely
+-----------------------------------------
+A trigger *fires* when its condition has held for the required number of consecutive smoothed
+samples. If it fires inside the dwell, the shift is declined and the required count rises by
+``dwell_escalation_samples`` (default 1) for **every** trigger, capped at
+``hysteresis_max_samples``: 3 -> 4 -> 5 ... . One persistent condition raises it once (one
+*episode*); the condition must clear (a sample where it does not hold) and come back to raise it
+again, so a flapping load raises the bar and a sustained one does not. The raise decays one step per
+``escalation_decay_s`` (default: one dwell, 600 s) without a further raise. After the dwell, the
+next shift needs the raised count.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S
+
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+#: Which P99 of :class:`~flexpipe_dag.core.metrics.MetricSample` the latency triggers watch.
+LatencyMetric = Literal["ttft_p99_ms", "tpot_p99_ms", "e2e_p99_ms"]
+
+
+class ControllerConfig(BaseModel):
+    """Configuration of :class:`flexpipe_dag.control.controller.Controller` (all seed figures).
+
+    Units are in the field names: ``_s`` seconds, ``_ms`` milliseconds, ``_fraction`` 0..1,
+    ``_samples`` a count of 2-s metric samples.
+
+    Raises:
+        pydantic.ValidationError: a figure out of range (e.g. ``ema_alpha`` not in (0, 1],
+            ``latency_under_factor >= latency_over_factor``, ``imbalance_min_util >= imbalance_max_util``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sample_period_s: PositiveFloat = SAMPLE_PERIOD_S
+    ema_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.3
+
+    # triggers ------------------------------------------------------------------------------------
+    imbalance_max_util: Fraction = 0.9
+    imbalance_min_util: Fraction = 0.6
+    latency_metric: LatencyMetric = "ttft_p99_ms"
+    target_p99_ms: PositiveFloat | None = Field(
+        None, description="service latency SLO; None = use the serving gear's target_p99_ms")
+    latency_over_factor: PositiveFloat = 1.2
+    latency_under_factor: PositiveFloat = 0.7
+    envelope_margin_fraction: Fraction = Field(
+        0.05, description="QPS must leave [qps_min x (1 - m), qps_max x (1 + m)] to count as outside the envelope")
+
+    # hysteresis and dwell -----------------------------------------------------------------------
+    hysteresis_samples: Annotated[int, Field(ge=1)] = 3
+    hysteresis_max_samples: Annotated[int, Field(ge=1)] = 10
+    dwell_s: NonNegFloat = 600.0
+    dwell_escalation_samples: Annotated[int, Field(ge=0)] = 1
+    escalation_decay_s: PositiveFloat = 600.0
+
+    # payback ------------------------------------------------------------------------------------
+    default_residence_s: PositiveFloat = Field(
+        1800.0, description="expected residence in a gear before any residence has been observed")
+    residence_ema_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.3
+    default_migration_cost_s: NonNegFloat = Field(
+        30.0, description="migration cost assumed when the caller passes no migration_cost_s function")
+    min_gain_fraction: NonNegFloat = Field(
+        0.02, description="a shift whose estimated goodput gain is below this is not worth proposing")
+    headroom_weight: NonNegFloat = Field(
+        0.1, description="value of one unit of spare capacity fraction relative to one unit of goodput "
+                         "fraction; lets 'latency under' move to a roomier gear when goodput is equal")
+    latency_weight: NonNegFloat = Field(
+        0.1, description="value of one unit of latency slack fraction (1 - p99 / target) relative to goodput; "
+                         "lets 'QPS below envelope' return to a faster gear when goodput is equal")
+    envelope_fit_weight: NonNegFloat = Field(
+        0.05, description="value of serving inside the planner's envelope for the smoothed QPS")
+
+    # shift bookkeeping --------------------------------------------------------------------------
+    shift_timeout_s: PositiveFloat = Field(
+        300.0, description="a shift not seen in the samples after this long is taken as failed/rolled back")
+
+    @model_validator(mode="after")
+    def _check(self) -> ControllerConfig:
+        if self.imbalance_min_util >= self.imbalance_max_util:
+            raise ValueError(f"imbalance_min_util: {self.imbalance_min_util} must be below "
+                             f"imbalance_max_util {self.imbalance_max_util}")
+        if self.latency_under_factor >= self.latency_over_factor:
+            raise ValueError(f"latency_under_factor: {self.latency_under_factor} must be below "
+                             f"latency_over_factor {self.latency_over_factor}")
+        if self.hysteresis_max_samples < self.hysteresis_samples:
+            raise ValueError(f"hysteresis_max_samples: {self.hysteresis_max_samples} is below "
+                             f"hysteresis_samples {self.hysteresis_samples}")
+        return self

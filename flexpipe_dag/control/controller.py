@@ -1,0 +1,475 @@
+"""The gear-shift controller: metric samples in, a hold / shift decision with its reason out.
+
+Pure and deterministic: :meth:`Controller.decide` takes the previous :class:`ControllerState`, the
+new :class:`~flexpipe_dag.core.metrics.MetricSample` s (from the simulator or the live runtime, same
+schema), the candidate gears and their health, and returns the next state and a
+:class:`Decision`. Nothing is kept on the object, so a Dagster sensor can hold the state in its
+cursor and a replay of the same inputs gives the same decisions.
+
+Per sample (in ``t_s`` order; samples not newer than the state's last are skipped, so re-reading a
+window is harmless):
+
+1. If the serving gear changed (a shift took effect), record its residence, restart the per-gear
+   averages (P99, stage utilisation) and every hysteresis counter: the reverse shift needs its own
+   ``hysteresis_samples``.
+2. Update the EMAs (alpha 0.3): ``ema = alpha x x + (1 - alpha) x ema``, first sample = its value.
+3. Evaluate each trigger on the smoothed values; count consecutive samples it holds, reset on a
+   sample where it does not.
+
+   ==================== ==========================================================================
+   trigger              condition (smoothed; T = latency target)
+   ==================== ==========================================================================
+   current_unhealthy    the serving gear carries a health tag (acts on 1 sample, ignores dwell and
+                        payback: a failing gear must be left)
+   qps_above_envelope   QPS > qps_max x (1 + envelope_margin_fraction)
+   latency_over         P99 > latency_over_factor (1.2) x T
+   imbalance            max stage utilisation > 0.9 while min < 0.6 (>= 2 stages)
+   qps_below_envelope   QPS < qps_min x (1 - envelope_margin_fraction)
+   latency_under        P99 < latency_under_factor (0.7) x T
+   ==================== ==========================================================================
+
+4. A trigger *fires* when its count reaches the required samples (3, raised by dwell escalation).
+   Firing inside the dwell with a gear it would move to raises the requirement one step (see
+   :mod:`flexpipe_dag.control.config`).
+
+Then once per call, at ``now_s``: with a shift still pending, hold; otherwise take the
+highest-priority firing trigger and rank the healthy candidate gears. A candidate's envelope must
+hold the smoothed QPS narrowed by ``envelope_margin_fraction`` (except for ``qps_above_envelope``
+and ``current_unhealthy``, which may move best-effort): entering only well inside an envelope and
+leaving only well outside it is what keeps a load near an edge from flapping. Candidates whose
+calibrated P99 estimate meets the target come first, then the trigger's preferred kinds (like a
+gearbox: the nearest gear in the trigger's direction), then net payback. The best one that passes
+the payback test (:mod:`flexpipe_dag.control.payback`) is shifted to, unless inside the dwell.
+Outside a failing gear, at most one shift happens per ``dwell_s``: with the seed 10 min, at most
+6 per hour by construction.
+
+Every decision, taken or declined, carries a one-sentence ``reason`` naming the trigger, the
+smoothed figures against their thresholds, and the payback arithmetic or why the shift was
+declined (dwell, payback, no fitting healthy gear, shift in progress).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from flexpipe_dag.control.config import ControllerConfig
+from flexpipe_dag.control.payback import calibrated_p99_ms, estimated_gain_fraction, fits_envelope, pays_back
+from flexpipe_dag.control.state import TRIGGER_PRIORITY, ControllerState, Decision
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.metrics import MetricSample
+
+MigrationCostFn = Callable[[Gear, Gear], float]
+
+_KIND_RANK = {"latency": 0, "balanced": 1, "throughput": 2}
+#: Which way along latency (0) -> balanced (1) -> throughput (2) each trigger moves; like a gearbox,
+#: the nearest gear in that direction is preferred, then the same kind, then the other way.
+_DIRECTION: dict[str, int] = {"qps_above_envelope": +1, "latency_under": +1, "qps_below_envelope": -1,
+                              "imbalance": 0, "current_unhealthy": 0}
+#: Triggers that may move to a gear whose envelope does not hold the load (when none does, the
+#: roomiest helps most; an unhealthy gear must be left regardless). The others need a fitting gear.
+_BEST_EFFORT_TRIGGERS = frozenset({"qps_above_envelope", "current_unhealthy"})
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    gear: Gear
+    fits: bool  # its envelope holds the smoothed QPS (with the entry margin)
+    meets: bool  # its calibrated P99 estimate meets the latency target
+    preference: int
+    gain_fraction: float
+    migration_cost_s: float
+    residence_s: float
+
+    @property
+    def net_s(self) -> float:
+        return self.gain_fraction * self.residence_s - self.migration_cost_s
+
+
+def _pipeline_key(gear: Gear) -> tuple:
+    """What decides a gear's behaviour: stages (layers, devices), batching and KV pool."""
+    return (tuple((st.layer_start, st.layer_end, tuple(st.device_ids)) for st in gear.stages),
+            gear.micro_batch_size, gear.max_inflight_micro_batches, gear.kv_capacity_tokens)
+
+
+def _ema(old: float | None, x: float, alpha: float) -> float:
+    return x if old is None else alpha * x + (1.0 - alpha) * old
+
+
+def _fmt_min(seconds: float) -> str:
+    return f"{seconds / 60.0:.1f}"
+
+
+class Controller:
+    """Decides when and where to shift gears. Stateless: the state travels in and out of :meth:`decide`.
+
+    Args:
+        config: every figure (seed defaults in :class:`ControllerConfig`).
+    """
+
+    def __init__(self, config: ControllerConfig | None = None):
+        self.config = config or ControllerConfig()
+
+    @staticmethod
+    def initial_state() -> ControllerState:
+        """A fresh state: no samples seen, no shift yet."""
+        return ControllerState()
+
+    # ------------------------------------------------------------------------------------------
+    def required_samples(self, state: ControllerState) -> int:
+        """Consecutive samples a trigger needs now: base hysteresis + escalation, capped."""
+        cfg = self.config
+        return min(cfg.hysteresis_max_samples,
+                   cfg.hysteresis_samples + state.escalation_steps * cfg.dwell_escalation_samples)
+
+    def target_p99_ms(self, gear: Gear) -> float:
+        """The latency SLO, ms: the configured one, else the serving gear's ``target_p99_ms``."""
+        return self.config.target_p99_ms if self.config.target_p99_ms is not None else gear.target_p99_ms
+
+    @staticmethod
+    def backlogged(state: ControllerState) -> bool:
+        """More requests wait for admission than run (smoothed, and at least one waits)."""
+        q, r = state.ema_queue_length, state.ema_running
+        return q is not None and q > max(1.0, r or 0.0)
+
+    def in_dwell(self, state: ControllerState, t_s: float) -> bool:
+        """True while less than ``dwell_s`` has passed since the last shift decision."""
+        return state.last_shift_s is not None and t_s - state.last_shift_s < self.config.dwell_s
+
+    # ------------------------------------------------------------------------------------------
+    def decide(self, state: ControllerState | None, samples: Iterable[MetricSample], gears: Sequence[Gear], *,
+               unhealthy: set[str] | frozenset[str] = frozenset(),
+               migration_cost_s: MigrationCostFn | None = None,
+               now_s: float | None = None) -> tuple[ControllerState, Decision]:
+        """Consume new samples and decide whether to shift.
+
+        Args:
+            state: the previous state (``None`` = fresh). Not modified; a new one is returned.
+            samples: new metric samples, any order; those with ``t_s`` not after the state's last
+                consumed sample are skipped.
+            gears: candidate gears, including the one serving (ids unique).
+            unhealthy: gear ids carrying a health tag; never chosen as a target.
+            migration_cost_s: ``(from_gear, to_gear) -> seconds`` (e.g.
+                :func:`flexpipe_dag.control.migration.migration_cost_fn`); None = the config's
+                ``default_migration_cost_s`` for every shift.
+            now_s: decision time on the samples' clock; None = the newest sample's ``t_s``.
+
+        Returns:
+            ``(new_state, decision)``. On ``"shift"`` the caller runs the shift; the controller
+            holds until samples show the target serving (or ``shift_timeout_s`` passes).
+
+        Raises:
+            InputError: duplicate gear ids, or a sample names a gear not among ``gears``.
+        """
+        cfg = self.config
+        st = (state or ControllerState()).model_copy(deep=True)
+        by_id = self._index(gears)
+        unhealthy = frozenset(unhealthy)
+        cost_fn = migration_cost_s or (lambda _a, _b: cfg.default_migration_cost_s)
+
+        raised_by: str | None = None
+        for sample in sorted(samples, key=lambda s: s.t_s):
+            if st.last_sample_t_s is not None and sample.t_s <= st.last_sample_t_s:
+                continue
+            if sample.gear_id not in by_id:
+                raise InputError("metric samples", "gear_id",
+                                 f"sample at t_s={sample.t_s} names gear {sample.gear_id!r}, which is not among "
+                                 f"the gears passed ({', '.join(sorted(by_id))})")
+            raised_by = self._observe(st, sample, by_id, unhealthy, cost_fn) or raised_by
+
+        now_s = float(now_s if now_s is not None else
+                      (st.last_sample_t_s if st.last_sample_t_s is not None else 0.0))
+        self._decay_escalation(st, now_s)
+        decision = self._decide_now(st, now_s, by_id, unhealthy, cost_fn, raised_by)
+        return st, decision
+
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _index(gears: Sequence[Gear]) -> dict[str, Gear]:
+        by_id: dict[str, Gear] = {}
+        for i, g in enumerate(gears):
+            if g.gear_id in by_id:
+                raise InputError("gears", f"[{i}].gear_id", f"duplicate gear id {g.gear_id!r}")
+            by_id[g.gear_id] = g
+        return by_id
+
+    def _observe(self, st: ControllerState, s: MetricSample, by_id: dict[str, Gear],
+                 unhealthy: frozenset[str], cost_fn: MigrationCostFn) -> str | None:
+        """Fold one sample into ``st`` (in place). Returns the trigger that raised the threshold, if one did."""
+        cfg = self.config
+        t_s = float(s.t_s)  # the state holds floats only, so its JSON form reads back identical
+        if st.gear_id != s.gear_id:
+            if st.gear_id is not None and st.gear_since_s is not None:
+                st.residence_ema_s = _ema(st.residence_ema_s, t_s - st.gear_since_s, cfg.residence_ema_alpha)
+            # the first gear seen was serving before we looked: its residence is unknown
+            st.gear_since_s = t_s if st.gear_id is not None else None
+            st.gear_id = s.gear_id
+            st.ema_p99_ms, st.ema_stage_busy = None, []
+            st.counts, st.escalated = {}, []
+            st.pending_to_gear_id = st.pending_since_s = None
+        st.samples_seen += 1
+        st.last_sample_t_s = t_s
+        a = cfg.ema_alpha
+        st.ema_qps = _ema(st.ema_qps, s.qps, a)
+        st.ema_queue_length = _ema(st.ema_queue_length, float(s.queue_length), a)
+        st.ema_running = _ema(st.ema_running, float(s.running), a)
+        st.ema_completed_rps = _ema(st.ema_completed_rps, s.completed / cfg.sample_period_s, a)
+        p99 = getattr(s, cfg.latency_metric)
+        if p99 is not None:
+            st.ema_p99_ms = _ema(st.ema_p99_ms, float(p99), a)
+        busy = [float(x.busy_fraction) for x in sorted(s.stages, key=lambda x: x.stage_index)]
+        if busy:
+            if len(busy) != len(st.ema_stage_busy):
+                st.ema_stage_busy = busy
+            else:
+                st.ema_stage_busy = [_ema(o, x, a) for o, x in zip(st.ema_stage_busy, busy)]
+
+        gear = by_id[st.gear_id]
+        active = self._active_triggers(st, gear, unhealthy)
+        for name in TRIGGER_PRIORITY:
+            st.counts[name] = st.counts.get(name, 0) + 1 if name in active else 0
+        st.counts = {k: v for k, v in st.counts.items() if v > 0}
+        st.escalated = [t for t in st.escalated if t in st.counts]
+
+        # a trigger firing inside the dwell (that would have a gear to move to) raises the threshold
+        self._decay_escalation(st, t_s)
+        if st.pending_to_gear_id is not None or not self.in_dwell(st, t_s):
+            return None
+        need = self.required_samples(st)
+        fresh = [t for t in TRIGGER_PRIORITY if t != "current_unhealthy" and st.counts.get(t, 0) >= need
+                 and t not in st.escalated and self._rank_candidates(st, gear, t, by_id, unhealthy, cost_fn)]
+        if not fresh:
+            return None
+        st.escalated = sorted(set(st.escalated) | set(fresh))
+        if need >= cfg.hysteresis_max_samples or cfg.dwell_escalation_samples == 0:
+            return None
+        st.escalation_steps += 1
+        st.last_escalation_s = t_s
+        return fresh[0]
+
+    def _decay_escalation(self, st: ControllerState, t_s: float) -> None:
+        if st.escalation_steps == 0 or st.last_escalation_s is None:
+            return
+        steps = int((t_s - st.last_escalation_s) // self.config.escalation_decay_s)
+        if steps > 0:
+            st.escalation_steps = max(0, st.escalation_steps - steps)
+            st.last_escalation_s += steps * self.config.escalation_decay_s
+            if st.escalation_steps == 0:
+                st.last_escalation_s = None
+
+    def _active_triggers(self, st: ControllerState, gear: Gear, unhealthy: frozenset[str]) -> set[str]:
+        cfg = self.config
+        active: set[str] = set()
+        if gear.gear_id in unhealthy:
+            active.add("current_unhealthy")
+        if st.ema_qps is not None:
+            m = cfg.envelope_margin_fraction
+            if st.ema_qps > gear.qps_max * (1.0 + m):
+                active.add("qps_above_envelope")
+            elif gear.qps_min > 0 and st.ema_qps < gear.qps_min * (1.0 - m):
+                active.add("qps_below_envelope")
+        if st.ema_p99_ms is not None:
+            target = self.target_p99_ms(gear)
+            if st.ema_p99_ms > cfg.latency_over_factor * target:
+                active.add("latency_over")
+            elif st.ema_p99_ms < cfg.latency_under_factor * target:
+                active.add("latency_under")
+        busy = st.ema_stage_busy
+        if len(busy) >= 2 and max(busy) > cfg.imbalance_max_util and min(busy) < cfg.imbalance_min_util:
+            active.add("imbalance")
+        return active
+
+    # ------------------------------------------------------------------------------------------
+    def _allowed(self, trigger: str, current: Gear, candidate: Gear) -> int | None:
+        """Preference rank of ``candidate`` for ``trigger`` (lower is better), None if not allowed.
+
+        ``latency_over`` prefers the latency gear, then balanced, then throughput ("shift toward
+        latency"). The others move one way along latency -> balanced -> throughput (``_DIRECTION``):
+        nearest kind in that direction first, then the same kind, then the opposite way; imbalance
+        and an unhealthy serving gear prefer the same kind, then the nearest. ``latency_under``
+        only moves toward roomier kinds. Kinds off that axis (manual, uniform, ...) rank last.
+        """
+        new = _KIND_RANK.get(candidate.kind)
+        if trigger == "latency_over":
+            return new if new is not None else 99
+        cur = _KIND_RANK.get(current.kind, 1)
+        if new is None:
+            return None if trigger == "latency_under" else 99
+        step = new - cur
+        direction = _DIRECTION[trigger]
+        if trigger == "latency_under" and step <= 0:
+            return None
+        if direction == 0:
+            return abs(step)
+        if step * direction > 0:
+            return abs(step)
+        return 10 + abs(step)  # same kind (10) or the opposite way (11, 12)
+
+    def _rank_candidates(self, st: ControllerState, current: Gear, trigger: str, by_id: dict[str, Gear],
+                         unhealthy: frozenset[str], cost_fn: MigrationCostFn) -> list[_Candidate]:
+        """Healthy gears the trigger may move to, best first.
+
+        A candidate's envelope must hold the smoothed QPS (narrowed by the margin), except for the
+        best-effort triggers; order: envelope fits, calibrated P99 estimate meets the target,
+        the trigger's kind preference, net payback ``gain x residence - cost``, gear id.
+        """
+        cfg = self.config
+        qps = st.ema_qps or 0.0
+        target = self.target_p99_ms(current)
+        residence_s = max(cfg.dwell_s, st.residence_ema_s if st.residence_ema_s is not None
+                          else cfg.default_residence_s)
+        backlogged = self.backlogged(st)
+        out: list[_Candidate] = []
+        for g in by_id.values():
+            if (g.gear_id == current.gear_id or g.gear_id in unhealthy or g.num_layers != current.num_layers
+                    or _pipeline_key(g) == _pipeline_key(current)):
+                continue  # same pipeline under another name behaves the same: nothing to gain
+            pref = self._allowed(trigger, current, g)
+            if pref is None:
+                continue
+            fits = fits_envelope(g, qps, cfg.envelope_margin_fraction)
+            if not fits and trigger not in _BEST_EFFORT_TRIGGERS:
+                continue  # a gear outside its envelope would trigger the reverse shift: flapping
+            est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric)
+            meets = est is None or est <= target
+            gain = estimated_gain_fraction(trigger, current, g, qps=qps, current_p99_ms=st.ema_p99_ms,
+                                           target_p99_ms=target, config=cfg,
+                                           current_max_stage_busy=max(st.ema_stage_busy, default=None),
+                                           current_completed_rps=st.ema_completed_rps, backlogged=backlogged)
+            cost = float(cost_fn(current, g))
+            if not (cost >= 0 and math.isfinite(cost)):
+                raise InputError("migration_cost_s", f"{current.gear_id}->{g.gear_id}",
+                                 f"expected finite seconds >= 0, got {cost!r}")
+            out.append(_Candidate(g, fits, meets, pref, gain, cost, residence_s))
+        out.sort(key=lambda c: (not c.fits, not c.meets, c.preference, -c.net_s, c.gear.gear_id))
+        return out
+
+    def _describe(self, st: ControllerState, gear: Gear) -> str:
+        cfg = self.config
+        parts = []
+        if st.ema_qps is not None:
+            hi = "inf" if math.isinf(gear.qps_max) else f"{gear.qps_max:.3g}"
+            parts.append(f"qps {st.ema_qps:.3g}/s in envelope [{gear.qps_min:.3g}, {hi}]")
+        if st.ema_p99_ms is not None:
+            parts.append(f"{cfg.latency_metric.removesuffix('_ms')} {st.ema_p99_ms:.0f} ms vs target "
+                         f"{self.target_p99_ms(gear):.0f} ms")
+        if len(st.ema_stage_busy) >= 2:
+            parts.append(f"stage utilisation {min(st.ema_stage_busy):.2f}..{max(st.ema_stage_busy):.2f}")
+        return "; ".join(parts) if parts else "no metrics yet"
+
+    def _trigger_text(self, st: ControllerState, gear: Gear, trigger: str) -> str:
+        cfg = self.config
+        target = self.target_p99_ms(gear)
+        metric = cfg.latency_metric.removesuffix("_ms")
+        n = st.counts.get(trigger, 0)
+        if trigger == "current_unhealthy":
+            return f"gear {gear.gear_id} is marked unhealthy"
+        if trigger == "qps_above_envelope":
+            what = f"qps {st.ema_qps:.3g}/s above envelope max {gear.qps_max:.3g}"
+        elif trigger == "qps_below_envelope":
+            what = f"qps {st.ema_qps:.3g}/s below envelope min {gear.qps_min:.3g}"
+        elif trigger == "latency_over":
+            what = f"{metric} {st.ema_p99_ms:.0f} ms > {cfg.latency_over_factor:g} x target {target:.0f} ms"
+        elif trigger == "latency_under":
+            what = f"{metric} {st.ema_p99_ms:.0f} ms < {cfg.latency_under_factor:g} x target {target:.0f} ms"
+        else:
+            what = (f"stage utilisation max {max(st.ema_stage_busy):.2f} > {cfg.imbalance_max_util:g} "
+                    f"while min {min(st.ema_stage_busy):.2f} < {cfg.imbalance_min_util:g}")
+        return f"{trigger} ({what}, {n} samples)"
+
+    def _decide_now(self, st: ControllerState, now_s: float, by_id: dict[str, Gear], unhealthy: frozenset[str],
+                    cost_fn: MigrationCostFn, raised_by: str | None) -> Decision:
+        cfg = self.config
+        need = self.required_samples(st)
+        base = dict(t_s=now_s, from_gear_id=st.gear_id, required_samples=need)
+        if st.gear_id is None:
+            return Decision(action="hold", reason="hold: no metric samples yet", **base)
+        gear = by_id[st.gear_id]
+
+        if st.pending_to_gear_id is not None:
+            waited = now_s - (st.pending_since_s if st.pending_since_s is not None else now_s)
+            if waited < cfg.shift_timeout_s:
+                return Decision(action="hold", to_gear_id=st.pending_to_gear_id,
+                                reason=f"hold: shift {st.gear_id} -> {st.pending_to_gear_id} in progress "
+                                       f"(requested {waited:.0f} s ago)", **base)
+            note = (f"shift to {st.pending_to_gear_id} not seen serving after {waited:.0f} s "
+                    f"(failed or rolled back); ")
+            st.pending_to_gear_id = st.pending_since_s = None
+        else:
+            note = ""
+
+        firing = [t for t in TRIGGER_PRIORITY
+                  if st.counts.get(t, 0) >= (1 if t == "current_unhealthy" else need)
+                  or (t == raised_by and t in st.counts)]  # fired at the lower threshold, then raised it
+        if not firing:
+            counting = [t for t in TRIGGER_PRIORITY if st.counts.get(t, 0) > 0]
+            if counting:
+                t = counting[0]
+                reason = (f"hold: {self._trigger_text(st, gear, t)} of {need} needed; "
+                          + self._describe(st, gear))
+                return Decision(action="hold", trigger=t, reason=note + reason, **base)
+            return Decision(action="hold", reason=note + f"hold: no trigger ({self._describe(st, gear)})", **base)
+
+        trigger = firing[0]
+        why = self._trigger_text(st, gear, trigger)
+        forced = trigger == "current_unhealthy"
+        ranked = self._rank_candidates(st, gear, trigger, by_id, unhealthy, cost_fn)
+        if not ranked:
+            for t in firing[1:]:  # a lower-priority trigger may still have somewhere to go
+                alt = self._rank_candidates(st, gear, t, by_id, unhealthy, cost_fn)
+                if alt:
+                    trigger, why, ranked = t, self._trigger_text(st, gear, t), alt
+                    break
+        if not ranked:
+            return Decision(action="hold", trigger=trigger, declined=True,
+                            reason=note + f"declined: {why}, but no healthy gear whose envelope holds "
+                                          f"qps {st.ema_qps or 0.0:.3g}/s suits it "
+                                          f"({len(unhealthy & set(by_id))} of {len(by_id)} gears unhealthy)",
+                            **base)
+
+        if not forced and self.in_dwell(st, now_s):
+            best = ranked[0]
+            since = now_s - (st.last_shift_s or 0.0)
+            raised = (f"threshold raised to {need} samples" if raised_by is not None
+                      else f"threshold stays at {need} samples")
+            return Decision(action="hold", to_gear_id=best.gear.gear_id, trigger=trigger, declined=True,
+                            reason=note + f"declined: {why}; inside dwell ({_fmt_min(since)} of "
+                                          f"{_fmt_min(cfg.dwell_s)} min), {raised}",
+                            estimated_gain_fraction=best.gain_fraction, migration_cost_s=best.migration_cost_s,
+                            expected_residence_s=best.residence_s, **base)
+
+        chosen = None
+        for c in ranked:
+            if forced or (c.gain_fraction >= cfg.min_gain_fraction
+                          and pays_back(c.gain_fraction, c.residence_s, c.migration_cost_s)):
+                chosen = c
+                break
+        if chosen is None:
+            best = ranked[0]
+            return Decision(
+                action="hold", to_gear_id=best.gear.gear_id, trigger=trigger, declined=True,
+                reason=note + (f"declined: {why}; shift to {best.gear.gear_id} does not pay back: gain "
+                               f"{best.gain_fraction:.3f} x residence {best.residence_s:.0f} s = "
+                               f"{best.gain_fraction * best.residence_s:.1f} s <= migration cost "
+                               f"{best.migration_cost_s:.1f} s"
+                               + (f" (or gain below {cfg.min_gain_fraction:g})"
+                                  if best.gain_fraction < cfg.min_gain_fraction else "")
+                               + (f"; none of the {len(ranked) - 1} other candidate(s) pays back either"
+                                  if len(ranked) > 1 else "")),
+                estimated_gain_fraction=best.gain_fraction, migration_cost_s=best.migration_cost_s,
+                expected_residence_s=best.residence_s, **base)
+
+        payback = ("forced: serving gear is unhealthy" if forced else
+                   f"gain {chosen.gain_fraction:.3f} x residence {chosen.residence_s:.0f} s = "
+                   f"{chosen.gain_fraction * chosen.residence_s:.1f} s > migration cost {chosen.migration_cost_s:.1f} s")
+        reason = (f"shift {gear.gear_id} ({gear.kind}) -> {chosen.gear.gear_id} ({chosen.gear.kind}): {why}; "
+                  f"{payback}")
+        st.last_shift_s = now_s
+        st.pending_to_gear_id, st.pending_since_s = chosen.gear.gear_id, now_s
+        st.counts, st.escalated = {}, []
+        st.shifts += 1
+        return Decision(action="shift", to_gear_id=chosen.gear.gear_id, trigger=trigger, reason=note + reason,
+                        estimated_gain_fraction=chosen.gain_fraction, migration_cost_s=chosen.migration_cost_s,
+                        expected_residence_s=chosen.residence_s, **base)

@@ -1,0 +1,151 @@
+"""Estimated gain of a shift, and the design's payback test.
+
+Payback (``DESIGN.md`` seed figures): a shift is worth it when
+``estimated_gain_fraction x expected_residence_s > migration_cost_s``. The gain is a fraction of
+full service (0..1, "goodput-equivalent"), so gain x residence is the seconds of full service the
+shift buys and the migration cost the seconds it spends.
+
+Gain of moving from the serving gear ``c`` to a candidate ``g`` at smoothed load ``q``::
+
+    gain = [goodput(g) - goodput(c)]                       always
+         + headroom_weight x [headroom(g) - headroom(c)]   triggers imbalance, latency_under
+         + latency_weight  x [slack(g) - slack(c)]         triggers qps_below_envelope, latency_over
+         + envelope_fit_weight x [fit(g) - fit(c)]         always
+
+    goodput(x)  = min(1, capacity(x) / q) x min(1, T / p99(x))   SLO goodput fraction
+    headroom(x) = max(0, 1 - q / capacity(x))                   spare capacity fraction
+    slack(x)    = max(0, 1 - p99(x) / T)                        latency slack fraction
+    fit(x)      = 1 if qps_min(x) <= q <= qps_max(x) else 0      planner's envelope contains q
+
+``p99(g)`` is calibrated by how the serving gear's estimate fared: ``p99(g) = estimate(g) x
+max(1, observed(c) / estimate(c))``. Where the cost model proved optimistic for the gear serving
+now (say it sees 7.5 s against an estimated 1.8 s), a candidate's estimate is trusted no more;
+this keeps the controller from "fixing" a latency problem by moving to a gear the same model
+flatters in the same way (often the same hardware under another name). A backlogged serving gear's
+P99 measures its queue, not the model's error, and calibrates nothing.
+
+``capacity(x)`` is the gear's ``qps_max`` (the most load it serves within its latency target, as
+the planner set it), else its estimated throughput, else unbounded; for the serving gear it is
+also capped by what its busiest stage shows, ``q / max stage utilisation`` (a stage 95 % busy at
+3 req/s saturates near 3.2 req/s whatever the plan said) and, when it is backlogged (more requests waiting than
+running), by the rate at which it actually completes requests. ``p99(c)`` is the observed
+smoothed P99; ``p99(g)`` the planner's estimate (``Gear.estimate``), and a gear without an
+estimate is taken to meet ``T`` (its slack term is then 0 for both sides). Each trigger values the
+trade-off it exists for: a low-latency gear and a roomy gear pull in opposite directions, so the
+trigger's intent picks which one counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flexpipe_dag.control.config import ControllerConfig
+from flexpipe_dag.core.gear import Gear
+
+_HEADROOM_TRIGGERS = frozenset({"imbalance", "latency_under"})
+_SLACK_TRIGGERS = frozenset({"qps_below_envelope", "latency_over"})
+
+
+def capacity_rps(gear: Gear) -> float:
+    """Requests/s the gear serves within its latency target: ``qps_max``, else estimated throughput, else inf."""
+    if math.isfinite(gear.qps_max):
+        return gear.qps_max
+    if gear.estimate is not None and gear.estimate.throughput_rps > 0:
+        return gear.estimate.throughput_rps
+    return math.inf
+
+
+def estimated_p99_ms(gear: Gear, latency_metric: str) -> float | None:
+    """The planner's P99 estimate for ``latency_metric`` (``ttft_p99_ms`` / ``tpot_p99_ms``), or None."""
+    if gear.estimate is None:
+        return None
+    value = getattr(gear.estimate, latency_metric, None)
+    return float(value) if value is not None else None
+
+
+def calibrated_p99_ms(candidate: Gear, current: Gear, current_p99_ms: float | None,
+                      latency_metric: str) -> float | None:
+    """The candidate's estimated P99, scaled by ``max(1, observed / estimated)`` of the serving gear, ms.
+
+    None when the candidate has no estimate. See the module docstring.
+    """
+    est = estimated_p99_ms(candidate, latency_metric)
+    if est is None:
+        return None
+    est_cur = estimated_p99_ms(current, latency_metric)
+    if current_p99_ms is not None and est_cur is not None and est_cur > 0:
+        est *= max(1.0, current_p99_ms / est_cur)
+    return est
+
+
+def fits_envelope(gear: Gear, qps: float, margin_fraction: float = 0.0) -> bool:
+    """``qps_min x (1 + m) <= qps <= qps_max x (1 - m)``: the envelope holds ``qps`` with margin ``m``.
+
+    The controller leaves a gear when the load is outside its envelope *widened* by the margin and
+    enters one only when the load is inside it *narrowed* by the margin: a band of 2 m on each
+    edge in which neither the exit nor the entry fires (a Schmitt trigger on the QPS axis).
+    """
+    return gear.qps_min * (1.0 + margin_fraction) <= qps <= gear.qps_max * (1.0 - margin_fraction)
+
+
+def goodput_fraction(capacity: float, qps: float, p99_ms: float | None, target_p99_ms: float) -> float:
+    """Expected SLO goodput fraction: served share x share of the latency target met (both 0..1)."""
+    served = 1.0 if qps <= 0 or capacity >= qps else capacity / qps
+    slo = 1.0 if p99_ms is None or p99_ms <= target_p99_ms else target_p99_ms / p99_ms
+    return served * slo
+
+
+def headroom_fraction(capacity: float, qps: float) -> float:
+    """Spare capacity fraction ``max(0, 1 - qps / capacity)`` (1 when capacity is unbounded)."""
+    if math.isinf(capacity):
+        return 1.0
+    return max(0.0, 1.0 - qps / capacity) if capacity > 0 else 0.0
+
+
+def latency_slack_fraction(p99_ms: float | None, target_p99_ms: float) -> float | None:
+    """``max(0, 1 - p99 / target)``; None when the P99 is unknown."""
+    if p99_ms is None:
+        return None
+    return max(0.0, 1.0 - p99_ms / target_p99_ms)
+
+
+def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, qps: float,
+                            current_p99_ms: float | None, target_p99_ms: float,
+                            config: ControllerConfig, current_max_stage_busy: float | None = None,
+                            current_completed_rps: float | None = None, backlogged: bool = False) -> float:
+    """Gain of shifting ``current -> candidate`` at smoothed load ``qps`` (formula in the module docstring).
+
+    Args:
+        trigger: the trigger that proposes the shift (selects the trade-off terms).
+        qps: smoothed arrivals per second.
+        current_p99_ms: observed smoothed P99 of the serving gear, ms (None if no request finished yet).
+        target_p99_ms: the latency SLO, ms.
+        current_max_stage_busy: smoothed utilisation (0..1) of the serving gear's busiest stage, or None.
+        current_completed_rps: smoothed completions per second of the serving gear, or None.
+        backlogged: the serving gear has more requests waiting than running (smoothed). Its
+            capacity is then what it completes, and its P99 measures the backlog, not the cost
+            model's error, so candidates' estimates are not calibrated by it.
+    """
+    metric = config.latency_metric
+    cur_p99 = current_p99_ms if current_p99_ms is not None else estimated_p99_ms(current, metric)
+    new_p99 = calibrated_p99_ms(candidate, current, None if backlogged else current_p99_ms, metric)
+    cap_c, cap_g = capacity_rps(current), capacity_rps(candidate)
+    if current_max_stage_busy is not None and current_max_stage_busy > 0 and qps > 0:
+        cap_c = min(cap_c, qps / min(1.0, current_max_stage_busy))
+    if backlogged and current_completed_rps is not None:
+        cap_c = min(cap_c, current_completed_rps)
+    gain = goodput_fraction(cap_g, qps, new_p99, target_p99_ms) - goodput_fraction(cap_c, qps, cur_p99, target_p99_ms)
+    if trigger in _HEADROOM_TRIGGERS:
+        gain += config.headroom_weight * (headroom_fraction(cap_g, qps) - headroom_fraction(cap_c, qps))
+    if trigger in _SLACK_TRIGGERS:
+        slack_c = latency_slack_fraction(cur_p99, target_p99_ms)
+        slack_g = latency_slack_fraction(new_p99, target_p99_ms)
+        if slack_c is not None and slack_g is not None:
+            gain += config.latency_weight * (slack_g - slack_c)
+    gain += config.envelope_fit_weight * (float(fits_envelope(candidate, qps)) - float(fits_envelope(current, qps)))
+    return gain
+
+
+def pays_back(gain_fraction: float, expected_residence_s: float, migration_cost_s: float) -> bool:
+    """Design payback test: ``gain_fraction x expected_residence_s > migration_cost_s``."""
+    return gain_fraction * expected_residence_s > migration_cost_s

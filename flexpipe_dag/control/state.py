@@ -1,0 +1,107 @@
+"""The controller's state and its decisions: plain, JSON-serialisable pydantic models.
+
+:class:`ControllerState` is everything the controller remembers between calls, so a Dagster sensor
+cursor (a string) can hold it: ``state.to_cursor()`` writes it, ``ControllerState.from_cursor(s)``
+reads back exactly what was written (floats are written in shortest round-trip form).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flexpipe_dag.core.errors import InputError
+
+#: Trigger names, in the order the controller acts on them when several fire at once.
+TriggerName = Literal["current_unhealthy", "qps_above_envelope", "latency_over", "imbalance",
+                      "qps_below_envelope", "latency_under"]
+TRIGGER_PRIORITY: tuple[TriggerName, ...] = ("current_unhealthy", "qps_above_envelope", "latency_over",
+                                             "imbalance", "qps_below_envelope", "latency_under")
+
+STATE_VERSION = 1
+
+
+class ControllerState(BaseModel):
+    """What the controller remembers between calls (all plain JSON types).
+
+    Times (``*_s``) are on the samples' clock (``MetricSample.t_s``). ``ema_*`` are exponential
+    moving averages over the samples of the serving gear (``ema_qps``, ``ema_queue_length`` and
+    ``ema_running`` and ``ema_completed_rps`` carry over a shift: the load does not change with the gear; latency and stage
+    utilisation restart). ``counts[trigger]`` is the number of consecutive samples its condition has
+    held. ``escalated`` lists the triggers whose current episode already raised the threshold
+    inside a dwell (see :mod:`flexpipe_dag.control.config`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = STATE_VERSION
+    gear_id: str | None = Field(None, description="gear serving in the newest sample")
+    gear_since_s: float | None = Field(
+        None, description="when a shift to that gear was first seen in the samples (None for the gear "
+                          "serving when the controller started: its start is unknown)")
+    samples_seen: int = 0
+    last_sample_t_s: float | None = Field(None, description="newest sample consumed; older ones are skipped")
+    ema_qps: float | None = None
+    ema_queue_length: float | None = None
+    ema_running: float | None = None
+    ema_completed_rps: float | None = None
+    ema_p99_ms: float | None = None
+    ema_stage_busy: list[float] = Field(default_factory=list)
+    counts: dict[str, int] = Field(default_factory=dict)
+    escalated: list[str] = Field(default_factory=list)
+    escalation_steps: int = 0
+    last_escalation_s: float | None = None
+    last_shift_s: float | None = None
+    pending_to_gear_id: str | None = None
+    pending_since_s: float | None = None
+    residence_ema_s: float | None = None
+    shifts: int = 0
+
+    def to_cursor(self) -> str:
+        """Compact JSON string for a sensor cursor."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_cursor(cls, cursor: str | None) -> ControllerState:
+        """Read a cursor written by :meth:`to_cursor`; ``None`` or ``""`` gives a fresh state.
+
+        Raises:
+            InputError: the cursor is not a controller state of this version.
+        """
+        if not cursor:
+            return cls()
+        try:
+            state = cls.model_validate_json(cursor)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or None
+            raise InputError("sensor cursor", field, f"not a controller state: {first['msg']}") from None
+        if state.version != STATE_VERSION:
+            raise InputError("sensor cursor", "version", f"expected {STATE_VERSION}, got {state.version}")
+        return state
+
+
+class Decision(BaseModel):
+    """One controller decision, taken or declined, with the reason an operator reads.
+
+    ``action`` is ``"shift"`` only when the controller asks for a shift now. A declined shift is a
+    ``"hold"`` with ``declined=True``, the trigger, the target it considered (if any) and why not.
+    ``estimated_gain_fraction`` is the goodput-equivalent fraction of full service the target is
+    expected to add (see :mod:`flexpipe_dag.control.payback`); gain x ``expected_residence_s`` is
+    compared with ``migration_cost_s``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    t_s: float
+    action: Literal["hold", "shift"]
+    from_gear_id: str | None
+    to_gear_id: str | None = None
+    trigger: TriggerName | None = None
+    reason: str
+    declined: bool = False
+    required_samples: int
+    estimated_gain_fraction: float | None = None
+    migration_cost_s: float | None = None
+    expected_residence_s: float | None = None

@@ -1,0 +1,256 @@
+"""Roofline cost model of pipeline stages on heterogeneous devices.
+
+Every operator class ``c`` (``gemm``, ``attention``, ``norm``, ``elementwise``, ``embedding``) on a
+device with ``peak_tflops`` P and ``hbm_bandwidth_gbps`` W takes::
+
+    t_c = kernels_c * overhead_us_c + max( flops_c / (P * compute_c),  bytes_c / (W * memory_c) )
+
+(Williams, Waterman, Patterson 2009, "Roofline"; the fixed per-kernel overhead is the launch and
+tail cost visible at small token counts). A stage's time is the sum over its layers' classes, plus
+the embedding on the first stage and final norm + LM head on the last:
+
+* prefill of ``n`` prompt tokens: compute-bound for large ``n`` (FLOPs / achievable TFLOP/s),
+* decode of a micro-batch of ``b`` sequences with ``C`` cached tokens in total: the weights and the KV
+  of ``C`` tokens are read once per step, so it is bandwidth-bound for small ``b`` (bytes / achievable
+  GB/s) and becomes compute-bound as ``b`` grows (the max of the two terms),
+* transfer of ``n`` tokens' activations over a link: ``latency_us + n x activation bytes / bandwidth``.
+
+The efficiency factors ``compute_c``, ``memory_c``, ``overhead_us_c`` are fitted to the measured
+vidur A100 operator times (:mod:`flexpipe_dag.planner.calibration`, stored in
+``flexpipe_dag/data/profiling/a100_efficiency.yaml``). They are device-independent defaults; a
+calibration step can pass ``device_overrides={device_id: {op_class: Efficiency}}`` measured on
+that device.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from dataclasses import dataclass
+from typing import Mapping
+
+import yaml
+
+from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.planner.model_spec import ModelSpec, dtype_bytes
+from flexpipe_dag.planner.operators import (
+    OP_CLASSES,
+    embedding_work_by_class,
+    head_work_by_class,
+    layer_work_by_class,
+)
+
+EFFICIENCY_FILE = "profiling/a100_efficiency.yaml"
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of a device's roofline for one operator class.
+
+    Attributes:
+        compute: fraction (0, 1] of ``peak_tflops`` achieved when compute-bound.
+        memory: fraction (0, 1] of ``hbm_bandwidth_gbps`` achieved when bandwidth-bound.
+        overhead_us: fixed time per kernel, microseconds.
+    """
+
+    compute: float
+    memory: float
+    overhead_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.compute <= 1.5 and 0 < self.memory <= 1.5 and self.overhead_us >= 0):
+            raise ValueError(f"efficiency out of range: {self}")
+
+
+@functools.cache
+def default_efficiency() -> dict[str, Efficiency]:
+    """The calibrated per-class factors shipped with the package (see module docstring)."""
+    text = importlib.resources.files("flexpipe_dag.data").joinpath(EFFICIENCY_FILE).read_text()
+    raw = yaml.safe_load(text)["op_classes"]
+    out = {cls: Efficiency(float(r["compute"]), float(r["memory"]), float(r["overhead_us"])) for cls, r in raw.items()}
+    missing = set(OP_CLASSES) - set(out)
+    if missing:
+        raise InputError(EFFICIENCY_FILE, "op_classes", f"missing classes {sorted(missing)}")
+    return out
+
+
+WorkByClass = Mapping[str, tuple[float, float, int]]
+
+
+def roofline_ms(work: WorkByClass, peak_tflops: float, hbm_bandwidth_gbps: float,
+                efficiency: Mapping[str, Efficiency]) -> float:
+    """Time of ``work`` (``{class: (flops, bytes, kernels)}``) on a device, ms (formula in module doc)."""
+    total = 0.0
+    for cls, (flops, moved, kernels) in work.items():
+        e = efficiency[cls]
+        compute_ms = flops / (peak_tflops * 1e12 * e.compute) * 1e3
+        memory_ms = moved / (hbm_bandwidth_gbps * 1e9 * e.memory) * 1e3
+        total += kernels * e.overhead_us / 1e3 + max(compute_ms, memory_ms)
+    return total
+
+
+class CostModel:
+    """Per-stage prefill / decode / transfer times for one model on one cluster (ms).
+
+    Args:
+        model: the model's architecture facts.
+        cluster: devices and links.
+        dtype: weight dtype (``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4``).
+        efficiency: per-class factors; default :func:`default_efficiency`.
+        device_overrides: ``{device_id: {op_class: Efficiency}}`` from a per-device calibration;
+            classes not named keep the defaults.
+    """
+
+    def __init__(self, model: ModelSpec, cluster: ClusterProfile, *, dtype: str = "bf16",
+                 efficiency: Mapping[str, Efficiency] | None = None,
+                 device_overrides: Mapping[str, Mapping[str, Efficiency]] | None = None):
+        dtype_bytes(dtype, "--dtype")
+        self.model = model
+        self.cluster = cluster
+        self.dtype = dtype
+        self.efficiency = dict(efficiency or default_efficiency())
+        self.device_overrides = {k: dict(v) for k, v in (device_overrides or {}).items()}
+        unknown = set(self.device_overrides) - {d.device_id for d in cluster.devices}
+        if unknown:
+            raise InputError("device_overrides", None, f"unknown device ids {sorted(unknown)}")
+        self._devices = {d.device_id: d for d in cluster.devices}
+        self._links = {(l.src_device_id, l.dst_device_id): l for l in cluster.links}
+        self._cache: dict[tuple, float] = {}
+
+    # -- device-level pieces (cached by device profile, so identical devices share entries) ------
+    def device(self, device_id: str) -> Device:
+        return self._devices[device_id]
+
+    def device_key(self, device_id: str) -> tuple:
+        """Devices with equal keys have equal times: (peak TFLOP/s, HBM GB/s, overrides)."""
+        d = self._devices[device_id]
+        over = self.device_overrides.get(device_id)
+        return (d.peak_tflops, d.hbm_bandwidth_gbps, tuple(sorted(over.items())) if over else ())
+
+    def _eff(self, device_id: str) -> Mapping[str, Efficiency]:
+        over = self.device_overrides.get(device_id)
+        return {**self.efficiency, **over} if over else self.efficiency
+
+    def _time(self, device_id: str, tag: str, work_fn, *args) -> float:
+        key = (self.device_key(device_id), tag, args)
+        hit = self._cache.get(key)
+        if hit is None:
+            d = self._devices[device_id]
+            hit = roofline_ms(work_fn(*args), d.peak_tflops, d.hbm_bandwidth_gbps, self._eff(device_id))
+            self._cache[key] = hit
+        return hit
+
+    def layer_prefill_ms(self, device_id: str, num_tokens: int) -> float:
+        """One decoder layer over one causal prompt of ``num_tokens`` tokens, ms."""
+        n = float(num_tokens)
+        return self._time(device_id, "lp", lambda n: layer_work_by_class(self.model, n, n * (n + 1) / 2, n, self.dtype), n)
+
+    def layer_decode_ms(self, device_id: str, batch_size: int, context_tokens: int) -> float:
+        """One decoder layer, one decode step of ``batch_size`` sequences holding ``context_tokens`` KV tokens in total, ms."""
+        return self._time(device_id, "ld",
+                          lambda b, c: layer_work_by_class(self.model, b, c, c, self.dtype),
+                          float(batch_size), float(context_tokens))
+
+    def first_extra_ms(self, device_id: str, num_tokens: int) -> float:
+        """Embedding gather for ``num_tokens`` tokens (first stage only), ms."""
+        return self._time(device_id, "emb", lambda n: embedding_work_by_class(self.model, n, self.dtype), float(num_tokens))
+
+    def last_extra_ms(self, device_id: str, num_logit_tokens: int) -> float:
+        """Final norm + LM head for ``num_logit_tokens`` tokens (last stage only), ms."""
+        return self._time(device_id, "head", lambda n: head_work_by_class(self.model, n, self.dtype), float(num_logit_tokens))
+
+    # -- stages ----------------------------------------------------------------------------------
+    def stage_prefill_ms(self, device_id: str, num_layers: int, first: bool, last: bool, num_tokens: int,
+                         num_prompts: int = 1) -> float:
+        """Prefill of ``num_tokens`` prompt tokens on a stage of ``num_layers`` layers, ms.
+
+        The attention term treats the tokens as ``num_prompts`` equal causal prompts.
+        """
+        num_prompts = max(1, num_prompts)
+        per_prompt = max(1, round(num_tokens / num_prompts))
+        t = num_layers * num_prompts * self.layer_prefill_ms(device_id, per_prompt)
+        if first:
+            t += self.first_extra_ms(device_id, num_tokens)
+        if last:
+            t += self.last_extra_ms(device_id, num_prompts)
+        return t
+
+    def stage_decode_ms(self, device_id: str, num_layers: int, first: bool, last: bool, batch_size: int,
+                        context_tokens: int) -> float:
+        """One decode step of a micro-batch of ``batch_size`` sequences (``context_tokens`` KV tokens in total), ms."""
+        t = num_layers * self.layer_decode_ms(device_id, batch_size, context_tokens)
+        if first:
+            t += self.first_extra_ms(device_id, batch_size)
+        if last:
+            t += self.last_extra_ms(device_id, batch_size)
+        return t
+
+    def link(self, src_device_id: str, dst_device_id: str) -> Link | None:
+        """The directed link, or ``None`` when the profile has none (the pair cannot be adjacent)."""
+        return self._links.get((src_device_id, dst_device_id))
+
+    def transfer_ms(self, src_device_id: str, dst_device_id: str, num_tokens: int) -> float:
+        """Send ``num_tokens`` tokens' activations ``src -> dst``: latency + bytes / bandwidth, ms.
+
+        Raises:
+            KeyError: the cluster profile has no such link.
+        """
+        key = ("tr", src_device_id, dst_device_id, num_tokens)
+        hit = self._cache.get(key)
+        if hit is None:
+            link = self._links.get((src_device_id, dst_device_id))
+            if link is None:
+                raise KeyError(f"no link {src_device_id} -> {dst_device_id}")
+            hit = self._cache[key] = link.transfer_ms(num_tokens * self.model.activation_bytes_per_token(self.dtype))
+        return hit
+
+    def timings(self, gear: Gear) -> GearTiming:
+        """A :class:`~flexpipe_dag.core.timing.StageTimingModel` for ``gear`` on this cluster."""
+        return GearTiming(self, gear)
+
+
+class GearTiming:
+    """:class:`~flexpipe_dag.core.timing.StageTimingModel` of one gear (times per replica, ms).
+
+    Stage ``i`` is priced on its first replica's device (replicas of a stage are the same GPU model);
+    the transfer after stage ``i`` uses the link from that device to stage ``i + 1``'s first replica.
+
+    Raises:
+        InputError: the gear names a device the cluster does not have, or adjacent stages have no link.
+    """
+
+    def __init__(self, cost_model: CostModel, gear: Gear):
+        self.cost_model = cost_model
+        self.gear = gear
+        self.num_stages = gear.num_stages
+        known = {d.device_id for d in cost_model.cluster.devices}
+        for st in gear.stages:
+            for dev in st.device_ids:
+                if dev not in known:
+                    raise InputError(gear.gear_id, f"stages[{st.stage_index}].device_ids",
+                                     f"device {dev!r} is not in cluster {cost_model.cluster.cluster_id!r}")
+        for a, b in zip(gear.stages, gear.stages[1:]):
+            if cost_model.link(a.device_ids[0], b.device_ids[0]) is None:
+                raise InputError(gear.gear_id, f"stages[{a.stage_index}]",
+                                 f"no link {a.device_ids[0]} -> {b.device_ids[0]} in the cluster profile")
+
+    def _stage(self, i: int):
+        st = self.gear.stages[i]
+        return st.device_ids[0], st.num_layers, i == 0, i == self.num_stages - 1
+
+    def prefill_ms(self, stage_index: int, num_tokens: int) -> float:
+        dev, k, first, last = self._stage(stage_index)
+        return self.cost_model.stage_prefill_ms(dev, k, first, last, int(num_tokens))
+
+    def decode_ms(self, stage_index: int, batch_size: int, context_tokens: int) -> float:
+        dev, k, first, last = self._stage(stage_index)
+        return self.cost_model.stage_decode_ms(dev, k, first, last, int(batch_size), int(context_tokens))
+
+    def transfer_ms(self, stage_index: int, num_tokens: int) -> float:
+        if stage_index >= self.num_stages - 1:
+            return 0.0
+        src = self.gear.stages[stage_index].device_ids[0]
+        dst = self.gear.stages[stage_index + 1].device_ids[0]
+        return self.cost_model.transfer_ms(src, dst, int(num_tokens))

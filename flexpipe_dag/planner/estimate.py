@@ -1,0 +1,102 @@
+"""Analytic performance estimate of a pipeline plan: throughput, TTFT and TPOT at an operating point.
+
+For a plan with micro-batch ``b``, ``m = ceil(N / b)`` micro-batches in flight, per-stage decode step
+``d_s`` (ms, per replica), prefill ``p_s`` and ``r_s`` replicas:
+
+* decode round trip ``R = sum_s d_s + sum_links (latency + b * act_bytes / bandwidth)``;
+* decode spacing at the bottleneck ``D = max_s d_s / r_s``; with ``a`` active micro-batches a token
+  is produced every ``TPOT(a) = max(R, a * D)`` per sequence;
+* capacity ``X_busy = 1 / max(busy)`` requests per ms (see :mod:`~flexpipe_dag.planner.search`), and by
+  Little's law ``X_slots = N / (TTFT + O * TPOT(m))``; throughput ``X = min(X_busy, X_slots)``;
+* TTFT = prefill through every stage and link, plus the wait at the bottleneck: the M/M/1 waiting-time
+  quantile ``w_q = ln(rho / (1 - q)) * s / (1 - rho)`` for ``rho > 1 - q`` (Kleinrock 1975, Vol. 1,
+  Sec. 3.2), a conservative stand-in for the queue the simulator measures; ``s`` is the bottleneck busy
+  time and ``rho = qps / X``.
+
+P50 figures use the mean prompt, P99 figures the P95 context as the prompt (the KV pool is sized at it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch
+
+#: Operating envelopes end at this utilisation of a gear's capacity.
+ENVELOPE_UTILISATION = 0.8
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """Estimated behaviour of a plan; times in ms, rates per second."""
+
+    throughput_rps: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    tpot_idle_ms: float
+    ttft_idle_ms: float
+    bottleneck_stage: int
+    qps_at_envelope: float
+
+
+def _wait_quantile_ms(rho: float, service_ms: float, q: float) -> float:
+    if rho <= 0 or rho <= 1 - q:
+        return 0.0
+    rho = min(rho, 0.999)
+    return math.log(rho / (1 - q)) * service_ms / (1 - rho)
+
+
+def estimate_plan(search: PipelineSearch, plan: PipelinePlan, utilisation: float = ENVELOPE_UTILISATION,
+                  qps: float | None = None) -> PlanEstimate:
+    """Estimate ``plan`` at ``qps`` requests/s, or at ``utilisation`` x its throughput when ``qps`` is None.
+
+    Formulas in the module docstring; ``qps`` above the plan's throughput is clipped to it.
+    """
+    w = search.workload
+    cm = search.cm
+    b = plan.micro_batch_size
+    S = plan.num_stages
+    roles = [SINGLE] if S == 1 else [FIRST] + [MIDDLE] * (S - 2) + [LAST]
+    dec, pf_mean, pf_p95 = [], [], []
+    ctx = int(round(b * w.decode_context_mean_tokens))
+    for ds, k, role in zip(plan.device_ids, plan.sizes, roles):
+        first, last = role in (FIRST, SINGLE), role in (LAST, SINGLE)
+        t = search.tables(ds[0], b, len(ds))
+        dec.append(float(t.decode_ms[role, k]))
+        pf_mean.append(float(t.prefill_ms[role, k]))
+        pf_p95.append(cm.stage_prefill_ms(ds[0], k, first, last, w.context_p95_tokens))
+    hops = list(zip(plan.device_ids, plan.device_ids[1:]))
+    tr_dec = sum(cm.transfer_ms(a[0], c[0], b) for a, c in hops)
+    tr_pf = sum(cm.transfer_ms(a[0], c[0], w.prompt_tokens_mean) for a, c in hops)
+    tr_pf95 = sum(cm.transfer_ms(a[0], c[0], w.context_p95_tokens) for a, c in hops)
+    R = sum(dec) + tr_dec
+    D = max(d / len(ds) for d, ds in zip(dec, plan.device_ids))
+    m = math.ceil(w.concurrency / b)
+    ttft_idle = sum(pf_mean) + tr_pf
+    tpot_full = max(R, m * D)
+    x_busy = 1e3 / plan.bottleneck_ms
+    x_slots = w.concurrency * 1e3 / (ttft_idle + w.output_tokens_mean * tpot_full)
+    x = min(x_busy, x_slots)
+    qps = utilisation * x if qps is None else min(qps, x)
+    rho = qps / x_busy
+    service = plan.bottleneck_ms
+    active = max(1.0, min(m, qps * (ttft_idle + w.output_tokens_mean * tpot_full) / 1e3 / b))
+    tpot_p50 = max(R, active * D)
+    # a decode step that waits behind one prefill chunk on the bottleneck stage
+    s_b = max(range(S), key=lambda i: plan.stage_busy_ms[i])
+    chunk = w.prefill_chunk_tokens
+    k_b = plan.sizes[s_b]
+    chunk_ms = cm.stage_prefill_ms(plan.device_ids[s_b][0], k_b, roles[s_b] in (FIRST, SINGLE),
+                                   roles[s_b] in (LAST, SINGLE), min(chunk, w.context_p95_tokens))
+    tpot_p99 = max(R, m * D) + chunk_ms
+    ttft_p50 = ttft_idle + _wait_quantile_ms(rho, service, 0.5)
+    ttft_p99 = sum(pf_p95) + tr_pf95 + _wait_quantile_ms(rho, service, 0.99)
+    bottleneck = max(range(S), key=lambda i: plan.stage_busy_ms[i])
+    return PlanEstimate(
+        throughput_rps=x, tokens_per_s=x * w.output_tokens_mean, ttft_p50_ms=ttft_p50, ttft_p99_ms=ttft_p99,
+        tpot_p50_ms=tpot_p50, tpot_p99_ms=tpot_p99, tpot_idle_ms=R, ttft_idle_ms=ttft_idle,
+        bottleneck_stage=bottleneck, qps_at_envelope=qps)

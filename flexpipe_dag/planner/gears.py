@@ -1,0 +1,340 @@
+"""Gears: the planner's latency / balanced / throughput pipelines, the baselines, and the oracle.
+
+All kinds go through one code path: :class:`~flexpipe_dag.planner.search.PipelineSearch` prices a
+plan, :func:`~flexpipe_dag.planner.estimate.estimate_plan` estimates it, :func:`to_gear` turns it
+into a :class:`~flexpipe_dag.core.gear.Gear`.
+
+Gear objectives over the candidate plans (every micro-batch size x a ladder of bottlenecks from the
+least feasible up to memory-only, each built "capacity first" and "speed first", plus replicas):
+
+* ``throughput``: maximise estimated tokens/s (ties: lower idle TPOT);
+* ``latency``: minimise idle TPOT (the decode round trip), ties: higher tokens/s;
+* ``balanced``: maximise Kleinrock's power, tokens/s / TPOT at the envelope (Kleinrock 1979).
+
+Baselines: ``uniform`` (layer counts differ by at most 1) and ``parameters`` (DeepSpeed's
+``partition_balanced`` over per-layer parameter counts, embedding on layer 0 and LM head on the last)
+on the device sequences the search proposes (and all devices in profile order); ``oracle``:
+exhaustive over ordered device sequences with the exact DP split, for <= 6 devices and <= 16 layers.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexpipe_dag.core.cluster import ClusterProfile
+from flexpipe_dag.core.errors import InfeasibleError, InputError
+from flexpipe_dag.core.gear import Gear, GearEstimate, GearKind, StagePlan
+from flexpipe_dag.planner.cost_model import CostModel
+from flexpipe_dag.planner.estimate import PlanEstimate, estimate_plan
+from flexpipe_dag.planner.model_spec import GIB, ModelSpec
+from flexpipe_dag.planner.partition import (
+    balanced_partition,
+    check_stage_count,
+    min_bottleneck_split,
+    uniform_partition,
+)
+from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch
+from flexpipe_dag.planner.workload import PlanWorkload
+
+ORACLE_MAX_DEVICES = 6
+ORACLE_MAX_LAYERS = 16
+LADDER_STEPS = 6
+#: The latency gear is chosen for this share of the best plan's capacity (the tide's trough).
+LOW_LOAD_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class ScoredPlan:
+    """A plan and its estimate."""
+
+    plan: PipelinePlan
+    estimate: PlanEstimate
+
+
+def _score(search: PipelineSearch, plan: PipelinePlan) -> ScoredPlan:
+    return ScoredPlan(plan, estimate_plan(search, plan))
+
+
+def candidate_plans(search: PipelineSearch, num_stages: int | None = None, replicas: bool = True) -> list[ScoredPlan]:
+    """Every distinct plan the search proposes over micro-batch sizes and the bottleneck ladder."""
+    seen: dict[tuple, ScoredPlan] = {}
+    built: set[tuple] = set()
+    for b in search.workload.batch_sizes():
+        t_min = search.min_limit(b) if num_stages is None else _min_limit_forced(search, b, num_stages)
+        if t_min is None:
+            continue
+        cand = search.candidate_limits(b)
+        t_max = float(cand[-1])
+        ladder = [t_min] if num_stages is not None else sorted(
+            {t_min, *np.geomspace(t_min, max(t_max, t_min), LADDER_STEPS).tolist()})
+        for limit in ladder:
+            for prefer in ("capacity", "speed"):
+                for plan in search.construct(b, limit, prefer, num_stages):
+                    if plan.signature() in built:
+                        continue
+                    built.add(plan.signature())
+                    for p in ([plan, search.add_replicas(plan)] if replicas else [plan]):
+                        if p.signature() not in seen:
+                            seen[p.signature()] = _score(search, p)
+    return list(seen.values())
+
+
+def _min_limit_forced(search: PipelineSearch, b: int, num_stages: int) -> float | None:
+    cand = search.candidate_limits(b)
+    if len(cand) == 0 or not search.construct(b, float(cand[-1]), "capacity", num_stages):
+        return None
+    lo, hi = 0, len(cand) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if search.construct(b, float(cand[mid]), "capacity", num_stages):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(cand[lo])
+
+
+def pick(kind: str, scored: list[ScoredPlan], search: PipelineSearch | None = None) -> ScoredPlan:
+    """The best plan for ``kind`` (objectives in the module docstring); deterministic tie-breaks.
+
+    ``search`` is needed for ``latency`` (it re-estimates candidates at the low-load point).
+    """
+    def tie(s: ScoredPlan) -> tuple:
+        return (s.plan.num_stages, s.plan.micro_batch_size, s.plan.signature())
+
+    if kind in ("throughput", "uniform", "parameters", "oracle"):
+        return min(scored, key=lambda s: (-round(s.estimate.tokens_per_s, 6), s.estimate.tpot_idle_ms, tie(s)))
+    if kind == "latency":
+        return pick_latency(search, scored)
+    if kind == "balanced":
+        return min(scored, key=lambda s: (-s.estimate.tokens_per_s / s.estimate.tpot_p50_ms, tie(s)))
+    raise InputError(None, "kind", f"unknown gear kind {kind!r}")
+
+
+def pick_latency(search: PipelineSearch | None, scored: list[ScoredPlan]) -> ScoredPlan:
+    """Lowest TPOT P50 (then TTFT P50) at the low-load point ``LOW_LOAD_SHARE`` x the best capacity,
+    among plans whose envelope reaches that point."""
+    if search is None:
+        raise InputError(None, "search", "picking a latency gear needs the search state")
+    q_low = LOW_LOAD_SHARE * max(s.estimate.throughput_rps for s in scored)
+    able = [s for s in scored if s.estimate.qps_at_envelope >= q_low] or scored
+
+    def key(s: ScoredPlan) -> tuple:
+        e = estimate_plan(search, s.plan, qps=q_low)
+        return (round(e.tpot_p50_ms, 6), round(e.ttft_p50_ms, 6), -s.estimate.tokens_per_s,
+                s.plan.num_stages, s.plan.signature())
+
+    return min(able, key=key)
+
+
+# -- baselines -------------------------------------------------------------------------------------
+def baseline_sequences(search: PipelineSearch) -> list[list[str]]:
+    """Device sequences a baseline user would run: every available device in profile order (the
+    DeepSpeed world), then with the smallest-memory device dropped, one at a time."""
+    pool = list(search.pool)
+    drop_order = sorted(pool, key=lambda d: (d.memory_gib, d.peak_tflops, d.device_id))
+    seqs = []
+    for n_drop in range(len(pool)):
+        dropped = {d.device_id for d in drop_order[:n_drop]}
+        seqs.append([d.device_id for d in pool if d.device_id not in dropped])
+    return seqs
+
+
+def baseline_plans(search: PipelineSearch, kind: str, sequences: list[list[str]]) -> list[ScoredPlan]:
+    """``uniform`` or ``parameters`` splits over the given device sequences, every micro-batch size.
+
+    Sequences are tried in order and the first one with any feasible split is used (a user drops
+    devices only until the model fits).
+    """
+    L = search.num_layers
+    model = search.model
+    out = []
+    for seq in sequences:
+        if len(seq) > L:
+            continue
+        if kind == "uniform":
+            sizes = uniform_partition(L, len(seq))
+        elif kind == "parameters":
+            weights = [float(model.params_per_layer)] * L
+            weights[0] += model.embedding_params
+            weights[-1] += model.head_params
+            sizes = balanced_partition(weights, len(seq))
+        else:
+            raise InputError(None, "kind", f"not a baseline kind: {kind!r}")
+        for b in search.workload.batch_sizes():
+            plan = search.evaluate_split(b, seq, sizes, kind)
+            if plan is not None:
+                out.append(_score(search, plan))
+        if out:
+            return out
+    return out
+
+
+def oracle_plans(search: PipelineSearch) -> list[ScoredPlan]:
+    """Exhaustive: every ordered sequence of distinct pool devices x the exact DP split, per micro-batch.
+
+    Interchangeable devices (same profile and links) are enumerated once. No replicas.
+
+    Raises:
+        InputError: more than 6 devices or 16 layers.
+    """
+    L, pool = search.num_layers, [d.device_id for d in search.pool]
+    if len(pool) > ORACLE_MAX_DEVICES or L > ORACLE_MAX_LAYERS:
+        raise InputError(None, "oracle", f"exhaustive oracle is for <= {ORACLE_MAX_DEVICES} devices and "
+                         f"<= {ORACLE_MAX_LAYERS} layers, got {len(pool)} devices and {L} layers")
+    out = []
+    for b in search.workload.batch_sizes():
+        best: PipelinePlan | None = None
+        seen_sig: set[tuple] = set()
+        for s in range(1, min(len(pool), L) + 1):
+            for seq in itertools.permutations(pool, s):
+                sig = tuple(search.profile(d) for d in seq) + tuple(
+                    search.link_busy_ms(a, c) for a, c in zip(seq, seq[1:]))
+                if sig in seen_sig:
+                    continue
+                seen_sig.add(sig)
+                links = [search.link_busy_ms(a, c) for a, c in zip(seq, seq[1:])]
+                if any(math.isinf(x) for x in links):
+                    continue
+                roles = [SINGLE] if s == 1 else [FIRST] + [MIDDLE] * (s - 2) + [LAST]
+                costs = np.full((s, L + 1, L + 1), np.inf)
+                for k, (d, role) in enumerate(zip(seq, roles)):
+                    row = search.tables(d, b).busy_ms[role]            # by number of layers
+                    diff = np.arange(L + 1)[None, :] - np.arange(L + 1)[:, None]
+                    costs[k] = np.where(diff >= 1, row[np.clip(diff, 0, L)], np.inf)
+                bottleneck, sizes = min_bottleneck_split(costs, links)
+                if not sizes:
+                    continue
+                if best is None or bottleneck < best.bottleneck_ms - 1e-12:
+                    best = search.evaluate_split(b, list(seq), sizes, "oracle")
+        if best is not None:
+            out.append(_score(search, best))
+    return out
+
+
+# -- gears -----------------------------------------------------------------------------------------
+def _gear_id(kind: str, model: ModelSpec, dtype: str, plan: PipelinePlan, cluster_id: str) -> str:
+    text = repr((kind, model.name, dtype, cluster_id, plan.signature()))
+    return f"{kind}-{plan.num_stages}s-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+
+
+def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, qps_min: float = 0.0,
+            profile_version: int | None = None) -> Gear:
+    """Turn a scored plan into a validated :class:`Gear` (stage times, weight GiB, KV token capacity)."""
+    plan, est = scored.plan, scored.estimate
+    w, cm, model = search.workload, search.cm, search.model
+    S = plan.num_stages
+    roles = [SINGLE] if S == 1 else [FIRST] + [MIDDLE] * (S - 2) + [LAST]
+    stages, start, kv_caps = [], 0, []
+    for i, (ds, k, role) in enumerate(zip(plan.device_ids, plan.sizes, roles)):
+        first, last = role in (FIRST, SINGLE), role in (LAST, SINGLE)
+        weight = (k * model.layer_weight_bytes(cm.dtype) + first * model.first_stage_extra_bytes(cm.dtype)
+                  + last * model.last_stage_extra_bytes(cm.dtype) - (first and last) * model.tied_saving_bytes(cm.dtype))
+        t = search.tables(ds[0], plan.micro_batch_size, len(ds))
+        ws = max(plan.micro_batch_size, w.prefill_chunk_tokens) * model.activation_workspace_bytes_per_token(cm.dtype)
+        free_kv = t.usable_bytes - weight - ws
+        kv_tokens = int(free_kv // (model.kv_bytes_per_token_per_layer(cm.dtype) * k)) * len(ds)
+        kv_caps.append(kv_tokens)
+        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=start + k, device_ids=list(ds),
+                                est_stage_ms=round(float(t.decode_ms[role, k]), 6), weight_gib=round(weight / GIB, 4),
+                                kv_capacity_tokens=kv_tokens))
+        start += k
+    qps_max = est.qps_at_envelope
+    estimate = GearEstimate(
+        throughput_rps=est.throughput_rps, tokens_per_s=est.tokens_per_s, ttft_p50_ms=est.ttft_p50_ms,
+        ttft_p99_ms=est.ttft_p99_ms, tpot_p50_ms=est.tpot_p50_ms, tpot_p99_ms=est.tpot_p99_ms,
+        bottleneck_stage=est.bottleneck_stage)
+    return Gear(
+        gear_id=_gear_id(kind, model, cm.dtype, plan, cm.cluster.cluster_id), kind=kind, model_name=model.name,
+        dtype=cm.dtype, num_layers=model.num_layers, stages=stages, micro_batch_size=plan.micro_batch_size,
+        max_inflight_micro_batches=max(1, math.ceil(w.concurrency / plan.micro_batch_size)),
+        kv_capacity_tokens=min(kv_caps), qps_min=min(qps_min, qps_max), qps_max=qps_max,
+        target_p99_ms=max(1.0, math.ceil(est.ttft_p99_ms)), estimate=estimate, cluster_id=cm.cluster.cluster_id,
+        profile_version=profile_version)
+
+
+def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16",
+                workload: PlanWorkload | None = None, now: dt.datetime | None = None,
+                device_overrides=None) -> PipelineSearch:
+    """Cost model + search state for ``model`` on ``cluster``."""
+    cm = CostModel(model, cluster, dtype=dtype, device_overrides=device_overrides)
+    return PipelineSearch(cm, workload or PlanWorkload(), now)
+
+
+def plan_kind(search: PipelineSearch, kind: str, num_stages: int | None = None) -> ScoredPlan:
+    """The best plan of one kind (an operating kind, a baseline or the oracle).
+
+    Raises:
+        InfeasibleError: no plan fits (the message names the binding constraint).
+    """
+    if num_stages is not None:
+        check_stage_count(search.num_layers, num_stages)
+        if num_stages > len(search.pool):
+            raise InfeasibleError(f"{num_stages} stages need {num_stages} devices, {len(search.pool)} are available")
+    if kind == "oracle":
+        scored = oracle_plans(search)
+    elif kind in ("uniform", "parameters"):
+        seqs = baseline_sequences(search)
+        if num_stages is not None:
+            seqs = [s[:num_stages] for s in seqs if len(s) >= num_stages][:1]
+        scored = baseline_plans(search, kind, seqs)
+        if not scored:
+            raise InfeasibleError(f"no {kind} split of {search.num_layers} layers fits any baseline device sequence "
+                                  f"({search.explain_infeasible()})")
+    else:
+        scored = candidate_plans(search, num_stages)
+    if not scored:
+        raise InfeasibleError(search.explain_infeasible())
+    return pick(kind, scored, search)
+
+
+def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
+               concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
+               workload: PlanWorkload | None = None, profile_version: int | None = None,
+               device_overrides=None) -> list[Gear]:
+    """Plan the latency, balanced and throughput gears for ``model`` on ``cluster``.
+
+    Args:
+        dtype: weight dtype. context_p95_tokens / concurrency: the KV pool each gear must hold.
+        now: availability windows are measured from here (default: the profile's ``measured_at``).
+        min_residence_s: devices leaving sooner are not used.
+        workload: full assumptions (overrides the three workload arguments above when given).
+        device_overrides: per-device efficiency factors (see :class:`CostModel`).
+
+    Returns:
+        ``[latency, balanced, throughput]`` gears, each with its estimate and envelope; envelopes are
+        ordered by capacity: each gear's ``qps_min`` is 70 % of the next-smaller gear's ``qps_max``
+        (overlap for hysteresis), the smallest starts at 0.
+
+    Raises:
+        InfeasibleError: the model cannot be placed (binding constraint named).
+        InputError: bad dtype or workload values.
+    """
+    workload = workload or PlanWorkload(context_p95_tokens=context_p95_tokens, concurrency=concurrency,
+                                        min_residence_s=min_residence_s)
+    search = make_search(cluster, model, dtype=dtype, workload=workload, now=now, device_overrides=device_overrides)
+    scored = candidate_plans(search)
+    if not scored:
+        raise InfeasibleError(search.explain_infeasible())
+    chosen = {kind: pick(kind, scored, search) for kind in ("latency", "balanced", "throughput")}
+    by_capacity = sorted(chosen, key=lambda k: (chosen[k].estimate.qps_at_envelope, k))
+    gears: dict[str, Gear] = {}
+    prev_max = None
+    for kind in by_capacity:
+        qps_min = 0.0 if prev_max is None else 0.7 * prev_max
+        gears[kind] = to_gear(search, kind, chosen[kind], qps_min=qps_min, profile_version=profile_version)
+        prev_max = chosen[kind].estimate.qps_at_envelope
+    return [gears[k] for k in ("latency", "balanced", "throughput")]
+
+
+def plan_baseline(cluster: ClusterProfile, model: ModelSpec, kind: GearKind, *, dtype: str = "bf16",
+                  workload: PlanWorkload | None = None, now: dt.datetime | None = None,
+                  num_stages: int | None = None) -> Gear:
+    """One ``uniform`` / ``parameters`` / ``oracle`` gear (or an operating kind) through the same path."""
+    search = make_search(cluster, model, dtype=dtype, workload=workload, now=now)
+    return to_gear(search, kind, plan_kind(search, kind, num_stages))

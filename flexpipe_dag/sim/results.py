@@ -1,0 +1,161 @@
+"""Simulation results: per-request outcomes, metric samples, gear shifts, and the summary users see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from flexpipe_dag.core.metrics import MetricSample
+
+if TYPE_CHECKING:
+    from flexpipe_dag.sim.engine import ShiftEvent, Simulator
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass
+class SimResult:
+    """What a simulation produced.
+
+    Attributes:
+        requests: one row per request: ``request_id, class, priority, arrival_s, first_token_s,
+            finish_s, input_tokens, output_tokens, preemptions, rejected, gear_id, ttft_ms, tpot_ms,
+            e2e_ms, slo_met`` (times NaN where not reached; ``tpot_ms`` NaN for one-token outputs).
+        samples: the metric samples, one per ``sample_period_s``.
+        shifts: gear shifts with their switch and drain times.
+        summary: see :func:`summarize`.
+    """
+
+    requests: pd.DataFrame
+    samples: list[MetricSample]
+    shifts: list["ShiftEvent"]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def timeseries(self) -> pd.DataFrame:
+        """Samples as a frame: ``t_s, qps, completed, tokens_per_s, queue_length, running,
+        kv_used_fraction, ttft_p99_ms, ..., stage<i>_busy`` (queue length and KV use over time)."""
+        rows = []
+        for s in self.samples:
+            d = s.to_dict()
+            stages = d.pop("stages")
+            for st in stages:
+                d[f"stage{st['stage_index']}_busy"] = st["busy_fraction"]
+                d[f"stage{st['stage_index']}_queue"] = st["queue_length"]
+            rows.append(d)
+        return pd.DataFrame(rows)
+
+
+def _dist(values: np.ndarray) -> dict[str, float | None]:
+    v = values[~np.isnan(values)]
+    if v.size == 0:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    pct = np.percentile(v, PERCENTILES)
+    return {"mean": float(v.mean()), **{f"p{q}": float(x) for q, x in zip(PERCENTILES, pct)}}
+
+
+def _class_summary(df: pd.DataFrame, makespan_s: float) -> dict[str, Any]:
+    done = df[df["finish_s"].notna()]
+    return {
+        "requests": int(len(df)),
+        "completed": int(len(done)),
+        "ttft_ms": _dist(done["ttft_ms"].to_numpy()),
+        "tpot_ms": _dist(done["tpot_ms"].to_numpy()),
+        "e2e_ms": _dist(done["e2e_ms"].to_numpy()),
+        "throughput_rps": len(done) / makespan_s if makespan_s > 0 else 0.0,
+        "goodput_rps": float(done["slo_met"].sum()) / makespan_s if makespan_s > 0 else 0.0,
+        "slo_attainment": float(done["slo_met"].sum()) / len(df) if len(df) else 0.0,
+    }
+
+
+def summarize(frame: pd.DataFrame, samples: list[MetricSample], stage_busy: dict[str, list[float]],
+              slo_ttft_ms: float, slo_tpot_ms: float, shifts: int) -> dict[str, Any]:
+    """The summary: TTFT / TPOT / end-to-end (mean, P50, P95, P99, ms), throughput (req/s, output
+    tokens/s), SLO goodput (requests meeting both SLOs per second) and attainment, per-stage
+    utilisation per gear, queue length and KV use over time (mean / P95 / max of the samples),
+    per-class breakdown, preemptions, rejected and unfinished ("lost") counts.
+
+    ``makespan_s`` = last finish - first arrival; rates are over it.
+    """
+    done = frame[frame["finish_s"].notna()]
+    if len(frame):
+        end = float(np.nanmax(frame["finish_s"].to_numpy())) if len(done) else float(frame["arrival_s"].max())
+        makespan = max(end - float(frame["arrival_s"].min()), 0.0)
+    else:
+        makespan = 0.0
+    out_tokens = float(done["output_tokens"].sum())
+    q = np.array([s.queue_length for s in samples], dtype=float)
+    kv = np.array([s.kv_used_fraction for s in samples], dtype=float)
+
+    def series(v: np.ndarray) -> dict[str, float]:
+        if v.size == 0:
+            return {"mean": 0.0, "p95": 0.0, "max": 0.0}
+        return {"mean": float(v.mean()), "p95": float(np.percentile(v, 95)), "max": float(v.max())}
+
+    summary = {
+        "requests": int(len(frame)),
+        "completed": int(len(done)),
+        "rejected": int(frame["rejected"].sum()),
+        "unfinished": int(len(frame) - len(done) - frame["rejected"].sum()),
+        "preemptions": int(frame["preemptions"].sum()),
+        "makespan_s": makespan,
+        "ttft_ms": _dist(done["ttft_ms"].to_numpy()),
+        "tpot_ms": _dist(done["tpot_ms"].to_numpy()),
+        "e2e_ms": _dist(done["e2e_ms"].to_numpy()),
+        "throughput_rps": len(done) / makespan if makespan > 0 else 0.0,
+        "tokens_per_s": out_tokens / makespan if makespan > 0 else 0.0,
+        "goodput_rps": float(done["slo_met"].sum()) / makespan if makespan > 0 else 0.0,
+        "slo_attainment": float(done["slo_met"].sum()) / len(frame) if len(frame) else 0.0,
+        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
+        "stage_utilisation": {g: [b / makespan if makespan > 0 else 0.0 for b in busy] for g, busy in stage_busy.items()},
+        "queue_length": series(q),
+        "kv_used_fraction": series(kv),
+        "shifts": shifts,
+        "by_class": {k: _class_summary(frame[frame["class"] == k], makespan) for k in ("online", "offline") if (frame["class"] == k).any()},
+    }
+    return summary
+
+
+def build_result(sim: "Simulator") -> SimResult:
+    """Collect a :class:`SimResult` from a simulator's state (called by ``Simulator.result``)."""
+    reqs = sim.workload.requests
+    seqs = sim._seqs
+    nan = float("nan")
+    first = np.array([s.first_s if s.first_s >= 0 else nan for s in seqs], dtype=float)
+    finish = np.array([s.finish_s if s.finish_s >= 0 else nan for s in seqs], dtype=float)
+    arrival = np.array(sim._arrival_s, dtype=float)
+    out = np.array([r.output_tokens for r in reqs], dtype=np.int64)
+    ttft_ms = (first - arrival) * 1000.0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot_ms = np.where(out > 1, (finish - first) * 1000.0 / np.maximum(out - 1, 1), nan)
+    e2e_ms = (finish - arrival) * 1000.0
+    cfg = sim.config
+    slo_met = (~np.isnan(finish)) & (ttft_ms <= cfg.slo_ttft_ms) & (np.isnan(tpot_ms) | (tpot_ms <= cfg.slo_tpot_ms))
+    frame = pd.DataFrame({
+        "request_id": [r.request_id for r in reqs],
+        "class": [r.klass for r in reqs],
+        "priority": [r.priority for r in reqs],
+        "arrival_s": arrival,
+        "first_token_s": first,
+        "finish_s": finish,
+        "input_tokens": [r.input_tokens for r in reqs],
+        "output_tokens": out,
+        "preemptions": [s.preempt for s in seqs],
+        "rejected": [s.rejected for s in seqs],
+        "gear_id": [s.gear_id for s in seqs],
+        "ttft_ms": ttft_ms,
+        "tpot_ms": tpot_ms,
+        "e2e_ms": e2e_ms,
+        "slo_met": slo_met,
+    })
+    stage_busy: dict[str, list[float]] = {}
+    for p in sim._pipes:
+        prev = stage_busy.get(p.gear_id, [0.0] * p.num_stages)
+        stage_busy[p.gear_id] = [a + st.busy_s / st.replicas for a, st in zip(prev, p.stages)]
+    shifts = sim.shift_events()
+    summary = summarize(frame, sim.samples, stage_busy, cfg.slo_ttft_ms, cfg.slo_tpot_ms, len(shifts))
+    summary["gear_id"] = sim._pipes[0].gear_id
+    summary["final_gear_id"] = sim.gear_id
+    return SimResult(requests=frame, samples=list(sim.samples), shifts=shifts, summary=summary)

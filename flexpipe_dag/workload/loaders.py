@@ -1,0 +1,213 @@
+"""Load request traces with pandas and validate them, naming the file, row and field of any bad value.
+
+Formats:
+
+* **Azure LLM inference trace 2023** (Azure/AzurePublicDataset, Splitwise ISCA'24):
+  ``TIMESTAMP,ContextTokens,GeneratedTokens`` with timestamps like ``2023-11-16 18:15:46.6805900``
+  (7 fractional digits). Arrival seconds are measured from the first request.
+* **Generic** CSV or JSONL (``.jsonl`` / ``.ndjson``): ``arrival_s,input_tokens,output_tokens``
+  plus optional ``request_id``, ``class`` (``online`` / ``offline``, default online) and
+  ``priority`` (int, larger first, default 0). :func:`write_requests_jsonl` writes this form.
+* **Length-only** files (e.g. vidur's ``arxiv_summarization.csv``:
+  ``num_prefill_tokens,num_decode_tokens,...``): offline batch jobs with no timestamps, all queued
+  at one arrival time (a backlog).
+
+Rules: an empty file, a missing column, an unparsable timestamp / arrival, a negative or zero token
+count raise :class:`~flexpipe_dag.core.errors.InputError` with ``source`` = the file and ``field`` =
+``row N.column`` (N counts data rows from 1); unsorted arrivals are sorted (stable) with a
+:class:`UserWarning` that says how many rows were out of order.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.workload.request import GENERIC_COLUMNS, REQUEST_CLASSES, Workload
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+LENGTH_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+
+
+class UnsortedTraceWarning(UserWarning):
+    """A trace's arrivals were not in time order; the loader sorted them."""
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    """Read CSV or JSONL into a DataFrame; empty files raise InputError."""
+    if not path.is_file():
+        raise InputError(str(path), None, "file not found; expected a trace file (CSV or JSONL)")
+    if path.stat().st_size == 0:
+        raise InputError(str(path), None, "file is empty; expected a header row and at least one request")
+    try:
+        if path.suffix.lower() in (".jsonl", ".ndjson"):
+            frame = pd.read_json(path, lines=True, dtype=False, precise_float=True)
+        else:
+            frame = pd.read_csv(path, skipinitialspace=True)
+    except (ValueError, pd.errors.ParserError) as exc:
+        raise InputError(str(path), None, f"cannot parse as {'JSONL' if path.suffix.lower() in ('.jsonl', '.ndjson') else 'CSV'}: {exc}") from exc
+    if frame.empty:
+        raise InputError(str(path), None, "no requests (only a header); expected at least one data row")
+    return frame
+
+
+def _require_columns(frame: pd.DataFrame, columns: tuple[str, ...], source: str) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise InputError(source, missing[0], f"column missing; expected columns {list(columns)}, found {list(frame.columns)}")
+
+
+def _row_field(idx: int, column: str) -> str:
+    return f"row {idx + 1}.{column}"
+
+
+def _token_column(frame: pd.DataFrame, column: str, source: str) -> np.ndarray:
+    """The column as int64, every value an integer >= 1."""
+    values = pd.to_numeric(frame[column], errors="coerce")
+    bad = values.isna() | (values < 1) | (values != np.floor(values))
+    if bad.any():
+        i = int(np.flatnonzero(bad.to_numpy())[0])
+        raise InputError(source, _row_field(i, column), f"got {frame[column].iloc[i]!r}; expected an integer token count >= 1")
+    return values.to_numpy(dtype=np.int64)
+
+
+def _sorted_by_arrival(frame: pd.DataFrame, source: str) -> pd.DataFrame:
+    t = frame["arrival_s"].to_numpy()
+    out_of_order = int(np.count_nonzero(np.diff(t) < 0))
+    if out_of_order:
+        warnings.warn(f"{source}: {out_of_order} rows arrive before the row above them; sorted by arrival_s",
+                      UnsortedTraceWarning, stacklevel=3)
+        frame = frame.sort_values("arrival_s", kind="stable").reset_index(drop=True)
+    return frame
+
+
+def _finish(frame: pd.DataFrame, name: str, source: str, meta: dict, rebase: bool = False) -> Workload:
+    frame = _sorted_by_arrival(frame, source)
+    if rebase:
+        frame["arrival_s"] = frame["arrival_s"] - float(frame["arrival_s"].iloc[0])
+    if frame["request_id"].duplicated().any():
+        i = int(np.flatnonzero(frame["request_id"].duplicated().to_numpy())[0])
+        raise InputError(source, _row_field(i, "request_id"), f"duplicate id {frame['request_id'].iloc[i]!r}; expected unique ids")
+    return Workload.from_frame(frame[list(GENERIC_COLUMNS)], name=name, source=source, meta=meta)
+
+
+def load_azure_trace(path: str | Path, *, name: str | None = None, id_prefix: str | None = None) -> Workload:
+    """Load an Azure LLM inference 2023 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+
+    Every request is ``online``, priority 0, ``arrival_s`` = seconds since the first timestamp
+    (nanosecond-exact; the 7th fractional digit is kept). Ids are ``<prefix>-<row>``.
+
+    Raises:
+        InputError: empty file, missing column, unparsable timestamp, token count < 1.
+    """
+    path = Path(path)
+    source = str(path)
+    frame = _read_table(path)
+    _require_columns(frame, AZURE_COLUMNS, source)
+    ts = pd.to_datetime(frame["TIMESTAMP"], format="ISO8601", errors="coerce")
+    if ts.isna().any():
+        i = int(np.flatnonzero(ts.isna().to_numpy())[0])
+        raise InputError(source, _row_field(i, "TIMESTAMP"),
+                         f"got {frame['TIMESTAMP'].iloc[i]!r}; expected a timestamp like '2023-11-16 18:15:46.6805900'")
+    ns = ts.astype("datetime64[ns]").astype("int64").to_numpy()
+    prefix = id_prefix or path.stem
+    out = pd.DataFrame({
+        "request_id": [f"{prefix}-{i:06d}" for i in range(len(frame))],
+        "arrival_s": (ns - ns.min()) / 1e9,
+        "input_tokens": _token_column(frame, "ContextTokens", source),
+        "output_tokens": _token_column(frame, "GeneratedTokens", source),
+        "class": "online",
+        "priority": 0,
+    })
+    start = ts.min()
+    return _finish(out, name or path.stem, source, {"format": "azure-llm-2023", "start_timestamp": str(start)})
+
+
+def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool = False) -> Workload:
+    """Load the generic CSV / JSONL form (see module docstring).
+
+    Args:
+        rebase: shift arrivals so the first is at 0 s (default keeps them as written).
+
+    Raises:
+        InputError: empty file, missing column, arrival not a finite number >= 0, token count < 1,
+            class not online/offline, priority not an integer, duplicate request_id.
+    """
+    path = Path(path)
+    source = str(path)
+    frame = _read_table(path)
+    _require_columns(frame, ("arrival_s", "input_tokens", "output_tokens"), source)
+    arrival = pd.to_numeric(frame["arrival_s"], errors="coerce")
+    bad = arrival.isna() | ~np.isfinite(arrival.fillna(0)) | (arrival < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad.to_numpy())[0])
+        raise InputError(source, _row_field(i, "arrival_s"), f"got {frame['arrival_s'].iloc[i]!r}; expected seconds >= 0")
+    klass = frame["class"].astype(str).str.strip().str.lower() if "class" in frame.columns else pd.Series("online", index=frame.index)
+    bad = ~klass.isin(REQUEST_CLASSES)
+    if bad.any():
+        i = int(np.flatnonzero(bad.to_numpy())[0])
+        raise InputError(source, _row_field(i, "class"), f"got {frame['class'].iloc[i]!r}; expected one of {list(REQUEST_CLASSES)}")
+    if "priority" in frame.columns:
+        prio = pd.to_numeric(frame["priority"], errors="coerce")
+        bad = prio.isna() | (prio != np.floor(prio.fillna(0)))
+        if bad.any():
+            i = int(np.flatnonzero(bad.to_numpy())[0])
+            raise InputError(source, _row_field(i, "priority"), f"got {frame['priority'].iloc[i]!r}; expected an integer")
+        prio = prio.astype(np.int64)
+    else:
+        prio = pd.Series(0, index=frame.index, dtype=np.int64)
+    ids = frame["request_id"].astype(str) if "request_id" in frame.columns else pd.Series([f"{path.stem}-{i:06d}" for i in range(len(frame))])
+    out = pd.DataFrame({
+        "request_id": ids.to_numpy(),
+        "arrival_s": arrival.to_numpy(dtype=float),
+        "input_tokens": _token_column(frame, "input_tokens", source),
+        "output_tokens": _token_column(frame, "output_tokens", source),
+        "class": klass.to_numpy(),
+        "priority": prio.to_numpy(),
+    })
+    return _finish(out, name or path.stem, source, {"format": "generic"}, rebase=rebase)
+
+
+def load_length_file(
+    path: str | Path,
+    *,
+    name: str | None = None,
+    arrival_s: float = 0.0,
+    limit: int | None = None,
+    priority: int = 0,
+    id_prefix: str | None = None,
+) -> Workload:
+    """Offline batch jobs from a length-only file (``num_prefill_tokens,num_decode_tokens,...``).
+
+    Every row becomes an ``offline`` request queued at ``arrival_s`` (a backlog), in file order.
+
+    Args:
+        limit: keep only the first ``limit`` rows.
+
+    Raises:
+        InputError: empty file, missing column, token count < 1, ``arrival_s`` < 0, ``limit`` < 1.
+    """
+    path = Path(path)
+    source = str(path)
+    if arrival_s < 0:
+        raise InputError(source, "arrival_s", f"got {arrival_s}; expected seconds >= 0")
+    if limit is not None and limit < 1:
+        raise InputError(source, "limit", f"got {limit}; expected >= 1")
+    frame = _read_table(path)
+    _require_columns(frame, LENGTH_COLUMNS, source)
+    if limit is not None:
+        frame = frame.iloc[:limit].reset_index(drop=True)
+    prefix = id_prefix or path.stem
+    out = pd.DataFrame({
+        "request_id": [f"{prefix}-{i:06d}" for i in range(len(frame))],
+        "arrival_s": float(arrival_s),
+        "input_tokens": _token_column(frame, "num_prefill_tokens", source),
+        "output_tokens": _token_column(frame, "num_decode_tokens", source),
+        "class": "offline",
+        "priority": int(priority),
+    })
+    return _finish(out, name or path.stem, source, {"format": "length-only"})

@@ -1,0 +1,67 @@
+"""Workload transforms: time compression (speedup), windows, and mixing online traffic with an offline backlog."""
+
+from __future__ import annotations
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.workload.request import Request, Workload
+
+
+def speedup(workload: Workload, factor: float) -> Workload:
+    """Compress time by ``factor``: arrival ``a`` becomes ``a / factor`` (the rate grows ``factor`` x).
+
+    Raises:
+        InputError: ``factor`` <= 0.
+    """
+    if not factor > 0:
+        raise InputError(workload.source or workload.name, "speedup", f"got {factor}; expected a factor > 0")
+    reqs = tuple(Request(r.request_id, r.arrival_s / factor, r.input_tokens, r.output_tokens, r.klass, r.priority)
+                 for r in workload.requests)
+    return Workload(name=workload.name if factor == 1 else f"{workload.name}x{factor:g}", requests=reqs,
+                    source=workload.source, meta={**workload.meta, "speedup": factor})
+
+
+def time_window(workload: Workload, start_s: float, end_s: float, *, rebase: bool = True) -> Workload:
+    """Requests arriving in ``[start_s, end_s)``; with ``rebase`` the window starts at 0 s."""
+    if end_s <= start_s:
+        raise InputError(workload.source or workload.name, "end_s", f"got [{start_s}, {end_s}); expected end_s > start_s")
+    off = start_s if rebase else 0.0
+    reqs = tuple(Request(r.request_id, r.arrival_s - off, r.input_tokens, r.output_tokens, r.klass, r.priority)
+                 for r in workload.requests if start_s <= r.arrival_s < end_s)
+    return Workload(name=f"{workload.name}[{start_s:g}:{end_s:g}]", requests=reqs, source=workload.source, meta=dict(workload.meta))
+
+
+def head(workload: Workload, n: int) -> Workload:
+    """The first ``n`` requests by arrival."""
+    if n < 1:
+        raise InputError(workload.source or workload.name, "n", f"got {n}; expected >= 1")
+    return Workload(name=f"{workload.name}[:{n}]", requests=workload.requests[:n], source=workload.source, meta=dict(workload.meta))
+
+
+def as_class(workload: Workload, klass: str, *, priority: int | None = None, arrival_s: float | None = None) -> Workload:
+    """Relabel every request as ``klass`` (optionally set priority, or queue all at ``arrival_s``)."""
+    if klass not in ("online", "offline"):
+        raise InputError(workload.source or workload.name, "class", f"got {klass!r}; expected 'online' or 'offline'")
+    reqs = tuple(Request(r.request_id, r.arrival_s if arrival_s is None else float(arrival_s), r.input_tokens, r.output_tokens,
+                         klass, r.priority if priority is None else priority)  # type: ignore[arg-type]
+                 for r in workload.requests)
+    return Workload.from_requests(reqs, name=workload.name, source=workload.source, meta=dict(workload.meta))
+
+
+def mix(*workloads: Workload, name: str | None = None) -> Workload:
+    """Merge workloads (e.g. an online trace and an offline backlog) into one, ordered by arrival.
+
+    Ids must stay unique across the inputs (loaders prefix them with the file stem).
+
+    Raises:
+        InputError: a request id appears in more than one input.
+    """
+    seen: set[str] = set()
+    for w in workloads:
+        for r in w.requests:
+            if r.request_id in seen:
+                raise InputError(w.source or w.name, "request_id", f"id {r.request_id!r} appears in more than one workload; expected unique ids")
+            seen.add(r.request_id)
+    merged = [r for w in workloads for r in w.requests]
+    return Workload.from_requests(merged, name=name or "+".join(w.name for w in workloads),
+                                  source=";".join(w.source for w in workloads if w.source),
+                                  meta={"parts": [w.name for w in workloads]})

@@ -1,0 +1,111 @@
+"""Checks of the simulator itself: closed-form latencies, throughput limits, queueing theory, KV preemption."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator, StageCosts, manual_gear, simulate
+from flexpipe_dag.workload import Request, Workload
+
+
+def _poisson(rate_rps: float, n: int, inp: int, out: int, seed: int, klass: str = "online") -> Workload:
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1.0 / rate_rps, size=n))
+    return Workload.from_requests([Request(f"r{i}", float(x), inp, out, klass) for i, x in enumerate(t)], name="poisson")
+
+
+def test_single_request_latency_is_sum_of_stage_and_transfer_times():
+    costs = [StageCosts(prefill_fixed_ms=1.0 + i, prefill_per_token_ms=0.01 * (i + 1), decode_fixed_ms=3.0 + i,
+                        decode_per_seq_ms=0.5, decode_per_context_token_ms=0.001,
+                        transfer_fixed_ms=0.25 * (i + 1), transfer_per_token_ms=0.001) for i in range(3)]
+    timing = LinearStageTiming(costs)
+    gear = manual_gear([4, 6, 2], replicas=[1, 2, 1], micro_batch_size=4, max_inflight_micro_batches=2)
+    inp, out = 200, 6
+    res = simulate(Workload.from_requests([Request("a", 1.5, inp, out)], name="one"), gear, timing)
+    ttft = sum(timing.prefill_ms(s, inp) + timing.transfer_ms(s, inp) for s in range(3))
+    decode = sum(sum(timing.decode_ms(s, 1, inp + k) + timing.transfer_ms(s, 1) for s in range(3)) for k in range(1, out))
+    row = res.requests.iloc[0]
+    assert row["ttft_ms"] == pytest.approx(ttft, rel=1e-9)
+    assert row["e2e_ms"] == pytest.approx(ttft + decode, rel=1e-9)
+    assert row["first_token_s"] == pytest.approx(1.5 + ttft / 1000)
+    assert timing.transfer_ms(2, inp) == 0.0
+
+
+def test_low_load_throughput_equals_offered_load():
+    timing = LinearStageTiming.uniform(4, prefill_fixed_ms=2, prefill_per_token_ms=0.01, decode_fixed_ms=3, transfer_fixed_ms=0.2)
+    gear = manual_gear([2, 2, 2, 2], micro_batch_size=8, max_inflight_micro_batches=4)
+    w = _poisson(5.0, 4000, 100, 20, seed=1)
+    res = simulate(w, gear, timing)
+    offered = (len(w) - 1) / w.duration_s
+    assert res.summary["completed"] == len(w)
+    assert res.summary["throughput_rps"] == pytest.approx(offered, rel=0.01)
+    assert res.summary["ttft_ms"]["p50"] < 50  # nearly no queueing
+
+
+@pytest.mark.parametrize("replicas, expected_ms", [([1, 1, 1], 5.0), ([1, 2, 1], 3.0)])
+def test_saturated_throughput_is_one_over_bottleneck(replicas, expected_ms):
+    stage_ms = [2.0, 5.0, 3.0]
+    timing = LinearStageTiming([StageCosts(prefill_fixed_ms=m) for m in stage_ms])
+    gear = manual_gear([1, 1, 1], replicas=replicas, micro_batch_size=1, max_inflight_micro_batches=16)
+    n = 2000
+    w = Workload.from_requests([Request(f"r{i}", 0.0, 10, 1) for i in range(n)], name="burst")
+    res = simulate(w, gear, timing)
+    fin = np.sort(res.requests["finish_s"].to_numpy())
+    rate = (n - 101) / (fin[-1] - fin[100])  # steady state, after the pipeline fills
+    assert rate == pytest.approx(1000.0 / expected_ms, rel=1e-6)
+    util = res.summary["stage_utilisation"]["manual"]
+    assert max(util) == pytest.approx(1.0, rel=0.01)
+
+
+def test_md1_queue_matches_pollaczek_khinchine():
+    d_ms = 10.0
+    timing = LinearStageTiming([StageCosts(prefill_fixed_ms=d_ms)])
+    gear = manual_gear([1], micro_batch_size=1, max_inflight_micro_batches=1)
+    rho = 0.7
+    w = _poisson(rho / (d_ms / 1000), 60000, 10, 1, seed=3)
+    res = simulate(w, gear, timing)
+    wait_ms = res.requests["ttft_ms"].to_numpy() - d_ms
+    expected = rho * d_ms / (2 * (1 - rho))  # M/D/1 mean wait (Pollaczek-Khinchine, deterministic service)
+    assert wait_ms.mean() == pytest.approx(expected, rel=0.05)
+    assert res.summary["stage_utilisation"]["manual"][0] == pytest.approx(rho, rel=0.02)
+
+
+def test_kv_exhaustion_preempts_and_loses_nothing():
+    timing = LinearStageTiming.uniform(2, prefill_fixed_ms=1, prefill_per_token_ms=0.001, decode_fixed_ms=2, decode_per_seq_ms=0.1)
+    gear = manual_gear([1, 1], micro_batch_size=16, max_inflight_micro_batches=2, kv_block_size_tokens=16,
+                       kv_capacity_tokens=16 * 64)  # 64 blocks
+    reqs = [Request(f"r{i}", 0.01 * i, 100, 200) for i in range(40)]
+    reqs.append(Request("huge", 0.0, 900, 400))  # 1300 tokens > the whole pool: rejected, not lost
+    res = simulate(Workload.from_requests(reqs, name="kv"), gear, timing)
+    s = res.summary
+    assert s["preemptions"] > 0
+    assert s["completed"] == 40 and s["rejected"] == 1 and s["unfinished"] == 0
+    assert res.requests.set_index("request_id").loc["huge", "rejected"]
+    assert max(x.kv_used_fraction for x in res.samples) <= 1.0
+    assert any(x.stages[0].kv_blocks_used == 64 for x in res.samples) or s["kv_used_fraction"]["max"] > 0.9
+
+
+def test_online_before_offline():
+    timing = LinearStageTiming.uniform(1, prefill_fixed_ms=100)
+    gear = manual_gear([1], micro_batch_size=1, max_inflight_micro_batches=1)
+    reqs = [Request(f"off{i}", 0.0, 10, 1, "offline") for i in range(20)]
+    reqs.append(Request("on", 0.35, 10, 1, "online"))
+    res = simulate(Workload.from_requests(reqs, name="mix"), gear, timing).requests.set_index("request_id")
+    # the online request waits only for the offline job in service (0.3 -> 0.4), then runs 0.4 -> 0.5
+    assert res.loc["on", "finish_s"] == pytest.approx(0.5)
+    assert res[res["class"] == "offline"]["finish_s"].max() == pytest.approx(2.1)
+
+
+def test_timing_stage_count_must_match_gear():
+    with pytest.raises(InputError, match="stages"):
+        Simulator(Workload.from_requests([], name="e"), manual_gear([1, 1]), LinearStageTiming.uniform(3))
+
+
+def test_kv_capacity_from_config_override():
+    timing = LinearStageTiming.uniform(1, prefill_fixed_ms=1, decode_fixed_ms=1)
+    gear = manual_gear([1], micro_batch_size=8, kv_capacity_tokens=0)
+    w = Workload.from_requests([Request("a", 0, 100, 100)], name="x")
+    assert simulate(w, gear, timing).summary["rejected"] == 0  # 0 = unbounded pool
+    assert simulate(w, gear, timing, SimConfig(kv_capacity_tokens=64)).summary["rejected"] == 1

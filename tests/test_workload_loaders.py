@@ -1,0 +1,126 @@
+"""Workload loaders on the real bundled traces and on bad inputs."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.workload import (
+    UnsortedTraceWarning, Request, Workload, bundled_path, load_azure_trace, load_length_file, load_request_file,
+    load_trace, mix, speedup, time_window, to_plain_dicts, write_requests_jsonl,
+)
+
+
+def test_azure_conv_real_trace():
+    w = load_trace("azure-conv")
+    assert len(w) == 19366
+    assert w.requests[0].arrival_s == 0.0
+    # 18:15:50.9951690 - 18:15:46.6805900: the 7th fractional digit is kept
+    assert w.requests[1].arrival_s == pytest.approx(4.314579, abs=1e-9)
+    assert (w.requests[0].input_tokens, w.requests[0].output_tokens) == (374, 44)
+    assert 3400 < w.duration_s < 3600
+    assert all(r.klass == "online" for r in w.requests[:50])
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(w.requests, w.requests[1:]))
+
+
+def test_azure_code_and_arxiv_backlog():
+    code = load_trace("azure-code")
+    assert len(code) == 8819
+    arxiv = load_trace("arxiv-summarization")
+    assert len(arxiv) == 2000
+    assert arxiv.requests[0].input_tokens == 3772 and arxiv.requests[0].output_tokens == 54
+    assert {r.klass for r in arxiv} == {"offline"} and {r.arrival_s for r in arxiv} == {0.0}
+    lim = load_length_file(bundled_path("arxiv-summarization"), limit=10, arrival_s=5.0)
+    assert len(lim) == 10 and lim.requests[0].arrival_s == 5.0
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_bad_timestamp_names_row_and_field(tmp_path):
+    p = _write(tmp_path, "t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,3,4\nnot-a-time,3,4\n")
+    with pytest.raises(InputError) as e:
+        load_azure_trace(p)
+    assert e.value.source == str(p) and e.value.field == "row 2.TIMESTAMP" and "expected a timestamp" in e.value.problem
+
+
+def test_negative_tokens_rejected(tmp_path):
+    p = _write(tmp_path, "t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,3,-4\n")
+    with pytest.raises(InputError) as e:
+        load_azure_trace(p)
+    assert e.value.field == "row 1.GeneratedTokens" and ">= 1" in e.value.problem
+
+
+@pytest.mark.parametrize("text", ["", "arrival_s,input_tokens,output_tokens\n"])
+def test_empty_file_and_header_only(tmp_path, text):
+    p = _write(tmp_path, "e.csv", text)
+    with pytest.raises(InputError) as e:
+        load_request_file(p)
+    assert e.value.source == str(p)
+
+
+def test_missing_column(tmp_path):
+    p = _write(tmp_path, "m.csv", "arrival_s,input_tokens\n0,3\n")
+    with pytest.raises(InputError) as e:
+        load_request_file(p)
+    assert e.value.field == "output_tokens"
+
+
+def test_unsorted_is_sorted_with_warning(tmp_path):
+    p = _write(tmp_path, "u.csv", "request_id,arrival_s,input_tokens,output_tokens\na,2.0,5,5\nb,1.0,6,6\nc,3.0,7,7\n")
+    with pytest.warns(UnsortedTraceWarning, match="1 rows"):
+        w = load_request_file(p)
+    assert [r.request_id for r in w] == ["b", "a", "c"]
+
+
+def test_generic_class_priority_and_bad_class(tmp_path):
+    p = _write(tmp_path, "g.csv", "arrival_s,input_tokens,output_tokens,class,priority\n0,5,5,offline,3\n1,5,5,online,0\n")
+    w = load_request_file(p)
+    assert (w.requests[0].klass, w.requests[0].priority) == ("offline", 3)
+    bad = _write(tmp_path, "b.csv", "arrival_s,input_tokens,output_tokens,class\n0,5,5,batch\n")
+    with pytest.raises(InputError) as e:
+        load_request_file(bad)
+    assert e.value.field == "row 1.class"
+    neg = _write(tmp_path, "n.csv", "arrival_s,input_tokens,output_tokens\n-1,5,5\n")
+    with pytest.raises(InputError, match="row 1.arrival_s"):
+        load_request_file(neg)
+
+
+def test_jsonl_round_trip_is_the_fidelity_hook(tmp_path):
+    w = time_window(load_trace("azure-conv"), 0, 60)
+    path = write_requests_jsonl(w, tmp_path / "w.jsonl")
+    back = load_request_file(path)
+    assert back.requests == w.requests
+    dicts = to_plain_dicts(w)
+    assert dicts[0] == json.loads(path.read_text().splitlines()[0])
+    assert set(dicts[0]) == {"request_id", "arrival_s", "input_tokens", "output_tokens", "class", "priority"}
+
+
+def test_speedup_and_mix():
+    w = time_window(load_trace("azure-conv"), 0, 120)
+    fast = speedup(w, 4.0)
+    assert fast.duration_s == pytest.approx(w.duration_s / 4)
+    with pytest.raises(InputError):
+        speedup(w, 0)
+    backlog = load_length_file(bundled_path("arxiv-summarization"), limit=20)
+    both = mix(w, backlog)
+    assert both.count_by_class() == {"online": len(w), "offline": 20}
+    with pytest.raises(InputError, match="more than one workload"):
+        mix(w, w)
+
+
+def test_unknown_bundled_name():
+    with pytest.raises(InputError, match="azure-conv"):
+        load_trace("no-such-trace")
+
+
+def test_workload_from_requests_sorts():
+    w = Workload.from_requests([Request("b", 2.0, 1, 1), Request("a", 1.0, 1, 1)], name="x")
+    assert [r.request_id for r in w] == ["a", "b"]

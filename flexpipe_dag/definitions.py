@@ -11,7 +11,11 @@ import os
 from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
 from assets import evaluation, planning, profiling
+from jobs.batch import batch_inference
+from jobs.gear_shift import gear_shift, gear_shift_sensor
 from jobs.profiling import profile_refresh_job, profile_refresh_schedule
+from jobs.tide import tide_sensor
+from resources.control import ControlSettings
 from resources.planning import PlanningSettings
 from resources.prober import ProberResource
 from resources.store_resource import StoreResource
@@ -26,13 +30,15 @@ def build_resources() -> dict:
         "prober": ProberResource(probe=os.environ.get("FLEXPIPE_PROBE", "1") != "0",
                                  cluster_file=os.environ.get("FLEXPIPE_CLUSTER_FILE", "")),
         "planning": PlanningSettings(model=os.environ.get("FLEXPIPE_MODEL", "SmolLM2-135M")),
+        "control": ControlSettings(config_file=os.environ.get("FLEXPIPE_CONTROL_FILE", "")),
     }
 
 
 defs = Definitions(
     assets=load_assets_from_modules(ASSET_MODULES),
     asset_checks=load_asset_checks_from_modules(ASSET_MODULES),
-    jobs=[profile_refresh_job],
+    jobs=[profile_refresh_job, gear_shift, batch_inference],
+    sensors=[gear_shift_sensor, tide_sensor],
     schedules=[profile_refresh_schedule()],
     resources=build_resources(),
 )

@@ -214,6 +214,8 @@ class InferenceJob(Base):
     priority: Mapped[int] = mapped_column(default=0)
     source_path: Mapped[str | None] = mapped_column(Text)
     gear_key: Mapped[str | None] = mapped_column(String(200))
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}",
+                                                   comment="run config that (re)launches the job")
     total_requests: Mapped[int] = mapped_column(default=0)
     malformed_rows: Mapped[int] = mapped_column(default=0)
     error: Mapped[str | None] = mapped_column(Text)

@@ -72,20 +72,36 @@ def alembic_config(engine: Engine | None = None) -> Config:
     return cfg
 
 
+def _run_alembic(engine: Engine, fn, revision: str) -> None:
+    """Run an Alembic command on one connection.
+
+    On SQLite, foreign keys are switched off for the migration: a batch ALTER recreates the table,
+    and with ``ON DELETE CASCADE`` enforced, dropping the old copy would delete its child rows.
+    """
+    cfg = alembic_config(engine)
+    with engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:
+            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            conn.commit()
+        try:
+            with conn.begin():
+                cfg.attributes["connection"] = conn
+                fn(cfg, revision)
+        finally:
+            if sqlite:
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                conn.commit()
+
+
 def migrate(engine: Engine, revision: str = "head") -> None:
     """Upgrade the database behind ``engine`` to ``revision`` (idempotent)."""
-    cfg = alembic_config(engine)
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
+    _run_alembic(engine, command.upgrade, revision)
 
 
 def downgrade(engine: Engine, revision: str) -> None:
     """Downgrade the database behind ``engine`` to ``revision`` (``"base"`` drops everything)."""
-    cfg = alembic_config(engine)
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, revision)
+    _run_alembic(engine, command.downgrade, revision)
 
 
 def current_revision(engine: Engine) -> str | None:
@@ -375,6 +391,25 @@ class Store:
             if details:
                 ev.details = {**ev.details, **json.loads(json.dumps(details, default=str))}
 
+    def get_shift_event(self, event_id: int) -> m.ShiftEvent:
+        with self.session() as s:
+            ev = s.get(m.ShiftEvent, event_id)
+            if ev is None:
+                raise KeyError(event_id)
+            return ev
+
+    def pending_shift_requests(self) -> list[m.ShiftEvent]:
+        """Shifts a Dagster run asked the live pipeline to make (status ``requested``), oldest first."""
+        with self.session() as s:
+            return list(s.scalars(select(m.ShiftEvent).where(m.ShiftEvent.status == "requested")
+                                  .order_by(m.ShiftEvent.id)))
+
+    def load_gear(self, gear_key: str) -> Gear | None:
+        """The most recently stored gear with this key, or None."""
+        with self.session() as s:
+            row = s.scalar(select(m.GearRow).where(m.GearRow.gear_key == gear_key).order_by(m.GearRow.id.desc()))
+            return Gear.model_validate(row.spec) if row else None
+
     def shift_events(self, limit: int | None = None) -> list[m.ShiftEvent]:
         with self.session() as s:
             q = select(m.ShiftEvent).order_by(m.ShiftEvent.id)
@@ -384,13 +419,14 @@ class Store:
 
     # -- inference jobs -------------------------------------------------------------------------
     def get_or_create_job(self, job_key: str, kind: str = "batch", *, priority: int = 0,
-                          source_path: str | None = None, gear_key: str | None = None) -> int:
-        """The id of job ``job_key``, creating it (status ``queued``) if new."""
+                          source_path: str | None = None, gear_key: str | None = None,
+                          config: dict[str, Any] | None = None) -> int:
+        """The id of job ``job_key``, creating it (status ``queued``) if new; ``config`` relaunches it."""
         with self.session() as s:
             job = s.scalar(select(m.InferenceJob).where(m.InferenceJob.job_key == job_key))
             if job is None:
                 job = m.InferenceJob(job_key=job_key, kind=kind, status="queued", priority=priority,
-                                     source_path=source_path, gear_key=gear_key)
+                                     source_path=source_path, gear_key=gear_key, config=dict(config or {}))
                 s.add(job)
                 s.flush()
             return job.id
@@ -403,6 +439,13 @@ class Store:
                 raise KeyError(job_id)
             for k, v in fields.items():
                 setattr(job, k, v)
+
+    def job_status(self, job_id: int) -> str:
+        with self.session() as s:
+            job = s.get(m.InferenceJob, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            return job.status
 
     def jobs(self, status: str | None = None, kind: str | None = None) -> list[m.InferenceJob]:
         with self.session() as s:

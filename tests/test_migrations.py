@@ -37,3 +37,19 @@ def test_models_match_migrations(engine):
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
         diff = compare_metadata(ctx, Base.metadata)
     assert diff == [], f"models and migrations disagree; run alembic revision --autogenerate: {diff}"
+
+
+def test_step_down_and_up_keeps_rows(engine, lab_profile):
+    """Downgrading the newest revision and upgrading again keeps the data that was in place."""
+    store = Store(engine)
+    store.save_profile(lab_profile)
+    job = store.get_or_create_job("j1", config={"trace": "azure-conv"})
+    store.write_result(job, "r1", prompt_tokens=3, output_token_ids=[1, 2])
+    (head,) = head_revisions()
+    downgrade(engine, "-1")
+    assert current_revision(engine) != head
+    migrate(engine)
+    store = Store(engine)
+    assert store.done_request_keys(job) == {"r1"}
+    assert len(store.list_profile_versions()) == 1
+    assert store.jobs()[0].config == {}  # the column came back with its server default

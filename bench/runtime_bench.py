@@ -1,0 +1,105 @@
+"""Output tokens/s of the multi-process pipeline (2 and 3 stages) vs single-process transformers.
+
+Workload: the first N requests of the Azure conv trace (bundled slice), prompt lengths capped at
+--max-prompt-tokens and outputs at --max-new-tokens, prompt text cut from the bundled corpus; EOS
+is ignored (every request produces exactly its max_new_tokens) so every configuration produces
+the same number of tokens. Baselines measured in the same run:
+
+* ``hf_generate``: ``transformers`` ``generate`` (greedy, KV cache), batches of --batch-size with
+  left padding, one process using all --baseline-threads threads;
+* ``local_1stage``: FlexPipe's own stage code and scheduler in one process (no communication).
+
+Pipelines: one process per stage + a driver, 1 thread each, gloo over loopback. Start-up (model
+load) is excluded from every figure. Ratios are against ``hf_generate``.
+
+Usage: OMP_NUM_THREADS=1 python bench/runtime_bench.py [--num-requests 32] [--max-new-tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TRACE = Path(__file__).resolve().parent.parent / "flexpipe_dag" / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--max-prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flexpipe_dag.cli.run import even_gear
+    from flexpipe_dag.runtime.batch import prompts_from_trace
+    from flexpipe_dag.runtime.local import LocalPipeline
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime
+    from flexpipe_dag.runtime.scheduler import Request
+
+    ckpt = resolve_checkpoint()
+    tok = ckpt.tokenizer()
+    rows = prompts_from_trace(args.trace, tok, num_requests=args.num_requests, max_prompt_tokens=args.max_prompt_tokens,
+                              max_new_tokens=args.max_new_tokens)
+    total_new = sum(r.max_new_tokens for r in rows)
+
+    def requests():
+        return [Request(r.request_id, list(r.token_ids), r.max_new_tokens) for r in rows]  # no EOS: fixed lengths
+
+    results: dict[str, float] = {}
+
+    # baseline: transformers generate, left-padded batches
+    torch.set_num_threads(args.baseline_threads)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=torch.float32).eval()
+    pad = ckpt.config.pad_token_id if ckpt.config.pad_token_id is not None else 0
+    t0 = time.perf_counter()
+    produced = 0
+    for i in range(0, len(rows), args.batch_size):
+        chunk = rows[i:i + args.batch_size]
+        width = max(len(r.token_ids) for r in chunk)
+        ids = torch.tensor([[pad] * (width - len(r.token_ids)) + r.token_ids for r in chunk])
+        mask = torch.tensor([[0] * (width - len(r.token_ids)) + [1] * len(r.token_ids) for r in chunk])
+        n_new = max(r.max_new_tokens for r in chunk)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                        pad_token_id=pad)
+        produced += sum(r.max_new_tokens for r in chunk)  # tokens past a row's own cap are not counted
+    results["hf_generate"] = produced / (time.perf_counter() - t0)
+    del hf
+
+    # FlexPipe code, one process
+    local = LocalPipeline.from_layer_ranges(ckpt, [(0, ckpt.num_layers)], num_blocks=1024, block_size_tokens=16)
+    t0 = time.perf_counter()
+    outs = local.generate(requests(), micro_batch_size=args.batch_size)
+    results["local_1stage"] = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
+    del local
+    torch.set_num_threads(1)
+
+    for stages in (2, 3):
+        gear = even_gear(ckpt.num_layers, stages, ckpt.name, args.batch_size, stages, 16384)
+        with PipelineRuntime(gear, ckpt) as rt:
+            t0 = time.perf_counter()
+            outs = rt.generate(requests())
+            results[f"pipeline_{stages}stage"] = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
+
+    base = results["hf_generate"]
+    print(f"workload: {len(rows)} requests (Azure conv trace), prompt <= {args.max_prompt_tokens} tokens, "
+          f"{total_new} output tokens; host cpus={os.cpu_count()}, baseline threads={args.baseline_threads}")
+    print(f"{'configuration':<18}{'output tok/s':>14}{'vs hf_generate':>16}")
+    for name, tps in results.items():
+        print(f"{name:<18}{tps:>14.1f}{tps / base:>15.2f}x")
+
+
+if __name__ == "__main__":
+    main()

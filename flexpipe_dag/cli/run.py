@@ -1,0 +1,109 @@
+"""``flexpipe run``: serve a prompts file (or a trace slice) through a gear's pipeline into a results file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flexpipe_dag.core.errors import InputError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("run", help="run a batch of prompts through a pipeline gear (one process per stage)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gear", type=Path, help="gear JSON file (flexpipe_dag.core.gear.Gear)")
+    src.add_argument("--stages", type=int, help="even split of the model's layers into N stages")
+    inp = p.add_mutually_exclusive_group(required=True)
+    inp.add_argument("--prompts", type=Path, help="JSONL or Parquet: id, prompt | token_ids, max_new_tokens, priority")
+    inp.add_argument("--trace", type=Path, help="Azure LLM trace CSV (ContextTokens, GeneratedTokens): prompt "
+                                                "lengths taken from it, text from the bundled corpus")
+    p.add_argument("--num-requests", type=int, default=64, help="trace rows to use (with --trace)")
+    p.add_argument("--max-prompt-tokens", type=int, default=128, help="cap on trace prompt lengths")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="default / cap of new tokens per request")
+    p.add_argument("--out", type=Path, default=Path("results.jsonl"), help="results JSONL (re-runs skip done ids)")
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="with --stages")
+    p.add_argument("--inflight", type=int, default=None, help="max in-flight micro-batches (default: stages)")
+    p.add_argument("--kv-capacity-tokens", type=int, default=8192, help="with --stages")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--step-timeout-s", type=float, default=120.0)
+    p.set_defaults(func=run)
+
+
+def even_gear(num_layers: int, num_stages: int, model_name: str, micro_batch_size: int, inflight: int | None,
+              kv_capacity_tokens: int):
+    """A ``uniform`` gear: layers split as evenly as possible (earlier stages take the remainder)."""
+    from flexpipe_dag.core.gear import Gear, StagePlan
+
+    if not 1 <= num_stages <= num_layers:
+        raise InputError(None, "--stages", f"expected 1..{num_layers}, got {num_stages}")
+    base, extra = divmod(num_layers, num_stages)
+    stages, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (1 if i < extra else 0)
+        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=end, device_ids=[f"worker{i}"]))
+        start = end
+    return Gear(gear_id=f"uniform-{num_stages}", kind="uniform", model_name=model_name, num_layers=num_layers,
+                stages=stages, micro_batch_size=micro_batch_size, max_inflight_micro_batches=inflight or num_stages,
+                kv_capacity_tokens=kv_capacity_tokens)
+
+
+def load_gear(path: Path):
+    from pydantic import ValidationError
+
+    from flexpipe_dag.core.gear import Gear
+
+    try:
+        return Gear.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise InputError(str(path), None, "gear file not found") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise InputError(str(path), ".".join(str(x) for x in err["loc"]), err["msg"]) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts, run_batch_job, JsonlSink
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+
+    ckpt = resolve_checkpoint(args.model)
+    if args.gear:
+        gear = load_gear(args.gear)
+    else:
+        gear = even_gear(ckpt.num_layers, args.stages, ckpt.name, args.micro_batch_size, args.inflight,
+                         args.kv_capacity_tokens)
+    if args.prompts:
+        rows, malformed = read_prompts(args.prompts, args.max_new_tokens)
+    else:
+        rows, malformed = prompts_from_trace(args.trace, ckpt.tokenizer(), num_requests=args.num_requests,
+                                             max_prompt_tokens=args.max_prompt_tokens,
+                                             max_new_tokens=args.max_new_tokens), []
+    options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s)
+    runtime = PipelineRuntime(gear, ckpt, options)
+    print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
+          f"{gear.max_inflight_micro_batches} in flight; starting workers...", file=sys.stderr)
+    with runtime:
+        for info in runtime.stage_info:
+            print(f"  stage {info['stage_index']} layers [{info['layer_start']}, {info['layer_end']}): "
+                  f"weights {info['param_bytes'] / 2**20:.1f} MiB, KV pool {info['kv_pool_bytes'] / 2**20:.1f} MiB "
+                  f"({info['kv_capacity_tokens']} tokens), pid {info['pid']}", file=sys.stderr)
+        bar = tqdm(total=len(rows), unit="req", desc="flexpipe run")
+        sink = JsonlSink(args.out)
+        bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
+        report = run_batch_job(runtime, rows, sink, malformed=malformed, on_progress=lambda d, t: bar.update(1))
+        bar.close()
+    summary = {"rows": report.rows, "finished": report.finished, "skipped_done": report.skipped_done,
+               "malformed": len(report.malformed), "refused": len(report.refused),
+               "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
+               "output_tokens_per_s": round(report.output_tokens_per_s, 2), "out": str(args.out),
+               "failure": report.failure}
+    for m in report.malformed[:20]:
+        print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 1 if report.failure else 0

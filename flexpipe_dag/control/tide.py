@@ -1,0 +1,104 @@
+"""Offline admission in the troughs of the online tide (pure; the ``tide_sensor`` and the serve loop call it).
+
+Forecast: seasonal-naive over the tide history. The daily profile ``p(tau)`` (mean rate per window
+of the day over the history's whole days, :meth:`Tide.daily_profile`) is scaled to the live level by
+the ratio of the observed smoothed online QPS to the profile at the current time of day, then read
+ahead over the horizon::
+
+    forecast(t) = max_{tau in [t, t + horizon]} p(tau) * (qps_ema / p(t))
+
+Decision, against the serving gear's capacity ``C`` (its ``qps_max``), with hysteresis:
+
+* admit queued offline work when ``max(qps_ema, forecast) < admit_below_fraction * C``;
+* pause running offline work when ``qps_ema > pause_above_fraction * C`` (> the admit fraction),
+  or the forecast says the rise arrives within the horizon (``forecast > pause_above_fraction * C``);
+* otherwise keep the current state.
+
+Online always has priority: paused offline work resumes only through a later admission.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flexpipe_dag.workload.tide import Tide
+
+
+class TideConfig(BaseModel):
+    """Thresholds of offline admission (fractions of the serving gear's ``qps_max``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    admit_below_fraction: float = Field(0.5, gt=0, le=1)
+    pause_above_fraction: float = Field(0.75, gt=0, le=1)
+    horizon_s: float = Field(1800.0, ge=0, description="look-ahead of the forecast, tide seconds")
+    ema_alpha: float = Field(0.3, gt=0, le=1)
+    time_compression: float = Field(1.0, gt=0, description="tide seconds per wall second (demos compress the day)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TideConfig:
+        if self.pause_above_fraction <= self.admit_below_fraction:
+            raise ValueError("pause_above_fraction must exceed admit_below_fraction (hysteresis)")
+        return self
+
+
+@dataclass(frozen=True)
+class TideDecision:
+    """``action`` for offline work now, with the figures behind it and a sentence for the operator."""
+
+    action: Literal["admit", "pause", "keep"]
+    qps_ema: float
+    forecast_qps: float
+    capacity_qps: float
+    reason: str
+
+
+class TideForecaster:
+    """Seasonal-naive forecast of online load from a tide history (see module docstring)."""
+
+    def __init__(self, tide: Tide):
+        self.tide = tide
+        self.profile = tide.daily_profile()
+        self.window_s = tide.window_s
+
+    def profile_at(self, tide_time_s: float) -> float:
+        """Mean historical rate at this time of day (tide seconds since midnight of any day)."""
+        k = int((tide_time_s % 86400) // self.window_s) % len(self.profile)
+        return float(self.profile[k])
+
+    def forecast_qps(self, tide_time_s: float, qps_now: float, horizon_s: float) -> float:
+        """Highest online QPS expected within ``horizon_s`` tide seconds, scaled to the live level."""
+        base = self.profile_at(tide_time_s)
+        if base <= 0:
+            return qps_now
+        steps = np.arange(tide_time_s, tide_time_s + horizon_s + self.window_s, self.window_s)
+        peak = max(self.profile_at(t) for t in steps)
+        return qps_now * peak / base
+
+
+def ema(previous: float | None, value: float, alpha: float) -> float:
+    """Exponential moving average step: ``alpha * value + (1 - alpha) * previous``."""
+    return value if previous is None or math.isnan(previous) else alpha * value + (1 - alpha) * previous
+
+
+def decide_offline(forecaster: TideForecaster, config: TideConfig, *, tide_time_s: float, qps_ema: float,
+                   capacity_qps: float, offline_running: bool) -> TideDecision:
+    """Admit, pause or keep offline work (see module docstring for the rule)."""
+    if not capacity_qps > 0 or math.isinf(capacity_qps):
+        capacity_qps = float("inf")
+    forecast = forecaster.forecast_qps(tide_time_s, qps_ema, config.horizon_s)
+    admit_at, pause_at = config.admit_below_fraction * capacity_qps, config.pause_above_fraction * capacity_qps
+    figures = (f"online {qps_ema:.3g} req/s, forecast peak {forecast:.3g} req/s in the next "
+               f"{config.horizon_s / 60:.0f} min, gear capacity {capacity_qps:.3g} req/s")
+    if offline_running and (qps_ema > pause_at or forecast > pause_at):
+        return TideDecision("pause", qps_ema, forecast, capacity_qps,
+                            f"pause offline: {figures} (pause above {config.pause_above_fraction:.0%})")
+    if not offline_running and max(qps_ema, forecast) < admit_at:
+        return TideDecision("admit", qps_ema, forecast, capacity_qps,
+                            f"admit offline: trough, {figures} (admit below {config.admit_below_fraction:.0%})")
+    state = "running" if offline_running else "waiting"
+    return TideDecision("keep", qps_ema, forecast, capacity_qps, f"keep offline {state}: {figures}")

@@ -1,0 +1,293 @@
+"""Batch jobs: a prompts file (or a trace) -> the pipeline -> a results sink, idempotently.
+
+Prompts file: JSONL or Parquet with columns ``id`` (str), ``prompt`` (text) or ``token_ids``
+(list of ints), ``max_new_tokens`` (int, optional: the job default), ``priority`` (int, optional:
+:data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`). A malformed row (bad JSON, missing or
+duplicate id, no prompt, bad numbers) is counted and reported with its line and reason, never fatal.
+
+Sink protocol (:class:`ResultSink`): ``done_ids() -> set[str]`` and ``write(result: dict)``. Results are
+written as each request finishes, keyed by request id; a re-run skips ids the sink already holds,
+so a job killed half-way finishes only the missing requests. :class:`JsonlSink` is the file sink;
+the SQL store implements the same protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
+
+#: The bundled public-domain text that trace-driven prompts are cut from.
+CORPUS_PATH = Path(__file__).resolve().parent.parent / "data" / "corpus" / "pride_and_prejudice_ch1.txt"
+
+
+@dataclass
+class PromptRow:
+    """One valid row of a prompts file."""
+
+    request_id: str
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    max_new_tokens: int = 16
+    priority: int = PRIORITY_OFFLINE
+
+
+@dataclass
+class MalformedRow:
+    """A row that was skipped: where it is and why."""
+
+    line: int  # 1-based line (JSONL) or row number (Parquet)
+    reason: str
+
+
+@runtime_checkable
+class ResultSink(Protocol):
+    """Where finished requests go. Implementations must make ``write`` idempotent per ``result["id"]``."""
+
+    def done_ids(self) -> set[str]: ...
+
+    def write(self, result: dict[str, Any]) -> None: ...
+
+
+class JsonlSink:
+    """Append-only JSONL results file: one object per line, flushed and fsynced per write.
+
+    ``done_ids`` ignores a torn last line (a crash mid-write) so that request simply runs again;
+    a later duplicate of an id is skipped by ``write``.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._done = self._read_ids()
+
+    def _read_ids(self) -> set[str]:
+        ids: set[str] = set()
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    ids.add(str(json.loads(line)["id"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+        return ids
+
+    def done_ids(self) -> set[str]:
+        return set(self._done)
+
+    def write(self, result: dict[str, Any]) -> None:
+        if result["id"] in self._done:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(result) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._done.add(result["id"])
+
+
+def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]) -> PromptRow | MalformedRow:
+    if not isinstance(raw, dict):
+        return MalformedRow(where, "expected a JSON object")
+    rid = raw.get("id")
+    if rid is None or (isinstance(rid, float) and math.isnan(rid)) or str(rid).strip() == "":
+        return MalformedRow(where, "missing field 'id'")
+    rid = str(rid)
+    if rid in seen:
+        return MalformedRow(where, f"duplicate id {rid!r}")
+    prompt, token_ids = raw.get("prompt"), raw.get("token_ids")
+    if token_ids is not None and not (isinstance(token_ids, float) and math.isnan(token_ids)):
+        try:
+            token_ids = [int(t) for t in token_ids]
+        except (TypeError, ValueError):
+            return MalformedRow(where, "field 'token_ids': expected a list of integers")
+        if not token_ids or min(token_ids) < 0:
+            return MalformedRow(where, "field 'token_ids': expected a non-empty list of non-negative integers")
+    else:
+        token_ids = None
+    if token_ids is None:
+        if not isinstance(prompt, str) or not prompt:
+            return MalformedRow(where, "expected a non-empty 'prompt' string or a 'token_ids' list")
+    mnt = raw.get("max_new_tokens", default_max_new_tokens)
+    prio = raw.get("priority", PRIORITY_OFFLINE)
+    try:
+        mnt = default_max_new_tokens if mnt is None or (isinstance(mnt, float) and math.isnan(mnt)) else mnt
+        prio = PRIORITY_OFFLINE if prio is None or (isinstance(prio, float) and math.isnan(prio)) else prio
+        if float(mnt) != int(mnt) or int(mnt) < 1:
+            raise ValueError
+        mnt = int(mnt)
+    except (TypeError, ValueError):
+        return MalformedRow(where, f"field 'max_new_tokens': expected an integer >= 1, got {raw.get('max_new_tokens')!r}")
+    try:
+        if float(prio) != int(prio) or int(prio) < 0:
+            raise ValueError
+        prio = int(prio)
+    except (TypeError, ValueError):
+        return MalformedRow(where, f"field 'priority': expected an integer >= 0, got {raw.get('priority')!r}")
+    seen.add(rid)
+    return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio)
+
+
+def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> tuple[list[PromptRow], list[MalformedRow]]:
+    """Read a JSONL (``.jsonl`` / ``.json``) or Parquet (``.parquet``) prompts file.
+
+    Returns:
+        ``(rows, malformed)``.
+
+    Raises:
+        InputError: the file is missing, has another extension, or Parquet lacks an ``id`` column.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(str(p), None, "prompts file not found")
+    seen: set[str] = set()
+    rows: list[PromptRow] = []
+    bad: list[MalformedRow] = []
+    if p.suffix in (".jsonl", ".json", ".ndjson"):
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as exc:
+                bad.append(MalformedRow(i, f"invalid JSON: {exc.msg}"))
+                continue
+            r = _parse_row(raw, i, default_max_new_tokens, seen)
+            (rows if isinstance(r, PromptRow) else bad).append(r)
+    elif p.suffix == ".parquet":
+        import pandas as pd
+
+        df = pd.read_parquet(p)
+        if "id" not in df.columns:
+            raise InputError(str(p), "id", f"expected an 'id' column, found {list(df.columns)}")
+        for i, raw in enumerate(df.to_dict(orient="records"), start=1):
+            if raw.get("token_ids") is not None and hasattr(raw["token_ids"], "tolist"):
+                raw["token_ids"] = raw["token_ids"].tolist()
+            r = _parse_row(raw, i, default_max_new_tokens, seen)
+            (rows if isinstance(r, PromptRow) else bad).append(r)
+    else:
+        raise InputError(str(p), None, f"expected a .jsonl or .parquet prompts file, got {p.suffix!r}")
+    return rows, bad
+
+
+def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests: int, max_prompt_tokens: int,
+                       max_new_tokens: int, corpus_path: str | os.PathLike = CORPUS_PATH,
+                       priority: int = PRIORITY_OFFLINE) -> list[PromptRow]:
+    """Rows whose prompt / output lengths follow an Azure LLM trace (``ContextTokens``, ``GeneratedTokens``).
+
+    Prompt token ids are consecutive windows of the bundled corpus (tokenised once), each cut to
+    ``min(ContextTokens, max_prompt_tokens)`` tokens; ``max_new_tokens`` is
+    ``min(GeneratedTokens, max_new_tokens)``. The first ``num_requests`` trace rows are used.
+
+    Raises:
+        InputError: the trace lacks the columns or has fewer rows than asked.
+    """
+    import pandas as pd
+
+    df = pd.read_csv(trace_csv, comment="#")
+    for col in ("ContextTokens", "GeneratedTokens"):
+        if col not in df.columns:
+            raise InputError(str(trace_csv), col, f"expected an Azure LLM trace column {col!r}")
+    if len(df) < num_requests:
+        raise InputError(str(trace_csv), None, f"has {len(df)} rows, {num_requests} requested")
+    corpus = tokenizer(Path(corpus_path).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    rows: list[PromptRow] = []
+    offset = 0
+    for i, rec in enumerate(df.head(num_requests).itertuples(index=False)):
+        n = max(1, min(int(rec.ContextTokens), max_prompt_tokens, len(corpus)))
+        if offset + n > len(corpus):
+            offset = 0
+        rows.append(PromptRow(f"trace-{i:05d}", None, corpus[offset:offset + n],
+                              max(1, min(int(rec.GeneratedTokens), max_new_tokens)), priority))
+        offset += n
+    return rows
+
+
+def result_record(out: RequestOutput, gear_id: str, tokenizer=None) -> dict[str, Any]:
+    """The stored form of one finished request (times in ms)."""
+    rec: dict[str, Any] = {"id": out.request_id, "gear_id": gear_id, "output_token_ids": out.output_token_ids,
+                           "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
+                           "output_tokens": len(out.output_token_ids), "ttft_ms": out.ttft_s * 1000.0,
+                           "tpot_ms": None if out.tpot_s is None else out.tpot_s * 1000.0,
+                           "e2e_ms": out.e2e_s * 1000.0}
+    if tokenizer is not None:
+        rec["output_text"] = tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+    return rec
+
+
+@dataclass
+class BatchReport:
+    """What a batch job did. ``failure`` is the StageFailedError message when the run broke off."""
+
+    rows: int
+    malformed: list[MalformedRow]
+    skipped_done: int
+    submitted: int
+    finished: int
+    refused: dict[str, str] = field(default_factory=dict)
+    output_tokens: int = 0
+    elapsed_s: float = 0.0
+    failure: str | None = None
+    stage_info: list[dict] = field(default_factory=list)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...],
+                malformed: list[MalformedRow] | None = None) -> list[Request]:
+    """Tokenise text prompts (plain text, no chat template) into :class:`Request` objects."""
+    reqs = []
+    for r in rows:
+        ids = r.token_ids if r.token_ids is not None else tokenizer(r.prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            if malformed is not None:
+                malformed.append(MalformedRow(-1, f"id {r.request_id!r}: prompt tokenises to nothing"))
+            continue
+        reqs.append(Request(r.request_id, list(ids), r.max_new_tokens, priority=r.priority, eos_token_ids=eos_token_ids))
+    return reqs
+
+
+def run_batch_job(runtime, rows: list[PromptRow], sink: ResultSink, *, malformed: list[MalformedRow] | None = None,
+                  on_progress: Callable[[int, int], None] | None = None, on_metrics=None,
+                  decode_text: bool = True) -> BatchReport:
+    """Run the rows not yet in ``sink`` through a started :class:`~flexpipe_dag.runtime.pipeline.PipelineRuntime`.
+
+    Each result is written to the sink the moment it finishes. On a stage failure the report's
+    ``failure`` names the stage, and everything finished before it is already in the sink.
+
+    Args:
+        on_progress: called with ``(finished, submitted)`` after each result.
+    """
+    from flexpipe_dag.runtime.pipeline import StageFailedError
+
+    malformed = list(malformed or [])
+    done = sink.done_ids()
+    todo = [r for r in rows if r.request_id not in done]
+    tok = runtime.ckpt.tokenizer()
+    reqs = to_requests(todo, tok, runtime.ckpt.eos_token_ids(), malformed)
+    report = BatchReport(rows=len(rows), malformed=malformed, skipped_done=len(rows) - len(todo),
+                         submitted=len(reqs), finished=0, stage_info=list(runtime.stage_info))
+
+    def on_result(out: RequestOutput) -> None:
+        sink.write(result_record(out, runtime.gear.gear_id, tok if decode_text else None))
+        report.finished += 1
+        report.output_tokens += len(out.output_token_ids)
+        if on_progress:
+            on_progress(report.finished, report.submitted)
+
+    t0 = time.monotonic()
+    try:
+        runtime.generate(reqs, on_result=on_result, on_metrics=on_metrics)
+    except StageFailedError as exc:
+        report.failure = str(exc)
+    report.elapsed_s = time.monotonic() - t0
+    report.refused = runtime.refused
+    return report

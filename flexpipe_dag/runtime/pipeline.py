@@ -1,0 +1,412 @@
+"""The multi-process pipeline, seen from the caller: start, serve, watch, reconfigure, stop.
+
+:class:`PipelineRuntime` spawns (``torch.multiprocessing``, spawn context) one driver process
+(rank 0: scheduler, dispatch, metrics; :mod:`~flexpipe_dag.runtime.driver`) and one worker per
+stage (ranks 1..n; :mod:`~flexpipe_dag.runtime.worker`), joined by ``torch.distributed`` (gloo on
+CPU, NCCL on GPU). The caller never joins the process group, so a failed run cannot poison the
+caller's process and a new pipeline can start in it right away.
+
+The caller thread is the watchdog: it sees every process's exit code, the error reports on the
+event queue, and the shared step counters. A stage that dies, raises, or sits in one step (or
+holds the oldest in-flight micro-batch) longer than ``step_timeout_s`` fails the run with
+:class:`StageFailedError` naming the stage; results finished before that were already delivered
+to ``on_result`` and are kept on the error.
+
+Several hosts: the same worker / driver entry points run under DeepSpeed's launcher with a
+hostfile; see :mod:`flexpipe_dag.runtime.launch`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
+from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
+from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint, stage_param_bytes
+from flexpipe_dag.runtime.scheduler import Request, RequestOutput
+from flexpipe_dag.runtime.worker import F_STEP_STARTED, F_STEPS, F_AUX, FIELDS, WorkerSpec
+
+#: KV capacity used when the gear leaves ``kv_capacity_tokens`` at 0.
+DEFAULT_KV_CAPACITY_TOKENS = 8192
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
+
+
+class StageFailedError(FlexPipeError):
+    """A pipeline stage (or the driver) crashed, raised, or hung; the run is over.
+
+    Attributes:
+        stage: the failed stage's index, or ``"driver"``.
+        reason: what happened (exit code, exception, or watchdog finding).
+        finished: outputs delivered before the failure (kept, not lost).
+    """
+
+    def __init__(self, stage: int | str, reason: str, finished: list[RequestOutput] | None = None):
+        self.stage, self.reason, self.finished = stage, reason, list(finished or [])
+        name = f"stage {stage}" if isinstance(stage, int) else str(stage)
+        super().__init__(f"{name} failed: {reason.strip().splitlines()[0] if reason.strip() else reason}")
+
+
+@dataclass
+class RuntimeOptions:
+    """How to run a gear on this host.
+
+    ``dtype``: compute dtype (``fp32`` default on CPU; the gear's own dtype is a GPU-plan figure).
+    ``device``: ``"cpu"`` or ``"cuda"`` (stage ``s`` on ``cuda:s``); ``backend`` defaults to gloo
+    on CPU, NCCL on CUDA. ``step_timeout_s``: watchdog limit for one step. ``device_memory_bytes``:
+    per device id, for the fit check (default: this host's physical memory shared by the stages).
+    """
+
+    dtype: str = "fp32"
+    device: str = "cpu"
+    backend: str | None = None
+    step_timeout_s: float = 60.0
+    start_timeout_s: float = 300.0
+    metrics_period_s: float = SAMPLE_PERIOD_S
+    max_tokens_per_micro_batch: int = 2048
+    threads_per_rank: int = 1
+    device_memory_bytes: dict[str, int] | None = None
+    fault: dict = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_num_blocks(gear: Gear) -> int:
+    """KV blocks per stage for a gear (``kv_capacity_tokens`` or the default, in whole blocks)."""
+    cap = gear.kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS
+    return max(1, cap // gear.kv_block_size_tokens)
+
+
+def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32") -> list[dict]:
+    """Per stage: parameter bytes (from tensor headers), KV pool bytes and their sum, before launch."""
+    from flexpipe_dag.runtime.kv_cache import kv_bytes_per_token
+
+    if gear.num_layers != ckpt.num_layers:
+        raise InputError("gear", "num_layers", f"gear covers {gear.num_layers} layers, model {ckpt.name!r} "
+                         f"has {ckpt.num_layers}")
+    cfg = ckpt.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    nbytes = _DTYPE_BYTES[dtype]
+    tokens = kv_num_blocks(gear) * gear.kv_block_size_tokens
+    n = gear.num_stages
+    rows = []
+    for i, st in enumerate(gear.stages):
+        params = stage_param_bytes(ckpt, st.layer_start, st.layer_end, first=i == 0, last=i == n - 1,
+                                   dtype_bytes=nbytes)
+        if i == n - 1 and i == 0 and "lm_head.weight" not in ckpt.tensor_files:
+            params -= ckpt.config.vocab_size * ckpt.config.hidden_size * nbytes  # tied head counted once
+        kv = tokens * kv_bytes_per_token(st.num_layers, cfg.num_key_value_heads, head_dim, nbytes)
+        rows.append({"stage_index": i, "device_ids": list(st.device_ids), "param_bytes": params,
+                     "kv_pool_bytes": kv, "total_bytes": params + kv})
+    return rows
+
+
+def check_gear_fits(gear: Gear, ckpt: Checkpoint, options: RuntimeOptions) -> list[dict]:
+    """Refuse, before launch, a gear whose stages do not fit their devices.
+
+    Raises:
+        InfeasibleError: naming the first stage whose weights + KV pool exceed its device memory.
+    """
+    rows = stage_memory_bytes(gear, ckpt, options.dtype)
+    mem = options.device_memory_bytes
+    host_share = _host_memory_bytes() // max(1, gear.num_stages)
+    for row in rows:
+        for dev in row["device_ids"]:
+            cap = mem.get(dev, host_share) if mem else host_share
+            if row["total_bytes"] > cap:
+                raise InfeasibleError(
+                    f"stage {row['stage_index']} on device {dev!r} needs {row['total_bytes'] / 2**30:.2f} GiB "
+                    f"(weights {row['param_bytes'] / 2**30:.2f} GiB + KV pool {row['kv_pool_bytes'] / 2**30:.2f} GiB) "
+                    f"but the device has {cap / 2**30:.2f} GiB")
+    return rows
+
+
+class PipelineRuntime:
+    """A gear served by real processes. Use as a context manager, or call :meth:`start` / :meth:`shutdown`.
+
+    Args:
+        gear: stages, micro-batch size, in-flight micro-batches, KV block size and capacity.
+        model: a :class:`Checkpoint`, a source for :func:`resolve_checkpoint`, or ``None`` (SmolLM2).
+        options: :class:`RuntimeOptions`.
+
+    Raises (at :meth:`start`): InputError / InfeasibleError before anything launches;
+    StageFailedError if a stage fails to load.
+    """
+
+    def __init__(self, gear: Gear, model: Checkpoint | str | os.PathLike | None = None,
+                 options: RuntimeOptions | None = None):
+        self.gear = gear
+        self.ckpt = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
+        self.options = options or RuntimeOptions()
+        self.stage_info: list[dict] = []
+        self._procs: list = []  # [driver, stage 0, stage 1, ...]
+        self._outstanding: set[str] = set()
+        self._finished: list[RequestOutput] = []
+        self._metrics: list[MetricSample] = []
+        self._refused: dict[str, str] = {}
+        self._stall_mark: tuple[float, float] | None = None
+        self._on_result: Callable[[RequestOutput], None] | None = None
+        self._started = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def _spec(self) -> WorkerSpec:
+        o = self.options
+        backend = o.backend or ("nccl" if o.device == "cuda" else "gloo")
+        return WorkerSpec(checkpoint_path=str(self.ckpt.path), checkpoint_name=self.ckpt.name,
+                          ranges=self.gear.layer_ranges(), num_blocks=kv_num_blocks(self.gear),
+                          block_size_tokens=self.gear.kv_block_size_tokens, dtype=o.dtype, device=o.device,
+                          backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                          threads_per_rank=o.threads_per_rank, fault=dict(o.fault))
+
+    def start(self) -> list[dict]:
+        """Check the fit, spawn the processes, wait until every stage has loaded; returns stage info
+        (``param_bytes``, ``kv_pool_bytes``, ``kv_capacity_tokens``, ``pid`` per stage)."""
+        import torch.multiprocessing as mp
+
+        from flexpipe_dag.runtime.driver import driver_main
+        from flexpipe_dag.runtime.worker import worker_main
+
+        check_gear_fits(self.gear, self.ckpt, self.options)
+        spec = self._spec()
+        ctx = mp.get_context("spawn")
+        self._events = ctx.Queue()
+        self._cmds = ctx.Queue()
+        self._counters = ctx.RawArray("d", FIELDS * spec.world_size)
+        sched_cfg = {"micro_batch_size": self.gear.micro_batch_size,
+                     "max_inflight_micro_batches": self.gear.max_inflight_micro_batches,
+                     "max_tokens_per_micro_batch": self.options.max_tokens_per_micro_batch}
+        self._procs = [ctx.Process(target=driver_main, name="flexpipe-driver", daemon=True,
+                                   args=(spec, self.gear.gear_id, sched_cfg, self._cmds, self._events,
+                                         self._counters, self.options.metrics_period_s))]
+        self._procs += [ctx.Process(target=worker_main, name=f"flexpipe-stage-{s}", daemon=True,
+                                    args=(s, spec, self._events, self._counters)) for s in range(spec.num_stages)]
+        for p in self._procs:
+            p.start()
+        self._started = True
+        info: dict[int, dict] = {}
+        deadline = time.monotonic() + self.options.start_timeout_s
+        while len(info) < spec.num_stages:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(spec.num_stages)) - set(info))
+                self._fail(missing[0], f"did not load within {self.options.start_timeout_s:.0f} s")
+            ev = self._next_event(0.2)
+            if ev and ev[0] == "ready":
+                info[ev[1]] = ev[2]
+        self.stage_info = [info[s] for s in range(spec.num_stages)]
+        return self.stage_info
+
+    def stage_pids(self) -> list[int]:
+        """Process id of each stage worker, in stage order."""
+        return [p.pid for p in self._procs[1:]]
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Drain and stop every process (forcefully after ``timeout_s``)."""
+        if not self._started:
+            return
+        self._started = False
+        alive = all(p.is_alive() for p in self._procs)
+        if alive:
+            self._cmds.put(("stop", None))
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    ev = self._events.get(timeout=0.2)
+                except queue.Empty:
+                    if not all(p.is_alive() for p in self._procs):
+                        break
+                    continue
+                if ev[0] == "stopped":
+                    break
+        self._kill_all(grace_s=5.0 if alive else 0.5)
+
+    def _kill_all(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def __enter__(self) -> PipelineRuntime:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- serving ----------------------------------------------------------------------------------
+    def submit(self, requests: Iterable[Request]) -> list[str]:
+        """Queue requests (non-blocking); returns their ids."""
+        reqs = list(requests)
+        ids = [r.request_id for r in reqs]
+        self._outstanding.update(ids)
+        self._cmds.put(("add", reqs))
+        return ids
+
+    def generate(self, requests: Iterable[Request], on_result: Callable[[RequestOutput], None] | None = None,
+                 on_metrics: Callable[[MetricSample], None] | None = None) -> list[RequestOutput]:
+        """Serve ``requests`` and block until all finished; results in finishing order.
+
+        ``on_result`` is called in this thread as each request finishes (so a sink keeps them even if
+        the run later fails); ``on_metrics`` every ``metrics_period_s``.
+
+        Raises:
+            StageFailedError: a stage crashed, raised or hung (its ``finished`` holds the delivered outputs).
+        """
+        start = len(self._finished)
+        self.submit(requests)
+        self.wait(on_result, on_metrics)
+        return self._finished[start:]
+
+    def wait(self, on_result=None, on_metrics=None) -> None:
+        """Block until every submitted request finished or was refused (see :meth:`generate`)."""
+        self._on_result = on_result
+        while self._outstanding:
+            ev = self._next_event(0.1)
+            if ev is None:
+                continue
+            if ev[0] == "result":
+                out: RequestOutput = ev[1]
+                self._outstanding.discard(out.request_id)
+                self._finished.append(out)
+                if on_result:
+                    on_result(out)
+            elif ev[0] == "metrics":
+                self._metrics.append(ev[1])
+                if on_metrics:
+                    on_metrics(ev[1])
+            elif ev[0] == "refused":
+                self._outstanding.discard(ev[1])
+                self._refused[ev[1]] = ev[2]
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Request id -> why the scheduler refused it (e.g. larger than the KV pool)."""
+        return dict(self._refused)
+
+    @property
+    def metric_samples(self) -> list[MetricSample]:
+        return list(self._metrics)
+
+    def reconfigure(self, gear: Gear, timeout_s: float = 300.0) -> list[dict]:
+        """Move the same processes to ``gear``'s layer ranges and KV pool without a restart.
+
+        Admission pauses, running sequences finish, every stage loads its new range and rebuilds its
+        pool, then serving resumes with queued requests under the new gear's micro-batch size and
+        in-flight limit. The stage count must stay the same.
+
+        Raises:
+            InputError: a different number of stages or another model.
+            InfeasibleError: the new gear does not fit.
+            StageFailedError: a stage failed while reloading, or did not finish within ``timeout_s``.
+        """
+        if gear.num_stages != self.gear.num_stages:
+            raise InputError("gear", "stages", f"reconfiguration keeps the process count: expected "
+                             f"{self.gear.num_stages} stages, got {gear.num_stages}")
+        check_gear_fits(gear, self.ckpt, self.options)
+        self._cmds.put(("reconfigure", {"ranges": gear.layer_ranges(), "num_blocks": kv_num_blocks(gear),
+                                        "block_size_tokens": gear.kv_block_size_tokens, "gear_id": gear.gear_id,
+                                        "micro_batch_size": gear.micro_batch_size,
+                                        "max_inflight_micro_batches": gear.max_inflight_micro_batches}))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if time.monotonic() > deadline:
+                self._fail("driver", f"reconfiguration did not finish within {timeout_s:.0f} s")
+            ev = self._next_event(0.1)
+            if ev is None:
+                continue
+            if ev[0] == "reconfigured":
+                self.gear = gear
+                self.stage_info = sorted(ev[1], key=lambda d: d["stage_index"])
+                return self.stage_info
+            if ev[0] == "result":
+                self._outstanding.discard(ev[1].request_id)
+                self._finished.append(ev[1])
+            elif ev[0] == "metrics":
+                self._metrics.append(ev[1])
+
+    # -- watchdog ---------------------------------------------------------------------------------
+    def _next_event(self, timeout_s: float):
+        """One event from the processes, or ``None``; raises StageFailedError on any failure."""
+        try:
+            ev = self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            ev = None
+        if ev is not None and ev[0] == "error":
+            self._fail(ev[1], ev[2], first_error=ev)
+        self._check_health()
+        return ev
+
+    def _check_health(self) -> None:
+        for i, p in enumerate(self._procs):
+            if p.exitcode is not None:
+                self._fail("driver" if i == 0 else i - 1, f"process exited with code {p.exitcode}")
+        now = time.monotonic()
+        limit = self.options.step_timeout_s
+        c = self._counters
+        for s in range(len(self._procs) - 1):
+            started = c[(s + 1) * FIELDS + F_STEP_STARTED]
+            if started and now - started > limit:
+                self._fail(s, f"watchdog: one step has run for {now - started:.1f} s (limit {limit:.0f} s)")
+        sent, done = c[F_STEPS], c[F_AUX]
+        if sent > done:  # work in flight: it must make progress
+            mark = (sent, done)
+            if self._stall_mark is None or self._stall_mark[0] != mark:
+                self._stall_mark = (mark, now)
+            elif now - self._stall_mark[1] > limit:
+                oldest = done + 1  # micro-batches are served FIFO by every stage
+                holder = next((s for s in range(len(self._procs) - 1)
+                               if c[(s + 1) * FIELDS + F_STEPS] < oldest), len(self._procs) - 2)
+                self._fail(holder, f"watchdog: no progress for {now - self._stall_mark[1]:.1f} s; micro-batch "
+                                   f"#{int(oldest)} is stuck at this stage (limit {limit:.0f} s)")
+        else:
+            self._stall_mark = None
+
+    def _fail(self, stage: int | str, reason: str, first_error=None) -> None:
+        """Collect reports for a moment, pick the culprit, kill every process, raise."""
+        reports: dict = {}
+        if first_error is not None:
+            reports[first_error[1]] = (first_error[2], first_error[3])
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                ev = self._events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if ev[0] == "error":
+                reports.setdefault(ev[1], (ev[2], ev[3]))
+            elif ev[0] == "result":  # finished just before the failure: keep it
+                self._outstanding.discard(ev[1].request_id)
+                self._finished.append(ev[1])
+                if self._on_result:
+                    self._on_result(ev[1])
+        codes = {("driver" if i == 0 else i - 1): p.exitcode for i, p in enumerate(self._procs)}
+        culprit, why = stage, reason
+        killed = [s for s, code in codes.items() if code is not None and code < 0]
+        own = [s for s, (msg, transport) in reports.items() if not transport]
+        silent = [s for s, code in codes.items() if code is not None and s not in reports]
+        if reason.startswith("watchdog"):
+            pass
+        elif killed:
+            culprit, why = killed[0], f"process killed by signal {-codes[killed[0]]}"
+        elif own:
+            culprit, why = own[0], reports[own[0]][0]
+        elif silent:
+            culprit, why = silent[0], f"process exited with code {codes[silent[0]]}"
+        self._started = False
+        self._kill_all(grace_s=0.5)
+        raise StageFailedError(culprit, why, self._finished)

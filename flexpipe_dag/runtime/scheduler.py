@@ -1,0 +1,280 @@
+"""Iteration-level continuous batching for a pipeline (pure: no torch, plain data in and out).
+
+Shape follows vLLM v1 (``vllm/v1/core/sched/interface.py``): :meth:`Scheduler.schedule` returns
+the next micro-batch to push into the pipeline, or ``None``; when the last stage's sampled tokens
+come back, :meth:`Scheduler.update_from_output` appends them, stops sequences on EOS or
+``max_new_tokens`` and frees their KV blocks. Several micro-batches are in flight at once (up to
+``max_inflight_micro_batches``) so stages overlap; a sequence is in at most one of them, since
+its next token depends on the previous one.
+
+Policy:
+
+* admission in priority order (``priority`` 0 = online first, larger = offline), then arrival;
+  a request is admitted when the KV pool can reserve ``prompt + max_new_tokens`` tokens and the
+  running set is below ``micro_batch_size x max_inflight_micro_batches``; the head of the queue is
+  never overtaken, so a large online request is not starved;
+* a micro-batch takes running sequences not in flight (decode, 1 token each) in priority order,
+  then newly admitted ones (whole-prompt prefill) while ``max_tokens_per_micro_batch`` allows
+  (a lone prefill larger than the budget still runs alone);
+* a request that could never fit the pool is refused at :meth:`Scheduler.add_request`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
+
+#: Priority of online (latency-critical) requests; offline batch work uses larger numbers.
+PRIORITY_ONLINE = 0
+PRIORITY_OFFLINE = 1
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    ``temperature == 0`` is greedy; ``seed`` makes a sampled request reproducible.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    priority: int = PRIORITY_ONLINE
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise InputError(None, f"request {self.request_id}.prompt_token_ids", "expected at least one token")
+        if self.max_new_tokens < 1:
+            raise InputError(None, f"request {self.request_id}.max_new_tokens",
+                             f"expected >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a micro-batch: the tokens to feed and where they go in the KV pool."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]
+    output_index: int  # index of the output token this step samples
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start_pos == 0
+
+
+@dataclass
+class MicroBatch:
+    """What one pipeline step computes; travels with the activations from stage to stage."""
+
+    mb_id: int
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. Times in seconds of the scheduler's clock; ``tpot_s`` is ``None`` for one token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str  # "stop" (EOS) or "length"
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = len(self.output_token_ids)
+        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    req: Request
+    order: int
+    arrival_s: float
+    outputs: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    in_flight: bool = False
+    first_token_s: float | None = None
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.req.priority, self.order)
+
+
+class Scheduler:
+    """Continuous-batching scheduler over one KV :class:`BlockAllocator`.
+
+    Args:
+        allocator: the pipeline's KV block accounting (capacity = min over stages).
+        micro_batch_size: most sequences per micro-batch.
+        max_inflight_micro_batches: most micro-batches in the pipeline at once.
+        max_tokens_per_micro_batch: token budget of one micro-batch (prefill tokens + 1 per decode).
+        clock: seconds, monotonic (injectable for tests).
+    """
+
+    def __init__(self, allocator: BlockAllocator, micro_batch_size: int, max_inflight_micro_batches: int,
+                 max_tokens_per_micro_batch: int = 2048, clock: Callable[[], float] = time.monotonic):
+        self.allocator = allocator
+        self.micro_batch_size = micro_batch_size
+        self.max_inflight_micro_batches = max_inflight_micro_batches
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.clock = clock
+        self._waiting: list[_Seq] = []
+        self._running: dict[int, _Seq] = {}
+        self._inflight: dict[int, list[int]] = {}  # mb id -> seq ids
+        self._ids = itertools.count()
+        self._mb_ids = itertools.count()
+        self._request_ids: set[str] = set()
+        self.admission_paused = False
+
+    # -- intake ---------------------------------------------------------------------------------
+    def add_request(self, req: Request, arrival_s: float | None = None) -> None:
+        """Queue a request.
+
+        Raises:
+            KVCapacityError: prompt + max_new_tokens exceed the whole KV pool.
+            InputError: the request id is already queued or running.
+        """
+        if req.request_id in self._request_ids:
+            raise InputError(None, "request_id", f"{req.request_id!r} is already queued or running")
+        need = len(req.prompt_token_ids) + req.max_new_tokens
+        if not self.allocator.fits_ever(need):
+            raise KVCapacityError(f"request {req.request_id!r} needs {need} KV tokens; the pool holds "
+                                  f"{self.allocator.capacity_tokens}")
+        seq_id = next(self._ids)
+        self._request_ids.add(req.request_id)
+        self._waiting.append(_Seq(seq_id, req, seq_id, self.clock() if arrival_s is None else arrival_s))
+        self._waiting.sort(key=lambda s: s.sort_key)
+
+    def add_requests(self, reqs: Iterable[Request]) -> None:
+        for r in reqs:
+            self.add_request(r)
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_inflight_micro_batches(self) -> int:
+        return len(self._inflight)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def _admit(self) -> None:
+        limit = self.micro_batch_size * self.max_inflight_micro_batches
+        while self._waiting and not self.admission_paused and len(self._running) < limit:
+            head = self._waiting[0]
+            need = len(head.req.prompt_token_ids) + head.req.max_new_tokens
+            if not self.allocator.can_reserve(need):
+                break
+            self.allocator.reserve(head.seq_id, need)
+            self._running[head.seq_id] = self._waiting.pop(0)
+
+    def schedule(self) -> MicroBatch | None:
+        """The next micro-batch, or ``None`` when the in-flight limit is reached or nothing is ready."""
+        if len(self._inflight) >= self.max_inflight_micro_batches:
+            return None
+        self._admit()
+        ready = sorted((s for s in self._running.values() if not s.in_flight),
+                       key=lambda s: (s.num_computed == 0, s.sort_key))  # decodes first, then prefills
+        picked: list[ScheduledSeq] = []
+        budget = self.max_tokens_per_micro_batch
+        for s in ready:
+            if len(picked) >= self.micro_batch_size:
+                break
+            if s.num_computed == 0:
+                tokens = list(s.req.prompt_token_ids)
+            else:
+                tokens = [s.outputs[-1]]
+            if len(tokens) > budget and picked:
+                continue
+            budget -= len(tokens)
+            table = self.allocator.append(s.seq_id, len(tokens))
+            picked.append(ScheduledSeq(seq_id=s.seq_id, token_ids=tokens, start_pos=s.num_computed,
+                                       block_table=table, output_index=len(s.outputs),
+                                       temperature=s.req.temperature, top_k=s.req.top_k, top_p=s.req.top_p,
+                                       seed=s.req.seed))
+            s.num_computed += len(tokens)
+            s.in_flight = True
+        if not picked:
+            return None
+        mb = MicroBatch(mb_id=next(self._mb_ids), seqs=picked)
+        self._inflight[mb.mb_id] = [p.seq_id for p in picked]
+        return mb
+
+    def update_from_output(self, mb_id: int, sampled_token_ids: list[int]) -> list[RequestOutput]:
+        """Apply one finished micro-batch's sampled tokens; returns the requests that finished.
+
+        Raises:
+            KeyError: ``mb_id`` is not in flight.
+            ValueError: the number of tokens differs from the micro-batch's sequences.
+        """
+        seq_ids = self._inflight.pop(mb_id)
+        if len(seq_ids) != len(sampled_token_ids):
+            raise ValueError(f"micro-batch {mb_id}: {len(sampled_token_ids)} tokens for {len(seq_ids)} sequences")
+        now = self.clock()
+        finished: list[RequestOutput] = []
+        for seq_id, tok in zip(seq_ids, sampled_token_ids):
+            s = self._running[seq_id]
+            s.in_flight = False
+            s.outputs.append(int(tok))
+            if s.first_token_s is None:
+                s.first_token_s = now
+            reason = None
+            if int(tok) in s.req.eos_token_ids:
+                reason = "stop"
+            elif len(s.outputs) >= s.req.max_new_tokens:
+                reason = "length"
+            if reason:
+                del self._running[seq_id]
+                self.allocator.free(seq_id)
+                self._request_ids.discard(s.req.request_id)
+                finished.append(RequestOutput(s.req.request_id, list(s.req.prompt_token_ids), list(s.outputs),
+                                              reason, s.arrival_s, s.first_token_s, now))
+        return finished
+
+    def abort_inflight(self) -> list[str]:
+        """Forget every in-flight micro-batch (after a pipeline failure); returns affected request ids."""
+        ids = []
+        for seq_ids in self._inflight.values():
+            ids.extend(self._running[i].req.request_id for i in seq_ids if i in self._running)
+        self._inflight.clear()
+        return ids

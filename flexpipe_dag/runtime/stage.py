@@ -1,0 +1,140 @@
+"""Stage compute: forward of one packed micro-batch through one stage's layers, with the paged KV pool.
+
+A micro-batch packs the new tokens of several sequences (prefill of new ones and decode of running
+ones) into one ``[T, hidden]`` tensor, vLLM-style: projections, norms and MLPs run once over all
+``T`` tokens; attention runs per sequence, reading that sequence's keys/values from the pool
+through its block table. The layer arithmetic is the Hugging Face Llama layer's, using its own
+modules (``LlamaDecoderLayer``, ``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``, ``repeat_kv``)
+and ``torch.nn.functional.scaled_dot_product_attention`` as HF's ``sdpa`` path does.
+
+Single process, no communication: chaining stages in one process reproduces HF greedy output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+from flexpipe_dag.runtime.kv_cache import PagedKVPool, slot_mapping
+from flexpipe_dag.runtime.scheduler import MicroBatch, ScheduledSeq
+
+
+class StageModule(nn.Module):
+    """Decoder layers ``[layer_start, layer_end)`` of a Llama model, plus embedding / norm + head.
+
+    Build it with :func:`flexpipe_dag.runtime.model_loader.load_stage_module` (only this stage's
+    tensors are read). ``forward`` input: token ids ``int64 [T]`` on the first stage, hidden states
+    ``[T, hidden]`` otherwise; output: hidden states ``[T, hidden]``, or on the last stage logits
+    ``[num_seqs, vocab]`` of each sequence's last new token.
+    """
+
+    def __init__(self, config, layer_start: int, layer_end: int, *, first: bool, last: bool):
+        super().__init__()
+        self.config = config
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.first, self.last = first, last
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=i) for i in range(layer_start, layer_end))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if last else None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if last else None
+        self.rotary_emb: LlamaRotaryEmbedding | None = None
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+
+    def make_rotary(self) -> LlamaRotaryEmbedding:
+        return LlamaRotaryEmbedding(self.config)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def param_bytes(self) -> int:
+        """Bytes of this stage's parameters (a tied LM head counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def new_kv_pool(self, num_blocks: int, block_size_tokens: int) -> PagedKVPool:
+        """A pool for this stage's layers, in the parameters' dtype and device."""
+        p = next(self.parameters())
+        return PagedKVPool(self.num_layers, num_blocks, block_size_tokens, self.num_kv_heads, self.head_dim,
+                           dtype=p.dtype, device=p.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: MicroBatch, x: torch.Tensor, pool: PagedKVPool) -> torch.Tensor:
+        device = pool.k.device
+        positions, new_slots, ctx_slots, spans = _batch_index(batch.seqs, pool.block_size_tokens, device)
+        h = self.embed_tokens(x.to(device)) if self.first else x.to(device=device, dtype=pool.k.dtype)
+        cos, sin = self.rotary_emb(h[None], positions[None])  # [1, T, head_dim]
+        for li, layer in enumerate(self.layers):
+            residual = h
+            h = residual + self._attention(li, layer.self_attn, layer.input_layernorm(h), cos, sin,
+                                           new_slots, ctx_slots, spans, pool)
+            residual = h
+            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        if not self.last:
+            return h
+        last_idx = torch.tensor([start + n - 1 for start, n in spans], device=device)
+        return self.lm_head(self.norm(h.index_select(0, last_idx)))
+
+    def _attention(self, li, attn, hn, cos, sin, new_slots, ctx_slots, spans, pool: PagedKVPool) -> torch.Tensor:
+        t = hn.shape[0]
+        q = attn.q_proj(hn).view(1, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(hn).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(hn).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        pool.write(li, new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        groups = self.num_heads // self.num_kv_heads
+        outs = []
+        for (start, n), slots in zip(spans, ctx_slots):
+            kc, vc = pool.gather(li, slots)  # [ctx, kv_heads, d]
+            kc = repeat_kv(kc.transpose(0, 1)[None], groups)
+            vc = repeat_kv(vc.transpose(0, 1)[None], groups)
+            qs = q[:, :, start:start + n]
+            ctx = slots.shape[0]
+            if n == ctx:  # whole prompt: plain causal
+                o = F.scaled_dot_product_attention(qs, kc, vc, is_causal=n > 1, scale=attn.scaling)
+            elif n == 1:  # decode: the new token sees everything
+                o = F.scaled_dot_product_attention(qs, kc, vc, scale=attn.scaling)
+            else:  # new tokens after a cached prefix: causal with an offset
+                mask = torch.ones(n, ctx, dtype=torch.bool, device=qs.device).tril(ctx - n)
+                o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=attn.scaling)
+            outs.append(o)
+        o = torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+        return attn.o_proj(o)
+
+
+def _batch_index(seqs: list[ScheduledSeq], block_size: int, device):
+    """Positions ``[T]``, new-token slots ``[T]``, per-sequence context slots and ``(start, n)`` spans."""
+    positions: list[int] = []
+    new_slots: list[int] = []
+    ctx_slots: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []
+    for s in seqs:
+        n = len(s.token_ids)
+        end = s.start_pos + n
+        spans.append((len(positions), n))
+        positions.extend(range(s.start_pos, end))
+        all_slots = slot_mapping(s.block_table, 0, end, block_size)
+        new_slots.extend(all_slots[s.start_pos:])
+        ctx_slots.append(torch.tensor(all_slots, dtype=torch.long, device=device))
+    return (torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(new_slots, dtype=torch.long, device=device), ctx_slots, spans)
+
+
+def batch_input_ids(batch: MicroBatch) -> torch.Tensor:
+    """The first stage's input: the new tokens of every sequence, packed, ``int64 [T]``."""
+    return torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.long)

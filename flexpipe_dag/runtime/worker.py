@@ -1,0 +1,181 @@
+"""A stage worker process: loads one stage's layers and KV pool, then serves micro-batches forever.
+
+Ranks: the driver is rank 0, stage ``s`` is rank ``s + 1``. A stage receives from the rank before
+it (the driver for stage 0) and sends to the rank after it (the last stage sends sampled tokens
+back to the driver). Every link carries messages in FIFO order and the driver receives on its own
+thread, so the ring cannot deadlock.
+
+Control messages travel down the same chain: ``RECONFIGURE`` makes every stage load a new layer
+range and rebuild its KV pool in place (no process restart), ``STOP`` ends the loop.
+
+Shared counters (a ``multiprocessing`` double array, :data:`FIELDS` per rank) let the parent's
+watchdog see progress without any message: steps done, busy seconds, the clock reading when the
+current step started (0 when idle).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+#: Counter fields per rank in the shared array.
+FIELDS = 4
+F_STEPS, F_BUSY_S, F_STEP_STARTED, F_AUX = range(FIELDS)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a stage worker needs (picklable; sent to spawned processes).
+
+    ``ranges[s]`` is stage ``s``'s ``[layer_start, layer_end)``; ``device`` is ``"cpu"`` or a CUDA
+    device string (``"cuda"`` means ``cuda:<stage>``).
+    """
+
+    checkpoint_path: str
+    checkpoint_name: str
+    ranges: list[tuple[int, int]]
+    num_blocks: int
+    block_size_tokens: int
+    dtype: str = "fp32"
+    device: str = "cpu"
+    backend: str = "gloo"
+    init_method: str = "tcp://127.0.0.1:29500"
+    threads_per_rank: int = 1
+    fault: dict = field(default_factory=dict)  # test hook: {"stage": s, "raise_after_steps": n}
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages + 1
+
+
+def setup_process(spec: WorkerSpec, rank: int) -> None:
+    """Thread limits and ``torch.distributed`` init for one rank (long timeout: the parent's watchdog
+    decides when a step hangs, an idle pipeline must not time out)."""
+    os.environ["OMP_NUM_THREADS"] = str(spec.threads_per_rank)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec.threads_per_rank)
+    dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
+                            timeout=timedelta(days=1))
+
+
+def stage_device(spec: WorkerSpec, stage: int) -> str:
+    if spec.device == "cuda":
+        return f"cuda:{stage}"
+    return spec.device
+
+
+class StageRunner:
+    """One stage's module and KV pool, rebuilt on reconfiguration."""
+
+    def __init__(self, spec: WorkerSpec, stage: int):
+        self.spec, self.stage = spec, stage
+        self.module = self.pool = None
+        self.load(spec.ranges, spec.num_blocks, spec.block_size_tokens, spec.checkpoint_path)
+
+    def load(self, ranges, num_blocks: int, block_size_tokens: int, checkpoint_path: str) -> dict:
+        import gc
+
+        from flexpipe_dag.runtime.model_loader import Checkpoint, load_stage_module
+
+        self.module = self.pool = None
+        gc.collect()
+        a, b = ranges[self.stage]
+        n = len(ranges)
+        ckpt = Checkpoint(path=Path(checkpoint_path), name=self.spec.checkpoint_name)
+        module = load_stage_module(ckpt, a, b, first=self.stage == 0, last=self.stage == n - 1, dtype=self.spec.dtype)
+        self.module = module.to(stage_device(self.spec, self.stage))
+        self.pool = self.module.new_kv_pool(num_blocks, block_size_tokens)
+        self.ranges = list(ranges)
+        return runner_info(self)
+
+
+def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
+    """Entry point of stage ``stage``'s process. Reports ``("ready", stage, info)`` and, on failure,
+    ``("error", stage, message, is_transport_error)`` on ``events``, then exits non-zero."""
+    rank = stage + 1
+    in_transport = False
+    try:
+        setup_process(spec, rank)
+        import torch
+
+        from flexpipe_dag.runtime import transport as tp
+        from flexpipe_dag.runtime.sampling import sample_tokens
+
+        runner = StageRunner(spec, stage)
+        events.put(("ready", stage, runner_info(runner)))
+        device = stage_device(spec, stage)
+        comm_device = device if spec.backend == "nccl" else "cpu"
+        prev_rank = rank - 1
+        last = stage == spec.num_stages - 1
+        next_rank = 0 if last else rank + 1
+        base = rank * FIELDS
+        steps = 0
+        while True:
+            in_transport = True
+            kind, meta, x = tp.recv_message(prev_rank, comm_device)
+            in_transport = False
+            if kind == tp.STOP:
+                in_transport = True
+                tp.send_message(next_rank, tp.STOP, None, device=comm_device)
+                break
+            if kind == tp.RECONFIGURE:
+                info = runner.load(meta["ranges"], meta["num_blocks"], meta["block_size_tokens"],
+                                   meta.get("checkpoint_path") or spec.checkpoint_path)
+                infos = list(meta.get("infos", [])) + [info]
+                in_transport = True
+                tp.send_message(next_rank, tp.RECONFIGURED if last else tp.RECONFIGURE, {**meta, "infos": infos},
+                                device=comm_device)
+                continue
+            if kind != tp.BATCH:
+                raise tp.TransportError(f"stage {stage}: unexpected message kind {tp.KIND_NAMES.get(kind, kind)}")
+            t0 = time.monotonic()
+            counters[base + F_STEP_STARTED] = t0
+            if spec.fault.get("stage") == stage and steps >= spec.fault.get("raise_after_steps", 1 << 60):
+                raise RuntimeError(f"injected fault after {steps} steps")
+            out = runner.module(meta, x, runner.pool)
+            if last:
+                tokens = sample_tokens(out, meta.seqs)
+                payload = (tp.RESULT, (meta.mb_id, tokens), None)
+            else:
+                payload = (tp.BATCH, meta, out)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+            steps += 1
+            counters[base + F_BUSY_S] += time.monotonic() - t0
+            counters[base + F_STEPS] = steps
+            counters[base + F_STEP_STARTED] = 0.0
+            in_transport = True
+            tp.send_message(next_rank, payload[0], payload[1], payload[2], device=comm_device)
+    except BaseException as exc:  # report, then die: the parent names this stage
+        events.put(("error", stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", in_transport))
+        raise SystemExit(1) from None
+    finally:
+        _destroy()
+
+
+def runner_info(runner: StageRunner) -> dict:
+    a, b = runner.ranges[runner.stage]
+    return {"stage_index": runner.stage, "layer_start": a, "layer_end": b, "param_bytes": runner.module.param_bytes(),
+            "kv_pool_bytes": runner.pool.nbytes, "kv_capacity_tokens": runner.pool.capacity_tokens,
+            "pid": os.getpid()}
+
+
+def _destroy() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass

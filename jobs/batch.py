@@ -1,0 +1,122 @@
+"""The ``batch_inference`` job: a prompts file or a trace through a real pipeline, every output into the store.
+
+Safe to re-run: results are keyed by (job, request id), finished requests are skipped, malformed rows
+are counted and reported, a model that does not fit the gear is refused before launch, and a crashed
+stage fails the run naming the stage while keeping what finished (and tags the gear unhealthy). The
+tide sensor pauses a running job by setting its status to ``paused``: the job stops between chunks.
+"""
+
+from dagster import Config, Failure, MetadataValue, OpExecutionContext, job, op
+from pydantic import Field
+
+from resources.store_resource import StoreResource
+
+#: Requests submitted per chunk; a pause takes effect between chunks.
+CHUNK_REQUESTS = 16
+
+
+class BatchInferenceConfig(Config):
+    """What to run. Give ``prompts_path`` (JSONL / Parquet) or ``trace`` (Azure CSV)."""
+
+    job_key: str = Field(description="stable id of the job; re-runs with the same key resume it")
+    prompts_path: str = ""
+    trace: str = ""
+    num_requests: int = 64
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 16
+    gear_id: str = Field("", description="a stored gear; empty = even split over `stages` CPU workers")
+    stages: int = 2
+    micro_batch_size: int = 8
+    model: str = Field("", description="checkpoint: HF dir or GGUF; empty = SmolLM2-135M-Instruct")
+    priority: int = 0
+    step_timeout_s: float = 120.0
+
+
+def _gear(config: BatchInferenceConfig, db, ckpt):
+    from flexpipe_dag.cli.run import even_gear
+    from flexpipe_dag.core.errors import InputError
+
+    if config.gear_id:
+        gear = db.load_gear(config.gear_id)
+        if gear is None:
+            raise InputError("batch_inference config", "gear_id", f"no stored gear {config.gear_id!r}")
+        return gear
+    return even_gear(ckpt.num_layers, config.stages, ckpt.name, config.micro_batch_size, None, 0)
+
+
+def _rows(config: BatchInferenceConfig, ckpt):
+    from flexpipe_dag.core.errors import InputError
+    from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts
+
+    if config.prompts_path:
+        return read_prompts(config.prompts_path, config.max_new_tokens)
+    if config.trace:
+        from flexpipe_dag.workload.bundled import bundled_path
+
+        path = bundled_path(config.trace) if "/" not in config.trace else config.trace
+        return prompts_from_trace(path, ckpt.tokenizer(), num_requests=config.num_requests,
+                                  max_prompt_tokens=config.max_prompt_tokens,
+                                  max_new_tokens=config.max_new_tokens), []
+    raise InputError("batch_inference config", "prompts_path/trace", "give a prompts file or a trace")
+
+
+@op(description="Run the job's missing requests through the pipeline, storing each result as it finishes.",
+    tags={"kind": "inference"})
+def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: StoreResource) -> dict:
+    from flexpipe_dag.runtime.batch import run_batch_job
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+    from sql.result_sink import StoreResultSink
+
+    db = store.get_store()
+    ckpt = resolve_checkpoint(config.model or None)
+    gear = _gear(config, db, ckpt)
+    rows, malformed = _rows(config, ckpt)
+    job_id = db.get_or_create_job(config.job_key, "batch", priority=config.priority,
+                                  source_path=config.prompts_path or config.trace, gear_key=gear.gear_id)
+    db.update_job(job_id, status="running", total_requests=len(rows), malformed_rows=len(malformed), error=None,
+                  gear_key=gear.gear_id)
+    sink = StoreResultSink(db, job_id)
+    for m in malformed[:50]:
+        context.log.warning(f"malformed row {m.line}: {m.reason}")
+    runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s))
+    finished = skipped = tokens = 0
+    paused = False
+    failure = None
+    with runtime:
+        context.log.info(f"gear {gear.gear_id}: stages {gear.layer_ranges()}; per-stage memory "
+                         + ", ".join(f"{i['param_bytes'] / 2**20:.0f} MiB" for i in runtime.stage_info))
+        todo = [r for r in rows if r.request_id not in sink.done_ids()]
+        skipped = len(rows) - len(todo)
+        for start in range(0, len(todo), CHUNK_REQUESTS):
+            if db.job_status(job_id) == "paused":
+                paused = True
+                context.log.info(f"job {config.job_key} paused by the tide sensor after {finished} requests")
+                break
+            report = run_batch_job(runtime, todo[start:start + CHUNK_REQUESTS], sink)
+            finished += report.finished
+            tokens += report.output_tokens
+            context.log.info(f"{skipped + finished}/{len(rows)} requests done")
+            if report.failure:
+                failure = report.failure
+                break
+    if failure:
+        db.update_job(job_id, status="failed", error=failure)
+        db.mark_unhealthy(gear.gear_id, gear.cluster_id or "local", gear.model_name, "crashed_stage", failure,
+                          run_key=context.run_id)
+        raise Failure(f"batch job {config.job_key}: {failure}; {skipped + finished} finished results kept",
+                      metadata={"finished": skipped + finished})
+    status = "paused" if paused else "done"
+    db.update_job(job_id, status=status)
+    context.add_output_metadata({"job_key": config.job_key, "status": status, "finished_now": finished,
+                                 "skipped_already_done": skipped, "malformed_rows": len(malformed),
+                                 "output_tokens": tokens, "gear": gear.gear_id,
+                                 "malformed": MetadataValue.md("\n".join(f"- row {m.line}: {m.reason}"
+                                                                         for m in malformed[:50]) or "none")})
+    return {"job_id": job_id, "status": status}
+
+
+@job(description="Offline batch inference into the SQL store (admitted in troughs by tide_sensor, or by hand).",
+     tags={"dagster/priority": "-1"})
+def batch_inference():
+    run_batch()

@@ -1,0 +1,60 @@
+"""Dagster resource with every figure of the gear-shift controller and of offline (tide) admission."""
+
+from pathlib import Path
+
+import yaml
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from flexpipe_dag.control.config import ControllerConfig
+from flexpipe_dag.control.tide import TideConfig
+from flexpipe_dag.core.errors import InputError
+
+
+class ControlSettings(ConfigurableResource):
+    """Controller and tide settings.
+
+    ``config_file`` (``FLEXPIPE_CONTROL_FILE``) is a YAML file with optional ``controller:`` (any
+    field of :class:`~flexpipe_dag.control.config.ControllerConfig`) and ``tide:`` (any field of
+    :class:`~flexpipe_dag.control.tide.TideConfig`) sections; unset figures keep the design's seed
+    values. ``target_p99_ms`` > 0 sets the service latency target for every gear.
+    """
+
+    config_file: str = ""
+    target_p99_ms: float = Field(0.0, ge=0, description="0 = each gear's own target")
+    dwell_s: float = Field(-1.0, description="< 0 = the config file's or the seed's 600 s")
+
+    def _sections(self) -> dict:
+        if not self.config_file:
+            return {}
+        path = Path(self.config_file)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise InputError(str(path), None, f"cannot read controller config: {exc}") from None
+        if not isinstance(data, dict) or set(data) - {"controller", "tide"}:
+            raise InputError(str(path), None, "expected a mapping with 'controller' and/or 'tide' sections")
+        return data
+
+    def controller_config(self) -> ControllerConfig:
+        """The validated controller config (InputError naming the file and field on a bad value)."""
+        values = dict(self._sections().get("controller") or {})
+        if self.target_p99_ms > 0:
+            values["target_p99_ms"] = self.target_p99_ms
+        if self.dwell_s >= 0:
+            values["dwell_s"] = self.dwell_s
+        return _validated(ControllerConfig, values, self.config_file, "controller")
+
+    def tide_config(self) -> TideConfig:
+        return _validated(TideConfig, dict(self._sections().get("tide") or {}), self.config_file, "tide")
+
+
+def _validated(model, values: dict, source: str, section: str):
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in (section, *first["loc"]))
+        raise InputError(source or "control settings", field, first["msg"]) from None

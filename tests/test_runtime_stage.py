@@ -1,0 +1,35 @@
+"""Stage compute in one process: chained stages reproduce transformers greedy generate exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from test_runtime_helpers import checkpoint, hf_reference, requests  # noqa: E402
+
+from flexpipe_dag.runtime.local import LocalPipeline  # noqa: E402
+from flexpipe_dag.runtime.model_loader import load_stage_module, stage_param_bytes  # noqa: E402
+
+
+@pytest.mark.parametrize("ranges", [[(0, 30)], [(0, 15), (15, 30)], [(0, 4), (4, 30)], [(0, 10), (10, 20), (20, 30)],
+                                    [(0, 2), (2, 25), (25, 30)]])
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_chained_stages_match_hf_generate(ranges, batch_size):
+    pipe = LocalPipeline.from_layer_ranges(checkpoint(), ranges, num_blocks=128, block_size_tokens=16)
+    reqs = requests() if batch_size == 8 else requests()[:3]
+    outs = pipe.generate(reqs, micro_batch_size=batch_size)
+    ref = hf_reference()
+    assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id] for r in reqs}
+
+
+def test_stage_holds_only_its_layers():
+    ck = checkpoint()
+    mid = load_stage_module(ck, 10, 20, first=False, last=False)
+    assert mid.embed_tokens is None and mid.lm_head is None and len(mid.layers) == 10
+    names = {n.split(".")[0] for n, _ in mid.named_parameters()}
+    assert names == {"layers"}
+    assert mid.param_bytes() == stage_param_bytes(ck, 10, 20, first=False, last=False)
+    first = load_stage_module(ck, 0, 10, first=True, last=False)
+    emb = ck.config.vocab_size * ck.config.hidden_size * 4
+    assert first.param_bytes() == mid.param_bytes() + emb  # layers are the same size; plus the embedding

@@ -10,7 +10,7 @@ import os
 
 from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
-from assets import evaluation, planning, profiling
+from assets import evaluation, health, planning, profiling
 from jobs.batch import batch_inference
 from jobs.gear_shift import gear_shift, gear_shift_sensor
 from jobs.profiling import profile_refresh_job, profile_refresh_schedule
@@ -20,7 +20,7 @@ from resources.planning import PlanningSettings
 from resources.prober import ProberResource
 from resources.store_resource import StoreResource
 
-ASSET_MODULES = [profiling, planning, evaluation]
+ASSET_MODULES = [profiling, planning, evaluation, health]
 
 
 def build_resources() -> dict:

@@ -1,0 +1,1 @@
+"""Serving a live pipeline: replaying a real trace through the runtime, shifting gears, reporting."""

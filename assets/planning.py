@@ -57,9 +57,9 @@ def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, 
     info, cluster = latest
     spec = _model(planning)
     model_id = db.save_model(spec.name, planning.dtype, spec.num_layers, spec.summary(planning.dtype))
-    gears = plan_gears(cluster, spec, dtype=planning.dtype, context_p95_tokens=planning.context_p95_tokens,
-                       concurrency=planning.concurrency, min_residence_s=planning.min_residence_s,
-                       profile_version=info.id)
+    workload = planning.plan_workload()
+    context.log.info(f"planning for {workload}")
+    gears = plan_gears(cluster, spec, dtype=planning.dtype, workload=workload, profile_version=info.id)
     db.save_gears(gears, info.id, model_id)
     for g in gears:
         context.log.info(f"{g.gear_id}: {g.num_stages} stage(s) {g.layer_ranges()}, micro-batch {g.micro_batch_size}, "

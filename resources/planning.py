@@ -20,3 +20,27 @@ class PlanningSettings(ConfigurableResource):
     reference_requests: int = Field(1500, ge=50, description="requests of the reference trace to simulate")
     slo_ttft_ms: float = Field(2000.0, gt=0)
     slo_tpot_ms: float = Field(200.0, gt=0)
+    max_prompt_tokens: int = Field(0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
+    max_new_tokens: int = Field(0, ge=0, description="cap on generated tokens (0 = none)")
+
+    def plan_workload(self):
+        """Planning assumptions from the reference trace: mean prompt / output and P95 context after the caps.
+
+        Raises:
+            InputError: the reference trace cannot be read.
+        """
+        import numpy as np
+
+        from flexpipe_dag.planner.workload import PlanWorkload
+        from flexpipe_dag.workload.bundled import load_trace
+
+        frame = load_trace(self.reference_trace).to_frame()
+        prompt = frame["input_tokens"].to_numpy()
+        output = frame["output_tokens"].to_numpy()
+        if self.max_prompt_tokens:
+            prompt = np.minimum(prompt, self.max_prompt_tokens)
+        if self.max_new_tokens:
+            output = np.minimum(output, self.max_new_tokens)
+        return PlanWorkload(context_p95_tokens=min(self.context_p95_tokens, int(np.percentile(prompt + output, 95))),
+                            concurrency=self.concurrency, prompt_tokens_mean=max(1, int(prompt.mean())),
+                            output_tokens_mean=max(1, int(output.mean())), min_residence_s=self.min_residence_s)

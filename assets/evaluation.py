@@ -3,7 +3,7 @@
 import pandas as pd
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from assets.metadata import png_metadata, table_metadata
+from assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
 from flexpipe_dag.core.errors import InfeasibleError
 from resources.planning import PlanningSettings
 from resources.store_resource import StoreResource
@@ -31,10 +31,7 @@ def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings,
     from flexpipe_dag.workload.transform import head
 
     db = store.get_store()
-    latest = db.latest_profile()
-    if latest is None:
-        raise InfeasibleError("no cluster profile stored yet: materialise gpu_profile first")
-    info, cluster = latest
+    info, cluster = latest_profile_or_fail(db)
     spec = load_model_spec(planning.model)
     gears = db.load_gears(info.id)
     if not gears:

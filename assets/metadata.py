@@ -25,3 +25,13 @@ def png_metadata(png: bytes, name: str) -> dict[str, MetadataValue]:
 def table_metadata(frame: pd.DataFrame) -> MetadataValue:
     """A DataFrame as a markdown table (floats to 4 significant digits)."""
     return MetadataValue.md(frame.to_markdown(index=False, floatfmt=".4g"))
+
+
+def latest_profile_or_fail(db):
+    """``(ProfileVersionInfo, ClusterProfile)`` of the newest stored profile; InfeasibleError if none."""
+    from flexpipe_dag.core.errors import InfeasibleError
+
+    latest = db.latest_profile()
+    if latest is None:
+        raise InfeasibleError("no cluster profile stored yet: materialise gpu_profile first")
+    return latest

@@ -3,8 +3,7 @@
 import pandas as pd
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, MaterializeResult, MetadataValue, asset, asset_check
 
-from assets.metadata import png_metadata, table_metadata
-from flexpipe_dag.core.errors import InfeasibleError
+from assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
 from flexpipe_dag.plots import gear_layout_plot
 from resources.planning import PlanningSettings
 from resources.store_resource import StoreResource
@@ -51,10 +50,7 @@ def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, 
     from flexpipe_dag.planner.gears import plan_gears
 
     db = store.get_store()
-    latest = db.latest_profile()
-    if latest is None:
-        raise InfeasibleError("no cluster profile stored yet: materialise gpu_profile first")
-    info, cluster = latest
+    info, cluster = latest_profile_or_fail(db)
     spec = _model(planning)
     model_id = db.save_model(spec.name, planning.dtype, spec.num_layers, spec.summary(planning.dtype))
     workload = planning.plan_workload()

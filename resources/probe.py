@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
+from flexpipe_dag.core.host import free_port, host_memory_bytes
 from resources.microbench import (DEFAULT_LAYER, LayerShape, gemm_tflops, layer_times_ms, max_micro_batch,
                                   memory_bandwidth_gbps)
 from resources.nvml_facts import read_nvml_facts
@@ -44,16 +45,6 @@ class ProbeSettings:
     link_bytes_cpu: int = 16 * 2**20
     link_bytes_cuda: int = 512 * 2**20
     link_repeats: int = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _cpu_name() -> str:
@@ -142,7 +133,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, settings: dict[str, 
         free, total = torch.cuda.mem_get_info(device)
         budget, result["memory_gib"] = free, total / 2**30
     else:
-        total = _host_memory_bytes() // world
+        total = host_memory_bytes() // world
         budget, result["memory_gib"] = total // 2, total / 2**30
     result["max_micro_batch"], result["max_micro_batch_method"] = max_micro_batch(
         device, dtype, shape, s.context_tokens, budget)
@@ -182,7 +173,7 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
         notes.append(f"no CUDA device: measured {world} CPU worker processes as devices "
                      f"({max(1, (os.cpu_count() or 1) // world)} threads each, fp32)")
     with tempfile.TemporaryDirectory(prefix="flexpipe-probe-") as out_dir:
-        mp.start_processes(_worker, args=(world, _free_port(), out_dir, asdict(settings), use_cuda),
+        mp.start_processes(_worker, args=(world, free_port(), out_dir, asdict(settings), use_cuda),
                            nprocs=world, join=True, start_method="spawn")
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     devices, links = [], []

@@ -21,14 +21,17 @@ def evaluation_table(evaluations) -> pd.DataFrame:
 
 
 @asset(group_name="planning", kinds={"sql"}, deps=["candidate_gears"],
-       description="Each candidate gear x a real reference workload in the serving simulator; refreshes gear estimates.")
+       description="Each candidate gear replayed on a real reference trace in the simulator: its measured "
+                   "envelope (qps_max within the SLO), TTFT P99 there and estimate replace the planner's.")
 def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings, store: StoreResource) -> MaterializeResult:
+    from flexpipe_dag.core.settings import flexpipe_home
     from flexpipe_dag.planner.cost_model import CostModel
+    from flexpipe_dag.planner.envelope import refine_envelopes
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.sim.config import SimConfig
     from flexpipe_dag.sim.evaluate import evaluate_gear, plot_evaluation
     from flexpipe_dag.workload.bundled import load_trace
-    from flexpipe_dag.workload.transform import head
+    from flexpipe_dag.workload.transform import head, speedup
 
     db = store.get_store()
     info, cluster = latest_profile_or_fail(db)
@@ -36,18 +39,27 @@ def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings,
     gears = db.load_gears(info.id)
     if not gears:
         raise InfeasibleError(f"no gears stored for profile version {info.id}: materialise candidate_gears first")
+    model_id = db.save_model(spec.name, planning.dtype, spec.num_layers, spec.summary(planning.dtype))
     cost_model = CostModel(spec, cluster, dtype=planning.dtype)
-    workload = head(load_trace(planning.reference_trace), planning.reference_requests)
+    reference = planning.reference_workload()
+    envelopes: list = []
+    refined = refine_envelopes(gears, cost_model, reference, slo_ttft_ms=planning.slo_ttft_ms,
+                               slo_tpot_ms=planning.slo_tpot_ms, num_requests=planning.reference_requests,
+                               report=envelopes)
+    db.save_gears(refined, info.id, model_id)
     config = SimConfig(slo_ttft_ms=planning.slo_ttft_ms, slo_tpot_ms=planning.slo_tpot_ms)
-    evaluations = [evaluate_gear(g, cost_model.timings(g), workload, config) for g in gears]
-    for ev in evaluations:
-        context.log.info(f"{ev.gear_id}: {ev.result.summary['throughput_rps']:.3g} req/s, "
-                         f"TTFT p99 {ev.estimate.ttft_p99_ms:.4g} ms on {workload.name}")
-    from flexpipe_dag.core.settings import flexpipe_home
-
+    base = head(reference, planning.reference_requests)
+    evaluations = []
+    for g in refined:  # each gear at 80 % of its measured envelope: the latency users see there
+        rate = max(0.8 * g.qps_max, 1e-3)
+        evaluations.append(evaluate_gear(g, cost_model.timings(g), speedup(base, rate / base.mean_rate_rps), config))
+        context.log.info(f"{g.gear_id}: envelope {g.qps_min:.3g}..{g.qps_max:.3g} req/s, TTFT p99 "
+                         f"{g.target_p99_ms:.4g} ms at qps_max (was {next(o for o in gears if o.gear_id == g.gear_id).qps_max:.3g})")
     png_path = plot_evaluation(evaluations, flexpipe_home() / "plots" / "gear_evaluations.png")
     return MaterializeResult(metadata={
-        "profile_version_id": info.id, "workload": workload.name, "requests": len(workload),
+        "profile_version_id": info.id, "workload": reference.name, "requests": planning.reference_requests,
+        "envelopes": table_metadata(pd.DataFrame([{k: v for k, v in e.to_dict().items() if k != "probes" and k != "estimate"}
+                                                  for e in envelopes])),
         "evaluations": table_metadata(evaluation_table(evaluations)),
         **png_metadata(png_path.read_bytes(), "gear_evaluations"),
         "ttft_cdf_ms": MetadataValue.json({ev.gear_id: ev.ttft_cdf_ms[::10] for ev in evaluations}),

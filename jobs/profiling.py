@@ -26,3 +26,11 @@ def profile_refresh_schedule(cron: str | None = None) -> ScheduleDefinition:
         default_status=DefaultScheduleStatus.RUNNING,
         execution_timezone="UTC",
     )
+
+
+plan_gears_job = define_asset_job(
+    "plan_gears",
+    selection=AssetSelection.groups("planning"),
+    description="Re-profile the model, plan candidate gears, score them in the simulator, refresh gear health.",
+    tags={"dagster/priority": "5"},
+)

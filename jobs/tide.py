@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, sensor
 
-from flexpipe_dag.control.tide import TideDecision, TideForecaster, decide_offline, ema
+from flexpipe_dag.control.tide import TideDecision, TideForecaster, TideGate, decide_offline, ema
 from flexpipe_dag.core.errors import InputError
 from jobs.batch import batch_inference
 from jobs.gear_shift import SENSOR_INTERVAL_S
@@ -41,6 +41,7 @@ def evaluate_tide(db, cursor: str | None, control: ControlSettings, *, epoch_s: 
         raise InputError("tide_sensor cursor", None, f"cannot parse: {exc}") from None
     cfg = control.tide_config()
     qps_ema, last_id = doc.get("qps_ema"), doc.get("last_sample_id")
+    gate = TideGate.model_validate(doc.get("gate") or {})
     admissions = dict(doc.get("admissions", {}))
     rows = db.read_samples(after_id=last_id)
     for _, smp in rows:
@@ -53,23 +54,30 @@ def evaluate_tide(db, cursor: str | None, control: ControlSettings, *, epoch_s: 
         from flexpipe_dag.workload.bundled import load_tide_trace
 
         forecaster = TideForecaster(load_tide_trace())
-    gear = db.load_gear(rows[-1][1].gear_id) if rows else None
+    gear_id = rows[-1][1].gear_id if rows else doc.get("gear_id")
+    gear = db.load_gear(gear_id) if gear_id else None
     capacity = gear.qps_max if gear else float("inf")
     batch_jobs = db.jobs(kind="batch")
     running = [j for j in batch_jobs if j.status == "running"]
+    gate = gate.model_copy(update={"running": bool(running) or gate.running and any(
+        j.status == "admitted" for j in batch_jobs)})
     decision = decide_offline(forecaster, cfg, tide_time_s=tide_time_s(epoch_s or time.time(), cfg.time_compression),
-                              qps_ema=qps_ema, capacity_qps=capacity, offline_running=bool(running))
-    out = TideEvaluation(decision, "")
-    if decision.action == "pause":
+                              qps_ema=qps_ema, capacity_qps=capacity, offline_running=gate.running)
+    gate, act = gate.step(decision, cfg.hysteresis_samples)
+    out = TideEvaluation(decision if act is None else act, "")
+    if act is None:
+        pass
+    elif act.action == "pause":
         for j in running:
             db.update_job(j.id, status="paused")
             out.paused.append(j.job_key)
-    elif decision.action == "admit":
+    elif act.action == "admit":
         out.admit = [j for j in batch_jobs if j.status in ("queued", "paused") and j.config]
         for j in out.admit:
             admissions[j.job_key] = admissions.get(j.job_key, 0) + 1
             db.update_job(j.id, status="admitted")
-    out.cursor = json.dumps({"qps_ema": qps_ema, "last_sample_id": last_id, "admissions": admissions}, sort_keys=True)
+    out.cursor = json.dumps({"qps_ema": qps_ema, "last_sample_id": last_id, "admissions": admissions,
+                             "gate": gate.model_dump(), "gear_id": gear_id}, sort_keys=True)
     out.run_keys = {j.job_key: f"batch:{j.job_key}:admission-{admissions[j.job_key]}" for j in out.admit}
     return out
 

@@ -23,6 +23,22 @@ class PlanningSettings(ConfigurableResource):
     max_prompt_tokens: int = Field(0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
     max_new_tokens: int = Field(0, ge=0, description="cap on generated tokens (0 = none)")
 
+    def reference_workload(self):
+        """The reference trace with the serving caps applied to its lengths (what gears are scored on)."""
+        import dataclasses
+
+        from flexpipe_dag.workload.bundled import load_trace
+
+        trace = load_trace(self.reference_trace)
+        if not (self.max_prompt_tokens or self.max_new_tokens):
+            return trace
+        cap_in = self.max_prompt_tokens or None
+        cap_out = self.max_new_tokens or None
+        return dataclasses.replace(trace, requests=tuple(
+            dataclasses.replace(r, input_tokens=min(r.input_tokens, cap_in or r.input_tokens),
+                                output_tokens=min(r.output_tokens, cap_out or r.output_tokens))
+            for r in trace.requests))
+
     def plan_workload(self):
         """Planning assumptions from the reference trace: mean prompt / output and P95 context after the caps.
 
@@ -32,15 +48,10 @@ class PlanningSettings(ConfigurableResource):
         import numpy as np
 
         from flexpipe_dag.planner.workload import PlanWorkload
-        from flexpipe_dag.workload.bundled import load_trace
 
-        frame = load_trace(self.reference_trace).to_frame()
+        frame = self.reference_workload().to_frame()
         prompt = frame["input_tokens"].to_numpy()
         output = frame["output_tokens"].to_numpy()
-        if self.max_prompt_tokens:
-            prompt = np.minimum(prompt, self.max_prompt_tokens)
-        if self.max_new_tokens:
-            output = np.minimum(output, self.max_new_tokens)
         return PlanWorkload(context_p95_tokens=min(self.context_p95_tokens, int(np.percentile(prompt + output, 95))),
                             concurrency=self.concurrency, prompt_tokens_mean=max(1, int(prompt.mean())),
                             output_tokens_mean=max(1, int(output.mean())), min_residence_s=self.min_residence_s)

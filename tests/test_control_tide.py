@@ -51,3 +51,21 @@ def test_real_servegen_tide_has_troughs_and_peaks():
     levels = [f.profile_at(h * 3600) for h in range(24)]
     assert max(levels) > 2 * min(levels)  # the real daily tide: peak well above trough
     assert ema(None, 5.0, 0.3) == 5.0 and ema(5.0, 10.0, 0.3) == pytest.approx(6.5)
+
+
+def test_gate_needs_consecutive_decisions_and_round_trips():
+    from flexpipe_dag.control.tide import TideDecision, TideGate
+
+    admit = TideDecision("admit", 1.0, 1.0, 10.0, "trough")
+    keep = TideDecision("keep", 6.0, 6.0, 10.0, "between")
+    gate = TideGate()
+    gate, act = gate.step(admit, 3)
+    gate, act = gate.step(admit, 3)
+    assert act is None and not gate.running
+    gate, act = gate.step(keep, 3)  # the run of admits is broken: start again
+    assert gate.count == 0
+    for _ in range(2):
+        gate, act = gate.step(admit, 3)
+    gate, act = gate.step(admit, 3)
+    assert act is admit and gate.running
+    assert TideGate.model_validate_json(gate.model_dump_json()) == gate

@@ -145,13 +145,19 @@ def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
     db.write_samples("live", _samples("throughput-2s", [1.0] * 3))  # far below its 40 req/s capacity
     forecaster = TideForecaster(load_tide_trace())
     trough_s = min(range(0, 86400, 600), key=forecaster.profile_at)  # the real tide's quietest window
-    ev = evaluate_tide(db, None, ControlSettings(), epoch_s=float(trough_s), forecaster=forecaster)
+    cursor = None
+    for _ in range(3):  # an admission must hold for 3 consecutive evaluations (hysteresis)
+        assert db.job_status(job_id) == "queued"
+        ev = evaluate_tide(db, cursor, ControlSettings(), epoch_s=float(trough_s), forecaster=forecaster)
+        cursor = ev.cursor
     assert ev.decision.action == "admit", ev.decision.reason
     assert [j.job_key for j in ev.admit] == ["offline-1"] and ev.run_keys["offline-1"] == "batch:offline-1:admission-1"
     assert db.job_status(job_id) == "admitted"
     db.update_job(job_id, status="running")  # the batch run started
     db.write_samples("live", _samples("throughput-2s", [39.0] * 6, t0=10.0))  # the tide rises: online first
-    result, _ = _tick(tide_sensor, store_res, ev.cursor)
+    cursor = ev.cursor
+    for _ in range(3):
+        result, cursor = _tick(tide_sensor, store_res, cursor)
     assert isinstance(result, SkipReason) and "paused offline-1" in str(result.skip_message)
     assert db.job_status(job_id) == "paused"
 

@@ -35,7 +35,8 @@ window is harmless):
 Then once per call, at ``now_s``: with a shift still pending, hold; otherwise take the
 highest-priority firing trigger and rank the healthy candidate gears. A candidate's envelope must
 hold the smoothed QPS narrowed by ``envelope_margin_fraction`` (except for ``qps_above_envelope``
-and ``current_unhealthy``, which may move best-effort): entering only well inside an envelope and
+and ``current_unhealthy``, which may move best-effort; best-effort ``qps_above_envelope`` only to a
+gear with more capacity, ``qps_max``, than the serving one): entering only well inside an envelope and
 leaving only well outside it is what keeps a load near an edge from flapping. Candidates whose
 calibrated P99 estimate meets the target come first, then the trigger's preferred kinds (like a
 gearbox: the nearest gear in the trigger's direction), then net payback. The best one that passes
@@ -55,7 +56,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from flexpipe_dag.control.config import ControllerConfig
-from flexpipe_dag.control.payback import calibrated_p99_ms, estimated_gain_fraction, fits_envelope, pays_back
+from flexpipe_dag.control.payback import (calibrated_p99_ms, capacity_rps, estimated_gain_fraction, fits_envelope,
+                                          pays_back)
 from flexpipe_dag.control.state import TRIGGER_PRIORITY, ControllerState, Decision
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
@@ -332,6 +334,8 @@ class Controller:
             fits = fits_envelope(g, qps, cfg.envelope_margin_fraction)
             if not fits and trigger not in _BEST_EFFORT_TRIGGERS:
                 continue  # a gear outside its envelope would trigger the reverse shift: flapping
+            if trigger == "qps_above_envelope" and not fits and capacity_rps(g) <= capacity_rps(current):
+                continue  # load beyond this gear's envelope: a gear with no more capacity cannot help
             est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric)
             meets = est is None or est <= target
             gain = estimated_gain_fraction(trigger, current, g, qps=qps, current_p99_ms=st.ema_p99_ms,

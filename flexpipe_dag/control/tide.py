@@ -14,7 +14,10 @@ Decision, against the serving gear's capacity ``C`` (its ``qps_max``), with hyst
   or the forecast says the rise arrives within the horizon (``forecast > pause_above_fraction * C``);
 * otherwise keep the current state.
 
-Online always has priority: paused offline work resumes only through a later admission.
+A change (admit or pause) takes effect only after it has been the decision for
+``hysteresis_samples`` consecutive evaluations (:class:`TideGate`), so noise around a threshold does
+not flap offline work on and off. Online always has priority: paused offline work resumes only
+through a later admission.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class TideConfig(BaseModel):
     pause_above_fraction: float = Field(0.75, gt=0, le=1)
     horizon_s: float = Field(1800.0, ge=0, description="look-ahead of the forecast, tide seconds")
     ema_alpha: float = Field(0.3, gt=0, le=1)
+    hysteresis_samples: int = Field(3, ge=1, description="consecutive evaluations an admit / pause must hold")
     time_compression: float = Field(1.0, gt=0, description="tide seconds per wall second (demos compress the day)")
 
     @model_validator(mode="after")
@@ -102,3 +106,25 @@ def decide_offline(forecaster: TideForecaster, config: TideConfig, *, tide_time_
                             f"admit offline: trough, {figures} (admit below {config.admit_below_fraction:.0%})")
     state = "running" if offline_running else "waiting"
     return TideDecision("keep", qps_ema, forecast, capacity_qps, f"keep offline {state}: {figures}")
+
+
+class TideGate(BaseModel):
+    """Hysteresis on offline admission: state kept between evaluations (JSON-serialisable for a sensor cursor).
+
+    ``running`` is whether offline work is admitted; ``pending`` / ``count`` the change being
+    confirmed and for how many consecutive evaluations it has been the decision.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    running: bool = False
+    pending: Literal["admit", "pause"] | None = None
+    count: int = 0
+
+    def step(self, decision: TideDecision, required: int) -> tuple[TideGate, TideDecision | None]:
+        """Feed one decision; returns the new gate and the decision to act on now (None = no change yet)."""
+        if decision.action == "keep" or (decision.action == "admit") == self.running:
+            return TideGate(running=self.running), None
+        count = self.count + 1 if self.pending == decision.action else 1
+        if count >= required:
+            return TideGate(running=decision.action == "admit"), decision
+        return TideGate(running=self.running, pending=decision.action, count=count), None

@@ -1,19 +1,25 @@
 """Analytic performance estimate of a pipeline plan: throughput, TTFT and TPOT at an operating point.
 
-For a plan with micro-batch ``b``, ``m = ceil(N / b)`` micro-batches in flight, per-stage decode step
+For a plan with micro-batch ``b``, ``m`` micro-batches in flight (:func:`inflight_micro_batches`:
+``max(ceil(N / b), sum_s r_s)``), per-stage decode step
 ``d_s`` (ms, per replica), prefill ``p_s`` and ``r_s`` replicas:
 
 * decode round trip ``R = sum_s d_s + sum_links (latency + b * act_bytes / bandwidth)``;
 * decode spacing at the bottleneck ``D = max_s d_s / r_s``; with ``a`` active micro-batches a token
   is produced every ``TPOT(a) = max(R, a * D)`` per sequence;
 * capacity ``X_busy = 1 / max(busy)`` requests per ms (see :mod:`~flexpipe_dag.planner.search`), and by
-  Little's law ``X_slots = N / (TTFT + O * TPOT(m))``; throughput ``X = min(X_busy, X_slots)``;
+  Little's law ``X_slots = m b / (TTFT + O * TPOT(m))``; throughput ``X = min(X_busy, X_slots)``;
 * TTFT = prefill through every stage and link, plus the wait at the bottleneck: the M/M/1 waiting-time
   quantile ``w_q = ln(rho / (1 - q)) * s / (1 - rho)`` for ``rho > 1 - q`` (Kleinrock 1975, Vol. 1,
   Sec. 3.2), a conservative stand-in for the queue the simulator measures; ``s`` is the bottleneck busy
   time and ``rho = qps / X``.
 
 P50 figures use the mean prompt, P99 figures the P95 context as the prompt (the KV pool is sized at it).
+
+These figures rank candidate plans quickly; they are not an envelope. The simulator contradicts the
+M/M/1 tail near saturation (continuous batching puts whole prompts into decode iterations), so the
+operating envelopes users and the controller rely on come from
+:func:`flexpipe_dag.planner.envelope.refine_envelopes`, which replays a real trace through each gear.
 """
 
 from __future__ import annotations
@@ -41,6 +47,20 @@ class PlanEstimate:
     ttft_idle_ms: float
     bottleneck_stage: int
     qps_at_envelope: float
+
+
+def inflight_micro_batches(plan: PipelinePlan, concurrency: int) -> int:
+    """Micro-batches a gear keeps in flight: ``max(ceil(N / b), sum_s r_s)``.
+
+    ``ceil(N / b)`` slots hold the planned concurrency ``N`` in micro-batches of ``b``; but a pipeline
+    whose stages have ``r_s`` replicas has ``sum_s r_s`` servers, and each works on one micro-batch at
+    a time, so fewer in flight leaves servers idle (a 1-stage gear on 2 replicas with one micro-batch
+    of 64 runs at half its capacity). Extra sequences beyond ``N`` are admitted only while the paged
+    KV pool has free blocks (the runtime and simulator check), so the memory plan for ``N`` at the
+    P95 context still holds.
+    """
+    servers = sum(len(ds) for ds in plan.device_ids)
+    return max(1, math.ceil(concurrency / plan.micro_batch_size), servers)
 
 
 def _wait_quantile_ms(rho: float, service_ms: float, q: float) -> float:
@@ -75,11 +95,11 @@ def estimate_plan(search: PipelineSearch, plan: PipelinePlan, utilisation: float
     tr_pf95 = sum(cm.transfer_ms(a[0], c[0], w.context_p95_tokens) for a, c in hops)
     R = sum(dec) + tr_dec
     D = max(d / len(ds) for d, ds in zip(dec, plan.device_ids))
-    m = math.ceil(w.concurrency / b)
+    m = inflight_micro_batches(plan, w.concurrency)
     ttft_idle = sum(pf_mean) + tr_pf
     tpot_full = max(R, m * D)
     x_busy = 1e3 / plan.bottleneck_ms
-    x_slots = w.concurrency * 1e3 / (ttft_idle + w.output_tokens_mean * tpot_full)
+    x_slots = m * b * 1e3 / (ttft_idle + w.output_tokens_mean * tpot_full)
     x = min(x_busy, x_slots)
     qps = utilisation * x if qps is None else min(qps, x)
     rho = qps / x_busy

@@ -9,7 +9,13 @@ least feasible up to memory-only, each built "capacity first" and "speed first",
 
 * ``throughput``: maximise estimated tokens/s (ties: lower idle TPOT);
 * ``latency``: minimise idle TPOT (the decode round trip), ties: higher tokens/s;
-* ``balanced``: maximise Kleinrock's power, tokens/s / TPOT at the envelope (Kleinrock 1979).
+* ``balanced``: maximise Kleinrock's power, tokens/s / TPOT at the envelope (Kleinrock 1979), among
+  plans that differ from the latency and throughput picks and whose tokens/s lies between theirs.
+
+The three operating gears are distinct configurations (stages, devices, micro-batch, in-flight
+count). When the cluster leaves no distinct plan for a kind (e.g. one device and one micro-batch
+size), that kind *collapses* into another: :func:`plan_gear_set` says so in ``collapsed`` /
+``notes`` and :func:`plan_gears` returns only the distinct gears, never one pipeline under two ids.
 
 Baselines: ``uniform`` (layer counts differ by at most 1) and ``parameters`` (DeepSpeed's
 ``partition_balanced`` over per-layer parameter counts, embedding on layer 0 and LM head on the last)
@@ -31,7 +37,7 @@ from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear, GearEstimate, GearKind, StagePlan
 from flexpipe_dag.planner.cost_model import CostModel
-from flexpipe_dag.planner.estimate import PlanEstimate, estimate_plan
+from flexpipe_dag.planner.estimate import PlanEstimate, estimate_plan, inflight_micro_batches
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
 from flexpipe_dag.planner.partition import (
     balanced_partition,
@@ -252,7 +258,7 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, qps_m
     return Gear(
         gear_id=_gear_id(kind, model, cm.dtype, plan, cm.cluster.cluster_id), kind=kind, model_name=model.name,
         dtype=cm.dtype, num_layers=model.num_layers, stages=stages, micro_batch_size=plan.micro_batch_size,
-        max_inflight_micro_batches=max(1, math.ceil(w.concurrency / plan.micro_batch_size)),
+        max_inflight_micro_batches=inflight_micro_batches(plan, w.concurrency),
         kv_capacity_tokens=min(kv_caps), qps_min=min(qps_min, qps_max), qps_max=qps_max,
         target_p99_ms=max(1.0, math.ceil(est.ttft_p99_ms)), estimate=estimate, cluster_id=cm.cluster.cluster_id,
         profile_version=profile_version)
@@ -293,6 +299,103 @@ def plan_kind(search: PipelineSearch, kind: str, num_stages: int | None = None) 
     return pick(kind, scored, search)
 
 
+@dataclass(frozen=True)
+class GearSet:
+    """The planner's operating gears and how the three kinds map onto them.
+
+    Attributes:
+        gears: distinct gears, ordered latency, balanced, throughput (kinds that collapsed are absent).
+        collapsed: ``{kind: kind_it_collapsed_into}`` for kinds with no distinct plan of their own.
+        notes: one sentence per collapse, for logs and asset metadata.
+    """
+
+    gears: list[Gear]
+    collapsed: dict[str, str]
+    notes: list[str]
+
+    def gear_for(self, kind: str) -> Gear:
+        """The gear serving ``kind`` (the one it collapsed into, if it did).
+
+        Raises:
+            InputError: ``kind`` is not an operating kind.
+        """
+        if kind not in ("latency", "balanced", "throughput"):
+            raise InputError(None, "kind", f"expected latency / balanced / throughput, got {kind!r}")
+        kind = self.collapsed.get(kind, kind)
+        return next(g for g in self.gears if g.kind == kind)
+
+
+def _config_key(search: PipelineSearch, s: ScoredPlan) -> tuple:
+    """What makes two plans the same runnable configuration: stages, devices, micro-batch, in flight."""
+    return (s.plan.signature(), inflight_micro_batches(s.plan, search.workload.concurrency))
+
+
+def choose_operating_plans(search: PipelineSearch, scored: list[ScoredPlan]) -> tuple[dict[str, ScoredPlan], dict[str, str]]:
+    """Pick distinct latency / balanced / throughput plans (objectives in the module docstring).
+
+    ``throughput`` and ``latency`` are picked on their own objectives; if they are the same
+    configuration, ``latency`` collapses into ``throughput``. ``balanced`` is picked among the
+    remaining configurations whose tokens/s lies strictly between the two (or, when latency collapsed,
+    below throughput's); with none, it collapses into the nearer of the two by tokens/s.
+
+    Returns:
+        ``(chosen, collapsed)``: ``chosen[kind]`` for each distinct kind, ``collapsed[kind] = other_kind``.
+    """
+    thr = pick("throughput", scored, search)
+    lat = pick("latency", scored, search)
+    chosen: dict[str, ScoredPlan] = {"throughput": thr}
+    collapsed: dict[str, str] = {}
+    if _config_key(search, lat) == _config_key(search, thr):
+        collapsed["latency"] = "throughput"
+    else:
+        chosen["latency"] = lat
+    lo = lat.estimate.tokens_per_s if "latency" in chosen else -math.inf
+    hi = thr.estimate.tokens_per_s
+    taken = {_config_key(search, p) for p in chosen.values()}
+    between = [s for s in scored if _config_key(search, s) not in taken
+               and lo * (1 + 1e-6) < s.estimate.tokens_per_s < hi * (1 - 1e-6)]
+    if between:
+        chosen["balanced"] = pick("balanced", between, search)
+    else:
+        near = "latency" if "latency" in chosen and abs(hi - (2 * lo + hi) / 3) > abs(lo - (2 * lo + hi) / 3) else "throughput"
+        collapsed["balanced"] = near
+    return chosen, collapsed
+
+
+def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
+                  concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
+                  workload: PlanWorkload | None = None, profile_version: int | None = None,
+                  device_overrides=None) -> GearSet:
+    """Plan the distinct operating gears for ``model`` on ``cluster`` (arguments as :func:`plan_gears`).
+
+    Envelopes here are the analytic ones (see :func:`plan_gears`); replace them with simulated ones
+    with :func:`flexpipe_dag.planner.envelope.refine_envelopes`.
+
+    Raises:
+        InfeasibleError: the model cannot be placed (binding constraint named).
+        InputError: bad dtype or workload values.
+    """
+    workload = workload or PlanWorkload(context_p95_tokens=context_p95_tokens, concurrency=concurrency,
+                                        min_residence_s=min_residence_s)
+    search = make_search(cluster, model, dtype=dtype, workload=workload, now=now, device_overrides=device_overrides)
+    scored = candidate_plans(search)
+    if not scored:
+        raise InfeasibleError(search.explain_infeasible())
+    chosen, collapsed = choose_operating_plans(search, scored)
+    by_capacity = sorted(chosen, key=lambda k: (chosen[k].estimate.qps_at_envelope, k))
+    gears: dict[str, Gear] = {}
+    prev_max = None
+    for kind in by_capacity:
+        qps_min = 0.0 if prev_max is None else 0.7 * prev_max
+        gears[kind] = to_gear(search, kind, chosen[kind], qps_min=qps_min, profile_version=profile_version)
+        prev_max = chosen[kind].estimate.qps_at_envelope
+    notes = [f"{kind} collapses into {into} ({gears[into].gear_id}): no distinct configuration of its own on "
+             f"{len(search.pool)} usable device(s) for micro-batches {list(workload.batch_sizes())}"
+             for kind, into in collapsed.items()]
+    ordered = [gears[k] for k in ("latency", "balanced", "throughput") if k in gears]
+    return GearSet(ordered, collapsed, notes)
+
+
 def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                workload: PlanWorkload | None = None, profile_version: int | None = None,
@@ -307,13 +410,36 @@ def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16"
         device_overrides: per-device efficiency factors (see :class:`CostModel`).
 
     Returns:
-        ``[latency, balanced, throughput]`` gears, each with its estimate and envelope; envelopes are
-        ordered by capacity: each gear's ``qps_min`` is 70 % of the next-smaller gear's ``qps_max``
-        (overlap for hysteresis), the smallest starts at 0.
+        The distinct gears in the order latency, balanced, throughput: three where the cluster allows
+        three configurations, fewer when a kind collapses into another (:func:`plan_gear_set` names
+        which). Each carries its analytic estimate and envelope: ordered by capacity, each gear's
+        ``qps_min`` is 70 % of the next-smaller gear's ``qps_max`` (overlap for hysteresis), the
+        smallest starts at 0. For envelopes measured in the simulator, pass the result to
+        :func:`flexpipe_dag.planner.envelope.refine_envelopes`.
 
     Raises:
         InfeasibleError: the model cannot be placed (binding constraint named).
         InputError: bad dtype or workload values.
+    """
+    return plan_gear_set(cluster, model, dtype=dtype, context_p95_tokens=context_p95_tokens, concurrency=concurrency,
+                         now=now, min_residence_s=min_residence_s, workload=workload,
+                         profile_version=profile_version, device_overrides=device_overrides).gears
+
+
+def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
+                    concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
+                    workload: PlanWorkload | None = None, profile_version: int | None = None,
+                    device_overrides=None, max_candidates: int = 6) -> list[Gear]:
+    """A shortlist of distinct configurations for scoring in the simulator (``kind="manual"``).
+
+    The three analytic picks come first, then, alternating, the best plan by estimated tokens/s for
+    each device layout (devices and layer split, any micro-batch) and the lowest idle TPOT among the
+    rest whose estimated capacity is at least ``LOW_LOAD_SHARE`` of the best, until ``max_candidates``. Ids are ``candidate-<stages>s-<hash>``.
+    :func:`flexpipe_dag.planner.envelope.select_operating_gears` picks and relabels the operating
+    gears from it.
+
+    Raises:
+        InfeasibleError / InputError: as :func:`plan_gears`.
     """
     workload = workload or PlanWorkload(context_p95_tokens=context_p95_tokens, concurrency=concurrency,
                                         min_residence_s=min_residence_s)
@@ -321,15 +447,28 @@ def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16"
     scored = candidate_plans(search)
     if not scored:
         raise InfeasibleError(search.explain_infeasible())
-    chosen = {kind: pick(kind, scored, search) for kind in ("latency", "balanced", "throughput")}
-    by_capacity = sorted(chosen, key=lambda k: (chosen[k].estimate.qps_at_envelope, k))
-    gears: dict[str, Gear] = {}
-    prev_max = None
-    for kind in by_capacity:
-        qps_min = 0.0 if prev_max is None else 0.7 * prev_max
-        gears[kind] = to_gear(search, kind, chosen[kind], qps_min=qps_min, profile_version=profile_version)
-        prev_max = chosen[kind].estimate.qps_at_envelope
-    return [gears[k] for k in ("latency", "balanced", "throughput")]
+    chosen, _ = choose_operating_plans(search, scored)
+    picks: list[ScoredPlan] = [chosen[k] for k in ("latency", "balanced", "throughput") if k in chosen]
+    by_layout: dict[tuple, ScoredPlan] = {}
+    for sp in sorted(scored, key=lambda x: (-x.estimate.tokens_per_s, x.estimate.tpot_idle_ms, x.plan.signature())):
+        by_layout.setdefault(tuple(sorted(map(tuple, sp.plan.device_ids))) + tuple(sp.plan.sizes), sp)
+    floor = LOW_LOAD_SHARE * max(x.estimate.throughput_rps for x in scored)
+    fast = sorted((x for x in scored if x.estimate.throughput_rps >= floor),
+                  key=lambda x: (x.estimate.tpot_idle_ms, -x.estimate.tokens_per_s, x.plan.signature()))
+    for a, b in itertools.zip_longest(by_layout.values(), fast):
+        picks += [x for x in (a, b) if x is not None]
+    out: list[Gear] = []
+    seen: set[tuple] = set()
+    for sp in picks:
+        key = _config_key(search, sp)
+        if key in seen:
+            continue
+        seen.add(key)
+        g = to_gear(search, "manual", sp, profile_version=profile_version)
+        out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
+        if len(out) >= max_candidates:
+            break
+    return out
 
 
 def plan_baseline(cluster: ClusterProfile, model: ModelSpec, kind: GearKind, *, dtype: str = "bf16",

@@ -1,0 +1,371 @@
+"""Operating envelopes measured in the simulator: the highest load each gear serves within the SLO.
+
+The planner's analytic estimate (:mod:`~flexpipe_dag.planner.estimate`) ranks plans; the envelope the
+controller acts on comes from replaying a real trace through each gear in the discrete-event
+simulator (:mod:`flexpipe_dag.sim`), as issue 4's ``gear_evaluations`` asset prescribes.
+
+Method, per gear:
+
+1. The reference workload (a real trace, e.g. Azure conv) is cut to its first ``num_requests``
+   requests and time-compressed (:func:`~flexpipe_dag.workload.transform.speedup`) so its mean
+   arrival rate is the probed rate ``lambda`` (req/s). Burstiness and lengths stay those of the trace.
+2. A probe at ``lambda`` *passes* when at least ``attainment`` (default 0.95) of the requests after
+   the first ``warmup_fraction`` (0.25) of arrivals meet both SLOs (TTFT <= ``slo_ttft_ms``, TPOT
+   <= ``slo_tpot_ms``) and none is lost (rejected or unfinished). Skipping the warm-up makes a
+   growing backlog count: above saturation the queueing delay grows by ``1/mu - 1/lambda`` per
+   request, so the later requests miss the TTFT SLO. The resolution this gives is about
+   ``slo_ttft_s x mu / n`` above the saturation rate ``mu`` (2 % for 1,000 requests at 10 req/s
+   with a 2 s SLO).
+3. ``qps_max`` is the highest passing rate: from a start rate (the gear's analytic throughput, else
+   the trace's own rate) the rate doubles until a probe fails or halves until one passes, then
+   bisects until ``(fail - pass) / fail <= rel_tol``. A gear failing even at
+   ``start / 2**max_halvings`` gets ``qps_max = 0``.
+4. ``target_p99_ms`` is the TTFT P99 (ms) measured at ``qps_max`` and ``estimate`` the
+   :class:`~flexpipe_dag.core.gear.GearEstimate` of that probe (throughput, tokens/s, TTFT / TPOT
+   P50 / P99, busiest stage).
+5. ``qps_min``: gears sorted by ``qps_max``; the smallest starts at 0, each other at
+   ``overlap_fraction`` (0.7) x the next-smaller gear's ``qps_max``, so adjacent envelopes overlap and
+   the controller's entry / exit thresholds form a hysteresis band.
+
+Deterministic (the simulator and the time compression have no randomness) and pure (no Dagster,
+SQL or torch). Cost: about ``log2(range / rel_tol) + 2`` simulations of ``num_requests`` requests
+per gear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear import Gear, GearEstimate
+from flexpipe_dag.core.timing import StageTimingModel
+from flexpipe_dag.sim.config import SimConfig
+from flexpipe_dag.sim.engine import Simulator
+from flexpipe_dag.sim.evaluate import estimate_from_result
+from flexpipe_dag.workload.request import Workload
+from flexpipe_dag.workload.transform import head, speedup
+
+TimingSource = Callable[[Gear], StageTimingModel]
+
+
+@dataclass(frozen=True)
+class EnvelopeProbe:
+    """One simulation of a gear at one offered rate.
+
+    Attributes:
+        rate_rps: offered mean arrival rate, req/s.
+        slo_attainment: share of measured requests (after the warm-up) meeting both SLOs.
+        lost: requests rejected or unfinished.
+        ttft_p99_ms / tpot_p99_ms: P99 over the measured requests, ms (NaN if none finished).
+        passed: ``slo_attainment >= attainment`` and ``lost == 0``.
+    """
+
+    rate_rps: float
+    slo_attainment: float
+    lost: int
+    ttft_p99_ms: float
+    tpot_p99_ms: float
+    passed: bool
+    estimate: GearEstimate = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class GearEnvelope:
+    """The measured envelope of one gear: ``qps_max``, the TTFT P99 there, and every probe run."""
+
+    gear_id: str
+    qps_max: float
+    target_p99_ms: float
+    estimate: GearEstimate | None
+    probes: tuple[EnvelopeProbe, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for asset metadata: envelope plus a probe table."""
+        return {"gear_id": self.gear_id, "qps_max": self.qps_max, "target_p99_ms": self.target_p99_ms,
+                "estimate": self.estimate.model_dump() if self.estimate else None,
+                "probes": [{"rate_rps": p.rate_rps, "slo_attainment": p.slo_attainment, "lost": p.lost,
+                            "ttft_p99_ms": p.ttft_p99_ms, "tpot_p99_ms": p.tpot_p99_ms, "passed": p.passed}
+                           for p in self.probes]}
+
+
+def _timing_source(cost_model: Any) -> TimingSource:
+    if hasattr(cost_model, "timings"):
+        return cost_model.timings
+    if callable(cost_model):
+        return cost_model
+    raise InputError("refine_envelopes", "cost_model",
+                     "expected an object with .timings(gear) (e.g. planner CostModel) or a callable gear -> timing")
+
+
+def reference_slice(reference: Workload, num_requests: int) -> tuple[Workload, float]:
+    """The first ``num_requests`` requests of ``reference`` and their mean arrival rate, req/s.
+
+    Raises:
+        InputError: fewer than 2 requests, or all arriving at one instant.
+    """
+    if num_requests < 2:
+        raise InputError(reference.source or reference.name, "num_requests", f"got {num_requests}; expected >= 2")
+    ref = head(reference, num_requests) if len(reference) > num_requests else reference
+    if len(ref) < 2 or ref.duration_s <= 0:
+        raise InputError(reference.source or reference.name, None,
+                         "reference workload needs at least 2 requests at different times to set a rate")
+    return ref, (len(ref) - 1) / ref.duration_s
+
+
+def probe_gear(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps: float, rate_rps: float, *,
+               config: SimConfig, attainment: float = 0.95, warmup_fraction: float = 0.25) -> EnvelopeProbe:
+    """Simulate ``gear`` on ``reference`` compressed to ``rate_rps`` and grade it (criterion in the module doc).
+
+    Args:
+        reference: the (already sliced) reference workload; ``native_rps`` its mean arrival rate.
+        rate_rps: offered mean rate, req/s (> 0).
+    """
+    w = speedup(reference, rate_rps / native_rps)
+    result = Simulator(w, gear, timing, config).run()
+    df = result.requests
+    skip = int(len(df) * warmup_fraction)
+    measured = df.iloc[skip:] if len(df) - skip > 0 else df
+    lost = int(df["finish_s"].isna().sum())
+    share = float(measured["slo_met"].mean()) if len(measured) else 0.0
+
+    def p99(col: str) -> float:
+        v = measured[col].to_numpy(dtype=float)
+        v = v[~np.isnan(v)]
+        return float(np.percentile(v, 99)) if v.size else math.nan
+
+    return EnvelopeProbe(rate_rps=rate_rps, slo_attainment=share, lost=lost, ttft_p99_ms=p99("ttft_ms"),
+                         tpot_p99_ms=p99("tpot_ms"), passed=share >= attainment and lost == 0,
+                         estimate=estimate_from_result(result))
+
+
+def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, *, slo_ttft_ms: float = 2000.0,
+                     slo_tpot_ms: float = 200.0, attainment: float = 0.95, num_requests: int = 1000,
+                     warmup_fraction: float = 0.25, rel_tol: float = 0.03, start_rps: float | None = None,
+                     max_doublings: int = 12, max_halvings: int = 12, sim_config: SimConfig | None = None) -> GearEnvelope:
+    """Bisect on the offered rate for the highest one ``gear`` serves within the SLO (module doc, steps 1-4).
+
+    Args:
+        timing: stage times of ``gear`` (e.g. ``CostModel.timings(gear)``).
+        reference: a real trace; its first ``num_requests`` requests are replayed at each rate.
+        slo_ttft_ms / slo_tpot_ms: the SLO, ms. attainment: share of requests that must meet it.
+        rel_tol: stop when the bracket ``[pass, fail]`` is this narrow relative to ``fail``.
+        start_rps: first rate probed (default: the gear's analytic throughput, else the trace's rate).
+        sim_config: other simulator settings; its SLO fields are replaced by the arguments.
+
+    Returns:
+        The envelope with every probe, in the order run.
+
+    Raises:
+        InputError: bad attainment / tolerance / fractions, or a degenerate reference workload.
+    """
+    if not 0 < attainment <= 1:
+        raise InputError("refine_envelopes", "attainment", f"got {attainment}; expected 0 < attainment <= 1")
+    if not 0 < rel_tol < 1:
+        raise InputError("refine_envelopes", "rel_tol", f"got {rel_tol}; expected 0 < rel_tol < 1")
+    if not 0 <= warmup_fraction < 1:
+        raise InputError("refine_envelopes", "warmup_fraction", f"got {warmup_fraction}; expected 0 <= f < 1")
+    base = sim_config or SimConfig()
+    config = dataclasses.replace(base, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+    ref, native = reference_slice(reference, num_requests)
+    if start_rps is None:
+        est = gear.estimate.throughput_rps if gear.estimate is not None else 0.0
+        start_rps = est if est > 0 and math.isfinite(est) else native
+    if not (start_rps > 0 and math.isfinite(start_rps)):
+        raise InputError("refine_envelopes", "start_rps", f"got {start_rps}; expected a rate > 0 req/s")
+    probes: list[EnvelopeProbe] = []
+
+    def run(rate: float) -> EnvelopeProbe:
+        p = probe_gear(gear, timing, ref, native, rate, config=config, attainment=attainment,
+                       warmup_fraction=warmup_fraction)
+        probes.append(p)
+        return p
+
+    first = run(start_rps)
+    best: EnvelopeProbe | None = first if first.passed else None
+    fail_rate: float | None = None if first.passed else start_rps
+    rate = start_rps
+    if first.passed:
+        for _ in range(max_doublings):
+            rate *= 2.0
+            p = run(rate)
+            if not p.passed:
+                fail_rate = rate
+                break
+            best = p
+    else:
+        for _ in range(max_halvings):
+            rate /= 2.0
+            p = run(rate)
+            if p.passed:
+                best = p
+                break
+            fail_rate = rate
+    if best is None:
+        return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, probes[-1].estimate, tuple(probes))
+    if fail_rate is not None:
+        lo, hi = best.rate_rps, fail_rate
+        while (hi - lo) / hi > rel_tol:
+            mid = math.sqrt(lo * hi) if hi / lo > 4 else (lo + hi) / 2.0
+            p = run(mid)
+            if p.passed:
+                best, lo = p, mid
+            else:
+                hi = mid
+    target = best.ttft_p99_ms if math.isfinite(best.ttft_p99_ms) and best.ttft_p99_ms > 0 else gear.target_p99_ms
+    return GearEnvelope(gear.gear_id, best.rate_rps, max(1.0, target), best.estimate, tuple(probes))
+
+
+def apply_envelopes(gears: Sequence[Gear], envelopes: Sequence[GearEnvelope], *,
+                    overlap_fraction: float = 0.7) -> list[Gear]:
+    """Copies of ``gears`` (same order) carrying the measured envelopes; ``qps_min`` per module doc, step 5.
+
+    Raises:
+        InputError: ``overlap_fraction`` outside [0, 1], or an envelope for a gear not given.
+    """
+    if not 0 <= overlap_fraction <= 1:
+        raise InputError("refine_envelopes", "overlap_fraction", f"got {overlap_fraction}; expected 0..1")
+    by_id = {e.gear_id: e for e in envelopes}
+    missing = [g.gear_id for g in gears if g.gear_id not in by_id]
+    if missing:
+        raise InputError("refine_envelopes", "envelopes", f"no envelope for gear(s) {missing}")
+    order = sorted(range(len(gears)), key=lambda i: (by_id[gears[i].gear_id].qps_max, gears[i].gear_id))
+    qps_min: dict[int, float] = {}
+    prev = None
+    for i in order:
+        qps_min[i] = 0.0 if prev is None else overlap_fraction * prev
+        prev = by_id[gears[i].gear_id].qps_max
+    out = []
+    for i, g in enumerate(gears):
+        env = by_id[g.gear_id]
+        out.append(g.model_copy(update={"qps_min": min(qps_min[i], env.qps_max), "qps_max": env.qps_max,
+                                        "target_p99_ms": env.target_p99_ms,
+                                        "estimate": env.estimate if env.estimate is not None else g.estimate}))
+    return out
+
+
+def measure_envelopes(gears: Sequence[Gear], cost_model: Any, reference_workload: Workload, **kwargs) -> list[GearEnvelope]:
+    """:func:`measure_envelope` for each gear, timings from ``cost_model`` (see :func:`refine_envelopes`)."""
+    timing_for = _timing_source(cost_model)
+    return [measure_envelope(g, timing_for(g), reference_workload, **kwargs) for g in gears]
+
+
+def refine_envelopes(gears: Sequence[Gear], cost_model: Any, reference_workload: Workload, *,
+                     slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, attainment: float = 0.95,
+                     num_requests: int = 1000, warmup_fraction: float = 0.25, rel_tol: float = 0.03,
+                     overlap_fraction: float = 0.7, sim_config: SimConfig | None = None,
+                     report: list[GearEnvelope] | None = None) -> list[Gear]:
+    """Replace each gear's envelope and estimate with ones measured in the simulator (module doc).
+
+    Args:
+        gears: gears to score (e.g. :func:`~flexpipe_dag.planner.gears.plan_gears`'s), any order.
+        cost_model: ``.timings(gear) -> StageTimingModel`` (the planner's
+            :class:`~flexpipe_dag.planner.cost_model.CostModel`), or a callable ``gear -> timing``.
+        reference_workload: a real trace (e.g. ``load_trace("azure-conv")``); its first
+            ``num_requests`` requests are replayed at each probed rate.
+        slo_ttft_ms / slo_tpot_ms: the SLO a request must meet, ms.
+        attainment: share of (post-warm-up) requests that must meet it for a rate to count as served.
+        num_requests / warmup_fraction / rel_tol: probe size, warm-up skipped, bisection tolerance.
+        overlap_fraction: ``qps_min`` of a gear = this x the next-smaller gear's ``qps_max``.
+        sim_config: other simulator settings (KV overrides, prefill budget, ...).
+        report: if given, the :class:`GearEnvelope` of each gear (with its probes) is appended.
+
+    Returns:
+        New gears, same order, with ``qps_min``, ``qps_max``, ``target_p99_ms`` (TTFT P99 at
+        ``qps_max``, ms) and ``estimate`` from the simulation; ids and pipelines unchanged.
+
+    Raises:
+        InputError: bad arguments (named), or a timing model that does not match a gear.
+    """
+    envs = measure_envelopes(gears, cost_model, reference_workload, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                             attainment=attainment, num_requests=num_requests, warmup_fraction=warmup_fraction,
+                             rel_tol=rel_tol, sim_config=sim_config)
+    if report is not None:
+        report.extend(envs)
+    return apply_envelopes(gears, envs, overlap_fraction=overlap_fraction)
+
+
+def _relabel(gear: Gear, kind: str) -> Gear:
+    """``gear`` as ``kind``: the id's kind prefix is swapped, the hash suffix kept."""
+    suffix = gear.gear_id.split("-", 1)[1] if "-" in gear.gear_id else gear.gear_id
+    return gear.model_copy(update={"kind": kind, "gear_id": f"{kind}-{suffix}"})
+
+
+def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, reference_workload: Workload, *,
+                           slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, attainment: float = 0.95,
+                           num_requests: int = 1000, low_load_share: float = 0.25, rel_tol: float = 0.03,
+                           overlap_fraction: float = 0.7, sim_config: SimConfig | None = None,
+                           report: list[GearEnvelope] | None = None, notes: list[str] | None = None) -> list[Gear]:
+    """Pick the latency / balanced / throughput gears from ``candidates`` by simulation and set their envelopes.
+
+    Every candidate's envelope is measured (:func:`measure_envelope`); then
+
+    * ``throughput``: the highest ``qps_max`` (ties: lower TPOT P50 at the low load);
+    * ``latency``: among the others serving the low load ``q_low = low_load_share x`` that
+      ``qps_max``, the lowest TPOT P50 there, then the lowest TTFT P50;
+    * ``balanced``: among the rest with ``qps_max`` strictly between the two, the highest power
+      ``qps_max / TPOT P50 at q_low`` (Kleinrock 1979).
+
+    A kind with no distinct candidate is left out and a sentence saying so is appended to ``notes``.
+
+    Args:
+        candidates: distinct configurations, e.g. :func:`flexpipe_dag.planner.gears.candidate_gears`.
+        cost_model / reference_workload / slo_* / attainment / num_requests / rel_tol /
+        overlap_fraction / sim_config / report: as :func:`refine_envelopes`.
+
+    Returns:
+        The chosen gears, ordered latency, balanced, throughput, relabelled (kind and id prefix) and
+        carrying their measured envelopes and estimates.
+
+    Raises:
+        InputError: no candidates, or as :func:`refine_envelopes`.
+    """
+    if not candidates:
+        raise InputError("select_operating_gears", "candidates", "expected at least one candidate gear")
+    timing_for = _timing_source(cost_model)
+    kw = dict(slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, attainment=attainment, num_requests=num_requests,
+              rel_tol=rel_tol, sim_config=sim_config)
+    timings = {g.gear_id: timing_for(g) for g in candidates}
+    envs = {g.gear_id: measure_envelope(g, timings[g.gear_id], reference_workload, **kw) for g in candidates}
+    best_max = max(e.qps_max for e in envs.values())
+    q_low = low_load_share * best_max
+    base = sim_config or SimConfig()
+    config = dataclasses.replace(base, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+    ref, native = reference_slice(reference_workload, num_requests)
+    low: dict[str, tuple[float, float]] = {}
+    for g in candidates:
+        if q_low > 0 and envs[g.gear_id].qps_max >= q_low:
+            est = probe_gear(g, timings[g.gear_id], ref, native, q_low, config=config, attainment=attainment).estimate
+            low[g.gear_id] = (est.tpot_p50_ms, est.ttft_p50_ms)
+    inf = (math.inf, math.inf)
+    thr = max(candidates, key=lambda g: (envs[g.gear_id].qps_max, [-x for x in low.get(g.gear_id, inf)], g.gear_id))
+    chosen: dict[str, Gear] = {"throughput": thr}
+    others = [g for g in candidates if g.gear_id != thr.gear_id and g.gear_id in low]
+    if others:
+        lat = min(others, key=lambda g: (round(low[g.gear_id][0], 6), round(low[g.gear_id][1], 6), g.gear_id))
+        if low[lat.gear_id] < low.get(thr.gear_id, inf):
+            chosen["latency"] = lat
+    lo = envs[chosen["latency"].gear_id].qps_max if "latency" in chosen else 0.0
+    hi = envs[thr.gear_id].qps_max
+    mid = [g for g in others if g.gear_id not in {c.gear_id for c in chosen.values()}
+           and lo < envs[g.gear_id].qps_max < hi]
+    if mid:
+        chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].qps_max / max(low[g.gear_id][0], 1e-9), g.gear_id))
+    for kind in ("latency", "balanced"):
+        if kind not in chosen and notes is not None:
+            notes.append(f"no {kind} gear distinct from the others: among {len(candidates)} candidates none "
+                         + ("has a lower TPOT at the low load than the throughput gear" if kind == "latency" else
+                            "has an envelope strictly between the latency and throughput gears'"))
+    order = [k for k in ("latency", "balanced", "throughput") if k in chosen]
+    picked = [chosen[k] for k in order]
+    picked_envs = [envs[g.gear_id] for g in picked]
+    if report is not None:
+        report.extend(envs.values())
+    relabelled = [_relabel(g, k) for g, k in zip(picked, order)]
+    renamed = [dataclasses.replace(e, gear_id=g.gear_id) for e, g in zip(picked_envs, relabelled)]
+    return apply_envelopes(relabelled, renamed, overlap_fraction=overlap_fraction)

@@ -1,0 +1,279 @@
+"""The serve loop: replay a real trace through the live pipeline, shift gears as the load changes, fill troughs.
+
+:class:`TraceServer` owns a :class:`~flexpipe_dag.shift.router.ServingRouter` (the entry point) and a
+:class:`~flexpipe_dag.shift.executor.GearExecutor`. Every ``control_interval_s`` it:
+
+* writes the pipeline's metric samples to the store (``t_s`` rebased to seconds since the serve
+  started, so samples of successive gears form one series);
+* asks the controller through the *same* function the ``gear_shift_sensor`` calls
+  (:func:`jobs.gear_shift.evaluate_gear_shift`) when ``inline_control`` is on, and applies shifts
+  that ``gear_shift`` runs requested through the store (status ``requested``) in any case; a shift
+  runs in a background thread while traffic keeps flowing, and its outcome is stored with the event
+  (a rolled-back gear is tagged unhealthy);
+* decides offline admission with the tide rule (:func:`flexpipe_dag.control.tide.decide_offline`)
+  and feeds the offline job's requests (offline priority, a bounded number in flight) only while
+  admitted.
+
+Every finished request is written to the store as it finishes (idempotent per id). Nothing is lost:
+the router delivers each request's output exactly once, across shifts and rollbacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexpipe_dag.control.tide import TideConfig, TideForecaster, TideGate, decide_offline, ema
+from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.metrics import MetricSample
+from flexpipe_dag.serving.prompts import TimedRequest
+
+
+@dataclass
+class ServeSettings:
+    """How one serve run behaves (seconds unless named otherwise)."""
+
+    run_key: str
+    online_job_key: str
+    offline_job_key: str | None = None
+    control_interval_s: float = 2.0
+    inline_control: bool = True
+    tide_start_s: float = 0.0  # tide time of day at the start of the replay
+    tide_compression: float = 1.0  # tide seconds per wall second
+    max_offline_inflight: int = 4
+    offline_grace_s: float = 120.0  # after the online trace ends, keep filling the trough this long at most
+    drain_timeout_s: float = 300.0
+
+
+@dataclass
+class ServeReport:
+    """What a serve run did: results per request, samples, shifts, offline admission decisions."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[MetricSample] = field(default_factory=list)
+    shifts: list[dict[str, Any]] = field(default_factory=list)
+    tide_decisions: list[dict[str, Any]] = field(default_factory=list)
+    submitted_online: int = 0
+    submitted_offline: int = 0
+    elapsed_s: float = 0.0
+
+
+class TraceServer:
+    """Serve ``online`` (and, in troughs, ``offline``) requests through the live pipeline; see module docstring.
+
+    Args:
+        store: the SQL store (samples, results, shift events, health tags).
+        control: :class:`resources.control.ControlSettings` (controller and tide figures).
+        router / executor: the serving front with its first gear open, and the shift executor on it.
+        gears: gears the controller may choose from (by id).
+        tokenizer: decodes outputs into text for the stored results (optional).
+        forecaster: the tide history's forecaster (offline admission).
+        log: called with one line per event worth telling the user.
+    """
+
+    def __init__(self, store, control, router, executor, gears: Sequence[Gear], settings: ServeSettings, *,
+                 forecaster: TideForecaster | None = None, tokenizer=None, log: Callable[[str], None] = print):
+        self.db = store
+        self.control = control
+        self.router = router
+        self.executor = executor
+        self.gears = {g.gear_id: g for g in gears}
+        self.settings = settings
+        self.forecaster = forecaster
+        self.tokenizer = tokenizer
+        self.log = log
+        self.report = ServeReport()
+        self._outputs: queue.Queue = queue.Queue()
+        self._samples: queue.Queue = queue.Queue()
+        self._shift_thread: threading.Thread | None = None
+        self._cursor: str | None = None
+        self._qps_ema: float | None = None
+        self._gate = TideGate()
+        self._klass: dict[str, str] = {}
+        self._t0 = time.monotonic()
+        self._sample_offset_s: dict[str, float] = {}
+
+    # -- callbacks wired into the router (called from its threads) ------------------------------------
+    def on_result(self, output) -> None:
+        self._outputs.put(output)
+
+    def on_metrics(self, sample: MetricSample) -> None:
+        self._samples.put((time.monotonic() - self._t0, sample))
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def serve(self, online: Sequence[TimedRequest], offline: Sequence[TimedRequest] = ()) -> ServeReport:
+        """Replay ``online`` at its arrival times; feed ``offline`` in troughs; return the report."""
+        s, db = self.settings, self.db
+        self._t0 = time.monotonic()
+        online_job = db.get_or_create_job(s.online_job_key, "online", source_path=s.run_key)
+        offline_job = db.get_or_create_job(s.offline_job_key, "batch", priority=-1) if s.offline_job_key else None
+        db.update_job(online_job, status="running", total_requests=len(online))
+        if offline_job is not None:
+            db.update_job(offline_job, status="queued", total_requests=len(offline))
+        self._jobs = {"online": online_job, "offline": offline_job}
+        pending = sorted(online, key=lambda r: r.arrival_s)
+        offline_todo = [r for r in offline if r.request.request_id not in (db.done_request_keys(offline_job) if offline_job else set())]
+        for r in list(online) + list(offline):
+            self._klass[r.request.request_id] = r.klass
+        next_control = self._t0 + s.control_interval_s
+        i = 0
+        online_end_s: float | None = None
+        while True:
+            now = time.monotonic() - self._t0
+            due = []
+            while i < len(pending) and pending[i].arrival_s <= now:
+                due.append(pending[i].request)
+                i += 1
+            if due:
+                self.router.submit(due)
+                self.report.submitted_online += len(due)
+            self._drain_outputs()
+            if time.monotonic() >= next_control:
+                next_control += s.control_interval_s
+                self._write_samples()
+                self._control_step()
+                self._tide_step(now)
+            if self._gate.running and offline_todo:
+                inflight = self.report.submitted_offline - sum(1 for r in self.report.results if r["klass"] == "offline")
+                room = s.max_offline_inflight - inflight
+                if room > 0:
+                    batch, offline_todo = offline_todo[:room], offline_todo[room:]
+                    self.router.submit([r.request for r in batch])
+                    self.report.submitted_offline += len(batch)
+                    if offline_job is not None:
+                        db.update_job(offline_job, status="running")
+            online_done = i == len(pending) and self._finished("online") == len(pending)
+            if online_done and online_end_s is None:
+                online_end_s = now
+            offline_settled = not offline_todo and self._finished("offline") == self.report.submitted_offline
+            if online_done and (offline_settled or now - online_end_s > s.offline_grace_s) and self._idle_shift():
+                break
+            time.sleep(0.05)
+        self._finish_offline(offline_todo)
+        self._write_samples()
+        db.update_job(online_job, status="done")
+        self.report.elapsed_s = time.monotonic() - self._t0
+        return self.report
+
+    def _finish_offline(self, offline_todo) -> None:
+        """Wait for submitted offline requests to finish; what was never admitted stays queued (paused)."""
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self._finished("offline") < self.report.submitted_offline and time.monotonic() < deadline:
+            self._drain_outputs()
+            time.sleep(0.05)
+        self._drain_outputs()
+        job = self._jobs["offline"]
+        if job is not None:
+            self.db.update_job(job, status="paused" if offline_todo else "done")
+
+    def _finished(self, klass: str) -> int:
+        return sum(1 for r in self.report.results if r["klass"] == klass)
+
+    def _idle_shift(self) -> bool:
+        return self._shift_thread is None or not self._shift_thread.is_alive()
+
+    # -- results and samples --------------------------------------------------------------------------
+    def _drain_outputs(self) -> None:
+        from flexpipe_dag.runtime.batch import result_record
+
+        while True:
+            try:
+                out = self._outputs.get_nowait()
+            except queue.Empty:
+                return
+            rec = result_record(out, self.router.active.gear.gear_id if self.router.active else "", self.tokenizer)
+            rec["klass"] = self._klass.get(out.request_id, "online")
+            self.report.results.append(rec)
+            job = self._jobs[rec["klass"]]
+            if job is not None:
+                self.db.write_result(job, rec["id"], prompt_tokens=rec["prompt_tokens"],
+                                     output_token_ids=rec["output_token_ids"], gear_key=rec["gear_id"],
+                                     output_text=rec.get("output_text"), ttft_ms=rec["ttft_ms"],
+                                     tpot_ms=rec["tpot_ms"], e2e_ms=rec["e2e_ms"])
+
+    def _write_samples(self) -> None:
+        batch = []
+        while True:
+            try:
+                wall_s, smp = self._samples.get_nowait()
+            except queue.Empty:
+                break
+            batch.append(dataclasses.replace(smp, t_s=round(wall_s, 3)))
+        if batch:
+            batch.sort(key=lambda x: x.t_s)
+            self.db.write_samples(self.settings.run_key, batch)
+            self.report.samples.extend(batch)
+
+    # -- gear shifting --------------------------------------------------------------------------------
+    def _control_step(self) -> None:
+        from jobs.gear_shift import evaluate_gear_shift
+
+        if not self._idle_shift():
+            return
+        for ev in self.db.pending_shift_requests():  # asked for by gear_shift runs (sensor mode / by hand)
+            self._start_shift(ev.id, ev.from_gear_key, ev.to_gear_key, ev.trigger or "manual", ev.reason)
+            return
+        if not self.settings.inline_control:
+            return
+        ev = evaluate_gear_shift(self.db, self._cursor, self.control, run_key_prefix=f"{self.settings.run_key}:")
+        self._cursor = ev.cursor
+        d = ev.decision
+        if d is not None and d.declined:
+            self.log(f"controller: {d.reason}")
+        if ev.run_key is not None:
+            self.db.update_shift_event(ev.event_id, "requested", {"run_key": ev.run_key})
+            self._start_shift(ev.event_id, d.from_gear_id, d.to_gear_id, d.trigger, d.reason)
+
+    def _start_shift(self, event_id: int, from_gear: str | None, to_gear: str, trigger: str, reason: str) -> None:
+        gear = self.gears.get(to_gear) or self.db.load_gear(to_gear)
+        t_s = round(time.monotonic() - self._t0, 1)
+        record = {"t_s": t_s, "from_gear": from_gear, "to_gear": to_gear, "trigger": trigger, "reason": reason,
+                  "status": "running", "event_id": event_id}
+        self.report.shifts.append(record)
+        if gear is None:
+            record["status"] = "failed"
+            self.db.update_shift_event(event_id, "failed", {"error": f"unknown gear {to_gear}"})
+            return
+        self.log(f"t={t_s:.0f}s shift {from_gear} -> {to_gear} ({trigger}): {reason}")
+
+        def run() -> None:
+            outcome = self.executor.shift(gear)
+            record.update(status=outcome.status, outcome=outcome.reason, timings_s=outcome.timings_s,
+                          mode=outcome.mode, requests_moved=outcome.requests_moved)
+            details = {**outcome.to_details(), "outcome": outcome.reason}
+            self.db.update_shift_event(event_id, outcome.status, details)
+            if outcome.unhealthy_gear_id:
+                self.db.mark_unhealthy(outcome.unhealthy_gear_id, gear.cluster_id or "local", gear.model_name,
+                                       "health_check", outcome.reason, run_key=self.settings.run_key)
+            self.log(f"shift to {to_gear}: {outcome.status} in {outcome.timings_s.get('total', 0):.1f}s "
+                     f"({outcome.mode}): {outcome.reason}")
+
+        self._shift_thread = threading.Thread(target=run, name="flexpipe-shift", daemon=True)
+        self._shift_thread.start()
+
+    # -- offline admission ----------------------------------------------------------------------------
+    def _tide_step(self, now_s: float) -> None:
+        if self.forecaster is None or self._jobs.get("offline") is None:
+            return
+        cfg: TideConfig = self.control.tide_config()
+        recent = self.report.samples[-3:]
+        for smp in recent[-1:]:
+            self._qps_ema = ema(self._qps_ema, smp.qps, cfg.ema_alpha)
+        if self._qps_ema is None:
+            return
+        active = self.router.active
+        capacity = active.gear.qps_max if active is not None else float("inf")
+        tide_time = self.settings.tide_start_s + self.settings.tide_compression * now_s
+        d = decide_offline(self.forecaster, cfg, tide_time_s=tide_time, qps_ema=self._qps_ema,
+                           capacity_qps=capacity, offline_running=self._gate.running)
+        self._gate, act = self._gate.step(d, cfg.hysteresis_samples)
+        if act is None:
+            return
+        self.report.tide_decisions.append({"t_s": round(now_s, 1), "action": act.action, "reason": act.reason})
+        self.db.update_job(self._jobs["offline"], status="running" if self._gate.running else "paused")
+        self.log(f"t={now_s:.0f}s tide: {d.reason}")

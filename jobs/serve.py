@@ -1,0 +1,145 @@
+"""The ``serve_trace`` job: real requests through a live, shifting pipeline, with an offline job in the troughs.
+
+A time-compressed slice of a real trace (arrival times and token lengths of the Azure LLM 2023
+conversation trace, reshaped so its rate follows one day of the ServeGen tide) is replayed through
+the real multi-process pipeline, starting on the planned ``latency`` gear. The gear-shift
+controller moves it as the load changes; an offline job (lengths from the arXiv summarisation set)
+fills the trough. The run ends with a summary and an HTML report under ``FLEXPIPE_HOME/reports``.
+"""
+
+import json
+import time
+
+from dagster import Config, MetadataValue, OpExecutionContext, job, op
+from pydantic import Field
+
+from resources.control import ControlSettings
+from resources.planning import PlanningSettings
+from resources.store_resource import StoreResource
+
+
+class ServeTraceConfig(Config):
+    """The replay (CPU-sized defaults: a few minutes on 2 cores)."""
+
+    trace: str = "azure-conv"
+    trace_start_s: float = Field(600.0, ge=0, description="skip the trace's sparse first minutes")
+    duration_s: float = Field(240.0, gt=0, description="wall seconds the tide day is compressed into")
+    tide_start_h: float = Field(2.0, ge=0, lt=24, description="tide hour the replay starts at")
+    mean_rps: float = Field(0.0, ge=0, description="mean online arrival rate; 0 = 60 % of the first gear's qps_max")
+    max_prompt_tokens: int = 96
+    max_new_tokens: int = 12
+    offline_trace: str = "arxiv-summarization"
+    offline_requests: int = 24
+    initial_gear_kind: str = "latency"
+    inline_control: bool = Field(True, description="decide shifts in the loop (no daemon); else apply gear_shift runs")
+    max_offline_inflight: int = 4
+    step_timeout_s: float = 120.0
+    kv_pool_tokens_max: int = Field(8192, ge=256, description="cap on each gear's KV pool (CPU workers share host RAM)")
+
+
+def _runnable(gears, kv_pool_tokens_max: int, log):
+    """Gears this runtime can run (it has no stage replicas yet), their KV pools capped for this host."""
+    ok = []
+    for g in gears:
+        if any(st.replicas > 1 for st in g.stages):
+            log(f"skipping {g.gear_id}: stage replicas are not supported by the pipeline runtime yet")
+            continue
+        cap = min(g.kv_capacity_tokens or kv_pool_tokens_max, kv_pool_tokens_max)
+        ok.append(g.model_copy(update={
+            "kv_capacity_tokens": cap,
+            "stages": [st.model_copy(update={"kv_capacity_tokens": cap}) for st in g.stages]}))
+    return ok
+
+
+def build_workloads(config: ServeTraceConfig, mean_rps: float):
+    """(online workload shaped by the tide, offline length-only workload)."""
+    from flexpipe_dag.workload.bundled import load_tide_trace, load_trace
+    from flexpipe_dag.workload.tide import shape_by_tide
+    from flexpipe_dag.workload.transform import as_class, head, time_window
+
+    compression = 86400.0 / config.duration_s
+    trace = load_trace(config.trace)
+    trace = time_window(trace, config.trace_start_s, trace.duration_s + 1.0)
+    online = shape_by_tide(trace, load_tide_trace(), compression=compression,
+                           start_s=config.tide_start_h * 3600.0, duration_s=config.duration_s, mean_rps=mean_rps,
+                           name=f"{config.trace} x tide")
+    offline = as_class(head(load_trace(config.offline_trace), config.offline_requests), "offline", arrival_s=0.0)
+    return online, offline, compression
+
+
+@op(description="Serve a tide-shaped slice of a real trace through the live pipeline, shifting gears; write the report.",
+    tags={"kind": "inference"})
+def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreResource, planning: PlanningSettings,
+          control: ControlSettings) -> dict:
+    from flexpipe_dag.control.tide import TideForecaster
+    from flexpipe_dag.core.errors import InfeasibleError
+    from flexpipe_dag.core.settings import flexpipe_home
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+    from flexpipe_dag.serving.prompts import timed_requests
+    from flexpipe_dag.serving.report import summarize, write_html_report
+    from flexpipe_dag.serving.serve import ServeSettings, TraceServer
+    from flexpipe_dag.shift.executor import GearExecutor
+    from flexpipe_dag.shift.router import ServingRouter
+    from flexpipe_dag.workload.bundled import load_tide_trace
+
+    db = store.get_store()
+    latest = db.latest_profile()
+    if latest is None:
+        raise InfeasibleError("no cluster profile stored: run profile_refresh first")
+    info, _ = latest
+    gears = _runnable(db.load_gears(info.id), config.kv_pool_tokens_max, context.log.warning)
+    if not gears:
+        raise InfeasibleError(f"no runnable gears stored for profile version {info.id}: materialise candidate_gears")
+    first = next((g for g in gears if g.kind == config.initial_gear_kind), gears[0])
+    mean_rps = config.mean_rps or 0.6 * first.qps_max
+    online_wl, offline_wl, compression = build_workloads(config, mean_rps)
+    ckpt = resolve_checkpoint(None if planning.model == "SmolLM2-135M" else planning.model)
+    tok = ckpt.tokenizer()
+    online = timed_requests(online_wl, tok, ckpt.eos_token_ids(), max_prompt_tokens=config.max_prompt_tokens,
+                            max_new_tokens=config.max_new_tokens)
+    offline = timed_requests(offline_wl, tok, ckpt.eos_token_ids(), max_prompt_tokens=config.max_prompt_tokens,
+                             max_new_tokens=config.max_new_tokens)
+    run_key = f"serve-{context.run_id[:8]}"
+    context.log.info(f"{len(online)} online requests over {config.duration_s:.0f} s (mean {mean_rps:.2f} req/s, "
+                     f"tide compressed {compression:.0f}x), {len(offline)} offline; first gear {first.gear_id}")
+    settings = ServeSettings(run_key=run_key, online_job_key=f"{run_key}-online", offline_job_key=f"{run_key}-offline",
+                             inline_control=config.inline_control, tide_start_s=config.tide_start_h * 3600.0,
+                             tide_compression=compression, max_offline_inflight=config.max_offline_inflight)
+    options = RuntimeOptions(step_timeout_s=config.step_timeout_s)
+    holder: dict = {}
+    router = ServingRouter(on_result=lambda out: holder["server"].on_result(out),
+                           on_metrics=lambda smp: holder["server"].on_metrics(smp))
+    with router:
+        t0 = time.monotonic()
+        router.open(PipelineRuntime(first, ckpt, options))
+        context.log.info(f"gear {first.gear_id} live after {time.monotonic() - t0:.1f} s")
+        server = TraceServer(db, control, router, GearExecutor(router, options=options), gears, settings,
+                             forecaster=TideForecaster(load_tide_trace()), tokenizer=tok, log=context.log.info)
+        holder["server"] = server
+        report = server.serve(online, offline)
+    summary = summarize(report.results, report.submitted_online + report.submitted_offline, report.elapsed_s,
+                        report.shifts)
+    summary["offline_admissions"] = report.tide_decisions
+    summary["offline_not_admitted"] = len(offline) - report.submitted_offline
+    path = write_html_report(flexpipe_home() / "reports" / f"{run_key}.html", f"FlexPipe serve run {run_key}", summary,
+                             report.samples, report.results,
+                             notes=[f"trace {config.trace} shaped by the ServeGen tide from {config.tide_start_h:.1f} h, "
+                                    f"compressed {compression:.0f}x, mean {mean_rps:.2f} req/s",
+                                    f"prompts capped at {config.max_prompt_tokens} tokens, outputs at "
+                                    f"{config.max_new_tokens}; model {ckpt.name}",
+                                    *[f"{d['t_s']:.0f} s: {d['reason']}" for d in report.tide_decisions]])
+    (flexpipe_home() / "reports" / "latest_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    context.add_output_metadata({
+        "report": MetadataValue.path(str(path)), "served": summary["served"], "lost": summary["lost"],
+        "shifts": len(report.shifts), "output_tokens_per_s": summary["output_tokens_per_s"],
+        "summary": MetadataValue.json(json.loads(json.dumps(summary, default=str)))})
+    if summary["lost"] or summary["duplicates"]:
+        raise RuntimeError(f"{summary['lost']} request(s) lost, {summary['duplicates']} duplicated; see {path}")
+    return {"report": str(path), "summary": summary}
+
+
+@job(description="Serve a tide-shaped slice of a real trace through the live pipeline while it shifts gears.",
+     tags={"dagster/priority": "5"})
+def serve_trace():
+    serve()

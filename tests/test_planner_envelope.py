@@ -1,0 +1,192 @@
+"""Simulator-measured gear envelopes (flexpipe_dag.planner.envelope) on hand-computable cases.
+
+Every request has 1 input and 1 output token, so it is one prefill iteration; with a fixed prefill
+cost per stage the saturation rate is 1 / bottleneck time, and the envelope must end there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear import GearEstimate
+from flexpipe_dag.planner.envelope import apply_envelopes, measure_envelope, refine_envelopes, GearEnvelope
+from flexpipe_dag.sim import LinearStageTiming, StageCosts, manual_gear
+from flexpipe_dag.workload.request import Request, Workload
+
+SLO_TTFT_MS = 400.0
+
+
+def _uniform_trace(n: int = 600, rate_rps: float = 1.0) -> Workload:
+    return Workload(name="uniform", requests=tuple(Request(f"r{i}", i / rate_rps, 1, 1) for i in range(n)))
+
+
+def _timing(*prefill_ms: float) -> LinearStageTiming:
+    return LinearStageTiming([StageCosts(prefill_fixed_ms=t) for t in prefill_ms])
+
+
+def _measure(gear, timing, **kw):
+    return measure_envelope(gear, timing, _uniform_trace(), slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0,
+                            start_rps=3.0, rel_tol=0.01, **kw)
+
+
+def test_one_stage_saturates_at_one_over_its_service_time():
+    gear = manual_gear([4], gear_id="one", micro_batch_size=1, max_inflight_micro_batches=1)
+    env = _measure(gear, _timing(100.0))  # 100 ms per request: mu = 10 req/s
+    assert 9.5 <= env.qps_max <= 10.0 + 0.2
+    assert any(not p.passed and p.rate_rps < 11.0 for p in env.probes)  # the bracket closed near mu
+    assert 100.0 - 1e-6 <= env.target_p99_ms <= SLO_TTFT_MS  # TTFT P99 measured there: service + small backlog
+
+
+def test_replicas_double_the_envelope_only_with_enough_micro_batches_in_flight():
+    one_slot = manual_gear([4], replicas=[2], gear_id="r2m1", micro_batch_size=1, max_inflight_micro_batches=1)
+    two_slots = manual_gear([4], replicas=[2], gear_id="r2m2", micro_batch_size=1, max_inflight_micro_batches=2)
+    assert _measure(one_slot, _timing(100.0)).qps_max <= 10.2          # one replica idles
+    assert 19.0 <= _measure(two_slots, _timing(100.0)).qps_max <= 20.4  # 2 / 100 ms
+
+
+def test_pipeline_envelope_is_set_by_the_bottleneck_stage():
+    # stages of 100 ms and 50 ms: with two micro-batches in flight they overlap, mu = 1 / 100 ms;
+    # with one, a request holds the whole pipeline for 150 ms, mu = 6.67 req/s
+    timing = _timing(100.0, 50.0)
+    overlapped = manual_gear([2, 2], gear_id="m2", micro_batch_size=1, max_inflight_micro_batches=2)
+    serial = manual_gear([2, 2], gear_id="m1", micro_batch_size=1, max_inflight_micro_batches=1)
+    assert 9.5 <= _measure(overlapped, timing).qps_max <= 10.2
+    assert 6.3 <= _measure(serial, timing).qps_max <= 6.8
+
+
+def test_a_gear_that_misses_the_slo_when_idle_gets_an_empty_envelope():
+    gear = manual_gear([4], gear_id="slow", micro_batch_size=1, max_inflight_micro_batches=1)
+    env = _measure(gear, _timing(SLO_TTFT_MS * 2), max_halvings=3)
+    assert env.qps_max == 0.0 and all(not p.passed for p in env.probes)
+
+
+def test_refine_sets_estimate_target_and_overlapping_envelopes_deterministically():
+    small = manual_gear([4], gear_id="small", micro_batch_size=1, max_inflight_micro_batches=1)
+    big = manual_gear([4], replicas=[2], gear_id="big", micro_batch_size=1, max_inflight_micro_batches=2)
+    timings = {"small": _timing(100.0), "big": _timing(100.0)}
+    kw = dict(slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0, num_requests=600, rel_tol=0.02)
+    report: list[GearEnvelope] = []
+    out = refine_envelopes([big, small], lambda g: timings[g.gear_id], _uniform_trace(), report=report, **kw)
+    again = refine_envelopes([big, small], lambda g: timings[g.gear_id], _uniform_trace(), **kw)
+    assert [g.gear_id for g in out] == ["big", "small"]                      # order kept
+    assert [g.model_dump() for g in out] == [g.model_dump() for g in again]  # deterministic
+    by = {g.gear_id: g for g in out}
+    assert by["small"].qps_min == 0.0
+    assert by["big"].qps_min == pytest.approx(0.7 * by["small"].qps_max)
+    assert by["big"].qps_min < by["small"].qps_max < by["big"].qps_max     # overlap for hysteresis
+    for g, env in zip(out, report):
+        assert g.qps_max == env.qps_max and isinstance(g.estimate, GearEstimate)
+        assert g.estimate.throughput_rps > 0 and g.estimate.ttft_p50_ms >= 100.0 - 1e-6
+        assert g.target_p99_ms == pytest.approx(env.target_p99_ms)
+        assert g.stages == {"big": big, "small": small}[g.gear_id].stages  # pipeline untouched
+        assert env.to_dict()["probes"]
+
+
+def test_probe_counts_a_growing_backlog_after_the_warm_up():
+    gear = manual_gear([4], gear_id="one", micro_batch_size=1, max_inflight_micro_batches=1)
+    env = measure_envelope(gear, _timing(100.0), _uniform_trace(), slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0,
+                           start_rps=12.0, rel_tol=0.5)
+    over = env.probes[0]
+    assert over.rate_rps == 12.0 and not over.passed and over.slo_attainment < 0.5
+    assert math.isfinite(over.ttft_p99_ms) and over.ttft_p99_ms > SLO_TTFT_MS
+
+
+def test_bad_arguments_are_named():
+    gear = manual_gear([4], gear_id="one")
+    with pytest.raises(InputError, match="attainment"):
+        measure_envelope(gear, _timing(10.0), _uniform_trace(), attainment=1.5)
+    with pytest.raises(InputError, match="rel_tol"):
+        measure_envelope(gear, _timing(10.0), _uniform_trace(), rel_tol=0.0)
+    with pytest.raises(InputError, match="at least 2 requests"):
+        measure_envelope(gear, _timing(10.0), Workload("one", (Request("a", 0.0, 1, 1),)))
+    with pytest.raises(InputError, match="cost_model"):
+        refine_envelopes([gear], 42, _uniform_trace())
+    with pytest.raises(InputError, match="no envelope"):
+        apply_envelopes([gear], [])
+
+
+def test_selection_picks_throughput_by_envelope_and_latency_by_low_load_tpot():
+    # "quick": one replica, 10 ms decode steps (mu = 1 / 110 ms ~ 9 req/s); "roomy": two replicas,
+    # 40 ms decode steps (mu ~ 2 / 140 ms ~ 14 req/s). Two-token requests: one prefill, one decode.
+    from flexpipe_dag.planner.envelope import select_operating_gears
+
+    trace = Workload("two-token", tuple(Request(f"r{i}", float(i), 1, 2) for i in range(400)))
+    quick = manual_gear([4], gear_id="candidate-quick", micro_batch_size=1, max_inflight_micro_batches=1)
+    roomy = manual_gear([4], replicas=[2], gear_id="candidate-roomy", micro_batch_size=1, max_inflight_micro_batches=2)
+    timings = {"candidate-quick": LinearStageTiming([StageCosts(prefill_fixed_ms=100.0, decode_fixed_ms=10.0)]),
+               "candidate-roomy": LinearStageTiming([StageCosts(prefill_fixed_ms=100.0, decode_fixed_ms=40.0)])}
+    notes: list[str] = []
+    gears = select_operating_gears([roomy, quick], lambda g: timings[g.gear_id], trace, slo_ttft_ms=SLO_TTFT_MS,
+                                   slo_tpot_ms=1000.0, num_requests=400, rel_tol=0.02, notes=notes)
+    assert [(g.kind, g.gear_id) for g in gears] == [("latency", "latency-quick"), ("throughput", "throughput-roomy")]
+    lat, thr = gears
+    assert lat.qps_max < thr.qps_max and thr.qps_min == pytest.approx(0.7 * lat.qps_max)
+    assert lat.estimate.tpot_p50_ms < thr.estimate.tpot_p50_ms
+    assert len(notes) == 1 and "no balanced gear" in notes[0]
+
+
+def _pipeline_key(g):
+    return (tuple((st.layer_start, st.layer_end, tuple(st.device_ids)) for st in g.stages), g.micro_batch_size,
+            g.max_inflight_micro_batches)
+
+
+def test_planner_gears_are_distinct_and_keep_every_replica_busy():
+    from pathlib import Path
+
+    from flexpipe_dag.core.cluster import load_cluster_profile
+    from flexpipe_dag.planner.gears import plan_gear_set
+    from flexpipe_dag.planner.model_spec import load_model_spec
+
+    lab = load_cluster_profile(Path(__file__).resolve().parents[1] / "examples/clusters/fragmented_lab.yaml")
+    gs = plan_gear_set(lab, load_model_spec("Llama-3-8B"))
+    assert [g.kind for g in gs.gears] == ["latency", "balanced", "throughput"] and not gs.collapsed
+    assert len({_pipeline_key(g) for g in gs.gears}) == 3
+    for g in gs.gears:  # one micro-batch in flight per stage replica at least
+        assert g.max_inflight_micro_batches >= sum(st.replicas for st in g.stages)
+
+
+def test_a_kind_without_a_distinct_configuration_collapses_and_says_so():
+    from flexpipe_dag.core.cluster import ClusterProfile, Device
+    from flexpipe_dag.planner.gears import plan_gear_set, plan_gears
+    from flexpipe_dag.planner.model_spec import ModelSpec
+    from flexpipe_dag.planner.workload import PlanWorkload
+
+    one = ClusterProfile(cluster_id="one", devices=[Device(device_id="g0", node_id="h0", memory_gib=40.0, peak_tflops=100.0,
+                                                          hbm_bandwidth_gbps=1000.0, compute_score=0.3)], links=[])
+    model = ModelSpec(name="m8", num_layers=8, hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128,
+                      intermediate_size=5632, vocab_size=1024)
+    workload = PlanWorkload(context_p95_tokens=1024, concurrency=8, micro_batch_sizes=(8,))
+    gs = plan_gear_set(one, model, workload=workload)
+    assert [g.kind for g in gs.gears] == ["throughput"]
+    assert gs.collapsed == {"latency": "throughput", "balanced": "throughput"}
+    assert len(gs.notes) == 2 and all("collapses into throughput" in n for n in gs.notes)
+    assert gs.gear_for("latency") is gs.gears[0]
+    assert [g.gear_id for g in plan_gears(one, model, workload=workload)] == [gs.gears[0].gear_id]
+
+
+def test_load_above_every_envelope_never_shifts_down_to_a_smaller_gear():
+    # found by bench/shift_bench.py: a backlogged throughput gear at 19.5 req/s (envelope 12.4) was moved to
+    # the 7.8 req/s latency gear because the backlog made its own P99 look worse than the other's estimate
+    from flexpipe_dag.control import Controller
+    from flexpipe_dag.core.metrics import MetricSample, StageSample
+
+    lat = manual_gear([30], gear_id="lat").model_copy(update={"kind": "latency", "qps_max": 7.8, "target_p99_ms": 1700.0})
+    thr = manual_gear([10, 20], gear_id="thr").model_copy(
+        update={"kind": "throughput", "qps_min": 5.5, "qps_max": 12.4, "target_p99_ms": 2700.0})
+    for g in (lat, thr):
+        g.__dict__["estimate"] = GearEstimate(throughput_rps=g.qps_max, tokens_per_s=0.0, ttft_p50_ms=300.0,
+                                              ttft_p99_ms=g.target_p99_ms, tpot_p50_ms=30.0, tpot_p99_ms=90.0,
+                                              bottleneck_stage=0)
+    ctrl, state, actions = Controller(), None, []
+    for k in range(1, 400):
+        s = MetricSample(t_s=2.0 * k, gear_id="thr", source="sim", qps=19.5, completed=24, tokens_per_s=2500.0,
+                         queue_length=400, running=128, kv_used_fraction=0.9, ttft_p50_ms=60_000.0,
+                         ttft_p99_ms=120_000.0, stages=tuple(StageSample(stage_index=i, busy_fraction=1.0, queue_length=2,
+                                                                         kv_blocks_used=9, kv_blocks_total=10)
+                                                             for i in range(2)))
+        state, d = ctrl.decide(state, [s], [lat, thr])
+        actions.append(d.action)
+    assert "shift" not in actions

@@ -10,8 +10,16 @@ def profile_refresh():
     return defs.resolve_job_def("profile_refresh")
 
 
+def plan_gears():
+    return defs.resolve_job_def("plan_gears")
+
+
+def serve_trace():
+    return defs.resolve_job_def("serve_trace")
+
+
 #: Jobs the demo runs, in order.
-DEMO_JOBS = {"profile_refresh": profile_refresh}
+DEMO_JOBS = {"profile_refresh": profile_refresh, "plan_gears": plan_gears, "serve_trace": serve_trace}
 
 
 def get_job_factory(name: str):

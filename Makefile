@@ -40,7 +40,7 @@ bench: setup
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 dev: setup
-	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	$(BIN)/flexpipe demo --ui
 
 clean:
 	rm -rf $(VENV) $(FLEXPIPE_HOME)

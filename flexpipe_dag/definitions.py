@@ -1,7 +1,9 @@
 """The FlexPipe Dagster code location: one ``Definitions`` object (``dagster dev -m flexpipe_dag.definitions``).
 
 Resources are environment-driven: ``FLEXPIPE_DATABASE_URL`` (store), ``FLEXPIPE_CLUSTER_FILE`` (a
-declared inventory merged with what is measured) and ``FLEXPIPE_PROBE`` (``0`` to skip measuring).
+declared inventory merged with what is measured), ``FLEXPIPE_PROBE`` (``0`` to skip measuring),
+:data:`PLANNING_ENV` (model, dtype, SLOs, length caps) and ``FLEXPIPE_CONTROL_FILE`` /
+``FLEXPIPE_DWELL_S`` (controller and tide figures).
 """
 
 from __future__ import annotations
@@ -24,14 +26,31 @@ from resources.store_resource import StoreResource
 ASSET_MODULES = [profiling, planning, evaluation, health]
 
 
+#: Environment variables that set PlanningSettings fields (unset: the field's default).
+PLANNING_ENV = {"FLEXPIPE_MODEL": "model", "FLEXPIPE_PLAN_DTYPE": "dtype", "FLEXPIPE_SLO_TTFT_MS": "slo_ttft_ms",
+                "FLEXPIPE_SLO_TPOT_MS": "slo_tpot_ms", "FLEXPIPE_MAX_PROMPT_TOKENS": "max_prompt_tokens",
+                "FLEXPIPE_MAX_NEW_TOKENS": "max_new_tokens", "FLEXPIPE_PLAN_CONCURRENCY": "concurrency",
+                "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests"}
+
+
+def _planning_env() -> dict:
+    fields = PlanningSettings.model_fields
+    out = {}
+    for var, name in PLANNING_ENV.items():
+        if os.environ.get(var):
+            out[name] = fields[name].annotation(os.environ[var])
+    return out
+
+
 def build_resources() -> dict:
     """Resources from the environment (see module docstring)."""
     return {
         "store": StoreResource(database_url=os.environ.get("FLEXPIPE_DATABASE_URL", "")),
         "prober": ProberResource(probe=os.environ.get("FLEXPIPE_PROBE", "1") != "0",
                                  cluster_file=os.environ.get("FLEXPIPE_CLUSTER_FILE", "")),
-        "planning": PlanningSettings(model=os.environ.get("FLEXPIPE_MODEL", "SmolLM2-135M")),
-        "control": ControlSettings(config_file=os.environ.get("FLEXPIPE_CONTROL_FILE", "")),
+        "planning": PlanningSettings(**_planning_env()),
+        "control": ControlSettings(config_file=os.environ.get("FLEXPIPE_CONTROL_FILE", ""),
+                                   dwell_s=float(os.environ.get("FLEXPIPE_DWELL_S", "-1"))),
     }
 
 

@@ -33,7 +33,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dwell-s", type=float, default=30.0, help="controller dwell after a shift (seed: 600 s)")
     p.add_argument("--mean-rps", type=float, default=0.0, help="mean online rate (0: 60%% of the first gear's envelope)")
     p.add_argument("--fleet", default=str(FLEET_EXAMPLE), help="fragmented fleet to plan Llama-3-8B for (preview)")
+    p.add_argument("--ui", action="store_true", help="instead: start the Dagster UI (dagster dev) with the demo's settings")
     p.set_defaults(func=run)
+
+
+#: The demo's CPU-sized service (environment read by the code location): SmolLM2 in fp32 on CPU
+#: workers, lengths capped, an SLO a CPU can meet, the dwell shortened for a compressed day.
+DEMO_ENV = {"FLEXPIPE_MODEL": "SmolLM2-135M", "FLEXPIPE_PLAN_DTYPE": "fp32", "FLEXPIPE_MAX_PROMPT_TOKENS": "96",
+            "FLEXPIPE_MAX_NEW_TOKENS": "12", "FLEXPIPE_PLAN_CONCURRENCY": "16", "FLEXPIPE_REFERENCE_REQUESTS": "600",
+            "FLEXPIPE_SLO_TTFT_MS": "4000", "FLEXPIPE_SLO_TPOT_MS": "600", "FLEXPIPE_PROBE": "1"}
 
 
 def fleet_preview(path: str) -> None:
@@ -62,21 +70,19 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(None, "--duration-s", f"expected >= 30, got {args.duration_s}")
     warnings.filterwarnings("ignore", category=BetaWarning)
     warnings.filterwarnings("ignore", category=PreviewWarning)
+    for var, value in {**DEMO_ENV, "FLEXPIPE_DWELL_S": str(args.dwell_s)}.items():
+        os.environ.setdefault(var, value)
+    if args.ui:
+        repo = Path(__file__).resolve().parents[2]
+        dagster = str(Path(sys.executable).with_name("dagster"))
+        os.execv(dagster, [dagster, "dev", "-w", str(repo / "workspace.yaml"), "-h", "127.0.0.1", "-p", "3000"])
     fleet_preview(args.fleet)
-    os.environ.setdefault("FLEXPIPE_PROBE", "1")
+    print("== settings: " + ", ".join(f"{k}={os.environ[k]}" for k in (*DEMO_ENV, "FLEXPIPE_DWELL_S")), flush=True)
     instance = DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else DagsterInstance.ephemeral()
-    resources = {
-        # CPU-sized service: SmolLM2 in fp32 on CPU workers, capped lengths, an SLO a CPU can meet
-        "planning": {"config": {"model": "SmolLM2-135M", "dtype": "fp32", "max_prompt_tokens": 96,
-                                "max_new_tokens": 12, "concurrency": 16, "reference_requests": 600,
-                                "slo_ttft_ms": 4000.0, "slo_tpot_ms": 600.0}},
-        "control": {"config": {"dwell_s": args.dwell_s}},
-    }
     run_configs = {
         "profile_refresh": {},
-        "plan_gears": {"resources": resources},
-        "serve_trace": {"resources": resources, "ops": {"serve": {"config": {
-            "duration_s": args.duration_s, "mean_rps": args.mean_rps}}}},
+        "plan_gears": {},
+        "serve_trace": {"ops": {"serve": {"config": {"duration_s": args.duration_s, "mean_rps": args.mean_rps}}}},
     }
     summary = None
     for job_name, factory in demo_defs.DEMO_JOBS.items():

@@ -3,6 +3,7 @@
 import pandas as pd
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
+from assets.calibration import calibrated_inputs
 from assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
 from flexpipe_dag.core.errors import InfeasibleError
 from resources.planning import PlanningSettings
@@ -34,13 +35,14 @@ def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings,
     from flexpipe_dag.workload.transform import head, speedup
 
     db = store.get_store()
-    info, cluster = latest_profile_or_fail(db)
+    info, profile = latest_profile_or_fail(db)
     spec = load_model_spec(planning.model)
+    cluster, overrides, _ = calibrated_inputs(db, info.id, profile, planning, spec.name)
     gears = db.load_gears(info.id)
     if not gears:
         raise InfeasibleError(f"no gears stored for profile version {info.id}: materialise candidate_gears first")
     model_id = db.save_model(spec.name, planning.dtype, spec.num_layers, spec.summary(planning.dtype))
-    cost_model = CostModel(spec, cluster, dtype=planning.dtype)
+    cost_model = CostModel(spec, cluster, dtype=planning.dtype, device_overrides=overrides)
     reference = planning.reference_workload()
     envelopes: list = []
     refined = refine_envelopes(gears, cost_model, reference, slo_ttft_ms=planning.slo_ttft_ms,

@@ -3,6 +3,7 @@
 import pandas as pd
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, MaterializeResult, MetadataValue, asset, asset_check
 
+from assets.calibration import calibrated_inputs
 from assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
 from flexpipe_dag.plots import gear_layout_plot
 from resources.planning import PlanningSettings
@@ -44,24 +45,29 @@ def model_profile(context: AssetExecutionContext, planning: PlanningSettings, st
     })
 
 
-@asset(group_name="planning", kinds={"sql"}, deps=["gpu_profile", model_profile],
-       description="Latency / balanced / throughput gears for the model on the newest cluster profile.")
+@asset(group_name="planning", kinds={"sql"}, deps=["gpu_profile", model_profile, "calibration"],
+       description="Latency / balanced / throughput gears for the model on the newest cluster profile "
+                   "(with the newest calibration applied).")
 def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, store: StoreResource) -> MaterializeResult:
     from flexpipe_dag.planner.gears import plan_gears
 
     db = store.get_store()
-    info, cluster = latest_profile_or_fail(db)
+    info, profile = latest_profile_or_fail(db)
     spec = _model(planning)
     model_id = db.save_model(spec.name, planning.dtype, spec.num_layers, spec.summary(planning.dtype))
     workload = planning.plan_workload()
-    context.log.info(f"planning for {workload}")
-    gears = plan_gears(cluster, spec, dtype=planning.dtype, workload=workload, profile_version=info.id)
+    cluster, overrides, cal = calibrated_inputs(db, info.id, profile, planning, spec.name)
+    context.log.info(f"planning for {workload}; "
+                     + (f"calibrated cost model ({cal.num_observations} measured steps)" if cal else "profiled cost model"))
+    gears = plan_gears(cluster, spec, dtype=planning.dtype, workload=workload, profile_version=info.id,
+                       device_overrides=overrides, replicas=planning.stage_replicas)
     db.save_gears(gears, info.id, model_id)
     for g in gears:
         context.log.info(f"{g.gear_id}: {g.num_stages} stage(s) {g.layer_ranges()}, micro-batch {g.micro_batch_size}, "
                          f"envelope {g.qps_min:.3g}..{g.qps_max:.3g} req/s")
     return MaterializeResult(metadata={
         "profile_version_id": info.id, "model_id": model_id, "cluster_id": cluster.cluster_id,
+        "calibrated": cal is not None,
         "gears": MetadataValue.json([g.gear_id for g in gears]),
         "stages": table_metadata(stage_table(gears)),
         **png_metadata(gear_layout_plot(gears), "gear_layout"),

@@ -12,7 +12,7 @@ import os
 
 from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
-from assets import evaluation, health, planning, profiling
+from assets import calibration, evaluation, health, planning, profiling
 from jobs.batch import batch_inference
 from jobs.gear_shift import gear_shift, gear_shift_sensor
 from jobs.profiling import plan_gears_job, profile_refresh_job, profile_refresh_schedule
@@ -23,14 +23,14 @@ from resources.planning import PlanningSettings
 from resources.prober import ProberResource
 from resources.store_resource import StoreResource
 
-ASSET_MODULES = [profiling, planning, evaluation, health]
+ASSET_MODULES = [profiling, planning, calibration, evaluation, health]
 
 
 #: Environment variables that set PlanningSettings fields (unset: the field's default).
 PLANNING_ENV = {"FLEXPIPE_MODEL": "model", "FLEXPIPE_PLAN_DTYPE": "dtype", "FLEXPIPE_SLO_TTFT_MS": "slo_ttft_ms",
                 "FLEXPIPE_SLO_TPOT_MS": "slo_tpot_ms", "FLEXPIPE_MAX_PROMPT_TOKENS": "max_prompt_tokens",
                 "FLEXPIPE_MAX_NEW_TOKENS": "max_new_tokens", "FLEXPIPE_PLAN_CONCURRENCY": "concurrency",
-                "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests"}
+                "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests", "FLEXPIPE_STAGE_REPLICAS": "stage_replicas"}
 
 
 def _planning_env() -> dict:
@@ -38,7 +38,9 @@ def _planning_env() -> dict:
     out = {}
     for var, name in PLANNING_ENV.items():
         if os.environ.get(var):
-            out[name] = fields[name].annotation(os.environ[var])
+            kind = fields[name].annotation
+            value = os.environ[var]
+            out[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
     return out
 
 

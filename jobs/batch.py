@@ -65,6 +65,7 @@ def _rows(config: BatchInferenceConfig, ckpt):
 def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: StoreResource) -> dict:
     from flexpipe_dag.runtime.batch import run_batch_job
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.observations import ObservationCollector
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from sql.result_sink import StoreResultSink
 
@@ -80,10 +81,13 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     for m in malformed[:50]:
         context.log.warning(f"malformed row {m.line}: {m.reason}")
     runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s))
-    finished = skipped = tokens = 0
+    finished = skipped = tokens = steps = 0
     paused = False
     failure = None
     with runtime:
+        # stage-step measurements for calibration (only for gears planned on a stored profile:
+        # their device ids are the profile's)
+        collector = ObservationCollector(runtime, context.run_id) if gear.cluster_id else None
         context.log.info(f"gear {gear.gear_id}: stages {gear.layer_ranges()}; per-stage memory "
                          + ", ".join(f"{i['param_bytes'] / 2**20:.0f} MiB" for i in runtime.stage_info))
         todo = [r for r in rows if r.request_id not in sink.done_ids()]
@@ -94,6 +98,8 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
                 context.log.info(f"job {config.job_key} paused by the tide sensor after {finished} requests")
                 break
             report = run_batch_job(runtime, todo[start:start + CHUNK_REQUESTS], sink)
+            if collector is not None:
+                steps += db.write_observations(context.run_id, collector.collect(), cluster_key=gear.cluster_id)
             finished += report.finished
             tokens += report.output_tokens
             context.log.info(f"{skipped + finished}/{len(rows)} requests done")
@@ -110,7 +116,7 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     db.update_job(job_id, status=status)
     context.add_output_metadata({"job_key": config.job_key, "status": status, "finished_now": finished,
                                  "skipped_already_done": skipped, "malformed_rows": len(malformed),
-                                 "output_tokens": tokens, "gear": gear.gear_id,
+                                 "output_tokens": tokens, "gear": gear.gear_id, "observed_steps": steps,
                                  "malformed": MetadataValue.md("\n".join(f"- row {m.line}: {m.reason}"
                                                                          for m in malformed[:50]) or "none")})
     return {"job_id": job_id, "status": status}

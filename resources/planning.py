@@ -22,6 +22,7 @@ class PlanningSettings(ConfigurableResource):
     slo_tpot_ms: float = Field(200.0, gt=0)
     max_prompt_tokens: int = Field(0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
     max_new_tokens: int = Field(0, ge=0, description="cap on generated tokens (0 = none)")
+    stage_replicas: bool = Field(True, description="allow replicas of a hot stage (the CPU runtime has none yet)")
 
     def reference_workload(self):
         """The reference trace with the serving caps applied to its lengths (what gears are scored on)."""

@@ -5,7 +5,7 @@ convention so Alembic migrations are stable on both. ``*_key`` columns hold the 
 (device ids, gear ids, request ids); ``id`` columns are surrogate keys.
 
 Tables: clusters, profile_versions, devices, links, models, gears, gear_stages, health_tags,
-metric_samples, shift_events, inference_jobs, request_results.
+metric_samples, shift_events, inference_jobs, request_results, stage_observations, calibrations.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 NAMING_CONVENTION = {
@@ -243,3 +243,52 @@ class RequestResult(Base):
     e2e_ms: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     job: Mapped[InferenceJob] = relationship(back_populates="results")
+
+
+class StageObservationRow(Base):
+    """One observed micro-batch step of one stage (runtime -> calibration); raw evidence, never updated."""
+
+    __tablename__ = "stage_observations"
+    __table_args__ = (Index("ix_stage_observations_run_key_t_s", "run_key", "t_s"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_key: Mapped[str] = mapped_column(String(200))
+    gear_key: Mapped[str] = mapped_column(String(200), index=True)
+    cluster_key: Mapped[str | None] = mapped_column(String(200))
+    stage_index: Mapped[int]
+    device_key: Mapped[str] = mapped_column(String(200), index=True)
+    dst_device_key: Mapped[str | None] = mapped_column(String(200))
+    is_first: Mapped[bool]
+    is_last: Mapped[bool]
+    layer_start: Mapped[int]
+    layer_end: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(10), comment="prefill | decode | mixed")
+    num_seqs: Mapped[int]
+    prefill_seqs: Mapped[int]
+    prompt_tokens: Mapped[int]
+    decode_tokens: Mapped[int]
+    kv_context_tokens: Mapped[int]
+    attended_pairs: Mapped[int] = mapped_column(BigInteger)
+    wall_ms: Mapped[float] = mapped_column(Float)
+    send_ms: Mapped[float | None] = mapped_column(Float, comment="sender-side hand-off to the next stage")
+    send_bytes: Mapped[int] = mapped_column(BigInteger)
+    mb_id: Mapped[int] = mapped_column(BigInteger)
+    t_s: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class CalibrationRow(Base):
+    """A calibration version beside the profile version it refines (the profile's rows stay as measured)."""
+
+    __tablename__ = "calibrations"
+    __table_args__ = (UniqueConstraint("profile_version_id", "version"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    profile_version_id: Mapped[int] = mapped_column(ForeignKey("profile_versions.id", ondelete="CASCADE"), index=True)
+    version: Mapped[int]
+    model_name: Mapped[str] = mapped_column(String(200))
+    dtype: Mapped[str] = mapped_column(String(20))
+    num_observations: Mapped[int]
+    run_keys: Mapped[list[Any]] = mapped_column(default=list)
+    changed_devices: Mapped[list[Any]] = mapped_column(default=list)
+    summary: Mapped[list[Any]] = mapped_column(default=list)
+    document: Mapped[dict[str, Any]] = mapped_column(comment="flexpipe_dag.calibration.Calibration.to_dict()")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -17,10 +18,16 @@ EXAMPLES = REPO / "examples" / "clusters"
 PG_URL = os.environ.get("FLEXPIPE_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 
 
+#: Converted model checkpoints are shared by all tests of a machine (converting the GGUF takes ~20 s).
+MODEL_CACHE = os.environ.get("FLEXPIPE_TEST_MODEL_CACHE") or os.path.join(
+    tempfile.gettempdir(), f"flexpipe-test-cache-{os.getuid()}", "models")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
     """Every test gets its own FLEXPIPE_HOME and no FLEXPIPE_DATABASE_URL from the environment."""
     monkeypatch.setenv("FLEXPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FLEXPIPE_MODEL_CACHE", MODEL_CACHE)
     monkeypatch.delenv("FLEXPIPE_DATABASE_URL", raising=False)
 
 

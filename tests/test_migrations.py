@@ -46,7 +46,7 @@ def test_step_down_and_up_keeps_rows(engine, lab_profile):
     job = store.get_or_create_job("j1", config={"trace": "azure-conv"})
     store.write_result(job, "r1", prompt_tokens=3, output_token_ids=[1, 2])
     (head,) = head_revisions()
-    downgrade(engine, "-1")
+    downgrade(engine, "0001")
     assert current_revision(engine) != head
     migrate(engine)
     store = Store(engine)

@@ -1,16 +1,15 @@
-"""Batch jobs: prompts files, malformed rows, sinks, fit refusal, and a 64-prompt Azure-trace job."""
+"""Batch jobs: prompts files, malformed rows, sinks, refusals before launch (the 64-prompt Azure-trace job
+runs on the shared pipeline in test_runtime_pipeline.py)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.runtime.batch import JsonlSink, read_prompts
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_jsonl_prompts_count_malformed_rows(tmp_path):
@@ -73,23 +72,14 @@ def test_gear_that_does_not_fit_is_refused_before_launch():
     assert rt.stage_pids() == []  # nothing launched
 
 
-@pytest.mark.slow
-def test_64_prompts_from_azure_conv_trace_through_two_stages(tmp_path):
+def test_gear_with_a_replicated_stage_is_refused_before_launch():
     pytest.importorskip("torch")
     from test_runtime_helpers import checkpoint, gear
 
-    from flexpipe_dag.runtime.batch import prompts_from_trace, run_batch_job
     from flexpipe_dag.runtime.pipeline import PipelineRuntime
 
-    ck = checkpoint()
-    rows = prompts_from_trace(FIXTURES / "azure_conv_first64.csv", ck.tokenizer(), num_requests=64,
-                              max_prompt_tokens=32, max_new_tokens=8)
-    assert len(rows) == 64 and max(len(r.token_ids) for r in rows) == 32
-    sink = JsonlSink(tmp_path / "out.jsonl")
-    with PipelineRuntime(gear([(0, 13), (13, 30)], micro_batch_size=8, inflight=2, kv_capacity_tokens=4096), ck) as rt:
-        report = run_batch_job(rt, rows, sink)
-    assert report.failure is None and report.finished == 64 and report.malformed == []
-    assert sink.done_ids() == {r.request_id for r in rows}
-    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    by_id = {r.request_id: r for r in rows}
-    assert all(1 <= o["output_tokens"] <= by_id[o["id"]].max_new_tokens for o in out)
+    g = gear([(0, 10), (10, 30)], device_ids=[["cpu0"], ["cpu1", "cpu2"]])
+    rt = PipelineRuntime(g, checkpoint())
+    with pytest.raises(InfeasibleError, match=r"stage 1 has 2 replicas \(devices \['cpu1', 'cpu2'\]\)"):
+        rt.start()
+    assert rt.stage_pids() == []  # nothing launched

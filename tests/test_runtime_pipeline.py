@@ -1,10 +1,19 @@
-"""Multi-process pipeline: exact greedy output for 1, 2, 3 stages, reconfiguration, failures, re-runs."""
+"""Multi-process pipeline: exact greedy output for 1, 2, 3 stages (even / uneven, batch 1 / 8),
+reconfiguration, a 64-prompt trace job, a killed stage, a re-run, a hung stage.
+
+Starting a pipeline (spawn, imports, gloo, weights) is the expensive part, so one 2-stage pipeline
+serves the whole module (``two_stage``; reconfigured in place between splits, which also exercises
+the reconfiguration hook) and the 1- and 3-stage pipelines are started once each. Tests that end a
+pipeline come last in their pipeline's life: the 3-stage one is killed by its own test, the shared
+2-stage one by the watchdog test at the end of the file.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -12,10 +21,14 @@ pytest.importorskip("torch")
 
 from test_runtime_helpers import checkpoint, gear, hf_reference, prompt_ids, requests  # noqa: E402
 
-from flexpipe_dag.runtime.batch import JsonlSink, PromptRow, run_batch_job  # noqa: E402
+from flexpipe_dag.runtime.batch import JsonlSink, PromptRow, prompts_from_trace, run_batch_job  # noqa: E402
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EVEN2, UNEVEN2 = [(0, 15), (15, 30)], [(0, 4), (4, 30)]
+EVEN3, UNEVEN3 = [(0, 10), (10, 20), (20, 30)], [(0, 2), (2, 25), (25, 30)]
 
 
 def _check(outs, reqs):
@@ -24,41 +37,60 @@ def _check(outs, reqs):
                                                                  for r in reqs}
 
 
-@pytest.mark.parametrize("first,second", [
-    ([(0, 15), (15, 30)], [(0, 4), (4, 30)]),
-    ([(0, 10), (10, 20), (20, 30)], [(0, 2), (2, 25), (25, 30)]),
-])
-def test_pipeline_matches_hf_generate_even_then_uneven(first, second):
-    hf_reference()  # computed before the workers start competing for the CPU
-    with PipelineRuntime(gear(first, micro_batch_size=8), checkpoint()) as rt:
-        assert [(i["layer_start"], i["layer_end"]) for i in rt.stage_info] == first
-        reqs = requests(prefix="a-")
-        _check(rt.generate(reqs), reqs)  # batch size 8
-        info = rt.reconfigure(gear(second, micro_batch_size=1, gear_id="g2"))  # same processes, new ranges
-        assert [(i["layer_start"], i["layer_end"]) for i in info] == second
-        assert [i["pid"] for i in info] == rt.stage_pids()
-        reqs = requests(prefix="b-")
-        samples = []
-        _check(rt.generate(reqs, on_metrics=samples.append), reqs)  # batch size 1, 2 micro-batches in flight
+def _use(rt: PipelineRuntime, ranges, micro_batch_size: int, gear_id: str, **kw) -> None:
+    """Move a running pipeline to ``ranges`` / ``micro_batch_size`` (same processes) unless it is there."""
+    if rt.gear.layer_ranges() == ranges and rt.gear.micro_batch_size == micro_batch_size and not kw:
+        return
+    info = rt.reconfigure(gear(ranges, micro_batch_size=micro_batch_size, gear_id=gear_id, **kw))
+    assert [(i["layer_start"], i["layer_end"]) for i in info] == ranges
+    assert [i["pid"] for i in info] == rt.stage_pids()  # no restart
 
 
-def test_single_stage_pipeline_and_live_metrics():
-    with PipelineRuntime(gear([(0, 30)], micro_batch_size=8), checkpoint(),
-                         RuntimeOptions(metrics_period_s=0.5)) as rt:
-        samples = []
-        reqs = requests(prefix="c-")
-        _check(rt.generate(reqs, on_metrics=samples.append), reqs)
-        assert rt.stage_info[0]["param_bytes"] > 0 and rt.stage_info[0]["kv_capacity_tokens"] == 2048
-    assert samples and all(s.source == "live" and len(s.stages) == 1 for s in samples)
-    assert any(s.stages[0].busy_fraction > 0 for s in samples)
+@pytest.fixture(scope="module")
+def two_stage():
+    hf_reference()  # computed (or read from the cache) before the workers compete for the CPU
+    with PipelineRuntime(gear(EVEN2, micro_batch_size=8), checkpoint()) as rt:
+        assert [(i["layer_start"], i["layer_end"]) for i in rt.stage_info] == EVEN2
+        yield rt
 
 
-def test_killed_stage_fails_cleanly_and_rerun_finishes_only_missing(tmp_path):
+@pytest.mark.parametrize("ranges", [EVEN2, UNEVEN2], ids=["even", "uneven"])
+@pytest.mark.parametrize("batch_size", [8, 1])
+def test_two_stages_match_hf_generate(two_stage, ranges, batch_size):
+    _use(two_stage, ranges, batch_size, f"g2-{len(ranges)}-{batch_size}")
+    reqs = requests(8 if batch_size == 8 else 3, prefix=f"2s{batch_size}{ranges[0][1]}-")
+    _check(two_stage.generate(reqs), reqs)  # batch 1: one sequence per micro-batch, 2 micro-batches in flight
+
+
+def test_64_prompts_from_azure_conv_trace_through_two_stages(two_stage, tmp_path):
+    ck = checkpoint()
+    rows = prompts_from_trace(FIXTURES / "azure_conv_first64.csv", ck.tokenizer(), num_requests=64,
+                              max_prompt_tokens=64, max_new_tokens=8, length_scale=1 / 32)  # 374 -> 12 tokens
+    lengths = [len(r.token_ids) for r in rows]
+    assert len(rows) == 64 and max(lengths) == 64 and min(lengths) == 1 and len(set(lengths)) > 10
+    _use(two_stage, [(0, 13), (13, 30)], 8, "azure", kv_capacity_tokens=4096)
+    sink = JsonlSink(tmp_path / "out.jsonl")
+    report = run_batch_job(two_stage, rows, sink)
+    assert report.failure is None and report.finished == 64 and report.malformed == []
+    assert sink.done_ids() == {r.request_id for r in rows}
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    by_id = {r.request_id: r for r in rows}
+    assert all(1 <= o["output_tokens"] <= by_id[o["id"]].max_new_tokens for o in out)
+
+
+def test_three_stages_match_hf_then_killed_stage_fails_cleanly_and_rerun_finishes_only_missing(two_stage, tmp_path):
     ref = hf_reference()
-    rows = [PromptRow(str(i), token_ids=list(ids), max_new_tokens=12) for i, ids in enumerate(prompt_ids())]
-    sink_path = tmp_path / "results.jsonl"
-    g = gear([(0, 12), (12, 30)], micro_batch_size=2, inflight=2)
-    with PipelineRuntime(g, checkpoint()) as rt:
+    with PipelineRuntime(gear(EVEN3, micro_batch_size=8), checkpoint()) as rt:
+        reqs = requests(prefix="3s8-")
+        _check(rt.generate(reqs), reqs)  # even, batch 8
+        _use(rt, UNEVEN3, 1, "g3-uneven-1")
+        reqs = requests(3, prefix="3s1-")
+        _check(rt.generate(reqs), reqs)  # uneven, batch 1
+
+        # a batch job through the same processes; stage 1 (the middle one) is killed mid-run
+        _use(rt, UNEVEN3, 2, "g3-uneven-2")
+        rows = [PromptRow(str(i), token_ids=list(ids), max_new_tokens=12) for i, ids in enumerate(prompt_ids())]
+        sink_path = tmp_path / "results.jsonl"
         victim = rt.stage_pids()[1]
 
         def kill_after_two(done, total):
@@ -69,8 +101,9 @@ def test_killed_stage_fails_cleanly_and_rerun_finishes_only_missing(tmp_path):
     assert report.failure is not None and report.failure.startswith("stage 1 failed"), report.failure
     kept = [json.loads(line) for line in sink_path.read_text().splitlines()]
     assert 2 <= len(kept) < len(rows)
-    with PipelineRuntime(g, checkpoint()) as rt:
-        report2 = run_batch_job(rt, rows, JsonlSink(sink_path))
+
+    _use(two_stage, [(0, 12), (12, 30)], 2, "rerun")  # re-run on another (live) pipeline
+    report2 = run_batch_job(two_stage, rows, JsonlSink(sink_path))
     assert report2.failure is None
     assert report2.skipped_done == len(kept) and report2.submitted == len(rows) - len(kept)
     final = [json.loads(line) for line in sink_path.read_text().splitlines()]
@@ -78,18 +111,34 @@ def test_killed_stage_fails_cleanly_and_rerun_finishes_only_missing(tmp_path):
     assert all(r["output_token_ids"] == ref[r["id"]] for r in final)
 
 
-def test_hung_stage_is_named_by_the_watchdog():
-    g = gear([(0, 20), (20, 30)], micro_batch_size=2, inflight=2)
-    with PipelineRuntime(g, checkpoint(), RuntimeOptions(step_timeout_s=3.0)) as rt:
-        victim = rt.stage_pids()[0]
-        got = []
+def test_single_stage_pipeline_and_live_metrics():
+    hf_reference()
+    with PipelineRuntime(gear([(0, 30)], micro_batch_size=8), checkpoint(),
+                         RuntimeOptions(metrics_period_s=0.5)) as rt:
+        samples = []
+        reqs = requests(prefix="1s8-")
+        _check(rt.generate(reqs, on_metrics=samples.append), reqs)
+        assert rt.stage_info[0]["param_bytes"] > 0 and rt.stage_info[0]["kv_capacity_tokens"] == 2048
+        _use(rt, [(0, 30)], 1, "g1-1")
+        reqs = requests(3, prefix="1s1-")
+        _check(rt.generate(reqs), reqs)
+    assert samples and all(s.source == "live" and len(s.stages) == 1 for s in samples)
+    assert any(s.stages[0].busy_fraction > 0 for s in samples)
 
-        def freeze_stage0(out):
-            got.append(out)
-            if len(got) == 1:
-                os.kill(victim, signal.SIGSTOP)
 
-        with pytest.raises(StageFailedError) as err:
-            rt.generate(requests(prefix="h-"), on_result=freeze_stage0)
-    assert err.value.stage == 0 and "watchdog" in err.value.reason
+def test_hung_stage_is_named_by_the_watchdog(two_stage):
+    """Last user of ``two_stage``: the watchdog ends that pipeline."""
+    _use(two_stage, [(0, 20), (20, 30)], 2, "hang")
+    two_stage.options.step_timeout_s = 3.0  # read live by the watchdog
+    victim = two_stage.stage_pids()[0]
+    got = []
+
+    def freeze_stage0(out):
+        got.append(out)
+        if len(got) == 1:
+            os.kill(victim, signal.SIGSTOP)
+
+    with pytest.raises(StageFailedError) as err:
+        two_stage.generate(requests(prefix="h-"), on_result=freeze_stage0)
+    assert err.value.stage == 0 and "watchdog" in err.value.reason, err.value
     assert len(err.value.finished) >= 1

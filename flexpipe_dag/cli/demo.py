@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 #: workers, lengths capped, an SLO a CPU can meet, the dwell shortened for a compressed day.
 DEMO_ENV = {"FLEXPIPE_MODEL": "SmolLM2-135M", "FLEXPIPE_PLAN_DTYPE": "fp32", "FLEXPIPE_MAX_PROMPT_TOKENS": "96",
             "FLEXPIPE_MAX_NEW_TOKENS": "12", "FLEXPIPE_PLAN_CONCURRENCY": "16", "FLEXPIPE_REFERENCE_REQUESTS": "600",
-            "FLEXPIPE_SLO_TTFT_MS": "4000", "FLEXPIPE_SLO_TPOT_MS": "600", "FLEXPIPE_PROBE": "1"}
+            "FLEXPIPE_SLO_TTFT_MS": "4000", "FLEXPIPE_SLO_TPOT_MS": "600", "FLEXPIPE_PROBE": "1",
+            "FLEXPIPE_STAGE_REPLICAS": "0"}
 
 
 def fleet_preview(path: str) -> None:

@@ -1,4 +1,9 @@
-"""``flexpipe run``: serve a prompts file (or a trace slice) through a gear's pipeline into a results file."""
+"""``flexpipe run``: serve a prompts file (or a trace slice) through a gear's pipeline into a results file.
+
+``--score`` runs a prefill-only scoring job instead (log-prob of each prompt, or of each row's
+``continuations`` with the best one as ``choice``) on DeepSpeed's PipelineModule, partitioned
+exactly at the gear's stage boundaries.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ def register(subparsers) -> None:
                                                 "lengths taken from it, text from the bundled corpus")
     p.add_argument("--num-requests", type=int, default=64, help="trace rows to use (with --trace)")
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="cap on trace prompt lengths")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="with --trace: multiply the trace's prompt / output lengths by this before capping")
     p.add_argument("--max-new-tokens", type=int, default=16, help="default / cap of new tokens per request")
     p.add_argument("--out", type=Path, default=Path("results.jsonl"), help="results JSONL (re-runs skip done ids)")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
@@ -30,6 +37,10 @@ def register(subparsers) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--step-timeout-s", type=float, default=120.0)
+    p.add_argument("--score", action="store_true",
+                   help="prefill-only scoring on DeepSpeed's PipelineModule: per-row log-prob of the prompt, or of "
+                        "each of the row's 'continuations' (then 'choice' = the most likely one)")
+    p.add_argument("--no-token-logprobs", action="store_true", help="with --score: store sums only")
     p.set_defaults(func=run)
 
 
@@ -83,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         rows, malformed = prompts_from_trace(args.trace, ckpt.tokenizer(), num_requests=args.num_requests,
                                              max_prompt_tokens=args.max_prompt_tokens,
-                                             max_new_tokens=args.max_new_tokens), []
+                                             max_new_tokens=args.max_new_tokens,
+                                             length_scale=args.length_scale), []
+    if args.score:
+        return _score(args, gear, ckpt, rows, malformed)
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s)
     runtime = PipelineRuntime(gear, ckpt, options)
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
@@ -102,6 +116,35 @@ def run(args: argparse.Namespace) -> int:
                "malformed": len(report.malformed), "refused": len(report.refused),
                "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
                "output_tokens_per_s": round(report.output_tokens_per_s, 2), "out": str(args.out),
+               "failure": report.failure}
+    for m in report.malformed[:20]:
+        print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 1 if report.failure else 0
+
+
+def _score(args: argparse.Namespace, gear, ckpt, rows, malformed) -> int:
+    from tqdm import tqdm
+
+    from flexpipe_dag.runtime.batch import JsonlSink
+    from flexpipe_dag.runtime.score_runtime import ScoreOptions, run_score_job
+
+    options = ScoreOptions(micro_batch_size=gear.micro_batch_size, max_micro_batches=gear.max_inflight_micro_batches,
+                           dtype=args.dtype, device=args.device, step_timeout_s=max(args.step_timeout_s, 300.0),
+                           keep_token_logprobs=not args.no_token_logprobs)
+    print(f"gear {gear.gear_id}: scoring on DeepSpeed PipelineModule, stages {gear.layer_ranges()}, micro-batch "
+          f"{gear.micro_batch_size} x {gear.max_inflight_micro_batches} per batch; starting ranks (the first run "
+          f"on a host compiles DeepSpeed's shm op, about a minute)...", file=sys.stderr)
+    sink = JsonlSink(args.out)
+    bar = tqdm(total=len(rows), unit="row", desc="flexpipe run --score")
+    bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
+    report = run_score_job(gear, rows, sink, model=ckpt, options=options, malformed=malformed,
+                           on_progress=lambda d, t: bar.update(1))
+    bar.close()
+    summary = {"rows": report.rows, "finished": report.finished, "skipped_done": report.skipped_done,
+               "malformed": len(report.malformed), "units": report.units, "scored_tokens": report.scored_tokens,
+               "start_s": round(report.start_s, 2), "elapsed_s": round(report.elapsed_s, 2),
+               "forward_tokens_per_s": round(report.forward_tokens_per_s, 2), "out": str(args.out),
                "failure": report.failure}
     for m in report.malformed[:20]:
         print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)

@@ -365,7 +365,7 @@ def choose_operating_plans(search: PipelineSearch, scored: list[ScoredPlan]) -> 
 def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                   concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                   workload: PlanWorkload | None = None, profile_version: int | None = None,
-                  device_overrides=None) -> GearSet:
+                  device_overrides=None, replicas: bool = True) -> GearSet:
     """Plan the distinct operating gears for ``model`` on ``cluster`` (arguments as :func:`plan_gears`).
 
     Envelopes here are the analytic ones (see :func:`plan_gears`); replace them with simulated ones
@@ -378,7 +378,7 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
     workload = workload or PlanWorkload(context_p95_tokens=context_p95_tokens, concurrency=concurrency,
                                         min_residence_s=min_residence_s)
     search = make_search(cluster, model, dtype=dtype, workload=workload, now=now, device_overrides=device_overrides)
-    scored = candidate_plans(search)
+    scored = candidate_plans(search, replicas=replicas)
     if not scored:
         raise InfeasibleError(search.explain_infeasible())
     chosen, collapsed = choose_operating_plans(search, scored)
@@ -399,7 +399,7 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
 def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                workload: PlanWorkload | None = None, profile_version: int | None = None,
-               device_overrides=None) -> list[Gear]:
+               device_overrides=None, replicas: bool = True) -> list[Gear]:
     """Plan the latency, balanced and throughput gears for ``model`` on ``cluster``.
 
     Args:
@@ -408,6 +408,7 @@ def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16"
         min_residence_s: devices leaving sooner are not used.
         workload: full assumptions (overrides the three workload arguments above when given).
         device_overrides: per-device efficiency factors (see :class:`CostModel`).
+        replicas: allow data-parallel replicas of a bottleneck stage (False for a runtime without them).
 
     Returns:
         The distinct gears in the order latency, balanced, throughput: three where the cluster allows
@@ -423,7 +424,8 @@ def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16"
     """
     return plan_gear_set(cluster, model, dtype=dtype, context_p95_tokens=context_p95_tokens, concurrency=concurrency,
                          now=now, min_residence_s=min_residence_s, workload=workload,
-                         profile_version=profile_version, device_overrides=device_overrides).gears
+                         profile_version=profile_version, device_overrides=device_overrides,
+                         replicas=replicas).gears
 
 
 def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,

@@ -2,7 +2,8 @@
 
 Prompts file: JSONL or Parquet with columns ``id`` (str), ``prompt`` (text) or ``token_ids``
 (list of ints), ``max_new_tokens`` (int, optional: the job default), ``priority`` (int, optional:
-:data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`). A malformed row (bad JSON, missing or
+:data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`), ``continuations`` (optional, scoring jobs
+only: a list of strings or token-id lists, each scored given the prompt). A malformed row (bad JSON, missing or
 duplicate id, no prompt, bad numbers) is counted and reported with its line and reason, never fatal.
 
 Sink protocol (:class:`ResultSink`): ``done_ids() -> set[str]`` and ``write(result: dict)``. Results are
@@ -38,6 +39,7 @@ class PromptRow:
     token_ids: list[int] | None = None
     max_new_tokens: int = 16
     priority: int = PRIORITY_OFFLINE
+    continuations: list[str | list[int]] | None = None  # scoring jobs: score each given the prompt
 
 
 @dataclass
@@ -130,8 +132,20 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
         prio = int(prio)
     except (TypeError, ValueError):
         return MalformedRow(where, f"field 'priority': expected an integer >= 0, got {raw.get('priority')!r}")
+    conts = raw.get("continuations")
+    if conts is None or (isinstance(conts, float) and math.isnan(conts)):
+        conts = None
+    else:
+        conts = conts.tolist() if hasattr(conts, "tolist") else conts
+        ok = isinstance(conts, list) and conts and all(
+            (isinstance(c, str) and c) or (isinstance(c, list) and c and all(isinstance(t, int) and t >= 0 for t in c))
+            for c in conts)
+        if not ok:
+            return MalformedRow(where, "field 'continuations': expected a non-empty list of non-empty strings "
+                                       "or token-id lists")
+        conts = list(conts)
     seen.add(rid)
-    return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio)
+    return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio, conts)
 
 
 def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> tuple[list[PromptRow], list[MalformedRow]]:
@@ -178,12 +192,15 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
 
 def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests: int, max_prompt_tokens: int,
                        max_new_tokens: int, corpus_path: str | os.PathLike = CORPUS_PATH,
-                       priority: int = PRIORITY_OFFLINE) -> list[PromptRow]:
+                       priority: int = PRIORITY_OFFLINE, length_scale: float = 1.0) -> list[PromptRow]:
     """Rows whose prompt / output lengths follow an Azure LLM trace (``ContextTokens``, ``GeneratedTokens``).
 
     Prompt token ids are consecutive windows of the bundled corpus (tokenised once), each cut to
-    ``min(ContextTokens, max_prompt_tokens)`` tokens; ``max_new_tokens`` is
-    ``min(GeneratedTokens, max_new_tokens)``. The first ``num_requests`` trace rows are used.
+    ``min(ceil(ContextTokens * length_scale), max_prompt_tokens)`` tokens; ``max_new_tokens`` is
+    ``min(ceil(GeneratedTokens * length_scale), max_new_tokens)`` (at least 1 each). A
+    ``length_scale`` below 1 keeps the trace's length distribution at a fraction of its cost, where a
+    bare cap would make most conversation prompts exactly ``max_prompt_tokens`` long. The first
+    ``num_requests`` trace rows are used.
 
     Raises:
         InputError: the trace lacks the columns or has fewer rows than asked.
@@ -200,11 +217,12 @@ def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests:
     rows: list[PromptRow] = []
     offset = 0
     for i, rec in enumerate(df.head(num_requests).itertuples(index=False)):
-        n = max(1, min(int(rec.ContextTokens), max_prompt_tokens, len(corpus)))
+        n = max(1, min(math.ceil(int(rec.ContextTokens) * length_scale), max_prompt_tokens, len(corpus)))
         if offset + n > len(corpus):
             offset = 0
         rows.append(PromptRow(f"trace-{i:05d}", None, corpus[offset:offset + n],
-                              max(1, min(int(rec.GeneratedTokens), max_new_tokens)), priority))
+                              max(1, min(math.ceil(int(rec.GeneratedTokens) * length_scale), max_new_tokens)),
+                              priority))
         offset += n
     return rows
 

@@ -33,7 +33,6 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
         from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
         from flexpipe_dag.runtime.live_metrics import LiveMetrics, StageCounters
         from flexpipe_dag.runtime.scheduler import Scheduler
-        from flexpipe_dag.runtime.stage import batch_input_ids
 
         comm_device = "cuda:0" if spec.backend == "nccl" else "cpu"
         last_rank = spec.num_stages
@@ -80,7 +79,7 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
             # 2. dispatch
             while (mb := sched.schedule()) is not None:
                 in_transport = True
-                tp.send_message(1, tp.BATCH, mb, batch_input_ids(mb), device=comm_device)
+                tp.send_message(1, tp.BATCH, mb, tp.batch_input_ids(mb), device=comm_device)
                 in_transport = False
                 sent += 1
                 counters[F_STEPS] = sent

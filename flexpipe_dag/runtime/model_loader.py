@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.settings import flexpipe_home
+from flexpipe_dag.core.settings import model_cache_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -124,7 +124,11 @@ class Checkpoint:
             return tuple(fh.get_slice(name).get_shape())
 
     def tokenizer(self):
-        """The checkpoint's tokenizer (``transformers.AutoTokenizer``)."""
+        """The checkpoint's tokenizer (``transformers.AutoTokenizer``), loaded once per Checkpoint object."""
+        return self._tokenizer
+
+    @cached_property
+    def _tokenizer(self):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.path))
@@ -193,12 +197,14 @@ def _convert(load_dir: Path, gguf_file: str | None, final: Path, name: str) -> N
         raise
 
 
-def resolve_checkpoint(source: str | os.PathLike | None = None) -> Checkpoint:
+def resolve_checkpoint(source: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
+                       ) -> Checkpoint:
     """Turn a model source into a :class:`Checkpoint`, converting and caching when needed.
 
     Args:
         source: HF directory with safetensors, GGUF file / directory, HF directory with only
             ``*.bin`` weights (converted), or ``None`` for the default SmolLM2-135M-Instruct.
+        cache_dir: where conversions are cached (default ``FLEXPIPE_HOME/models``).
 
     Raises:
         InputError: the source does not exist or is not a Llama-family checkpoint.
@@ -213,7 +219,8 @@ def resolve_checkpoint(source: str | os.PathLike | None = None) -> Checkpoint:
         raise InputError(str(path), None, "expected an HF directory (config.json + weights) or a .gguf file")
     name = gguf.stem if gguf else path.name
     key_path = gguf if gguf else path / "config.json"
-    final = flexpipe_home() / "models" / f"{name}-{_source_key(key_path)}"
+    root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
+    final = root / f"{name}-{_source_key(key_path)}"
     if not (final / "config.json").is_file():
         if gguf:
             _convert(gguf.parent, gguf.name, final, name)

@@ -12,8 +12,12 @@ holds the oldest in-flight micro-batch) longer than ``step_timeout_s`` fails the
 :class:`StageFailedError` naming the stage; results finished before that were already delivered
 to ``on_result`` and are kept on the error.
 
-Several hosts: the same worker / driver entry points run under DeepSpeed's launcher with a
-hostfile; see :mod:`flexpipe_dag.runtime.launch`.
+One host: the driver and stage workers are children of the caller (their event queue and shared
+step counters are ``multiprocessing`` objects). Several hosts are served by the DeepSpeed scoring
+path (:mod:`flexpipe_dag.runtime.score_launch`); ``deploy/MULTIHOST.md`` says what exists and what
+a multi-host generation runtime still needs.
+
+A stage with ``replicas`` > 1 is refused before launch (:func:`check_gear_supported`).
 """
 
 from __future__ import annotations
@@ -114,6 +118,24 @@ def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32") -> lis
     return rows
 
 
+def check_gear_supported(gear: Gear) -> None:
+    """Refuse, before launch, what this runtime cannot run: a stage with ``replicas`` > 1.
+
+    Data-parallel copies of a stage (several ``device_ids``) are a planner / simulator concept the
+    runtime does not implement yet; serving such a gear on one process per stage would silently
+    drop the replicas and miss the gear's throughput.
+
+    Raises:
+        InfeasibleError: naming the first replicated stage and its devices.
+    """
+    for st in gear.stages:
+        if st.replicas > 1:
+            raise InfeasibleError(
+                f"gear {gear.gear_id!r}: stage {st.stage_index} has {st.replicas} replicas "
+                f"(devices {list(st.device_ids)}); the pipeline runtime runs one device per stage; "
+                f"choose a gear without replicated stages")
+
+
 def check_gear_fits(gear: Gear, ckpt: Checkpoint, options: RuntimeOptions) -> list[dict]:
     """Refuse, before launch, a gear whose stages do not fit their devices.
 
@@ -142,8 +164,8 @@ class PipelineRuntime:
         model: a :class:`Checkpoint`, a source for :func:`resolve_checkpoint`, or ``None`` (SmolLM2).
         options: :class:`RuntimeOptions`.
 
-    Raises (at :meth:`start`): InputError / InfeasibleError before anything launches;
-    StageFailedError if a stage fails to load.
+    Raises (at :meth:`start`): InputError / InfeasibleError before anything launches (a stage that
+    does not fit its device, or has replicas > 1); StageFailedError if a stage fails to load.
     """
 
     def __init__(self, gear: Gear, model: Checkpoint | str | os.PathLike | None = None,
@@ -179,6 +201,7 @@ class PipelineRuntime:
         from flexpipe_dag.runtime.driver import driver_main
         from flexpipe_dag.runtime.worker import worker_main
 
+        check_gear_supported(self.gear)
         check_gear_fits(self.gear, self.ckpt, self.options)
         spec = self._spec()
         ctx = mp.get_context("spawn")
@@ -311,12 +334,13 @@ class PipelineRuntime:
 
         Raises:
             InputError: a different number of stages or another model.
-            InfeasibleError: the new gear does not fit.
+            InfeasibleError: the new gear does not fit, or has a stage with replicas > 1.
             StageFailedError: a stage failed while reloading, or did not finish within ``timeout_s``.
         """
         if gear.num_stages != self.gear.num_stages:
             raise InputError("gear", "stages", f"reconfiguration keeps the process count: expected "
                              f"{self.gear.num_stages} stages, got {gear.num_stages}")
+        check_gear_supported(gear)
         check_gear_fits(gear, self.ckpt, self.options)
         self._cmds.put(("reconfigure", {"ranges": gear.layer_ranges(), "num_blocks": kv_num_blocks(gear),
                                         "block_size_tokens": gear.kv_block_size_tokens, "gear_id": gear.gear_id,

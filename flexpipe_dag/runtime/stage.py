@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import (
 
 from flexpipe_dag.runtime.kv_cache import PagedKVPool, slot_mapping
 from flexpipe_dag.runtime.scheduler import MicroBatch, ScheduledSeq
+from flexpipe_dag.runtime.transport import batch_input_ids  # noqa: F401 - re-exported (the driver's input)
 
 
 class StageModule(nn.Module):
@@ -133,8 +134,3 @@ def _batch_index(seqs: list[ScheduledSeq], block_size: int, device):
         ctx_slots.append(torch.tensor(all_slots, dtype=torch.long, device=device))
     return (torch.tensor(positions, dtype=torch.long, device=device),
             torch.tensor(new_slots, dtype=torch.long, device=device), ctx_slots, spans)
-
-
-def batch_input_ids(batch: MicroBatch) -> torch.Tensor:
-    """The first stage's input: the new tokens of every sequence, packed, ``int64 [T]``."""
-    return torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.long)

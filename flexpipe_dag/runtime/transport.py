@@ -66,3 +66,10 @@ def recv_message(src: int, device: torch.device | str = "cpu") -> tuple[int, Any
         tensor = torch.empty(h[4:4 + ndim], dtype=_DTYPES[h[3]], device=device)
         dist.recv(tensor, src)
     return kind, meta, tensor
+
+
+def batch_input_ids(batch) -> torch.Tensor:
+    """The first stage's input for a :class:`~flexpipe_dag.runtime.scheduler.MicroBatch`: the new
+    tokens of every sequence, packed, ``int64 [T]``. Lives here (not in ``stage``) so the driver
+    never imports transformers."""
+    return torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.long)

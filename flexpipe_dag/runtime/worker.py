@@ -105,6 +105,7 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
     ``("error", stage, message, is_transport_error)`` on ``events``, then exits non-zero."""
     rank = stage + 1
     in_transport = False
+    recorder = None
     try:
         setup_process(spec, rank)
         import torch
@@ -113,6 +114,10 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
         from flexpipe_dag.runtime.sampling import sample_tokens
 
         runner = StageRunner(spec, stage)
+        from flexpipe_dag.runtime.observations import StepRecorder
+
+        recorder = StepRecorder(stage)  # per-step observations for calibration (a memory-mapped ring)
+        runner.observations_path = recorder.path
         events.put(("ready", stage, runner_info(runner)))
         device = stage_device(spec, stage)
         comm_device = device if spec.backend == "nccl" else "cpu"
@@ -152,15 +157,26 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
             if device.startswith("cuda"):
                 torch.cuda.synchronize(device)
             steps += 1
-            counters[base + F_BUSY_S] += time.monotonic() - t0
-            counters[base + F_STEPS] = steps
+            t1 = time.monotonic()
+            counters[base + F_BUSY_S] += t1 - t0
             counters[base + F_STEP_STARTED] = 0.0
+            recorder.begin(meta.mb_id, meta.seqs, *runner.ranges[stage], (t1 - t0) * 1e3, t1)
+            if last:
+                recorder.commit()
             in_transport = True
             tp.send_message(next_rank, payload[0], payload[1], payload[2], device=comm_device)
+            if not last:
+                recorder.set_send((time.monotonic() - t1) * 1e3, out.numel() * out.element_size())
+                recorder.commit()
+            # counted only once handed on: a stage stopped mid-send still holds the micro-batch, and
+            # the watchdog's stall finder must name it, not the stage waiting for it
+            counters[base + F_STEPS] = steps
     except BaseException as exc:  # report, then die: the parent names this stage
         events.put(("error", stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", in_transport))
         raise SystemExit(1) from None
     finally:
+        if recorder is not None:
+            recorder.close()
         _destroy()
 
 
@@ -168,7 +184,7 @@ def runner_info(runner: StageRunner) -> dict:
     a, b = runner.ranges[runner.stage]
     return {"stage_index": runner.stage, "layer_start": a, "layer_end": b, "param_bytes": runner.module.param_bytes(),
             "kv_pool_bytes": runner.pool.nbytes, "kv_capacity_tokens": runner.pool.capacity_tokens,
-            "pid": os.getpid()}
+            "pid": os.getpid(), "observations_path": getattr(runner, "observations_path", None)}
 
 
 def _destroy() -> None:

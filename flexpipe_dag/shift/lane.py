@@ -1,0 +1,181 @@
+"""A lane: one live :class:`~flexpipe_dag.runtime.pipeline.PipelineRuntime` plus the thread that pumps it.
+
+The runtime's events (results, metrics, refusals, failures) are read by whoever calls its
+``wait``; a lane gives each runtime exactly one such reader, its *pump* thread, so two pipelines
+serve side by side (the old gear draining while the new one takes traffic). The pump calls
+``runtime.wait`` whenever the ledger says requests are open on this lane, hands results and
+metric samples to the :class:`~flexpipe_dag.shift.router.ServingRouter`, reports the runtime's
+refusals after each ``wait`` (and whenever :meth:`Lane.poll_refusals` is called), and reports a
+:class:`~flexpipe_dag.runtime.pipeline.StageFailedError` (crash, raise, or the runtime's watchdog)
+to the router, which moves the lane's unfinished requests elsewhere.
+
+Everything else that reads the runtime's events (``reconfigure``, ``shutdown``) runs only while
+the pump is parked (:meth:`Lane.run_exclusive`, :meth:`Lane.retire`), so no event is read twice
+or lost. A lane that must die at once (rollback of a sick gear) is stopped by killing its stage
+processes (:meth:`Lane.force_stop`): the pump's ``wait`` then fails through the runtime's own
+watchdog and the router moves what was open.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime
+    from flexpipe_dag.shift.router import ServingRouter
+
+LaneState = Literal["warming", "active", "draining", "standby", "retired", "failed"]
+#: What a refusal by this lane's runtime means: tell the caller (``final``), keep the request for
+#: a later re-submission (``park``: a degraded KV pool that will grow), or a failed health check
+#: (``fail``: the request is parked and the lane marked unhealthy).
+RefusalPolicy = Literal["final", "park", "fail"]
+
+
+class Lane:
+    """One started pipeline runtime, its pump thread and its place in the router.
+
+    Attributes:
+        lane_id: unique name, ``"<gear_id>#<n>"``.
+        runtime: the started :class:`PipelineRuntime`.
+        state: ``warming`` (shadow, probes only), ``active`` (the entry point), ``draining``
+            (no new admissions, in-flight requests finish), ``standby`` (drained, kept alive as the
+            rollback target), ``retired`` (processes stopped), ``failed``.
+        failure: the :class:`StageFailedError` that ended it, if any.
+        health_failure: the first failed health finding (a refusal under policy ``fail``).
+    """
+
+    def __init__(self, lane_id: str, runtime: PipelineRuntime, router: ServingRouter):
+        self.lane_id, self.runtime, self.router = lane_id, runtime, router
+        self.state: LaneState = "warming"
+        self.refusal_policy: RefusalPolicy = "final"
+        self.failure: Exception | None = None
+        self.health_failure: str | None = None
+        self.forced = False  # force_stop() was called: the failure it causes is ours, not the gear's
+        self._stop = threading.Event()
+        self._rt_lock = threading.Lock()  # held by the pump while it is inside runtime.wait
+        self._refusal_lock = threading.Lock()
+        self._seen_refusals: set[str] = set()
+        self._thread = threading.Thread(target=self._pump, name=f"flexpipe-lane-{lane_id}", daemon=True)
+
+    @property
+    def gear(self):
+        return self.runtime.gear
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in ("retired", "failed")
+
+    def start_pump(self) -> None:
+        self._thread.start()
+
+    # -- pump ---------------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        from flexpipe_dag.runtime.pipeline import StageFailedError
+
+        ledger = self.router.ledger
+        while not self._stop.is_set():
+            if not ledger.has_open(self.lane_id):
+                time.sleep(0.02)
+                continue
+            if not self._rt_lock.acquire(timeout=0.05):
+                continue
+            t0 = time.monotonic()
+            err: BaseException | None = None
+            try:
+                if not self._stop.is_set():
+                    self.runtime.wait(on_result=self._on_result, on_metrics=self._on_metrics)
+            except BaseException as exc:  # noqa: BLE001 - a failure must not leave requests stranded
+                err = exc
+            finally:
+                self._rt_lock.release()
+            if err is not None:
+                self.failure = err
+                if not isinstance(err, StageFailedError):  # a bug, not the runtime's watchdog: stop it
+                    with suppress(Exception):
+                        self.runtime.shutdown(timeout_s=2.0)
+                self.router._lane_failed(self, err)
+                return
+            self.poll_refusals()
+            if time.monotonic() - t0 < 0.005:  # accepted by the ledger, not yet submitted to the runtime
+                time.sleep(0.005)
+
+    def _on_result(self, out: Any) -> None:
+        self.router.ledger.finish(out, self.lane_id)
+
+    def _on_metrics(self, sample: Any) -> None:
+        self.router._metrics(self, sample)
+
+    def poll_refusals(self) -> int:
+        """Hand the runtime's new refusals to the router (each once); returns how many were new."""
+        with self._refusal_lock:
+            fresh = {rid: why for rid, why in self.runtime.refused.items() if rid not in self._seen_refusals}
+            self._seen_refusals.update(fresh)
+        if fresh:
+            self.router._lane_refused(self, fresh)
+        return len(fresh)
+
+    # -- exclusive use, stop ------------------------------------------------------------------------
+    def run_exclusive(self, fn: Callable[[PipelineRuntime], Any], timeout_s: float) -> Any:
+        """Run ``fn(runtime)`` (e.g. ``reconfigure``) once no request is open on this lane and the
+        pump is parked. The caller must first stop new submissions to this lane (router hold).
+
+        Raises:
+            TimeoutError: the lane did not empty within ``timeout_s``.
+            StageFailedError: ``fn`` failed the runtime; the router has been told (open requests moved).
+        """
+        from flexpipe_dag.runtime.pipeline import StageFailedError
+
+        deadline = time.monotonic() + timeout_s
+        while self.router.ledger.has_open(self.lane_id):
+            if self.failure is not None:
+                raise self.failure
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lane {self.lane_id} still had {self.router.ledger.num_open(self.lane_id)} "
+                                   f"open requests after {timeout_s:.1f} s")
+            time.sleep(0.02)
+        if not self._rt_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"lane {self.lane_id}: pump did not park within {timeout_s:.1f} s")
+        try:
+            return fn(self.runtime)
+        except StageFailedError as err:
+            self.failure = err
+            self._stop.set()
+            self.router._lane_failed(self, err)
+            raise
+        finally:
+            self._rt_lock.release()
+
+    def retire(self, timeout_s: float = 30.0) -> None:
+        """Stop the pump and shut the runtime down (drains in-flight work, then stops every process).
+        Call once no request is open on the lane; anything still open is moved by the router."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s)
+        if self.state != "failed":
+            self.runtime.shutdown(timeout_s=timeout_s)
+            self.state = "retired"
+        self.router._lane_gone(self)
+
+    def force_stop(self, join_timeout_s: float = 10.0) -> None:
+        """Kill the lane now: SIGKILL its stage processes (the pump's ``wait`` then fails through the
+        runtime's watchdog, which also kills the driver), then shut down whatever is left. Open
+        requests are moved by the router to the active lane (or held)."""
+        self.forced = True
+        self._stop.set()
+        if self.state not in ("retired", "failed"):
+            for pid in self.runtime.stage_pids():
+                with suppress(ProcessLookupError, TypeError):
+                    os.kill(pid, signal.SIGKILL)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=join_timeout_s)
+        with suppress(Exception):
+            self.runtime.shutdown(timeout_s=1.0)
+        if self.state != "failed":
+            self.state = "retired"
+        self.router._lane_gone(self)

@@ -1,0 +1,254 @@
+"""The request ledger: every request the serving front accepted, where it is, and its one output.
+
+Pure bookkeeping (no torch, no processes): thread-safe, plain data in and out. The serving front
+(:mod:`~flexpipe_dag.shift.router`) records here which pipeline *lane* holds each request; a lane
+reports finished outputs and the ledger delivers each request's output to the caller exactly
+once, whichever lane finished it first (a request moved from a failed lane to another may, in a
+race, finish on both; the second output is counted and dropped, never delivered).
+
+Internal requests (the executor's warm-up, verification and health probes) live in the same
+ledger but are never delivered to the caller: their output is handed to a :class:`Probe` the
+executor waits on. Their ids start with :data:`INTERNAL_PREFIX`, which callers may not use.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flexpipe_dag.core.errors import InputError
+
+#: Request-id prefix reserved for the executor's own probe requests.
+INTERNAL_PREFIX = "__shift-"
+
+EntryStatus = Literal["held", "pending", "finished", "refused", "failed"]
+
+
+class Probe:
+    """A handle on one internal request: :meth:`result` blocks until it finished, failed or timed out."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._done = threading.Event()
+        self.output: Any = None
+        self.error: str | None = None
+        self.finished_s: float | None = None
+
+    def _settle(self, output: Any = None, error: str | None = None) -> None:
+        if not self._done.is_set():
+            self.output, self.error, self.finished_s = output, error, time.monotonic()
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout_s: float) -> Any:
+        """The request's output (a ``RequestOutput``).
+
+        Raises:
+            TimeoutError: not finished within ``timeout_s`` seconds.
+            RuntimeError: its lane failed or refused it (the message says why).
+        """
+        if not self._done.wait(max(0.0, timeout_s)):
+            raise TimeoutError(f"probe {self.request_id} did not finish within {timeout_s:.1f} s")
+        if self.error is not None:
+            raise RuntimeError(f"probe {self.request_id}: {self.error}")
+        return self.output
+
+
+@dataclass
+class LedgerEntry:
+    """One accepted request: ``lane_id`` is the lane that holds it now (``None`` while held)."""
+
+    request: Any  # flexpipe_dag.runtime.scheduler.Request (kept untyped: no runtime import here)
+    lane_id: str | None
+    status: EntryStatus
+    accepted_s: float
+    lanes: list[str] = field(default_factory=list)  # every lane it was submitted to, in order
+    finished_by: str | None = None
+    probe: Probe | None = None
+
+    @property
+    def internal(self) -> bool:
+        return self.probe is not None
+
+    @property
+    def moves(self) -> int:
+        """How many times it was re-submitted to another lane."""
+        return max(0, len(self.lanes) - 1)
+
+
+class RequestLedger:
+    """Thread-safe map request id -> :class:`LedgerEntry`, with exactly-once delivery.
+
+    Args:
+        on_result: called with each caller request's output, exactly once per request id.
+        on_refused: called with ``(request_id, reason)`` when a request is finally refused.
+
+    Callbacks run in the reporting thread, one at a time (a delivery lock serialises them), after
+    the entry was marked, so a callback that raises never causes a second delivery.
+    """
+
+    def __init__(self, on_result: Callable[[Any], None] | None = None,
+                 on_refused: Callable[[str, str], None] | None = None):
+        self._on_result, self._on_refused = on_result, on_refused
+        self._lock = threading.RLock()
+        self._deliver_lock = threading.Lock()
+        self._entries: dict[str, LedgerEntry] = {}
+        self._open: dict[str | None, dict[str, LedgerEntry]] = {}  # lane id (None: held) -> open entries
+        self._finished_by: dict[str, int] = {}
+        self._admitted_to: dict[str | None, int] = {}
+        self.duplicates_dropped = 0
+        self.moved = 0
+
+    # -- accepting ----------------------------------------------------------------------------------
+    def accept(self, request: Any, lane_id: str | None, *, internal: bool = False) -> LedgerEntry:
+        """Record a new request, held (``lane_id=None``) or on a lane.
+
+        Raises:
+            InputError: the id was accepted before, or a caller id uses the reserved prefix.
+        """
+        rid = request.request_id
+        if not internal and rid.startswith(INTERNAL_PREFIX):
+            raise InputError(None, f"request {rid}.request_id", f"ids starting with {INTERNAL_PREFIX!r} are "
+                             "reserved for the shift executor's probes")
+        with self._lock:
+            if rid in self._entries:
+                raise InputError(None, f"request {rid}.request_id", "already submitted (ids must be unique)")
+            entry = LedgerEntry(request=request, lane_id=lane_id, status="held" if lane_id is None else "pending",
+                                accepted_s=time.monotonic(), lanes=[lane_id] if lane_id else [],
+                                probe=Probe(rid) if internal else None)
+            self._entries[rid] = entry
+            self._open.setdefault(lane_id, {})[rid] = entry
+            if not internal:
+                self._admitted_to[lane_id] = self._admitted_to.get(lane_id, 0) + 1
+            return entry
+
+    def _reindex(self, e: LedgerEntry, old_lane: str | None) -> None:
+        self._open.get(old_lane, {}).pop(e.request.request_id, None)
+        if e.status in ("held", "pending"):
+            self._open.setdefault(e.lane_id, {})[e.request.request_id] = e
+
+    def assign(self, request_id: str, lane_id: str) -> LedgerEntry:
+        """Put a held or pending request on ``lane_id`` (a re-submission counts as a move)."""
+        with self._lock:
+            e = self._entries[request_id]
+            if e.status not in ("held", "pending"):
+                raise ValueError(f"request {request_id} is {e.status}; only held or pending requests move")
+            if e.lanes and e.lanes[-1] != lane_id:
+                self.moved += 1
+            old = e.lane_id
+            e.lane_id, e.status = lane_id, "pending"
+            e.lanes.append(lane_id)
+            if not e.internal:
+                self._admitted_to[lane_id] = self._admitted_to.get(lane_id, 0) + 1
+            self._reindex(e, old)
+            return e
+
+    def hold(self, request_id: str) -> None:
+        """Take a pending request off its lane (it waits for :meth:`assign`)."""
+        with self._lock:
+            e = self._entries[request_id]
+            if e.status == "pending":
+                old = e.lane_id
+                e.lane_id, e.status = None, "held"
+                self._reindex(e, old)
+
+    # -- outcomes -----------------------------------------------------------------------------------
+    def finish(self, output: Any, lane_id: str) -> bool:
+        """A lane finished a request. Returns True if this output was delivered (first one wins)."""
+        rid = output.request_id
+        with self._lock:
+            e = self._entries.get(rid)
+            if e is None or e.status in ("finished", "refused", "failed"):
+                self.duplicates_dropped += e is not None
+                return False
+            old = e.lane_id
+            e.status, e.finished_by, e.lane_id = "finished", lane_id, lane_id
+            self._reindex(e, old)
+            if e.probe is None:
+                self._finished_by[lane_id] = self._finished_by.get(lane_id, 0) + 1
+        if e.probe is not None:
+            e.probe._settle(output=output)
+        elif self._on_result is not None:
+            with self._deliver_lock:
+                self._on_result(output)
+        return True
+
+    def refuse(self, request_id: str, reason: str) -> bool:
+        """A request is finally refused (told to the caller once). Returns True if it was open."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.status in ("finished", "refused", "failed"):
+                return False
+            e.status = "refused"
+            self._reindex(e, e.lane_id)
+        if e.probe is not None:
+            e.probe._settle(error=f"refused: {reason}")
+        elif self._on_refused is not None:
+            with self._deliver_lock:
+                self._on_refused(request_id, reason)
+        return True
+
+    def fail_internal(self, lane_id: str, reason: str) -> int:
+        """Fail every open internal request on ``lane_id`` (its lane died); returns how many."""
+        with self._lock:
+            hit = [e for e in self._open.get(lane_id, {}).values() if e.internal]
+            for e in hit:
+                e.status = "failed"
+                self._reindex(e, lane_id)
+        for e in hit:
+            e.probe._settle(error=reason)
+        return len(hit)
+
+    # -- queries ------------------------------------------------------------------------------------
+    def get(self, request_id: str) -> LedgerEntry:
+        with self._lock:
+            return self._entries[request_id]
+
+    def probe(self, request_id: str) -> Probe:
+        with self._lock:
+            p = self._entries[request_id].probe
+        if p is None:
+            raise KeyError(f"{request_id} is not an internal request")
+        return p
+
+    def open_on(self, lane_id: str, *, internal: bool | None = False) -> list[LedgerEntry]:
+        """Pending entries on ``lane_id`` in acceptance order (``internal=None``: both kinds)."""
+        with self._lock:
+            return [e for e in self._open.get(lane_id, {}).values() if internal is None or e.internal == internal]
+
+    def has_open(self, lane_id: str) -> bool:
+        """Whether any request (caller or internal) is pending on ``lane_id``."""
+        with self._lock:
+            return bool(self._open.get(lane_id))
+
+    def num_finished_by(self, lane_id: str) -> int:
+        """Caller requests whose delivered output came from ``lane_id``."""
+        with self._lock:
+            return self._finished_by.get(lane_id, 0)
+
+    def num_admitted_to(self, lane_id: str) -> int:
+        """Caller requests ever submitted to ``lane_id`` (first submissions and moves)."""
+        with self._lock:
+            return self._admitted_to.get(lane_id, 0)
+
+    def num_open(self, lane_id: str | None = None) -> int:
+        """Caller requests not yet finished or refused (on ``lane_id``, or anywhere incl. held)."""
+        with self._lock:
+            pools = [self._open.get(lane_id, {})] if lane_id is not None else list(self._open.values())
+            return sum(1 for pool in pools for e in pool.values() if not e.internal)
+
+    def counts(self) -> dict[str, int]:
+        """Caller requests per status, plus ``moved`` and ``duplicates_dropped``."""
+        with self._lock:
+            out = {s: 0 for s in ("held", "pending", "finished", "refused", "failed")}
+            for e in self._entries.values():
+                if not e.internal:
+                    out[e.status] += 1
+            out["moved"], out["duplicates_dropped"] = self.moved, self.duplicates_dropped
+            return out

@@ -1,0 +1,75 @@
+"""The batch_inference Dagster job on the real runtime: results in the store, resumable, measured steps
+recorded, and the calibration asset fits them (CPU, SmolLM2)."""
+
+from __future__ import annotations
+
+import pytest
+from dagster import materialize
+
+from assets.calibration import calibration
+from assets.planning import candidate_gears, model_profile
+from assets.profiling import gpu_profile
+from jobs.batch import batch_inference
+from resources.planning import PlanningSettings
+from resources.prober import ProberResource
+from resources.store_resource import StoreResource
+
+pytestmark = pytest.mark.slow
+
+CPU_HOST = {"cluster_id": "cpu-host", "devices": [
+    {"device_id": f"cpu{i}", "node_id": "host", "kind": "cpu-worker", "model_name": "cpu-worker", "memory_gib": 8.0,
+     "peak_tflops": 0.05, "hbm_bandwidth_gbps": 20.0, "compute_score": 0.05 / 312} for i in range(2)],
+    "links": [{"src_device_id": "cpu0", "dst_device_id": "cpu1", "bandwidth_gbps": 3.0, "latency_us": 100.0},
+              {"src_device_id": "cpu1", "dst_device_id": "cpu0", "bandwidth_gbps": 3.0, "latency_us": 100.0}]}
+
+
+def test_batch_job_stores_results_resumes_and_feeds_calibration(tmp_path):
+    import json
+
+    cluster_file = tmp_path / "cpu_host.json"
+    cluster_file.write_text(json.dumps(CPU_HOST))
+    res = {"store": StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}"),
+           "prober": ProberResource(probe=False, cluster_file=str(cluster_file)),
+           "planning": PlanningSettings(dtype="fp32", max_prompt_tokens=48, max_new_tokens=6, concurrency=8,
+                                        stage_replicas=False)}
+    assert materialize([gpu_profile, model_profile, candidate_gears], resources=res).success
+    db = res["store"].get_store()
+    gear = next(g for g in db.load_gears() if all(s.replicas == 1 for s in g.stages))
+    run_config = {"ops": {"run_batch": {"config": {
+        "job_key": "job-1", "trace": "azure-conv", "num_requests": 6, "max_prompt_tokens": 48, "max_new_tokens": 6,
+        "gear_id": gear.gear_id, "step_timeout_s": 120.0}}}}
+    first = batch_inference.execute_in_process(run_config=run_config, resources={"store": res["store"]})
+    assert first.success
+    (job,) = db.jobs()
+    assert job.status == "done" and job.total_requests == 6
+    results = db.results(job.id)
+    assert len(results) == 6 and all(r.output_tokens >= 1 and r.gear_key == gear.gear_id for r in results)
+    meta = first.get_step_success_events()[0]  # the op's output metadata
+    assert db.observed_runs() and db.observed_runs()[0]["steps"] > 0
+    # a re-run of the same job finishes nothing new and writes no duplicate
+    again = batch_inference.execute_in_process(run_config=run_config, resources={"store": res["store"]})
+    assert again.success and len(db.results(job.id)) == 6
+    # the measured steps become a calibration version; the profile's raw rows are untouched
+    before = db.latest_profile()[1]
+    cal = materialize([calibration], resources=res)
+    assert cal.success
+    m = cal.asset_materializations_for_node("calibration")[0].metadata
+    assert m["calibration_version"].value == 1 and m["new_steps"].value > 10
+    assert db.latest_profile()[1] == before
+    # nothing new: a second materialisation keeps the profile's values and saves nothing
+    m2 = materialize([calibration], resources=res).asset_materializations_for_node("calibration")[0].metadata
+    assert m2["new_steps"].value == 0 and len(db.calibrations()) == 1
+    assert meta is not None
+
+
+def test_malformed_prompt_rows_are_counted_not_fatal(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "The capital of France is", "max_new_tokens": 4}\n'
+                       'not json\n{"prompt": "no id"}\n{"id": "b", "prompt": "Once upon a time", "max_new_tokens": 4}\n')
+    store = StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}")
+    result = batch_inference.execute_in_process(run_config={"ops": {"run_batch": {"config": {
+        "job_key": "prompts-1", "prompts_path": str(prompts), "stages": 1}}}}, resources={"store": store})
+    assert result.success
+    (job,) = store.get_store().jobs()
+    assert job.malformed_rows == 2 and job.status == "done"
+    assert {r.request_key for r in store.get_store().results(job.id)} == {"a", "b"}

@@ -14,12 +14,17 @@ def plan_gears():
     return defs.resolve_job_def("plan_gears")
 
 
+def batch_inference():
+    return defs.resolve_job_def("batch_inference")
+
+
 def serve_trace():
     return defs.resolve_job_def("serve_trace")
 
 
 #: Jobs the demo runs, in order.
-DEMO_JOBS = {"profile_refresh": profile_refresh, "plan_gears": plan_gears, "serve_trace": serve_trace}
+DEMO_JOBS = {"profile_refresh": profile_refresh, "plan_gears": plan_gears, "batch_inference": batch_inference,
+             "serve_trace": serve_trace}
 
 
 def get_job_factory(name: str):

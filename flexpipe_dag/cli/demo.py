@@ -3,7 +3,11 @@
 1. ``profile_refresh``: measure this host (CPU worker processes stand in for devices without GPUs);
 2. ``plan_gears``: SmolLM2-135M's profile, candidate gears for this host, envelopes measured in the
    simulator on the real Azure conv trace (lengths capped for the CPU);
-3. ``serve_trace``: a tide-shaped, time-compressed slice of the Azure conv trace through the real
+3. ``batch_inference``: a short batch of real-trace prompts through the deepest gear; every stage
+   step is measured;
+4. ``plan_gears`` again: the ``calibration`` asset fits the cost model to those measurements, and
+   gears and envelopes are re-planned with it (closed loop);
+5. ``serve_trace``: a tide-shaped, time-compressed slice of the Azure conv trace through the real
    multi-process pipeline; the gear-shift controller moves it as the load changes and an offline
    batch job fills the trough; a summary and an HTML report under ``FLEXPIPE_HOME/reports``.
 
@@ -31,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration-s", type=float, default=240.0, help="wall seconds one tide day is compressed into")
     p.add_argument("--dwell-s", type=float, default=30.0, help="controller dwell after a shift (seed: 600 s)")
-    p.add_argument("--mean-rps", type=float, default=0.0, help="mean online rate (0: 60%% of the first gear's envelope)")
+    p.add_argument("--mean-rps", type=float, default=0.0, help="mean online rate (0: the first gear's envelope qps_max)")
     p.add_argument("--fleet", default=str(FLEET_EXAMPLE), help="fragmented fleet to plan Llama-3-8B for (preview)")
     p.add_argument("--ui", action="store_true", help="instead: start the Dagster UI (dagster dev) with the demo's settings")
     p.set_defaults(func=run)
@@ -40,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 #: The demo's CPU-sized service (environment read by the code location): SmolLM2 in fp32 on CPU
 #: workers, lengths capped, an SLO a CPU can meet, the dwell shortened for a compressed day.
 DEMO_ENV = {"FLEXPIPE_MODEL": "SmolLM2-135M", "FLEXPIPE_PLAN_DTYPE": "fp32", "FLEXPIPE_MAX_PROMPT_TOKENS": "96",
-            "FLEXPIPE_MAX_NEW_TOKENS": "12", "FLEXPIPE_PLAN_CONCURRENCY": "16", "FLEXPIPE_REFERENCE_REQUESTS": "600",
+            "FLEXPIPE_MAX_NEW_TOKENS": "12", "FLEXPIPE_PLAN_CONCURRENCY": "16", "FLEXPIPE_REFERENCE_REQUESTS": "400",
             "FLEXPIPE_SLO_TTFT_MS": "4000", "FLEXPIPE_SLO_TPOT_MS": "600", "FLEXPIPE_PROBE": "1",
             "FLEXPIPE_STAGE_REPLICAS": "0"}
 
@@ -80,24 +84,47 @@ def run(args: argparse.Namespace) -> int:
     fleet_preview(args.fleet)
     print("== settings: " + ", ".join(f"{k}={os.environ[k]}" for k in (*DEMO_ENV, "FLEXPIPE_DWELL_S")), flush=True)
     instance = DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else DagsterInstance.ephemeral()
-    run_configs = {
-        "profile_refresh": {},
-        "plan_gears": {},
-        "serve_trace": {"ops": {"serve": {"config": {"duration_s": args.duration_s, "mean_rps": args.mean_rps}}}},
-    }
-    summary = None
-    for job_name, factory in demo_defs.DEMO_JOBS.items():
+
+    def launch(job_name: str, run_config: dict):
         print(f"== dagster run: {job_name}", flush=True)
-        result = execute_job(reconstructable(factory), instance=instance, run_config=run_configs[job_name])
+        result = execute_job(reconstructable(demo_defs.DEMO_JOBS[job_name]), instance=instance, run_config=run_config)
         if not result.success:
             print(f"flexpipe demo: run {result.run_id} of {job_name} failed; see `make dev` -> Runs", file=sys.stderr)
-            return 1
+            raise SystemExit(1)
         print(f"   run {result.run_id}: success", flush=True)
-        if job_name == "serve_trace":
-            summary = result.output_for_node("serve")["summary"]
-            report = result.output_for_node("serve")["report"]
-    print_summary(summary, report)
-    return 0 if summary and summary["lost"] == 0 and summary["shifts"] else 1
+        return result
+
+    launch("profile_refresh", {})
+    launch("plan_gears", {})
+    launch("batch_inference", {"ops": {"run_batch": {"config": {
+        "job_key": f"calibration-{os.getpid()}", "trace": "azure-conv", "num_requests": 16, "max_prompt_tokens": 96,
+        "max_new_tokens": 12, "gear_id": deepest_gear_id()}}}})
+    launch("plan_gears", {})
+    for line in calibration_lines():
+        print(f"   calibration: {line}")
+    result = launch("serve_trace", {"ops": {"serve": {"config": {"duration_s": args.duration_s, "mean_rps": args.mean_rps}}}})
+    out = result.output_for_node("serve")
+    print_summary(out["summary"], out["report"])
+    return 0 if out["summary"]["lost"] == 0 and out["summary"]["shifts"] else 1
+
+
+def _store():
+    from sql.store import Store
+
+    return Store.from_url()
+
+
+def deepest_gear_id() -> str:
+    """The stored gear with the most stages (its run measures the most devices for calibration)."""
+    db = _store()
+    gears = [g for g in db.load_gears(db.latest_profile()[0].id) if all(st.replicas == 1 for st in g.stages)]
+    return max(gears, key=lambda g: (g.num_stages, g.micro_batch_size)).gear_id
+
+
+def calibration_lines() -> list[str]:
+    db = _store()
+    rows = db.calibrations(db.latest_profile()[0].id)
+    return list(rows[-1].summary) if rows else ["no calibration: the profile's values are used"]
 
 
 def print_summary(summary: dict, report: str) -> None:

@@ -30,6 +30,7 @@ class BatchInferenceConfig(Config):
     model: str = Field("", description="checkpoint: HF dir or GGUF; empty = SmolLM2-135M-Instruct")
     priority: int = 0
     step_timeout_s: float = 120.0
+    kv_pool_tokens_max: int = Field(8192, ge=256, description="cap on the gear's KV pool for this job")
 
 
 def _gear(config: BatchInferenceConfig, db, ckpt):
@@ -40,7 +41,7 @@ def _gear(config: BatchInferenceConfig, db, ckpt):
         gear = db.load_gear(config.gear_id)
         if gear is None:
             raise InputError("batch_inference config", "gear_id", f"no stored gear {config.gear_id!r}")
-        return gear
+        return gear.with_kv_pool_capped(config.kv_pool_tokens_max)
     return even_gear(ckpt.num_layers, config.stages, ckpt.name, config.micro_batch_size, None, 0)
 
 

@@ -44,10 +44,7 @@ def _runnable(gears, kv_pool_tokens_max: int, log):
         if any(st.replicas > 1 for st in g.stages):
             log(f"skipping {g.gear_id}: stage replicas are not supported by the pipeline runtime yet")
             continue
-        cap = min(g.kv_capacity_tokens or kv_pool_tokens_max, kv_pool_tokens_max)
-        ok.append(g.model_copy(update={
-            "kv_capacity_tokens": cap,
-            "stages": [st.model_copy(update={"kv_capacity_tokens": cap}) for st in g.stages]}))
+        ok.append(g.with_kv_pool_capped(kv_pool_tokens_max))
     return ok
 
 

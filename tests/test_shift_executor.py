@@ -143,8 +143,8 @@ def test_warmup_and_drain_timeouts_become_rollbacks():
     with _old_router(sink) as router:
         old = router.active
         submitted = []
-        # warm-up timeout: the new gear cannot even load in 0.3 s
-        slow = GearExecutor(router, ShiftConfig(**{**FAST, "warmup_timeout_s": 0.3}))
+        # warm-up timeout: start + warm-up cannot finish in 0.05 s
+        slow = GearExecutor(router, ShiftConfig(**{**FAST, "warmup_timeout_s": 0.05}))
         out1 = slow.shift(gear([(0, 15), (15, 30)], gear_id="slow"))
         assert out1.status == "rolled_back" and out1.failed_step == "warmup", out1
         assert ("did not load" in out1.reason or "timed out" in out1.reason) and out1.new_gear_at_fault

@@ -119,3 +119,15 @@ class Gear(_Model):
     def layer_ranges(self) -> list[tuple[int, int]]:
         """``[(layer_start, layer_end), ...]`` per stage (end exclusive)."""
         return [(st.layer_start, st.layer_end) for st in self.stages]
+
+    def with_kv_pool_capped(self, max_tokens: int) -> Gear:
+        """A copy whose KV pool (gear and every stage) holds at most ``max_tokens`` tokens.
+
+        The planner sizes a stage's pool to all memory left after weights and the reserve; a host
+        whose "devices" share its RAM (CPU workers), or a short job, needs far less pre-allocated.
+        """
+        cap = min(self.kv_capacity_tokens or max_tokens, max_tokens)
+        return self.model_copy(update={
+            "kv_capacity_tokens": cap,
+            "stages": [st.model_copy(update={"kv_capacity_tokens": min(st.kv_capacity_tokens or cap, cap)})
+                       for st in self.stages]})

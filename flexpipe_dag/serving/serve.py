@@ -249,7 +249,8 @@ class TraceServer:
             self.db.update_shift_event(event_id, outcome.status, details)
             if outcome.unhealthy_gear_id:
                 self.db.mark_unhealthy(outcome.unhealthy_gear_id, gear.cluster_id or "local", gear.model_name,
-                                       "health_check", outcome.reason, run_key=self.settings.run_key)
+                                       outcome.failure_kind or "health_check", outcome.reason,
+                                       run_key=self.settings.run_key)
             self.log(f"shift to {to_gear}: {outcome.status} in {outcome.timings_s.get('total', 0):.1f}s "
                      f"({outcome.mode}): {outcome.reason}")
 

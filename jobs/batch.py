@@ -98,7 +98,9 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
                 paused = True
                 context.log.info(f"job {config.job_key} paused by the tide sensor after {finished} requests")
                 break
-            report = run_batch_job(runtime, todo[start:start + CHUNK_REQUESTS], sink)
+            samples: list = []
+            report = run_batch_job(runtime, todo[start:start + CHUNK_REQUESTS], sink, on_metrics=samples.append)
+            db.write_samples(context.run_id, samples)  # the same 2 s schema the simulator emits
             if collector is not None:
                 steps += db.write_observations(context.run_id, collector.collect(), cluster_key=gear.cluster_id)
             finished += report.finished

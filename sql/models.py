@@ -112,6 +112,8 @@ class GearRow(Base):
     gear_key: Mapped[str] = mapped_column(String(200), index=True)
     profile_version_id: Mapped[int] = mapped_column(ForeignKey("profile_versions.id", ondelete="CASCADE"))
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    plan_version: Mapped[int] = mapped_column(default=1, server_default="1",
+                                              comment="gears planned together share one; the newest is the current set")
     kind: Mapped[str] = mapped_column(String(20))
     micro_batch_size: Mapped[int]
     max_inflight_micro_batches: Mapped[int]

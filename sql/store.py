@@ -233,9 +233,17 @@ class Store:
             return set(s.scalars(select(m.ModelRow.id).where(m.ModelRow.name == name)))
 
     def save_gears(self, gears: Iterable[Gear], profile_version_id: int, model_id: int) -> list[int]:
-        """Store gears planned for a profile version and model (replacing same-key gears); return ids."""
+        """Store gears planned together for a profile version and model as its next plan version.
+
+        The newest plan version is the current candidate set (:meth:`load_gears`); earlier gears stay
+        loadable by key (:meth:`load_gear`), e.g. the one still serving. Re-planning a gear with the
+        same key moves it into the new plan version. Returns the row ids.
+        """
         ids = []
         with self.session() as s:
+            last = s.scalar(select(func.max(m.GearRow.plan_version)).where(
+                m.GearRow.profile_version_id == profile_version_id, m.GearRow.model_id == model_id))
+            plan_version = (last or 0) + 1
             for gear in gears:
                 old = s.scalar(select(m.GearRow).where(m.GearRow.gear_key == gear.gear_id,
                                                        m.GearRow.profile_version_id == profile_version_id,
@@ -245,7 +253,7 @@ class Store:
                     s.flush()
                 row = m.GearRow(
                     gear_key=gear.gear_id, profile_version_id=profile_version_id, model_id=model_id,
-                    kind=gear.kind, micro_batch_size=gear.micro_batch_size,
+                    plan_version=plan_version, kind=gear.kind, micro_batch_size=gear.micro_batch_size,
                     max_inflight_micro_batches=gear.max_inflight_micro_batches,
                     kv_capacity_tokens=gear.kv_capacity_tokens, qps_min=gear.qps_min,
                     qps_max=_finite_or_none(gear.qps_max), target_p99_ms=gear.target_p99_ms,
@@ -262,15 +270,27 @@ class Store:
                 ids.append(row.id)
         return ids
 
-    def load_gears(self, profile_version_id: int | None = None, model_id: int | None = None) -> list[Gear]:
-        """Gears stored for a profile version and/or model, in insertion order."""
+    def load_gears(self, profile_version_id: int | None = None, model_id: int | None = None,
+                   current_only: bool = True) -> list[Gear]:
+        """Gears stored for a profile version and/or model, in insertion order.
+
+        ``current_only``: per (profile version, model), only the newest plan version (the current
+        candidate set); False returns every stored gear.
+        """
         with self.session() as s:
             q = select(m.GearRow).order_by(m.GearRow.id)
             if profile_version_id is not None:
                 q = q.where(m.GearRow.profile_version_id == profile_version_id)
             if model_id is not None:
                 q = q.where(m.GearRow.model_id == model_id)
-            return [Gear.model_validate(r.spec) for r in s.scalars(q)]
+            rows = list(s.scalars(q))
+            if current_only:
+                newest: dict[tuple[int, int], int] = {}
+                for r in rows:
+                    key = (r.profile_version_id, r.model_id)
+                    newest[key] = max(newest.get(key, 0), r.plan_version)
+                rows = [r for r in rows if r.plan_version == newest[(r.profile_version_id, r.model_id)]]
+            return [Gear.model_validate(r.spec) for r in rows]
 
     # -- health ---------------------------------------------------------------------------------
     def mark_unhealthy(self, gear_key: str, cluster_key: str, model_name: str, failure: str, reason: str,

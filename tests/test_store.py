@@ -39,9 +39,12 @@ def test_gears_round_trip_and_replace(store, lab_profile):
     model_id = store.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30})
     assert store.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30}) == model_id
     store.save_gears([_gear(), _gear("latency-1s", qps_max=4.0)], pv.id, model_id)
-    store.save_gears([_gear()], pv.id, model_id)  # re-plan replaces the same key
+    store.save_gears([_gear()], pv.id, model_id)  # a new plan: the current set; same key replaced
     gears = store.load_gears(pv.id, model_id)
-    assert sorted(g.gear_id for g in gears) == ["balanced-2s", "latency-1s"]
+    assert [g.gear_id for g in gears] == ["balanced-2s"]
+    everything = store.load_gears(pv.id, model_id, current_only=False)
+    assert sorted(g.gear_id for g in everything) == ["balanced-2s", "latency-1s"]
+    assert store.load_gear("latency-1s") is not None  # an older plan's gear stays loadable by key
     got = next(g for g in gears if g.gear_id == "balanced-2s")
     assert got == _gear() and math.isinf(got.qps_max)
     with store.session() as s:

@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(None, "--duration-s", f"expected >= 30, got {args.duration_s}")
     warnings.filterwarnings("ignore", category=BetaWarning)
     warnings.filterwarnings("ignore", category=PreviewWarning)
+    # the run's step processes start fresh interpreters: same filters for them
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::dagster.BetaWarning,ignore::dagster.PreviewWarning")
     for var, value in {**DEMO_ENV, "FLEXPIPE_DWELL_S": str(args.dwell_s)}.items():
         os.environ.setdefault(var, value)
     if args.ui:
@@ -85,14 +87,16 @@ def run(args: argparse.Namespace) -> int:
     print("== settings: " + ", ".join(f"{k}={os.environ[k]}" for k in (*DEMO_ENV, "FLEXPIPE_DWELL_S")), flush=True)
     instance = DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else DagsterInstance.ephemeral()
 
-    def launch(job_name: str, run_config: dict):
+    def launch(job_name: str, run_config: dict, output_of: str | None = None):
         print(f"== dagster run: {job_name}", flush=True)
-        result = execute_job(reconstructable(demo_defs.DEMO_JOBS[job_name]), instance=instance, run_config=run_config)
-        if not result.success:
-            print(f"flexpipe demo: run {result.run_id} of {job_name} failed; see `make dev` -> Runs", file=sys.stderr)
-            raise SystemExit(1)
-        print(f"   run {result.run_id}: success", flush=True)
-        return result
+        with execute_job(reconstructable(demo_defs.DEMO_JOBS[job_name]), instance=instance,
+                         run_config=run_config) as result:
+            if not result.success:
+                print(f"flexpipe demo: run {result.run_id} of {job_name} failed; see `make dev` -> Runs",
+                      file=sys.stderr)
+                raise SystemExit(1)
+            print(f"   run {result.run_id}: success", flush=True)
+            return result.output_for_node(output_of) if output_of else None
 
     launch("profile_refresh", {})
     launch("plan_gears", {})
@@ -102,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     launch("plan_gears", {})
     for line in calibration_lines():
         print(f"   calibration: {line}")
-    result = launch("serve_trace", {"ops": {"serve": {"config": {"duration_s": args.duration_s, "mean_rps": args.mean_rps}}}})
-    out = result.output_for_node("serve")
+    out = launch("serve_trace", {"ops": {"serve": {"config": {"duration_s": args.duration_s,
+                                                              "mean_rps": args.mean_rps}}}}, output_of="serve")
     print_summary(out["summary"], out["report"])
     return 0 if out["summary"]["lost"] == 0 and out["summary"]["shifts"] else 1
 

@@ -65,9 +65,14 @@ def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 3.6), dpi=100)
+    fig, ax = plt.subplots(figsize=(12, 3.6), dpi=100)
     t = [s.t_s for s in samples]
-    ax.plot(t, [s.qps for s in samples], label="arrivals (req/s)", color="k")
+    ax.plot(t, [s.qps for s in samples], label="arrivals (req/s)", color="k", lw=0.6, alpha=0.5)
+    smoothed, level = [], None
+    for s in samples:  # the EMA the controller acts on (design seed alpha 0.3)
+        level = s.qps if level is None else 0.3 * s.qps + 0.7 * level
+        smoothed.append(level)
+    ax.plot(t, smoothed, label="arrivals, EMA (req/s)", color="k", lw=1.8)
     ax2 = ax.twinx()
     ax2.plot(t, [s.tokens_per_s for s in samples], label="output tokens/s", color="tab:green", alpha=0.6)
     ax2.set_ylabel("output tokens/s")
@@ -80,7 +85,8 @@ def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str,
         ax.text(sh["t_s"], ax.get_ylim()[1] * 0.95, f" {sh['status']}: {sh['to_gear']}", fontsize=7, color="tab:red",
                 va="top")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[g]) for g in gears]
-    ax.legend(handles + ax.get_lines(), gears + ["arrivals (req/s)"], fontsize=7, loc="upper left")
+    ax.legend(handles + ax.get_lines(), gears + ["arrivals (req/s)", "arrivals, EMA (req/s)"], fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.08, 1.0))
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("req/s")
     ax.set_title("load vs gear", fontsize=10)

@@ -9,8 +9,9 @@ declared inventory merged with what is measured), ``FLEXPIPE_PROBE`` (``0`` to s
 from __future__ import annotations
 
 import os
+import warnings
 
-from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
+from dagster import BetaWarning, Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
 from assets import calibration, evaluation, health, planning, profiling
 from jobs.batch import batch_inference
@@ -22,6 +23,9 @@ from resources.control import ControlSettings
 from resources.planning import PlanningSettings
 from resources.prober import ProberResource
 from resources.store_resource import StoreResource
+
+# Dagster's own beta notices (e.g. the sensor `owners` parameter it passes itself) say nothing to a user.
+warnings.filterwarnings("ignore", category=BetaWarning, module=r"dagster\..*")
 
 ASSET_MODULES = [profiling, planning, calibration, evaluation, health]
 

@@ -372,3 +372,19 @@ def test_a_gear_identical_to_the_serving_one_is_never_a_target():
     # thr is overloaded at 30/s; its twin (same stages and batching) cannot help, bal/lat cannot hold it
     _, ds = feed(ctrl, None, [LAT, THR, twin], [sample(2 * i, "thr", qps=30.0, busy=(0.9,) * 4) for i in range(1, 5)])
     assert all(d.action == "hold" for d in ds) and ds[-1].to_gear_id != "thr-twin"
+
+
+def test_latency_over_on_a_backlogged_gear_never_moves_to_less_capacity():
+    # thr (capacity 20/s) is backlogged: 40 requests wait, 3 run; its P99 is the queue's. The load,
+    # 4.5/s, fits lat's and bal's envelopes, but both hold less than thr: moving there would drain
+    # the backlog slower, so the shift is declined. Without a backlog the same figures move to lat.
+    import dataclasses
+
+    ctrl = Controller()
+    backlogged = [dataclasses.replace(sample(2 * i, "thr", qps=4.5, p99_ms=5000.0, busy=(0.9,) * 4),
+                                      queue_length=40, completed=6) for i in range(1, 4)]
+    st, ds = feed(ctrl, None, GEARS, backlogged)
+    assert ctrl.backlogged(st) and all(d.action == "hold" for d in ds) and st.shifts == 0
+    assert ds[-1].trigger == "latency_over" and ds[-1].declined and "no healthy gear" in ds[-1].reason
+    _, ds = feed(ctrl, None, GEARS, [sample(2 * i, "thr", qps=4.5, p99_ms=5000.0) for i in range(1, 4)])
+    assert ds[-1].action == "shift" and ds[-1].to_gear_id == "lat"

@@ -75,8 +75,6 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(None, "--duration-s", f"expected >= 30, got {args.duration_s}")
     warnings.filterwarnings("ignore", category=BetaWarning)
     warnings.filterwarnings("ignore", category=PreviewWarning)
-    # the run's step processes start fresh interpreters: same filters for them
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::dagster.BetaWarning,ignore::dagster.PreviewWarning")
     for var, value in {**DEMO_ENV, "FLEXPIPE_DWELL_S": str(args.dwell_s)}.items():
         os.environ.setdefault(var, value)
     if args.ui:

@@ -36,7 +36,8 @@ Then once per call, at ``now_s``: with a shift still pending, hold; otherwise ta
 highest-priority firing trigger and rank the healthy candidate gears. A candidate's envelope must
 hold the smoothed QPS narrowed by ``envelope_margin_fraction`` (except for ``qps_above_envelope``
 and ``current_unhealthy``, which may move best-effort; best-effort ``qps_above_envelope`` only to a
-gear with more capacity, ``qps_max``, than the serving one): entering only well inside an envelope and
+gear with more capacity, ``qps_max``, than the serving one; ``latency_over`` on a backlogged gear,
+whose P99 is its queue's, never to a gear with less capacity): entering only well inside an envelope and
 leaving only well outside it is what keeps a load near an edge from flapping. Candidates whose
 calibrated P99 estimate meets the target come first, then the trigger's preferred kinds (like a
 gearbox: the nearest gear in the trigger's direction), then net payback. The best one that passes
@@ -336,6 +337,8 @@ class Controller:
                 continue  # a gear outside its envelope would trigger the reverse shift: flapping
             if trigger == "qps_above_envelope" and not fits and capacity_rps(g) <= capacity_rps(current):
                 continue  # load beyond this gear's envelope: a gear with no more capacity cannot help
+            if trigger == "latency_over" and backlogged and capacity_rps(g) < capacity_rps(current):
+                continue  # a backlog's latency is the queue's: less capacity would drain it slower
             est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric)
             meets = est is None or est <= target
             gain = estimated_gain_fraction(trigger, current, g, qps=qps, current_p99_ms=st.ema_p99_ms,

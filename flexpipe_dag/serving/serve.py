@@ -92,7 +92,7 @@ class TraceServer:
         self._samples: queue.Queue = queue.Queue()
         self._shift_thread: threading.Thread | None = None
         self._cursor: str | None = None
-        self._last_declined: tuple | None = None
+        self._declined_logged: dict[str | None, float] = {}
         self._qps_ema: float | None = None
         self._gate = TideGate()
         self._klass: dict[str, str] = {}
@@ -224,9 +224,10 @@ class TraceServer:
         ev = evaluate_gear_shift(self.db, self._cursor, self.control, run_key_prefix=f"{self.settings.run_key}:")
         self._cursor = ev.cursor
         d = ev.decision
-        if d is not None and d.declined and (d.trigger, d.to_gear_id) != self._last_declined:
-            self.log(f"controller: {d.reason}")  # once per (trigger, target) run, not every 2 s
-        self._last_declined = (d.trigger, d.to_gear_id) if d is not None and d.declined else None
+        now = time.monotonic()
+        if d is not None and d.declined and now - self._declined_logged.get(d.trigger, -1e9) >= 30.0:
+            self._declined_logged[d.trigger] = now  # every decision is stored; the log shows one per 30 s
+            self.log(f"controller: {d.reason}")
         if ev.run_key is not None:
             self.db.update_shift_event(ev.event_id, "requested", {"run_key": ev.run_key})
             self._start_shift(ev.event_id, d.from_gear_id, d.to_gear_id, d.trigger, d.reason)

@@ -23,7 +23,7 @@ class ServeTraceConfig(Config):
 
     trace: str = "azure-conv"
     trace_start_s: float = Field(600.0, ge=0, description="skip the trace's sparse first minutes")
-    duration_s: float = Field(240.0, gt=0, description="wall seconds the tide day is compressed into")
+    duration_s: float = Field(200.0, gt=0, description="wall seconds the tide day is compressed into")
     tide_start_h: float = Field(2.0, ge=0, lt=24, description="tide hour the replay starts at")
     mean_rps: float = Field(0.0, ge=0, description="mean online arrival rate; 0 = 1.5 x the first gear's qps_max "
                                                    "(the tide's peak then overloads it, its trough does not)")

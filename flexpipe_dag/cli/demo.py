@@ -33,7 +33,7 @@ FLEET_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "clusters" / 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the main job end to end as Dagster runs", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration-s", type=float, default=240.0, help="wall seconds one tide day is compressed into")
+    p.add_argument("--duration-s", type=float, default=200.0, help="wall seconds one tide day is compressed into")
     p.add_argument("--dwell-s", type=float, default=30.0, help="controller dwell after a shift (seed: 600 s)")
     p.add_argument("--mean-rps", type=float, default=0.0, help="mean online rate (0: the first gear's envelope qps_max)")
     p.add_argument("--fleet", default=str(FLEET_EXAMPLE), help="fragmented fleet to plan Llama-3-8B for (preview)")

@@ -95,6 +95,7 @@ class TraceServer:
         self._declined_logged: dict[str | None, float] = {}
         self._qps_ema: float | None = None
         self._gate = TideGate()
+        self._online_at_last_tide = 0
         self._klass: dict[str, str] = {}
         self._t0 = time.monotonic()
         self._sample_offset_s: dict[str, float] = {}
@@ -265,11 +266,12 @@ class TraceServer:
         if self.forecaster is None or self._jobs.get("offline") is None:
             return
         cfg: TideConfig = self.control.tide_config()
-        recent = self.report.samples[-3:]
-        for smp in recent[-1:]:
-            self._qps_ema = ema(self._qps_ema, smp.qps, cfg.ema_alpha)
-        if self._qps_ema is None:
-            return
+        # offered online load over the last interval, from the arrivals this loop submitted (it keeps
+        # falling to 0 when the trace goes quiet, when an idle pipeline reports no samples)
+        interval = self.settings.control_interval_s
+        arrived = self.report.submitted_online - self._online_at_last_tide
+        self._online_at_last_tide = self.report.submitted_online
+        self._qps_ema = ema(self._qps_ema, arrived / interval, cfg.ema_alpha)
         active = self.router.active
         capacity = active.gear.qps_max if active is not None else float("inf")
         tide_time = self.settings.tide_start_s + self.settings.tide_compression * now_s

@@ -40,21 +40,25 @@ class ShiftEvaluation:
         return self.decision.reason if self.decision else "no new metric samples"
 
 
-def parse_cursor(cursor: str | None) -> tuple[ControllerState | None, int | None]:
-    """``(controller state, last metric-sample row id)`` from a sensor cursor (``InputError`` if corrupt)."""
+def parse_cursor(cursor: str | None) -> tuple[ControllerState | None, int | None, str | None]:
+    """``(controller state, last metric-sample row id, run followed)`` from a sensor cursor.
+
+    Raises:
+        InputError: the cursor is not one this sensor wrote.
+    """
     if not cursor:
-        return None, None
+        return None, None, None
     try:
         doc = json.loads(cursor)
         state = ControllerState.from_cursor(doc["controller"]) if doc.get("controller") else None
-        return state, doc.get("last_sample_id")
+        return state, doc.get("last_sample_id"), doc.get("run_key")
     except (ValueError, KeyError, TypeError) as exc:
         raise InputError("gear_shift_sensor cursor", None, f"cannot parse: {exc}") from None
 
 
-def make_cursor(state: ControllerState | None, last_sample_id: int | None) -> str:
-    return json.dumps({"controller": state.to_cursor() if state else None, "last_sample_id": last_sample_id},
-                      sort_keys=True)
+def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_key: str | None = None) -> str:
+    return json.dumps({"controller": state.to_cursor() if state else None, "last_sample_id": last_sample_id,
+                       "run_key": run_key}, sort_keys=True)
 
 
 def shift_run_key(decision: Decision) -> str:
@@ -82,28 +86,37 @@ def _migration_cost(db, gears):
                              fallback_bandwidth_gbps=min((l.bandwidth_gbps for l in cluster.links), default=1.0))
 
 
-def candidate_gears_for(db, serving_gear_id: str) -> list:
-    """The newest profile's gears, plus the serving gear when it was planned earlier."""
+def candidate_gears_for(db, serving_gear_ids) -> list:
+    """The newest profile's current gears, plus any gear the samples name that an earlier plan made."""
     latest = db.list_profile_versions()
     gears = db.load_gears(latest[-1].id) if latest else []
-    if serving_gear_id not in {g.gear_id for g in gears}:
-        serving = db.load_gear(serving_gear_id)
-        if serving is not None:
-            gears.append(serving)
+    known = {g.gear_id for g in gears}
+    for gear_id in dict.fromkeys(serving_gear_ids):
+        if gear_id not in known and (gear := db.load_gear(gear_id)) is not None:
+            gears.append(gear)
+            known.add(gear_id)
     return gears
 
 
-def evaluate_gear_shift(db, cursor: str | None, control: ControlSettings, run_key_prefix: str = "") -> ShiftEvaluation:
-    """Read new samples, ask the controller, store the decision if a trigger fired; see module docstring."""
-    state, last_id = parse_cursor(cursor)
-    rows = db.read_samples(after_id=last_id)
+def evaluate_gear_shift(db, cursor: str | None, control: ControlSettings, run_key_prefix: str = "",
+                        run_key: str | None = None) -> ShiftEvaluation:
+    """Read new samples, ask the controller, store the decision if a trigger fired; see module docstring.
+
+    ``run_key``: the serving run whose samples to follow (default: the run that wrote the newest
+    sample). When the followed run changes, the controller starts afresh.
+    """
+    state, last_id, followed = parse_cursor(cursor)
+    run_key = run_key or db.latest_sample_run_key()
+    if run_key != followed:
+        state = None
+    rows = db.read_samples(run_key=run_key, after_id=last_id) if run_key else []
     if not rows:
-        return ShiftEvaluation(None, make_cursor(state, last_id))
+        return ShiftEvaluation(None, make_cursor(state, last_id, run_key))
     samples = [s for _, s in rows]
-    gears = candidate_gears_for(db, samples[-1].gear_id)
+    gears = candidate_gears_for(db, [smp.gear_id for smp in samples])
     new_state, decision = Controller(control.controller_config()).decide(
         state, samples, gears, unhealthy=db.unhealthy_gear_keys(), migration_cost_s=_migration_cost(db, gears))
-    cursor = make_cursor(new_state, rows[-1][0])
+    cursor = make_cursor(new_state, rows[-1][0], run_key)
     if decision.action != "shift" and not decision.declined:
         return ShiftEvaluation(decision, cursor)
     event_id = db.record_shift_event(

@@ -352,6 +352,11 @@ class Store:
                 written += 1 + len(smp.stages)
         return written
 
+    def latest_sample_run_key(self) -> str | None:
+        """The run that wrote the newest metric sample (the pipeline serving now), or None."""
+        with self.session() as s:
+            return s.scalar(select(m.MetricSampleRow.run_key).order_by(m.MetricSampleRow.id.desc()).limit(1))
+
     def read_samples(self, run_key: str | None = None, after_t_s: float | None = None,
                      after_id: int | None = None, limit: int | None = None) -> list[tuple[int, MetricSample]]:
         """Metric samples rebuilt from rows, oldest first, as ``(row_id, sample)`` pairs.

@@ -83,9 +83,15 @@ def test_cursor_round_trips_exactly(store_res):
     db = store_res.get_store()
     db.write_samples("live", _samples("latency-1s", [2.0, 3.0, 2.5]))
     _, cursor = _tick(gear_shift_sensor, store_res)
-    state, last_id = parse_cursor(cursor)
+    state, last_id, run_key = parse_cursor(cursor)
+    assert run_key == "live"
     assert last_id is not None and state is not None
     assert json.loads(cursor)["controller"] == state.to_cursor()
+    # a batch run's samples (another run key) never reach the controller of the serving run
+    db.write_samples("batch-run", _samples("some-other-gear", [9.0] * 3, t0=100.0))
+    db.write_samples("live", _samples("latency-1s", [2.0], t0=200.0))
+    _, cursor2 = _tick(gear_shift_sensor, store_res, cursor)
+    assert parse_cursor(cursor2)[2] == "live"
     assert type(state).from_cursor(state.to_cursor()) == state
 
 

@@ -222,7 +222,8 @@ class TraceServer:
             return
         if not self.settings.inline_control:
             return
-        ev = evaluate_gear_shift(self.db, self._cursor, self.control, run_key_prefix=f"{self.settings.run_key}:")
+        ev = evaluate_gear_shift(self.db, self._cursor, self.control, run_key_prefix=f"{self.settings.run_key}:",
+                                 run_key=self.settings.run_key)
         self._cursor = ev.cursor
         d = ev.decision
         now = time.monotonic()

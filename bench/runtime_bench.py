@@ -12,7 +12,12 @@ the same number of tokens. Baselines measured in the same run:
 Pipelines: one process per stage + a driver, 1 thread each, gloo over loopback. Start-up (model
 load) is excluded from every figure. Ratios are against ``hf_generate``.
 
-Usage: OMP_NUM_THREADS=1 python bench/runtime_bench.py [--num-requests 32] [--max-new-tokens 16]
+With ``--score``: also the prefill-only scoring path (log-prob of every prompt token) on DeepSpeed's
+PipelineModule with the 2-stage even gear, against a single-process ``transformers`` forward over
+the same right-padded batches; prints rank start-up seconds (JIT compile included on a cold host)
+and real prompt tokens/s of each, as a ratio.
+
+Usage: OMP_NUM_THREADS=1 python bench/runtime_bench.py [--num-requests 32] [--max-new-tokens 16] [--score]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--score", action="store_true", help="also bench the DeepSpeed scoring path")
     args = ap.parse_args()
 
     import torch
@@ -93,12 +99,56 @@ def main() -> None:
             outs = rt.generate(requests())
             results[f"pipeline_{stages}stage"] = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
 
+    if args.score:
+        score_bench(ckpt, rows, args)
+
     base = results["hf_generate"]
     print(f"workload: {len(rows)} requests (Azure conv trace), prompt <= {args.max_prompt_tokens} tokens, "
           f"{total_new} output tokens; host cpus={os.cpu_count()}, baseline threads={args.baseline_threads}")
     print(f"{'configuration':<18}{'output tok/s':>14}{'vs hf_generate':>16}")
     for name, tps in results.items():
         print(f"{name:<18}{tps:>14.1f}{tps / base:>15.2f}x")
+
+
+def score_bench(ckpt, rows, args) -> None:
+    """Prefill-only scoring: DeepSpeed PipelineModule (2 ranks) vs one transformers process."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flexpipe_dag.cli.run import even_gear
+    from flexpipe_dag.runtime.batch import JsonlSink, PromptRow
+    from flexpipe_dag.runtime.score_runtime import ScoreOptions, run_score_job
+
+    prompts = [PromptRow(r.request_id, token_ids=r.token_ids) for r in rows if len(r.token_ids) > 1]
+    tokens = sum(len(r.token_ids) for r in prompts)
+    torch.set_num_threads(args.baseline_threads)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=torch.float32).eval()
+    pad = ckpt.config.pad_token_id if ckpt.config.pad_token_id is not None else 0
+    ordered = sorted(prompts, key=lambda r: -len(r.token_ids))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(ordered), args.batch_size):
+            chunk = ordered[i:i + args.batch_size]
+            width = max(len(r.token_ids) for r in chunk)
+            ids = torch.tensor([r.token_ids + [pad] * (width - len(r.token_ids)) for r in chunk])
+            torch.log_softmax(hf(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
+    hf_tps = tokens / (time.perf_counter() - t0)
+    del hf
+    torch.set_num_threads(1)
+    gear = even_gear(ckpt.num_layers, 2, ckpt.name, args.batch_size, 2, 16384)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = run_score_job(gear, prompts, JsonlSink(Path(tmp) / "scores.jsonl"), model=ckpt,
+                               options=ScoreOptions(micro_batch_size=args.batch_size // 2 or 1, max_micro_batches=2,
+                                                    keep_token_logprobs=False))
+    if report.failure:
+        raise SystemExit(f"scoring failed: {report.failure}")
+    print(f"scoring: {len(prompts)} prompts, {tokens} prompt tokens; DeepSpeed ranks started in {report.start_s:.1f} s")
+    print(f"{'configuration':<26}{'prompt tok/s':>14}{'vs hf_forward':>15}")
+    print(f"{'hf_forward':<26}{hf_tps:>14.1f}{1.0:>14.2f}x")
+    ds_tps = report.forward_tokens_per_s
+    print(f"{'deepspeed_pipe_2stage':<26}{ds_tps:>14.1f}{ds_tps / hf_tps:>14.2f}x")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def test_batch_job_stores_results_resumes_and_feeds_calibration(tmp_path):
     assert len(results) == 6 and all(r.output_tokens >= 1 and r.gear_key == gear.gear_id for r in results)
     meta = first.get_step_success_events()[0]  # the op's output metadata
     assert db.observed_runs() and db.observed_runs()[0]["steps"] > 0
+    samples = db.read_samples(run_key=first.run_id)
+    assert samples and all(s.source == "live" and s.gear_id == gear.gear_id for _, s in samples)
     # a re-run of the same job finishes nothing new and writes no duplicate
     again = batch_inference.execute_in_process(run_config=run_config, resources={"store": res["store"]})
     assert again.success and len(db.results(job.id)) == 6

@@ -83,3 +83,29 @@ def test_gear_with_a_replicated_stage_is_refused_before_launch():
     with pytest.raises(InfeasibleError, match=r"stage 1 has 2 replicas \(devices \['cpu1', 'cpu2'\]\)"):
         rt.start()
     assert rt.stage_pids() == []  # nothing launched
+
+
+def test_continuations_for_scoring_rows(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "mc", "prompt": "Sky:", "continuations": [" blue", [5, 6]]},
+        {"id": "plain", "prompt": "Hi"},
+        {"id": "empty", "prompt": "x", "continuations": []},
+        {"id": "bad", "prompt": "x", "continuations": ["", "y"]},
+        {"id": "neg", "prompt": "x", "continuations": [[-1]]},
+    ]) + "\n")
+    rows, bad = read_prompts(p)
+    assert [(r.request_id, r.continuations) for r in rows] == [("mc", [" blue", [5, 6]]), ("plain", None)]
+    assert [m.line for m in bad] == [3, 4, 5] and all("continuations" in m.reason for m in bad)
+
+
+def test_unknown_start_method_is_refused_before_launch():
+    pytest.importorskip("torch")
+    from test_runtime_helpers import checkpoint, gear
+
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+
+    rt = PipelineRuntime(gear([(0, 30)]), checkpoint(), RuntimeOptions(start_method="fork"))
+    with pytest.raises(InputError, match="start_method: expected 'forkserver' or 'spawn'"):
+        rt.start()
+    assert rt.stage_pids() == []

@@ -3,8 +3,8 @@
 Two things are slow and never change between test sessions, so they are cached on disk under
 ``FLEXPIPE_TEST_CACHE`` (default ``<tmp>/flexpipe-test-cache-<uid>``):
 
-* the GGUF -> safetensors conversion of SmolLM2 (keyed by the GGUF file, as the runtime keys it,
-  and by the converter's source so a changed converter converts again);
+* the GGUF -> safetensors conversion of SmolLM2 (keyed by the GGUF file, as the runtime keys it;
+  shared with the other test modules through ``FLEXPIPE_TEST_MODEL_CACHE``, see conftest.py);
 * the single-process ``transformers`` references (greedy ``generate`` outputs, prompt log-probs),
   keyed by the converted checkpoint, the torch and transformers versions, and the exact inputs.
 
@@ -24,13 +24,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-#: Plain-text prompts (no chat template: its default system prompt would add ~30 tokens of prefill to
-#: each); one long enough to span several 16-token KV blocks before decoding starts.
-PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "Count: 1, 2, 3, 4,",
-           "The quick brown fox", "Tell me a joke about computers.", "Three primary colours are",
-           "Question: What is 2+2? Answer:",
-           "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning "
-           "rowed out past the lighthouse, and one day he found"]
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count: 1, 2, 3, 4,",
+           "The quick brown fox", "Tell me a joke about computers.", "Name three colors.", "What is 2+2?",
+           "Describe a cat in one sentence."]
 MAX_NEW_TOKENS = 12
 TEST_CACHE = Path(os.environ.get("FLEXPIPE_TEST_CACHE")
                   or Path(tempfile.gettempdir()) / f"flexpipe-test-cache-{os.getuid()}")
@@ -38,13 +34,12 @@ TEST_CACHE = Path(os.environ.get("FLEXPIPE_TEST_CACHE")
 
 @functools.lru_cache(maxsize=1)
 def checkpoint():
-    """SmolLM2-135M-Instruct, converted once into the test cache (not the per-test FLEXPIPE_HOME)."""
-    import inspect
+    """SmolLM2-135M-Instruct, converted once into the machine's shared test model cache (the same
+    directory conftest.py gives every test as ``FLEXPIPE_MODEL_CACHE``; named explicitly here because
+    module-scoped fixtures run before that per-test setting)."""
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
 
-    from flexpipe_dag.runtime import model_loader
-
-    converter = hashlib.sha256(inspect.getsource(model_loader._convert).encode()).hexdigest()[:10]
-    return model_loader.resolve_checkpoint(cache_dir=TEST_CACHE / f"models-{converter}")
+    return resolve_checkpoint(cache_dir=os.environ.get("FLEXPIPE_TEST_MODEL_CACHE") or TEST_CACHE / "models")
 
 
 def cached_reference(name: str, inputs, compute):
@@ -67,8 +62,15 @@ def cached_reference(name: str, inputs, compute):
 
 @functools.lru_cache(maxsize=1)
 def prompt_ids() -> tuple[tuple[int, ...], ...]:
+    """Each of :data:`PROMPTS` as a chat turn (SmolLM2's template adds its default system prompt:
+    30-40 tokens per prompt, so every prompt spans several 16-token KV blocks)."""
     tok = checkpoint().tokenizer()
-    return tuple(tuple(tok(p, add_special_tokens=False)["input_ids"]) for p in PROMPTS)
+    out = []
+    for p in PROMPTS:
+        enc = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)
+        out.append(tuple(enc["input_ids"]))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1)

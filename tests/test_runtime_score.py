@@ -63,7 +63,8 @@ def test_gear_parts_place_embedding_and_head():
 
 @pytest.mark.slow
 def test_deepspeed_pipeline_scores_equal_transformers_logprobs_on_an_uneven_two_stage_split(tmp_path):
-    """Two DeepSpeed ranks, stage 0 = embedding + layers 0-3, stage 1 = layers 4-29 + head.
+    """Two DeepSpeed ranks, stage 0 = embedding + layers 0-3, stage 1 = layers 4-29 + head; a stage
+    failure keeps finished rows and names the stage, and the re-run scores only the rest.
 
     On a cold ``~/.cache/torch_extensions`` DeepSpeed first JIT-compiles its shm comm op (40-60 s,
     more on a loaded host); warm, the test takes about 25 s, mostly two process start-ups.
@@ -84,11 +85,19 @@ def test_deepspeed_pipeline_scores_equal_transformers_logprobs_on_an_uneven_two_
             PromptRow("mc", "The colour of a clear sky at noon is",
                       continuations=[" blue.", " made of green cheese.", " red"]),
             PromptRow("one", token_ids=[42])]  # nothing to score: reported, not fatal
+    g = gear([(0, 4), (4, 30)])
+    # first run: stage 1 raises before its second batch (the longest unit, row "long", went first)
+    faulty = run_score_job(g, rows, JsonlSink(tmp_path / "scores.jsonl"), model=ck,
+                           options=ScoreOptions(micro_batch_size=2, max_micro_batches=2,
+                                                fault={"stage": 1, "raise_after_batches": 1}))
+    assert faulty.failure is not None and faulty.failure.startswith("stage 1 failed: RuntimeError: injected fault")
+    assert faulty.finished == 1 and JsonlSink(tmp_path / "scores.jsonl").done_ids() == {"long"}
+    # re-run: only the missing rows are scored
     sink = JsonlSink(tmp_path / "scores.jsonl")
-    report = run_score_job(gear([(0, 4), (4, 30)]), rows, sink, model=ck,
-                           options=ScoreOptions(micro_batch_size=2, max_micro_batches=2))
+    report = run_score_job(g, rows, sink, model=ck, options=ScoreOptions(micro_batch_size=2, max_micro_batches=2))
     assert report.failure is None, report.failure
-    assert report.finished == 4 and len(report.malformed) == 1 and "'one'" in report.malformed[0].reason
+    assert report.skipped_done == 1 and report.finished == 3
+    assert len(report.malformed) == 1 and "'one'" in report.malformed[0].reason
     assert [i["pipe_layers"] for i in report.stage_info] == [[0, 5], [5, 32]]
     assert report.stage_info[0]["param_bytes"] == stage_param_bytes(ck, 0, 4, first=True, last=False)
 
@@ -108,5 +117,25 @@ def test_deepspeed_pipeline_scores_equal_transformers_logprobs_on_an_uneven_two_
         assert c["token_logprobs"] == pytest.approx(expected, abs=1e-4)
     assert got["mc"]["choice"] == max(range(3), key=lambda i: sum(ref_mc[i]))
 
-    again = run_score_job(gear([(0, 4), (4, 30)]), rows, sink, model=ck)  # idempotent: nothing left to launch
+    again = run_score_job(g, rows, sink, model=ck)  # idempotent: nothing left to launch
     assert again.skipped_done == 4 and again.submitted == 0 and again.stage_info == []
+
+
+def test_cli_score_refuses_a_replicated_gear_and_skips_done_rows(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from test_runtime_helpers import checkpoint, gear
+
+    from flexpipe_dag.cli import main
+
+    gear_path, rows, out = tmp_path / "gear.json", tmp_path / "rows.jsonl", tmp_path / "scores.jsonl"
+    rows.write_text(json.dumps({"id": "a", "prompt": "Hello there"}) + "\n")
+    argv = ["run", "--score", "--gear", str(gear_path), "--prompts", str(rows), "--out", str(out),
+            "--model", str(checkpoint().path)]
+    gear_path.write_text(gear([(0, 4), (4, 30)], device_ids=[["cpu0"], ["cpu1", "cpu2"]]).model_dump_json())
+    assert main(argv) == 2
+    assert "stage 1 has 2 replicas" in capsys.readouterr().err
+    gear_path.write_text(gear([(0, 4), (4, 30)]).model_dump_json())
+    out.write_text(json.dumps({"id": "a", "logprob": -1.0}) + "\n")  # already scored: nothing launches
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["skipped_done"] == 1 and summary["finished"] == 0 and summary["failure"] is None

@@ -12,6 +12,10 @@ Modules (one job each):
 * :mod:`~flexpipe_dag.runtime.worker` / :mod:`~flexpipe_dag.runtime.pipeline` - one process per
   stage, the driver, watchdog and live metrics.
 * :mod:`~flexpipe_dag.runtime.batch` - batch jobs: prompt files, sinks, idempotent re-runs.
+* :mod:`~flexpipe_dag.runtime.scoring` (pure) / :mod:`~flexpipe_dag.runtime.pipe_layers` /
+  :mod:`~flexpipe_dag.runtime.score_runtime` / :mod:`~flexpipe_dag.runtime.score_launch` -
+  prefill-only scoring jobs on DeepSpeed's ``PipelineModule``, split at the gear's stage boundaries
+  (spawned on this host, or started by DeepSpeed's launcher / torchrun on several hosts).
 
 Nothing here is imported by the pure planning / simulation / control code.
 """

@@ -204,7 +204,8 @@ def resolve_checkpoint(source: str | os.PathLike | None = None, cache_dir: str |
     Args:
         source: HF directory with safetensors, GGUF file / directory, HF directory with only
             ``*.bin`` weights (converted), or ``None`` for the default SmolLM2-135M-Instruct.
-        cache_dir: where conversions are cached (default ``FLEXPIPE_HOME/models``).
+        cache_dir: where conversions are cached (default :func:`~flexpipe_dag.core.settings.model_cache_dir`:
+            ``FLEXPIPE_MODEL_CACHE`` or ``FLEXPIPE_HOME/models``).
 
     Raises:
         InputError: the source does not exist or is not a Llama-family checkpoint.

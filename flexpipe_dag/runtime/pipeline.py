@@ -1,6 +1,6 @@
 """The multi-process pipeline, seen from the caller: start, serve, watch, reconfigure, stop.
 
-:class:`PipelineRuntime` spawns (``torch.multiprocessing``, spawn context) one driver process
+:class:`PipelineRuntime` starts (``torch.multiprocessing``, forkserver or spawn context) one driver process
 (rank 0: scheduler, dispatch, metrics; :mod:`~flexpipe_dag.runtime.driver`) and one worker per
 stage (ranks 1..n; :mod:`~flexpipe_dag.runtime.worker`), joined by ``torch.distributed`` (gloo on
 CPU, NCCL on GPU). The caller never joins the process group, so a failed run cannot poison the
@@ -64,6 +64,12 @@ class RuntimeOptions:
     ``device``: ``"cpu"`` or ``"cuda"`` (stage ``s`` on ``cuda:s``); ``backend`` defaults to gloo
     on CPU, NCCL on CUDA. ``step_timeout_s``: watchdog limit for one step. ``device_memory_bytes``:
     per device id, for the fit check (default: this host's physical memory shared by the stages).
+    ``start_method``: ``"forkserver"`` (default: stage processes fork from a server that imported
+    torch and the stage code once per caller process, so a pipeline starts in about a second after
+    the first) or ``"spawn"`` (every process imports everything itself, ~5 s of CPU each).
+    Forkserver children inherit the environment the server started with (at this process's first
+    pipeline), not the caller's current one: use ``"spawn"`` when a pipeline needs its own
+    environment variables (e.g. ``CUDA_VISIBLE_DEVICES``).
     """
 
     dtype: str = "fp32"
@@ -76,6 +82,29 @@ class RuntimeOptions:
     threads_per_rank: int = 1
     device_memory_bytes: dict[str, int] | None = None
     fault: dict = field(default_factory=dict)
+    start_method: str = "forkserver"
+
+
+#: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
+FORKSERVER_PRELOAD = ["flexpipe_dag.runtime.stage", "flexpipe_dag.runtime.worker", "flexpipe_dag.runtime.driver",
+                      "flexpipe_dag.runtime.live_metrics"]
+
+
+def process_context(start_method: str):
+    """A ``torch.multiprocessing`` context; the forkserver one preloads :data:`FORKSERVER_PRELOAD`.
+
+    Raises:
+        InputError: an unknown start method (``fork`` is refused: forking a caller that may hold
+            threads or a CUDA context is unsafe).
+    """
+    import torch.multiprocessing as mp
+
+    if start_method not in ("forkserver", "spawn"):
+        raise InputError(None, "start_method", f"expected 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
+    return ctx
 
 
 def _free_port() -> int:
@@ -196,15 +225,13 @@ class PipelineRuntime:
     def start(self) -> list[dict]:
         """Check the fit, spawn the processes, wait until every stage has loaded; returns stage info
         (``param_bytes``, ``kv_pool_bytes``, ``kv_capacity_tokens``, ``pid`` per stage)."""
-        import torch.multiprocessing as mp
-
         from flexpipe_dag.runtime.driver import driver_main
         from flexpipe_dag.runtime.worker import worker_main
 
         check_gear_supported(self.gear)
         check_gear_fits(self.gear, self.ckpt, self.options)
         spec = self._spec()
-        ctx = mp.get_context("spawn")
+        ctx = process_context(self.options.start_method)
         self._events = ctx.Queue()
         self._cmds = ctx.Queue()
         self._counters = ctx.RawArray("d", FIELDS * spec.world_size)

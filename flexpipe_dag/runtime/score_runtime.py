@@ -8,7 +8,7 @@ and hands back each unit's scored tokens.
 
 Two ways to start the ranks, one rank body (:func:`run_score_rank`):
 
-* :func:`run_score_job` (``flexpipe run --score``): this host, one spawned process per stage,
+* :func:`run_score_job` (``flexpipe run --score``): this host, one process per stage,
   results written to a sink as rows complete, a watchdog naming a failed stage;
 * ``python -m flexpipe_dag.runtime.score_launch`` under DeepSpeed's launcher with a hostfile, or
   ``torch.distributed.run``: ranks on several hosts, rendezvous from ``MASTER_ADDR`` /
@@ -74,6 +74,7 @@ class ScoreOptions:
     start_timeout_s: float = 600.0
     keep_token_logprobs: bool = True
     fault: dict = field(default_factory=dict)  # test hook: {"stage": s, "raise_after_batches": n}
+    start_method: str = "forkserver"  # as RuntimeOptions.start_method
 
 
 @dataclass
@@ -248,9 +249,13 @@ def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
     Failures after launch (a stage crashed, raised, or made no progress for ``step_timeout_s``)
     end up in ``report.failure`` naming the stage.
     """
-    import torch.multiprocessing as mp
-
-    from flexpipe_dag.runtime.pipeline import RuntimeOptions, StageFailedError, check_gear_fits, check_gear_supported
+    from flexpipe_dag.runtime.pipeline import (
+        RuntimeOptions,
+        StageFailedError,
+        check_gear_fits,
+        check_gear_supported,
+        process_context,
+    )
 
     opts = options or ScoreOptions()
     ckpt = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
@@ -271,7 +276,7 @@ def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
                      opts.backend or ("nccl" if opts.device == "cuda" else "gloo"), opts.threads_per_rank,
                      dict(opts.fault))
     collector = ScoreCollector(units, state, sink, gear.gear_id, opts.keep_token_logprobs)
-    ctx = mp.get_context("spawn")
+    ctx = process_context(opts.start_method)
     events = ctx.Queue()
     counters = ctx.RawArray("d", _FIELDS * spec.num_stages)
     port = _free_port()

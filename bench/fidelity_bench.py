@@ -1,0 +1,109 @@
+"""Simulator fidelity: predicted vs measured TTFT / TPOT for the same gear and workload on the real runtime.
+
+One 2-stage gear on this host's measured devices (the probe's CPU workers, or GPUs) serves real
+Azure-conv-length prompts (bundled trace, capped lengths, all arriving at once). The serving
+simulator replays the same requests (same prompt and output lengths) through the same gear with
+(a) the cost model from the probed profile and (b) the cost model calibrated on a *separate* warm-up
+batch through the same pipeline (out of sample). Printed: P50 / P99 of TTFT and TPOT, measured and
+predicted, and predicted / measured ratios.
+
+Usage: OMP_NUM_THREADS=1 python bench/fidelity_bench.py [--num-requests 24] [--warmup-requests 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _pcts(values: list[float]) -> tuple[float, float]:
+    import numpy as np
+
+    arr = np.asarray([v for v in values if v is not None], dtype=float)
+    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def run_fidelity(num_requests: int = 24, warmup_requests: int = 16, max_prompt_tokens: int = 64,
+                 max_new_tokens: int = 16, micro_batch_size: int = 8) -> dict:
+    """Measure, simulate and compare (see module docstring); returns the figures."""
+    from flexpipe_dag.calibration.calibrate import calibrate
+    from flexpipe_dag.core.gear import Gear, StagePlan
+    from flexpipe_dag.planner.cost_model import CostModel
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.runtime.batch import prompts_from_trace, to_requests
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.observations import ObservationCollector
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime
+    from flexpipe_dag.sim.config import SimConfig
+    from flexpipe_dag.sim.engine import Simulator
+    from flexpipe_dag.workload.bundled import bundled_path
+    from flexpipe_dag.workload.request import Request as SimRequest
+    from flexpipe_dag.workload.request import Workload
+    from resources.probe import ProbeSettings, probe_host
+
+    cluster = probe_host("fidelity-host", ProbeSettings(num_cpu_workers=2))
+    devices = [d.device_id for d in cluster.devices][:2]
+    ckpt = resolve_checkpoint()
+    spec = load_model_spec("SmolLM2-135M")
+    half = ckpt.num_layers // 2
+    gear = Gear(gear_id="fidelity-2s", kind="manual", model_name=spec.name, dtype="fp32", num_layers=ckpt.num_layers,
+                stages=[StagePlan(stage_index=0, layer_start=0, layer_end=half, device_ids=[devices[0]]),
+                        StagePlan(stage_index=1, layer_start=half, layer_end=ckpt.num_layers, device_ids=[devices[1]])],
+                micro_batch_size=micro_batch_size, max_inflight_micro_batches=2, kv_capacity_tokens=8192,
+                cluster_id=cluster.cluster_id)
+    tok = ckpt.tokenizer()
+    rows = prompts_from_trace(bundled_path("azure-conv"), tok, num_requests=warmup_requests + num_requests,
+                              max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens)
+    reqs = to_requests(rows, tok, ckpt.eos_token_ids())
+    warm, measured_reqs = reqs[:warmup_requests], reqs[warmup_requests:]
+    with PipelineRuntime(gear, ckpt) as rt:
+        collector = ObservationCollector(rt, "fidelity")
+        rt.generate(warm)
+        observations = collector.collect()
+        t0 = time.monotonic()
+        outputs = rt.generate(measured_reqs)
+        wall_s = time.monotonic() - t0
+    outputs = list(outputs)
+    m_ttft = _pcts([o.ttft_s * 1e3 for o in outputs])
+    m_tpot = _pcts([o.tpot_s * 1e3 for o in outputs if o.tpot_s is not None])
+    workload = Workload.from_requests(
+        [SimRequest(o.request_id, 0.0, len(o.prompt_token_ids), len(o.output_token_ids)) for o in outputs],
+        name="fidelity")
+    config = SimConfig(max_batch_size=gear.micro_batch_size, max_inflight_micro_batches=gear.max_inflight_micro_batches)
+    cal = calibrate(spec, cluster, observations, dtype="fp32")
+    out = {"measured": {"ttft_ms": m_ttft, "tpot_ms": m_tpot, "wall_s": wall_s}, "calibration": cal.summary_lines()}
+    for name, cm in (("profile", CostModel(spec, cluster, dtype="fp32")), ("calibrated", cal.cost_model(spec, cluster))):
+        result = Simulator(workload, gear, cm.timings(gear), config).run()
+        frame = result.requests
+        out[name] = {"ttft_ms": _pcts(frame["ttft_ms"].tolist()), "tpot_ms": _pcts(frame["tpot_ms"].dropna().tolist()),
+                     "makespan_s": float(frame["finish_s"].max()) if "finish_s" in frame else None}
+    return out
+
+
+def print_fidelity(fig: dict) -> None:
+    m = fig["measured"]
+    print(f"{'':12s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'TPOT p50':>10s} {'TPOT p99':>10s}   (ms)")
+    print(f"{'measured':12s} {m['ttft_ms'][0]:10.1f} {m['ttft_ms'][1]:10.1f} {m['tpot_ms'][0]:10.1f} {m['tpot_ms'][1]:10.1f}")
+    for name in ("profile", "calibrated"):
+        p = fig[name]
+        print(f"{'sim ' + name:12s} {p['ttft_ms'][0]:10.1f} {p['ttft_ms'][1]:10.1f} {p['tpot_ms'][0]:10.1f} {p['tpot_ms'][1]:10.1f}"
+              f"   predicted/measured: TTFT p50 {p['ttft_ms'][0] / m['ttft_ms'][0]:.2f}x, "
+              f"TPOT p50 {p['tpot_ms'][0] / m['tpot_ms'][0]:.2f}x")
+    for line in fig["calibration"]:
+        print(f"calibration (warm-up batch, out of sample): {line}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--warmup-requests", type=int, default=16)
+    args = ap.parse_args()
+    print_fidelity(run_fidelity(args.num_requests, args.warmup_requests))
+
+
+if __name__ == "__main__":
+    main()

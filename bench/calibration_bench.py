@@ -12,7 +12,7 @@ error of the fitted roofline, next to two baselines computed in the same run: th
 rejection) and the pure datasheet roofline. The goal is a median error within 15 % per class. A second
 table fits one set of factors per operator kernel with the same code, separating the fit's error from the
 cost model's grouping of operators into classes (``add`` streams at ~1.8 TB/s, RoPE and SiLU-and-multiply
-at ~0.9-1.0 TB/s, yet all three are ``elementwise``).
+at ~0.9-1.0 TB/s, which is why the residual add is a class of its own, ``residual``).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/calibration_bench.py
 """

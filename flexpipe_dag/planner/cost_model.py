@@ -1,6 +1,6 @@
 """Roofline cost model of pipeline stages on heterogeneous devices.
 
-Every operator class ``c`` (``gemm``, ``attention``, ``norm``, ``elementwise``, ``embedding``) on a
+Every operator class ``c`` (``gemm``, ``attention``, ``norm``, ``elementwise``, ``residual``, ``embedding``) on a
 device with ``peak_tflops`` P and ``hbm_bandwidth_gbps`` W takes::
 
     t_c = kernels_c * overhead_us_c + max( flops_c / (P * compute_c),  bytes_c / (W * memory_c) )

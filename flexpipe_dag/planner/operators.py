@@ -30,13 +30,16 @@ from dataclasses import dataclass
 from flexpipe_dag.planner.model_spec import ModelSpec, dtype_bytes, kv_dtype_bytes
 
 #: Operator classes; each gets its own efficiency factors in the cost model.
-OP_CLASSES: tuple[str, ...] = ("gemm", "attention", "norm", "elementwise", "embedding")
+#: ``residual`` (the residual add) is its own class: it streams at about twice the bandwidth of the
+#: other elementwise kernels (RoPE, SiLU-and-multiply) on the measured A100, and one shared class
+#: mispredicted it by ~60 % (``bench/calibration_bench.py``).
+OP_CLASSES: tuple[str, ...] = ("gemm", "attention", "norm", "elementwise", "residual", "embedding")
 
 #: vidur operator name -> operator class.
 VIDUR_OP_CLASS: dict[str, str] = {
     "emb": "embedding", "input_layernorm": "norm", "attn_pre_proj": "gemm", "attn_rope": "elementwise",
     "attn_post_proj": "gemm", "post_attention_layernorm": "norm", "mlp_up_proj": "gemm",
-    "mlp_act": "elementwise", "mlp_down_proj": "gemm", "add": "elementwise",
+    "mlp_act": "elementwise", "mlp_down_proj": "gemm", "add": "residual",
 }
 
 
@@ -81,7 +84,7 @@ def operator_work(spec: ModelSpec, op_name: str, num_tokens: float, dtype: str =
     if op_name == "mlp_down_proj":
         return _gemm(op_name, n, inter, h, w, a)
     if op_name == "add":
-        return OpWork(op_name, "elementwise", n * h, 3 * n * h * a)
+        return OpWork(op_name, "residual", n * h, 3 * n * h * a)
     raise KeyError(op_name)
 
 

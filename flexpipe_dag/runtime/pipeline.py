@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from flexpipe_dag.core.host import free_port, host_memory_bytes
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
@@ -107,16 +107,6 @@ def process_context(start_method: str):
     return ctx
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def kv_num_blocks(gear: Gear) -> int:
     """KV blocks per stage for a gear (``kv_capacity_tokens`` or the default, in whole blocks)."""
     cap = gear.kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS
@@ -173,7 +163,7 @@ def check_gear_fits(gear: Gear, ckpt: Checkpoint, options: RuntimeOptions) -> li
     """
     rows = stage_memory_bytes(gear, ckpt, options.dtype)
     mem = options.device_memory_bytes
-    host_share = _host_memory_bytes() // max(1, gear.num_stages)
+    host_share = host_memory_bytes() // max(1, gear.num_stages)
     for row in rows:
         for dev in row["device_ids"]:
             cap = mem.get(dev, host_share) if mem else host_share
@@ -219,7 +209,7 @@ class PipelineRuntime:
         return WorkerSpec(checkpoint_path=str(self.ckpt.path), checkpoint_name=self.ckpt.name,
                           ranges=self.gear.layer_ranges(), num_blocks=kv_num_blocks(self.gear),
                           block_size_tokens=self.gear.kv_block_size_tokens, dtype=o.dtype, device=o.device,
-                          backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                          backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                           threads_per_rank=o.threads_per_rank, fault=dict(o.fault))
 
     def start(self) -> list[dict]:

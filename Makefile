@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench dev clean
+.PHONY: setup browser demo test bench dev clean
 
 setup: $(STAMP)
 
@@ -33,7 +33,14 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/flexpipe demo
 
-test: setup
+# The browser test drives Debian's chromium with playwright (no browser download): install it when
+# missing and we may (root), else say the browser test will skip.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium is not installed and this is not root: the browser test will skip"; fi; }
+
+test: setup browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: setup

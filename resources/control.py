@@ -29,11 +29,14 @@ class ControlSettings(ConfigurableResource):
             return {}
         path = Path(self.config_file)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise InputError(str(path), None, f"cannot read controller config: {exc}") from None
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise InputError(str(path), None, f"cannot read controller config: {str(exc).splitlines()[0]}") from None
         if not isinstance(data, dict) or set(data) - {"controller", "tide"}:
             raise InputError(str(path), None, "expected a mapping with 'controller' and/or 'tide' sections")
+        for section, values in data.items():
+            if values is not None and not isinstance(values, dict):
+                raise InputError(str(path), section, f"expected a mapping of figures, got {values!r}")
         return data
 
     def controller_config(self) -> ControllerConfig:

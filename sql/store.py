@@ -26,6 +26,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.core.settings import database_url
@@ -138,7 +139,30 @@ class Store:
 
     @classmethod
     def from_url(cls, url: str | None = None, auto_migrate: bool = True) -> Store:
-        return cls(make_engine(url), auto_migrate=auto_migrate)
+        """Open (and migrate) the store at ``url`` (default :func:`database_url`).
+
+        Raises:
+            InputError: the URL does not parse, its driver is not installed, or the database cannot be
+                reached or opened (the URL is named, its password hidden).
+        """
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+
+        url = url or database_url()
+        try:
+            shown = make_url(url).render_as_string(hide_password=True)
+        except ArgumentError:
+            raise InputError("FLEXPIPE_DATABASE_URL", None,
+                             f"{url!r} is not a database URL; expected e.g. sqlite:///path/flexpipe.db or "
+                             "postgresql+psycopg2://user@host:5432/db") from None
+        try:
+            return cls(make_engine(url), auto_migrate=auto_migrate)
+        except (NoSuchModuleError, ModuleNotFoundError) as exc:
+            raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {exc}; "
+                             "use sqlite:/// or postgresql+psycopg2:// (pip install -e .[postgres])") from None
+        except DBAPIError as exc:
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
+            raise InputError("FLEXPIPE_DATABASE_URL", None, f"cannot open the store at {shown}: {reason}") from None
 
     @contextmanager
     def session(self) -> Iterator[Session]:

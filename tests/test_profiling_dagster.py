@@ -94,8 +94,12 @@ def test_probe_merges_declared_inventory():
 
 def test_cli_profile_json_and_errors(tmp_path, capsys):
     assert cli_main(["profile", "--cluster", str(EXAMPLES / "fragmented_lab.yaml"), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert len(doc["devices"]) == 7 and len(doc["links"]) == 42 and doc["profile_version"]["version"] == 1
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert len(doc["devices"]) == 7 and len(doc["links"]) == 42 and "profile version 1" in captured.err
+    again = tmp_path / "printed.json"
+    again.write_text(captured.out)  # what --json prints loads back as a cluster file
+    assert cli_main(["profile", "--cluster", str(again), "--no-store"]) == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes:\n  - {node_id: a, memory_gb: -1, compute_score: 1}\n")
     assert cli_main(["profile", "--cluster", str(bad)]) == 2

@@ -35,11 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
         version = Store.from_url().save_profile(profile)
     if args.json:
-        doc = profile.to_dict()
-        if version is not None:
-            doc["profile_version"] = {"id": version.id, "version": version.version}
-        json.dump(doc, sys.stdout, indent=2)
+        json.dump(profile.to_dict(), sys.stdout, indent=2)  # the native form: loads back with --cluster
         print()
+        if version is not None:
+            print(f"stored {profile.cluster_id} as profile version {version.version} (id {version.id})", file=sys.stderr)
         return 0
     _print_table(profile, version)
     return 0

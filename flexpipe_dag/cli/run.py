@@ -8,6 +8,7 @@ exactly at the gear's stage boundaries.
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import sys
 from pathlib import Path
@@ -71,18 +72,62 @@ def load_gear(path: Path):
         return Gear.model_validate_json(path.read_text())
     except FileNotFoundError:
         raise InputError(str(path), None, "gear file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(str(path), None, f"cannot read the gear file: {exc}") from None
     except ValidationError as exc:
         err = exc.errors()[0]
         raise InputError(str(path), ".".join(str(x) for x in err["loc"]), err["msg"]) from None
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad numbers and an unusable ``--out`` before anything loads or launches.
+
+    Raises:
+        InputError: naming the flag and what was expected.
+    """
+    from flexpipe_dag.planner.model_spec import dtype_bytes
+
+    for flag, value, low in (("--num-requests", args.num_requests, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 1),
+                             ("--max-new-tokens", args.max_new_tokens, 1), ("--micro-batch-size", args.micro_batch_size, 1),
+                             ("--kv-capacity-tokens", args.kv_capacity_tokens, 1)):
+        if value < low:
+            raise InputError(None, flag, f"expected an integer >= {low}, got {value}")
+    if args.inflight is not None and args.inflight < 1:
+        raise InputError(None, "--inflight", f"expected an integer >= 1, got {args.inflight}")
+    if not (args.step_timeout_s > 0 and math.isfinite(args.step_timeout_s)):
+        raise InputError(None, "--step-timeout-s", f"expected a positive number of seconds, got {args.step_timeout_s}")
+    if not (args.length_scale > 0 and math.isfinite(args.length_scale)):
+        raise InputError(None, "--length-scale", f"expected a positive number, got {args.length_scale}")
+    try:
+        dtype_bytes(args.dtype)
+    except InputError as exc:
+        raise InputError(None, "--dtype", exc.problem) from None
+    out = Path(args.out)
+    if out.is_dir():
+        raise InputError(str(out), "--out", "is a directory; expected a JSONL file path")
+    if not out.parent.is_dir():
+        raise InputError(str(out), "--out", f"directory {out.parent} does not exist")
+
+
+def open_sink(path: Path):
+    """The JSONL results sink, opened before any worker starts (a bad file fails fast, losing nothing)."""
+    from flexpipe_dag.runtime.batch import JsonlSink
+
+    try:
+        return JsonlSink(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(str(path), "--out", f"cannot use it as the results file: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts, run_batch_job, JsonlSink
+    from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts, run_batch_job
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
+    check_args(args)
+    sink = open_sink(args.out)
     ckpt = resolve_checkpoint(args.model)
     if args.gear:
         gear = load_gear(args.gear)
@@ -108,7 +153,6 @@ def run(args: argparse.Namespace) -> int:
                   f"weights {info['param_bytes'] / 2**20:.1f} MiB, KV pool {info['kv_pool_bytes'] / 2**20:.1f} MiB "
                   f"({info['kv_capacity_tokens']} tokens), pid {info['pid']}", file=sys.stderr)
         bar = tqdm(total=len(rows), unit="req", desc="flexpipe run")
-        sink = JsonlSink(args.out)
         bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
         report = run_batch_job(runtime, rows, sink, malformed=malformed, on_progress=lambda d, t: bar.update(1))
         bar.close()

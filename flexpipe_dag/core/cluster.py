@@ -336,9 +336,11 @@ def load_cluster_profile(path: str | Path) -> ClusterProfile:
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise InputError(str(path), None, f"cannot read file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(str(path), None, f"not UTF-8 text ({exc.reason} at byte {exc.start}); expected YAML or JSON") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:

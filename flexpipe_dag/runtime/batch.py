@@ -106,8 +106,10 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
     prompt, token_ids = raw.get("prompt"), raw.get("token_ids")
     if token_ids is not None and not (isinstance(token_ids, float) and math.isnan(token_ids)):
         try:
+            if isinstance(token_ids, str):
+                raise TypeError("a string, not a list")
             token_ids = [int(t) for t in token_ids]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return MalformedRow(where, "field 'token_ids': expected a list of integers")
         if not token_ids or min(token_ids) < 0:
             return MalformedRow(where, "field 'token_ids': expected a non-empty list of non-negative integers")
@@ -121,13 +123,13 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
     try:
         mnt = default_max_new_tokens if mnt is None or (isinstance(mnt, float) and math.isnan(mnt)) else mnt
         prio = PRIORITY_OFFLINE if prio is None or (isinstance(prio, float) and math.isnan(prio)) else prio
-        if float(mnt) != int(mnt) or int(mnt) < 1:
+        if not math.isfinite(float(mnt)) or float(mnt) != int(mnt) or int(mnt) < 1:
             raise ValueError
         mnt = int(mnt)
     except (TypeError, ValueError):
         return MalformedRow(where, f"field 'max_new_tokens': expected an integer >= 1, got {raw.get('max_new_tokens')!r}")
     try:
-        if float(prio) != int(prio) or int(prio) < 0:
+        if not math.isfinite(float(prio)) or float(prio) != int(prio) or int(prio) < 0:
             raise ValueError
         prio = int(prio)
     except (TypeError, ValueError):
@@ -164,7 +166,11 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
     rows: list[PromptRow] = []
     bad: list[MalformedRow] = []
     if p.suffix in (".jsonl", ".json", ".ndjson"):
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(str(p), None, f"not UTF-8 text ({exc.reason} at byte {exc.start}); expected JSON lines") from None
+        for i, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -263,11 +269,17 @@ def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...]
                 malformed: list[MalformedRow] | None = None) -> list[Request]:
     """Tokenise text prompts (plain text, no chat template) into :class:`Request` objects."""
     reqs = []
+    vocab_size = len(tokenizer) if tokenizer is not None else None
     for r in rows:
         ids = r.token_ids if r.token_ids is not None else tokenizer(r.prompt, add_special_tokens=False)["input_ids"]
         if not ids:
             if malformed is not None:
                 malformed.append(MalformedRow(-1, f"id {r.request_id!r}: prompt tokenises to nothing"))
+            continue
+        if vocab_size is not None and max(ids) >= vocab_size:
+            if malformed is not None:
+                malformed.append(MalformedRow(-1, f"id {r.request_id!r}: field 'token_ids': id {max(ids)} is "
+                                                  f"outside the model's vocabulary (0..{vocab_size - 1})"))
             continue
         reqs.append(Request(r.request_id, list(ids), r.max_new_tokens, priority=r.priority, eos_token_ids=eos_token_ids))
     return reqs

@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     def launch(job_name: str, run_config: dict, output_of: str | None = None):
         print(f"== dagster run: {job_name}", flush=True)
+        run_config = {**run_config, "loggers": {"console": {"config": {"log_level": "INFO"}}}}  # no DEBUG events
         with execute_job(reconstructable(demo_defs.DEMO_JOBS[job_name]), instance=instance,
                          run_config=run_config) as result:
             if not result.success:

@@ -19,6 +19,8 @@ def register(subparsers) -> None:
     p.add_argument("--concurrency", type=int, default=64, help="sequences in flight the KV pool must hold")
     p.add_argument("--min-residence-s", type=float, default=600.0,
                    help="devices whose available_until is sooner are not used")
+    p.add_argument("--no-replicas", action="store_true",
+                   help="no stage replicas (the pipeline runtime does not run them yet); also FLEXPIPE_STAGE_REPLICAS=0")
     p.add_argument("--json", action="store_true", help="print the gears as JSON")
     p.set_defaults(func=run)
 
@@ -32,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_spec(args.model)
     workload = PlanWorkload(context_p95_tokens=args.context_p95, concurrency=args.concurrency,
                             min_residence_s=args.min_residence_s)
-    gears = plan_gears(cluster, model, dtype=args.dtype, workload=workload)
+    import os
+
+    replicas = not args.no_replicas and os.environ.get("FLEXPIPE_STAGE_REPLICAS", "1").lower() not in ("0", "false", "no")
+    gears = plan_gears(cluster, model, dtype=args.dtype, workload=workload, replicas=replicas)
     if args.json:
         print(json.dumps({"cluster_id": cluster.cluster_id, "model": model.summary(args.dtype),
                           "gears": [g.model_dump(mode="json") for g in gears]}, indent=2))

@@ -109,6 +109,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(str(out), "--out", f"directory {out.parent} does not exist")
 
 
+def resolve_trace(trace) -> Path:
+    """A bundled trace name (``azure-conv``, ``azure-code``) or an existing file; InputError otherwise."""
+    from flexpipe_dag.workload.bundled import bundled_path
+
+    path = Path(trace)
+    if path.is_file():
+        return path
+    try:
+        return bundled_path(str(trace))
+    except InputError:
+        raise InputError(str(trace), "--trace", "no such file, and not a bundled trace name "
+                         "(azure-conv, azure-code)") from None
+
+
 def open_sink(path: Path):
     """The JSONL results sink, opened before any worker starts (a bad file fails fast, losing nothing)."""
     from flexpipe_dag.runtime.batch import JsonlSink
@@ -127,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
     check_args(args)
+    if args.trace is not None:
+        args.trace = resolve_trace(args.trace)
     sink = open_sink(args.out)
     ckpt = resolve_checkpoint(args.model)
     if args.gear:
@@ -141,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
                                              max_prompt_tokens=args.max_prompt_tokens,
                                              max_new_tokens=args.max_new_tokens,
                                              length_scale=args.length_scale), []
+    if not rows:
+        for m in malformed[:20]:
+            print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
+        raise InputError(str(args.prompts or args.trace), None,
+                         f"no valid request ({len(malformed)} malformed row(s), listed above)")
     if args.score:
         return _score(args, gear, ckpt, rows, malformed)
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s)

@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--score", action="store_true", help="also bench the DeepSpeed scoring path")
+    ap.add_argument("--no-fidelity", action="store_true",
+                    help="skip the simulator-vs-measured TTFT / TPOT comparison (bench/fidelity_bench.py)")
     args = ap.parse_args()
 
     import torch
@@ -108,6 +110,8 @@ def main() -> None:
     print(f"{'configuration':<18}{'output tok/s':>14}{'vs hf_generate':>16}")
     for name, tps in results.items():
         print(f"{name:<18}{tps:>14.1f}{tps / base:>15.2f}x")
+    if not args.no_fidelity:
+        fidelity(args)
 
 
 def score_bench(ckpt, rows, args) -> None:
@@ -149,6 +153,15 @@ def score_bench(ckpt, rows, args) -> None:
     print(f"{'hf_forward':<26}{hf_tps:>14.1f}{1.0:>14.2f}x")
     ds_tps = report.forward_tokens_per_s
     print(f"{'deepspeed_pipe_2stage':<26}{ds_tps:>14.1f}{ds_tps / hf_tps:>14.2f}x")
+
+
+def fidelity(args) -> None:
+    """Simulator fidelity on the same kind of gear and workload (see ``bench/fidelity_bench.py``)."""
+    from fidelity_bench import print_fidelity, run_fidelity
+
+    print("\nfidelity: serving simulator vs this runtime, same 2-stage gear and requests")
+    print_fidelity(run_fidelity(num_requests=args.num_requests, max_prompt_tokens=args.max_prompt_tokens,
+                                max_new_tokens=args.max_new_tokens))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,12 @@ def calibration(context: AssetExecutionContext, planning: PlanningSettings, stor
     cal_id, version = db.save_calibration(info.id, cal, run_keys=sorted({r["run_key"] for r in runs}))
     for line in cal.summary_lines():
         context.log.info(line)
+    from flexpipe_dag.calibration.rescore import rescore_gears
+
+    rescore = rescore_gears(spec, cluster, cal, db.load_gears(info.id), dtype=planning.dtype,
+                            workload=planning.plan_workload(), margin=planning.replan_margin)
+    for line in rescore.messages():
+        context.log.info(line)
     before = CostModel(spec, cluster, dtype=planning.dtype, device_overrides=cal.base_overrides or None)
     after = cal.cost_model(spec, cluster)
     errors = stage_time_errors(before, after, observations)
@@ -58,6 +64,8 @@ def calibration(context: AssetExecutionContext, planning: PlanningSettings, stor
         "profile_version_id": info.id, "calibration_id": cal_id, "calibration_version": version,
         "new_steps": len(observations), "runs": MetadataValue.json(sorted({r["run_key"] for r in runs})),
         "changed_devices": MetadataValue.json(cal.changed_devices()),
+        "needs_replan": rescore.needs_replan,
+        "rescore": MetadataValue.md("\n".join(f"- {m}" for m in rescore.messages()) or "no gear stored yet"),
         "summary": MetadataValue.md("\n".join(f"- {line}" for line in cal.summary_lines())),
         "stage_time_error": table_metadata(pd.DataFrame([{"device": d, **v} for d, v in errors.items()])),
         **png_metadata(plot_predicted_vs_measured(before, after, observations), "calibration_predicted_vs_measured"),

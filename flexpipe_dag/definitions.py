@@ -17,6 +17,7 @@ from assets import calibration, evaluation, health, planning, profiling
 from jobs.batch import batch_inference
 from jobs.gear_shift import gear_shift, gear_shift_sensor
 from jobs.profiling import plan_gears_job, profile_refresh_job, profile_refresh_schedule
+from jobs.replan import replan_sensor
 from jobs.serve import serve_trace
 from jobs.tide import tide_sensor
 from resources.control import ControlSettings
@@ -64,7 +65,7 @@ defs = Definitions(
     assets=load_assets_from_modules(ASSET_MODULES),
     asset_checks=load_asset_checks_from_modules(ASSET_MODULES),
     jobs=[profile_refresh_job, plan_gears_job, serve_trace, gear_shift, batch_inference],
-    sensors=[gear_shift_sensor, tide_sensor],
+    sensors=[gear_shift_sensor, tide_sensor, replan_sensor],
     schedules=[profile_refresh_schedule()],
     resources=build_resources(),
 )

@@ -4,12 +4,13 @@ recorded, and the calibration asset fits them (CPU, SmolLM2)."""
 from __future__ import annotations
 
 import pytest
-from dagster import materialize
+from dagster import DagsterInstance, RunRequest, build_sensor_context, materialize
 
 from assets.calibration import calibration
 from assets.planning import candidate_gears, model_profile
 from assets.profiling import gpu_profile
 from jobs.batch import batch_inference
+from jobs.replan import replan_sensor
 from resources.planning import PlanningSettings
 from resources.prober import ProberResource
 from resources.store_resource import StoreResource
@@ -53,10 +54,18 @@ def test_batch_job_stores_results_resumes_and_feeds_calibration(tmp_path):
     assert again.success and len(db.results(job.id)) == 6
     # the measured steps become a calibration version; the profile's raw rows are untouched
     before = db.latest_profile()[1]
-    cal = materialize([calibration], resources=res)
+    instance = DagsterInstance.ephemeral()
+    cal = materialize([calibration], resources=res, instance=instance)
     assert cal.success
     m = cal.asset_materializations_for_node("calibration")[0].metadata
     assert m["calibration_version"].value == 1 and m["new_steps"].value > 10
+    # the replan sensor re-plans exactly when the calibration moved a gear past the margin, once
+    tick = replan_sensor.evaluate_tick(build_sensor_context(instance=instance))
+    if m["needs_replan"].value:
+        (req,) = tick.run_requests
+        assert isinstance(req, RunRequest) and req.run_key == f"replan:calibration-{m['calibration_id'].value}"
+    else:
+        assert not tick.run_requests and "past the margin" in tick.skip_message
     assert db.latest_profile()[1] == before
     # nothing new: a second materialisation keeps the profile's values and saves nothing
     m2 = materialize([calibration], resources=res).asset_materializations_for_node("calibration")[0].metadata

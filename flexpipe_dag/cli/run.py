@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(str(args.prompts or args.trace), None,
                          f"no valid request ({len(malformed)} malformed row(s), listed above)")
     if args.score:
-        return _score(args, gear, ckpt, rows, malformed)
+        return _score(args, gear, ckpt, rows, malformed, sink)
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s)
     runtime = PipelineRuntime(gear, ckpt, options)
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
@@ -182,16 +182,20 @@ def run(args: argparse.Namespace) -> int:
                "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
                "output_tokens_per_s": round(report.output_tokens_per_s, 2), "out": str(args.out),
                "failure": report.failure}
-    for m in report.malformed[:20]:
+    return _report(summary, report.malformed)
+
+
+def _report(summary: dict, malformed) -> int:
+    """Print the malformed rows (stderr) and the JSON summary; exit status 1 when the run broke off."""
+    for m in malformed[:20]:
         print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
     print(json.dumps(summary))
-    return 1 if report.failure else 0
+    return 1 if summary["failure"] else 0
 
 
-def _score(args: argparse.Namespace, gear, ckpt, rows, malformed) -> int:
+def _score(args: argparse.Namespace, gear, ckpt, rows, malformed, sink) -> int:
     from tqdm import tqdm
 
-    from flexpipe_dag.runtime.batch import JsonlSink
     from flexpipe_dag.runtime.score_runtime import ScoreOptions, run_score_job
 
     options = ScoreOptions(micro_batch_size=gear.micro_batch_size, max_micro_batches=gear.max_inflight_micro_batches,
@@ -200,7 +204,6 @@ def _score(args: argparse.Namespace, gear, ckpt, rows, malformed) -> int:
     print(f"gear {gear.gear_id}: scoring on DeepSpeed PipelineModule, stages {gear.layer_ranges()}, micro-batch "
           f"{gear.micro_batch_size} x {gear.max_inflight_micro_batches} per batch; starting ranks (the first run "
           f"on a host compiles DeepSpeed's shm op, about a minute)...", file=sys.stderr)
-    sink = JsonlSink(args.out)
     bar = tqdm(total=len(rows), unit="row", desc="flexpipe run --score")
     bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
     report = run_score_job(gear, rows, sink, model=ckpt, options=options, malformed=malformed,
@@ -211,7 +214,4 @@ def _score(args: argparse.Namespace, gear, ckpt, rows, malformed) -> int:
                "start_s": round(report.start_s, 2), "elapsed_s": round(report.elapsed_s, 2),
                "forward_tokens_per_s": round(report.forward_tokens_per_s, 2), "out": str(args.out),
                "failure": report.failure}
-    for m in report.malformed[:20]:
-        print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
-    print(json.dumps(summary))
-    return 1 if report.failure else 0
+    return _report(summary, report.malformed)

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from flexpipe_dag.core.host import free_port
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.runtime.batch import MalformedRow, PromptRow, ResultSink
@@ -119,12 +119,6 @@ class ScoreReport:
     def forward_tokens_per_s(self) -> float:
         """Real (unpadded) tokens through the pipeline per second of scoring, start-up excluded."""
         return self.forward_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_score_rank(spec: ScoreSpec, emit: Callable[[tuple], None], counters=None) -> None:
@@ -279,7 +273,7 @@ def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
     ctx = process_context(opts.start_method)
     events = ctx.Queue()
     counters = ctx.RawArray("d", _FIELDS * spec.num_stages)
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=score_rank_main, name=f"flexpipe-score-{s}", daemon=True,
                          args=(s, spec, port, events, counters)) for s in range(spec.num_stages)]
     t_launch = time.monotonic()

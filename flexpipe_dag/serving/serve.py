@@ -95,6 +95,7 @@ class TraceServer:
         self._declined_logged: dict[str | None, float] = {}
         self._qps_ema: float | None = None
         self._gate = TideGate()
+        self._done_by_class: dict[str, int] = {}
         self._online_at_last_tide = 0
         self._klass: dict[str, str] = {}
         self._t0 = time.monotonic()
@@ -141,7 +142,7 @@ class TraceServer:
                 self._control_step()
                 self._tide_step(now)
             if self._gate.running and offline_todo:
-                inflight = self.report.submitted_offline - sum(1 for r in self.report.results if r["klass"] == "offline")
+                inflight = self.report.submitted_offline - self._finished("offline")
                 room = s.max_offline_inflight - inflight
                 if room > 0:
                     batch, offline_todo = offline_todo[:room], offline_todo[room:]
@@ -174,7 +175,7 @@ class TraceServer:
             self.db.update_job(job, status="paused" if offline_todo else "done")
 
     def _finished(self, klass: str) -> int:
-        return sum(1 for r in self.report.results if r["klass"] == klass)
+        return self._done_by_class.get(klass, 0)
 
     def _idle_shift(self) -> bool:
         return self._shift_thread is None or not self._shift_thread.is_alive()
@@ -191,6 +192,7 @@ class TraceServer:
             rec = result_record(out, self.router.active.gear.gear_id if self.router.active else "", self.tokenizer)
             rec["klass"] = self._klass.get(out.request_id, "online")
             self.report.results.append(rec)
+            self._done_by_class[rec["klass"]] = self._done_by_class.get(rec["klass"], 0) + 1
             job = self._jobs[rec["klass"]]
             if job is not None:
                 self.db.write_result(job, rec["id"], prompt_tokens=rec["prompt_tokens"],

@@ -311,7 +311,9 @@ class GearExecutor:
         old_rows = stage_memory_bytes(old_rt.gear, ckpt, old_rt.options.dtype)
         new_rows = stage_memory_bytes(new_gear, ckpt, opts.dtype)
         full = kv_num_blocks(new_gear) * new_gear.kv_block_size_tokens
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        from flexpipe_dag.core.host import host_memory_bytes
+
+        host = host_memory_bytes()
         return plan_residency(old_rows, new_rows, opts.device_memory_bytes or {}, host, full_kv_tokens=full,
                               block_size_tokens=new_gear.kv_block_size_tokens,
                               min_kv_tokens=min(self.config.min_degraded_kv_tokens, full),

@@ -8,8 +8,9 @@ exactly at the gear's stage boundaries.
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +43,15 @@ def register(subparsers) -> None:
                    help="prefill-only scoring on DeepSpeed's PipelineModule: per-row log-prob of the prompt, or of "
                         "each of the row's 'continuations' (then 'choice' = the most likely one)")
     p.add_argument("--no-token-logprobs", action="store_true", help="with --score: store sums only")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("--listen", default=None, metavar="HOST:PORT",
+                       help="stage workers run elsewhere: serve the control store on PORT and wait for "
+                            "`flexpipe worker --head HOST:PORT --stage S` on each stage's host")
+    hosts.add_argument("--launched", action="store_true",
+                       help="started on every rank by DeepSpeed's launcher or torch.distributed.run (world size = "
+                            "stages + 1): rank 0 is the head (scheduler, results), rank s+1 serves stage s; the "
+                            "control store listens on MASTER_ADDR:MASTER_PORT+1 (or --control-port)")
+    p.add_argument("--control-port", type=int, default=None, help="with --launched: the head's control port")
     p.set_defaults(func=run)
 
 
@@ -133,6 +143,26 @@ def open_sink(path: Path):
         raise InputError(str(path), "--out", f"cannot use it as the results file: {exc}") from None
 
 
+def launched_head(args: argparse.Namespace) -> tuple[int, int, str]:
+    """Under a launcher: ``(rank, world_size, "MASTER_ADDR:control port")`` from its variables.
+
+    Raises:
+        InputError: a variable missing or not an integer, or a control port out of range.
+    """
+    from flexpipe_dag.cli.worker import env_int
+
+    rank, world = env_int("RANK"), env_int("WORLD_SIZE")
+    addr, port = os.environ.get("MASTER_ADDR"), env_int("MASTER_PORT")
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", addr), ("MASTER_PORT", port)):
+        if value is None:
+            raise InputError(None, name, "--launched expects the launcher's RANK, WORLD_SIZE, MASTER_ADDR and "
+                                         "MASTER_PORT (run it under deepspeed or torch.distributed.run)")
+    control = args.control_port if args.control_port is not None else port + 1
+    if not 1 <= control <= 65535:
+        raise InputError(None, "--control-port", f"expected a TCP port 1..65535, got {control}")
+    return rank, world, f"{addr}:{control}"
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -140,6 +170,22 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
+    control_address = args.listen
+    if args.launched:
+        rank, world, control_address = launched_head(args)
+        if rank > 0:  # a stage rank: everything else comes from the head
+            from flexpipe_dag.cli.worker import env_int
+            from flexpipe_dag.runtime.remote import serve_stage
+
+            return serve_stage(control_address, rank - 1, model=args.model, device=args.device,
+                               local_rank=env_int("LOCAL_RANK", 0))
+    elif control_address is not None:
+        from flexpipe_dag.runtime.remote import parse_address
+
+        parse_address(control_address, "--listen")
+    if args.score and control_address:
+        raise InputError(None, "--score", "scoring across hosts runs under the launcher as "
+                                          "`python -m flexpipe_dag.runtime.score_launch` (deploy/MULTIHOST.md)")
     check_args(args)
     if args.trace is not None:
         args.trace = resolve_trace(args.trace)
@@ -164,15 +210,22 @@ def run(args: argparse.Namespace) -> int:
                          f"no valid request ({len(malformed)} malformed row(s), listed above)")
     if args.score:
         return _score(args, gear, ckpt, rows, malformed, sink)
-    options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s)
+    if args.launched and world != gear.num_stages + 1:
+        raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {gear.num_stages} stages: launch "
+                                             f"{gear.num_stages + 1} ranks (head + one per stage), got {world}")
+    options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
+                             control_address=control_address)
     runtime = PipelineRuntime(gear, ckpt, options)
+    where = (f"waiting for {gear.num_stages} stage workers at {control_address}" if control_address
+             else "starting workers")
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
-          f"{gear.max_inflight_micro_batches} in flight; starting workers...", file=sys.stderr)
+          f"{gear.max_inflight_micro_batches} in flight; {where}...", file=sys.stderr)
     with runtime:
         for info in runtime.stage_info:
             print(f"  stage {info['stage_index']} layers [{info['layer_start']}, {info['layer_end']}): "
                   f"weights {info['param_bytes'] / 2**20:.1f} MiB, KV pool {info['kv_pool_bytes'] / 2**20:.1f} MiB "
-                  f"({info['kv_capacity_tokens']} tokens), pid {info['pid']}", file=sys.stderr)
+                  f"({info['kv_capacity_tokens']} tokens), pid {info['pid']} on {info.get('host', '?')}",
+                  file=sys.stderr)
         bar = tqdm(total=len(rows), unit="req", desc="flexpipe run")
         bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
         report = run_batch_job(runtime, rows, sink, malformed=malformed, on_progress=lambda d, t: bar.update(1))

@@ -34,7 +34,7 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
         from flexpipe_dag.runtime.live_metrics import LiveMetrics, StageCounters
         from flexpipe_dag.runtime.scheduler import Scheduler
 
-        comm_device = "cuda:0" if spec.backend == "nccl" else "cpu"
+        comm_device = "cuda:0" if spec.backend == "nccl" else "cpu"  # default CUDA backend: gloo to the driver
         last_rank = spec.num_stages
         sched = Scheduler(BlockAllocator(spec.num_blocks, spec.block_size_tokens), **sched_cfg)
         inbox: queue.Queue = queue.Queue()

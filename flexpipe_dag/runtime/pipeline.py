@@ -12,10 +12,12 @@ holds the oldest in-flight micro-batch) longer than ``step_timeout_s`` fails the
 :class:`StageFailedError` naming the stage; results finished before that were already delivered
 to ``on_result`` and are kept on the error.
 
-One host: the driver and stage workers are children of the caller (their event queue and shared
-step counters are ``multiprocessing`` objects). Several hosts are served by the DeepSpeed scoring
-path (:mod:`flexpipe_dag.runtime.score_launch`); ``deploy/MULTIHOST.md`` says what exists and what
-a multi-host generation runtime still needs.
+One host (default): the driver and stage workers are children of the caller (their event queue and
+shared step counters are ``multiprocessing`` objects). Several hosts (``RuntimeOptions.control_address``):
+the caller spawns only the driver and serves a control store that stage workers started on other
+hosts join (:mod:`~flexpipe_dag.runtime.remote`); their reports and step counters arrive through it
+into the same queue and counter array, so everything below works unchanged. ``deploy/MULTIHOST.md``
+has the commands.
 
 A stage with ``replicas`` > 1 is refused before launch (:func:`check_gear_supported`).
 """
@@ -34,8 +36,11 @@ from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint, stage_param_bytes
 from flexpipe_dag.runtime.scheduler import Request, RequestOutput
+from flexpipe_dag.runtime.remote import SILENT_AT_FAILURE_S
 from flexpipe_dag.runtime.worker import F_STEP_STARTED, F_STEPS, F_AUX, FIELDS, WorkerSpec
 
+#: Default backend on GPUs: NCCL carries activations between stages, gloo the driver's small messages.
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 #: KV capacity used when the gear leaves ``kv_capacity_tokens`` at 0.
 DEFAULT_KV_CAPACITY_TOKENS = 8192
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
@@ -61,8 +66,9 @@ class RuntimeOptions:
     """How to run a gear on this host.
 
     ``dtype``: compute dtype (``fp32`` default on CPU; the gear's own dtype is a GPU-plan figure).
-    ``device``: ``"cpu"`` or ``"cuda"`` (stage ``s`` on ``cuda:s``); ``backend`` defaults to gloo
-    on CPU, NCCL on CUDA. ``step_timeout_s``: watchdog limit for one step. ``device_memory_bytes``:
+    ``device``: ``"cpu"`` or ``"cuda"`` (stage ``s`` on ``cuda:s``; remote stage workers on their
+    ``cuda:<local rank>``); ``backend`` defaults to gloo on CPU and :data:`CUDA_BACKEND` on CUDA
+    (NCCL between stages, gloo to the driver). ``step_timeout_s``: watchdog limit for one step. ``device_memory_bytes``:
     per device id, for the fit check (default: this host's physical memory shared by the stages).
     ``start_method``: ``"forkserver"`` (default: stage processes fork from a server that imported
     torch and the stage code once per caller process, so a pipeline starts in about a second after
@@ -70,6 +76,11 @@ class RuntimeOptions:
     Forkserver children inherit the environment the server started with (at this process's first
     pipeline), not the caller's current one: use ``"spawn"`` when a pipeline needs its own
     environment variables (e.g. ``CUDA_VISIBLE_DEVICES``).
+    ``control_address``: ``"HOST:PORT"`` to serve stage workers started elsewhere (other hosts:
+    ``flexpipe worker --head HOST:PORT --stage S``, or ``flexpipe run --launched`` under a
+    launcher; :mod:`~flexpipe_dag.runtime.remote`); only the driver is spawned here and the head
+    listens on ``PORT`` (``HOST`` names this host in messages). ``None`` (default): every stage
+    is a child of this process. ``heartbeat_timeout_s``: a remote stage silent this long is lost.
     """
 
     dtype: str = "fp32"
@@ -83,6 +94,8 @@ class RuntimeOptions:
     device_memory_bytes: dict[str, int] | None = None
     fault: dict = field(default_factory=dict)
     start_method: str = "forkserver"
+    control_address: str | None = None
+    heartbeat_timeout_s: float = 15.0
 
 
 #: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
@@ -201,15 +214,17 @@ class PipelineRuntime:
         self._stall_mark: tuple[float, float] | None = None
         self._on_result: Callable[[RequestOutput], None] | None = None
         self._started = False
+        self._control = None  # ControlServer when the stages are remote
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _spec(self) -> WorkerSpec:
         o = self.options
-        backend = o.backend or ("nccl" if o.device == "cuda" else "gloo")
+        backend = o.backend or (CUDA_BACKEND if o.device == "cuda" else "gloo")
         return WorkerSpec(checkpoint_path=str(self.ckpt.path), checkpoint_name=self.ckpt.name,
                           ranges=self.gear.layer_ranges(), num_blocks=kv_num_blocks(self.gear),
                           block_size_tokens=self.gear.kv_block_size_tokens, dtype=o.dtype, device=o.device,
                           backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                          control_address=f"127.0.0.1:{self._control.port}" if self._control else None,
                           threads_per_rank=o.threads_per_rank, fault=dict(o.fault))
 
     def start(self) -> list[dict]:
@@ -219,7 +234,13 @@ class PipelineRuntime:
         from flexpipe_dag.runtime.worker import worker_main
 
         check_gear_supported(self.gear)
-        check_gear_fits(self.gear, self.ckpt, self.options)
+        if self.options.control_address:
+            from flexpipe_dag.runtime.remote import ControlServer, parse_address
+
+            _host, port = parse_address(self.options.control_address, "control_address")
+            self._control = ControlServer(port, self.gear.num_stages, self.options.heartbeat_timeout_s)
+        else:
+            check_gear_fits(self.gear, self.ckpt, self.options)  # remote hosts' memory is not known here
         spec = self._spec()
         ctx = process_context(self.options.start_method)
         self._events = ctx.Queue()
@@ -231,17 +252,26 @@ class PipelineRuntime:
         self._procs = [ctx.Process(target=driver_main, name="flexpipe-driver", daemon=True,
                                    args=(spec, self.gear.gear_id, sched_cfg, self._cmds, self._events,
                                          self._counters, self.options.metrics_period_s))]
-        self._procs += [ctx.Process(target=worker_main, name=f"flexpipe-stage-{s}", daemon=True,
-                                    args=(s, spec, self._events, self._counters)) for s in range(spec.num_stages)]
+        if self._control is None:
+            self._procs += [ctx.Process(target=worker_main, name=f"flexpipe-stage-{s}", daemon=True,
+                                        args=(s, spec, self._events, self._counters)) for s in range(spec.num_stages)]
         for p in self._procs:
             p.start()
+        if self._control is not None:
+            self._control.publish(spec)
+            self._control.start(self._events, self._counters)
+            self._procs += self._control.stages
         self._started = True
         info: dict[int, dict] = {}
         deadline = time.monotonic() + self.options.start_timeout_s
         while len(info) < spec.num_stages:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(spec.num_stages)) - set(info))
-                self._fail(missing[0], f"did not load within {self.options.start_timeout_s:.0f} s")
+                why = f"did not load within {self.options.start_timeout_s:.0f} s"
+                if self._control is not None and missing[0] not in self._control.claimed():
+                    why = (f"no worker joined within {self.options.start_timeout_s:.0f} s; start one with "
+                           f"`flexpipe worker --head {self._control.address} --stage {missing[0]}`")
+                self._fail(missing[0], why)
             ev = self._next_event(0.2)
             if ev and ev[0] == "ready":
                 info[ev[1]] = ev[2]
@@ -280,6 +310,10 @@ class PipelineRuntime:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if self._control is not None:
+            self._control.abort("the pipeline stopped")
+            self._control.close()
+            self._control = None
 
     def __enter__(self) -> PipelineRuntime:
         self.start()
@@ -396,6 +430,8 @@ class PipelineRuntime:
         for i, p in enumerate(self._procs):
             if p.exitcode is not None:
                 self._fail("driver" if i == 0 else i - 1, f"process exited with code {p.exitcode}")
+            if getattr(p, "lost", None):
+                self._fail(i - 1, p.lost)
         now = time.monotonic()
         limit = self.options.step_timeout_s
         c = self._counters
@@ -440,8 +476,16 @@ class PipelineRuntime:
         killed = [s for s, code in codes.items() if code is not None and code < 0]
         own = [s for s, (msg, transport) in reports.items() if not transport]
         silent = [s for s, code in codes.items() if code is not None and s not in reports]
-        if reason.startswith("watchdog"):
+        now = time.monotonic()
+        gone = [i - 1 for i, p in enumerate(self._procs) if hasattr(p, "silent_for_s") and i - 1 not in reports
+                and p.exitcode is None and p.silent_for_s(now) > SILENT_AT_FAILURE_S]
+        if reason.startswith("watchdog") or stage in gone:
             pass
+        elif gone:  # a remote stage went quiet while its neighbours reported broken links: it died
+            p = self._procs[gone[0] + 1]
+            culprit, why = gone[0], (f"no heartbeat from {p.host or 'its host'} (pid {p.pid}) for "
+                                     f"{p.silent_for_s(now):.1f} s while its neighbours lost their links: "
+                                     f"process killed or host unreachable")
         elif killed:
             culprit, why = killed[0], f"process killed by signal {-codes[killed[0]]}"
         elif own:

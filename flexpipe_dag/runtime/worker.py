@@ -16,6 +16,7 @@ current step started (0 when idle).
 from __future__ import annotations
 
 import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class WorkerSpec:
     device: str = "cpu"
     backend: str = "gloo"
     init_method: str = "tcp://127.0.0.1:29500"
+    #: ``HOST:PORT`` of the head's control store (remote workers); the rendezvous then goes through it
+    control_address: str | None = None
     threads_per_rank: int = 1
     fault: dict = field(default_factory=dict)  # test hook: {"stage": s, "raise_after_steps": n}
 
@@ -65,6 +68,14 @@ def setup_process(spec: WorkerSpec, rank: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(spec.threads_per_rank)
+    if spec.control_address:  # stages on other hosts: rendezvous through the head's control store
+        from flexpipe_dag.runtime.remote import connect, parse_address
+
+        host, port = parse_address(spec.control_address, "control_address")
+        store = dist.PrefixStore("pg", connect(host, port, timeout_s=300.0))
+        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
+                                timeout=timedelta(days=1))
+        return
     dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
                             timeout=timedelta(days=1))
 
@@ -73,6 +84,16 @@ def stage_device(spec: WorkerSpec, stage: int) -> str:
     if spec.device == "cuda":
         return f"cuda:{stage}"
     return spec.device
+
+
+def link_device(spec: WorkerSpec, device: str, peer_rank: int) -> str:
+    """Where a stage's messages to / from ``peer_rank`` live: the stage's GPU between stages under
+    NCCL, host memory on links to the driver (rank 0) under the default ``cpu:gloo,cuda:nccl``
+    backend, so the driver never takes a GPU (NCCL refuses two ranks of one communicator on one
+    device) and only activations cross NCCL."""
+    if "nccl" not in spec.backend or (peer_rank == 0 and spec.backend != "nccl"):
+        return "cpu"
+    return device
 
 
 class StageRunner:
@@ -120,19 +141,19 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
         runner.observations_path = recorder.path
         events.put(("ready", stage, runner_info(runner)))
         device = stage_device(spec, stage)
-        comm_device = device if spec.backend == "nccl" else "cpu"
         prev_rank = rank - 1
         last = stage == spec.num_stages - 1
         next_rank = 0 if last else rank + 1
+        recv_device, send_device = link_device(spec, device, prev_rank), link_device(spec, device, next_rank)
         base = rank * FIELDS
         steps = 0
         while True:
             in_transport = True
-            kind, meta, x = tp.recv_message(prev_rank, comm_device)
+            kind, meta, x = tp.recv_message(prev_rank, recv_device)
             in_transport = False
             if kind == tp.STOP:
                 in_transport = True
-                tp.send_message(next_rank, tp.STOP, None, device=comm_device)
+                tp.send_message(next_rank, tp.STOP, None, device=send_device)
                 break
             if kind == tp.RECONFIGURE:
                 info = runner.load(meta["ranges"], meta["num_blocks"], meta["block_size_tokens"],
@@ -140,7 +161,7 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
                 infos = list(meta.get("infos", [])) + [info]
                 in_transport = True
                 tp.send_message(next_rank, tp.RECONFIGURED if last else tp.RECONFIGURE, {**meta, "infos": infos},
-                                device=comm_device)
+                                device=send_device)
                 continue
             if kind != tp.BATCH:
                 raise tp.TransportError(f"stage {stage}: unexpected message kind {tp.KIND_NAMES.get(kind, kind)}")
@@ -164,7 +185,7 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
             if last:
                 recorder.commit()
             in_transport = True
-            tp.send_message(next_rank, payload[0], payload[1], payload[2], device=comm_device)
+            tp.send_message(next_rank, payload[0], payload[1], payload[2], device=send_device)
             if not last:
                 recorder.set_send((time.monotonic() - t1) * 1e3, out.numel() * out.element_size())
                 recorder.commit()
@@ -184,7 +205,7 @@ def runner_info(runner: StageRunner) -> dict:
     a, b = runner.ranges[runner.stage]
     return {"stage_index": runner.stage, "layer_start": a, "layer_end": b, "param_bytes": runner.module.param_bytes(),
             "kv_pool_bytes": runner.pool.nbytes, "kv_capacity_tokens": runner.pool.capacity_tokens,
-            "pid": os.getpid(), "observations_path": getattr(runner, "observations_path", None)}
+            "pid": os.getpid(), "host": socket.gethostname(), "observations_path": getattr(runner, "observations_path", None)}
 
 
 def _destroy() -> None:

@@ -1,0 +1,329 @@
+"""Stage workers on other hosts: the head's control store, remote stage handles, and the worker entry.
+
+A pipeline normally spawns its stage workers as children (:class:`~flexpipe_dag.runtime.pipeline.PipelineRuntime`,
+one host). With ``RuntimeOptions.control_address = "HOST:PORT"`` the head (the process that holds
+the scheduler and the results) spawns only the driver and *waits for stage workers started
+elsewhere*: ``flexpipe worker --head HOST:PORT --stage S`` on each stage's host, or every rank of
+``flexpipe run --launched`` under DeepSpeed's launcher (hostfile) or ``torch.distributed.run``.
+
+Everything between head and workers goes through one ``torch.distributed.TCPStore`` that the head
+serves on ``PORT`` (the only port to open besides the backend's own data connections):
+
+* ``claim/<s>``: a worker claims stage ``s`` (a second claimant is refused);
+* ``spec``: the pickled :class:`~flexpipe_dag.runtime.worker.WorkerSpec` (layer ranges, KV pool,
+  dtype, backend), published by the head; every worker loads *its own* copy of the model (same
+  model name required, path may differ per host);
+* ``pg/...``: the ``torch.distributed`` rendezvous of driver + stages (gloo on CPU, NCCL on GPU);
+* ``events`` (a store queue): ``ready`` / ``error`` reports, exactly as local workers put them on
+  their ``multiprocessing`` queue;
+* ``hb/<s>``: a heartbeat every :data:`HEARTBEAT_PERIOD_S` carrying the stage's step counters
+  (steps, busy seconds, age of the running step), mirrored by the head into the same counter
+  array local workers write, so the watchdog and live metrics work unchanged;
+* ``exit/<s>``: the worker's exit status; ``abort``: set by the head to stop every worker (a
+  remote process cannot be killed from here; its heartbeat thread sees ``abort`` and exits).
+
+A worker whose heartbeat stops (process killed, host lost) is named by the head's watchdog after
+``heartbeat_timeout_s``; a worker that loses the head for as long exits on its own, so no stage is
+left holding a GPU.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import pickle
+import queue
+import socket
+import struct
+import sys
+import threading
+import time
+from datetime import timedelta
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.worker import F_STEP_STARTED, FIELDS, WorkerSpec
+
+#: Seconds between a remote worker's heartbeats (and the head's polls of the store).
+HEARTBEAT_PERIOD_S = 0.2
+#: Default seconds without a heartbeat before a remote stage (or the head, seen from a worker) is lost.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
+#: A remote stage silent this long when a run fails is taken as the failure's cause.
+SILENT_AT_FAILURE_S = 3 * HEARTBEAT_PERIOD_S + 0.2
+_EVENTS = "events"
+_HB = struct.Struct(f"<qd{FIELDS}d")  # sequence, sender's monotonic clock, counter fields
+
+
+def parse_address(text: str, field: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> ``(host, port)``.
+
+    Raises:
+        InputError: naming ``field`` when the text is not ``HOST:PORT`` with a port in 0..65535.
+    """
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InputError(None, field, f"expected HOST:PORT (e.g. gpu-a100-0:29501), got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def connect(host: str, port: int, timeout_s: float):
+    """A client of the head's control store (retries until the head is up or ``timeout_s`` passes)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class StoreEvents:
+    """Worker side of the event channel: ``put(event)`` pushes a pickled tuple onto the store queue."""
+
+    def __init__(self, store):
+        self._store = store
+        self._lock = threading.Lock()
+
+    def put(self, event: tuple) -> None:
+        with self._lock:
+            self._store.queue_push(_EVENTS, pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class HeartbeatCounters:
+    """Worker side of the counters: the same indexable ``double`` array a local worker writes, plus a
+    thread that publishes this rank's fields every :data:`HEARTBEAT_PERIOD_S`, and exits the
+    process when the head sets ``abort`` or cannot be reached for ``head_timeout_s``."""
+
+    def __init__(self, store, stage: int, world_size: int, head_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
+        self._values = array.array("d", [0.0] * (FIELDS * world_size))
+        self._store = store.clone()
+        self.stage, self._base = stage, (stage + 1) * FIELDS
+        self._head_timeout_s = head_timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"flexpipe-heartbeat-{stage}", daemon=True)
+        self._thread.start()
+
+    def __getitem__(self, i: int) -> float:
+        return self._values[i]
+
+    def __setitem__(self, i: int, v: float) -> None:
+        self._values[i] = v
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _beat(self) -> None:
+        seq, last_ok = 0, time.monotonic()
+        while not self._stop.wait(HEARTBEAT_PERIOD_S):
+            seq += 1
+            try:
+                fields = self._values[self._base:self._base + FIELDS]
+                self._store.set(f"hb/{self.stage}", _HB.pack(seq, time.monotonic(), *fields))
+                if self._store.check(["abort"]):
+                    print(f"flexpipe worker: stage {self.stage}: the head stopped the pipeline "
+                          f"({self._store.get('abort').decode()}); exiting", file=sys.stderr, flush=True)
+                    os._exit(1)
+                last_ok = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - the head is unreachable
+                if self._stop.is_set():
+                    return
+                if time.monotonic() - last_ok > self._head_timeout_s:
+                    print(f"flexpipe worker: stage {self.stage}: lost the head for {self._head_timeout_s:.0f} s "
+                          f"({type(exc).__name__}: {exc}); exiting", file=sys.stderr, flush=True)
+                    os._exit(1)
+
+
+class RemoteStage:
+    """Head-side handle of a stage worker on another host, with the ``multiprocessing.Process``
+    surface the runtime's watchdog uses (``pid``, ``exitcode``, ``is_alive``, ``join``, ``kill``)
+    plus ``host``, :meth:`silent_for_s` and :attr:`lost`."""
+
+    def __init__(self, server: ControlServer, stage: int):
+        self._server, self.stage = server, stage
+        self.pid: int | None = None
+        self.host: str | None = None
+        self.exitcode: int | None = None
+        self.last_beat: float | None = None  # head's monotonic clock at the last new heartbeat
+        self._seq = -1
+
+    def silent_for_s(self, now: float | None = None) -> float:
+        """Seconds since the last new heartbeat (0 before the first one)."""
+        if self.last_beat is None:
+            return 0.0
+        return (now or time.monotonic()) - self.last_beat
+
+    @property
+    def lost(self) -> str | None:
+        """Why this stage counts as gone (no heartbeat for the timeout), else ``None``."""
+        if self.exitcode is None and self.silent_for_s() > self._server.heartbeat_timeout_s:
+            return (f"no heartbeat from {self.host or 'its host'} (pid {self.pid}) for "
+                    f"{self.silent_for_s():.1f} s (limit {self._server.heartbeat_timeout_s:.0f} s): "
+                    f"process killed, hung or host unreachable")
+        return None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None and self.lost is None
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.exitcode is None and self.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        self._server.abort("the head killed the pipeline")
+
+
+class ControlServer:
+    """The head's control store and the thread that mirrors remote workers into the local runtime.
+
+    Args:
+        port: TCP port to serve on (all interfaces); 0 picks a free one (see :attr:`port`).
+        num_stages: stages the pipeline needs (one remote worker each).
+        heartbeat_timeout_s: silence after which a stage is reported lost.
+
+    Raises:
+        InputError: the port cannot be bound.
+    """
+
+    def __init__(self, port: int, num_stages: int, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
+        import torch.distributed as dist
+
+        try:
+            self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=30))
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError / DistNetworkError
+            raise InputError(None, "control_address", f"cannot serve the control store on port {port}: {exc}") from None
+        self.port = self._store.port
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stages = [RemoteStage(self, s) for s in range(num_stages)]
+        self._main = self._store.clone()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` workers can use (this host's name)."""
+        return f"{socket.gethostname()}:{self.port}"
+
+    def publish(self, spec: WorkerSpec) -> None:
+        """Hand the pipeline spec to the workers (they block on it after claiming their stage)."""
+        with self._lock:
+            self._main.set("spec", pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def claimed(self) -> list[int]:
+        """Stages a worker has claimed so far."""
+        with self._lock:
+            return [s for s in range(len(self.stages)) if self._main.check([f"claim/{s}"])]
+
+    def abort(self, reason: str) -> None:
+        """Tell every remote worker to exit (idempotent; best effort once the store is gone)."""
+        try:
+            with self._lock:
+                self._main.set("abort", reason)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def start(self, events: queue.Queue, counters) -> None:
+        """Start mirroring: remote events onto ``events``, heartbeats into ``counters``."""
+        self._thread = threading.Thread(target=self._pump, args=(self._store.clone(), events, counters),
+                                        name="flexpipe-control-pump", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop mirroring (the store itself closes with this object)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _pump(self, store, events, counters) -> None:
+        try:
+            while not self._stop.is_set():
+                self.poll(store, events, counters)
+                self._stop.wait(HEARTBEAT_PERIOD_S / 4)
+        except Exception as exc:  # noqa: BLE001 - surfaces as a driver failure in the watchdog
+            if not self._stop.is_set():
+                events.put(("error", "driver", f"control store failed: {type(exc).__name__}: {exc}", True))
+
+    def poll(self, store, events, counters) -> None:
+        """One pass: drain the event queue, mirror heartbeats and exit codes (public for tests)."""
+        while store.queue_len(_EVENTS) > 0:
+            ev = pickle.loads(store.queue_pop(_EVENTS, False))
+            if ev[0] == "ready":
+                st = self.stages[ev[1]]
+                st.pid, st.host = ev[2].get("pid"), ev[2].get("host")
+            events.put(ev)
+        now = time.monotonic()
+        for st in self.stages:
+            s = st.stage
+            if st.exitcode is None and store.check([f"exit/{s}"]):
+                st.exitcode = int(store.get(f"exit/{s}"))
+            if not store.check([f"hb/{s}"]):
+                continue
+            seq, sent_at, *fields = _HB.unpack(store.get(f"hb/{s}"))
+            if seq == st._seq:
+                continue
+            st._seq, st.last_beat = seq, now
+            base = (s + 1) * FIELDS
+            for i, v in enumerate(fields):
+                if i == F_STEP_STARTED and v:
+                    v = now - (sent_at - v)  # the worker's clock -> ours, via the step's age
+                counters[base + i] = v
+
+
+def serve_stage(head: str, stage: int, model=None, device: str | None = None, local_rank: int = 0,
+                connect_timeout_s: float = 600.0, threads: int | None = None) -> int:
+    """Run stage ``stage`` of the pipeline whose head serves ``head`` (``HOST:PORT``) until it stops.
+
+    Claims the stage, waits for the head's spec, loads this stage's layers of ``model`` (resolved
+    on this host: an HF directory, GGUF file, or ``None`` for SmolLM2; it must be the model the
+    head serves), joins the process group and serves. On a CUDA pipeline the stage runs on
+    ``cuda:<local_rank>``; ``device`` (``"cpu"`` / ``"cuda"``), when given, must match the head's.
+    Returns the exit status (0 after a clean stop).
+
+    Raises:
+        InputError: a bad address, a stage already claimed or outside the gear, another model or device.
+    """
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.worker import worker_main
+
+    host, port = parse_address(head, "--head")
+    if stage < 0:
+        raise InputError(None, "--stage", f"expected a stage index >= 0, got {stage}")
+    ckpt = resolve_checkpoint(model)
+    try:
+        store = connect(host, port, connect_timeout_s)
+    except Exception as exc:  # noqa: BLE001
+        raise InputError(None, "--head", f"no FlexPipe head answered at {host}:{port} within "
+                                         f"{connect_timeout_s:.0f} s: {exc}") from None
+    if store.add(f"claim/{stage}", 1) != 1:
+        raise InputError(None, "--stage", f"stage {stage} already has a worker at {host}:{port}")
+    spec: WorkerSpec = pickle.loads(store.get("spec"))
+    events = StoreEvents(store)
+    try:
+        if stage >= spec.num_stages:
+            raise InputError(None, "--stage", f"the head's gear has {spec.num_stages} stages (0..{spec.num_stages - 1}), "
+                                              f"got {stage}")
+        if device is not None and device != spec.device:
+            raise InputError(None, "--device", f"the head runs the pipeline on {spec.device!r}, this worker asked for {device!r}")
+        if ckpt.name != spec.checkpoint_name:
+            raise InputError(None, "--model", f"the head serves {spec.checkpoint_name!r}, this worker loaded {ckpt.name!r}")
+    except InputError as exc:
+        events.put(("error", stage, f"InputError: {exc}", False))
+        store.set(f"exit/{stage}", "2")
+        raise
+    spec.checkpoint_path = str(ckpt.path)
+    spec.control_address = f"{host}:{port}"
+    if spec.device == "cuda":
+        spec.device = f"cuda:{local_rank}"
+    if threads:
+        spec.threads_per_rank = threads
+    counters = HeartbeatCounters(store, stage, spec.world_size)
+    code = 0
+    try:
+        worker_main(stage, spec, events, counters)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        counters.close()
+        try:
+            store.set(f"exit/{stage}", str(code))
+        except Exception:  # noqa: BLE001 - the head is gone; nothing to tell
+            pass
+    return code

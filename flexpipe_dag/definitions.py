@@ -4,6 +4,13 @@ Resources are environment-driven: ``FLEXPIPE_DATABASE_URL`` (store), ``FLEXPIPE_
 declared inventory merged with what is measured), ``FLEXPIPE_PROBE`` (``0`` to skip measuring),
 :data:`PLANNING_ENV` (model, dtype, SLOs, length caps) and ``FLEXPIPE_CONTROL_FILE`` /
 ``FLEXPIPE_DWELL_S`` (controller and tide figures).
+
+Every numeric and boolean variable is parsed with :func:`flexpipe_dag.core.settings.env_value`: a
+bad value (``FLEXPIPE_DWELL_S=abc``, ``FLEXPIPE_PLAN_CONCURRENCY=0``, ``FLEXPIPE_PROBE=maybe``) makes
+loading the code location fail with one :class:`~flexpipe_dag.core.errors.InputError` naming the
+variable, the expected type and range, and the value given. So do an unknown
+``FLEXPIPE_PLAN_DTYPE``, an invalid ``FLEXPIPE_PROFILE_REFRESH_CRON`` and a
+``FLEXPIPE_DATABASE_URL`` that does not parse or names an in-memory SQLite database.
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ import warnings
 from dagster import BetaWarning, Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
 from assets import calibration, evaluation, health, planning, profiling
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import INT32_MAX, env_value
 from jobs.batch import batch_inference
 from jobs.gear_shift import gear_shift, gear_shift_sensor
-from jobs.profiling import plan_gears_job, profile_refresh_job, profile_refresh_schedule
+from jobs.profiling import (DEFAULT_PROFILE_REFRESH_CRON, plan_gears_job, profile_refresh_job,
+                           profile_refresh_schedule)
 from jobs.replan import replan_sensor
 from jobs.serve import serve_trace
 from jobs.tide import tide_sensor
@@ -24,6 +34,7 @@ from resources.control import ControlSettings
 from resources.planning import PlanningSettings
 from resources.prober import ProberResource
 from resources.store_resource import StoreResource
+from sql.store import check_store_url
 
 # Dagster's own beta notices (e.g. the sensor `owners` parameter it passes itself) say nothing to a user.
 warnings.filterwarnings("ignore", category=BetaWarning, module=r"dagster\..*")
@@ -38,26 +49,80 @@ PLANNING_ENV = {"FLEXPIPE_MODEL": "model", "FLEXPIPE_PLAN_DTYPE": "dtype", "FLEX
                 "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests", "FLEXPIPE_STAGE_REPLICAS": "stage_replicas"}
 
 
-def _planning_env() -> dict:
-    fields = PlanningSettings.model_fields
+def _unit_of(name: str) -> str:
+    """Unit named by a field's suffix, for error messages."""
+    for suffix, unit in (("_ms", "milliseconds"), ("_s", "seconds"), ("_tokens", "tokens")):
+        if name.endswith(suffix):
+            return unit
+    return ""
+
+
+def _bounds_of(field) -> dict:
+    """``ge`` / ``gt`` / ``le`` / ``lt`` of a pydantic field's ``Field(...)`` constraints."""
     out = {}
-    for var, name in PLANNING_ENV.items():
-        if os.environ.get(var):
-            kind = fields[name].annotation
-            value = os.environ[var]
-            out[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    for constraint in field.metadata:
+        for key in ("ge", "gt", "le", "lt"):
+            value = getattr(constraint, key, None)
+            if value is not None:
+                out[key] = value
     return out
 
 
+def _planning_env() -> dict:
+    """PlanningSettings fields set by :data:`PLANNING_ENV` variables, each parsed and range-checked.
+
+    Raises:
+        InputError: a variable is not of its field's type (int / float / bool) or is outside the
+            field's range (named: variable, expected type and range, value given); an unknown dtype.
+    """
+    from flexpipe_dag.planner.model_spec import DTYPE_BYTES
+
+    fields = PlanningSettings.model_fields
+    out = {}
+    for var, name in PLANNING_ENV.items():
+        kind = fields[name].annotation
+        if kind in (int, float, bool):
+            bounds = _bounds_of(fields[name])
+            if kind is int:
+                bounds.setdefault("le", INT32_MAX)
+            value = env_value(var, kind, None, unit=_unit_of(name), **bounds)
+        else:
+            value = (os.environ.get(var) or "").strip() or None
+        if value is not None:
+            out[name] = value
+    if "dtype" in out and out["dtype"] not in DTYPE_BYTES:
+        raise InputError("environment variable FLEXPIPE_PLAN_DTYPE", None,
+                         f"unknown dtype {out['dtype']!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    return out
+
+
+def _profile_refresh_cron() -> str:
+    """``FLEXPIPE_PROFILE_REFRESH_CRON`` or the nightly default; InputError for an invalid cron string."""
+    from dagster._utils.schedules import is_valid_cron_string
+
+    cron = (os.environ.get("FLEXPIPE_PROFILE_REFRESH_CRON") or "").strip() or DEFAULT_PROFILE_REFRESH_CRON
+    if not is_valid_cron_string(cron):
+        raise InputError("environment variable FLEXPIPE_PROFILE_REFRESH_CRON", None,
+                         f"expected a 5-field cron expression such as '0 2 * * *', got {cron!r}")
+    return cron
+
+
 def build_resources() -> dict:
-    """Resources from the environment (see module docstring)."""
+    """Resources from the environment (see module docstring).
+
+    Raises:
+        InputError: a variable of the module docstring holds a bad value (the variable is named).
+    """
+    database_url = (os.environ.get("FLEXPIPE_DATABASE_URL") or "").strip()
+    if database_url:
+        check_store_url(database_url)
     return {
-        "store": StoreResource(database_url=os.environ.get("FLEXPIPE_DATABASE_URL", "")),
-        "prober": ProberResource(probe=os.environ.get("FLEXPIPE_PROBE", "1") != "0",
+        "store": StoreResource(database_url=database_url),
+        "prober": ProberResource(probe=env_value("FLEXPIPE_PROBE", bool, True),
                                  cluster_file=os.environ.get("FLEXPIPE_CLUSTER_FILE", "")),
         "planning": PlanningSettings(**_planning_env()),
         "control": ControlSettings(config_file=os.environ.get("FLEXPIPE_CONTROL_FILE", ""),
-                                   dwell_s=float(os.environ.get("FLEXPIPE_DWELL_S", "-1"))),
+                                   dwell_s=env_value("FLEXPIPE_DWELL_S", float, -1.0, ge=0, unit="seconds")),
     }
 
 
@@ -66,6 +131,6 @@ defs = Definitions(
     asset_checks=load_asset_checks_from_modules(ASSET_MODULES),
     jobs=[profile_refresh_job, plan_gears_job, serve_trace, gear_shift, batch_inference],
     sensors=[gear_shift_sensor, tide_sensor, replan_sensor],
-    schedules=[profile_refresh_schedule()],
+    schedules=[profile_refresh_schedule(_profile_refresh_cron())],
     resources=build_resources(),
 )

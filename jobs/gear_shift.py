@@ -8,7 +8,6 @@ drain, switch, rollback) and marks it ``done``, ``rolled_back`` or ``failed``; t
 """
 
 import json
-import os
 import time
 from dataclasses import dataclass
 
@@ -18,11 +17,12 @@ from dagster import (Config, DefaultSensorStatus, Failure, OpExecutionContext, R
 from flexpipe_dag.control.controller import Controller
 from flexpipe_dag.control.state import ControllerState, Decision
 from flexpipe_dag.core.errors import FlexPipeError, InputError
+from flexpipe_dag.core.settings import env_value
 from resources.control import ControlSettings
 from resources.store_resource import StoreResource
 
 #: Sensor evaluation interval, seconds (``FLEXPIPE_SENSOR_INTERVAL_S``).
-SENSOR_INTERVAL_S = int(os.environ.get("FLEXPIPE_SENSOR_INTERVAL_S", "30"))
+SENSOR_INTERVAL_S = env_value("FLEXPIPE_SENSOR_INTERVAL_S", int, 30, ge=1, le=86_400, unit="seconds")
 TERMINAL_SHIFT_STATUSES = ("done", "rolled_back", "failed")
 
 

@@ -123,6 +123,41 @@ def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or math.isinf(x) else x
 
 
+def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
+    """Check a store URL without connecting; return it for messages (password hidden).
+
+    An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``file::memory:`` or
+    ``mode=memory`` URIs) is refused: every process and every pooled connection would get its own
+    empty database, so what one Dagster run or stage worker wrote would be invisible to the next and
+    vanish on exit.
+
+    Raises:
+        InputError: ``source`` named; the URL does not parse, or it names an in-memory database.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise InputError(source, None,
+                         f"{url!r} is not a database URL; expected e.g. sqlite:///path/flexpipe.db or "
+                         "postgresql+psycopg2://user@host:5432/db") from None
+    shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite":
+        database = (parsed.database or "").strip()
+        mode = parsed.query.get("mode")
+        modes = (mode,) if isinstance(mode, str) else tuple(mode or ())
+        if database in ("", ":memory:") or database.startswith("file::memory:") or "memory" in modes \
+                or "mode=memory" in database:
+            raise InputError(source, None,
+                             f"{url.strip()!r} is an in-memory SQLite database: every process and connection would get "
+                             "its own empty store and results would vanish; expected a file, e.g. "
+                             "sqlite:////abs/path/flexpipe.db (or leave FLEXPIPE_DATABASE_URL unset for "
+                             "$FLEXPIPE_HOME/flexpipe.db)")
+    return shown
+
+
 class Store:
     """Typed access to the FlexPipe store.
 
@@ -142,19 +177,13 @@ class Store:
         """Open (and migrate) the store at ``url`` (default :func:`database_url`).
 
         Raises:
-            InputError: the URL does not parse, its driver is not installed, or the database cannot be
-                reached or opened (the URL is named, its password hidden).
+            InputError: the URL does not parse, names an in-memory SQLite database, its driver is not
+                installed, or the database cannot be reached or opened (the URL is named, its password hidden).
         """
-        from sqlalchemy.engine import make_url
-        from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+        from sqlalchemy.exc import DBAPIError, NoSuchModuleError
 
         url = url or database_url()
-        try:
-            shown = make_url(url).render_as_string(hide_password=True)
-        except ArgumentError:
-            raise InputError("FLEXPIPE_DATABASE_URL", None,
-                             f"{url!r} is not a database URL; expected e.g. sqlite:///path/flexpipe.db or "
-                             "postgresql+psycopg2://user@host:5432/db") from None
+        shown = check_store_url(url)
         try:
             return cls(make_engine(url), auto_migrate=auto_migrate)
         except (NoSuchModuleError, ModuleNotFoundError) as exc:

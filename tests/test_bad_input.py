@@ -105,3 +105,168 @@ def test_control_file_sections_must_be_mappings(tmp_path):
     bad.write_bytes(b"\xff\xfe")
     with pytest.raises(InputError, match="cannot read controller config"):
         ControlSettings(config_file=str(bad)).tide_config()
+
+
+# -- integers too large for the store, at the input boundary ------------------------------------
+def test_prompt_rows_with_integers_too_large_for_the_store_are_malformed(tmp_path):
+    from flexpipe_dag.core.settings import INT32_MAX
+    from flexpipe_dag.runtime.batch import read_prompts
+
+    big = 10**30
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "ok", "prompt": "hi", "max_new_tokens": INT32_MAX, "priority": INT32_MAX},
+        {"id": "mnt", "prompt": "hi", "max_new_tokens": big}, {"id": "prio", "prompt": "hi", "priority": big},
+        {"id": "tok", "token_ids": [1, big]}, {"id": "frac", "token_ids": [1, 2.5]},
+        {"id": "x" * 201, "prompt": "hi"}, {"id": "cont", "prompt": "hi", "continuations": [[big]]},
+        {"id": big, "prompt": "a numeric id is kept as text"}]) + "\n")
+    rows, bad = read_prompts(p)
+    assert [r.request_id for r in rows] == ["ok", str(big)]
+    reasons = {b.line: b.reason for b in bad}
+    assert f"'max_new_tokens': expected an integer 1..{INT32_MAX}, got {big}" in reasons[2]
+    assert f"'priority': expected an integer 0..{INT32_MAX}" in reasons[3]
+    assert "'token_ids'" in reasons[4] and "'token_ids'" in reasons[5]
+    assert "'id': 201 characters; expected at most 200" in reasons[6]
+    assert "'continuations'" in reasons[7]
+
+
+def test_prompts_with_huge_numbers_run_nothing_and_exit_2(tmp_path, capsys):
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": "a", "prompt": "hi", "max_new_tokens": 10**30}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert cli_main(["run", "--stages", "2", "--prompts", str(p), "--out", str(out)]) == 2
+    assert "max_new_tokens" in capsys.readouterr().err
+    assert not out.exists() or out.read_text() == ""
+
+
+@pytest.mark.parametrize("text, field, needle", [
+    ("arrival_s,input_tokens,output_tokens\n0,1e30,4\n", "row 1.input_tokens", "<= 2147483647"),
+    ("arrival_s,input_tokens,output_tokens,priority\n0,3,4,1e30\n", "row 1.priority", "-2147483647..2147483647"),
+    ("request_id,arrival_s,input_tokens,output_tokens\n" + "r" * 201 + ",0,3,4\n", "row 1.request_id",
+     "expected at most 200"),
+])
+def test_trace_files_with_out_of_range_integers(tmp_path, text, field, needle):
+    from flexpipe_dag.workload.loaders import load_request_file
+
+    p = tmp_path / "t.csv"
+    p.write_text(text)
+    with pytest.raises(InputError) as e:
+        load_request_file(p)
+    assert e.value.source == str(p) and e.value.field == field and needle in e.value.problem
+
+
+def test_length_file_bad_arguments_name_the_field(tmp_path):
+    from flexpipe_dag.workload.loaders import load_length_file
+
+    p = tmp_path / "len.csv"
+    p.write_text("num_prefill_tokens,num_decode_tokens\n10,5\n99999999999999999999,5\n")
+    with pytest.raises(InputError, match="limit: expected an integer >= 1"):
+        load_length_file(p, limit=0)
+    with pytest.raises(InputError, match="priority: expected an integer"):
+        load_length_file(p, priority=10**30)
+    with pytest.raises(InputError, match="arrival_s: expected a finite number >= 0"):
+        load_length_file(p, arrival_s=float("nan"))
+    with pytest.raises(InputError, match="row 2.num_prefill_tokens"):
+        load_length_file(p)
+    assert len(load_length_file(p, limit=1)) == 1
+
+
+# -- model configs ------------------------------------------------------------------------------
+_CONFIG = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+           "vocab_size": 100, "max_position_embeddings": 2048}
+
+
+@pytest.mark.parametrize("extra, field, needle", [
+    ({"num_key_value_heads": 0}, "num_key_value_heads", "expected an integer >= 1"),
+    ({"head_dim": 0}, "head_dim", "expected an integer >= 1"),
+    ({"num_key_value_heads": "4"}, "num_key_value_heads", "got '4'"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads", "does not divide num_attention_heads 4"),
+    ({"rope_theta": "abc"}, "rope_theta", "expected a finite number > 0, got 'abc'"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps", "expected a finite number > 0"),
+    ({"max_position_embeddings": "4k"}, "max_position_embeddings", "got '4k'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings", "expected true or false"),
+    ({"attention_bias": 1}, "attention_bias", "expected true or false"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures", "expected a list of strings"),
+    ({"hidden_size": 66}, "head_dim", "not divisible by num_attention_heads"),
+    ({"vocab_size": 10**30}, "vocab_size", "<= 2147483647"),
+])
+def test_model_config_bad_fields_are_named(tmp_path, extra, field, needle):
+    from flexpipe_dag.planner.model_spec import load_model_spec
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**_CONFIG, **extra}))
+    with pytest.raises(InputError) as e:
+        load_model_spec(tmp_path)
+    assert e.value.source == str(cfg) and e.value.field == field and needle in e.value.problem, str(e.value)
+
+
+def test_model_config_nulls_mean_unset(tmp_path):
+    from flexpipe_dag.planner.model_spec import load_model_spec
+
+    (tmp_path / "config.json").write_text(json.dumps({**_CONFIG, "head_dim": None, "num_key_value_heads": None,
+                                                      "rope_theta": 10000.0, "tie_word_embeddings": True}))
+    spec = load_model_spec(tmp_path)
+    assert spec.head_dim == 16 and spec.num_kv_heads == 4 and spec.tie_word_embeddings
+
+
+def test_model_config_error_is_one_line_from_the_cli(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({**_CONFIG, "num_key_value_heads": 0}))
+    assert cli_main(["plan", "--cluster", str(EXAMPLES / "fragmented_lab.yaml"), "--model", str(tmp_path)]) == 2
+    _one_line_error(capsys, "config.json: num_key_value_heads", "expected an integer >= 1")
+
+
+# -- plan and simulate flags --------------------------------------------------------------------
+@pytest.mark.parametrize("flags, needle", [
+    (["--context-p95", "8192"], "--context-p95: 8192 tokens exceeds Llama-2-7B's max context of 4096"),
+    (["--context-p95", "0"], "--context-p95: expected an integer >= 1"),
+    (["--concurrency", "0"], "--concurrency: expected an integer >= 1"),
+    (["--min-residence-s", "-1"], "--min-residence-s: expected a finite number >= 0"),
+    (["--min-residence-s", "nan"], "--min-residence-s: expected a finite number >= 0"),
+])
+def test_plan_refuses_bad_numbers(flags, needle, capsys):
+    assert cli_main(["plan", "--cluster", str(EXAMPLES / "fragmented_lab.yaml"), "--model", "Llama-2-7B",
+                     "--json", *flags]) == 2
+    _one_line_error(capsys, needle)
+
+
+def test_plan_default_context_is_capped_at_a_short_model_context(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({**_CONFIG, "max_position_embeddings": 2048}))
+    from flexpipe_dag.cli.plan import context_p95_tokens
+    from flexpipe_dag.planner.model_spec import load_model_spec
+
+    spec = load_model_spec(tmp_path)
+    assert context_p95_tokens(None, spec) == 2048 and context_p95_tokens(1024, spec) == 1024
+    assert context_p95_tokens(None, load_model_spec("Llama-3-8B")) == 4096
+
+
+@pytest.fixture
+def sim_files(tmp_path):
+    from test_sim_cli import _files
+
+    gear, timing = _files(tmp_path)
+    return ["simulate", "--gear-file", str(gear), "--timing", str(timing), "--trace", "azure-conv",
+            "--window-s", "0", "30", "--json"]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--offline", "arxiv-summarization", "--offline-limit", "-5"], "--offline-limit: expected an integer >= 1"),
+    (["--offline", "arxiv-summarization", "--offline-limit", "0"], "--offline-limit: expected an integer >= 1"),
+    (["--offline-limit", "3"], "--offline-limit: needs --offline"),
+    (["--speedup", "0"], "--speedup: expected a finite number > 0"),
+    (["--tide-compression", "0"], "--tide-compression: expected a finite number > 0"),
+    (["--slo-ttft-ms", "-1"], "--slo-ttft-ms: expected a finite number > 0"),
+    (["--kv-capacity-tokens", "0"], "--kv-capacity-tokens: expected an integer >= 1"),
+    (["--micro-batch-size", str(10**30)], "--micro-batch-size: expected an integer >= 1 and <= 2147483647"),
+    (["--window-s", "-5", "10"], "--window-s START: expected a finite number >= 0"),
+    (["--window-s", "30", "10"], "--window-s END: expected a number > 30"),
+    (["--timeseries-csv", "/nonexistent-dir/ts.csv"], "--timeseries-csv: directory /nonexistent-dir does not exist"),
+    (["--dtype", "fp7"], "--dtype: unknown dtype 'fp7'"),
+])
+def test_simulate_refuses_bad_numbers(flags, needle, sim_files, capsys):
+    assert cli_main([*sim_files, *flags]) == 2
+    _one_line_error(capsys, needle)
+
+
+def test_simulate_offline_limit_limits(sim_files, capsys):
+    assert cli_main([*sim_files, "--offline", "arxiv-summarization", "--offline-limit", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["by_class"]["offline"]["requests"] == 3

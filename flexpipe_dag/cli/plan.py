@@ -6,6 +6,11 @@ import argparse
 import json
 
 from flexpipe_dag.core.cluster import load_cluster_profile
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import INT32_MAX, check_number, env_value
+
+#: ``--context-p95`` when not given (capped at the model's own max context).
+DEFAULT_CONTEXT_P95_TOKENS = 4096
 
 
 def register(subparsers) -> None:
@@ -15,7 +20,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", required=True,
                    help="built-in model name, a Hugging Face config.json directory, or a .gguf file")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "int8", "int4"])
-    p.add_argument("--context-p95", type=int, default=4096, help="P95 context tokens the KV pool is sized for")
+    p.add_argument("--context-p95", type=int, default=None,
+                   help=f"P95 context tokens (prompt + output) the KV pool is sized for; at most the model's max "
+                        f"context (default {DEFAULT_CONTEXT_P95_TOKENS}, or the model's max context if smaller)")
     p.add_argument("--concurrency", type=int, default=64, help="sequences in flight the KV pool must hold")
     p.add_argument("--min-residence-s", type=float, default=600.0,
                    help="devices whose available_until is sooner are not used")
@@ -25,18 +32,49 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def context_p95_tokens(requested: int | None, model) -> int:
+    """The P95 context to plan for: ``requested`` (``--context-p95``) checked against the model's max context.
+
+    Without ``requested``: :data:`DEFAULT_CONTEXT_P95_TOKENS`, or the model's max context when smaller.
+
+    Raises:
+        InputError: ``--context-p95`` is not an integer >= 1, or exceeds the model's max context
+            (``max_position_embeddings`` / GGUF ``context_length``), naming both.
+    """
+    max_ctx = model.max_context_tokens
+    if requested is None:
+        return min(DEFAULT_CONTEXT_P95_TOKENS, max_ctx) if max_ctx else DEFAULT_CONTEXT_P95_TOKENS
+    check_number(requested, None, "--context-p95", integer=True, ge=1, le=INT32_MAX, unit="tokens")
+    if max_ctx and requested > max_ctx:
+        raise InputError(None, "--context-p95", f"{requested} tokens exceeds {model.name}'s max context of {max_ctx} "
+                         f"tokens ({model.source}); expected 1..{max_ctx}")
+    return requested
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse a bad ``--concurrency`` or ``--min-residence-s`` before any file is read.
+
+    Raises:
+        InputError: naming the flag and the expected range.
+    """
+    check_number(args.concurrency, None, "--concurrency", integer=True, ge=1, le=INT32_MAX, unit="sequences")
+    check_number(args.min_residence_s, None, "--min-residence-s", ge=0, unit="seconds")
+    if args.context_p95 is not None:
+        check_number(args.context_p95, None, "--context-p95", integer=True, ge=1, le=INT32_MAX, unit="tokens")
+
+
 def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.planner.gears import plan_gears
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.planner.workload import PlanWorkload
 
+    check_flags(args)
+    replicas_allowed = env_value("FLEXPIPE_STAGE_REPLICAS", bool, True)
+    replicas = bool(replicas_allowed) and not args.no_replicas
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
-    workload = PlanWorkload(context_p95_tokens=args.context_p95, concurrency=args.concurrency,
-                            min_residence_s=args.min_residence_s)
-    import os
-
-    replicas = not args.no_replicas and os.environ.get("FLEXPIPE_STAGE_REPLICAS", "1").lower() not in ("0", "false", "no")
+    workload = PlanWorkload(context_p95_tokens=context_p95_tokens(args.context_p95, model),
+                            concurrency=args.concurrency, min_residence_s=args.min_residence_s)
     gears = plan_gears(cluster, model, dtype=args.dtype, workload=workload, replicas=replicas)
     if args.json:
         print(json.dumps({"cluster_id": cluster.cluster_id, "model": model.summary(args.dtype),

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear
+from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
 from flexpipe_dag.workload import (
@@ -110,18 +111,56 @@ def _gear_and_timing(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
     return _planner_gear(args)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse bad numeric flags before any file is read or anything is simulated.
+
+    Raises:
+        InputError: naming the flag and what was expected (``--speedup`` > 0, ``--window-s`` START >= 0
+            and END > START, ``--tide-compression`` > 0, ``--offline-limit`` >= 1 and only with
+            ``--offline``, SLOs > 0, micro-batch / in-flight / KV overrides >= 1, a writable
+            ``--timeseries-csv`` path, a known ``--dtype``).
+    """
+    from flexpipe_dag.planner.model_spec import DTYPE_BYTES
+
+    if args.dtype not in DTYPE_BYTES:
+        raise InputError(None, "--dtype", f"unknown dtype {args.dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    check_number(args.speedup, None, "--speedup", gt=0, unit="factor")
+    if args.window_s:
+        start_s, end_s = args.window_s
+        check_number(start_s, None, "--window-s START", ge=0, unit="trace seconds")
+        check_number(end_s, None, "--window-s END", gt=start_s, finite=False, unit="trace seconds")
+    if args.tide_compression is not None:
+        check_number(args.tide_compression, None, "--tide-compression", gt=0, unit="tide seconds per trace second")
+    if args.offline_limit is not None:
+        if not args.offline:
+            raise InputError(None, "--offline-limit", "needs --offline FILE (the backlog it limits)")
+        check_number(args.offline_limit, None, "--offline-limit", integer=True, ge=1, le=INT32_MAX, unit="jobs")
+    check_number(args.slo_ttft_ms, None, "--slo-ttft-ms", gt=0, unit="ms")
+    check_number(args.slo_tpot_ms, None, "--slo-tpot-ms", gt=0, unit="ms")
+    for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--max-inflight", args.max_inflight),
+                        ("--kv-capacity-tokens", args.kv_capacity_tokens)):
+        if value is not None:
+            check_number(value, None, flag, integer=True, ge=1, le=INT32_MAX)
+    if args.timeseries_csv:
+        out = Path(args.timeseries_csv)
+        if out.is_dir():
+            raise InputError(None, "--timeseries-csv", f"{out} is a directory; expected a CSV file path")
+        if not out.parent.is_dir():
+            raise InputError(None, "--timeseries-csv", f"directory {out.parent} does not exist")
+
+
 def build_workload(args: argparse.Namespace) -> Workload:
     """The trace after the windowing, tide shaping, speedup and offline mixing the flags ask for."""
     w = load_trace(args.trace)
     if args.window_s:
         w = time_window(w, args.window_s[0], args.window_s[1])
-    if args.tide_compression:
+    if args.tide_compression is not None:
         w = shape_by_tide(w, load_tide_trace(), compression=args.tide_compression)
     if args.speedup != 1.0:
         w = speedup(w, args.speedup)
     if args.offline:
         off = load_trace(args.offline)
-        if args.offline_limit:
+        if args.offline_limit is not None:
             off = Workload(off.name, off.requests[: args.offline_limit], off.source, off.meta)
         w = mix(w, as_class(off, "offline", arrival_s=0.0))
     return w
@@ -162,6 +201,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_flags(args)
     gear, timing = _gear_and_timing(args)
     workload = build_workload(args)
     config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_batch_size=args.micro_batch_size,

@@ -51,6 +51,7 @@ from typing import Any
 import yaml
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import INT32_MAX, check_number
 
 #: Bytes per weight parameter by dtype.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
@@ -70,6 +71,46 @@ def kv_dtype_bytes(dtype: str) -> float:
     """Bytes per KV-cache element: 4 for fp32 weights, else 2 (quantised weights keep a 16-bit KV cache)."""
     dtype_bytes(dtype)
     return 4.0 if dtype == "fp32" else 2.0
+
+
+#: Optional ``config.json`` keys the spec reads or that the runtime's model loader relies on, with
+#: the kind each must hold when present and not ``null``: ``"count"`` a positive integer,
+#: ``"positive"`` a positive finite number, ``"bool"``, ``"str"``, ``"str_list"`` a list of strings.
+OPTIONAL_CONFIG_KEYS: dict[str, str] = {
+    "head_dim": "count", "num_key_value_heads": "count", "max_position_embeddings": "count",
+    "rope_theta": "positive", "rms_norm_eps": "positive", "tie_word_embeddings": "bool",
+    "attention_bias": "bool", "architectures": "str_list", "_name_or_path": "str", "model_type": "str",
+}
+
+
+def _optional_config_value(config: dict[str, Any], key: str, kind: str, source: str) -> Any:
+    """``config[key]`` checked as ``kind`` (see :data:`OPTIONAL_CONFIG_KEYS`), or None when absent / null.
+
+    Raises:
+        InputError: the value is of the wrong type or out of range (``source`` and ``key`` named).
+    """
+    value = config.get(key)
+    if value is None:
+        return None
+    if kind == "count":
+        check_number(value, source, key, integer=True, ge=1, le=INT32_MAX)
+        return int(value)
+    if kind == "positive":
+        check_number(value, source, key, gt=0)
+        return float(value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise InputError(source, key, f"expected true or false, got {value!r}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise InputError(source, key, f"expected a string, got {value!r}")
+        return value
+    if kind == "str_list":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InputError(source, key, f"expected a list of strings, e.g. [\"LlamaForCausalLM\"], got {value!r}")
+        return value
+    raise ValueError(f"unknown config kind {kind!r}")  # pragma: no cover - programming error
 
 
 @dataclass(frozen=True)
@@ -234,29 +275,46 @@ class ModelSpec:
     def from_hf_config(cls, config: dict[str, Any], name: str | None = None, source: str = "config.json") -> ModelSpec:
         """Build from a Hugging Face ``config.json`` mapping (Llama / Mistral / Qwen2 keys).
 
+        Required keys (positive integers <= 2**31 - 1): ``num_hidden_layers``, ``hidden_size``,
+        ``num_attention_heads``, ``intermediate_size``, ``vocab_size``. Optional keys are checked when
+        present and not ``null`` (see :data:`OPTIONAL_CONFIG_KEYS`): ``head_dim`` and
+        ``num_key_value_heads`` must be positive integers (0 is refused, not read as "unset"),
+        ``max_position_embeddings`` a positive integer, ``rope_theta`` / ``rms_norm_eps`` positive
+        numbers, ``tie_word_embeddings`` / ``attention_bias`` booleans, ``architectures`` a list of
+        strings. Without ``head_dim``, ``hidden_size`` must be divisible by ``num_attention_heads``.
+
         Raises:
-            InputError: a required key is missing or not a positive integer (``source`` and key named).
+            InputError: a required key is missing, or any checked key holds a value of the wrong type
+                or range (``source`` and key named, the value and what was expected).
         """
+        if not isinstance(config, dict):
+            raise InputError(source, None, f"expected a JSON object of config keys, got {type(config).__name__}")
+
         def req(key: str) -> int:
             if key not in config:
                 raise InputError(source, key, "missing; expected a positive integer")
-            value = config[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(source, key, f"expected a positive integer, got {value!r}")
-            return value
+            check_number(config[key], source, key, integer=True, ge=1, le=INT32_MAX)
+            return int(config[key])
 
+        opt = {key: _optional_config_value(config, key, kind, source) for key, kind in OPTIONAL_CONFIG_KEYS.items()}
         heads = req("num_attention_heads")
         hidden = req("hidden_size")
-        head_dim = config.get("head_dim") or hidden // heads
-        kv = config.get("num_key_value_heads") or heads
-        model_name = name or config.get("_name_or_path") or config.get("model_type") or "model"
-        arch = (config.get("architectures") or [""])[0]
-        bias = bool(config.get("attention_bias", False) or arch.startswith("Qwen2"))
+        if opt["head_dim"] is None and hidden % heads:
+            raise InputError(source, "head_dim", f"missing, and hidden_size {hidden} is not divisible by "
+                             f"num_attention_heads {heads}; expected head_dim (a positive integer)")
+        head_dim = opt["head_dim"] or hidden // heads
+        kv = opt["num_key_value_heads"] or heads
+        if heads % kv:
+            raise InputError(source, "num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}; "
+                             "expected a divisor of it (grouped-query attention)")
+        model_name = name or opt["_name_or_path"] or opt["model_type"] or "model"
+        arch = (opt["architectures"] or [""])[0]
+        bias = bool(opt["attention_bias"] or arch.startswith("Qwen2"))
         return cls(name=str(model_name), num_layers=req("num_hidden_layers"), hidden_size=hidden,
-                   num_heads=heads, num_kv_heads=int(kv), head_dim=int(head_dim),
+                   num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
                    intermediate_size=req("intermediate_size"), vocab_size=req("vocab_size"),
-                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), attention_bias=bias,
-                   max_context_tokens=config.get("max_position_embeddings"), source=source)
+                   tie_word_embeddings=bool(opt["tie_word_embeddings"]), attention_bias=bias,
+                   max_context_tokens=opt["max_position_embeddings"], source=source)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelSpec:
@@ -279,7 +337,8 @@ class ModelSpec:
         """Read architecture metadata from a GGUF file with ``gguf.GGUFReader`` (memory-mapped, no torch).
 
         Raises:
-            InputError: unreadable file or a missing ``<arch>.*`` key.
+            InputError: unreadable file, a missing ``<arch>.*`` key, or a count that is not one
+                positive integer (named by key).
         """
         from gguf import GGUFReader  # optional dependency, imported on use
 
@@ -298,21 +357,29 @@ class ModelSpec:
                 raise InputError(str(path), key, "missing from GGUF metadata")
             return f.contents()
 
+        def count(key: str, default: int | None = None) -> int:
+            value = get(key, default)
+            if isinstance(value, (list, tuple)):
+                raise InputError(str(path), key, f"per-layer values {list(value)[:4]}... are not supported; "
+                                 "expected one positive integer")
+            check_number(value, str(path), key, integer=True, ge=0 if default == 0 else 1, le=INT32_MAX)
+            return int(value)
+
         arch = get("general.architecture")
-        heads = int(get(f"{arch}.attention.head_count"))
-        hidden = int(get(f"{arch}.embedding_length"))
+        heads = count(f"{arch}.attention.head_count")
+        hidden = count(f"{arch}.embedding_length")
         vocab = fields.get(f"{arch}.vocab_size")
-        vocab_size = int(vocab.contents()) if vocab is not None else len(get("tokenizer.ggml.tokens"))
+        vocab_size = count(f"{arch}.vocab_size") if vocab is not None else len(get("tokenizer.ggml.tokens"))
         tensor_names = {t.name for t in reader.tensors}
-        head_dim = int(get(f"{arch}.rope.dimension_count", hidden // heads))
+        head_dim = count(f"{arch}.rope.dimension_count", hidden // heads)
         return cls(
-            name=name or str(get("general.name", path.stem)), num_layers=int(get(f"{arch}.block_count")),
+            name=name or str(get("general.name", path.stem)), num_layers=count(f"{arch}.block_count"),
             hidden_size=hidden, num_heads=heads,
-            num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
-            intermediate_size=int(get(f"{arch}.feed_forward_length")), vocab_size=vocab_size,
+            num_kv_heads=count(f"{arch}.attention.head_count_kv", heads), head_dim=head_dim,
+            intermediate_size=count(f"{arch}.feed_forward_length"), vocab_size=vocab_size,
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            max_context_tokens=int(get(f"{arch}.context_length", 0)) or None, source=str(path))
+            max_context_tokens=count(f"{arch}.context_length", 0) or None, source=str(path))
 
     @classmethod
     def from_builtin(cls, name: str) -> ModelSpec:

@@ -1,10 +1,13 @@
 """Batch jobs: a prompts file (or a trace) -> the pipeline -> a results sink, idempotently.
 
-Prompts file: JSONL or Parquet with columns ``id`` (str), ``prompt`` (text) or ``token_ids``
-(list of ints), ``max_new_tokens`` (int, optional: the job default), ``priority`` (int, optional:
-:data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`), ``continuations`` (optional, scoring jobs
-only: a list of strings or token-id lists, each scored given the prompt). A malformed row (bad JSON, missing or
-duplicate id, no prompt, bad numbers) is counted and reported with its line and reason, never fatal.
+Prompts file: JSONL or Parquet with columns ``id`` (str, at most :data:`MAX_REQUEST_ID_CHARS`
+characters), ``prompt`` (text) or ``token_ids`` (list of ints), ``max_new_tokens`` (int, optional: the
+job default), ``priority`` (int, optional: :data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`),
+``continuations`` (optional, scoring jobs only: a list of strings or token-id lists, each scored given
+the prompt). Integers are bounded by :data:`~flexpipe_dag.core.settings.INT32_MAX` (what the store's
+integer columns and torch index tensors hold). A malformed row (bad JSON, missing, duplicate or
+over-long id, no prompt, bad or out-of-range numbers) is counted and reported with its line and
+reason, never fatal.
 
 Sink protocol (:class:`ResultSink`): ``done_ids() -> set[str]`` and ``write(result: dict)``. Results are
 written as each request finishes, keyed by request id; a re-run skips ids the sink already holds,
@@ -24,7 +27,11 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import INT32_MAX
 from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
+
+#: Longest request id a prompts file may use (the store's ``request_results.request_key`` is 200 chars).
+MAX_REQUEST_ID_CHARS = 200
 
 #: The bundled public-domain text that trace-driven prompts are cut from.
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "data" / "corpus" / "pride_and_prejudice_ch1.txt"
@@ -94,6 +101,35 @@ class JsonlSink:
         self._done.add(result["id"])
 
 
+def _as_token_id(t: Any) -> int:
+    """One token id: an integer 0..INT32_MAX (an integral float such as ``5.0`` is accepted; ``True`` is not)."""
+    if isinstance(t, bool):
+        raise TypeError("a boolean")
+    if isinstance(t, float):
+        if not t.is_integer():
+            raise ValueError(f"{t!r} is not an integer")
+        t = int(t)
+    value = int(t) if hasattr(t, "__index__") else None
+    if value is None:
+        raise TypeError(f"{t!r} is not an integer")
+    if not 0 <= value <= INT32_MAX:
+        raise ValueError(f"{value} is outside 0..{INT32_MAX}")
+    return value
+
+
+def _bounded_int(value: Any, low: int) -> int:
+    """``value`` as an int in ``low..INT32_MAX`` (an integral float is accepted); ValueError / TypeError otherwise."""
+    if isinstance(value, bool):
+        raise TypeError("a boolean")
+    number = float(value)
+    if not math.isfinite(number) or number != int(value):
+        raise ValueError
+    value = int(value)
+    if not low <= value <= INT32_MAX:
+        raise ValueError
+    return value
+
+
 def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]) -> PromptRow | MalformedRow:
     if not isinstance(raw, dict):
         return MalformedRow(where, "expected a JSON object")
@@ -101,6 +137,8 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
     if rid is None or (isinstance(rid, float) and math.isnan(rid)) or str(rid).strip() == "":
         return MalformedRow(where, "missing field 'id'")
     rid = str(rid)
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        return MalformedRow(where, f"field 'id': {len(rid)} characters; expected at most {MAX_REQUEST_ID_CHARS}")
     if rid in seen:
         return MalformedRow(where, f"duplicate id {rid!r}")
     prompt, token_ids = raw.get("prompt"), raw.get("token_ids")
@@ -108,10 +146,10 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
         try:
             if isinstance(token_ids, str):
                 raise TypeError("a string, not a list")
-            token_ids = [int(t) for t in token_ids]
+            token_ids = [_as_token_id(t) for t in token_ids]
         except (TypeError, ValueError, OverflowError):
-            return MalformedRow(where, "field 'token_ids': expected a list of integers")
-        if not token_ids or min(token_ids) < 0:
+            return MalformedRow(where, f"field 'token_ids': expected a list of integers 0..{INT32_MAX}")
+        if not token_ids:
             return MalformedRow(where, "field 'token_ids': expected a non-empty list of non-negative integers")
     else:
         token_ids = None
@@ -122,32 +160,37 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
     prio = raw.get("priority", PRIORITY_OFFLINE)
     try:
         mnt = default_max_new_tokens if mnt is None or (isinstance(mnt, float) and math.isnan(mnt)) else mnt
-        prio = PRIORITY_OFFLINE if prio is None or (isinstance(prio, float) and math.isnan(prio)) else prio
-        if not math.isfinite(float(mnt)) or float(mnt) != int(mnt) or int(mnt) < 1:
-            raise ValueError
-        mnt = int(mnt)
-    except (TypeError, ValueError):
-        return MalformedRow(where, f"field 'max_new_tokens': expected an integer >= 1, got {raw.get('max_new_tokens')!r}")
+        mnt = _bounded_int(mnt, 1)
+    except (TypeError, ValueError, OverflowError):
+        return MalformedRow(where, f"field 'max_new_tokens': expected an integer 1..{INT32_MAX}, "
+                                   f"got {_short(raw.get('max_new_tokens'))}")
     try:
-        if not math.isfinite(float(prio)) or float(prio) != int(prio) or int(prio) < 0:
-            raise ValueError
-        prio = int(prio)
-    except (TypeError, ValueError):
-        return MalformedRow(where, f"field 'priority': expected an integer >= 0, got {raw.get('priority')!r}")
+        prio = PRIORITY_OFFLINE if prio is None or (isinstance(prio, float) and math.isnan(prio)) else prio
+        prio = _bounded_int(prio, 0)
+    except (TypeError, ValueError, OverflowError):
+        return MalformedRow(where, f"field 'priority': expected an integer 0..{INT32_MAX}, "
+                                   f"got {_short(raw.get('priority'))}")
     conts = raw.get("continuations")
     if conts is None or (isinstance(conts, float) and math.isnan(conts)):
         conts = None
     else:
         conts = conts.tolist() if hasattr(conts, "tolist") else conts
         ok = isinstance(conts, list) and conts and all(
-            (isinstance(c, str) and c) or (isinstance(c, list) and c and all(isinstance(t, int) and t >= 0 for t in c))
+            (isinstance(c, str) and c) or (isinstance(c, list) and c and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in c))
             for c in conts)
         if not ok:
             return MalformedRow(where, "field 'continuations': expected a non-empty list of non-empty strings "
-                                       "or token-id lists")
+                                       f"or lists of token ids 0..{INT32_MAX}")
         conts = list(conts)
     seen.add(rid)
     return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio, conts)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 40 characters for a message."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> tuple[list[PromptRow], list[MalformedRow]]:

@@ -12,10 +12,12 @@ Formats:
   ``num_prefill_tokens,num_decode_tokens,...``): offline batch jobs with no timestamps, all queued
   at one arrival time (a backlog).
 
-Rules: an empty file, a missing column, an unparsable timestamp / arrival, a negative or zero token
-count raise :class:`~flexpipe_dag.core.errors.InputError` with ``source`` = the file and ``field`` =
-``row N.column`` (N counts data rows from 1); unsorted arrivals are sorted (stable) with a
-:class:`UserWarning` that says how many rows were out of order.
+Rules: an empty file, a missing column, an unparsable timestamp / arrival, a token count that is not
+an integer in ``1..INT32_MAX``, a priority outside ``-INT32_MAX..INT32_MAX`` or a request id longer
+than :data:`MAX_REQUEST_ID_CHARS` raise :class:`~flexpipe_dag.core.errors.InputError` with ``source`` =
+the file and ``field`` = ``row N.column`` (N counts data rows from 1); unsorted arrivals are sorted
+(stable) with a :class:`UserWarning` that says how many rows were out of order. The integer bounds
+are what the store's integer columns and numpy ``int64`` arithmetic hold without overflow.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import numpy as np
 import pandas as pd
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.workload.request import GENERIC_COLUMNS, REQUEST_CLASSES, Workload
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 LENGTH_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+#: Longest request id a trace may use (the store's ``request_results.request_key`` is 200 chars).
+MAX_REQUEST_ID_CHARS = 200
 
 
 class UnsortedTraceWarning(UserWarning):
@@ -68,10 +73,11 @@ def _row_field(idx: int, column: str) -> str:
 def _token_column(frame: pd.DataFrame, column: str, source: str) -> np.ndarray:
     """The column as int64, every value an integer >= 1."""
     values = pd.to_numeric(frame[column], errors="coerce")
-    bad = values.isna() | (values < 1) | (values != np.floor(values))
+    bad = values.isna() | (values < 1) | (values != np.floor(values)) | (values > INT32_MAX)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise InputError(source, _row_field(i, column), f"got {frame[column].iloc[i]!r}; expected an integer token count >= 1")
+        raise InputError(source, _row_field(i, column),
+                         f"got {frame[column].iloc[i]!r}; expected an integer token count >= 1 and <= {INT32_MAX}")
     return values.to_numpy(dtype=np.int64)
 
 
@@ -102,7 +108,7 @@ def load_azure_trace(path: str | Path, *, name: str | None = None, id_prefix: st
     (nanosecond-exact; the 7th fractional digit is kept). Ids are ``<prefix>-<row>``.
 
     Raises:
-        InputError: empty file, missing column, unparsable timestamp, token count < 1.
+        InputError: empty file, missing column, unparsable timestamp, token count not in ``1..INT32_MAX``.
     """
     path = Path(path)
     source = str(path)
@@ -134,8 +140,9 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
         rebase: shift arrivals so the first is at 0 s (default keeps them as written).
 
     Raises:
-        InputError: empty file, missing column, arrival not a finite number >= 0, token count < 1,
-            class not online/offline, priority not an integer, duplicate request_id.
+        InputError: empty file, missing column, arrival not a finite number >= 0, token count not an
+            integer in ``1..INT32_MAX``, class not online/offline, priority not an integer in
+            ``-INT32_MAX..INT32_MAX``, request_id over :data:`MAX_REQUEST_ID_CHARS` or duplicated.
     """
     path = Path(path)
     source = str(path)
@@ -153,14 +160,20 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
         raise InputError(source, _row_field(i, "class"), f"got {frame['class'].iloc[i]!r}; expected one of {list(REQUEST_CLASSES)}")
     if "priority" in frame.columns:
         prio = pd.to_numeric(frame["priority"], errors="coerce")
-        bad = prio.isna() | (prio != np.floor(prio.fillna(0)))
+        bad = prio.isna() | (prio != np.floor(prio.fillna(0))) | (prio.abs() > INT32_MAX)
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise InputError(source, _row_field(i, "priority"), f"got {frame['priority'].iloc[i]!r}; expected an integer")
+            raise InputError(source, _row_field(i, "priority"),
+                             f"got {frame['priority'].iloc[i]!r}; expected an integer -{INT32_MAX}..{INT32_MAX}")
         prio = prio.astype(np.int64)
     else:
         prio = pd.Series(0, index=frame.index, dtype=np.int64)
     ids = frame["request_id"].astype(str) if "request_id" in frame.columns else pd.Series([f"{path.stem}-{i:06d}" for i in range(len(frame))])
+    too_long = ids.str.len() > MAX_REQUEST_ID_CHARS
+    if too_long.any():
+        i = int(np.flatnonzero(too_long.to_numpy())[0])
+        raise InputError(source, _row_field(i, "request_id"),
+                         f"{len(ids.iloc[i])} characters; expected at most {MAX_REQUEST_ID_CHARS}")
     out = pd.DataFrame({
         "request_id": ids.to_numpy(),
         "arrival_s": arrival.to_numpy(dtype=float),
@@ -189,14 +202,15 @@ def load_length_file(
         limit: keep only the first ``limit`` rows.
 
     Raises:
-        InputError: empty file, missing column, token count < 1, ``arrival_s`` < 0, ``limit`` < 1.
+        InputError: empty file, missing column, token count outside ``1..INT32_MAX``, ``arrival_s`` not
+            a finite number >= 0, ``limit`` not an integer >= 1, ``priority`` not an integer in range.
     """
     path = Path(path)
     source = str(path)
-    if arrival_s < 0:
-        raise InputError(source, "arrival_s", f"got {arrival_s}; expected seconds >= 0")
-    if limit is not None and limit < 1:
-        raise InputError(source, "limit", f"got {limit}; expected >= 1")
+    check_number(arrival_s, source, "arrival_s", ge=0, unit="seconds")
+    if limit is not None:
+        check_number(limit, source, "limit", integer=True, ge=1, le=INT32_MAX)
+    check_number(priority, source, "priority", integer=True, ge=-INT32_MAX, le=INT32_MAX)
     frame = _read_table(path)
     _require_columns(frame, LENGTH_COLUMNS, source)
     if limit is not None:

@@ -31,6 +31,9 @@ class BatchInferenceConfig(Config):
     priority: int = 0
     step_timeout_s: float = 120.0
     kv_pool_tokens_max: int = Field(8192, ge=256, description="cap on the gear's KV pool for this job")
+    control_address: str = Field("", description="HOST:PORT: serve stage workers started on other hosts "
+                                 "(`flexpipe worker --head HOST:PORT --stage S` on each) instead of spawning "
+                                 "them here; empty = every stage on this host")
 
 
 def _gear(config: BatchInferenceConfig, db, ckpt):
@@ -70,6 +73,10 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from sql.result_sink import StoreResultSink
 
+    if config.control_address:
+        from flexpipe_dag.runtime.remote import parse_address
+
+        parse_address(config.control_address, "batch_inference config: control_address")
     db = store.get_store()
     ckpt = resolve_checkpoint(config.model or None)
     gear = _gear(config, db, ckpt)
@@ -81,14 +88,17 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     sink = StoreResultSink(db, job_id)
     for m in malformed[:50]:
         context.log.warning(f"malformed row {m.line}: {m.reason}")
-    runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s))
+    runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s,
+                                                         control_address=config.control_address or None))
     finished = skipped = tokens = steps = 0
     paused = False
     failure = None
     with runtime:
         # stage-step measurements for calibration (only for gears planned on a stored profile:
         # their device ids are the profile's)
-        collector = ObservationCollector(runtime, context.run_id) if gear.cluster_id else None
+        # (remote stages keep their rings on their own hosts)
+        collector = (ObservationCollector(runtime, context.run_id)
+                     if gear.cluster_id and not config.control_address else None)
         context.log.info(f"gear {gear.gear_id}: stages {gear.layer_ranges()}; per-stage memory "
                          + ", ".join(f"{i['param_bytes'] / 2**20:.0f} MiB" for i in runtime.stage_info))
         todo = [r for r in rows if r.request_id not in sink.done_ids()]

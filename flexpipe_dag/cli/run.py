@@ -216,6 +216,10 @@ def run(args: argparse.Namespace) -> int:
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
                              control_address=control_address)
     runtime = PipelineRuntime(gear, ckpt, options)
+    if control_address:  # a launcher stops every rank with SIGTERM when one exits: name the stage, keep results
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda signum, _f: runtime.abort(f"stopped by signal {signum}"))
     where = (f"waiting for {gear.num_stages} stage workers at {control_address}" if control_address
              else "starting workers")
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "

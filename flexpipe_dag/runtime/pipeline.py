@@ -215,6 +215,7 @@ class PipelineRuntime:
         self._on_result: Callable[[RequestOutput], None] | None = None
         self._started = False
         self._control = None  # ControlServer when the stages are remote
+        self._abort_reason: str | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _spec(self) -> WorkerSpec:
@@ -426,7 +427,14 @@ class PipelineRuntime:
         self._check_health()
         return ev
 
+    def abort(self, reason: str) -> None:
+        """Make the waiting call fail soon with ``reason`` (safe from a signal handler: only sets a
+        flag the watchdog reads). A remote stage that went silent is still named as the cause."""
+        self._abort_reason = reason
+
     def _check_health(self) -> None:
+        if self._abort_reason is not None:
+            self._fail("head", self._abort_reason)
         for i, p in enumerate(self._procs):
             if p.exitcode is not None:
                 self._fail("driver" if i == 0 else i - 1, f"process exited with code {p.exitcode}")
@@ -477,8 +485,9 @@ class PipelineRuntime:
         own = [s for s, (msg, transport) in reports.items() if not transport]
         silent = [s for s, code in codes.items() if code is not None and s not in reports]
         now = time.monotonic()
-        gone = [i - 1 for i, p in enumerate(self._procs) if hasattr(p, "silent_for_s") and i - 1 not in reports
-                and p.exitcode is None and p.silent_for_s(now) > SILENT_AT_FAILURE_S]
+        gone = sorted((i - 1 for i, p in enumerate(self._procs) if hasattr(p, "silent_for_s") and i - 1 not in reports
+                       and p.exitcode is None and p.silent_for_s(now) > SILENT_AT_FAILURE_S),
+                      key=lambda s: -self._procs[s + 1].silent_for_s(now))  # the longest silent went first
         if reason.startswith("watchdog") or stage in gone:
             pass
         elif gone:  # a remote stage went quiet while its neighbours reported broken links: it died

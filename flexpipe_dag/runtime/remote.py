@@ -33,6 +33,7 @@ import array
 import os
 import pickle
 import queue
+import signal
 import socket
 import struct
 import sys
@@ -315,15 +316,33 @@ def serve_stage(head: str, stage: int, model=None, device: str | None = None, lo
     if threads:
         spec.threads_per_rank = threads
     counters = HeartbeatCounters(store, stage, spec.world_size)
-    code = 0
-    try:
-        worker_main(stage, spec, events, counters)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        counters.close()
+    result: dict = {"code": 0}
+
+    def serve() -> None:
         try:
-            store.set(f"exit/{stage}", str(code))
-        except Exception:  # noqa: BLE001 - the head is gone; nothing to tell
-            pass
-    return code
+            worker_main(stage, spec, events, counters)
+        except SystemExit as exc:
+            result["code"] = int(exc.code or 0)
+
+    def on_sigterm(signum, _frame) -> None:  # a launcher stopping every rank: say so, then go
+        try:
+            events.put(("error", stage, f"stopped by signal {signum} (the launcher stops every rank when one exits)",
+                        True))
+            store.set(f"exit/{stage}", str(128 + signum))
+        finally:
+            os._exit(128 + signum)
+
+    # the stage serves on a thread so this (main) thread stays free to run the signal handler: a
+    # thread blocked in a backend receive would never run it
+    thread = threading.Thread(target=serve, name=f"flexpipe-stage-{stage}", daemon=True)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+    counters.close()
+    try:
+        store.set(f"exit/{stage}", str(result["code"]))
+    except Exception:  # noqa: BLE001 - the head is gone; nothing to tell
+        pass
+    return result["code"]

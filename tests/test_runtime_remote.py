@@ -1,0 +1,174 @@
+"""Stage workers started outside the head (other hosts, here other process trees on this host):
+``flexpipe worker --head``, ``flexpipe run --launched`` under ``torch.distributed.run``, the control
+store's refusals, and a killed remote stage named by the head with finished outputs kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from conftest import MODEL_CACHE  # noqa: E402
+from test_runtime_helpers import checkpoint, gear, hf_reference, requests  # noqa: E402
+
+from flexpipe_dag.core.errors import InputError  # noqa: E402
+from flexpipe_dag.core.host import free_port  # noqa: E402
+from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError  # noqa: E402
+from flexpipe_dag.runtime.remote import ControlServer, connect, parse_address, serve_stage  # noqa: E402
+from flexpipe_dag.runtime.worker import WorkerSpec  # noqa: E402
+
+pytestmark = pytest.mark.slow
+UNEVEN3 = [(0, 7), (7, 26), (26, 30)]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", FLEXPIPE_MODEL_CACHE=MODEL_CACHE, HF_HUB_OFFLINE="1")
+    env.pop("FLEXPIPE_FAULT", None)
+    return env
+
+
+def _workers(address: str, stages: int) -> list[subprocess.Popen]:
+    """One ``flexpipe worker`` process per stage, in its own session (not a child of the runtime)."""
+    return [subprocess.Popen([sys.executable, "-m", "flexpipe_dag.cli", "worker", "--head", address, "--stage", str(s)],
+                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            for s in range(stages)]
+
+
+def _reap(procs: list[subprocess.Popen], timeout_s: float = 30) -> list[int | None]:
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append(None)
+    return codes
+
+
+def test_remote_stage_workers_match_hf_generate_and_exit_cleanly():
+    ref = hf_reference()
+    port = free_port()
+    procs = _workers(f"127.0.0.1:{port}", 3)
+    reqs = requests(8, prefix="remote-")
+    try:
+        options = RuntimeOptions(control_address=f"127.0.0.1:{port}", start_timeout_s=240)
+        with PipelineRuntime(gear(UNEVEN3, micro_batch_size=4), checkpoint(), options) as rt:
+            assert [(i["layer_start"], i["layer_end"]) for i in rt.stage_info] == UNEVEN3
+            assert rt.stage_pids() == [p.pid for p in procs]  # the stages are those processes
+            outs = rt.generate(reqs)
+    finally:
+        codes = _reap(procs)
+    assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id.split("-")[-1]]
+                                                                 for r in reqs}
+    assert codes == [0, 0, 0]  # the head's STOP ended every worker
+
+
+def test_killed_remote_stage_is_named_and_finished_outputs_kept():
+    port = free_port()
+    procs = _workers(f"127.0.0.1:{port}", 2)
+    finished: list = []
+    try:
+        options = RuntimeOptions(control_address=f"127.0.0.1:{port}", start_timeout_s=240)
+        with PipelineRuntime(gear([(0, 15), (15, 30)], micro_batch_size=2), checkpoint(), options) as rt:
+            reqs = requests(8, prefix="kill-remote-")
+            for r in reqs:  # long enough that work is in flight when stage 1 dies
+                r.max_new_tokens, r.eos_token_ids = 40, ()
+            killed = False
+
+            def on_result(out):
+                nonlocal killed
+                finished.append(out)
+                if not killed:
+                    os.kill(procs[1].pid, signal.SIGKILL)  # stage 1's process, after the first result
+                    killed = True
+
+            with pytest.raises(StageFailedError) as err:
+                rt.generate(reqs, on_result=on_result)
+    finally:
+        codes = _reap(procs)
+    assert err.value.stage == 1, err.value.reason
+    assert "heartbeat" in err.value.reason
+    assert finished and {o.request_id for o in err.value.finished} == {o.request_id for o in finished}
+    assert codes[1] == -signal.SIGKILL and codes[0] is not None and codes[0] != 0  # no orphan left behind
+
+
+def test_head_without_workers_says_how_to_start_them():
+    options = RuntimeOptions(control_address=f"127.0.0.1:{free_port()}", start_timeout_s=2)
+    rt = PipelineRuntime(gear([(0, 15), (15, 30)]), checkpoint(), options)
+    with pytest.raises(StageFailedError) as err:
+        rt.start()
+    assert err.value.stage == 0 and "flexpipe worker --head" in err.value.reason and "--stage 0" in err.value.reason
+
+
+def test_control_store_refuses_a_second_worker_and_a_stage_outside_the_gear():
+    server = ControlServer(0, 2)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        connect("127.0.0.1", server.port, 10).add("claim/0", 1)  # stage 0 already has a worker
+        with pytest.raises(InputError, match="stage 0 already has a worker"):
+            serve_stage(address, 0, connect_timeout_s=10)
+        server.publish(WorkerSpec(str(checkpoint().path), checkpoint().name, [(0, 15), (15, 30)], 8, 16))
+        with pytest.raises(InputError, match="2 stages"):
+            serve_stage(address, 5, connect_timeout_s=10)
+        import queue
+
+        events: queue.Queue = queue.Queue()
+        server.poll(connect("127.0.0.1", server.port, 10), events, [0.0] * 12)
+        ev = events.get_nowait()
+        assert ev[0] == "error" and ev[1] == 5 and "2 stages" in ev[2]
+        assert server.claimed() == [0]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("text", ["nohost", "host:", ":29500", "host:99999", "host:abc"])
+def test_bad_head_address(text):
+    with pytest.raises(InputError, match="HOST:PORT"):
+        parse_address(text, "--head")
+
+
+def test_run_launched_under_torch_distributed_run(tmp_path):
+    """The launcher path: 3 ranks = head + 2 stages, outputs identical to the local pipeline's."""
+    ids = [r.request_id for r in requests(4, prefix="launch-")]
+    prompts = tmp_path / "prompts.jsonl"
+    ref = hf_reference()
+    prompts.write_text("".join(json.dumps({"id": r.request_id, "token_ids": r.prompt_token_ids, "max_new_tokens":
+                                           r.max_new_tokens}) + "\n" for r in requests(4, prefix="launch-")))
+    out = tmp_path / "out.jsonl"
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "3",
+           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "flexpipe_dag.cli", "run", "--launched",
+           "--control-port", str(free_port()), "--stages", "2", "--prompts", str(prompts), "--out", str(out),
+           "--max-new-tokens", "64"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["finished"] == 4 and summary["failure"] is None, summary
+    rows = {json.loads(line)["id"]: json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()}
+    assert rows == {i: ref[i.split("-")[-1]] for i in ids}
+
+
+def test_batch_inference_job_serves_stage_workers_started_elsewhere(tmp_path):
+    """The Dagster job as a multi-host user runs it: workers first, then the job with ``control_address``."""
+    from jobs.batch import batch_inference
+    from resources.store_resource import StoreResource
+
+    port = free_port()
+    procs = _workers(f"127.0.0.1:{port}", 2)
+    store = StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}")
+    try:
+        result = batch_inference.execute_in_process(run_config={"ops": {"run_batch": {"config": {
+            "job_key": "remote-1", "trace": "azure-conv", "num_requests": 6, "max_prompt_tokens": 32,
+            "max_new_tokens": 4, "stages": 2, "control_address": f"127.0.0.1:{port}"}}}}, resources={"store": store})
+    finally:
+        codes = _reap(procs)
+    assert result.success and codes == [0, 0]
+    (job,) = store.get_store().jobs()
+    assert job.status == "done" and len(store.get_store().results(job.id)) == 6

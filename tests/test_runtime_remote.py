@@ -134,8 +134,9 @@ def test_bad_head_address(text):
         parse_address(text, "--head")
 
 
-def test_run_launched_under_torch_distributed_run(tmp_path):
-    """The launcher path: 3 ranks = head + 2 stages, outputs identical to the local pipeline's."""
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "deepspeed"])
+def test_run_launched_under_a_launcher(tmp_path, launcher):
+    """The launcher path: 3 ranks = head + 2 stages, outputs identical to transformers ``generate``."""
     ids = [r.request_id for r in requests(4, prefix="launch-")]
     prompts = tmp_path / "prompts.jsonl"
     ref = hf_reference()
@@ -143,13 +144,17 @@ def test_run_launched_under_torch_distributed_run(tmp_path):
                                            r.max_new_tokens}) + "\n" for r in requests(4, prefix="launch-")))
     out = tmp_path / "out.jsonl"
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "3",
-           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "flexpipe_dag.cli", "run", "--launched",
-           "--control-port", str(free_port()), "--stages", "2", "--prompts", str(prompts), "--out", str(out),
-           "--max-new-tokens", "64"]
+    if launcher == "deepspeed":  # its single-host form; a hostfile spreads the same ranks over hosts
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "3", "--master_port", str(port),
+               "--module", "flexpipe_dag.cli"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "3",
+               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "flexpipe_dag.cli"]
+    cmd += ["run", "--launched", "--control-port", str(free_port()), "--stages", "2", "--prompts", str(prompts),
+            "--out", str(out), "--max-new-tokens", "64"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])  # launcher logs follow
     assert summary["finished"] == 4 and summary["failure"] is None, summary
     rows = {json.loads(line)["id"]: json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()}
     assert rows == {i: ref[i.split("-")[-1]] for i in ids}

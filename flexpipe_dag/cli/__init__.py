@@ -20,6 +20,8 @@ SUBCOMMAND_MODULES = ("profile", "plan", "simulate", "run", "worker", "shift", "
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexpipe", description=__doc__.splitlines()[0])
+    # DeepSpeed's launcher puts --local_rank=N before the sub-command (LOCAL_RANK carries the same)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         try:

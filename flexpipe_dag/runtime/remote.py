@@ -275,7 +275,7 @@ def serve_stage(head: str, stage: int, model=None, device: str | None = None, lo
     Claims the stage, waits for the head's spec, loads this stage's layers of ``model`` (resolved
     on this host: an HF directory, GGUF file, or ``None`` for SmolLM2; it must be the model the
     head serves), joins the process group and serves. On a CUDA pipeline the stage runs on
-    ``cuda:<local_rank>``; ``device`` (``"cpu"`` / ``"cuda"``), when given, must match the head's.
+    ``cuda:<local_rank mod this host's GPU count>``; ``device`` (``"cpu"`` / ``"cuda"``), when given, must match the head's.
     Returns the exit status (0 after a clean stop).
 
     Raises:
@@ -311,8 +311,10 @@ def serve_stage(head: str, stage: int, model=None, device: str | None = None, lo
         raise
     spec.checkpoint_path = str(ckpt.path)
     spec.control_address = f"{host}:{port}"
-    if spec.device == "cuda":
-        spec.device = f"cuda:{local_rank}"
+    if spec.device == "cuda":  # modulo: the head's host also gives the head a local rank (it takes no GPU)
+        import torch
+
+        spec.device = f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
     if threads:
         spec.threads_per_rank = threads
     counters = HeartbeatCounters(store, stage, spec.world_size)

@@ -96,9 +96,7 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     with runtime:
         # stage-step measurements for calibration (only for gears planned on a stored profile:
         # their device ids are the profile's)
-        # (remote stages keep their rings on their own hosts)
-        collector = (ObservationCollector(runtime, context.run_id)
-                     if gear.cluster_id and not config.control_address else None)
+        collector = ObservationCollector(runtime, context.run_id) if gear.cluster_id else None
         context.log.info(f"gear {gear.gear_id}: stages {gear.layer_ranges()}; per-stage memory "
                          + ", ".join(f"{i['param_bytes'] / 2**20:.0f} MiB" for i in runtime.stage_info))
         todo = [r for r in rows if r.request_id not in sink.done_ids()]

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -19,6 +20,7 @@ from test_runtime_helpers import checkpoint, gear, hf_reference, requests  # noq
 
 from flexpipe_dag.core.errors import InputError  # noqa: E402
 from flexpipe_dag.core.host import free_port  # noqa: E402
+from flexpipe_dag.runtime.observations import ObservationCollector  # noqa: E402
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError  # noqa: E402
 from flexpipe_dag.runtime.remote import ControlServer, connect, parse_address, serve_stage  # noqa: E402
 from flexpipe_dag.runtime.worker import WorkerSpec  # noqa: E402
@@ -62,12 +64,26 @@ def test_remote_stage_workers_match_hf_generate_and_exit_cleanly():
         with PipelineRuntime(gear(UNEVEN3, micro_batch_size=4), checkpoint(), options) as rt:
             assert [(i["layer_start"], i["layer_end"]) for i in rt.stage_info] == UNEVEN3
             assert rt.stage_pids() == [p.pid for p in procs]  # the stages are those processes
+            collector = ObservationCollector(rt, "remote")
             outs = rt.generate(reqs)
+            observed: list = []
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # rows arrive with the heartbeats (every 0.2 s)
+                observed += collector.collect()
+                counts = [sum(o.stage_index == s for o in observed) for s in range(3)]
+                if counts[0] and len(set(counts)) == 1:
+                    break
+                time.sleep(0.2)
     finally:
         codes = _reap(procs)
     assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id.split("-")[-1]]
                                                                  for r in reqs}
     assert codes == [0, 0, 0]  # the head's STOP ended every worker
+    # every stage's measured steps reached the head (calibration input), with times on its clock
+    by_stage = [[o for o in observed if o.stage_index == s] for s in range(3)]
+    assert all(by_stage) and len({len(rows) for rows in by_stage}) == 1  # each micro-batch once per stage
+    assert [(rows[0].layer_start, rows[0].layer_end) for rows in by_stage] == UNEVEN3
+    assert all(o.wall_ms > 0 and o.t_s >= -1.0 for o in observed)
 
 
 def test_killed_remote_stage_is_named_and_finished_outputs_kept():

@@ -206,8 +206,11 @@ class ObservationCollector:
     def __init__(self, runtime, run_key: str | None = None):
         self.runtime = runtime
         self.run_key = run_key
-        self._readers: list[RingReader] = []
-        for info in runtime.stage_info:
+        self._readers: list = []
+        remote = getattr(runtime, "remote_stages", None)
+        if remote:  # stages on other hosts ship their rows to the head (flexpipe_dag.runtime.remote)
+            self._readers = list(remote)
+        for info in [] if remote else runtime.stage_info:
             path = info.get("observations_path")
             if not path:
                 raise ValueError(f"stage {info.get('stage_index')} reported no observations_path")

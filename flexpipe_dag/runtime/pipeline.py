@@ -279,6 +279,12 @@ class PipelineRuntime:
         self.stage_info = [info[s] for s in range(spec.num_stages)]
         return self.stage_info
 
+    @property
+    def remote_stages(self) -> list:
+        """Handles of stage workers on other hosts (:class:`~flexpipe_dag.runtime.remote.RemoteStage`),
+        empty when every stage is a child of this process."""
+        return list(self._control.stages) if self._control is not None else []
+
     def stage_pids(self) -> list[int]:
         """Process id of each stage worker, in stage order."""
         return [p.pid for p in self._procs[1:]]

@@ -19,6 +19,8 @@ serves on ``PORT`` (the only port to open besides the backend's own data connect
 * ``hb/<s>``: a heartbeat every :data:`HEARTBEAT_PERIOD_S` carrying the stage's step counters
   (steps, busy seconds, age of the running step), mirrored by the head into the same counter
   array local workers write, so the watchdog and live metrics work unchanged;
+* ``obs/<s>`` (a store queue): the stage's per-step observations (calibration rows), read from
+  its own ring by the heartbeat thread and shipped with their times moved onto the head's clock;
 * ``exit/<s>``: the worker's exit status; ``abort``: set by the head to stop every worker (a
   remote process cannot be killed from here; its heartbeat thread sees ``abort`` and exits).
 
@@ -52,6 +54,7 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
 SILENT_AT_FAILURE_S = 3 * HEARTBEAT_PERIOD_S + 0.2
 _EVENTS = "events"
 _HB = struct.Struct(f"<qd{FIELDS}d")  # sequence, sender's monotonic clock, counter fields
+_OBS = struct.Struct("<dq")  # sender's monotonic clock, rows dropped so far; then float64 ring rows
 
 
 def parse_address(text: str, field: str) -> tuple[str, int]:
@@ -74,13 +77,17 @@ def connect(host: str, port: int, timeout_s: float):
 
 
 class StoreEvents:
-    """Worker side of the event channel: ``put(event)`` pushes a pickled tuple onto the store queue."""
+    """Worker side of the event channel: ``put(event)`` pushes a pickled tuple onto the store queue.
+    ``on_ready(info)`` is called with the stage's ``ready`` info (its observation ring's path)."""
 
-    def __init__(self, store):
+    def __init__(self, store, on_ready=None):
         self._store = store
         self._lock = threading.Lock()
+        self._on_ready = on_ready
 
     def put(self, event: tuple) -> None:
+        if event[0] == "ready" and self._on_ready is not None:
+            self._on_ready(event[2])
         with self._lock:
             self._store.queue_push(_EVENTS, pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -96,8 +103,16 @@ class HeartbeatCounters:
         self.stage, self._base = stage, (stage + 1) * FIELDS
         self._head_timeout_s = head_timeout_s
         self._stop = threading.Event()
+        self._ring = None  # this stage's observation ring, once loaded
         self._thread = threading.Thread(target=self._beat, name=f"flexpipe-heartbeat-{stage}", daemon=True)
         self._thread.start()
+
+    def watch_ring(self, info: dict) -> None:
+        """Ship the rows of the stage's observation ring (``info["observations_path"]``) to the head."""
+        from flexpipe_dag.runtime.observations import RingReader
+
+        if info.get("observations_path"):
+            self._ring = RingReader(info["observations_path"])
 
     def __getitem__(self, i: int) -> float:
         return self._values[i]
@@ -106,8 +121,13 @@ class HeartbeatCounters:
         self._values[i] = v
 
     def close(self) -> None:
+        """Stop beating; ship the last observation rows (before the exit status is published)."""
         self._stop.set()
         self._thread.join(timeout=2)
+        try:
+            self._ship_observations()
+        except Exception:  # noqa: BLE001 - the head is gone
+            pass
 
     def _beat(self) -> None:
         seq, last_ok = 0, time.monotonic()
@@ -116,6 +136,7 @@ class HeartbeatCounters:
             try:
                 fields = self._values[self._base:self._base + FIELDS]
                 self._store.set(f"hb/{self.stage}", _HB.pack(seq, time.monotonic(), *fields))
+                self._ship_observations()
                 if self._store.check(["abort"]):
                     print(f"flexpipe worker: stage {self.stage}: the head stopped the pipeline "
                           f"({self._store.get('abort').decode()}); exiting", file=sys.stderr, flush=True)
@@ -130,6 +151,16 @@ class HeartbeatCounters:
                     os._exit(1)
 
 
+    def _ship_observations(self) -> None:
+        ring = self._ring
+        if ring is None:
+            return
+        rows = ring.read_new()
+        if len(rows):
+            header = _OBS.pack(time.monotonic(), ring.dropped)
+            self._store.queue_push(f"obs/{self.stage}", header + rows.astype("<f8").tobytes())
+
+
 class RemoteStage:
     """Head-side handle of a stage worker on another host, with the ``multiprocessing.Process``
     surface the runtime's watchdog uses (``pid``, ``exitcode``, ``is_alive``, ``join``, ``kill``)
@@ -142,6 +173,18 @@ class RemoteStage:
         self.exitcode: int | None = None
         self.last_beat: float | None = None  # head's monotonic clock at the last new heartbeat
         self._seq = -1
+        self._rows: list = []  # observation rows received, not yet read
+        self.dropped = 0  # rows the worker's ring overwrote before they were shipped
+
+    def read_new(self):
+        """Observation rows received since the last call, ``(n, NUM_COLUMNS)`` float64 with ``t_end_s``
+        on the head's clock (the :class:`~flexpipe_dag.runtime.observations.RingReader` interface)."""
+        import numpy as np
+
+        from flexpipe_dag.runtime.observations import NUM_COLUMNS
+
+        rows, self._rows = self._rows, []
+        return np.concatenate(rows) if rows else np.zeros((0, NUM_COLUMNS))
 
     def silent_for_s(self, now: float | None = None) -> float:
         """Seconds since the last new heartbeat (0 before the first one)."""
@@ -223,15 +266,21 @@ class ControlServer:
 
     def start(self, events: queue.Queue, counters) -> None:
         """Start mirroring: remote events onto ``events``, heartbeats into ``counters``."""
+        self._sinks = (events, counters)
         self._thread = threading.Thread(target=self._pump, args=(self._store.clone(), events, counters),
                                         name="flexpipe-control-pump", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
-        """Stop mirroring (the store itself closes with this object)."""
+        """Stop mirroring after one last pass (the store itself closes with this object)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+            try:
+                with self._lock:
+                    self.poll(self._main, *self._sinks)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
 
     def _pump(self, store, events, counters) -> None:
         try:
@@ -253,6 +302,7 @@ class ControlServer:
         now = time.monotonic()
         for st in self.stages:
             s = st.stage
+            self._receive_observations(store, st, now)
             if st.exitcode is None and store.check([f"exit/{s}"]):
                 st.exitcode = int(store.get(f"exit/{s}"))
             if not store.check([f"hb/{s}"]):
@@ -266,6 +316,21 @@ class ControlServer:
                 if i == F_STEP_STARTED and v:
                     v = now - (sent_at - v)  # the worker's clock -> ours, via the step's age
                 counters[base + i] = v
+
+
+    @staticmethod
+    def _receive_observations(store, st: RemoteStage, now: float) -> None:
+        import numpy as np
+
+        from flexpipe_dag.runtime.observations import COLUMNS, NUM_COLUMNS
+
+        t_end = COLUMNS.index("t_end_s")
+        while store.queue_len(f"obs/{st.stage}") > 0:
+            blob = store.queue_pop(f"obs/{st.stage}", False)
+            sent_at, st.dropped = _OBS.unpack_from(blob)
+            rows = np.frombuffer(blob, dtype="<f8", offset=_OBS.size).reshape(-1, NUM_COLUMNS).copy()
+            rows[:, t_end] = now - (sent_at - rows[:, t_end])  # the worker's clock -> ours
+            st._rows.append(rows)
 
 
 def serve_stage(head: str, stage: int, model=None, device: str | None = None, local_rank: int = 0,
@@ -318,6 +383,7 @@ def serve_stage(head: str, stage: int, model=None, device: str | None = None, lo
     if threads:
         spec.threads_per_rank = threads
     counters = HeartbeatCounters(store, stage, spec.world_size)
+    events = StoreEvents(store, on_ready=counters.watch_ring)
     result: dict = {"code": 0}
 
     def serve() -> None:

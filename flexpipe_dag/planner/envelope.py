@@ -38,7 +38,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -52,6 +52,9 @@ from flexpipe_dag.workload.request import Workload
 from flexpipe_dag.workload.transform import head, speedup
 
 TimingSource = Callable[[Gear], StageTimingModel]
+#: How :func:`select_operating_gears` fills the three slots: by speed (TPOT, power) or by goodput per device.
+SelectionObjective = Literal["speed", "devices"]
+SELECTION_OBJECTIVES: tuple[str, ...] = ("speed", "devices")
 
 
 @dataclass(frozen=True)
@@ -300,10 +303,12 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, referenc
                            slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, attainment: float = 0.95,
                            num_requests: int = 1000, low_load_share: float = 0.25, rel_tol: float = 0.03,
                            overlap_fraction: float = 0.7, sim_config: SimConfig | None = None,
-                           report: list[GearEnvelope] | None = None, notes: list[str] | None = None) -> list[Gear]:
+                           report: list[GearEnvelope] | None = None, notes: list[str] | None = None,
+                           objective: SelectionObjective = "speed") -> list[Gear]:
     """Pick the latency / balanced / throughput gears from ``candidates`` by simulation and set their envelopes.
 
-    Every candidate's envelope is measured (:func:`measure_envelope`); then
+    Every candidate's envelope is measured (:func:`measure_envelope`); then, with ``objective="speed"``
+    (default),
 
     * ``throughput``: the highest ``qps_max`` (ties: lower TPOT P50 at the low load);
     * ``latency``: among the others serving the low load ``q_low = low_load_share x`` that
@@ -311,22 +316,38 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, referenc
     * ``balanced``: among the rest with ``qps_max`` strictly between the two, the highest power
       ``qps_max / TPOT P50 at q_low`` (Kleinrock 1979).
 
+    With ``objective="devices"`` the same slots are filled by SLO goodput per device, the figure
+    DistServe (OSDI'24) scores serving by (a gear's devices are its ``device_ids``, replicas included):
+
+    * ``throughput``: the highest ``qps_max``, where every candidate within ``rel_tol`` of it ties
+      (the bisection measures envelopes no finer), and among the tied the fewest devices, then the
+      highest ``qps_max``, then the lower TPOT P50 at ``q_low``;
+    * ``latency``: among the others serving ``q_low``, the fewest devices (every one of them
+      delivers the same goodput there, so this is the most goodput per device), then the lowest
+      TPOT P50 at ``q_low``, then TTFT P50: the cheapest gear that holds the low load;
+    * ``balanced``: among the rest with ``qps_max`` strictly between the two, the highest
+      ``qps_max / devices`` (goodput per device at its envelope), then the highest power.
+
     A kind with no distinct candidate is left out and a sentence saying so is appended to ``notes``.
 
     Args:
         candidates: distinct configurations, e.g. :func:`flexpipe_dag.planner.gears.candidate_gears`.
         cost_model / reference_workload / slo_* / attainment / num_requests / rel_tol /
         overlap_fraction / sim_config / report: as :func:`refine_envelopes`.
+        objective: ``"speed"`` or ``"devices"`` (above).
 
     Returns:
         The chosen gears, ordered latency, balanced, throughput, relabelled (kind and id prefix) and
         carrying their measured envelopes and estimates.
 
     Raises:
-        InputError: no candidates, or as :func:`refine_envelopes`.
+        InputError: no candidates, an unknown ``objective``, or as :func:`refine_envelopes`.
     """
     if not candidates:
         raise InputError("select_operating_gears", "candidates", "expected at least one candidate gear")
+    if objective not in SELECTION_OBJECTIVES:
+        raise InputError("select_operating_gears", "objective",
+                         f"got {objective!r}; expected one of {', '.join(SELECTION_OBJECTIVES)}")
     timing_for = _timing_source(cost_model)
     kw = dict(slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, attainment=attainment, num_requests=num_requests,
               rel_tol=rel_tol, sim_config=sim_config)
@@ -343,23 +364,45 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, referenc
             est = probe_gear(g, timings[g.gear_id], ref, native, q_low, config=config, attainment=attainment).estimate
             low[g.gear_id] = (est.tpot_p50_ms, est.ttft_p50_ms)
     inf = (math.inf, math.inf)
-    thr = max(candidates, key=lambda g: (envs[g.gear_id].qps_max, [-x for x in low.get(g.gear_id, inf)], g.gear_id))
+    by_devices = objective == "devices"
+
+    def devices(g: Gear) -> int:
+        return len(g.device_ids)
+
+    def power(g: Gear) -> float:
+        return envs[g.gear_id].qps_max / max(low[g.gear_id][0], 1e-9)
+
+    if by_devices:
+        tied = [g for g in candidates if envs[g.gear_id].qps_max >= (1.0 - rel_tol) * best_max]
+        thr = min(tied, key=lambda g: (devices(g), -envs[g.gear_id].qps_max, low.get(g.gear_id, inf), g.gear_id))
+    else:
+        thr = max(candidates, key=lambda g: (envs[g.gear_id].qps_max, [-x for x in low.get(g.gear_id, inf)], g.gear_id))
     chosen: dict[str, Gear] = {"throughput": thr}
     others = [g for g in candidates if g.gear_id != thr.gear_id and g.gear_id in low]
     if others:
-        lat = min(others, key=lambda g: (round(low[g.gear_id][0], 6), round(low[g.gear_id][1], 6), g.gear_id))
-        if low[lat.gear_id] < low.get(thr.gear_id, inf):
+        if by_devices:
+            lat = min(others, key=lambda g: (devices(g), round(low[g.gear_id][0], 6), round(low[g.gear_id][1], 6), g.gear_id))
+            better = (devices(lat), low[lat.gear_id]) < (devices(thr), low.get(thr.gear_id, inf))
+        else:
+            lat = min(others, key=lambda g: (round(low[g.gear_id][0], 6), round(low[g.gear_id][1], 6), g.gear_id))
+            better = low[lat.gear_id] < low.get(thr.gear_id, inf)
+        if better:
             chosen["latency"] = lat
     lo = envs[chosen["latency"].gear_id].qps_max if "latency" in chosen else 0.0
     hi = envs[thr.gear_id].qps_max
     mid = [g for g in others if g.gear_id not in {c.gear_id for c in chosen.values()}
            and lo < envs[g.gear_id].qps_max < hi]
     if mid:
-        chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].qps_max / max(low[g.gear_id][0], 1e-9), g.gear_id))
+        if by_devices:
+            chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].qps_max / devices(g), power(g), g.gear_id))
+        else:
+            chosen["balanced"] = max(mid, key=lambda g: (power(g), g.gear_id))
     for kind in ("latency", "balanced"):
         if kind not in chosen and notes is not None:
             notes.append(f"no {kind} gear distinct from the others: among {len(candidates)} candidates none "
-                         + ("has a lower TPOT at the low load than the throughput gear" if kind == "latency" else
+                         + (("uses fewer devices (or as few with a lower TPOT) at the low load than the throughput gear"
+                             if by_devices else "has a lower TPOT at the low load than the throughput gear")
+                            if kind == "latency" else
                             "has an envelope strictly between the latency and throughput gears'"))
     order = [k for k in ("latency", "balanced", "throughput") if k in chosen]
     picked = [chosen[k] for k in order]

@@ -25,6 +25,7 @@ exhaustive over ordered device sequences with the exact DP split, for <= 6 devic
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import itertools
@@ -53,6 +54,8 @@ ORACLE_MAX_LAYERS = 16
 LADDER_STEPS = 6
 #: The latency gear is chosen for this share of the best plan's capacity (the tide's trough).
 LOW_LOAD_SHARE = 0.25
+#: ``candidate_gears`` adds compact plans sized for the planned concurrency divided by these factors.
+COMPACT_CONCURRENCY_DIVISORS: tuple[int, ...] = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -431,7 +434,7 @@ def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16"
 def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                     concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                     workload: PlanWorkload | None = None, profile_version: int | None = None,
-                    device_overrides=None, max_candidates: int = 6) -> list[Gear]:
+                    device_overrides=None, max_candidates: int = 6, compact: bool = True) -> list[Gear]:
     """A shortlist of distinct configurations for scoring in the simulator (``kind="manual"``).
 
     The three analytic picks come first, then, alternating, the best plan by estimated tokens/s for
@@ -439,6 +442,17 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     rest whose estimated capacity is at least ``LOW_LOAD_SHARE`` of the best, until ``max_candidates``. Ids are ``candidate-<stages>s-<hash>``.
     :func:`flexpipe_dag.planner.envelope.select_operating_gears` picks and relabels the operating
     gears from it.
+
+    Compact candidates (``compact=True``, default): every plan above must hold ``concurrency``
+    sequences of ``context_p95_tokens`` in its KV pool, which on small cards takes many devices
+    (Llama-2-7B at the default 64 x 4096 tokens needs ~128 GiB of KV, 7+ 16-32 GB devices). A
+    trough holds fewer sequences in flight, so for the concurrency divided by each of
+    ``COMPACT_CONCURRENCY_DIVISORS`` the plan on the fewest devices (ties: higher estimated
+    tokens/s, lower idle TPOT) is appended when it uses fewer devices than every gear already
+    listed (at most ``len(COMPACT_CONCURRENCY_DIVISORS)`` more, beyond ``max_candidates``). Its
+    gear's KV pool is still all the memory its devices have left, and the simulator measures its
+    envelope with that pool (preemptions and rejections included), so a compact gear is picked only
+    for the load it actually holds.
 
     Raises:
         InfeasibleError / InputError: as :func:`plan_gears`.
@@ -470,6 +484,42 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
         out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
         if len(out) >= max_candidates:
             break
+    if compact:
+        out += _compact_candidates(cluster, model, dtype, workload, now, device_overrides, profile_version,
+                                   fewest_devices=min(len(g.device_ids) for g in out),
+                                   signatures={sp.plan.signature() for sp in picks})
+    return out
+
+
+def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, workload: PlanWorkload,
+                        now: dt.datetime | None, device_overrides, profile_version: int | None, *,
+                        fewest_devices: int, signatures: set[tuple]) -> list[Gear]:
+    """The fewest-device plan for each reduced concurrency (see :func:`candidate_gears`), as candidate gears.
+
+    Only plans on fewer devices than ``fewest_devices`` (and than the previous compact one) are
+    kept; a reduced concurrency with no feasible plan is skipped.
+    """
+    out: list[Gear] = []
+    seen_concurrency = {workload.concurrency}
+    for divisor in COMPACT_CONCURRENCY_DIVISORS:
+        concurrency = max(1, workload.concurrency // divisor)
+        if concurrency in seen_concurrency:
+            continue
+        seen_concurrency.add(concurrency)
+        search = make_search(cluster, model, dtype=dtype, workload=dataclasses.replace(workload, concurrency=concurrency),
+                             now=now, device_overrides=device_overrides)
+        scored = [s for s in candidate_plans(search) if s.plan.signature() not in signatures]
+        if not scored:
+            continue
+        best = min(scored, key=lambda s: (sum(len(ds) for ds in s.plan.device_ids), -round(s.estimate.tokens_per_s, 6),
+                                          s.estimate.tpot_idle_ms, s.plan.signature()))
+        n_devices = sum(len(ds) for ds in best.plan.device_ids)
+        if n_devices >= fewest_devices:
+            continue
+        fewest_devices = n_devices
+        signatures.add(best.plan.signature())
+        g = to_gear(search, "manual", best, profile_version=profile_version)
+        out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
     return out
 
 

@@ -17,7 +17,12 @@ PipelineModule with the 2-stage even gear, against a single-process ``transforme
 the same right-padded batches; prints rank start-up seconds (JIT compile included on a cold host)
 and real prompt tokens/s of each, as a ratio.
 
+With ``--device cuda`` every configuration runs on GPUs: the baseline and ``local_1stage`` on
+``cuda:0``, pipeline stage ``s`` on ``cuda:<s mod GPU count>`` (NCCL between stages when each has a
+GPU of its own, gloo through host memory when they share); synchronised timings.
+
 Usage: OMP_NUM_THREADS=1 python bench/runtime_bench.py [--num-requests 32] [--max-new-tokens 16] [--score]
+       [--device cuda]
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ def main() -> None:
     ap.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--score", action="store_true", help="also bench the DeepSpeed scoring path")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--no-fidelity", action="store_true",
                     help="skip the simulator-vs-measured TTFT / TPOT comparison (bench/fidelity_bench.py)")
     args = ap.parse_args()
@@ -53,7 +59,7 @@ def main() -> None:
     from flexpipe_dag.runtime.batch import prompts_from_trace
     from flexpipe_dag.runtime.local import LocalPipeline
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
-    from flexpipe_dag.runtime.pipeline import PipelineRuntime
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, cuda_backend
     from flexpipe_dag.runtime.scheduler import Request
 
     ckpt = resolve_checkpoint()
@@ -69,7 +75,9 @@ def main() -> None:
 
     # baseline: transformers generate, left-padded batches
     torch.set_num_threads(args.baseline_threads)
-    hf = AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=torch.float32).eval()
+    dev = "cuda:0" if args.device == "cuda" else "cpu"
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=torch.float32).to(dev).eval()
     pad = ckpt.config.pad_token_id if ckpt.config.pad_token_id is not None else 0
     t0 = time.perf_counter()
     produced = 0
@@ -80,23 +88,27 @@ def main() -> None:
         mask = torch.tensor([[0] * (width - len(r.token_ids)) + [1] * len(r.token_ids) for r in chunk])
         n_new = max(r.max_new_tokens for r in chunk)
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                        pad_token_id=pad)
+            hf.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n_new, min_new_tokens=n_new,
+                        do_sample=False, pad_token_id=pad)
         produced += sum(r.max_new_tokens for r in chunk)  # tokens past a row's own cap are not counted
+    sync()
     results["hf_generate"] = produced / (time.perf_counter() - t0)
     del hf
 
     # FlexPipe code, one process
     local = LocalPipeline.from_layer_ranges(ckpt, [(0, ckpt.num_layers)], num_blocks=1024, block_size_tokens=16)
+    if args.device == "cuda":
+        local = LocalPipeline([st.to(dev) for st in local.stages], 1024, 16)
     t0 = time.perf_counter()
     outs = local.generate(requests(), micro_batch_size=args.batch_size)
+    sync()
     results["local_1stage"] = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
     del local
     torch.set_num_threads(1)
 
     for stages in (2, 3):
         gear = even_gear(ckpt.num_layers, stages, ckpt.name, args.batch_size, stages, 16384)
-        with PipelineRuntime(gear, ckpt) as rt:
+        with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device)) as rt:
             t0 = time.perf_counter()
             outs = rt.generate(requests())
             results[f"pipeline_{stages}stage"] = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
@@ -105,8 +117,11 @@ def main() -> None:
         score_bench(ckpt, rows, args)
 
     base = results["hf_generate"]
+    where = (f"device cuda: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, pipelines over "
+             f"{cuda_backend(2)} (2 stages) / {cuda_backend(3)} (3 stages)" if args.device == "cuda"
+             else f"host cpus={os.cpu_count()}, baseline threads={args.baseline_threads}")
     print(f"workload: {len(rows)} requests (Azure conv trace), prompt <= {args.max_prompt_tokens} tokens, "
-          f"{total_new} output tokens; host cpus={os.cpu_count()}, baseline threads={args.baseline_threads}")
+          f"{total_new} output tokens; {where}")
     print(f"{'configuration':<18}{'output tok/s':>14}{'vs hf_generate':>16}")
     for name, tps in results.items():
         print(f"{name:<18}{tps:>14.1f}{tps / base:>15.2f}x")

@@ -66,9 +66,9 @@ class RuntimeOptions:
     """How to run a gear on this host.
 
     ``dtype``: compute dtype (``fp32`` default on CPU; the gear's own dtype is a GPU-plan figure).
-    ``device``: ``"cpu"`` or ``"cuda"`` (stage ``s`` on ``cuda:s``; remote stage workers on their
-    ``cuda:<local rank>``); ``backend`` defaults to gloo on CPU and :data:`CUDA_BACKEND` on CUDA
-    (NCCL between stages, gloo to the driver). ``step_timeout_s``: watchdog limit for one step. ``device_memory_bytes``:
+    ``device``: ``"cpu"`` or ``"cuda"`` (stage ``s`` on ``cuda:<s mod GPU count>``; remote stage
+    workers on their ``cuda:<local rank>``); ``backend`` defaults to gloo on CPU and on CUDA to
+    :func:`cuda_backend` (NCCL between stages, gloo to the driver; gloo alone when stages share a GPU). ``step_timeout_s``: watchdog limit for one step. ``device_memory_bytes``:
     per device id, for the fit check (default: this host's physical memory shared by the stages).
     ``start_method``: ``"forkserver"`` (default: stage processes fork from a server that imported
     torch and the stage code once per caller process, so a pipeline starts in about a second after
@@ -118,6 +118,17 @@ def process_context(start_method: str):
     if start_method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
     return ctx
+
+
+def cuda_backend(num_stages: int, gpus: int | None = None) -> str:
+    """:data:`CUDA_BACKEND` when every stage has a GPU of its own on this host; otherwise (stages
+    sharing a GPU, which NCCL refuses within one communicator) gloo, moving activations through
+    host memory. ``gpus`` defaults to ``torch.cuda.device_count()``."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    return CUDA_BACKEND if gpus >= num_stages else "gloo"
 
 
 def kv_num_blocks(gear: Gear) -> int:
@@ -220,7 +231,9 @@ class PipelineRuntime:
     # -- lifecycle --------------------------------------------------------------------------------
     def _spec(self) -> WorkerSpec:
         o = self.options
-        backend = o.backend or (CUDA_BACKEND if o.device == "cuda" else "gloo")
+        backend = o.backend or "gloo"
+        if o.device == "cuda" and not o.backend:  # remote stages: a GPU each, on their own hosts
+            backend = CUDA_BACKEND if self._control else cuda_backend(self.gear.num_stages)
         return WorkerSpec(checkpoint_path=str(self.ckpt.path), checkpoint_name=self.ckpt.name,
                           ranges=self.gear.layer_ranges(), num_blocks=kv_num_blocks(self.gear),
                           block_size_tokens=self.gear.kv_block_size_tokens, dtype=o.dtype, device=o.device,

@@ -81,8 +81,11 @@ def setup_process(spec: WorkerSpec, rank: int) -> None:
 
 
 def stage_device(spec: WorkerSpec, stage: int) -> str:
+    """The stage's torch device: ``cuda:<stage mod GPU count>`` for ``"cuda"``, else ``spec.device``."""
     if spec.device == "cuda":
-        return f"cuda:{stage}"
+        import torch
+
+        return f"cuda:{stage % max(1, torch.cuda.device_count())}"
     return spec.device
 
 

@@ -1,0 +1,56 @@
+"""The pipeline on CUDA (``gpu`` marker): greedy output identical to ``transformers`` ``generate`` on
+the same GPU, for 1, 2 and 3 stages, even and uneven, batch 1 and 8. Stages take
+``cuda:<stage mod GPU count>``; with a GPU per stage activations move over NCCL, with fewer GPUs
+the stages share them and talk over gloo. Skips, saying so, without CUDA."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_runtime_helpers import MAX_NEW_TOKENS, checkpoint, gear, prompt_ids, requests  # noqa: E402
+
+from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, cuda_backend  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
+
+
+@functools.lru_cache(maxsize=1)
+def hf_reference_cuda() -> dict[str, list[int]]:
+    """transformers greedy ``generate`` on ``cuda:0``, one prompt at a time: prompt index -> new tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint().path), dtype=torch.float32).to("cuda:0").eval()
+    ref = {}
+    with torch.inference_mode():
+        for i, ids in enumerate(prompt_ids()):
+            out = model.generate(torch.tensor([ids], device="cuda:0"), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+            ref[str(i)] = out[0, len(ids):].tolist()
+    del model
+    torch.cuda.empty_cache()
+    return ref
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("ranges", [[(0, 30)], [(0, 15), (15, 30)], [(0, 4), (4, 30)], [(0, 10), (10, 20), (20, 30)],
+                                    [(0, 2), (2, 25), (25, 30)]],
+                         ids=["1", "2-even", "2-uneven", "3-even", "3-uneven"])
+@pytest.mark.parametrize("batch_size", [8, 1])
+def test_cuda_pipeline_matches_hf_generate(ranges, batch_size):
+    ref = hf_reference_cuda()
+    reqs = requests(8 if batch_size == 8 else 3, prefix=f"gpu{len(ranges)}{ranges[0][1]}{batch_size}-")
+    with PipelineRuntime(gear(ranges, micro_batch_size=batch_size), checkpoint(),
+                         RuntimeOptions(device="cuda", start_timeout_s=600)) as rt:
+        outs = rt.generate(reqs)
+    got = {o.request_id: o.output_token_ids for o in outs}
+    assert got == {r.request_id: ref[r.request_id.split("-")[-1]] for r in reqs}, \
+        f"backend {cuda_backend(len(ranges))}, {torch.cuda.device_count()} GPU(s)"
+
+
+def test_cuda_backend_choice():
+    assert cuda_backend(2, gpus=2) == "cpu:gloo,cuda:nccl"
+    assert cuda_backend(3, gpus=1) == "gloo"

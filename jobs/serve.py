@@ -38,15 +38,9 @@ class ServeTraceConfig(Config):
     kv_pool_tokens_max: int = Field(8192, ge=256, description="cap on each gear's KV pool (CPU workers share host RAM)")
 
 
-def _runnable(gears, kv_pool_tokens_max: int, log):
-    """Gears this runtime can run (it has no stage replicas yet), their KV pools capped for this host."""
-    ok = []
-    for g in gears:
-        if any(st.replicas > 1 for st in g.stages):
-            log(f"skipping {g.gear_id}: stage replicas are not supported by the pipeline runtime yet")
-            continue
-        ok.append(g.with_kv_pool_capped(kv_pool_tokens_max))
-    return ok
+def _runnable(gears, kv_pool_tokens_max: int):
+    """The gears with their KV pools capped for this host (replicated stages run one worker per replica)."""
+    return [g.with_kv_pool_capped(kv_pool_tokens_max) for g in gears]
 
 
 def build_workloads(config: ServeTraceConfig, mean_rps: float):
@@ -86,7 +80,7 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     if latest is None:
         raise InfeasibleError("no cluster profile stored: run profile_refresh first")
     info, _ = latest
-    gears = _runnable(db.load_gears(info.id), config.kv_pool_tokens_max, context.log.warning)
+    gears = _runnable(db.load_gears(info.id), config.kv_pool_tokens_max)
     if not gears:
         raise InfeasibleError(f"no runnable gears stored for profile version {info.id}: materialise candidate_gears")
     first = next((g for g in gears if g.kind == config.initial_gear_kind), gears[0])

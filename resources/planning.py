@@ -22,7 +22,7 @@ class PlanningSettings(ConfigurableResource):
     slo_tpot_ms: float = Field(200.0, gt=0)
     max_prompt_tokens: int = Field(0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
     max_new_tokens: int = Field(0, ge=0, description="cap on generated tokens (0 = none)")
-    stage_replicas: bool = Field(True, description="allow replicas of a hot stage (the CPU runtime has none yet)")
+    stage_replicas: bool = Field(True, description="allow replicas of a hot stage (the runtime runs one worker per replica)")
     replan_margin: float = Field(0.10, gt=0, description="a calibration that moves a gear's estimate by more "
                                                           "than this fraction re-plans the gears")
 

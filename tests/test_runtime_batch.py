@@ -72,15 +72,15 @@ def test_gear_that_does_not_fit_is_refused_before_launch():
     assert rt.stage_pids() == []  # nothing launched
 
 
-def test_gear_with_a_replicated_stage_is_refused_before_launch():
+def test_replica_that_does_not_fit_its_device_is_refused_before_launch():
     pytest.importorskip("torch")
     from test_runtime_helpers import checkpoint, gear
 
-    from flexpipe_dag.runtime.pipeline import PipelineRuntime
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
     g = gear([(0, 10), (10, 30)], device_ids=[["cpu0"], ["cpu1", "cpu2"]])
-    rt = PipelineRuntime(g, checkpoint())
-    with pytest.raises(InfeasibleError, match=r"stage 1 has 2 replicas \(devices \['cpu1', 'cpu2'\]\)"):
+    rt = PipelineRuntime(g, checkpoint(), RuntimeOptions(device_memory_bytes={"cpu2": 200 * 2**20}))
+    with pytest.raises(InfeasibleError, match="stage 1 on device 'cpu2'"):
         rt.start()
     assert rt.stage_pids() == []  # nothing launched
 

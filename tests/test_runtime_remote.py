@@ -35,11 +35,12 @@ def _env() -> dict:
     return env
 
 
-def _workers(address: str, stages: int) -> list[subprocess.Popen]:
-    """One ``flexpipe worker`` process per stage, in its own session (not a child of the runtime)."""
-    return [subprocess.Popen([sys.executable, "-m", "flexpipe_dag.cli", "worker", "--head", address, "--stage", str(s)],
+def _workers(address: str, stages: int, replicas: list[int] | None = None) -> list[subprocess.Popen]:
+    """One ``flexpipe worker`` process per stage replica, in its own session (not a child of the runtime)."""
+    return [subprocess.Popen([sys.executable, "-m", "flexpipe_dag.cli", "worker", "--head", address, "--stage", str(s),
+                              "--replica", str(k)],
                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            for s in range(stages)]
+            for s, r in enumerate(replicas or [1] * stages) for k in range(r)]
 
 
 def _reap(procs: list[subprocess.Popen], timeout_s: float = 30) -> list[int | None]:
@@ -86,6 +87,24 @@ def test_remote_stage_workers_match_hf_generate_and_exit_cleanly():
     assert all(o.wall_ms > 0 and o.t_s >= -1.0 for o in observed)
 
 
+def test_remote_replicated_stage_matches_hf_generate():
+    ref = hf_reference()
+    port = free_port()
+    procs = _workers(f"127.0.0.1:{port}", 2, replicas=[1, 2])
+    reqs = requests(8, prefix="remote-rep-")
+    try:
+        options = RuntimeOptions(control_address=f"127.0.0.1:{port}", start_timeout_s=240)
+        g = gear([(0, 12), (12, 30)], micro_batch_size=2, device_ids=[["a"], ["b", "c"]])
+        with PipelineRuntime(g, checkpoint(), options) as rt:
+            assert [(i["stage_index"], i["replica_index"]) for i in rt.stage_info] == [(0, 0), (1, 0), (1, 1)]
+            outs = rt.generate(reqs)
+    finally:
+        codes = _reap(procs)
+    assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id.split("-")[-1]]
+                                                                 for r in reqs}
+    assert codes == [0, 0, 0]
+
+
 def test_killed_remote_stage_is_named_and_finished_outputs_kept():
     port = free_port()
     procs = _workers(f"127.0.0.1:{port}", 2)
@@ -124,24 +143,28 @@ def test_head_without_workers_says_how_to_start_them():
 
 
 def test_control_store_refuses_a_second_worker_and_a_stage_outside_the_gear():
-    server = ControlServer(0, 2)
+    server = ControlServer(0, 3)
     address = f"127.0.0.1:{server.port}"
     try:
-        connect("127.0.0.1", server.port, 10).add("claim/0", 1)  # stage 0 already has a worker
-        with pytest.raises(InputError, match="stage 0 already has a worker"):
-            serve_stage(address, 0, connect_timeout_s=10)
-        server.publish(WorkerSpec(str(checkpoint().path), checkpoint().name, [(0, 15), (15, 30)], 8, 16))
+        server.publish(WorkerSpec(str(checkpoint().path), checkpoint().name, [(0, 15), (15, 30)], 8, 16,
+                                  replicas=[1, 2]))
+        connect("127.0.0.1", server.port, 10).add("claim/2", 1)  # stage 1 replica 1 already has a worker
+        with pytest.raises(InputError, match="stage 1 replica 1 already has a worker"):
+            serve_stage(address, 1, replica=1, connect_timeout_s=10)
         with pytest.raises(InputError, match="2 stages"):
             serve_stage(address, 5, connect_timeout_s=10)
-        import queue
-
-        events: queue.Queue = queue.Queue()
-        server.poll(connect("127.0.0.1", server.port, 10), events, [0.0] * 12)
-        ev = events.get_nowait()
-        assert ev[0] == "error" and ev[1] == 5 and "2 stages" in ev[2]
-        assert server.claimed() == [0]
+        with pytest.raises(InputError, match="stage 1 has 2 replica"):
+            serve_stage(address, 1, replica=2, connect_timeout_s=10)
+        with pytest.raises(InputError, match="launch 4 ranks"):
+            serve_stage(address, worker=3, connect_timeout_s=10)
+        assert server.claimed() == [2]  # a refused worker claims nothing and tells the head nothing
     finally:
         server.close()
+
+
+def test_worker_without_a_head_says_so():
+    with pytest.raises(InputError, match="no FlexPipe head answered"):
+        serve_stage(f"127.0.0.1:{free_port()}", 0, connect_timeout_s=2)
 
 
 @pytest.mark.parametrize("text", ["nohost", "host:", ":29500", "host:99999", "host:abc"])

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--min-residence-s", type=float, default=600.0,
                    help="devices whose available_until is sooner are not used")
     p.add_argument("--no-replicas", action="store_true",
-                   help="no stage replicas (the pipeline runtime does not run them yet); also FLEXPIPE_STAGE_REPLICAS=0")
+                   help="no stage replicas (one device per stage); also FLEXPIPE_STAGE_REPLICAS=0")
     p.add_argument("--json", action="store_true", help="print the gears as JSON")
     p.set_defaults(func=run)
 

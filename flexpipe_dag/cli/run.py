@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             from flexpipe_dag.cli.worker import env_int
             from flexpipe_dag.runtime.remote import serve_stage
 
-            return serve_stage(control_address, rank - 1, model=args.model, device=args.device,
+            return serve_stage(control_address, worker=rank - 1, model=args.model, device=args.device,
                                local_rank=env_int("LOCAL_RANK", 0))
     elif control_address is not None:
         from flexpipe_dag.runtime.remote import parse_address
@@ -210,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
                          f"no valid request ({len(malformed)} malformed row(s), listed above)")
     if args.score:
         return _score(args, gear, ckpt, rows, malformed, sink)
-    if args.launched and world != gear.num_stages + 1:
-        raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {gear.num_stages} stages: launch "
-                                             f"{gear.num_stages + 1} ranks (head + one per stage), got {world}")
+    workers = sum(st.replicas for st in gear.stages)
+    if args.launched and world != workers + 1:
+        raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {workers} stage workers (a replica each): "
+                                             f"launch {workers + 1} ranks (head + one per worker), got {world}")
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
                              control_address=control_address)
     runtime = PipelineRuntime(gear, ckpt, options)
@@ -220,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         import signal
 
         signal.signal(signal.SIGTERM, lambda signum, _f: runtime.abort(f"stopped by signal {signum}"))
-    where = (f"waiting for {gear.num_stages} stage workers at {control_address}" if control_address
+    where = (f"waiting for {workers} stage workers at {control_address}" if control_address
              else "starting workers")
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
           f"{gear.max_inflight_micro_batches} in flight; {where}...", file=sys.stderr)

@@ -7,8 +7,9 @@ with ``FLEXPIPE_CONTROL_ADDRESS``), then one worker per stage, on the host that 
 
 The worker claims its stage, takes the gear (layer ranges, KV pool) from the head, loads only its
 own layers of the model (resolved on this host; it must be the model the head serves), serves
-until the head stops the pipeline, and exits 0. Under a launcher, ``--stage`` and ``--local-rank``
-default to ``RANK - 1`` and ``LOCAL_RANK``.
+until the head stops the pipeline, and exits 0. A stage with replicas takes one worker per replica
+(``--replica K``). Under a launcher, rank ``r`` serves worker slot ``r - 1`` (stages in order,
+replicas together) and ``--local-rank`` defaults to ``LOCAL_RANK``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from flexpipe_dag.core.errors import InputError
 def register(subparsers) -> None:
     p = subparsers.add_parser("worker", help="serve one pipeline stage for a head on another host")
     p.add_argument("--head", required=True, help="HOST:PORT of the head's control store")
-    p.add_argument("--stage", type=int, default=None, help="stage index (default: RANK - 1 from a launcher)")
+    p.add_argument("--stage", type=int, default=None, help="stage index (default: from RANK under a launcher)")
+    p.add_argument("--replica", type=int, default=0, help="which replica of a replicated stage (default 0)")
     p.add_argument("--model", default=None, help="HF directory or GGUF file on this host (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: what the head asks for")
     p.add_argument("--local-rank", type=int, default=None, help="GPU index on this host (default: LOCAL_RANK or 0)")
@@ -49,16 +51,17 @@ def env_int(name: str, default: int | None = None) -> int | None:
 def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.runtime.remote import serve_stage
 
-    stage = args.stage
+    stage, worker = args.stage, None
     if stage is None:
         rank = env_int("RANK")
         if rank is None or rank < 1:
             raise InputError(None, "--stage", "expected a stage index (or RANK >= 1 from a launcher)")
-        stage = rank - 1
+        worker = rank - 1
     local_rank = args.local_rank if args.local_rank is not None else env_int("LOCAL_RANK", 0)
     if args.threads is not None and args.threads < 1:
         raise InputError(None, "--threads", f"expected an integer >= 1, got {args.threads}")
     if not args.connect_timeout_s > 0:
         raise InputError(None, "--connect-timeout-s", f"expected a positive number, got {args.connect_timeout_s}")
     return serve_stage(args.head, stage, model=args.model, device=args.device, local_rank=local_rank,
-                       connect_timeout_s=args.connect_timeout_s, threads=args.threads)
+                       connect_timeout_s=args.connect_timeout_s, threads=args.threads, replica=args.replica,
+                       worker=worker)

@@ -34,18 +34,28 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
         from flexpipe_dag.runtime.live_metrics import LiveMetrics, StageCounters
         from flexpipe_dag.runtime.scheduler import Scheduler
 
-        comm_device = "cuda:0" if spec.backend == "nccl" else "cpu"  # default CUDA backend: gloo to the driver
-        last_rank = spec.num_stages
-        sched = Scheduler(BlockAllocator(spec.num_blocks, spec.block_size_tokens), **sched_cfg)
+        layout = spec.layout()
+        n = spec.num_stages
+        first_ranks = [layout.rank(0, k) for k in range(layout.replicas[0])]
+        last_ranks = [layout.rank(n - 1, k) for k in range(layout.replicas[-1])]
+        sched = Scheduler(BlockAllocator(layout.num_blocks, spec.block_size_tokens, layout.num_lanes), **sched_cfg)
         inbox: queue.Queue = queue.Queue()
 
-        def receive() -> None:
+        def receive() -> None:  # the driver's messages travel in host memory (gloo) on every backend
+            stops = 0
             try:
                 while True:
-                    kind, meta, _ = tp.recv_message(last_rank, comm_device)
-                    inbox.put((kind, meta))
+                    if len(last_ranks) == 1:
+                        kind, meta, _ = tp.recv_message(last_ranks[0])
+                    else:
+                        _src, kind, meta, _ = tp.recv_message_any()
                     if kind == tp.STOP:
-                        return
+                        stops += 1
+                        if stops == len(last_ranks):
+                            inbox.put((kind, meta))
+                            return
+                        continue
+                    inbox.put((kind, meta))
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 inbox.put(("error", exc))
 
@@ -79,19 +89,22 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
             # 2. dispatch
             while (mb := sched.schedule()) is not None:
                 in_transport = True
-                tp.send_message(1, tp.BATCH, mb, tp.batch_input_ids(mb), device=comm_device)
+                tp.send_message(layout.lane_rank(0, mb.lane), tp.BATCH, mb, tp.batch_input_ids(mb))
                 in_transport = False
                 sent += 1
                 counters[F_STEPS] = sent
             drained = sched.num_running == 0 and sched.num_inflight_micro_batches == 0
             if reconfig is not None and drained and not reconfig_sent:
                 in_transport = True
-                tp.send_message(1, tp.RECONFIGURE, {**reconfig, "infos": []}, device=comm_device)
+                for dst in first_ranks:
+                    tp.send_message(dst, tp.RECONFIGURE, {**reconfig, "infos": []})
                 in_transport = False
                 reconfig_sent = True
+                confirmations: dict = {}
             if stopping and drained and reconfig is None:  # queued requests are dropped on stop
                 in_transport = True
-                tp.send_message(1, tp.STOP, None, device=comm_device)
+                for dst in first_ranks:
+                    tp.send_message(dst, tp.STOP, None)
                 in_transport = False
                 while True:
                     item = inbox.get(timeout=600)
@@ -120,12 +133,17 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
                         evt_q.put(("result", out))
                     counters[F_AUX] += 1
                 elif kind == tp.RECONFIGURED:
-                    sched.allocator.reset(reconfig["num_blocks"], reconfig["block_size_tokens"])
+                    for i in meta["infos"]:
+                        confirmations[(i["stage_index"], i.get("replica_index", 0))] = i
+                    if len(confirmations) < layout.num_workers:
+                        continue  # another last-stage replica has yet to confirm
+                    layout = spec.layout(reconfig["num_blocks"])
+                    sched.allocator.reset(layout.num_blocks, reconfig["block_size_tokens"], layout.num_lanes)
                     sched.micro_batch_size = reconfig.get("micro_batch_size", sched.micro_batch_size)
                     sched.max_inflight_micro_batches = reconfig.get("max_inflight_micro_batches",
                                                                     sched.max_inflight_micro_batches)
                     metrics.gear_id = reconfig.get("gear_id", metrics.gear_id)
-                    evt_q.put(("reconfigured", meta["infos"]))
+                    evt_q.put(("reconfigured", list(confirmations.values())))
                     reconfig, reconfig_sent = None, False
                     sched.admission_paused = stopping
             elif not busy and not sched.has_unfinished():
@@ -133,8 +151,10 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
             # 4. metrics
             now = time.monotonic()
             if now >= next_sample:
-                stages = [StageCounters(int(counters[(s + 1) * FIELDS + F_STEPS]),
-                                        float(counters[(s + 1) * FIELDS + F_BUSY_S])) for s in range(spec.num_stages)]
+                stages = [StageCounters(  # a replicated stage: its steps summed, busy time averaged over replicas
+                    int(sum(counters[layout.rank(s, k) * FIELDS + F_STEPS] for k in range(layout.replicas[s]))),
+                    float(sum(counters[layout.rank(s, k) * FIELDS + F_BUSY_S] for k in range(layout.replicas[s]))
+                          / layout.replicas[s])) for s in range(n)]
                 evt_q.put(("metrics", metrics.sample(
                     now, queue_length=sched.num_waiting, running=sched.num_running,
                     kv_blocks_used=sched.allocator.num_used_blocks, kv_blocks_total=sched.allocator.num_blocks,

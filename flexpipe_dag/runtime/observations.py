@@ -239,9 +239,13 @@ class ObservationCollector:
             starts = [rows[0, _C["t_end_s"]] - rows[0, _C["wall_ms"]] / 1e3 for rows in per_stage if len(rows)]
             if starts:
                 self._t0 = min(starts)
-        for s, rows in enumerate(per_stage):
-            dev = gear.stages[s].device_ids[0]
-            dst = gear.stages[s + 1].device_ids[0] if s + 1 < n else None
+        for info, rows in zip(self.runtime.stage_info, per_stage):  # one ring per worker (stage replica)
+            s, k = info["stage_index"], info.get("replica_index", 0)
+            dev = gear.stages[s].device_ids[k % len(gear.stages[s].device_ids)]
+            dst = None
+            if s + 1 < n:  # the next stage's replica on this replica's first lane
+                nxt = gear.stages[s + 1].device_ids
+                dst = nxt[k % len(nxt)]
             for r in rows:
                 send_ms = float(r[_C["send_ms"]])
                 prefill_seqs, decode_tokens = int(r[_C["prefill_seqs"]]), int(r[_C["decode_tokens"]])

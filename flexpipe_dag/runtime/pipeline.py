@@ -19,7 +19,8 @@ hosts join (:mod:`~flexpipe_dag.runtime.remote`); their reports and step counter
 into the same queue and counter array, so everything below works unchanged. ``deploy/MULTIHOST.md``
 has the commands.
 
-A stage with ``replicas`` > 1 is refused before launch (:func:`check_gear_supported`).
+A stage with ``replicas`` > 1 runs one worker per replica (device); micro-batches are routed along
+lanes so each replica keeps the KV cache of its own sequences (:mod:`~flexpipe_dag.runtime.lanes`).
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ class StageFailedError(FlexPipeError):
         stage: the failed stage's index, or ``"driver"``.
         reason: what happened (exit code, exception, or watchdog finding).
         finished: outputs delivered before the failure (kept, not lost).
+        replica: which replica of a replicated stage, else ``None``.
     """
 
-    def __init__(self, stage: int | str, reason: str, finished: list[RequestOutput] | None = None):
-        self.stage, self.reason, self.finished = stage, reason, list(finished or [])
+    def __init__(self, stage: int | str, reason: str, finished: list[RequestOutput] | None = None,
+                 replica: int | None = None):
+        self.stage, self.reason, self.finished, self.replica = stage, reason, list(finished or []), replica
         name = f"stage {stage}" if isinstance(stage, int) else str(stage)
+        if replica is not None:
+            name += f" replica {replica}"
         super().__init__(f"{name} failed: {reason.strip().splitlines()[0] if reason.strip() else reason}")
 
 
@@ -162,11 +167,9 @@ def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32") -> lis
 
 
 def check_gear_supported(gear: Gear) -> None:
-    """Refuse, before launch, what this runtime cannot run: a stage with ``replicas`` > 1.
-
-    Data-parallel copies of a stage (several ``device_ids``) are a planner / simulator concept the
-    runtime does not implement yet; serving such a gear on one process per stage would silently
-    drop the replicas and miss the gear's throughput.
+    """Refuse, before launch, what the prefill-only scoring path cannot run: a stage with
+    ``replicas`` > 1 (DeepSpeed's ``PipelineModule`` has one rank per stage). The generation
+    runtime runs replicas (:mod:`~flexpipe_dag.runtime.lanes`).
 
     Raises:
         InfeasibleError: naming the first replicated stage and its devices.
@@ -175,8 +178,22 @@ def check_gear_supported(gear: Gear) -> None:
         if st.replicas > 1:
             raise InfeasibleError(
                 f"gear {gear.gear_id!r}: stage {st.stage_index} has {st.replicas} replicas "
-                f"(devices {list(st.device_ids)}); the pipeline runtime runs one device per stage; "
+                f"(devices {list(st.device_ids)}); scoring runs one rank per stage; "
                 f"choose a gear without replicated stages")
+
+
+def gear_lane_layout(gear: Gear):
+    """The runtime's :class:`~flexpipe_dag.runtime.lanes.LaneLayout` for ``gear``.
+
+    Raises:
+        InfeasibleError: the KV pool has fewer blocks than a replica's lanes.
+    """
+    from flexpipe_dag.runtime.lanes import gear_layout
+
+    try:
+        return gear_layout(gear, kv_num_blocks(gear))
+    except ValueError as exc:
+        raise InfeasibleError(f"gear {gear.gear_id!r}: {exc}") from None
 
 
 def check_gear_fits(gear: Gear, ckpt: Checkpoint, options: RuntimeOptions) -> list[dict]:
@@ -227,19 +244,21 @@ class PipelineRuntime:
         self._started = False
         self._control = None  # ControlServer when the stages are remote
         self._abort_reason: str | None = None
+        self._layout = gear_lane_layout(gear)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _spec(self) -> WorkerSpec:
         o = self.options
         backend = o.backend or "gloo"
-        if o.device == "cuda" and not o.backend:  # remote stages: a GPU each, on their own hosts
-            backend = CUDA_BACKEND if self._control else cuda_backend(self.gear.num_stages)
+        if o.device == "cuda" and (not o.backend or o.backend == "nccl"):  # remote stages: a GPU each
+            backend = CUDA_BACKEND if self._control else cuda_backend(gear_lane_layout(self.gear).num_workers)
         return WorkerSpec(checkpoint_path=str(self.ckpt.path), checkpoint_name=self.ckpt.name,
                           ranges=self.gear.layer_ranges(), num_blocks=kv_num_blocks(self.gear),
                           block_size_tokens=self.gear.kv_block_size_tokens, dtype=o.dtype, device=o.device,
                           backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                           control_address=f"127.0.0.1:{self._control.port}" if self._control else None,
-                          threads_per_rank=o.threads_per_rank, fault=dict(o.fault))
+                          threads_per_rank=o.threads_per_rank, fault=dict(o.fault),
+                          replicas=[st.replicas for st in self.gear.stages])
 
     def start(self) -> list[dict]:
         """Check the fit, spawn the processes, wait until every stage has loaded; returns stage info
@@ -247,12 +266,12 @@ class PipelineRuntime:
         from flexpipe_dag.runtime.driver import driver_main
         from flexpipe_dag.runtime.worker import worker_main
 
-        check_gear_supported(self.gear)
+        layout = self._layout = gear_lane_layout(self.gear)
         if self.options.control_address:
             from flexpipe_dag.runtime.remote import ControlServer, parse_address
 
             _host, port = parse_address(self.options.control_address, "control_address")
-            self._control = ControlServer(port, self.gear.num_stages, self.options.heartbeat_timeout_s)
+            self._control = ControlServer(port, layout.num_workers, self.options.heartbeat_timeout_s)
         else:
             check_gear_fits(self.gear, self.ckpt, self.options)  # remote hosts' memory is not known here
         spec = self._spec()
@@ -267,8 +286,9 @@ class PipelineRuntime:
                                    args=(spec, self.gear.gear_id, sched_cfg, self._cmds, self._events,
                                          self._counters, self.options.metrics_period_s))]
         if self._control is None:
-            self._procs += [ctx.Process(target=worker_main, name=f"flexpipe-stage-{s}", daemon=True,
-                                        args=(s, spec, self._events, self._counters)) for s in range(spec.num_stages)]
+            self._procs += [ctx.Process(target=worker_main, name=f"flexpipe-worker-{w}", daemon=True,
+                                        args=(w, spec, self._events, self._counters))
+                            for w in range(spec.num_workers)]
         for p in self._procs:
             p.start()
         if self._control is not None:
@@ -278,18 +298,20 @@ class PipelineRuntime:
         self._started = True
         info: dict[int, dict] = {}
         deadline = time.monotonic() + self.options.start_timeout_s
-        while len(info) < spec.num_stages:
+        while len(info) < spec.num_workers:
             if time.monotonic() > deadline:
-                missing = sorted(set(range(spec.num_stages)) - set(info))
+                missing = sorted(set(range(spec.num_workers)) - set(info))
                 why = f"did not load within {self.options.start_timeout_s:.0f} s"
                 if self._control is not None and missing[0] not in self._control.claimed():
+                    stage, replica = layout.locate(missing[0])
+                    which = f"--stage {stage}" + (f" --replica {replica}" if layout.replicas[stage] > 1 else "")
                     why = (f"no worker joined within {self.options.start_timeout_s:.0f} s; start one with "
-                           f"`flexpipe worker --head {self._control.address} --stage {missing[0]}`")
+                           f"`flexpipe worker --head {self._control.address} {which}`")
                 self._fail(missing[0], why)
             ev = self._next_event(0.2)
             if ev and ev[0] == "ready":
                 info[ev[1]] = ev[2]
-        self.stage_info = [info[s] for s in range(spec.num_stages)]
+        self.stage_info = [info[w] for w in range(spec.num_workers)]  # per worker: stage order, replicas together
         return self.stage_info
 
     @property
@@ -408,10 +430,11 @@ class PipelineRuntime:
             InfeasibleError: the new gear does not fit, or has a stage with replicas > 1.
             StageFailedError: a stage failed while reloading, or did not finish within ``timeout_s``.
         """
-        if gear.num_stages != self.gear.num_stages:
-            raise InputError("gear", "stages", f"reconfiguration keeps the process count: expected "
-                             f"{self.gear.num_stages} stages, got {gear.num_stages}")
-        check_gear_supported(gear)
+        if [st.replicas for st in gear.stages] != [st.replicas for st in self.gear.stages]:
+            raise InputError("gear", "stages", f"reconfiguration keeps the processes: expected "
+                             f"{self.gear.num_stages} stages with replicas {[st.replicas for st in self.gear.stages]}, "
+                             f"got {gear.num_stages} with {[st.replicas for st in gear.stages]}")
+        gear_lane_layout(gear)
         check_gear_fits(gear, self.ckpt, self.options)
         self._cmds.put(("reconfigure", {"ranges": gear.layer_ranges(), "num_blocks": kv_num_blocks(gear),
                                         "block_size_tokens": gear.kv_block_size_tokens, "gear_id": gear.gear_id,
@@ -426,7 +449,7 @@ class PipelineRuntime:
                 continue
             if ev[0] == "reconfigured":
                 self.gear = gear
-                self.stage_info = sorted(ev[1], key=lambda d: d["stage_index"])
+                self.stage_info = sorted(ev[1], key=lambda d: (d["stage_index"], d.get("replica_index", 0)))
                 return self.stage_info
             if ev[0] == "result":
                 self._outstanding.discard(ev[1].request_id)
@@ -472,10 +495,12 @@ class PipelineRuntime:
             if self._stall_mark is None or self._stall_mark[0] != mark:
                 self._stall_mark = (mark, now)
             elif now - self._stall_mark[1] > limit:
-                oldest = done + 1  # micro-batches are served FIFO by every stage
-                holder = next((s for s in range(len(self._procs) - 1)
-                               if c[(s + 1) * FIELDS + F_STEPS] < oldest), len(self._procs) - 2)
-                self._fail(holder, f"watchdog: no progress for {now - self._stall_mark[1]:.1f} s; micro-batch "
+                oldest = done + 1  # micro-batches are served FIFO by every (non-replicated) stage
+                lay = self._layout
+                steps = [[c[lay.rank(s, k) * FIELDS + F_STEPS] for k in range(r)] for s, r in enumerate(lay.replicas)]
+                stage = next((s for s in range(lay.num_stages) if sum(steps[s]) < oldest), lay.num_stages - 1)
+                replica = min(range(lay.replicas[stage]), key=lambda k: steps[stage][k])  # the one that fell behind
+                self._fail(lay.rank(stage, replica) - 1, f"watchdog: no progress for {now - self._stall_mark[1]:.1f} s; micro-batch "
                                    f"#{int(oldest)} is stuck at this stage (limit {limit:.0f} s)")
         else:
             self._stall_mark = None
@@ -522,4 +547,7 @@ class PipelineRuntime:
             culprit, why = silent[0], f"process exited with code {codes[silent[0]]}"
         self._started = False
         self._kill_all(grace_s=0.5)
+        if isinstance(culprit, int):  # a worker: name its stage (and replica, when the stage has several)
+            stage, replica = self._layout.locate(culprit)
+            raise StageFailedError(stage, why, self._finished, replica if self._layout.replicas[stage] > 1 else None)
         raise StageFailedError(culprit, why, self._finished)

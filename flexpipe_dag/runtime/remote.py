@@ -9,19 +9,20 @@ elsewhere*: ``flexpipe worker --head HOST:PORT --stage S`` on each stage's host,
 Everything between head and workers goes through one ``torch.distributed.TCPStore`` that the head
 serves on ``PORT`` (the only port to open besides the backend's own data connections):
 
-* ``claim/<s>``: a worker claims stage ``s`` (a second claimant is refused);
+* ``claim/<w>``: a worker claims worker slot ``w`` (stage ``s`` without replicas; a second
+  claimant is refused);
 * ``spec``: the pickled :class:`~flexpipe_dag.runtime.worker.WorkerSpec` (layer ranges, KV pool,
   dtype, backend), published by the head; every worker loads *its own* copy of the model (same
   model name required, path may differ per host);
 * ``pg/...``: the ``torch.distributed`` rendezvous of driver + stages (gloo on CPU, NCCL on GPU);
 * ``events`` (a store queue): ``ready`` / ``error`` reports, exactly as local workers put them on
   their ``multiprocessing`` queue;
-* ``hb/<s>``: a heartbeat every :data:`HEARTBEAT_PERIOD_S` carrying the stage's step counters
+* ``hb/<w>``: a heartbeat every :data:`HEARTBEAT_PERIOD_S` carrying the stage's step counters
   (steps, busy seconds, age of the running step), mirrored by the head into the same counter
   array local workers write, so the watchdog and live metrics work unchanged;
-* ``obs/<s>`` (a store queue): the stage's per-step observations (calibration rows), read from
+* ``obs/<w>`` (a store queue): the stage's per-step observations (calibration rows), read from
   its own ring by the heartbeat thread and shipped with their times moved onto the head's clock;
-* ``exit/<s>``: the worker's exit status; ``abort``: set by the head to stop every worker (a
+* ``exit/<w>``: the worker's exit status; ``abort``: set by the head to stop every worker (a
   remote process cannot be killed from here; its heartbeat thread sees ``abort`` and exits).
 
 A worker whose heartbeat stops (process killed, host lost) is named by the head's watchdog after
@@ -138,7 +139,7 @@ class HeartbeatCounters:
                 self._store.set(f"hb/{self.stage}", _HB.pack(seq, time.monotonic(), *fields))
                 self._ship_observations()
                 if self._store.check(["abort"]):
-                    print(f"flexpipe worker: stage {self.stage}: the head stopped the pipeline "
+                    print(f"flexpipe worker {self.stage}: the head stopped the pipeline "
                           f"({self._store.get('abort').decode()}); exiting", file=sys.stderr, flush=True)
                     os._exit(1)
                 last_ok = time.monotonic()
@@ -146,7 +147,7 @@ class HeartbeatCounters:
                 if self._stop.is_set():
                     return
                 if time.monotonic() - last_ok > self._head_timeout_s:
-                    print(f"flexpipe worker: stage {self.stage}: lost the head for {self._head_timeout_s:.0f} s "
+                    print(f"flexpipe worker {self.stage}: lost the head for {self._head_timeout_s:.0f} s "
                           f"({type(exc).__name__}: {exc}); exiting", file=sys.stderr, flush=True)
                     os._exit(1)
 
@@ -218,7 +219,7 @@ class ControlServer:
 
     Args:
         port: TCP port to serve on (all interfaces); 0 picks a free one (see :attr:`port`).
-        num_stages: stages the pipeline needs (one remote worker each).
+        num_stages: stage workers the pipeline needs (one per stage replica).
         heartbeat_timeout_s: silence after which a stage is reported lost.
 
     Raises:
@@ -333,46 +334,63 @@ class ControlServer:
             st._rows.append(rows)
 
 
-def serve_stage(head: str, stage: int, model=None, device: str | None = None, local_rank: int = 0,
-                connect_timeout_s: float = 600.0, threads: int | None = None) -> int:
-    """Run stage ``stage`` of the pipeline whose head serves ``head`` (``HOST:PORT``) until it stops.
+def serve_stage(head: str, stage: int | None = None, model=None, device: str | None = None, local_rank: int = 0,
+                connect_timeout_s: float = 600.0, threads: int | None = None, replica: int = 0,
+                worker: int | None = None) -> int:
+    """Run one replica of one stage of the pipeline whose head serves ``head`` (``HOST:PORT``) until it stops.
 
-    Claims the stage, waits for the head's spec, loads this stage's layers of ``model`` (resolved
-    on this host: an HF directory, GGUF file, or ``None`` for SmolLM2; it must be the model the
-    head serves), joins the process group and serves. On a CUDA pipeline the stage runs on
-    ``cuda:<local_rank mod this host's GPU count>``; ``device`` (``"cpu"`` / ``"cuda"``), when given, must match the head's.
+    Waits for the head's spec, claims ``(stage, replica)`` (or worker index ``worker``, rank - 1
+    under a launcher), loads that stage's layers of ``model`` (resolved on this host: an HF
+    directory, GGUF file, or ``None`` for SmolLM2; it must be the model the head serves), joins
+    the process group and serves. On a CUDA pipeline the stage runs on ``cuda:<local_rank mod this
+    host's GPU count>``; ``device`` (``"cpu"`` / ``"cuda"``), when given, must match the head's.
     Returns the exit status (0 after a clean stop).
 
     Raises:
-        InputError: a bad address, a stage already claimed or outside the gear, another model or device.
+        InputError: a bad address, no head, a stage / replica outside the gear or already served,
+            another model or device.
     """
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.worker import worker_main
 
     host, port = parse_address(head, "--head")
-    if stage < 0:
-        raise InputError(None, "--stage", f"expected a stage index >= 0, got {stage}")
+    if stage is None and worker is None:
+        raise InputError(None, "--stage", "expected a stage index")
+    for flag, value in (("--stage", stage), ("--replica", replica), ("RANK", worker)):
+        if value is not None and value < 0:
+            raise InputError(None, flag, f"expected an index >= 0, got {value}")
     ckpt = resolve_checkpoint(model)
     try:
         store = connect(host, port, connect_timeout_s)
+        spec: WorkerSpec = pickle.loads(store.get("spec"))
     except Exception as exc:  # noqa: BLE001
         raise InputError(None, "--head", f"no FlexPipe head answered at {host}:{port} within "
                                          f"{connect_timeout_s:.0f} s: {exc}") from None
-    if store.add(f"claim/{stage}", 1) != 1:
-        raise InputError(None, "--stage", f"stage {stage} already has a worker at {host}:{port}")
-    spec: WorkerSpec = pickle.loads(store.get("spec"))
-    events = StoreEvents(store)
-    try:
+    layout = spec.layout()
+    if worker is None:
         if stage >= spec.num_stages:
             raise InputError(None, "--stage", f"the head's gear has {spec.num_stages} stages (0..{spec.num_stages - 1}), "
                                               f"got {stage}")
+        if replica >= layout.replicas[stage]:
+            raise InputError(None, "--replica", f"stage {stage} has {layout.replicas[stage]} replica(s) "
+                                                f"(0..{layout.replicas[stage] - 1}), got {replica}")
+        worker = layout.rank(stage, replica) - 1
+    elif worker >= layout.num_workers:
+        raise InputError(None, "WORLD_SIZE", f"the head's gear has {layout.num_workers} stage workers; rank "
+                                             f"{worker + 1} has none (launch {layout.world_size} ranks)")
+    stage, replica = layout.locate(worker)
+    name = f"stage {stage}" + (f" replica {replica}" if layout.replicas[stage] > 1 else "")
+    if store.add(f"claim/{worker}", 1) != 1:
+        raise InputError(None, "--stage", f"{name} already has a worker at {host}:{port}")
+    events = StoreEvents(store)
+    try:
         if device is not None and device != spec.device:
             raise InputError(None, "--device", f"the head runs the pipeline on {spec.device!r}, this worker asked for {device!r}")
         if ckpt.name != spec.checkpoint_name:
             raise InputError(None, "--model", f"the head serves {spec.checkpoint_name!r}, this worker loaded {ckpt.name!r}")
     except InputError as exc:
-        events.put(("error", stage, f"InputError: {exc}", False))
-        store.set(f"exit/{stage}", "2")
+        events.put(("error", worker, f"InputError: {exc}", False))
+        store.set(f"exit/{worker}", "2")
         raise
     spec.checkpoint_path = str(ckpt.path)
     spec.control_address = f"{host}:{port}"
@@ -382,27 +400,27 @@ def serve_stage(head: str, stage: int, model=None, device: str | None = None, lo
         spec.device = f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
     if threads:
         spec.threads_per_rank = threads
-    counters = HeartbeatCounters(store, stage, spec.world_size)
+    counters = HeartbeatCounters(store, worker, spec.world_size)
     events = StoreEvents(store, on_ready=counters.watch_ring)
     result: dict = {"code": 0}
 
     def serve() -> None:
         try:
-            worker_main(stage, spec, events, counters)
+            worker_main(worker, spec, events, counters)
         except SystemExit as exc:
             result["code"] = int(exc.code or 0)
 
     def on_sigterm(signum, _frame) -> None:  # a launcher stopping every rank: say so, then go
         try:
-            events.put(("error", stage, f"stopped by signal {signum} (the launcher stops every rank when one exits)",
+            events.put(("error", worker, f"stopped by signal {signum} (the launcher stops every rank when one exits)",
                         True))
-            store.set(f"exit/{stage}", str(128 + signum))
+            store.set(f"exit/{worker}", str(128 + signum))
         finally:
             os._exit(128 + signum)
 
     # the stage serves on a thread so this (main) thread stays free to run the signal handler: a
     # thread blocked in a backend receive would never run it
-    thread = threading.Thread(target=serve, name=f"flexpipe-stage-{stage}", daemon=True)
+    thread = threading.Thread(target=serve, name=f"flexpipe-worker-{worker}", daemon=True)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
     thread.start()
@@ -410,7 +428,7 @@ def serve_stage(head: str, stage: int, model=None, device: str | None = None, lo
         thread.join(timeout=0.2)
     counters.close()
     try:
-        store.set(f"exit/{stage}", str(result["code"]))
+        store.set(f"exit/{worker}", str(result["code"]))
     except Exception:  # noqa: BLE001 - the head is gone; nothing to tell
         pass
     return result["code"]

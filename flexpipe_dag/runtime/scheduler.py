@@ -84,6 +84,7 @@ class MicroBatch:
 
     mb_id: int
     seqs: list[ScheduledSeq]
+    lane: int = 0  # the replicas it runs on (flexpipe_dag.runtime.lanes)
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +127,7 @@ class _Seq:
     num_computed: int = 0  # tokens whose KV is in the pool
     in_flight: bool = False
     first_token_s: float | None = None
+    lane: int = 0
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -135,10 +137,15 @@ class _Seq:
 class Scheduler:
     """Continuous-batching scheduler over one KV :class:`BlockAllocator`.
 
+    With stage replicas the allocator has several lanes (:mod:`~flexpipe_dag.runtime.lanes`): a
+    request is pinned at admission to the lane with the fewest running sequences that has room,
+    every micro-batch holds one lane's sequences, lanes take turns, and each lane may have
+    ``max_inflight_micro_batches`` in flight (the running set grows with the lanes).
+
     Args:
         allocator: the pipeline's KV block accounting (capacity = min over stages).
         micro_batch_size: most sequences per micro-batch.
-        max_inflight_micro_batches: most micro-batches in the pipeline at once.
+        max_inflight_micro_batches: most micro-batches in the pipeline at once, per lane.
         max_tokens_per_micro_batch: token budget of one micro-batch (prefill tokens + 1 per decode).
         clock: seconds, monotonic (injectable for tests).
     """
@@ -153,6 +160,8 @@ class Scheduler:
         self._waiting: list[_Seq] = []
         self._running: dict[int, _Seq] = {}
         self._inflight: dict[int, list[int]] = {}  # mb id -> seq ids
+        self._inflight_lane: dict[int, int] = {}  # mb id -> lane
+        self._next_lane = 0
         self._ids = itertools.count()
         self._mb_ids = itertools.count()
         self._request_ids: set[str] = set()
@@ -198,22 +207,47 @@ class Scheduler:
         return bool(self._waiting or self._running)
 
     # -- scheduling -----------------------------------------------------------------------------
+    @property
+    def num_lanes(self) -> int:
+        return self.allocator.num_lanes
+
     def _admit(self) -> None:
-        limit = self.micro_batch_size * self.max_inflight_micro_batches
+        lanes = self.num_lanes
+        limit = self.micro_batch_size * self.max_inflight_micro_batches * lanes
         while self._waiting and not self.admission_paused and len(self._running) < limit:
             head = self._waiting[0]
             need = len(head.req.prompt_token_ids) + head.req.max_new_tokens
-            if not self.allocator.can_reserve(need):
+            load = [0] * lanes
+            for s in self._running.values():
+                load[s.lane] += 1
+            room = [lane for lane in range(lanes) if self.allocator.can_reserve(need, lane)]
+            if not room:
                 break
-            self.allocator.reserve(head.seq_id, need)
+            head.lane = min(room, key=lambda lane: (load[lane], lane))
+            self.allocator.reserve(head.seq_id, need, head.lane)
             self._running[head.seq_id] = self._waiting.pop(0)
 
     def schedule(self) -> MicroBatch | None:
         """The next micro-batch, or ``None`` when the in-flight limit is reached or nothing is ready."""
-        if len(self._inflight) >= self.max_inflight_micro_batches:
+        lanes = self.num_lanes
+        if len(self._inflight) >= self.max_inflight_micro_batches * lanes:
             return None
         self._admit()
-        ready = sorted((s for s in self._running.values() if not s.in_flight),
+        busy = [0] * lanes
+        for lane in self._inflight_lane.values():
+            busy[lane] += 1
+        ready_lanes = {s.lane for s in self._running.values() if not s.in_flight}
+        for k in range(lanes):  # lanes take turns
+            lane = (self._next_lane + k) % lanes
+            if lane in ready_lanes and busy[lane] < self.max_inflight_micro_batches:
+                mb = self._micro_batch(lane)
+                if mb is not None:
+                    self._next_lane = (lane + 1) % lanes
+                    return mb
+        return None
+
+    def _micro_batch(self, lane: int) -> MicroBatch | None:
+        ready = sorted((s for s in self._running.values() if not s.in_flight and s.lane == lane),
                        key=lambda s: (s.num_computed == 0, s.sort_key))  # decodes first, then prefills
         picked: list[ScheduledSeq] = []
         budget = self.max_tokens_per_micro_batch
@@ -236,8 +270,9 @@ class Scheduler:
             s.in_flight = True
         if not picked:
             return None
-        mb = MicroBatch(mb_id=next(self._mb_ids), seqs=picked)
+        mb = MicroBatch(mb_id=next(self._mb_ids), seqs=picked, lane=lane)
         self._inflight[mb.mb_id] = [p.seq_id for p in picked]
+        self._inflight_lane[mb.mb_id] = lane
         return mb
 
     def update_from_output(self, mb_id: int, sampled_token_ids: list[int]) -> list[RequestOutput]:
@@ -248,6 +283,7 @@ class Scheduler:
             ValueError: the number of tokens differs from the micro-batch's sequences.
         """
         seq_ids = self._inflight.pop(mb_id)
+        self._inflight_lane.pop(mb_id, None)
         if len(seq_ids) != len(sampled_token_ids):
             raise ValueError(f"micro-batch {mb_id}: {len(sampled_token_ids)} tokens for {len(seq_ids)} sequences")
         now = self.clock()
@@ -277,4 +313,5 @@ class Scheduler:
         for seq_ids in self._inflight.values():
             ids.extend(self._running[i].req.request_id for i in seq_ids if i in self._running)
         self._inflight.clear()
+        self._inflight_lane.clear()
         return ids

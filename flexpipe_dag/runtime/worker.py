@@ -1,12 +1,15 @@
 """A stage worker process: loads one stage's layers and KV pool, then serves micro-batches forever.
 
-Ranks: the driver is rank 0, stage ``s`` is rank ``s + 1``. A stage receives from the rank before
-it (the driver for stage 0) and sends to the rank after it (the last stage sends sampled tokens
-back to the driver). Every link carries messages in FIFO order and the driver receives on its own
-thread, so the ring cannot deadlock.
+Ranks: the driver is rank 0, worker ``w`` is rank ``w + 1`` and serves one replica of one stage
+(stage ``s`` is worker ``s`` when no stage is replicated; :mod:`~flexpipe_dag.runtime.lanes`). A
+worker receives from the ranks before it on its lanes (the driver for stage 0) and sends each
+micro-batch to the next stage's replica of that micro-batch's lane (the last stage sends sampled
+tokens back to the driver). Every link carries messages in FIFO order and the driver receives on
+its own thread, so the ring cannot deadlock.
 
-Control messages travel down the same chain: ``RECONFIGURE`` makes every stage load a new layer
-range and rebuild its KV pool in place (no process restart), ``STOP`` ends the loop.
+Control messages travel down the same lanes: ``RECONFIGURE`` makes every worker load a new layer
+range and rebuild its KV pool in place (no process restart), ``STOP`` ends the loop; a worker fed
+by several replicas acts once every one of them has passed the message on.
 
 Shared counters (a ``multiprocessing`` double array, :data:`FIELDS` per rank) let the parent's
 watchdog see progress without any message: steps done, busy seconds, the clock reading when the
@@ -49,14 +52,26 @@ class WorkerSpec:
     control_address: str | None = None
     threads_per_rank: int = 1
     fault: dict = field(default_factory=dict)  # test hook: {"stage": s, "raise_after_steps": n}
+    #: replicas per stage (None: one each); worker w serves layout().locate(w)
+    replicas: list[int] | None = None
 
     @property
     def num_stages(self) -> int:
         return len(self.ranges)
 
+    def layout(self, num_blocks: int | None = None):
+        """The :class:`~flexpipe_dag.runtime.lanes.LaneLayout` (ranks, lanes, KV split) of this spec."""
+        from flexpipe_dag.runtime.lanes import LaneLayout
+
+        return LaneLayout(tuple(self.replicas or [1] * self.num_stages), num_blocks or self.num_blocks)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(self.replicas or [1] * self.num_stages)
+
     @property
     def world_size(self) -> int:
-        return self.num_stages + 1
+        return self.num_workers + 1
 
 
 def setup_process(spec: WorkerSpec, rank: int) -> None:
@@ -80,12 +95,13 @@ def setup_process(spec: WorkerSpec, rank: int) -> None:
                             timeout=timedelta(days=1))
 
 
-def stage_device(spec: WorkerSpec, stage: int) -> str:
-    """The stage's torch device: ``cuda:<stage mod GPU count>`` for ``"cuda"``, else ``spec.device``."""
+def stage_device(spec: WorkerSpec, worker: int) -> str:
+    """Worker ``worker``'s torch device: ``cuda:<worker mod GPU count>`` for ``"cuda"`` (worker =
+    stage without replicas), else ``spec.device``."""
     if spec.device == "cuda":
         import torch
 
-        return f"cuda:{stage % max(1, torch.cuda.device_count())}"
+        return f"cuda:{worker % max(1, torch.cuda.device_count())}"
     return spec.device
 
 
@@ -94,20 +110,22 @@ def link_device(spec: WorkerSpec, device: str, peer_rank: int) -> str:
     NCCL, host memory on links to the driver (rank 0) under the default ``cpu:gloo,cuda:nccl``
     backend, so the driver never takes a GPU (NCCL refuses two ranks of one communicator on one
     device) and only activations cross NCCL."""
-    if "nccl" not in spec.backend or (peer_rank == 0 and spec.backend != "nccl"):
+    if "nccl" not in spec.backend or peer_rank == 0:
         return "cpu"
     return device
 
 
 class StageRunner:
-    """One stage's module and KV pool, rebuilt on reconfiguration."""
+    """One stage replica's module and KV pool, rebuilt on reconfiguration."""
 
-    def __init__(self, spec: WorkerSpec, stage: int):
-        self.spec, self.stage = spec, stage
+    def __init__(self, spec: WorkerSpec, stage: int, replica: int = 0):
+        self.spec, self.stage, self.replica = spec, stage, replica
+        self.worker = spec.layout().rank(stage, replica) - 1
         self.module = self.pool = None
         self.load(spec.ranges, spec.num_blocks, spec.block_size_tokens, spec.checkpoint_path)
 
     def load(self, ranges, num_blocks: int, block_size_tokens: int, checkpoint_path: str) -> dict:
+        """Load this stage's layers of ``ranges`` and a pool for its lanes' share of ``num_blocks``."""
         import gc
 
         from flexpipe_dag.runtime.model_loader import Checkpoint, load_stage_module
@@ -118,16 +136,29 @@ class StageRunner:
         n = len(ranges)
         ckpt = Checkpoint(path=Path(checkpoint_path), name=self.spec.checkpoint_name)
         module = load_stage_module(ckpt, a, b, first=self.stage == 0, last=self.stage == n - 1, dtype=self.spec.dtype)
-        self.module = module.to(stage_device(self.spec, self.stage))
-        self.pool = self.module.new_kv_pool(num_blocks, block_size_tokens)
+        self.module = module.to(stage_device(self.spec, self.worker))
+        self.layout = self.spec.layout(num_blocks)
+        self.pool = self.module.new_kv_pool(self.layout.replica_blocks(self.stage), block_size_tokens)
         self.ranges = list(ranges)
         return runner_info(self)
 
+    def local_batch(self, batch):
+        """``batch`` with block tables in this replica's pool (a copy when lanes share the stage)."""
+        layout = self.layout
+        if layout.num_lanes == 1:
+            return batch
+        import dataclasses
 
-def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
-    """Entry point of stage ``stage``'s process. Reports ``("ready", stage, info)`` and, on failure,
-    ``("error", stage, message, is_transport_error)`` on ``events``, then exits non-zero."""
-    rank = stage + 1
+        seqs = [dataclasses.replace(s, block_table=[layout.local_block(self.stage, b) for b in s.block_table])
+                for s in batch.seqs]
+        return dataclasses.replace(batch, seqs=seqs)
+
+
+def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
+    """Entry point of worker ``worker`` (rank ``worker + 1``; stage and replica from the spec's lane
+    layout). Reports ``("ready", worker, info)`` and, on failure, ``("error", worker, message,
+    is_transport_error)`` on ``events``, then exits non-zero."""
+    rank = worker + 1
     in_transport = False
     recorder = None
     try:
@@ -137,34 +168,49 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
         from flexpipe_dag.runtime import transport as tp
         from flexpipe_dag.runtime.sampling import sample_tokens
 
-        runner = StageRunner(spec, stage)
+        stage, replica = spec.layout().locate(worker)
+        runner = StageRunner(spec, stage, replica)
         from flexpipe_dag.runtime.observations import StepRecorder
 
         recorder = StepRecorder(stage)  # per-step observations for calibration (a memory-mapped ring)
         runner.observations_path = recorder.path
-        events.put(("ready", stage, runner_info(runner)))
-        device = stage_device(spec, stage)
-        prev_rank = rank - 1
+        events.put(("ready", worker, runner_info(runner)))
+        device = stage_device(spec, worker)
+        layout = runner.layout
+        upstream = layout.upstream(stage, replica)
+        downstream = layout.downstream(stage, replica)
         last = stage == spec.num_stages - 1
-        next_rank = 0 if last else rank + 1
-        recv_device, send_device = link_device(spec, device, prev_rank), link_device(spec, device, next_rank)
+        recv_device = link_device(spec, device, upstream[0])
         base = rank * FIELDS
         steps = 0
+        control: dict[int, list] = {}  # STOP / RECONFIGURE copies received, until every upstream sent one
         while True:
             in_transport = True
-            kind, meta, x = tp.recv_message(prev_rank, recv_device)
+            if len(upstream) == 1:
+                kind, meta, x = tp.recv_message(upstream[0], recv_device)
+            else:  # several replicas feed this one: take whichever is ready
+                _src, kind, meta, x = tp.recv_message_any(recv_device)
             in_transport = False
-            if kind == tp.STOP:
-                in_transport = True
-                tp.send_message(next_rank, tp.STOP, None, device=send_device)
-                break
-            if kind == tp.RECONFIGURE:
+            if kind in (tp.STOP, tp.RECONFIGURE):
+                control.setdefault(kind, []).append(meta)
+                if len(control[kind]) < len(upstream):
+                    continue  # wait for the same order along every lane
+                copies = control.pop(kind)
+                if kind == tp.STOP:
+                    in_transport = True
+                    for dst in downstream:
+                        tp.send_message(dst, tp.STOP, None)
+                    break
+                meta = copies[0]
                 info = runner.load(meta["ranges"], meta["num_blocks"], meta["block_size_tokens"],
                                    meta.get("checkpoint_path") or spec.checkpoint_path)
-                infos = list(meta.get("infos", [])) + [info]
+                infos = {(i["stage_index"], i.get("replica_index", 0)): i for c in copies for i in c.get("infos", [])}
+                infos[(stage, replica)] = info
                 in_transport = True
-                tp.send_message(next_rank, tp.RECONFIGURED if last else tp.RECONFIGURE, {**meta, "infos": infos},
-                                device=send_device)
+                for dst in downstream:
+                    tp.send_message(dst, tp.RECONFIGURED if last else tp.RECONFIGURE,
+                                    {**meta, "infos": list(infos.values())})
+                layout = runner.layout
                 continue
             if kind != tp.BATCH:
                 raise tp.TransportError(f"stage {stage}: unexpected message kind {tp.KIND_NAMES.get(kind, kind)}")
@@ -172,7 +218,8 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
             counters[base + F_STEP_STARTED] = t0
             if spec.fault.get("stage") == stage and steps >= spec.fault.get("raise_after_steps", 1 << 60):
                 raise RuntimeError(f"injected fault after {steps} steps")
-            out = runner.module(meta, x, runner.pool)
+            out = runner.module(runner.local_batch(meta), x, runner.pool)
+            next_rank = layout.lane_rank(stage + 1, meta.lane)
             if last:
                 tokens = sample_tokens(out, meta.seqs)
                 payload = (tp.RESULT, (meta.mb_id, tokens), None)
@@ -188,7 +235,7 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
             if last:
                 recorder.commit()
             in_transport = True
-            tp.send_message(next_rank, payload[0], payload[1], payload[2], device=send_device)
+            tp.send_message(next_rank, payload[0], payload[1], payload[2], device=link_device(spec, device, next_rank))
             if not last:
                 recorder.set_send((time.monotonic() - t1) * 1e3, out.numel() * out.element_size())
                 recorder.commit()
@@ -196,7 +243,7 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
             # the watchdog's stall finder must name it, not the stage waiting for it
             counters[base + F_STEPS] = steps
     except BaseException as exc:  # report, then die: the parent names this stage
-        events.put(("error", stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", in_transport))
+        events.put(("error", worker, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", in_transport))
         raise SystemExit(1) from None
     finally:
         if recorder is not None:
@@ -206,7 +253,7 @@ def worker_main(stage: int, spec: WorkerSpec, events, counters) -> None:
 
 def runner_info(runner: StageRunner) -> dict:
     a, b = runner.ranges[runner.stage]
-    return {"stage_index": runner.stage, "layer_start": a, "layer_end": b, "param_bytes": runner.module.param_bytes(),
+    return {"stage_index": runner.stage, "replica_index": runner.replica, "layer_start": a, "layer_end": b, "param_bytes": runner.module.param_bytes(),
             "kv_pool_bytes": runner.pool.nbytes, "kv_capacity_tokens": runner.pool.capacity_tokens,
             "pid": os.getpid(), "host": socket.gethostname(), "observations_path": getattr(runner, "observations_path", None)}
 

@@ -37,8 +37,8 @@ failed, or was released before a KV growth failed) it is restarted from its gear
 requests go to it.
 
 Cold mode (memory too short for even the new weights next to the old gear): hold new admissions,
-drain the old gear, then ``reconfigure`` the same processes to the new gear when the stage count is
-unchanged (``in_place``) or stop it and start the new gear (``restart``); verify, release the held
+drain the old gear, then ``reconfigure`` the same processes to the new gear when the stages and
+their replica counts are unchanged (``in_place``) or stop it and start the new gear (``restart``); verify, release the held
 requests, watch the health window. There is no double buffer: rollback restarts the old gear.
 """
 
@@ -489,7 +489,7 @@ class GearExecutor:
     # -- cold mode ----------------------------------------------------------------------------------
     def _shift_cold(self, old: Lane, new_gear: Gear, ckpt, opts, out: ShiftOutcome, finish) -> ShiftOutcome:
         cfg, router = self.config, self.router
-        in_place = new_gear.num_stages == old.gear.num_stages
+        in_place = [st.replicas for st in new_gear.stages] == [st.replicas for st in old.gear.stages]
         out.mode = "in_place" if in_place else "restart"
         old_gear = old.gear
         try:

@@ -359,6 +359,8 @@ def run_batch_job(runtime, rows: list[PromptRow], sink: ResultSink, *, malformed
     t0 = time.monotonic()
     try:
         runtime.generate(reqs, on_result=on_result, on_metrics=on_metrics)
+        if on_metrics is not None and reqs:  # the last partial window (a job may be shorter than a period)
+            runtime.flush_metrics(on_metrics)
     except StageFailedError as exc:
         report.failure = str(exc)
     report.elapsed_s = time.monotonic() - t0

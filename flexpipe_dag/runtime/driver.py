@@ -6,6 +6,7 @@ Commands arrive from the parent on ``cmd_q``:
 * ``("reconfigure", {"ranges", "num_blocks", "block_size_tokens", "gear_id"})`` - pause admission,
   drain running sequences (in-flight work finishes), send ``RECONFIGURE`` down the stages, resume
   with a fresh KV allocator once the last stage confirms; queued requests wait meanwhile;
+* ``("flush", None)`` - emit a metrics sample now (covering the time since the last one);
 * ``("stop", None)`` - drain, then stop every stage.
 
 Events go to the parent on ``evt_q``: ``("result", RequestOutput)``, ``("metrics", MetricSample)``,
@@ -81,6 +82,8 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
                     elif cmd == "reconfigure":
                         reconfig, reconfig_sent = arg, False
                         sched.admission_paused = True
+                    elif cmd == "flush":
+                        next_sample = 0.0
                     elif cmd == "stop":
                         stopping = True
                         sched.admission_paused = True

@@ -409,6 +409,32 @@ class PipelineRuntime:
                 self._outstanding.discard(ev[1])
                 self._refused[ev[1]] = ev[2]
 
+    def flush_metrics(self, on_metrics: Callable[[MetricSample], None] | None = None,
+                      timeout_s: float = 10.0) -> MetricSample | None:
+        """Ask the driver for a metrics sample now (the partial window since the last one), e.g. at
+        the end of a batch job shorter than the sample period; returns it (``None`` on timeout).
+
+        Raises:
+            StageFailedError: as :meth:`generate`.
+        """
+        self._cmds.put(("flush", None))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ev = self._next_event(0.1)
+            if ev is None:
+                continue
+            if ev[0] == "metrics":
+                self._metrics.append(ev[1])
+                if on_metrics:
+                    on_metrics(ev[1])
+                return ev[1]
+            if ev[0] == "result":  # a request submitted meanwhile: keep it for the next wait
+                self._outstanding.discard(ev[1].request_id)
+                self._finished.append(ev[1])
+                if self._on_result:
+                    self._on_result(ev[1])
+        return None
+
     @property
     def refused(self) -> dict[str, str]:
         """Request id -> why the scheduler refused it (e.g. larger than the KV pool)."""

@@ -167,7 +167,7 @@ def test_worker_without_a_head_says_so():
         serve_stage(f"127.0.0.1:{free_port()}", 0, connect_timeout_s=2)
 
 
-@pytest.mark.parametrize("text", ["nohost", "host:", ":29500", "host:99999", "host:abc"])
+@pytest.mark.parametrize("text", ["nohost", "host:", ":29500", "host:99999", "host:abc", "127.0.0.1:29500:5", "::1:29500"])
 def test_bad_head_address(text):
     with pytest.raises(InputError, match="HOST:PORT"):
         parse_address(text, "--head")
@@ -216,3 +216,70 @@ def test_batch_inference_job_serves_stage_workers_started_elsewhere(tmp_path):
     assert result.success and codes == [0, 0]
     (job,) = store.get_store().jobs()
     assert job.status == "done" and len(store.get_store().results(job.id)) == 6
+
+
+def test_a_refused_worker_claims_nothing_and_leaves_the_head_alone(tmp_path):
+    """Wrong --device or other weights: refused before claiming, no event to the head."""
+    import shutil
+
+    ck = checkpoint()
+    server = ControlServer(0, 2)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        server.publish(WorkerSpec(str(ck.path), ck.name, [(0, 15), (15, 30)], 8, 16, checkpoint_fingerprint=ck.fingerprint))
+        with pytest.raises(InputError, match="--device"):
+            serve_stage(address, 1, device="cuda", connect_timeout_s=10)
+        other = tmp_path / ck.path.name  # same name, other weights: a changed config
+        other.mkdir()
+        for f in ck.path.iterdir():
+            if f.is_file():
+                os.link(f, other / f.name) if f.name != "config.json" else shutil.copy(f, other / f.name)
+        cfg = json.loads((other / "config.json").read_text())
+        cfg["rope_theta"] = cfg.get("rope_theta", 10000.0) * 2
+        (other / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InputError, match="other weights"):
+            serve_stage(address, 1, model=str(other), connect_timeout_s=10)
+        import queue
+
+        events: queue.Queue = queue.Queue()
+        server.poll(connect("127.0.0.1", server.port, 10), events, [0.0] * 12)
+        assert server.claimed() == [] and events.empty()
+    finally:
+        server.close()
+
+
+def test_fingerprint_follows_the_weights_not_the_path(tmp_path):
+    ck = checkpoint()
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    for f in ck.path.iterdir():
+        if f.is_file():
+            os.link(f, copy / f.name)
+    from flexpipe_dag.runtime.model_loader import Checkpoint
+
+    assert Checkpoint(copy, "renamed").fingerprint == ck.fingerprint
+
+
+def test_worker_at_a_port_that_is_not_a_head_gives_up_in_time():
+    import socket
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)  # accepts, never answers
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(InputError, match="no FlexPipe head answered"):
+            serve_stage(f"127.0.0.1:{srv.getsockname()[1]}", 0, connect_timeout_s=2)
+    finally:
+        srv.close()
+    assert time.monotonic() - t0 < 10
+
+
+def test_run_flags_for_remote_stages_are_checked(capsys):
+    from flexpipe_dag.cli import main
+
+    assert main(["run", "--stages", "2", "--trace", "azure-conv", "--control-port", "29501"]) == 2
+    assert "--control-port" in capsys.readouterr().err
+    assert main(["run", "--stages", "2", "--trace", "azure-conv", "--listen", "127.0.0.1:29501:5"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err

@@ -52,6 +52,8 @@ def register(subparsers) -> None:
                             "stages + 1): rank 0 is the head (scheduler, results), rank s+1 serves stage s; the "
                             "control store listens on MASTER_ADDR:MASTER_PORT+1 (or --control-port)")
     p.add_argument("--control-port", type=int, default=None, help="with --launched: the head's control port")
+    p.add_argument("--start-timeout-s", type=float, default=300.0,
+                   help="how long to wait for every stage to load (with --listen / --launched: to join and load)")
     p.set_defaults(func=run)
 
 
@@ -104,6 +106,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise InputError(None, flag, f"expected an integer >= {low}, got {value}")
     if args.inflight is not None and args.inflight < 1:
         raise InputError(None, "--inflight", f"expected an integer >= 1, got {args.inflight}")
+    if not (args.start_timeout_s > 0 and math.isfinite(args.start_timeout_s)):
+        raise InputError(None, "--start-timeout-s", f"expected a positive number of seconds, got {args.start_timeout_s}")
+    if args.device == "cuda":
+        check_cuda(remote=bool(args.listen or args.launched))
     if not (args.step_timeout_s > 0 and math.isfinite(args.step_timeout_s)):
         raise InputError(None, "--step-timeout-s", f"expected a positive number of seconds, got {args.step_timeout_s}")
     if not (args.length_scale > 0 and math.isfinite(args.length_scale)):
@@ -117,6 +123,23 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(str(out), "--out", "is a directory; expected a JSONL file path")
     if not out.parent.is_dir():
         raise InputError(str(out), "--out", f"directory {out.parent} does not exist")
+
+
+def check_cuda(remote: bool) -> None:
+    """``--device cuda`` needs CUDA here, or, when the stages run elsewhere, a torch build with NCCL
+    (the head joins the process group but takes no GPU).
+
+    Raises:
+        InputError: naming ``--device``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if remote and not dist.is_nccl_available():
+        raise InputError(None, "--device", "cuda: this host's torch has no NCCL (a CPU build); the head of a "
+                                           "CUDA pipeline needs a CUDA build of torch, even without a GPU")
+    if not remote and not torch.cuda.is_available():
+        raise InputError(None, "--device", "cuda: no CUDA device visible to torch on this host")
 
 
 def resolve_trace(trace) -> Path:
@@ -171,12 +194,15 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
     control_address = args.listen
+    if args.control_port is not None and not args.launched:
+        raise InputError(None, "--control-port", "only with --launched (with --listen the port is part of HOST:PORT)")
     if args.launched:
         rank, world, control_address = launched_head(args)
         if rank > 0:  # a stage rank: everything else comes from the head
             from flexpipe_dag.cli.worker import env_int
             from flexpipe_dag.runtime.remote import serve_stage
 
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             return serve_stage(control_address, worker=rank - 1, model=args.model, device=args.device,
                                local_rank=env_int("LOCAL_RANK", 0))
     elif control_address is not None:
@@ -215,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {workers} stage workers (a replica each): "
                                              f"launch {workers + 1} ranks (head + one per worker), got {world}")
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
-                             control_address=control_address)
+                             control_address=control_address, start_timeout_s=args.start_timeout_s)
     runtime = PipelineRuntime(gear, ckpt, options)
     if control_address:  # a launcher stops every rank with SIGTERM when one exits: name the stage, keep results
         import signal

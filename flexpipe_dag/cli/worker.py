@@ -49,6 +49,7 @@ def env_int(name: str, default: int | None = None) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the reasons are ours; no C++ store retry noise
     from flexpipe_dag.runtime.remote import serve_stage
 
     stage, worker = args.stage, None

@@ -102,6 +102,29 @@ class Checkpoint:
         return int(self.config.num_hidden_layers)
 
     @cached_property
+    def fingerprint(self) -> str:
+        """What identifies the model's weights wherever the directory lives (sha256, hex, 16 chars):
+        ``config.json`` (canonical JSON) and, per ``*.safetensors`` file, its size, header (tensor
+        names, dtypes, shapes) and its first and last MiB of data. Cheap on a 100 GB checkpoint;
+        tells two quantisations or fine-tunes of one architecture apart."""
+        import hashlib
+        import json as _json
+
+        h = hashlib.sha256()
+        config = {k: v for k, v in _json.loads((self.path / "config.json").read_text()).items()
+                  if not k.startswith("_") and k != "transformers_version"}  # not the model: who saved it
+        h.update(_json.dumps(config, sort_keys=True).encode())
+        for f in sorted(self.path.glob("*.safetensors")):
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                head_len = int.from_bytes(fh.read(8), "little")
+                h.update(f"{f.name}:{size}:".encode() + fh.read(min(head_len, size)))
+                h.update(fh.read(1 << 20))
+                fh.seek(max(0, size - (1 << 20)))
+                h.update(fh.read(1 << 20))
+        return h.hexdigest()[:16]
+
+    @cached_property
     def tensor_files(self) -> dict[str, Path]:
         """Tensor name -> the safetensors file that holds it."""
         from safetensors import safe_open

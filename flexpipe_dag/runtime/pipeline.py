@@ -258,7 +258,8 @@ class PipelineRuntime:
                           backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                           control_address=f"127.0.0.1:{self._control.port}" if self._control else None,
                           threads_per_rank=o.threads_per_rank, fault=dict(o.fault),
-                          replicas=[st.replicas for st in self.gear.stages])
+                          replicas=[st.replicas for st in self.gear.stages],
+                          checkpoint_fingerprint=self.ckpt.fingerprint if self._control else "")
 
     def start(self) -> list[dict]:
         """Check the fit, spawn the processes, wait until every stage has loaded; returns stage info
@@ -270,8 +271,8 @@ class PipelineRuntime:
         if self.options.control_address:
             from flexpipe_dag.runtime.remote import ControlServer, parse_address
 
-            _host, port = parse_address(self.options.control_address, "control_address")
-            self._control = ControlServer(port, layout.num_workers, self.options.heartbeat_timeout_s)
+            host, port = parse_address(self.options.control_address, "control_address")
+            self._control = ControlServer(port, layout.num_workers, self.options.heartbeat_timeout_s, host=host)
         else:
             check_gear_fits(self.gear, self.ckpt, self.options)  # remote hosts' memory is not known here
         spec = self._spec()
@@ -302,12 +303,15 @@ class PipelineRuntime:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(spec.num_workers)) - set(info))
                 why = f"did not load within {self.options.start_timeout_s:.0f} s"
-                if self._control is not None and missing[0] not in self._control.claimed():
-                    stage, replica = layout.locate(missing[0])
+                culprit = missing[0]
+                unclaimed = [w for w in missing if w not in self._control.claimed()] if self._control else []
+                if unclaimed:  # the others wait for it in the rendezvous: name the one that never came
+                    culprit = unclaimed[0]
+                    stage, replica = layout.locate(culprit)
                     which = f"--stage {stage}" + (f" --replica {replica}" if layout.replicas[stage] > 1 else "")
                     why = (f"no worker joined within {self.options.start_timeout_s:.0f} s; start one with "
                            f"`flexpipe worker --head {self._control.address} {which}`")
-                self._fail(missing[0], why)
+                self._fail(culprit, why)
             ev = self._next_event(0.2)
             if ev and ev[0] == "ready":
                 info[ev[1]] = ev[2]

@@ -65,8 +65,10 @@ def parse_address(text: str, field: str) -> tuple[str, int]:
         InputError: naming ``field`` when the text is not ``HOST:PORT`` with a port in 0..65535.
     """
     host, sep, port = str(text).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise InputError(None, field, f"expected HOST:PORT (e.g. gpu-a100-0:29501), got {text!r}")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if (not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535
+            or (":" in host and not bracketed)):
+        raise InputError(None, field, f"expected HOST:PORT (e.g. gpu-a100-0:29501, [::1]:29501 for IPv6), got {text!r}")
     return host.strip("[]"), int(port)
 
 
@@ -81,16 +83,24 @@ class StoreEvents:
     """Worker side of the event channel: ``put(event)`` pushes a pickled tuple onto the store queue.
     ``on_ready(info)`` is called with the stage's ``ready`` info (its observation ring's path)."""
 
-    def __init__(self, store, on_ready=None):
+    def __init__(self, store, on_ready=None, name: str = "worker"):
         self._store = store
         self._lock = threading.Lock()
         self._on_ready = on_ready
+        self.name = name
 
     def put(self, event: tuple) -> None:
+        """Send ``event`` to the head (best effort: a head that is gone cannot hear it); an error is
+        also printed here, so the worker's own host shows why it stopped."""
         if event[0] == "ready" and self._on_ready is not None:
             self._on_ready(event[2])
-        with self._lock:
-            self._store.queue_push(_EVENTS, pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL))
+        if event[0] == "error":
+            print(f"flexpipe worker ({self.name}): {event[2].strip().splitlines()[0]}", file=sys.stderr, flush=True)
+        try:
+            with self._lock:
+                self._store.queue_push(_EVENTS, pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:  # noqa: BLE001 - the head is gone; the heartbeat thread ends this process
+            pass
 
 
 class HeartbeatCounters:
@@ -226,15 +236,18 @@ class ControlServer:
         InputError: the port cannot be bound.
     """
 
-    def __init__(self, port: int, num_stages: int, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
+    def __init__(self, port: int, num_stages: int, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 host: str = ""):
         import torch.distributed as dist
 
-        try:
+        try:  # torch's TCPStore listens on every interface, whatever host it is given
             self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=30))
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError / DistNetworkError
-            raise InputError(None, "control_address", f"cannot serve the control store on port {port}: {exc}") from None
+            raise InputError(None, "control address (--listen / control_address)",
+                             f"cannot serve the control store on port {port}: {_first_line(exc)}") from None
         self.port = self._store.port
+        self._host = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stages = [RemoteStage(self, s) for s in range(num_stages)]
         self._main = self._store.clone()
@@ -244,8 +257,9 @@ class ControlServer:
 
     @property
     def address(self) -> str:
-        """``host:port`` workers can use (this host's name)."""
-        return f"{socket.gethostname()}:{self.port}"
+        """``host:port`` workers can use (the host given to listen on, else this host's name)."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self.port}"
 
     def publish(self, spec: WorkerSpec) -> None:
         """Hand the pipeline spec to the workers (they block on it after claiming their stage)."""
@@ -334,6 +348,39 @@ class ControlServer:
             st._rows.append(rows)
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line (torch's C++ errors append dozens of stack frames)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def fetch_spec(host: str, port: int, timeout_s: float):
+    """Connect to a head's control store and read its spec, in at most ``timeout_s``: ``(store, spec)``.
+
+    Runs on a helper thread, because a TCPStore client that reached something other than a
+    FlexPipe head can wait forever.
+
+    Raises:
+        InputError: no head answered in time (naming ``--head``).
+    """
+    box: dict = {}
+
+    def attempt() -> None:
+        try:
+            store = connect(host, port, timeout_s)
+            box["value"] = (store, pickle.loads(store.get("spec")))
+        except Exception as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    thread = threading.Thread(target=attempt, name="flexpipe-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    if "value" in box:
+        return box["value"]
+    why = _first_line(box["error"]) if "error" in box else "no answer (is that port a FlexPipe head?)"
+    raise InputError(None, "--head", f"no FlexPipe head answered at {host}:{port} within {timeout_s:.0f} s: {why}")
+
+
 def serve_stage(head: str, stage: int | None = None, model=None, device: str | None = None, local_rank: int = 0,
                 connect_timeout_s: float = 600.0, threads: int | None = None, replica: int = 0,
                 worker: int | None = None) -> int:
@@ -360,12 +407,7 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
         if value is not None and value < 0:
             raise InputError(None, flag, f"expected an index >= 0, got {value}")
     ckpt = resolve_checkpoint(model)
-    try:
-        store = connect(host, port, connect_timeout_s)
-        spec: WorkerSpec = pickle.loads(store.get("spec"))
-    except Exception as exc:  # noqa: BLE001
-        raise InputError(None, "--head", f"no FlexPipe head answered at {host}:{port} within "
-                                         f"{connect_timeout_s:.0f} s: {exc}") from None
+    store, spec = fetch_spec(host, port, connect_timeout_s)
     layout = spec.layout()
     if worker is None:
         if stage >= spec.num_stages:
@@ -380,18 +422,14 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
                                              f"{worker + 1} has none (launch {layout.world_size} ranks)")
     stage, replica = layout.locate(worker)
     name = f"stage {stage}" + (f" replica {replica}" if layout.replicas[stage] > 1 else "")
+    # refused before claiming: a mistyped worker must not take the slot, nor fail the head's run
+    if device is not None and device != spec.device:
+        raise InputError(None, "--device", f"the head runs the pipeline on {spec.device!r}, this worker asked for {device!r}")
+    if spec.checkpoint_fingerprint and ckpt.fingerprint != spec.checkpoint_fingerprint:
+        raise InputError(None, "--model", f"the head serves {spec.checkpoint_name!r} (weights {spec.checkpoint_fingerprint}); "
+                                          f"{ckpt.path} holds other weights ({ckpt.fingerprint})")
     if store.add(f"claim/{worker}", 1) != 1:
         raise InputError(None, "--stage", f"{name} already has a worker at {host}:{port}")
-    events = StoreEvents(store)
-    try:
-        if device is not None and device != spec.device:
-            raise InputError(None, "--device", f"the head runs the pipeline on {spec.device!r}, this worker asked for {device!r}")
-        if ckpt.name != spec.checkpoint_name:
-            raise InputError(None, "--model", f"the head serves {spec.checkpoint_name!r}, this worker loaded {ckpt.name!r}")
-    except InputError as exc:
-        events.put(("error", worker, f"InputError: {exc}", False))
-        store.set(f"exit/{worker}", "2")
-        raise
     spec.checkpoint_path = str(ckpt.path)
     spec.control_address = f"{host}:{port}"
     if spec.device == "cuda":  # modulo: the head's host also gives the head a local rank (it takes no GPU)
@@ -401,7 +439,7 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
     if threads:
         spec.threads_per_rank = threads
     counters = HeartbeatCounters(store, worker, spec.world_size)
-    events = StoreEvents(store, on_ready=counters.watch_ring)
+    events = StoreEvents(store, on_ready=counters.watch_ring, name=name)
     result: dict = {"code": 0}
 
     def serve() -> None:
@@ -412,8 +450,7 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
 
     def on_sigterm(signum, _frame) -> None:  # a launcher stopping every rank: say so, then go
         try:
-            events.put(("error", worker, f"stopped by signal {signum} (the launcher stops every rank when one exits)",
-                        True))
+            events.put(("error", worker, f"stopped by signal {signum}", True))
             store.set(f"exit/{worker}", str(128 + signum))
         finally:
             os._exit(128 + signum)

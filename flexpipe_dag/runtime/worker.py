@@ -54,6 +54,8 @@ class WorkerSpec:
     fault: dict = field(default_factory=dict)  # test hook: {"stage": s, "raise_after_steps": n}
     #: replicas per stage (None: one each); worker w serves layout().locate(w)
     replicas: list[int] | None = None
+    #: :attr:`~flexpipe_dag.runtime.model_loader.Checkpoint.fingerprint` of the head's model (remote workers check it)
+    checkpoint_fingerprint: str = ""
 
     @property
     def num_stages(self) -> int:

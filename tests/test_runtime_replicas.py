@@ -59,6 +59,17 @@ def test_scheduler_pins_sequences_to_lanes_and_balances_them():
     assert again.lane == first.lane and {s.seq_id for s in again.seqs} == {s.seq_id for s in first.seqs}
 
 
+def test_cli_stage_replicas_are_checked(capsys):
+    from flexpipe_dag.cli import main
+    from flexpipe_dag.cli.run import even_gear
+
+    g = even_gear(30, 2, "m", 8, None, 4096, [1, 2])
+    assert [st.device_ids for st in g.stages] == [["worker0"], ["worker1.0", "worker1.1"]]
+    for bad, why in (("1,x", "comma-separated"), ("1", "2 counts"), ("1,0", "2 counts")):
+        assert main(["run", "--stages", "2", "--stage-replicas", bad, "--trace", "azure-conv"]) == 2
+        assert why in capsys.readouterr().err
+
+
 torch = pytest.importorskip("torch")
 
 from test_runtime_helpers import checkpoint, gear, hf_reference, requests  # noqa: E402

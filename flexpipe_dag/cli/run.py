@@ -35,7 +35,11 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="with --stages")
     p.add_argument("--inflight", type=int, default=None, help="max in-flight micro-batches (default: stages)")
-    p.add_argument("--kv-capacity-tokens", type=int, default=8192, help="with --stages")
+    p.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="KV pool per stage in tokens (default 8192 with --stages; with --gear: cap the gear's pool, "
+                        "e.g. a GPU-planned gear on a CPU host)")
+    p.add_argument("--stage-replicas", default=None, metavar="R0,R1,...",
+                   help="with --stages: replicas per stage (one worker each), e.g. 1,2 for a doubled last stage")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--step-timeout-s", type=float, default=120.0)
@@ -58,21 +62,44 @@ def register(subparsers) -> None:
 
 
 def even_gear(num_layers: int, num_stages: int, model_name: str, micro_batch_size: int, inflight: int | None,
-              kv_capacity_tokens: int):
-    """A ``uniform`` gear: layers split as evenly as possible (earlier stages take the remainder)."""
+              kv_capacity_tokens: int, replicas: list[int] | None = None):
+    """A ``uniform`` gear: layers split as evenly as possible (earlier stages take the remainder);
+    stage ``i`` on ``replicas[i]`` workers (default one each).
+
+    Raises:
+        InputError: a stage count outside ``1..num_layers``, or replicas not one count >= 1 per stage.
+    """
     from flexpipe_dag.core.gear import Gear, StagePlan
 
     if not 1 <= num_stages <= num_layers:
         raise InputError(None, "--stages", f"expected 1..{num_layers}, got {num_stages}")
+    replicas = replicas or [1] * num_stages
+    if len(replicas) != num_stages or min(replicas) < 1:
+        raise InputError(None, "--stage-replicas", f"expected {num_stages} counts >= 1 (one per stage), got {replicas}")
     base, extra = divmod(num_layers, num_stages)
     stages, start = [], 0
     for i in range(num_stages):
         end = start + base + (1 if i < extra else 0)
-        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=end, device_ids=[f"worker{i}"]))
+        devices = [f"worker{i}"] if replicas[i] == 1 else [f"worker{i}.{k}" for k in range(replicas[i])]
+        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=end, device_ids=devices))
         start = end
     return Gear(gear_id=f"uniform-{num_stages}", kind="uniform", model_name=model_name, num_layers=num_layers,
                 stages=stages, micro_batch_size=micro_batch_size, max_inflight_micro_batches=inflight or num_stages,
                 kv_capacity_tokens=kv_capacity_tokens)
+
+
+def parse_replicas(text: str | None) -> list[int] | None:
+    """``"1,2,1"`` -> ``[1, 2, 1]`` (``None`` stays ``None``).
+
+    Raises:
+        InputError: naming ``--stage-replicas`` when an item is not an integer.
+    """
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(None, "--stage-replicas", f"expected comma-separated integers, e.g. 1,2; got {text!r}") from None
 
 
 def load_gear(path: Path):
@@ -101,7 +128,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     for flag, value, low in (("--num-requests", args.num_requests, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 1),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--micro-batch-size", args.micro_batch_size, 1),
-                             ("--kv-capacity-tokens", args.kv_capacity_tokens, 1)):
+                             ("--kv-capacity-tokens", args.kv_capacity_tokens or 1, 1)):
         if value < low:
             raise InputError(None, flag, f"expected an integer >= {low}, got {value}")
     if args.inflight is not None and args.inflight < 1:
@@ -218,10 +245,14 @@ def run(args: argparse.Namespace) -> int:
     sink = open_sink(args.out)
     ckpt = resolve_checkpoint(args.model)
     if args.gear:
+        if args.stage_replicas:
+            raise InputError(None, "--stage-replicas", "only with --stages (a gear file carries its replicas)")
         gear = load_gear(args.gear)
+        if args.kv_capacity_tokens:
+            gear = gear.with_kv_pool_capped(args.kv_capacity_tokens)
     else:
         gear = even_gear(ckpt.num_layers, args.stages, ckpt.name, args.micro_batch_size, args.inflight,
-                         args.kv_capacity_tokens)
+                         args.kv_capacity_tokens or 8192, parse_replicas(args.stage_replicas))
     if args.prompts:
         rows, malformed = read_prompts(args.prompts, args.max_new_tokens)
     else:
@@ -253,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
           f"{gear.max_inflight_micro_batches} in flight; {where}...", file=sys.stderr)
     with runtime:
         for info in runtime.stage_info:
-            print(f"  stage {info['stage_index']} layers [{info['layer_start']}, {info['layer_end']}): "
+            replica = f" replica {info['replica_index']}" if gear.stages[info["stage_index"]].replicas > 1 else ""
+            print(f"  stage {info['stage_index']}{replica} layers [{info['layer_start']}, {info['layer_end']}): "
                   f"weights {info['param_bytes'] / 2**20:.1f} MiB, KV pool {info['kv_pool_bytes'] / 2**20:.1f} MiB "
                   f"({info['kv_capacity_tokens']} tokens), pid {info['pid']} on {info.get('host', '?')}",
                   file=sys.stderr)

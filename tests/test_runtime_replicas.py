@@ -132,3 +132,22 @@ def test_killed_replica_is_named_with_its_stage():
             rt.generate(reqs, on_result=on_result)
     assert (err.value.stage, err.value.replica) == (1, 1) and "stage 1 replica 1" in str(err.value)
     assert len(err.value.finished) >= 1
+
+
+@pytest.mark.slow
+def test_cli_names_refused_requests_and_exits_1(tmp_path, capsys):
+    """A request larger than a lane's KV share is refused with its reason, and the run says so."""
+    from flexpipe_dag.cli import main
+
+    code = main(["run", "--stages", "2", "--stage-replicas", "1,2", "--trace", "azure-conv", "--num-requests", "2",
+                 "--max-prompt-tokens", "64", "--max-new-tokens", "4", "--kv-capacity-tokens", "64",
+                 "--out", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 1 and "refused trace-00000:" in err and "KV" in err, err[-2000:]
+
+
+def test_too_small_a_kv_pool_for_the_lanes_names_the_fix():
+    from flexpipe_dag.core.errors import InfeasibleError
+
+    with pytest.raises(InfeasibleError, match=r"--kv-capacity-tokens\) to >= 32"):
+        PipelineRuntime(_gear([(0, 15), (15, 30)], [1, 2], kv_capacity_tokens=16), checkpoint())

@@ -83,7 +83,8 @@ def even_gear(num_layers: int, num_stages: int, model_name: str, micro_batch_siz
         devices = [f"worker{i}"] if replicas[i] == 1 else [f"worker{i}.{k}" for k in range(replicas[i])]
         stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=end, device_ids=devices))
         start = end
-    return Gear(gear_id=f"uniform-{num_stages}", kind="uniform", model_name=model_name, num_layers=num_layers,
+    suffix = "-r" + "x".join(map(str, replicas)) if max(replicas) > 1 else ""
+    return Gear(gear_id=f"uniform-{num_stages}{suffix}", kind="uniform", model_name=model_name, num_layers=num_layers,
                 stages=stages, micro_batch_size=micro_batch_size, max_inflight_micro_batches=inflight or num_stages,
                 kv_capacity_tokens=kv_capacity_tokens)
 
@@ -266,6 +267,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(str(args.prompts or args.trace), None,
                          f"no valid request ({len(malformed)} malformed row(s), listed above)")
     if args.score:
+        from flexpipe_dag.runtime.pipeline import check_gear_supported
+
+        check_gear_supported(gear)  # before any banner: scoring has one rank per stage
         return _score(args, gear, ckpt, rows, malformed, sink)
     workers = sum(st.replicas for st in gear.stages)
     if args.launched and world != workers + 1:
@@ -278,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         import signal
 
         signal.signal(signal.SIGTERM, lambda signum, _f: runtime.abort(f"stopped by signal {signum}"))
+    if not control_address and args.device == "cpu" and workers > (os.cpu_count() or 1):
+        print(f"warning: {workers} stage workers on {os.cpu_count()} CPU cores: they will compete for the cores",
+              file=sys.stderr)
     where = (f"waiting for {workers} stage workers at {control_address}" if control_address
              else "starting workers")
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
@@ -298,15 +305,18 @@ def run(args: argparse.Namespace) -> int:
                "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
                "output_tokens_per_s": round(report.output_tokens_per_s, 2), "out": str(args.out),
                "failure": report.failure}
+    for request_id, why in list(report.refused.items())[:20]:
+        print(f"refused {request_id}: {why}", file=sys.stderr)
     return _report(summary, report.malformed)
 
 
 def _report(summary: dict, malformed) -> int:
-    """Print the malformed rows (stderr) and the JSON summary; exit status 1 when the run broke off."""
+    """Print the malformed rows (stderr) and the JSON summary; exit status 1 when the run broke off or
+    requests were refused (they can never fit this gear's KV pool: nothing a re-run would fix)."""
     for m in malformed[:20]:
         print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
     print(json.dumps(summary))
-    return 1 if summary["failure"] else 0
+    return 1 if summary["failure"] or summary.get("refused") else 0
 
 
 def _score(args: argparse.Namespace, gear, ckpt, rows, malformed, sink) -> int:

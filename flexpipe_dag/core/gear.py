@@ -97,6 +97,9 @@ class Gear(_Model):
                 raise ValueError(f"stages[{i}].layer_start: expected {expected_start} (contiguous), got {st.layer_start}")
             if st.layer_end <= st.layer_start:
                 raise ValueError(f"stages[{i}]: empty stage [{st.layer_start}, {st.layer_end})")
+            if len(set(st.device_ids)) != len(st.device_ids):
+                raise ValueError(f"stages[{i}].device_ids: a device is listed twice in this stage "
+                                 f"(one device per replica): {list(st.device_ids)}")
             for d in st.device_ids:
                 if d in used:
                     raise ValueError(f"stages[{i}].device_ids: device {d!r} already serves another stage")

@@ -193,7 +193,11 @@ def gear_lane_layout(gear: Gear):
     try:
         return gear_layout(gear, kv_num_blocks(gear))
     except ValueError as exc:
-        raise InfeasibleError(f"gear {gear.gear_id!r}: {exc}") from None
+        lanes = max(st.replicas for st in gear.stages)
+        need = lanes * gear.kv_block_size_tokens
+        raise InfeasibleError(f"gear {gear.gear_id!r}: {exc}; its KV pool of {kv_num_blocks(gear)} block(s) of "
+                              f"{gear.kv_block_size_tokens} tokens needs at least one block per lane: raise "
+                              f"kv_capacity_tokens (--kv-capacity-tokens) to >= {need} or more") from None
 
 
 def check_gear_fits(gear: Gear, ckpt: Checkpoint, options: RuntimeOptions) -> list[dict]:

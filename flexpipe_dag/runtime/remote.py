@@ -108,7 +108,9 @@ class HeartbeatCounters:
     thread that publishes this rank's fields every :data:`HEARTBEAT_PERIOD_S`, and exits the
     process when the head sets ``abort`` or cannot be reached for ``head_timeout_s``."""
 
-    def __init__(self, store, stage: int, world_size: int, head_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
+    def __init__(self, store, stage: int, world_size: int, head_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 name: str = ""):
+        self.name = name or f"worker {stage}"
         self._values = array.array("d", [0.0] * (FIELDS * world_size))
         self._store = store.clone()
         self.stage, self._base = stage, (stage + 1) * FIELDS
@@ -149,15 +151,16 @@ class HeartbeatCounters:
                 self._store.set(f"hb/{self.stage}", _HB.pack(seq, time.monotonic(), *fields))
                 self._ship_observations()
                 if self._store.check(["abort"]):
-                    print(f"flexpipe worker {self.stage}: the head stopped the pipeline "
+                    print(f"flexpipe worker ({self.name}): the head stopped the pipeline "
                           f"({self._store.get('abort').decode()}); exiting", file=sys.stderr, flush=True)
+                    self._store.set(f"exit/{self.stage}", "1")  # the head is waiting to see this worker go
                     os._exit(1)
                 last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the head is unreachable
                 if self._stop.is_set():
                     return
                 if time.monotonic() - last_ok > self._head_timeout_s:
-                    print(f"flexpipe worker {self.stage}: lost the head for {self._head_timeout_s:.0f} s "
+                    print(f"flexpipe worker ({self.name}): lost the head for {self._head_timeout_s:.0f} s "
                           f"({type(exc).__name__}: {exc}); exiting", file=sys.stderr, flush=True)
                     os._exit(1)
 
@@ -216,6 +219,8 @@ class RemoteStage:
         return self.exitcode is None and self.lost is None
 
     def join(self, timeout: float | None = None) -> None:
+        if self.pid is None and self.last_beat is None:
+            return  # never joined: nothing to wait for
         deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
         while self.exitcode is None and self.lost is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -438,7 +443,7 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
         spec.device = f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
     if threads:
         spec.threads_per_rank = threads
-    counters = HeartbeatCounters(store, worker, spec.world_size)
+    counters = HeartbeatCounters(store, worker, spec.world_size, name=name)
     events = StoreEvents(store, on_ready=counters.watch_ring, name=name)
     result: dict = {"code": 0}
 

@@ -53,8 +53,9 @@ def register(subparsers) -> None:
                             "`flexpipe worker --head HOST:PORT --stage S` on each stage's host")
     hosts.add_argument("--launched", action="store_true",
                        help="started on every rank by DeepSpeed's launcher or torch.distributed.run (world size = "
-                            "stages + 1): rank 0 is the head (scheduler, results), rank s+1 serves stage s; the "
-                            "control store listens on MASTER_ADDR:MASTER_PORT+1 (or --control-port)")
+                            "1 + one per stage replica): rank 0 is the head (scheduler, results), rank w+1 serves "
+                            "worker slot w (stages in order, replicas together); the control store listens on "
+                            "MASTER_ADDR:MASTER_PORT+1 (or --control-port)")
     p.add_argument("--control-port", type=int, default=None, help="with --launched: the head's control port")
     p.add_argument("--start-timeout-s", type=float, default=300.0,
                    help="how long to wait for every stage to load (with --listen / --launched: to join and load)")
@@ -200,10 +201,10 @@ def launched_head(args: argparse.Namespace) -> tuple[int, int, str]:
     Raises:
         InputError: a variable missing or not an integer, or a control port out of range.
     """
-    from flexpipe_dag.cli.worker import env_int
+    from flexpipe_dag.core.settings import env_value
 
-    rank, world = env_int("RANK"), env_int("WORLD_SIZE")
-    addr, port = os.environ.get("MASTER_ADDR"), env_int("MASTER_PORT")
+    rank, world = env_value("RANK", int), env_value("WORLD_SIZE", int)
+    addr, port = os.environ.get("MASTER_ADDR"), env_value("MASTER_PORT", int)
     for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", addr), ("MASTER_PORT", port)):
         if value is None:
             raise InputError(None, name, "--launched expects the launcher's RANK, WORLD_SIZE, MASTER_ADDR and "
@@ -227,12 +228,12 @@ def run(args: argparse.Namespace) -> int:
     if args.launched:
         rank, world, control_address = launched_head(args)
         if rank > 0:  # a stage rank: everything else comes from the head
-            from flexpipe_dag.cli.worker import env_int
+            from flexpipe_dag.core.settings import env_value
             from flexpipe_dag.runtime.remote import serve_stage
 
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             return serve_stage(control_address, worker=rank - 1, model=args.model, device=args.device,
-                               local_rank=env_int("LOCAL_RANK", 0))
+                               local_rank=env_value("LOCAL_RANK", int, 0))
     elif control_address is not None:
         from flexpipe_dag.runtime.remote import parse_address
 

@@ -1,7 +1,7 @@
 """``flexpipe worker``: serve one stage of a pipeline whose head runs on another host.
 
-Start the head first (``flexpipe run ... --listen HOST:PORT``, or a Dagster ``batch_inference`` run
-with ``FLEXPIPE_CONTROL_ADDRESS``), then one worker per stage, on the host that should run it:
+Start the head (``flexpipe run ... --listen HOST:PORT``, or a Dagster ``batch_inference`` run with
+``control_address`` in its config) and one worker per stage replica, on the host that should run it:
 
     flexpipe worker --head gpu-a100-0:29501 --stage 1 --device cuda --local-rank 0
 
@@ -33,32 +33,18 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def env_int(name: str, default: int | None = None) -> int | None:
-    """An integer launcher variable (``RANK``, ``LOCAL_RANK``, ...), or ``default`` when unset.
-
-    Raises:
-        InputError: the variable is set but not an integer.
-    """
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise InputError(None, name, f"expected an integer (set by the launcher), got {value!r}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the reasons are ours; no C++ store retry noise
+    from flexpipe_dag.core.settings import env_value
     from flexpipe_dag.runtime.remote import serve_stage
 
     stage, worker = args.stage, None
     if stage is None:
-        rank = env_int("RANK")
+        rank = env_value("RANK", int)
         if rank is None or rank < 1:
             raise InputError(None, "--stage", "expected a stage index (or RANK >= 1 from a launcher)")
         worker = rank - 1
-    local_rank = args.local_rank if args.local_rank is not None else env_int("LOCAL_RANK", 0)
+    local_rank = args.local_rank if args.local_rank is not None else env_value("LOCAL_RANK", int, 0)
     if args.threads is not None and args.threads < 1:
         raise InputError(None, "--threads", f"expected an integer >= 1, got {args.threads}")
     if not args.connect_timeout_s > 0:

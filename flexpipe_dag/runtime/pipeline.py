@@ -255,7 +255,7 @@ class PipelineRuntime:
         o = self.options
         backend = o.backend or "gloo"
         if o.device == "cuda" and (not o.backend or o.backend == "nccl"):  # remote stages: a GPU each
-            backend = CUDA_BACKEND if self._control else cuda_backend(gear_lane_layout(self.gear).num_workers)
+            backend = CUDA_BACKEND if self._control else cuda_backend(self._layout.num_workers)
         return WorkerSpec(checkpoint_path=str(self.ckpt.path), checkpoint_name=self.ckpt.name,
                           ranges=self.gear.layer_ranges(), num_blocks=kv_num_blocks(self.gear),
                           block_size_tokens=self.gear.kv_block_size_tokens, dtype=o.dtype, device=o.device,
@@ -271,7 +271,7 @@ class PipelineRuntime:
         from flexpipe_dag.runtime.driver import driver_main
         from flexpipe_dag.runtime.worker import worker_main
 
-        layout = self._layout = gear_lane_layout(self.gear)
+        layout = self._layout
         if self.options.control_address:
             from flexpipe_dag.runtime.remote import ControlServer, parse_address
 
@@ -299,7 +299,7 @@ class PipelineRuntime:
         if self._control is not None:
             self._control.publish(spec)
             self._control.start(self._events, self._counters)
-            self._procs += self._control.stages
+            self._procs += self._control.workers
         self._started = True
         info: dict[int, dict] = {}
         deadline = time.monotonic() + self.options.start_timeout_s
@@ -326,7 +326,7 @@ class PipelineRuntime:
     def remote_stages(self) -> list:
         """Handles of stage workers on other hosts (:class:`~flexpipe_dag.runtime.remote.RemoteStage`),
         empty when every stage is a child of this process."""
-        return list(self._control.stages) if self._control is not None else []
+        return list(self._control.workers) if self._control is not None else []
 
     def stage_pids(self) -> list[int]:
         """Process id of each stage worker, in stage order."""
@@ -404,15 +404,9 @@ class PipelineRuntime:
             if ev is None:
                 continue
             if ev[0] == "result":
-                out: RequestOutput = ev[1]
-                self._outstanding.discard(out.request_id)
-                self._finished.append(out)
-                if on_result:
-                    on_result(out)
+                self._deliver(ev[1])
             elif ev[0] == "metrics":
-                self._metrics.append(ev[1])
-                if on_metrics:
-                    on_metrics(ev[1])
+                self._record(ev[1], on_metrics)
             elif ev[0] == "refused":
                 self._outstanding.discard(ev[1])
                 self._refused[ev[1]] = ev[2]
@@ -432,16 +426,23 @@ class PipelineRuntime:
             if ev is None:
                 continue
             if ev[0] == "metrics":
-                self._metrics.append(ev[1])
-                if on_metrics:
-                    on_metrics(ev[1])
+                self._record(ev[1], on_metrics)
                 return ev[1]
-            if ev[0] == "result":  # a request submitted meanwhile: keep it for the next wait
-                self._outstanding.discard(ev[1].request_id)
-                self._finished.append(ev[1])
-                if self._on_result:
-                    self._on_result(ev[1])
+            if ev[0] == "result":  # a request submitted meanwhile
+                self._deliver(ev[1])
         return None
+
+    def _deliver(self, out: RequestOutput, notify: bool = True) -> None:
+        """A finished request: no longer outstanding, kept, and handed to the waiting call's ``on_result``."""
+        self._outstanding.discard(out.request_id)
+        self._finished.append(out)
+        if notify and self._on_result:
+            self._on_result(out)
+
+    def _record(self, sample: MetricSample, on_metrics=None) -> None:
+        self._metrics.append(sample)
+        if on_metrics:
+            on_metrics(sample)
 
     @property
     def refused(self) -> dict[str, str]:
@@ -486,10 +487,9 @@ class PipelineRuntime:
                 self.stage_info = sorted(ev[1], key=lambda d: (d["stage_index"], d.get("replica_index", 0)))
                 return self.stage_info
             if ev[0] == "result":
-                self._outstanding.discard(ev[1].request_id)
-                self._finished.append(ev[1])
+                self._deliver(ev[1], notify=False)
             elif ev[0] == "metrics":
-                self._metrics.append(ev[1])
+                self._record(ev[1])
 
     # -- watchdog ---------------------------------------------------------------------------------
     def _next_event(self, timeout_s: float):
@@ -553,10 +553,7 @@ class PipelineRuntime:
             if ev[0] == "error":
                 reports.setdefault(ev[1], (ev[2], ev[3]))
             elif ev[0] == "result":  # finished just before the failure: keep it
-                self._outstanding.discard(ev[1].request_id)
-                self._finished.append(ev[1])
-                if self._on_result:
-                    self._on_result(ev[1])
+                self._deliver(ev[1])
         codes = {("driver" if i == 0 else i - 1): p.exitcode for i, p in enumerate(self._procs)}
         culprit, why = stage, reason
         killed = [s for s, code in codes.items() if code is not None and code < 0]

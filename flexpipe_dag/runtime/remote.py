@@ -108,16 +108,16 @@ class HeartbeatCounters:
     thread that publishes this rank's fields every :data:`HEARTBEAT_PERIOD_S`, and exits the
     process when the head sets ``abort`` or cannot be reached for ``head_timeout_s``."""
 
-    def __init__(self, store, stage: int, world_size: int, head_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    def __init__(self, store, worker: int, world_size: int, head_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  name: str = ""):
-        self.name = name or f"worker {stage}"
+        self.name = name or f"worker {worker}"
         self._values = array.array("d", [0.0] * (FIELDS * world_size))
         self._store = store.clone()
-        self.stage, self._base = stage, (stage + 1) * FIELDS
+        self.worker, self._base = worker, (worker + 1) * FIELDS
         self._head_timeout_s = head_timeout_s
         self._stop = threading.Event()
         self._ring = None  # this stage's observation ring, once loaded
-        self._thread = threading.Thread(target=self._beat, name=f"flexpipe-heartbeat-{stage}", daemon=True)
+        self._thread = threading.Thread(target=self._beat, name=f"flexpipe-heartbeat-{worker}", daemon=True)
         self._thread.start()
 
     def watch_ring(self, info: dict) -> None:
@@ -148,12 +148,12 @@ class HeartbeatCounters:
             seq += 1
             try:
                 fields = self._values[self._base:self._base + FIELDS]
-                self._store.set(f"hb/{self.stage}", _HB.pack(seq, time.monotonic(), *fields))
+                self._store.set(f"hb/{self.worker}", _HB.pack(seq, time.monotonic(), *fields))
                 self._ship_observations()
                 if self._store.check(["abort"]):
                     print(f"flexpipe worker ({self.name}): the head stopped the pipeline "
                           f"({self._store.get('abort').decode()}); exiting", file=sys.stderr, flush=True)
-                    self._store.set(f"exit/{self.stage}", "1")  # the head is waiting to see this worker go
+                    self._store.set(f"exit/{self.worker}", "1")  # the head is waiting to see this worker go
                     os._exit(1)
                 last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the head is unreachable
@@ -164,7 +164,6 @@ class HeartbeatCounters:
                           f"({type(exc).__name__}: {exc}); exiting", file=sys.stderr, flush=True)
                     os._exit(1)
 
-
     def _ship_observations(self) -> None:
         ring = self._ring
         if ring is None:
@@ -172,7 +171,7 @@ class HeartbeatCounters:
         rows = ring.read_new()
         if len(rows):
             header = _OBS.pack(time.monotonic(), ring.dropped)
-            self._store.queue_push(f"obs/{self.stage}", header + rows.astype("<f8").tobytes())
+            self._store.queue_push(f"obs/{self.worker}", header + rows.astype("<f8").tobytes())
 
 
 class RemoteStage:
@@ -180,8 +179,8 @@ class RemoteStage:
     surface the runtime's watchdog uses (``pid``, ``exitcode``, ``is_alive``, ``join``, ``kill``)
     plus ``host``, :meth:`silent_for_s` and :attr:`lost`."""
 
-    def __init__(self, server: ControlServer, stage: int):
-        self._server, self.stage = server, stage
+    def __init__(self, server: ControlServer, worker: int):
+        self._server, self.worker = server, worker
         self.pid: int | None = None
         self.host: str | None = None
         self.exitcode: int | None = None
@@ -234,14 +233,14 @@ class ControlServer:
 
     Args:
         port: TCP port to serve on (all interfaces); 0 picks a free one (see :attr:`port`).
-        num_stages: stage workers the pipeline needs (one per stage replica).
+        num_workers: stage workers the pipeline needs (one per stage replica).
         heartbeat_timeout_s: silence after which a stage is reported lost.
 
     Raises:
         InputError: the port cannot be bound.
     """
 
-    def __init__(self, port: int, num_stages: int, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    def __init__(self, port: int, num_workers: int, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  host: str = ""):
         import torch.distributed as dist
 
@@ -254,7 +253,7 @@ class ControlServer:
         self.port = self._store.port
         self._host = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.stages = [RemoteStage(self, s) for s in range(num_stages)]
+        self.workers = [RemoteStage(self, w) for w in range(num_workers)]
         self._main = self._store.clone()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -272,9 +271,9 @@ class ControlServer:
             self._main.set("spec", pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
 
     def claimed(self) -> list[int]:
-        """Stages a worker has claimed so far."""
+        """Worker slots claimed so far."""
         with self._lock:
-            return [s for s in range(len(self.stages)) if self._main.check([f"claim/{s}"])]
+            return [w for w in range(len(self.workers)) if self._main.check([f"claim/{w}"])]
 
     def abort(self, reason: str) -> None:
         """Tell every remote worker to exit (idempotent; best effort once the store is gone)."""
@@ -316,27 +315,26 @@ class ControlServer:
         while store.queue_len(_EVENTS) > 0:
             ev = pickle.loads(store.queue_pop(_EVENTS, False))
             if ev[0] == "ready":
-                st = self.stages[ev[1]]
+                st = self.workers[ev[1]]
                 st.pid, st.host = ev[2].get("pid"), ev[2].get("host")
             events.put(ev)
         now = time.monotonic()
-        for st in self.stages:
-            s = st.stage
+        for st in self.workers:
+            w = st.worker
             self._receive_observations(store, st, now)
-            if st.exitcode is None and store.check([f"exit/{s}"]):
-                st.exitcode = int(store.get(f"exit/{s}"))
-            if not store.check([f"hb/{s}"]):
+            if st.exitcode is None and store.check([f"exit/{w}"]):
+                st.exitcode = int(store.get(f"exit/{w}"))
+            if not store.check([f"hb/{w}"]):
                 continue
-            seq, sent_at, *fields = _HB.unpack(store.get(f"hb/{s}"))
+            seq, sent_at, *fields = _HB.unpack(store.get(f"hb/{w}"))
             if seq == st._seq:
                 continue
             st._seq, st.last_beat = seq, now
-            base = (s + 1) * FIELDS
+            base = (w + 1) * FIELDS
             for i, v in enumerate(fields):
                 if i == F_STEP_STARTED and v:
                     v = now - (sent_at - v)  # the worker's clock -> ours, via the step's age
                 counters[base + i] = v
-
 
     @staticmethod
     def _receive_observations(store, st: RemoteStage, now: float) -> None:
@@ -345,8 +343,8 @@ class ControlServer:
         from flexpipe_dag.runtime.observations import COLUMNS, NUM_COLUMNS
 
         t_end = COLUMNS.index("t_end_s")
-        while store.queue_len(f"obs/{st.stage}") > 0:
-            blob = store.queue_pop(f"obs/{st.stage}", False)
+        while store.queue_len(f"obs/{st.worker}") > 0:
+            blob = store.queue_pop(f"obs/{st.worker}", False)
             sent_at, st.dropped = _OBS.unpack_from(blob)
             rows = np.frombuffer(blob, dtype="<f8", offset=_OBS.size).reshape(-1, NUM_COLUMNS).copy()
             rows[:, t_end] = now - (sent_at - rows[:, t_end])  # the worker's clock -> ours

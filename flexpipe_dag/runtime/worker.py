@@ -61,15 +61,20 @@ class WorkerSpec:
     def num_stages(self) -> int:
         return len(self.ranges)
 
+    @property
+    def stage_replicas(self) -> tuple[int, ...]:
+        """Replicas per stage (one each when ``replicas`` is unset)."""
+        return tuple(self.replicas or [1] * self.num_stages)
+
     def layout(self, num_blocks: int | None = None):
         """The :class:`~flexpipe_dag.runtime.lanes.LaneLayout` (ranks, lanes, KV split) of this spec."""
         from flexpipe_dag.runtime.lanes import LaneLayout
 
-        return LaneLayout(tuple(self.replicas or [1] * self.num_stages), num_blocks or self.num_blocks)
+        return LaneLayout(self.stage_replicas, num_blocks or self.num_blocks)
 
     @property
     def num_workers(self) -> int:
-        return sum(self.replicas or [1] * self.num_stages)
+        return sum(self.stage_replicas)
 
     @property
     def world_size(self) -> int:

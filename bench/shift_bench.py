@@ -97,6 +97,7 @@ from pathlib import Path
 import numpy as np
 
 from flexpipe_dag.control import Controller, ControllerConfig, drain_time_s, migration_cost_fn, weight_transfer_s
+from flexpipe_dag.control.tide import TideForecaster, tide_forecast
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.planner.envelope import refine_envelopes, select_operating_gears
 from flexpipe_dag.planner.gears import candidate_gears, make_search, plan_gear_set
@@ -135,8 +136,11 @@ def slo_met_per_window(result, window_s: float, num_windows: int) -> np.ndarray:
 
 
 def run_dynamic(workload, gears, timings, start_gear, sim_config: SimConfig, controller: Controller,
-                cluster, spec, dtype: str, output_tokens_mean: float, verbose: bool):
-    """Serve the replay with the controller deciding at every metric sample; returns (summary, shifts)."""
+                cluster, spec, dtype: str, output_tokens_mean: float, verbose: bool, forecast=None):
+    """Serve the replay with the controller deciding at every metric sample; returns (SimResult, shifts).
+
+    ``forecast``: the controller's load forecast (``(t_s, qps, horizon_s) -> req/s``), or None.
+    """
     layer_bytes = [spec.layer_weight_bytes(dtype)] * spec.num_layers
     extras = dict(embedding_bytes=spec.first_stage_extra_bytes(dtype), lm_head_bytes=spec.last_stage_extra_bytes(dtype))
     by_id = {g.gear_id: g for g in gears}
@@ -159,7 +163,8 @@ def run_dynamic(workload, gears, timings, start_gear, sim_config: SimConfig, con
         if not samples:
             continue
         last["sample"] = samples[-1]
-        state, decision = controller.decide(state, samples, gears, migration_cost_s=cost_fn, now_s=samples[-1].t_s)
+        state, decision = controller.decide(state, samples, gears, migration_cost_s=cost_fn, now_s=samples[-1].t_s,
+                                            forecast=forecast)
         if decision.action == "shift":
             old, new = by_id[decision.from_gear_id], by_id[decision.to_gear_id]
             warm_s = weight_transfer_s(old, new, cluster, layer_bytes, **extras)
@@ -208,6 +213,15 @@ def main(argv: list[str] | None = None) -> int:
                          "holding each load) or by speed (lowest TPOT, Kleinrock power); see select_operating_gears")
     ap.add_argument("--envelope", choices=("sim", "analytic"), default="sim",
                     help="with --gears planner: envelopes from the simulator (refine_envelopes) or the analytic estimate")
+    ap.add_argument("--device-weight", type=float, default=0.2,
+                    help="controller device_weight (cost of devices held on discretionary shifts; seed 0)")
+    ap.add_argument("--forecast-horizon-s", type=float, default=600.0,
+                    help="controller forecast_horizon_s, simulated seconds (0 = no forecast; seed 0); the forecast "
+                         "is the ServeGen tide's daily profile over the other 13 days")
+    ap.add_argument("--qps-ema-alpha", type=float, default=0.1,
+                    help="controller qps_ema_alpha (seed: ema_alpha 0.3 for QPS too)")
+    ap.add_argument("--no-seed-run", action="store_true",
+                    help="skip the second dynamic run with the controller at the design's seed figures")
     ap.add_argument("--verbose", action="store_true", help="print every shift's reason as it happens")
     args = ap.parse_args(argv)
     setting = SETTINGS[args.setting]
@@ -244,11 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     finite_max = [g.qps_max for g in gears if math.isfinite(g.qps_max)]
     peak_rps = args.peak_share * max(finite_max) if args.peak_rps == "auto" else float(args.peak_rps)
     tide = load_tide_trace()
-    workload = shape_by_tide(base, tide, compression=86400.0 / args.duration_s, start_s=86400.0 * args.start_day,
+    compression = 86400.0 / args.duration_s
+    workload = shape_by_tide(base, tide, compression=compression, start_s=86400.0 * args.start_day,
                              duration_s=args.duration_s, peak_rps=peak_rps, name="azure-conv@servegen-tide")
     out_mean = sum(r.output_tokens for r in workload.requests) / max(1, len(workload))
     sim_config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-    controller = Controller(ControllerConfig(target_p99_ms=sim_config.slo_ttft_ms, latency_metric="ttft_p99_ms"))
+    seed_config = ControllerConfig(target_p99_ms=sim_config.slo_ttft_ms, latency_metric="ttft_p99_ms")
+    try:
+        controller = Controller(ControllerConfig.model_validate(
+            seed_config.model_dump() | dict(device_weight=args.device_weight, forecast_horizon_s=args.forecast_horizon_s,
+                                            qps_ema_alpha=args.qps_ema_alpha)))
+    except ValueError as exc:  # pydantic's ValidationError names the figure
+        ap.error(f"controller figures: {exc}")
+    # the forecast must not see the replayed day: the daily profile of the other days (leave-one-out)
+    history = tide.without_days([args.start_day % int(tide.duration_s // 86400)])
+    forecast = (tide_forecast(TideForecaster(history), lambda t_s: 86400.0 * args.start_day + compression * t_s,
+                              compression) if args.forecast_horizon_s > 0 else None)
 
     print(f"setting {args.setting}: {setting['why']}")
     print(f"model {spec.name} ({args.dtype}) on {cluster.cluster_id}: {len(cluster.devices)} devices")
@@ -260,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{f'--select {args.select} ' if args.gears == 'sim' else ''}"
           f"--envelope {args.envelope} --slo-ttft-ms {args.slo_ttft_ms:.0f} --slo-tpot-ms {args.slo_tpot_ms:.0f} "
           f"--peak-rps {args.peak_rps} --peak-share {args.peak_share} --duration-s {args.duration_s:.0f} "
-          f"--start-day {args.start_day} --window-s {args.window_s:.0f}; controller: seed figures, latency "
-          f"target = SLO TTFT; shift warm-up = weight transfer time, then drain")
+          f"--start-day {args.start_day} --window-s {args.window_s:.0f}; controller: seed figures with device_weight "
+          f"{args.device_weight:g}, forecast_horizon_s {args.forecast_horizon_s:g} (forecast: {history.source}), "
+          f"qps_ema_alpha {args.qps_ema_alpha:g}, latency target = SLO TTFT; shift warm-up = weight transfer time, "
+          f"then drain")
     print(f"gears (planner; envelopes {f'simulated on the first 1000 azure-conv requests, >= {ATTAINMENT:.0%} SLO attainment' if args.envelope == 'sim' else 'analytic'}"
           f"{f', {t_env:.1f} s wall' if args.envelope == 'sim' else ''}):")
     for note in notes:
@@ -299,12 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     start = (fitting or sorted(gears, key=lambda g: g.qps_max))[0]
     t0 = time.perf_counter()
     dyn_res, shifts = run_dynamic(workload, gears, timings, start, sim_config, controller, cluster, spec, args.dtype,
-                                  out_mean, args.verbose)
+                                  out_mean, args.verbose, forecast=forecast)
     dyn = dyn_res.summary
     dyn_met = float(slo_met_per_window(dyn_res, args.window_s, n_win).sum())
     dyn_use = device_usage(start.gear_id, dyn_res.shifts, devices_by_gear, end_s=hold_end_s(dyn_res, args.duration_s))
     hours = args.duration_s / 3600.0
-    print(f"dynamic (start {start.kind}): goodput {dyn_met / args.duration_s:.3f} req/s, SLO attainment "
+    print(f"dynamic (start {start.kind}; controller as configured above): goodput {dyn_met / args.duration_s:.3f} req/s, SLO attainment "
           f"{dyn['slo_attainment']:.3f}, lost {_lost(dyn)} ({dyn['unfinished']} unfinished, {dyn['rejected']} rejected), "
           f"{len(shifts)} shifts = {len(shifts) / hours:.2f} per simulated hour; {dyn_use.device_hours:.2f} device-hours "
           f"(mean {dyn_use.mean_devices:.2f}, peak {dyn_use.peak_devices} devices over {dyn_use.horizon_s:.0f} s), "
@@ -362,6 +389,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{cheap_met / args.duration_s:.3f} req/s, {cheap_dh:.2f} device-hours, {cheap_pdh:.1f} requests within SLO "
           f"per device-hour = {cheap_pdh / best_pdh if best_pdh > 0 else math.inf:.3f}x static {best_pdh_gear.kind}; "
           f"per window: {' '.join(k[0] for k in cheap_pick)}")
+    if not args.no_seed_run:  # ablation: the same replay under the design's seed figures alone
+        t0 = time.perf_counter()
+        seed_res, seed_shifts = run_dynamic(workload, gears, timings, start, sim_config, Controller(seed_config),
+                                            cluster, spec, args.dtype, out_mean, False)
+        seed_met = float(seed_res.requests["slo_met"].sum())
+        seed_use = device_usage(start.gear_id, seed_res.shifts, devices_by_gear,
+                                end_s=hold_end_s(seed_res, args.duration_s))
+        seed_pdh = seed_use.per_device_hour(seed_met)
+        print(f"seed controller (design seed figures: devices free, no forecast, QPS alpha 0.3): goodput "
+              f"{seed_met / args.duration_s:.3f} req/s = {seed_met / best_met if best_met > 0 else math.inf:.3f}x the best "
+              f"static gear, SLO attainment {seed_res.summary['slo_attainment']:.3f}, lost {_lost(seed_res.summary)}, "
+              f"{len(seed_shifts)} shifts = {len(seed_shifts) / hours:.2f} per simulated hour, "
+              f"{seed_use.device_hours:.2f} device-hours, {seed_pdh:.1f} requests within SLO per device-hour = "
+              f"{seed_pdh / best_pdh if best_pdh > 0 else math.inf:.3f}x static {best_pdh_gear.kind} "
+              f"[{time.perf_counter() - t0:.1f} s wall]")
     att = static[best_static.gear_id]["slo_attainment"]
     print(f"headroom: the best static gear ({best_static.kind}) meets the SLO for {att:.3f} of requests, so no "
           f"controller can beat it by more than 1 / {att:.3f} = {1 / att if att > 0 else math.inf:.3f}x on this workload")

@@ -7,6 +7,10 @@ over when P99 > 1.2 x target (shift toward the latency gear) and under when P99 
 shift needs its own 3; 10 min minimum dwell after a shift; a shift must pay back
 (estimated gain x expected residence > migration cost).
 
+Beyond the seeds: ``device_weight`` charges a gear for the devices it holds (a fragmented fleet lends
+what the serving gear does not hold to offline work), and ``forecast_horizon_s`` lets a load forecast
+(the tide's daily profile, :mod:`flexpipe_dag.control.tide`) start a shift up before the rise.
+
 "One step" of dwell escalation, precisely
 -----------------------------------------
 A trigger *fires* when its condition has held for the required number of consecutive smoothed
@@ -50,6 +54,10 @@ class ControllerConfig(BaseModel):
 
     sample_period_s: PositiveFloat = SAMPLE_PERIOD_S
     ema_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.3
+    qps_ema_alpha: Annotated[float, Field(gt=0.0, le=1.0)] | None = Field(
+        None, description="EMA alpha of the arrival rate alone; None = ema_alpha. At ~1 req/s a 2-s sample holds "
+                          "~2 arrivals, so alpha 0.3 (about 6 s of history) swings by tens of per cent with "
+                          "Poisson noise and bursts; 0.05 (about 40 s) steadies envelope decisions at low rates")
 
     # triggers ------------------------------------------------------------------------------------
     imbalance_max_util: Fraction = 0.9
@@ -85,6 +93,21 @@ class ControllerConfig(BaseModel):
                          "lets 'QPS below envelope' return to a faster gear when goodput is equal")
     envelope_fit_weight: NonNegFloat = Field(
         0.05, description="value of serving inside the planner's envelope for the smoothed QPS")
+    device_weight: NonNegFloat = Field(
+        0.0, description="cost of the devices a gear holds, per unit of device fraction "
+                         "(n_new - n_old) / max(n_new, n_old), relative to goodput: a shift to a gear on more "
+                         "devices must buy more service than the devices it takes from the fleet (offline work in "
+                         "the troughs, other tenants), and one to fewer devices gains what it hands back; 0 "
+                         "(the seeds) = devices are free; 0.2 keeps a cheap gear that holds the load")
+
+    # load forecast ------------------------------------------------------------------------------
+    forecast_horizon_s: NonNegFloat = Field(
+        0.0, description="look-ahead of the load forecast, on the samples' clock: with a forecast passed to "
+                           "decide(), forecast_above_envelope fires when the highest QPS expected within this "
+                           "horizon leaves the serving gear's envelope (the shift starts before the rise, not "
+                           "after it), and qps_below_envelope waits while the forecast is back inside it; "
+                           "0 (the seeds) = ignore forecasts; one dwell (600 s) starts the shift up about as early as a "
+                           "dwell allows")
 
     # shift bookkeeping --------------------------------------------------------------------------
     shift_timeout_s: PositiveFloat = Field(

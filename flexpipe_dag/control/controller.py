@@ -22,15 +22,22 @@ window is harmless):
    current_unhealthy    the serving gear carries a health tag (acts on 1 sample, ignores dwell and
                         payback: a failing gear must be left)
    qps_above_envelope   QPS > qps_max x (1 + envelope_margin_fraction)
+   forecast_above_      with a forecast: the highest QPS expected within ``forecast_horizon_s``
+   envelope             > qps_max x (1 + margin) while QPS itself is not yet (shift before the rise)
    latency_over         P99 > latency_over_factor (1.2) x T
    imbalance            max stage utilisation > 0.9 while min < 0.6 (>= 2 stages)
-   qps_below_envelope   QPS < qps_min x (1 - envelope_margin_fraction)
+   qps_below_envelope   QPS < qps_min x (1 - envelope_margin_fraction), and so is the forecast
    latency_under        P99 < latency_under_factor (0.7) x T
    ==================== ==========================================================================
 
 4. A trigger *fires* when its count reaches the required samples (3, raised by dwell escalation).
    Firing inside the dwell with a gear it would move to raises the requirement one step (see
    :mod:`flexpipe_dag.control.config`).
+
+The forecast (``decide(..., forecast=f)``, ``f(t_s, qps, horizon_s) -> req/s``, e.g.
+:func:`flexpipe_dag.control.tide.tide_forecast`) is the caller's: the controller asks it at every
+sample for the highest load expected within ``forecast_horizon_s`` given the smoothed QPS. Without
+one (or with ``forecast_horizon_s = 0``) the controller reacts to the load it sees only.
 
 Then once per call, at ``now_s``: with a shift still pending, hold; otherwise take the
 highest-priority firing trigger and rank the healthy candidate gears. A candidate's envelope must
@@ -40,7 +47,8 @@ gear with more capacity, ``qps_max``, than the serving one; ``latency_over`` on 
 whose P99 is its queue's, never to a gear with less capacity): entering only well inside an envelope and
 leaving only well outside it is what keeps a load near an edge from flapping. Candidates whose
 calibrated P99 estimate meets the target come first, then the trigger's preferred kinds (like a
-gearbox: the nearest gear in the trigger's direction), then net payback. The best one that passes
+gearbox: the nearest gear in the trigger's direction), then net payback, which charges a gear for
+the devices it holds (``device_weight``). The best one that passes
 the payback test (:mod:`flexpipe_dag.control.payback`) is shifted to, unless inside the dwell.
 Outside a failing gear, at most one shift happens per ``dwell_s``: with the seed 10 min, at most
 6 per hour by construction.
@@ -65,15 +73,19 @@ from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
 
 MigrationCostFn = Callable[[Gear, Gear], float]
+#: ``(t_s, qps, horizon_s) -> req/s``: the highest load expected within ``horizon_s`` after ``t_s`` (the
+#: samples' clock), given the smoothed load ``qps`` now.
+ForecastFn = Callable[[float, float, float], float]
 
 _KIND_RANK = {"latency": 0, "balanced": 1, "throughput": 2}
 #: Which way along latency (0) -> balanced (1) -> throughput (2) each trigger moves; like a gearbox,
 #: the nearest gear in that direction is preferred, then the same kind, then the other way.
-_DIRECTION: dict[str, int] = {"qps_above_envelope": +1, "latency_under": +1, "qps_below_envelope": -1,
-                              "imbalance": 0, "current_unhealthy": 0}
+_DIRECTION: dict[str, int] = {"qps_above_envelope": +1, "forecast_above_envelope": +1, "latency_under": +1,
+                              "qps_below_envelope": -1, "imbalance": 0, "current_unhealthy": 0}
 #: Triggers that may move to a gear whose envelope does not hold the load (when none does, the
 #: roomiest helps most; an unhealthy gear must be left regardless). The others need a fitting gear.
-_BEST_EFFORT_TRIGGERS = frozenset({"qps_above_envelope", "current_unhealthy"})
+_RISING = frozenset({"qps_above_envelope", "forecast_above_envelope"})
+_BEST_EFFORT_TRIGGERS = frozenset({"qps_above_envelope", "forecast_above_envelope", "current_unhealthy"})
 
 
 @dataclass(frozen=True)
@@ -145,7 +157,8 @@ class Controller:
     def decide(self, state: ControllerState | None, samples: Iterable[MetricSample], gears: Sequence[Gear], *,
                unhealthy: set[str] | frozenset[str] = frozenset(),
                migration_cost_s: MigrationCostFn | None = None,
-               now_s: float | None = None) -> tuple[ControllerState, Decision]:
+               now_s: float | None = None,
+               forecast: ForecastFn | None = None) -> tuple[ControllerState, Decision]:
         """Consume new samples and decide whether to shift.
 
         Args:
@@ -158,13 +171,16 @@ class Controller:
                 :func:`flexpipe_dag.control.migration.migration_cost_fn`); None = the config's
                 ``default_migration_cost_s`` for every shift.
             now_s: decision time on the samples' clock; None = the newest sample's ``t_s``.
+            forecast: load forecast ``(t_s, qps, horizon_s) -> req/s`` (see :data:`ForecastFn`),
+                asked at every sample with the smoothed QPS and ``forecast_horizon_s``; None = none.
 
         Returns:
             ``(new_state, decision)``. On ``"shift"`` the caller runs the shift; the controller
             holds until samples show the target serving (or ``shift_timeout_s`` passes).
 
         Raises:
-            InputError: duplicate gear ids, or a sample names a gear not among ``gears``.
+            InputError: duplicate gear ids, a sample names a gear not among ``gears``, or the
+                forecast returns a negative or non-finite rate.
         """
         cfg = self.config
         st = (state or ControllerState()).model_copy(deep=True)
@@ -180,7 +196,7 @@ class Controller:
                 raise InputError("metric samples", "gear_id",
                                  f"sample at t_s={sample.t_s} names gear {sample.gear_id!r}, which is not among "
                                  f"the gears passed ({', '.join(sorted(by_id))})")
-            raised_by = self._observe(st, sample, by_id, unhealthy, cost_fn) or raised_by
+            raised_by = self._observe(st, sample, by_id, unhealthy, cost_fn, forecast) or raised_by
 
         now_s = float(now_s if now_s is not None else
                       (st.last_sample_t_s if st.last_sample_t_s is not None else 0.0))
@@ -199,7 +215,7 @@ class Controller:
         return by_id
 
     def _observe(self, st: ControllerState, s: MetricSample, by_id: dict[str, Gear],
-                 unhealthy: frozenset[str], cost_fn: MigrationCostFn) -> str | None:
+                 unhealthy: frozenset[str], cost_fn: MigrationCostFn, forecast: ForecastFn | None) -> str | None:
         """Fold one sample into ``st`` (in place). Returns the trigger that raised the threshold, if one did."""
         cfg = self.config
         t_s = float(s.t_s)  # the state holds floats only, so its JSON form reads back identical
@@ -215,7 +231,8 @@ class Controller:
         st.samples_seen += 1
         st.last_sample_t_s = t_s
         a = cfg.ema_alpha
-        st.ema_qps = _ema(st.ema_qps, s.qps, a)
+        st.ema_qps = _ema(st.ema_qps, s.qps, cfg.qps_ema_alpha if cfg.qps_ema_alpha is not None else a)
+        st.forecast_qps = self._forecast(forecast, t_s, st.ema_qps)
         st.ema_queue_length = _ema(st.ema_queue_length, float(s.queue_length), a)
         st.ema_running = _ema(st.ema_running, float(s.running), a)
         st.ema_completed_rps = _ema(st.ema_completed_rps, s.completed / cfg.sample_period_s, a)
@@ -252,6 +269,19 @@ class Controller:
         st.last_escalation_s = t_s
         return fresh[0]
 
+    def _forecast(self, forecast: ForecastFn | None, t_s: float, qps: float) -> float | None:
+        horizon_s = self.config.forecast_horizon_s
+        if forecast is None or horizon_s <= 0:
+            return None
+        value = forecast(t_s, qps, horizon_s)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise InputError("load forecast", "qps", f"expected finite req/s >= 0 at t_s={t_s}, got {value!r}")
+        return value
+
     def _decay_escalation(self, st: ControllerState, t_s: float) -> None:
         if st.escalation_steps == 0 or st.last_escalation_s is None:
             return
@@ -269,9 +299,12 @@ class Controller:
             active.add("current_unhealthy")
         if st.ema_qps is not None:
             m = cfg.envelope_margin_fraction
+            ahead = st.forecast_qps
             if st.ema_qps > gear.qps_max * (1.0 + m):
                 active.add("qps_above_envelope")
-            elif gear.qps_min > 0 and st.ema_qps < gear.qps_min * (1.0 - m):
+            elif ahead is not None and ahead > gear.qps_max * (1.0 + m):
+                active.add("forecast_above_envelope")
+            elif gear.qps_min > 0 and max(st.ema_qps, ahead or 0.0) < gear.qps_min * (1.0 - m):
                 active.add("qps_below_envelope")
         if st.ema_p99_ms is not None:
             target = self.target_p99_ms(gear)
@@ -310,6 +343,14 @@ class Controller:
             return abs(step)
         return 10 + abs(step)  # same kind (10) or the opposite way (11, 12)
 
+    @staticmethod
+    def _planning_qps(st: ControllerState, trigger: str) -> float:
+        """The load a candidate must hold: the smoothed QPS, or the forecast for ``forecast_above_envelope``."""
+        qps = st.ema_qps or 0.0
+        if trigger == "forecast_above_envelope" and st.forecast_qps is not None:
+            qps = max(qps, st.forecast_qps)  # choose (and value) the gear for the load that is coming
+        return qps
+
     def _rank_candidates(self, st: ControllerState, current: Gear, trigger: str, by_id: dict[str, Gear],
                          unhealthy: frozenset[str], cost_fn: MigrationCostFn) -> list[_Candidate]:
         """Healthy gears the trigger may move to, best first.
@@ -319,7 +360,7 @@ class Controller:
         the trigger's kind preference, net payback ``gain x residence - cost``, gear id.
         """
         cfg = self.config
-        qps = st.ema_qps or 0.0
+        qps = self._planning_qps(st, trigger)
         target = self.target_p99_ms(current)
         residence_s = max(cfg.dwell_s, st.residence_ema_s if st.residence_ema_s is not None
                           else cfg.default_residence_s)
@@ -335,11 +376,12 @@ class Controller:
             fits = fits_envelope(g, qps, cfg.envelope_margin_fraction)
             if not fits and trigger not in _BEST_EFFORT_TRIGGERS:
                 continue  # a gear outside its envelope would trigger the reverse shift: flapping
-            if trigger == "qps_above_envelope" and not fits and capacity_rps(g) <= capacity_rps(current):
+            if trigger in _RISING and not fits and capacity_rps(g) <= capacity_rps(current):
                 continue  # load beyond this gear's envelope: a gear with no more capacity cannot help
             if trigger == "latency_over" and backlogged and capacity_rps(g) < capacity_rps(current):
                 continue  # a backlog's latency is the queue's: less capacity would drain it slower
-            est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric)
+            est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric,
+                                    within_target_ms=target if fits else None)
             meets = est is None or est <= target
             gain = estimated_gain_fraction(trigger, current, g, qps=qps, current_p99_ms=st.ema_p99_ms,
                                            target_p99_ms=target, config=cfg,
@@ -358,7 +400,8 @@ class Controller:
         parts = []
         if st.ema_qps is not None:
             hi = "inf" if math.isinf(gear.qps_max) else f"{gear.qps_max:.3g}"
-            parts.append(f"qps {st.ema_qps:.3g}/s in envelope [{gear.qps_min:.3g}, {hi}]")
+            ahead = "" if st.forecast_qps is None else f" (forecast {st.forecast_qps:.3g}/s)"
+            parts.append(f"qps {st.ema_qps:.3g}/s{ahead} in envelope [{gear.qps_min:.3g}, {hi}]")
         if st.ema_p99_ms is not None:
             parts.append(f"{cfg.latency_metric.removesuffix('_ms')} {st.ema_p99_ms:.0f} ms vs target "
                          f"{self.target_p99_ms(gear):.0f} ms")
@@ -375,6 +418,9 @@ class Controller:
             return f"gear {gear.gear_id} is marked unhealthy"
         if trigger == "qps_above_envelope":
             what = f"qps {st.ema_qps:.3g}/s above envelope max {gear.qps_max:.3g}"
+        elif trigger == "forecast_above_envelope":
+            what = (f"forecast qps {st.forecast_qps or 0.0:.3g}/s within {_fmt_min(cfg.forecast_horizon_s)} min "
+                    f"above envelope max {gear.qps_max:.3g} (now {st.ema_qps:.3g}/s)")
         elif trigger == "qps_below_envelope":
             what = f"qps {st.ema_qps:.3g}/s below envelope min {gear.qps_min:.3g}"
         elif trigger == "latency_over":
@@ -432,7 +478,7 @@ class Controller:
         if not ranked:
             return Decision(action="hold", trigger=trigger, declined=True,
                             reason=note + f"declined: {why}, but no healthy gear whose envelope holds "
-                                          f"qps {st.ema_qps or 0.0:.3g}/s suits it "
+                                          f"qps {self._planning_qps(st, trigger):.3g}/s suits it "
                                           f"({len(unhealthy & set(by_id))} of {len(by_id)} gears unhealthy)",
                             **base)
 

@@ -11,14 +11,20 @@ Gain of moving from the serving gear ``c`` to a candidate ``g`` at smoothed load
          + headroom_weight x [headroom(g) - headroom(c)]   triggers imbalance, latency_under
          + latency_weight  x [slack(g) - slack(c)]         triggers qps_below_envelope, latency_over
          + envelope_fit_weight x [fit(g) - fit(c)]         always
+         - device_weight x [n(g) - n(c)] / max(n(g), n(c))  triggers imbalance, latency_under,
+                                                            qps_below_envelope
 
     goodput(x)  = min(1, capacity(x) / q) x min(1, T / p99(x))   SLO goodput fraction
     headroom(x) = max(0, 1 - q / capacity(x))                   spare capacity fraction
     slack(x)    = max(0, 1 - p99(x) / T)                        latency slack fraction
     fit(x)      = 1 if qps_min(x) <= q <= qps_max(x) else 0      planner's envelope contains q
+    n(x)        = devices the gear holds (one per stage replica)
 
-``p99(g)`` is calibrated by how the serving gear's estimate fared: ``p99(g) = estimate(g) x
-max(1, observed(c) / estimate(c))``. Where the cost model proved optimistic for the gear serving
+``p99(g)`` is calibrated by how the serving gear's estimate fared: ``p99(g) = e(g) x
+max(1, observed(c) / estimate(c))``, where ``e(g)`` is the planner's estimate, capped at the target
+``T`` when ``g``'s envelope holds ``q`` (the envelope is the load range in which the planner found the
+gear meeting its latency target; its P99 estimate is taken at the envelope's top, so it would
+otherwise count a gear as missing the target at loads it was chosen to hold). Where the cost model proved optimistic for the gear serving
 now (say it sees 7.5 s against an estimated 1.8 s), a candidate's estimate is trusted no more;
 this keeps the controller from "fixing" a latency problem by moving to a gear the same model
 flatters in the same way (often the same hardware under another name). A backlogged serving gear's
@@ -32,7 +38,15 @@ running), by the rate at which it actually completes requests. ``p99(c)`` is the
 smoothed P99; ``p99(g)`` the planner's estimate (``Gear.estimate``), and a gear without an
 estimate is taken to meet ``T`` (its slack term is then 0 for both sides). Each trigger values the
 trade-off it exists for: a low-latency gear and a roomy gear pull in opposite directions, so the
-trigger's intent picks which one counts.
+trigger's intent picks which one counts. The device term is the price of what a gear holds: on a
+fragmented fleet the devices the serving gear leaves free go to offline work in the troughs, so a
+roomier gear must buy more service than the share of devices it adds (with ``device_weight`` 0.2, a move
+from 3 to 4 devices needs a 5 % goodput gain; from 8 to 3 devices gains 0.125 of full service).
+It is charged only on the discretionary moves (imbalance, latency well under target, load below the
+envelope): a gear that no longer holds the load (``qps_above_envelope``, ``forecast_above_envelope``,
+``latency_over``) or is unhealthy must be left whatever the devices, since a backlog costs far more
+than the ``capacity / q`` share the goodput term sees. For ``forecast_above_envelope`` the controller
+values candidates at the forecast load, so holding the coming peak counts as goodput.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from flexpipe_dag.core.gear import Gear
 
 _HEADROOM_TRIGGERS = frozenset({"imbalance", "latency_under"})
 _SLACK_TRIGGERS = frozenset({"qps_below_envelope", "latency_over"})
+_DEVICE_TRIGGERS = frozenset({"imbalance", "latency_under", "qps_below_envelope"})
 
 
 def capacity_rps(gear: Gear) -> float:
@@ -64,14 +79,18 @@ def estimated_p99_ms(gear: Gear, latency_metric: str) -> float | None:
 
 
 def calibrated_p99_ms(candidate: Gear, current: Gear, current_p99_ms: float | None,
-                      latency_metric: str) -> float | None:
+                      latency_metric: str, within_target_ms: float | None = None) -> float | None:
     """The candidate's estimated P99, scaled by ``max(1, observed / estimated)`` of the serving gear, ms.
 
-    None when the candidate has no estimate. See the module docstring.
+    ``within_target_ms``: the latency target when the candidate's envelope holds the load; its
+    estimate is then capped at it before scaling. None when the candidate has no estimate. See the
+    module docstring.
     """
     est = estimated_p99_ms(candidate, latency_metric)
     if est is None:
         return None
+    if within_target_ms is not None:
+        est = min(est, within_target_ms)
     est_cur = estimated_p99_ms(current, latency_metric)
     if current_p99_ms is not None and est_cur is not None and est_cur > 0:
         est *= max(1.0, current_p99_ms / est_cur)
@@ -128,7 +147,8 @@ def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, qps
     """
     metric = config.latency_metric
     cur_p99 = current_p99_ms if current_p99_ms is not None else estimated_p99_ms(current, metric)
-    new_p99 = calibrated_p99_ms(candidate, current, None if backlogged else current_p99_ms, metric)
+    new_p99 = calibrated_p99_ms(candidate, current, None if backlogged else current_p99_ms, metric,
+                                within_target_ms=target_p99_ms if fits_envelope(candidate, qps) else None)
     cap_c, cap_g = capacity_rps(current), capacity_rps(candidate)
     if current_max_stage_busy is not None and current_max_stage_busy > 0 and qps > 0:
         cap_c = min(cap_c, qps / min(1.0, current_max_stage_busy))
@@ -143,6 +163,9 @@ def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, qps
         if slack_c is not None and slack_g is not None:
             gain += config.latency_weight * (slack_g - slack_c)
     gain += config.envelope_fit_weight * (float(fits_envelope(candidate, qps)) - float(fits_envelope(current, qps)))
+    if trigger in _DEVICE_TRIGGERS:
+        n_c, n_g = len(current.device_ids), len(candidate.device_ids)
+        gain -= config.device_weight * (n_g - n_c) / max(n_g, n_c)
     return gain
 
 

@@ -14,10 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from flexpipe_dag.core.errors import InputError
 
 #: Trigger names, in the order the controller acts on them when several fire at once.
-TriggerName = Literal["current_unhealthy", "qps_above_envelope", "latency_over", "imbalance",
-                      "qps_below_envelope", "latency_under"]
-TRIGGER_PRIORITY: tuple[TriggerName, ...] = ("current_unhealthy", "qps_above_envelope", "latency_over",
-                                             "imbalance", "qps_below_envelope", "latency_under")
+TriggerName = Literal["current_unhealthy", "qps_above_envelope", "forecast_above_envelope", "latency_over",
+                      "imbalance", "qps_below_envelope", "latency_under"]
+TRIGGER_PRIORITY: tuple[TriggerName, ...] = ("current_unhealthy", "qps_above_envelope", "forecast_above_envelope",
+                                             "latency_over", "imbalance", "qps_below_envelope", "latency_under")
 
 STATE_VERSION = 1
 
@@ -47,6 +47,9 @@ class ControllerState(BaseModel):
     ema_running: float | None = None
     ema_completed_rps: float | None = None
     ema_p99_ms: float | None = None
+    forecast_qps: float | None = Field(
+        None, description="highest QPS the caller's forecast expected within forecast_horizon_s, at the newest "
+                          "sample (None without a forecast)")
     ema_stage_busy: list[float] = Field(default_factory=list)
     counts: dict[str, int] = Field(default_factory=dict)
     escalated: list[str] = Field(default_factory=list)

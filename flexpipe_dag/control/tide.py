@@ -23,6 +23,7 @@ through a later admission.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,6 +83,29 @@ class TideForecaster:
         steps = np.arange(tide_time_s, tide_time_s + horizon_s + self.window_s, self.window_s)
         peak = max(self.profile_at(t) for t in steps)
         return qps_now * peak / base
+
+
+def tide_forecast(forecaster: TideForecaster, tide_time_of: Callable[[float], float],
+                  time_compression: float = 1.0) -> Callable[[float, float, float], float]:
+    """The gear-shift controller's load forecast, from a tide history.
+
+    Args:
+        forecaster: seasonal-naive forecaster over the tide history.
+        tide_time_of: maps a time on the metric samples' clock (s) to tide time (s since a tide
+            midnight, any day).
+        time_compression: tide seconds per second of the samples' clock (a compressed replay or
+            demo plays a day faster).
+
+    Returns:
+        ``forecast(t_s, qps, horizon_s) -> req/s``: the highest load expected within ``horizon_s``
+        (samples' clock) after ``t_s``, scaled to the smoothed load ``qps`` (see
+        :meth:`TideForecaster.forecast_qps`); what :meth:`Controller.decide
+        <flexpipe_dag.control.controller.Controller.decide>` takes as ``forecast``.
+    """
+    def forecast(t_s: float, qps: float, horizon_s: float) -> float:
+        return forecaster.forecast_qps(tide_time_of(t_s), qps, horizon_s * time_compression)
+
+    return forecast
 
 
 def ema(previous: float | None, value: float, alpha: float) -> float:

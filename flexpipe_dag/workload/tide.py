@@ -58,6 +58,25 @@ class Tide:
             raise InputError(self.source, None, f"tide covers {self.duration_s} s; a daily profile needs at least one day")
         return self.rates_rps[: days * per_day].reshape(days, per_day).mean(axis=0)
 
+    def without_days(self, days: Iterable[int]) -> Tide:
+        """The same history with whole days removed (e.g. the day a benchmark replays, so its forecast
+        does not see the future); the remaining days keep their order.
+
+        Raises:
+            InputError: a day outside the history, or no whole day left.
+        """
+        per_day = int(round(86400 / self.window_s))
+        total = len(self.rates_rps) // per_day
+        drop = set(days)
+        bad = sorted(d for d in drop if not 0 <= d < total)
+        if bad:
+            raise InputError(self.source, "day", f"days {bad} are outside the history's {total} whole days")
+        keep = [d for d in range(total) if d not in drop]
+        if not keep:
+            raise InputError(self.source, "day", "removing these days leaves no whole day")
+        rates = np.concatenate([self.rates_rps[d * per_day:(d + 1) * per_day] for d in keep])
+        return Tide(window_s=self.window_s, rates_rps=rates, source=f"{self.source} without day(s) {sorted(drop)}")
+
 
 def _chunk_key(path: Path) -> tuple[int, str]:
     m = re.search(r"(\d+)", path.stem)

@@ -98,12 +98,31 @@ def candidate_gears_for(db, serving_gear_ids) -> list:
     return gears
 
 
+def tide_history_forecast(control: ControlSettings, newest_t_s: float, epoch_s: float | None = None):
+    """The controller's load forecast from the bundled tide history, on the metric samples' clock.
+
+    A sample's ``t_s`` counts from its run's start, so it is placed in wall time by its distance to
+    the newest sample (taken as now, ``epoch_s``), then in tide time as the ``tide_sensor`` does
+    (``time_compression`` of the ``tide`` settings).
+    """
+    from flexpipe_dag.control.tide import TideForecaster, tide_forecast
+    from flexpipe_dag.workload.bundled import load_tide_trace
+    from jobs.tide import tide_time_s
+
+    compression = control.tide_config().time_compression
+    now = time.time() if epoch_s is None else epoch_s
+    return tide_forecast(TideForecaster(load_tide_trace()),
+                         lambda t_s: tide_time_s(now - (newest_t_s - t_s), compression), compression)
+
+
 def evaluate_gear_shift(db, cursor: str | None, control: ControlSettings, run_key_prefix: str = "",
-                        run_key: str | None = None) -> ShiftEvaluation:
+                        run_key: str | None = None, forecast=None, epoch_s: float | None = None) -> ShiftEvaluation:
     """Read new samples, ask the controller, store the decision if a trigger fired; see module docstring.
 
     ``run_key``: the serving run whose samples to follow (default: the run that wrote the newest
-    sample). When the followed run changes, the controller starts afresh.
+    sample). When the followed run changes, the controller starts afresh. ``forecast``: the
+    controller's load forecast; None with ``forecast_horizon_s`` > 0 in the controller settings uses
+    :func:`tide_history_forecast` (``epoch_s``: now, for tests).
     """
     state, last_id, followed = parse_cursor(cursor)
     run_key = run_key or db.latest_sample_run_key()
@@ -114,8 +133,12 @@ def evaluate_gear_shift(db, cursor: str | None, control: ControlSettings, run_ke
         return ShiftEvaluation(None, make_cursor(state, last_id, run_key))
     samples = [s for _, s in rows]
     gears = candidate_gears_for(db, [smp.gear_id for smp in samples])
-    new_state, decision = Controller(control.controller_config()).decide(
-        state, samples, gears, unhealthy=db.unhealthy_gear_keys(), migration_cost_s=_migration_cost(db, gears))
+    config = control.controller_config()
+    if forecast is None and config.forecast_horizon_s > 0:
+        forecast = tide_history_forecast(control, max(smp.t_s for smp in samples), epoch_s)
+    new_state, decision = Controller(config).decide(
+        state, samples, gears, unhealthy=db.unhealthy_gear_keys(), migration_cost_s=_migration_cost(db, gears),
+        forecast=forecast)
     cursor = make_cursor(new_state, rows[-1][0], run_key)
     if decision.action != "shift" and not decision.declined:
         return ShiftEvaluation(decision, cursor)

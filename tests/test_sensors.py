@@ -109,6 +109,39 @@ def test_decision_inside_dwell_is_declined_with_reason(store_res):
     assert "dwell" in declined[-1].reason and "declined" in declined[-1].reason
 
 
+def test_sensor_shifts_ahead_of_a_forecast_rise(tmp_path, store_res):
+    from jobs.gear_shift import evaluate_gear_shift
+
+    db = store_res.get_store()
+    cfg = tmp_path / "control.yaml"
+    cfg.write_text("controller:\n  forecast_horizon_s: 600\n")
+    db.write_samples("live", _samples("latency-1s", [2.0] * 4))  # inside latency-1s's 5 req/s
+    ev = evaluate_gear_shift(db, None, ControlSettings(config_file=str(cfg)), forecast=lambda t, q, h: 12.0)
+    assert ev.decision.action == "shift" and ev.decision.trigger == "forecast_above_envelope"
+    assert ev.run_key.startswith("gear-shift:latency-1s->throughput-2s@t")
+    stored = db.get_shift_event(ev.event_id)
+    assert stored.trigger == "forecast_above_envelope" and "forecast qps 12/s" in stored.reason
+    # without a forecast passed, the sensor reads the bundled tide history; the seeds (horizon 0) ignore it
+    _, cursor = _tick(gear_shift_sensor, store_res, config_file=str(cfg))
+    assert json.loads(json.loads(cursor)["controller"])["forecast_qps"] is not None
+    _, cursor = _tick(gear_shift_sensor, store_res)
+    assert json.loads(json.loads(cursor)["controller"])["forecast_qps"] is None
+
+
+def test_tide_history_forecast_places_samples_in_tide_time():
+    from flexpipe_dag.control.tide import TideForecaster
+    from flexpipe_dag.workload.bundled import load_tide_trace
+    from jobs.gear_shift import tide_history_forecast
+    from jobs.tide import tide_time_s
+
+    epoch, compression = 1_800_000_000.0, 24.0
+    fc = tide_history_forecast(ControlSettings(), newest_t_s=500.0, epoch_s=epoch)  # tide settings: 1x
+    ref = TideForecaster(load_tide_trace())
+    # a sample 100 s older than the newest one is 100 s before now
+    assert fc(400.0, 3.0, 600.0) == pytest.approx(ref.forecast_qps(tide_time_s(epoch - 100.0, 1.0), 3.0, 600.0))
+    assert tide_time_s(epoch, compression) == pytest.approx((epoch * compression) % 86400.0)
+
+
 def test_gear_shift_run_waits_for_the_live_pipeline(store_res):
     db = store_res.get_store()
     applied = []

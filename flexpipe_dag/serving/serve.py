@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexpipe_dag.control.tide import TideConfig, TideForecaster, TideGate, decide_offline, ema
+from flexpipe_dag.control.tide import TideConfig, TideForecaster, TideGate, decide_offline, ema, tide_forecast
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
 from flexpipe_dag.serving.prompts import TimedRequest
@@ -224,8 +224,13 @@ class TraceServer:
             return
         if not self.settings.inline_control:
             return
+        forecast = None
+        if self.forecaster is not None:  # samples' t_s and tide time share this loop's clock
+            forecast = tide_forecast(self.forecaster,
+                                     lambda t_s: self.settings.tide_start_s + self.settings.tide_compression * t_s,
+                                     self.settings.tide_compression)
         ev = evaluate_gear_shift(self.db, self._cursor, self.control, run_key_prefix=f"{self.settings.run_key}:",
-                                 run_key=self.settings.run_key)
+                                 run_key=self.settings.run_key, forecast=forecast)
         self._cursor = ev.cursor
         d = ev.decision
         now = time.monotonic()

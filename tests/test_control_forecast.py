@@ -1,0 +1,148 @@
+"""Controller beyond the seeds: the load forecast trigger, the device cost, QPS smoothing, envelope-capped estimates."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from flexpipe_dag.control import Controller, ControllerConfig
+from flexpipe_dag.control.payback import calibrated_p99_ms, estimated_gain_fraction
+from flexpipe_dag.control.tide import TideForecaster, tide_forecast
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.workload.tide import Tide
+
+from test_control_controller import BAL, GEARS, LAT, THR, TARGET_MS, feed, make_gear, sample
+
+
+def constant(value: float):
+    """A forecast that expects ``value`` req/s whatever the time; records what it was asked."""
+    calls = []
+
+    def forecast(t_s, qps, horizon_s):
+        calls.append((t_s, qps, horizon_s))
+        return value
+
+    forecast.calls = calls
+    return forecast
+
+
+# ------------------------------------------------------------------------------------------ forecast
+def test_forecast_above_envelope_shifts_before_the_load_arrives():
+    ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
+    fc = constant(8.0)  # LAT holds 5 req/s; 8 are coming, the load now is 3
+    st, ds = feed(ctrl, None, GEARS, [sample(2 * i, "lat", qps=3.0) for i in range(1, 4)], forecast=fc)
+    assert [d.action for d in ds] == ["hold", "hold", "shift"]
+    shift = ds[-1]
+    assert shift.trigger == "forecast_above_envelope" and shift.to_gear_id == "bal"  # nearest gear up holding 8
+    assert "forecast qps 8/s within 10.0 min above envelope max 5 (now 3/s)" in shift.reason
+    assert st.forecast_qps == 8.0 and fc.calls[-1] == pytest.approx((6.0, 3.0, 600.0))  # asked with the smoothed QPS
+
+
+def test_forecast_is_ignored_without_a_horizon_or_below_the_envelope():
+    seeds = Controller()  # forecast_horizon_s 0: the seeds react to what they see
+    st, ds = feed(seeds, None, GEARS, [sample(2 * i, "lat", qps=3.0) for i in range(1, 6)], forecast=constant(8.0))
+    assert all(d.action == "hold" for d in ds) and st.forecast_qps is None
+    ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
+    _, ds = feed(ctrl, None, GEARS, [sample(2 * i, "lat", qps=3.0) for i in range(1, 6)], forecast=constant(4.0))
+    assert all(d.action == "hold" for d in ds)
+
+
+def test_forecast_beyond_every_envelope_moves_to_the_roomiest_gear():
+    ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
+    _, ds = feed(ctrl, None, GEARS, [sample(2 * i, "bal", qps=6.0, busy=(0.7,) * 3) for i in range(1, 4)],
+                 forecast=constant(50.0))
+    assert ds[-1].action == "shift" and ds[-1].to_gear_id == "thr"
+
+
+def test_rising_forecast_keeps_the_load_from_counting_as_below_the_envelope():
+    # THR's envelope starts at 4 req/s; the load is 2 but the forecast says 10 are coming: stay
+    ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
+    busy = (0.5,) * 4
+    st, ds = feed(ctrl, None, GEARS, [sample(2 * i, "thr", qps=2.0, busy=busy) for i in range(1, 6)],
+                  forecast=constant(10.0))
+    assert all(d.action == "hold" for d in ds) and "qps_below_envelope" not in st.counts
+    _, ds = feed(Controller(), None, GEARS, [sample(2 * i, "thr", qps=2.0, busy=busy) for i in range(1, 4)])
+    assert ds[-1].trigger == "qps_below_envelope" and ds[-1].action == "shift"  # without the forecast it leaves
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "lots"])
+def test_bad_forecast_value_is_named(bad):
+    ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
+    with pytest.raises(InputError, match="load forecast.*qps.*finite req/s >= 0 at t_s=2"):
+        ctrl.decide(None, [sample(2, "lat")], GEARS, forecast=lambda t, q, h: bad)
+
+
+def test_tide_forecast_maps_the_samples_clock_to_tide_time():
+    # a two-day tide of 600-s windows: the rate is 1 until 06:00, then 4
+    day = np.where(np.arange(144) < 36, 1.0, 4.0)
+    tide = Tide(window_s=600.0, rates_rps=np.concatenate([day, day]), source="two days")
+    forecaster = TideForecaster(tide.without_days([1]))
+    # 12x compression, replay starting at 04:00 (tide 14400 s): sample t = 300 s is 05:00
+    fc = tide_forecast(forecaster, lambda t_s: 14400.0 + 12.0 * t_s, 12.0)
+    assert fc(300.0, 2.0, 0.0) == pytest.approx(2.0)  # no rise inside a zero horizon
+    assert fc(300.0, 2.0, 300.0) == pytest.approx(8.0)  # 300 s ahead = 1 h of tide: 06:00 is inside, x4
+    assert fc(300.0, 2.0, 240.0) == pytest.approx(2.0)  # 48 min of tide: 05:48 is not yet 06:00
+
+
+def test_tide_without_days_drops_whole_days_and_names_bad_ones():
+    rates = np.concatenate([np.full(144, 1.0), np.full(144, 3.0), np.full(144, 5.0)])
+    tide = Tide(window_s=600.0, rates_rps=rates, source="t.csv")
+    assert tide.without_days([1]).daily_profile() == pytest.approx(np.full(144, 3.0))  # mean of 1 and 5
+    with pytest.raises(InputError, match=r"t.csv.*day.*\[3\] are outside the history's 3 whole days"):
+        tide.without_days([3])
+    with pytest.raises(InputError, match="leaves no whole day"):
+        tide.without_days([0, 1, 2])
+
+
+# ------------------------------------------------------------------------------------------ devices
+def test_device_weight_keeps_a_cheap_gear_that_holds_the_load():
+    # latency well under target on LAT (2 devices): the seeds move to a roomier gear, a device cost keeps LAT
+    kw = dict(qps=3.0, p99_ms=300.0)
+    _, ds = feed(Controller(ControllerConfig(dwell_s=0.0)), None, GEARS, [sample(2 * i, "lat", **kw) for i in range(1, 4)])
+    assert ds[-1].action == "shift" and ds[-1].trigger == "latency_under"
+    ctrl = Controller(ControllerConfig(device_weight=0.5))
+    _, ds = feed(ctrl, None, GEARS, [sample(2 * i, "lat", **kw) for i in range(1, 4)])
+    assert ds[-1].action == "hold" and ds[-1].declined and "does not pay back" in ds[-1].reason
+
+
+def test_device_weight_never_holds_back_a_gear_that_lost_the_load():
+    ctrl = Controller(ControllerConfig(device_weight=1.0))
+    _, ds = feed(ctrl, None, GEARS, [sample(2 * i, "lat", qps=8.0) for i in range(1, 4)])
+    assert ds[-1].action == "shift" and ds[-1].trigger == "qps_above_envelope" and ds[-1].to_gear_id == "bal"
+
+
+def test_device_term_of_the_gain():
+    cfg0, cfg = ControllerConfig(target_p99_ms=TARGET_MS), ControllerConfig(target_p99_ms=TARGET_MS, device_weight=0.3)
+    kw = dict(qps=3.0, current_p99_ms=300.0, target_p99_ms=TARGET_MS)
+    # LAT (2 devices) -> THR (4): charged 0.3 x 2 / 4 on a discretionary trigger, free on a rising one
+    for trigger, charge in (("latency_under", 0.15), ("imbalance", 0.15), ("qps_above_envelope", 0.0)):
+        base = estimated_gain_fraction(trigger, LAT, THR, config=cfg0, **kw)
+        assert estimated_gain_fraction(trigger, LAT, THR, config=cfg, **kw) == pytest.approx(base - charge)
+    # THR -> LAT hands two of four devices back
+    base = estimated_gain_fraction("qps_below_envelope", THR, LAT, config=cfg0, **kw)
+    assert estimated_gain_fraction("qps_below_envelope", THR, LAT, config=cfg, **kw) == pytest.approx(base + 0.15)
+
+
+# ------------------------------------------------------------------------------------------ smoothing
+def test_qps_ema_alpha_smooths_the_rate_alone():
+    ctrl = Controller(ControllerConfig(qps_ema_alpha=0.1))
+    st, _ = ctrl.decide(None, [sample(2, "lat", qps=10, p99_ms=400), sample(4, "lat", qps=0, p99_ms=800)], GEARS)
+    assert st.ema_qps == pytest.approx(9.0) and st.ema_p99_ms == pytest.approx(0.3 * 800 + 0.7 * 400)
+    with pytest.raises(ValueError, match="qps_ema_alpha"):
+        ControllerConfig(qps_ema_alpha=0.0)
+
+
+# ------------------------------------------------------------------------------------------ estimates
+def test_envelope_caps_a_candidate_estimate_at_the_target():
+    slow = make_gear("slow", "throughput", qps_min=0.0, qps_max=20.0, est_p99_ms=1500.0)  # estimate at qps_max
+    assert calibrated_p99_ms(slow, LAT, None, "ttft_p99_ms") == 1500.0
+    assert calibrated_p99_ms(slow, LAT, None, "ttft_p99_ms", within_target_ms=TARGET_MS) == TARGET_MS
+    # the serving gear's model error still scales it: LAT shows 1400 ms against its 700 ms estimate
+    assert calibrated_p99_ms(slow, LAT, 1400.0, "ttft_p99_ms", within_target_ms=TARGET_MS) == 2 * TARGET_MS
+    # the gain of holding a load the serving gear cannot: full SLO credit inside the candidate's envelope
+    cfg = ControllerConfig(target_p99_ms=TARGET_MS)
+    gain = estimated_gain_fraction("qps_above_envelope", BAL, slow, qps=15.0, current_p99_ms=700.0,
+                                   target_p99_ms=TARGET_MS, config=cfg)
+    assert gain == pytest.approx((1.0 - 10.0 / 15.0) + cfg.envelope_fit_weight)

@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                          "is the ServeGen tide's daily profile over the other 13 days")
     ap.add_argument("--qps-ema-alpha", type=float, default=0.1,
                     help="controller qps_ema_alpha (seed: ema_alpha 0.3 for QPS too)")
+    ap.add_argument("--recent-peak-window-s", type=float, default=600.0,
+                    help="controller recent_peak_window_s: a shift down must hold this window's peak load (seed 0)")
     ap.add_argument("--no-seed-run", action="store_true",
                     help="skip the second dynamic run with the controller at the design's seed figures")
     ap.add_argument("--verbose", action="store_true", help="print every shift's reason as it happens")
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         controller = Controller(ControllerConfig.model_validate(
             seed_config.model_dump() | dict(device_weight=args.device_weight, forecast_horizon_s=args.forecast_horizon_s,
-                                            qps_ema_alpha=args.qps_ema_alpha)))
+                                            qps_ema_alpha=args.qps_ema_alpha,
+                                            recent_peak_window_s=args.recent_peak_window_s)))
     except ValueError as exc:  # pydantic's ValidationError names the figure
         ap.error(f"controller figures: {exc}")
     # the forecast must not see the replayed day: the daily profile of the other days (leave-one-out)
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
           f"--peak-rps {args.peak_rps} --peak-share {args.peak_share} --duration-s {args.duration_s:.0f} "
           f"--start-day {args.start_day} --window-s {args.window_s:.0f}; controller: seed figures with device_weight "
           f"{args.device_weight:g}, forecast_horizon_s {args.forecast_horizon_s:g} (forecast: {history.source}), "
-          f"qps_ema_alpha {args.qps_ema_alpha:g}, latency target = SLO TTFT; shift warm-up = weight transfer time, "
+          f"qps_ema_alpha {args.qps_ema_alpha:g}, recent_peak_window_s {args.recent_peak_window_s:g}, latency target = SLO TTFT; shift warm-up = weight transfer time, "
           f"then drain")
     print(f"gears (planner; envelopes {f'simulated on the first 1000 azure-conv requests, >= {ATTAINMENT:.0%} SLO attainment' if args.envelope == 'sim' else 'analytic'}"
           f"{f', {t_env:.1f} s wall' if args.envelope == 'sim' else ''}):")

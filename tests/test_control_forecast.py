@@ -146,3 +146,30 @@ def test_envelope_caps_a_candidate_estimate_at_the_target():
     gain = estimated_gain_fraction("qps_above_envelope", BAL, slow, qps=15.0, current_p99_ms=700.0,
                                    target_p99_ms=TARGET_MS, config=cfg)
     assert gain == pytest.approx((1.0 - 10.0 / 15.0) + cfg.envelope_fit_weight)
+
+
+# ------------------------------------------------------------------------------------------ recent peak
+def test_a_dip_does_not_shift_down_to_a_gear_the_recent_peak_overruns():
+    # THR served 12 req/s seconds ago; the load dips to 3: BAL (10 req/s) and LAT (5) would be overrun by a burst
+    cfg = dict(dwell_s=0.0, ema_alpha=1.0)
+    busy = (0.5,) * 4
+    burst = [sample(2 * i, "thr", qps=12.0, busy=busy) for i in range(1, 4)]
+    dip = [sample(6 + 2 * i, "thr", qps=3.0, busy=busy) for i in range(1, 4)]
+    _, ds = feed(Controller(ControllerConfig(**cfg)), None, GEARS, burst + dip)
+    assert ds[-1].action == "shift" and ds[-1].trigger == "qps_below_envelope" and ds[-1].to_gear_id == "bal"
+    ctrl = Controller(ControllerConfig(recent_peak_window_s=600.0, **cfg))
+    st, ds = feed(ctrl, None, GEARS, burst + dip)
+    assert ds[-1].action == "hold" and ds[-1].declined
+    assert "for a smaller gear, the recent peak 12/s" in ds[-1].reason and ctrl.recent_peak_qps(st) == 12.0
+    # ten minutes of the low load later the burst has left the window: the shift down goes ahead
+    st, ds = feed(ctrl, st, GEARS, [sample(12 + 30 * i, "thr", qps=3.0, busy=busy) for i in range(1, 25)])
+    assert any(d.action == "shift" and d.to_gear_id == "bal" for d in ds)
+    assert ctrl.recent_peak_qps(st) == 3.0 and len(st.qps_peaks) <= 11
+
+
+def test_recent_peaks_round_trip_through_the_cursor():
+    from flexpipe_dag.control import ControllerState
+
+    ctrl = Controller(ControllerConfig(recent_peak_window_s=600.0))
+    st, _ = feed(ctrl, None, GEARS, [sample(2 * i, "lat", qps=float(i)) for i in range(1, 40)])
+    assert ControllerState.from_cursor(st.to_cursor()) == st and st.qps_peaks

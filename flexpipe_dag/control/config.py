@@ -100,6 +100,13 @@ class ControllerConfig(BaseModel):
                          "the troughs, other tenants), and one to fewer devices gains what it hands back; 0 "
                          "(the seeds) = devices are free; 0.2 keeps a cheap gear that holds the load")
 
+    recent_peak_window_s: NonNegFloat = Field(
+        0.0, description="a discretionary shift (imbalance, latency under target, QPS below the envelope) to a "
+                          "gear with less capacity must go to one whose envelope holds the highest smoothed QPS "
+                          "of this window: the shift cannot be undone inside the dwell, so a dip in the load must "
+                          "not land the pipeline in a gear the next burst overruns; 0 (the seeds) = off; one dwell "
+                          "(600 s) pairs with device_weight, which makes shifts down worth more")
+
     # load forecast ------------------------------------------------------------------------------
     forecast_horizon_s: NonNegFloat = Field(
         0.0, description="look-ahead of the load forecast, on the samples' clock: with a forecast passed to "

@@ -44,7 +44,9 @@ highest-priority firing trigger and rank the healthy candidate gears. A candidat
 hold the smoothed QPS narrowed by ``envelope_margin_fraction`` (except for ``qps_above_envelope``
 and ``current_unhealthy``, which may move best-effort; best-effort ``qps_above_envelope`` only to a
 gear with more capacity, ``qps_max``, than the serving one; ``latency_over`` on a backlogged gear,
-whose P99 is its queue's, never to a gear with less capacity): entering only well inside an envelope and
+whose P99 is its queue's, never to a gear with less capacity; with ``recent_peak_window_s``, a
+discretionary trigger (imbalance, latency under, QPS below the envelope) never to a gear with less
+capacity whose envelope does not hold the highest smoothed QPS of that window): entering only well inside an envelope and
 leaving only well outside it is what keeps a load near an edge from flapping. Candidates whose
 calibrated P99 estimate meets the target come first, then the trigger's preferred kinds (like a
 gearbox: the nearest gear in the trigger's direction), then net payback, which charges a gear for
@@ -67,7 +69,7 @@ from dataclasses import dataclass
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.payback import (calibrated_p99_ms, capacity_rps, estimated_gain_fraction, fits_envelope,
                                           pays_back)
-from flexpipe_dag.control.state import TRIGGER_PRIORITY, ControllerState, Decision
+from flexpipe_dag.control.state import DISCRETIONARY_TRIGGERS, TRIGGER_PRIORITY, ControllerState, Decision
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
@@ -233,6 +235,7 @@ class Controller:
         a = cfg.ema_alpha
         st.ema_qps = _ema(st.ema_qps, s.qps, cfg.qps_ema_alpha if cfg.qps_ema_alpha is not None else a)
         st.forecast_qps = self._forecast(forecast, t_s, st.ema_qps)
+        self._note_peak(st, t_s)
         st.ema_queue_length = _ema(st.ema_queue_length, float(s.queue_length), a)
         st.ema_running = _ema(st.ema_running, float(s.running), a)
         st.ema_completed_rps = _ema(st.ema_completed_rps, s.completed / cfg.sample_period_s, a)
@@ -268,6 +271,24 @@ class Controller:
         st.escalation_steps += 1
         st.last_escalation_s = t_s
         return fresh[0]
+
+    def _note_peak(self, st: ControllerState, t_s: float) -> None:
+        window_s = self.config.recent_peak_window_s
+        if window_s <= 0 or st.ema_qps is None:
+            st.qps_peaks = []
+            return
+        bucket_s = window_s / 10.0
+        start = math.floor(t_s / bucket_s) * bucket_s
+        if st.qps_peaks and st.qps_peaks[-1][0] == start:
+            st.qps_peaks[-1] = (start, max(st.qps_peaks[-1][1], st.ema_qps))
+        else:
+            st.qps_peaks.append((start, st.ema_qps))
+        st.qps_peaks = [p for p in st.qps_peaks if p[0] + bucket_s > t_s - window_s]
+
+    @staticmethod
+    def recent_peak_qps(st: ControllerState) -> float | None:
+        """Highest smoothed QPS over the recent-peak window (None before any sample or with the rule off)."""
+        return max((q for _, q in st.qps_peaks), default=None)
 
     def _forecast(self, forecast: ForecastFn | None, t_s: float, qps: float) -> float | None:
         horizon_s = self.config.forecast_horizon_s
@@ -365,6 +386,7 @@ class Controller:
         residence_s = max(cfg.dwell_s, st.residence_ema_s if st.residence_ema_s is not None
                           else cfg.default_residence_s)
         backlogged = self.backlogged(st)
+        recent_peak = self.recent_peak_qps(st)
         out: list[_Candidate] = []
         for g in by_id.values():
             if (g.gear_id == current.gear_id or g.gear_id in unhealthy or g.num_layers != current.num_layers
@@ -380,6 +402,9 @@ class Controller:
                 continue  # load beyond this gear's envelope: a gear with no more capacity cannot help
             if trigger == "latency_over" and backlogged and capacity_rps(g) < capacity_rps(current):
                 continue  # a backlog's latency is the queue's: less capacity would drain it slower
+            if (trigger in DISCRETIONARY_TRIGGERS and recent_peak is not None and capacity_rps(g) < capacity_rps(current)
+                    and g.qps_max * (1.0 - cfg.envelope_margin_fraction) < recent_peak):
+                continue  # a dip: the load of the last window would overrun it, and the dwell locks it in
             est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric,
                                     within_target_ms=target if fits else None)
             meets = est is None or est <= target
@@ -478,7 +503,11 @@ class Controller:
         if not ranked:
             return Decision(action="hold", trigger=trigger, declined=True,
                             reason=note + f"declined: {why}, but no healthy gear whose envelope holds "
-                                          f"qps {self._planning_qps(st, trigger):.3g}/s suits it "
+                                          f"qps {self._planning_qps(st, trigger):.3g}/s"
+                                          + (f" and, for a smaller gear, the recent peak "
+                                             f"{self.recent_peak_qps(st):.3g}/s"
+                                             if trigger in DISCRETIONARY_TRIGGERS and st.qps_peaks else "")
+                                          + " suits it "
                                           f"({len(unhealthy & set(by_id))} of {len(by_id)} gears unhealthy)",
                             **base)
 

@@ -54,11 +54,11 @@ from __future__ import annotations
 import math
 
 from flexpipe_dag.control.config import ControllerConfig
+from flexpipe_dag.control.state import DISCRETIONARY_TRIGGERS
 from flexpipe_dag.core.gear import Gear
 
 _HEADROOM_TRIGGERS = frozenset({"imbalance", "latency_under"})
 _SLACK_TRIGGERS = frozenset({"qps_below_envelope", "latency_over"})
-_DEVICE_TRIGGERS = frozenset({"imbalance", "latency_under", "qps_below_envelope"})
 
 
 def capacity_rps(gear: Gear) -> float:
@@ -163,7 +163,7 @@ def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, qps
         if slack_c is not None and slack_g is not None:
             gain += config.latency_weight * (slack_g - slack_c)
     gain += config.envelope_fit_weight * (float(fits_envelope(candidate, qps)) - float(fits_envelope(current, qps)))
-    if trigger in _DEVICE_TRIGGERS:
+    if trigger in DISCRETIONARY_TRIGGERS:
         n_c, n_g = len(current.device_ids), len(candidate.device_ids)
         gain -= config.device_weight * (n_g - n_c) / max(n_g, n_c)
     return gain

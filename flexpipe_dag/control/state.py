@@ -19,6 +19,10 @@ TriggerName = Literal["current_unhealthy", "qps_above_envelope", "forecast_above
 TRIGGER_PRIORITY: tuple[TriggerName, ...] = ("current_unhealthy", "qps_above_envelope", "forecast_above_envelope",
                                              "latency_over", "imbalance", "qps_below_envelope", "latency_under")
 
+#: Shifts the controller chooses to make, not ones the load forces: they are charged for devices
+#: (``device_weight``) and may not leave the load of the recent past without a gear that holds it.
+DISCRETIONARY_TRIGGERS: frozenset[str] = frozenset({"imbalance", "latency_under", "qps_below_envelope"})
+
 STATE_VERSION = 1
 
 
@@ -51,6 +55,9 @@ class ControllerState(BaseModel):
         None, description="highest QPS the caller's forecast expected within forecast_horizon_s, at the newest "
                           "sample (None without a forecast)")
     ema_stage_busy: list[float] = Field(default_factory=list)
+    qps_peaks: list[tuple[float, float]] = Field(
+        default_factory=list, description="(bucket start s, highest smoothed QPS in it) over the last "
+                                          "recent_peak_window_s, ten buckets; carries over a shift")
     counts: dict[str, int] = Field(default_factory=dict)
     escalated: list[str] = Field(default_factory=list)
     escalation_steps: int = 0

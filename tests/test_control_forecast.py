@@ -160,7 +160,7 @@ def test_a_dip_does_not_shift_down_to_a_gear_the_recent_peak_overruns():
     ctrl = Controller(ControllerConfig(recent_peak_window_s=600.0, **cfg))
     st, ds = feed(ctrl, None, GEARS, burst + dip)
     assert ds[-1].action == "hold" and ds[-1].declined
-    assert "for a smaller gear, the recent peak 12/s" in ds[-1].reason and ctrl.recent_peak_qps(st) == 12.0
+    assert "for a smaller gear, the recent peak or forecast 12/s" in ds[-1].reason and ctrl.recent_peak_qps(st) == 12.0
     # ten minutes of the low load later the burst has left the window: the shift down goes ahead
     st, ds = feed(ctrl, st, GEARS, [sample(12 + 30 * i, "thr", qps=3.0, busy=busy) for i in range(1, 25)])
     assert any(d.action == "shift" and d.to_gear_id == "bal" for d in ds)
@@ -173,3 +173,14 @@ def test_recent_peaks_round_trip_through_the_cursor():
     ctrl = Controller(ControllerConfig(recent_peak_window_s=600.0))
     st, _ = feed(ctrl, None, GEARS, [sample(2 * i, "lat", qps=float(i)) for i in range(1, 40)])
     assert ControllerState.from_cursor(st.to_cursor()) == st and st.qps_peaks
+
+
+def test_no_discretionary_shift_down_into_a_gear_the_forecast_overruns():
+    # BAL is imbalanced at 3 req/s; LAT holds 3 but not the 7 the forecast expects: stay
+    busy = (0.95, 0.4, 0.7)
+    kw = dict(qps=3.0, busy=busy)
+    _, ds = feed(Controller(), None, GEARS, [sample(2 * i, "bal", **kw) for i in range(1, 4)])
+    assert ds[-1].action == "shift" and ds[-1].trigger == "imbalance" and ds[-1].to_gear_id == "lat"
+    ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
+    _, ds = feed(ctrl, None, GEARS, [sample(2 * i, "bal", **kw) for i in range(1, 4)], forecast=constant(7.0))
+    assert ds[-1].action == "hold" and ds[-1].declined and "recent peak or forecast 7/s" in ds[-1].reason

@@ -46,7 +46,8 @@ and ``current_unhealthy``, which may move best-effort; best-effort ``qps_above_e
 gear with more capacity, ``qps_max``, than the serving one; ``latency_over`` on a backlogged gear,
 whose P99 is its queue's, never to a gear with less capacity; with ``recent_peak_window_s``, a
 discretionary trigger (imbalance, latency under, QPS below the envelope) never to a gear with less
-capacity whose envelope does not hold the highest smoothed QPS of that window): entering only well inside an envelope and
+capacity whose envelope does not hold the highest smoothed QPS of that window, nor, with a forecast,
+the load it expects): entering only well inside an envelope and
 leaving only well outside it is what keeps a load near an edge from flapping. Candidates whose
 calibrated P99 estimate meets the target come first, then the trigger's preferred kinds (like a
 gearbox: the nearest gear in the trigger's direction), then net payback, which charges a gear for
@@ -386,7 +387,7 @@ class Controller:
         residence_s = max(cfg.dwell_s, st.residence_ema_s if st.residence_ema_s is not None
                           else cfg.default_residence_s)
         backlogged = self.backlogged(st)
-        recent_peak = self.recent_peak_qps(st)
+        must_hold = max(self.recent_peak_qps(st) or 0.0, st.forecast_qps or 0.0)
         out: list[_Candidate] = []
         for g in by_id.values():
             if (g.gear_id == current.gear_id or g.gear_id in unhealthy or g.num_layers != current.num_layers
@@ -402,9 +403,9 @@ class Controller:
                 continue  # load beyond this gear's envelope: a gear with no more capacity cannot help
             if trigger == "latency_over" and backlogged and capacity_rps(g) < capacity_rps(current):
                 continue  # a backlog's latency is the queue's: less capacity would drain it slower
-            if (trigger in DISCRETIONARY_TRIGGERS and recent_peak is not None and capacity_rps(g) < capacity_rps(current)
-                    and g.qps_max * (1.0 - cfg.envelope_margin_fraction) < recent_peak):
-                continue  # a dip: the load of the last window would overrun it, and the dwell locks it in
+            if (trigger in DISCRETIONARY_TRIGGERS and must_hold > 0 and capacity_rps(g) < capacity_rps(current)
+                    and g.qps_max * (1.0 - cfg.envelope_margin_fraction) < must_hold):
+                continue  # a dip: the recent peak or the coming load would overrun it, and the dwell locks it in
             est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric,
                                     within_target_ms=target if fits else None)
             meets = est is None or est <= target
@@ -504,9 +505,10 @@ class Controller:
             return Decision(action="hold", trigger=trigger, declined=True,
                             reason=note + f"declined: {why}, but no healthy gear whose envelope holds "
                                           f"qps {self._planning_qps(st, trigger):.3g}/s"
-                                          + (f" and, for a smaller gear, the recent peak "
-                                             f"{self.recent_peak_qps(st):.3g}/s"
-                                             if trigger in DISCRETIONARY_TRIGGERS and st.qps_peaks else "")
+                                          + (f" and, for a smaller gear, the recent peak or forecast "
+                                             f"{max(self.recent_peak_qps(st) or 0.0, st.forecast_qps or 0.0):.3g}/s"
+                                             if trigger in DISCRETIONARY_TRIGGERS
+                                             and (st.qps_peaks or st.forecast_qps is not None) else "")
                                           + " suits it "
                                           f"({len(unhealthy & set(by_id))} of {len(by_id)} gears unhealthy)",
                             **base)

@@ -3,7 +3,9 @@
 Usage: python bench/shift_bench.py [--setting openb|lab] [--model M] [--cluster YAML]
                                    [--gears sim|planner] [--select devices|speed] [--envelope sim|analytic]
                                    [--slo-ttft-ms 2000] [--slo-tpot-ms 200] [--duration-s 7200] [--peak-rps auto]
-                                   [--peak-share 0.95] [--start-day 0] [--window-s 600] [--verbose]
+                                   [--peak-share 0.95] [--start-day 0] [--window-s 600]
+                                   [--device-weight 0.2] [--forecast-horizon-s 600] [--qps-ema-alpha 0.1]
+                                   [--recent-peak-window-s 600] [--no-seed-run] [--verbose]
 
 Settings (``--setting``, default ``openb``; any explicit flag overrides the setting's value):
 
@@ -33,8 +35,15 @@ low load (a quarter of the largest envelope), balanced = the most envelope per d
 envelope. ``--gears planner`` uses the planner's analytic picks, with simulated (``--envelope sim``)
 or analytic envelopes.
 
-Each gear serves the whole replay statically; then the controller (:mod:`flexpipe_dag.control`,
-seed figures) drives the same replay, shifting gears from the simulator's 2-s metric samples. A
+Each gear serves the whole replay statically; then the controller (:mod:`flexpipe_dag.control`)
+drives the same replay, shifting gears from the simulator's 2-s metric samples. Its figures are the
+design's seeds plus four that are off by default (``README``, "Controller and tide figures"):
+``device_weight`` 0.2 (discretionary shifts pay for the devices they take), ``forecast_horizon_s``
+600 (``forecast_above_envelope`` starts the shift up before the rise; the forecast is the ServeGen
+tide's daily profile over the *other* 13 days, so it never sees the replayed day), ``qps_ema_alpha``
+0.1 (at ~1 req/s the seed alpha 0.3 follows Poisson noise) and ``recent_peak_window_s`` 600 (a shift
+down must hold the last 10 minutes' peak). A second dynamic run with the seed figures alone is
+printed as an ablation (``--no-seed-run`` skips it). A
 shift's shadow warm-up takes the weight transfer time over the cluster's links
 (``weight_transfer_s``), then the old gear drains while the new one admits.
 
@@ -77,14 +86,17 @@ alone would reward a small gear that drops the peak).
 the biggest gear can just hold the peak, the smaller ones cannot, so the tide crosses their
 capacities.
 
-Measured when this was written (each run prints its own): ``openb`` (gears on 3 / 4 / 8 devices):
-raw goodput 0.984x the best static gear (8 devices), 1.68x its goodput per device-hour, 6.6 of its
-16.0 device-hours freed (41 %), 1 shift/h, 0 lost, SLO attainment 0.939 vs 0.954 (so the
-per-device-hour bar is not met on attainment); ``--select speed`` (8 / 8 / 12 devices): 1.000x raw,
-1.14x per device-hour. ``lab`` (1 / 2 / 4 devices): 1.000x raw, 1.22x per device-hour, 18 % of
-device-hours freed. The device bound is ~1.85-1.9x in both: the gap is the controller, whose
-``latency_under`` trigger moves to a roomier gear (more devices) whenever the P99 is well under
-target, i.e. in the troughs.
+Measured when this was written (each run prints its own; dynamic = the configured controller, seed =
+the ablation): ``openb`` day 0 (gears on 3 / 4 / 8 devices): raw goodput 0.995x the best static gear
+(8 devices; per-window bound 1.000x), 1.81x its goodput per device-hour, 8.8 of its 16.0
+device-hours held (45 % freed), 2 shifts/h, 0 lost, SLO attainment 0.950 vs 0.954 (so the
+per-device-hour bar is missed on attainment by 0.4 points); the seed controller 1.000x raw, 1.41x per
+device-hour, 3 shifts/h. Day 1: 0.995x raw, 1.88x per device-hour, attainment 0.931 vs 0.936. Day 3
+(a higher tide): 0.992x raw, 1.29x per device-hour, attainment 0.914 vs 0.921. ``lab``: 1.001x raw,
+1.32x per device-hour, attainment 0.999 vs 0.998, 2 shifts/h (bar met); seed 1.14x. The device bound
+is 1.6-1.9x: the remaining gap is shifts to a roomier gear on ``latency_under`` and back on
+``imbalance`` (the balanced gear's 16 GB stages hold fewer layers, so it is imbalanced by
+construction), and a dwell that delays the shift up after such a move.
 """
 
 from __future__ import annotations

@@ -67,12 +67,12 @@ def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str,
 
     fig, ax = plt.subplots(figsize=(12, 3.6), dpi=100)
     t = [s.t_s for s in samples]
-    ax.plot(t, [s.qps for s in samples], label="arrivals (req/s)", color="k", lw=0.6, alpha=0.5)
+    (raw,) = ax.plot(t, [s.qps for s in samples], label="arrivals (req/s)", color="k", lw=0.6, alpha=0.5)
     smoothed, level = [], None
     for s in samples:  # the EMA the controller acts on (design seed alpha 0.3)
         level = s.qps if level is None else 0.3 * s.qps + 0.7 * level
         smoothed.append(level)
-    ax.plot(t, smoothed, label="arrivals, EMA (req/s)", color="k", lw=1.8)
+    (ema,) = ax.plot(t, smoothed, label="arrivals, EMA (req/s)", color="k", lw=1.8)
     ax2 = ax.twinx()
     ax2.plot(t, [s.tokens_per_s for s in samples], label="output tokens/s", color="tab:green", alpha=0.6)
     ax2.set_ylabel("output tokens/s")
@@ -85,7 +85,7 @@ def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str,
         ax.text(sh["t_s"], ax.get_ylim()[1] * 0.95, f" {sh['status']}: {sh['to_gear']}", fontsize=7, color="tab:red",
                 va="top")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[g]) for g in gears]
-    ax.legend(handles + ax.get_lines(), gears + ["arrivals (req/s)", "arrivals, EMA (req/s)"], fontsize=7,
+    ax.legend(handles + [raw, ema], gears + [raw.get_label(), ema.get_label()], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.08, 1.0))
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("req/s")

@@ -5,7 +5,8 @@ Usage: python bench/shift_bench.py [--setting openb|lab] [--model M] [--cluster 
                                    [--slo-ttft-ms 2000] [--slo-tpot-ms 200] [--duration-s 7200] [--peak-rps auto]
                                    [--peak-share 0.95] [--start-day 0] [--window-s 600]
                                    [--device-weight 0.2] [--forecast-horizon-s 600] [--qps-ema-alpha 0.1]
-                                   [--recent-peak-window-s 600] [--no-seed-run] [--verbose]
+                                   [--recent-peak-window-s 600] [--reversal-window-s 1800] [--no-seed-run]
+                                   [--verbose]
 
 Settings (``--setting``, default ``openb``; any explicit flag overrides the setting's value):
 
@@ -37,12 +38,14 @@ or analytic envelopes.
 
 Each gear serves the whole replay statically; then the controller (:mod:`flexpipe_dag.control`)
 drives the same replay, shifting gears from the simulator's 2-s metric samples. Its figures are the
-design's seeds plus four that are off by default (``README``, "Controller and tide figures"):
+design's seeds plus five that are off by default (``README``, "Controller and tide figures"):
 ``device_weight`` 0.2 (discretionary shifts pay for the devices they take), ``forecast_horizon_s``
 600 (``forecast_above_envelope`` starts the shift up before the rise; the forecast is the ServeGen
 tide's daily profile over the *other* 13 days, so it never sees the replayed day), ``qps_ema_alpha``
-0.1 (at ~1 req/s the seed alpha 0.3 follows Poisson noise) and ``recent_peak_window_s`` 600 (a shift
-down must hold the last 10 minutes' peak). A second dynamic run with the seed figures alone is
+0.1 (at ~1 req/s the seed alpha 0.3 follows Poisson noise), ``recent_peak_window_s`` 600 (a shift
+down must hold the last 10 minutes' peak) and ``reversal_window_s`` 1800 (a discretionary shift may
+not undo the previous one within 30 minutes: ``latency_under`` moving to a roomier gear and
+``imbalance`` moving back would otherwise ping-pong). A second dynamic run with the seed figures alone is
 printed as an ablation (``--no-seed-run`` skips it). A
 shift's shadow warm-up takes the weight transfer time over the cluster's links
 (``weight_transfer_s``), then the old gear drains while the new one admits.
@@ -234,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="controller qps_ema_alpha (seed: ema_alpha 0.3 for QPS too)")
     ap.add_argument("--recent-peak-window-s", type=float, default=600.0,
                     help="controller recent_peak_window_s: a shift down must hold this window's peak load (seed 0)")
+    ap.add_argument("--reversal-window-s", type=float, default=1800.0,
+                    help="controller reversal_window_s: a discretionary shift may not undo the previous one this soon "
+                         "(seed 0)")
     ap.add_argument("--no-seed-run", action="store_true",
                     help="skip the second dynamic run with the controller at the design's seed figures")
     ap.add_argument("--verbose", action="store_true", help="print every shift's reason as it happens")
@@ -282,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         controller = Controller(ControllerConfig.model_validate(
             seed_config.model_dump() | dict(device_weight=args.device_weight, forecast_horizon_s=args.forecast_horizon_s,
                                             qps_ema_alpha=args.qps_ema_alpha,
-                                            recent_peak_window_s=args.recent_peak_window_s)))
+                                            recent_peak_window_s=args.recent_peak_window_s,
+                                            reversal_window_s=args.reversal_window_s)))
     except ValueError as exc:  # pydantic's ValidationError names the figure
         ap.error(f"controller figures: {exc}")
     # the forecast must not see the replayed day: the daily profile of the other days (leave-one-out)
@@ -302,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
           f"--peak-rps {args.peak_rps} --peak-share {args.peak_share} --duration-s {args.duration_s:.0f} "
           f"--start-day {args.start_day} --window-s {args.window_s:.0f}; controller: seed figures with device_weight "
           f"{args.device_weight:g}, forecast_horizon_s {args.forecast_horizon_s:g} (forecast: {history.source}), "
-          f"qps_ema_alpha {args.qps_ema_alpha:g}, recent_peak_window_s {args.recent_peak_window_s:g}, latency target = SLO TTFT; shift warm-up = weight transfer time, "
+          f"qps_ema_alpha {args.qps_ema_alpha:g}, recent_peak_window_s {args.recent_peak_window_s:g}, reversal_window_s "
+          f"{args.reversal_window_s:g}, latency target = SLO TTFT; shift warm-up = weight transfer time, "
           f"then drain")
     print(f"gears (planner; envelopes {f'simulated on the first 1000 azure-conv requests, >= {ATTAINMENT:.0%} SLO attainment' if args.envelope == 'sim' else 'analytic'}"
           f"{f', {t_env:.1f} s wall' if args.envelope == 'sim' else ''}):")

@@ -184,3 +184,30 @@ def test_no_discretionary_shift_down_into_a_gear_the_forecast_overruns():
     ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
     _, ds = feed(ctrl, None, GEARS, [sample(2 * i, "bal", **kw) for i in range(1, 4)], forecast=constant(7.0))
     assert ds[-1].action == "hold" and ds[-1].declined and "recent peak or forecast 7/s" in ds[-1].reason
+
+
+def test_discretionary_triggers_do_not_ping_pong_within_the_reversal_window():
+    # latency under target moves LAT -> BAL; BAL then looks imbalanced, which would move it straight back
+    up = [sample(2 * i, "lat", qps=3.0, p99_ms=300.0) for i in range(1, 4)]
+    back = [sample(10 + 2 * i, "bal", qps=3.0, p99_ms=300.0, busy=(0.95, 0.4, 0.7)) for i in range(1, 4)]
+    _, ds = feed(Controller(ControllerConfig(dwell_s=0.0)), None, [LAT, BAL], up + back)
+    assert ds[2].trigger == "latency_under" and ds[2].to_gear_id == "bal"
+    assert ds[-1].action == "shift" and ds[-1].trigger == "imbalance" and ds[-1].to_gear_id == "lat"
+    ctrl = Controller(ControllerConfig(dwell_s=0.0, reversal_window_s=1800.0))
+    st, ds = feed(ctrl, None, [LAT, BAL], up + back)
+    assert st.last_discretionary_shift == ("lat", "bal", 6.0)
+    assert ds[-1].action == "hold" and ds[-1].declined and ds[-1].trigger == "imbalance"
+    assert "back to lat would undo the shift at t=6 s inside reversal_window_s 1800 s" in ds[-1].reason
+    # past the window the reversal is allowed
+    st, ds = feed(ctrl, st, [LAT, BAL], [sample(1900 + 2 * i, "bal", qps=3.0, p99_ms=300.0, busy=(0.95, 0.4, 0.7))
+                                        for i in range(1, 4)])
+    assert ds[0].action == "shift" and ds[0].to_gear_id == "lat" and ds[0].trigger == "imbalance"
+
+
+def test_reversal_window_never_holds_back_a_forced_shift():
+    ctrl = Controller(ControllerConfig(dwell_s=0.0, ema_alpha=1.0, reversal_window_s=1800.0))
+    down = [sample(2 * i, "bal", qps=0.5, busy=(0.3,) * 3) for i in range(1, 4)]  # below BAL's 2 req/s
+    st, ds = feed(ctrl, None, [LAT, BAL], down)
+    assert ds[-1].to_gear_id == "lat" and st.last_discretionary_shift == ("bal", "lat", 6.0)
+    st, ds = feed(ctrl, st, [LAT, BAL], [sample(10 + 2 * i, "lat", qps=8.0) for i in range(1, 4)])
+    assert ds[-1].action == "shift" and ds[-1].trigger == "qps_above_envelope" and ds[-1].to_gear_id == "bal"

@@ -107,6 +107,12 @@ class ControllerConfig(BaseModel):
                           "not land the pipeline in a gear the next burst overruns; 0 (the seeds) = off; one dwell "
                           "(600 s) pairs with device_weight, which makes shifts down worth more")
 
+    reversal_window_s: NonNegFloat = Field(
+        0.0, description="a discretionary shift may not undo the previous discretionary shift (back to the gear it "
+                         "left) within this long: two discretionary triggers that pull opposite ways (latency under "
+                         "target toward a roomier gear, imbalance or low load back) do not ping-pong; shifts the "
+                         "load forces are not held back; 0 (the seeds) = off")
+
     # load forecast ------------------------------------------------------------------------------
     forecast_horizon_s: NonNegFloat = Field(
         0.0, description="look-ahead of the load forecast, on the samples' clock: with a forecast passed to "

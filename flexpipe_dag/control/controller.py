@@ -286,6 +286,28 @@ class Controller:
             st.qps_peaks.append((start, st.ema_qps))
         st.qps_peaks = [p for p in st.qps_peaks if p[0] + bucket_s > t_s - window_s]
 
+    def _reverses(self, st: ControllerState, current: Gear, candidate: Gear | None) -> bool:
+        last = st.last_discretionary_shift
+        window_s = self.config.reversal_window_s
+        if last is None or candidate is None or window_s <= 0 or st.last_sample_t_s is None:
+            return False
+        from_id, to_id, t_s = last
+        return to_id == current.gear_id and from_id == candidate.gear_id and st.last_sample_t_s - t_s < window_s
+
+    def _nowhere_text(self, st: ControllerState, current: Gear, trigger: str, why: str,
+                      unhealthy: frozenset[str], by_id: dict[str, Gear]) -> str:
+        """Why a firing trigger has no gear to go to: the load to hold and the rules that excluded gears."""
+        text = f"declined: {why}, but no healthy gear whose envelope holds qps {self._planning_qps(st, trigger):.3g}/s"
+        if trigger in DISCRETIONARY_TRIGGERS:
+            must_hold = max(self.recent_peak_qps(st) or 0.0, st.forecast_qps or 0.0)
+            if must_hold > 0:
+                text += f" and, for a smaller gear, the recent peak or forecast {must_hold:.3g}/s"
+            last = st.last_discretionary_shift
+            if (last is not None and last[1] == current.gear_id and self._reverses(st, current, by_id.get(last[0]))):
+                text += (f" (back to {last[0]} would undo the shift at t={last[2]:.0f} s inside reversal_window_s "
+                         f"{self.config.reversal_window_s:.0f} s)")
+        return text + f" suits it ({len(unhealthy & set(by_id))} of {len(by_id)} gears unhealthy)"
+
     @staticmethod
     def recent_peak_qps(st: ControllerState) -> float | None:
         """Highest smoothed QPS over the recent-peak window (None before any sample or with the rule off)."""
@@ -403,6 +425,8 @@ class Controller:
                 continue  # load beyond this gear's envelope: a gear with no more capacity cannot help
             if trigger == "latency_over" and backlogged and capacity_rps(g) < capacity_rps(current):
                 continue  # a backlog's latency is the queue's: less capacity would drain it slower
+            if trigger in DISCRETIONARY_TRIGGERS and self._reverses(st, current, g):
+                continue  # would undo the last discretionary shift: two soft triggers ping-ponging
             if (trigger in DISCRETIONARY_TRIGGERS and must_hold > 0 and capacity_rps(g) < capacity_rps(current)
                     and g.qps_max * (1.0 - cfg.envelope_margin_fraction) < must_hold):
                 continue  # a dip: the recent peak or the coming load would overrun it, and the dwell locks it in
@@ -503,15 +527,7 @@ class Controller:
                     break
         if not ranked:
             return Decision(action="hold", trigger=trigger, declined=True,
-                            reason=note + f"declined: {why}, but no healthy gear whose envelope holds "
-                                          f"qps {self._planning_qps(st, trigger):.3g}/s"
-                                          + (f" and, for a smaller gear, the recent peak or forecast "
-                                             f"{max(self.recent_peak_qps(st) or 0.0, st.forecast_qps or 0.0):.3g}/s"
-                                             if trigger in DISCRETIONARY_TRIGGERS
-                                             and (st.qps_peaks or st.forecast_qps is not None) else "")
-                                          + " suits it "
-                                          f"({len(unhealthy & set(by_id))} of {len(by_id)} gears unhealthy)",
-                            **base)
+                            reason=note + self._nowhere_text(st, gear, trigger, why, unhealthy, by_id), **base)
 
         if not forced and self.in_dwell(st, now_s):
             best = ranked[0]
@@ -551,6 +567,8 @@ class Controller:
         reason = (f"shift {gear.gear_id} ({gear.kind}) -> {chosen.gear.gear_id} ({chosen.gear.kind}): {why}; "
                   f"{payback}")
         st.last_shift_s = now_s
+        if trigger in DISCRETIONARY_TRIGGERS:
+            st.last_discretionary_shift = (gear.gear_id, chosen.gear.gear_id, now_s)
         st.pending_to_gear_id, st.pending_since_s = chosen.gear.gear_id, now_s
         st.counts, st.escalated = {}, []
         st.shifts += 1

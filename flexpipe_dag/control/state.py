@@ -63,6 +63,8 @@ class ControllerState(BaseModel):
     escalation_steps: int = 0
     last_escalation_s: float | None = None
     last_shift_s: float | None = None
+    last_discretionary_shift: tuple[str, str, float] | None = Field(
+        None, description="(from gear, to gear, t_s) of the newest shift a discretionary trigger asked for")
     pending_to_gear_id: str | None = None
     pending_since_s: float | None = None
     residence_ema_s: float | None = None

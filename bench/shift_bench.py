@@ -110,6 +110,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
 from flexpipe_dag.control import Controller, ControllerConfig, drain_time_s, migration_cost_fn, weight_transfer_s
 from flexpipe_dag.control.tide import TideForecaster, tide_forecast
@@ -190,6 +191,17 @@ def run_dynamic(workload, gears, timings, start_gear, sim_config: SimConfig, con
     return sim.result(), shifts
 
 
+#: Controller figures beyond the design's seeds that this bench sets (each off in the seeds), with its
+#: values; each is a flag (``--device-weight`` ...). See README, "Controller and tide figures".
+BENCH_CONTROLLER: dict[str, tuple[float, str]] = {
+    "device_weight": (0.2, "cost of devices held on discretionary shifts (seed 0)"),
+    "forecast_horizon_s": (600.0, "look-ahead of the load forecast, simulated s (seed 0 = none); the forecast is the "
+                                  "ServeGen tide's daily profile over the other 13 days"),
+    "qps_ema_alpha": (0.1, "EMA weight of the arrival rate (seed: ema_alpha 0.3)"),
+    "recent_peak_window_s": (600.0, "a shift down must hold this window's peak load (seed 0)"),
+    "reversal_window_s": (1800.0, "a discretionary shift may not undo the previous one this soon (seed 0)"),
+}
+
 #: Named settings; any flag given explicitly overrides the setting's value.
 SETTINGS: dict[str, dict] = {
     "lab": dict(cluster="examples/clusters/fragmented_lab.yaml", model="Llama-3-8B", slo_ttft_ms=2000.0,
@@ -228,18 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                          "holding each load) or by speed (lowest TPOT, Kleinrock power); see select_operating_gears")
     ap.add_argument("--envelope", choices=("sim", "analytic"), default="sim",
                     help="with --gears planner: envelopes from the simulator (refine_envelopes) or the analytic estimate")
-    ap.add_argument("--device-weight", type=float, default=0.2,
-                    help="controller device_weight (cost of devices held on discretionary shifts; seed 0)")
-    ap.add_argument("--forecast-horizon-s", type=float, default=600.0,
-                    help="controller forecast_horizon_s, simulated seconds (0 = no forecast; seed 0); the forecast "
-                         "is the ServeGen tide's daily profile over the other 13 days")
-    ap.add_argument("--qps-ema-alpha", type=float, default=0.1,
-                    help="controller qps_ema_alpha (seed: ema_alpha 0.3 for QPS too)")
-    ap.add_argument("--recent-peak-window-s", type=float, default=600.0,
-                    help="controller recent_peak_window_s: a shift down must hold this window's peak load (seed 0)")
-    ap.add_argument("--reversal-window-s", type=float, default=1800.0,
-                    help="controller reversal_window_s: a discretionary shift may not undo the previous one this soon "
-                         "(seed 0)")
+    for field, (default, help_text) in BENCH_CONTROLLER.items():
+        ap.add_argument(f"--{field.replace('_', '-')}", type=float, default=default,
+                        help=f"controller {field}: {help_text}")
     ap.add_argument("--no-seed-run", action="store_true",
                     help="skip the second dynamic run with the controller at the design's seed figures")
     ap.add_argument("--verbose", action="store_true", help="print every shift's reason as it happens")
@@ -248,6 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("model", "cluster", "slo_ttft_ms", "slo_tpot_ms", "peak_rps", "peak_share"):
         if getattr(args, key) is None:
             setattr(args, key, setting[key])
+    try:
+        seed_config = ControllerConfig(target_p99_ms=args.slo_ttft_ms, latency_metric="ttft_p99_ms")
+        controller = Controller(ControllerConfig.model_validate(
+            seed_config.model_dump() | {field: getattr(args, field) for field in BENCH_CONTROLLER}))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = "_".join(str(p) for p in first["loc"])
+        flag = "--slo-ttft-ms" if field == "target_p99_ms" else f"--{field.replace('_', '-')}"
+        ap.error(f"{flag}: {first['msg']}")
     cluster_path = Path(args.cluster)
     if not cluster_path.is_absolute() and not cluster_path.exists():
         cluster_path = ROOT / cluster_path
@@ -283,15 +295,6 @@ def main(argv: list[str] | None = None) -> int:
                              duration_s=args.duration_s, peak_rps=peak_rps, name="azure-conv@servegen-tide")
     out_mean = sum(r.output_tokens for r in workload.requests) / max(1, len(workload))
     sim_config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-    seed_config = ControllerConfig(target_p99_ms=sim_config.slo_ttft_ms, latency_metric="ttft_p99_ms")
-    try:
-        controller = Controller(ControllerConfig.model_validate(
-            seed_config.model_dump() | dict(device_weight=args.device_weight, forecast_horizon_s=args.forecast_horizon_s,
-                                            qps_ema_alpha=args.qps_ema_alpha,
-                                            recent_peak_window_s=args.recent_peak_window_s,
-                                            reversal_window_s=args.reversal_window_s)))
-    except ValueError as exc:  # pydantic's ValidationError names the figure
-        ap.error(f"controller figures: {exc}")
     # the forecast must not see the replayed day: the daily profile of the other days (leave-one-out)
     history = tide.without_days([args.start_day % int(tide.duration_s // 86400)])
     forecast = (tide_forecast(TideForecaster(history), lambda t_s: 86400.0 * args.start_day + compression * t_s,
@@ -307,10 +310,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{f'--select {args.select} ' if args.gears == 'sim' else ''}"
           f"--envelope {args.envelope} --slo-ttft-ms {args.slo_ttft_ms:.0f} --slo-tpot-ms {args.slo_tpot_ms:.0f} "
           f"--peak-rps {args.peak_rps} --peak-share {args.peak_share} --duration-s {args.duration_s:.0f} "
-          f"--start-day {args.start_day} --window-s {args.window_s:.0f}; controller: seed figures with device_weight "
-          f"{args.device_weight:g}, forecast_horizon_s {args.forecast_horizon_s:g} (forecast: {history.source}), "
-          f"qps_ema_alpha {args.qps_ema_alpha:g}, recent_peak_window_s {args.recent_peak_window_s:g}, reversal_window_s "
-          f"{args.reversal_window_s:g}, latency target = SLO TTFT; shift warm-up = weight transfer time, "
+          f"--start-day {args.start_day} --window-s {args.window_s:.0f}; controller: seed figures with "
+          f"{', '.join(f'{field} {getattr(args, field):g}' for field in BENCH_CONTROLLER)} (forecast: {history.source}), "
+          f"latency target = SLO TTFT; shift warm-up = weight transfer time, "
           f"then drain")
     print(f"gears (planner; envelopes {f'simulated on the first 1000 azure-conv requests, >= {ATTAINMENT:.0%} SLO attainment' if args.envelope == 'sim' else 'analytic'}"
           f"{f', {t_env:.1f} s wall' if args.envelope == 'sim' else ''}):")

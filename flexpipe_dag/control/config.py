@@ -7,9 +7,13 @@ over when P99 > 1.2 x target (shift toward the latency gear) and under when P99 
 shift needs its own 3; 10 min minimum dwell after a shift; a shift must pay back
 (estimated gain x expected residence > migration cost).
 
-Beyond the seeds: ``device_weight`` charges a gear for the devices it holds (a fragmented fleet lends
-what the serving gear does not hold to offline work), and ``forecast_horizon_s`` lets a load forecast
-(the tide's daily profile, :mod:`flexpipe_dag.control.tide`) start a shift up before the rise.
+Beyond the seeds (each off by default): ``device_weight`` charges a gear for the devices it holds on
+discretionary shifts (a fragmented fleet lends what the serving gear does not hold to offline work);
+``forecast_horizon_s`` lets a load forecast (the tide's daily profile,
+:mod:`flexpipe_dag.control.tide`) start a shift up before the rise; ``qps_ema_alpha`` smooths the
+arrival rate apart from the rest; ``recent_peak_window_s`` keeps a shift down from landing in a gear
+the last window's peak would overrun; ``reversal_window_s`` keeps two discretionary triggers from
+ping-ponging between two gears.
 
 "One step" of dwell escalation, precisely
 -----------------------------------------
@@ -99,14 +103,12 @@ class ControllerConfig(BaseModel):
                          "devices must buy more service than the devices it takes from the fleet (offline work in "
                          "the troughs, other tenants), and one to fewer devices gains what it hands back; 0 "
                          "(the seeds) = devices are free; 0.2 keeps a cheap gear that holds the load")
-
     recent_peak_window_s: NonNegFloat = Field(
         0.0, description="a discretionary shift (imbalance, latency under target, QPS below the envelope) to a "
                           "gear with less capacity must go to one whose envelope holds the highest smoothed QPS "
                           "of this window: the shift cannot be undone inside the dwell, so a dip in the load must "
                           "not land the pipeline in a gear the next burst overruns; 0 (the seeds) = off; one dwell "
                           "(600 s) pairs with device_weight, which makes shifts down worth more")
-
     reversal_window_s: NonNegFloat = Field(
         0.0, description="a discretionary shift may not undo the previous discretionary shift (back to the gear it "
                          "left) within this long: two discretionary triggers that pull opposite ways (latency under "

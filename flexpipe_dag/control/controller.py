@@ -41,13 +41,15 @@ one (or with ``forecast_horizon_s = 0``) the controller reacts to the load it se
 
 Then once per call, at ``now_s``: with a shift still pending, hold; otherwise take the
 highest-priority firing trigger and rank the healthy candidate gears. A candidate's envelope must
-hold the smoothed QPS narrowed by ``envelope_margin_fraction`` (except for ``qps_above_envelope``
-and ``current_unhealthy``, which may move best-effort; best-effort ``qps_above_envelope`` only to a
-gear with more capacity, ``qps_max``, than the serving one; ``latency_over`` on a backlogged gear,
+hold the smoothed QPS (the forecast for ``forecast_above_envelope``) narrowed by
+``envelope_margin_fraction`` (except for ``qps_above_envelope``, ``forecast_above_envelope`` and
+``current_unhealthy``, which may move best-effort; the first two only to a gear with more capacity,
+``qps_max``, than the serving one; ``latency_over`` on a backlogged gear,
 whose P99 is its queue's, never to a gear with less capacity; with ``recent_peak_window_s``, a
 discretionary trigger (imbalance, latency under, QPS below the envelope) never to a gear with less
 capacity whose envelope does not hold the highest smoothed QPS of that window, nor, with a forecast,
-the load it expects): entering only well inside an envelope and
+the load it expects; with ``reversal_window_s``, a discretionary trigger never back to the gear the
+previous discretionary shift left, inside that window): entering only well inside an envelope and
 leaving only well outside it is what keeps a load near an edge from flapping. Candidates whose
 calibrated P99 estimate meets the target come first, then the trigger's preferred kinds (like a
 gearbox: the nearest gear in the trigger's direction), then net payback, which charges a gear for

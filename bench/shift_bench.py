@@ -117,6 +117,7 @@ from pydantic import ValidationError
 from flexpipe_dag.control import Controller, ControllerConfig, drain_time_s, migration_cost_fn, weight_transfer_s
 from flexpipe_dag.control.tide import TideForecaster, tide_forecast
 from flexpipe_dag.core.cluster import load_cluster_profile
+from flexpipe_dag.core.errors import FlexPipeError
 from flexpipe_dag.planner.envelope import refine_envelopes, select_operating_gears
 from flexpipe_dag.planner.gears import candidate_gears, make_search, plan_gear_set
 from flexpipe_dag.planner.model_spec import ModelSpec
@@ -218,6 +219,24 @@ SETTINGS: dict[str, dict] = {
 DEFAULT_SETTING = "openb"
 
 
+def check_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse out-of-range flags before minutes of gear selection (``ap.error`` names the flag)."""
+    for flag in ("duration_s", "window_s", "peak_share", "slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            ap.error(f"--{flag.replace('_', '-')}: expected a finite number > 0, got {value}")
+    if args.peak_rps != "auto":
+        try:
+            peak = float(args.peak_rps)
+        except ValueError:
+            peak = math.nan
+        if not (math.isfinite(peak) and peak > 0):
+            ap.error(f"--peak-rps: expected 'auto' or a number of req/s > 0, got {args.peak_rps!r}")
+    days = int(load_tide_trace().duration_s // 86400)
+    if not 0 <= args.start_day < days:
+        ap.error(f"--start-day: the ServeGen tide holds days 0..{days - 1}, got {args.start_day}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setting", choices=sorted(SETTINGS), default=DEFAULT_SETTING,
@@ -253,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("model", "cluster", "slo_ttft_ms", "slo_tpot_ms", "peak_rps", "peak_share"):
         if getattr(args, key) is None:
             setattr(args, key, setting[key])
+    check_flags(ap, args)
     try:
         seed_config = ControllerConfig(target_p99_ms=args.slo_ttft_ms, latency_metric="ttft_p99_ms")
         controller = Controller(ControllerConfig.model_validate(
@@ -267,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         cluster_path = ROOT / cluster_path
 
     t_start = time.perf_counter()
-    cluster = load_cluster_profile(cluster_path)
-    spec = ModelSpec.from_builtin(args.model)
+    try:
+        cluster = load_cluster_profile(cluster_path)
+        spec = ModelSpec.from_builtin(args.model)
+    except FlexPipeError as exc:
+        ap.error(str(exc))
     cm = make_search(cluster, spec, dtype=args.dtype).cm
     base = load_trace("azure-conv")
     t0 = time.perf_counter()
@@ -298,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     out_mean = sum(r.output_tokens for r in workload.requests) / max(1, len(workload))
     sim_config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     # the forecast must not see the replayed day: the daily profile of the other days (leave-one-out)
-    history = tide.without_days([args.start_day % int(tide.duration_s // 86400)])
+    history = tide.without_days([args.start_day])
     forecast = (tide_forecast(TideForecaster(history), lambda t_s: 86400.0 * args.start_day + compression * t_s,
                               compression) if args.forecast_horizon_s > 0 else None)
 

@@ -111,18 +111,21 @@ def build_resources() -> dict:
     """Resources from the environment (see module docstring).
 
     Raises:
-        InputError: a variable of the module docstring holds a bad value (the variable is named).
+        InputError: a variable of the module docstring holds a bad value (the variable is named), or
+            the control file (``FLEXPIPE_CONTROL_FILE``) a bad figure (file and field named).
     """
     database_url = (os.environ.get("FLEXPIPE_DATABASE_URL") or "").strip()
     if database_url:
         check_store_url(database_url)
+    control = ControlSettings(config_file=os.environ.get("FLEXPIPE_CONTROL_FILE", ""),
+                              dwell_s=env_value("FLEXPIPE_DWELL_S", float, -1.0, ge=0, unit="seconds"))
+    control.controller_config(), control.tide_config()  # a bad control file fails the load, not the first tick
     return {
         "store": StoreResource(database_url=database_url),
         "prober": ProberResource(probe=env_value("FLEXPIPE_PROBE", bool, True),
                                  cluster_file=os.environ.get("FLEXPIPE_CLUSTER_FILE", "")),
         "planning": PlanningSettings(**_planning_env()),
-        "control": ControlSettings(config_file=os.environ.get("FLEXPIPE_CONTROL_FILE", ""),
-                                   dwell_s=env_value("FLEXPIPE_DWELL_S", float, -1.0, ge=0, unit="seconds")),
+        "control": control,
     }
 
 

@@ -99,19 +99,20 @@ def candidate_gears_for(db, serving_gear_ids) -> list:
 
 
 def tide_history_forecast(control: ControlSettings, newest_t_s: float, epoch_s: float | None = None):
-    """The controller's load forecast from the bundled tide history, on the metric samples' clock.
+    """The controller's load forecast from the tide history (``tide.history_file``, else the bundled
+    ServeGen tide), on the metric samples' clock.
 
     A sample's ``t_s`` counts from its run's start, so it is placed in wall time by its distance to
     the newest sample (taken as now, ``epoch_s``), then in tide time as the ``tide_sensor`` does
     (``time_compression`` of the ``tide`` settings).
     """
-    from flexpipe_dag.control.tide import TideForecaster, tide_forecast
-    from flexpipe_dag.workload.bundled import load_tide_trace
+    from flexpipe_dag.control.tide import TideForecaster, load_history, tide_forecast
     from jobs.tide import tide_time_s
 
-    compression = control.tide_config().time_compression
+    cfg = control.tide_config()
+    compression = cfg.time_compression
     now = time.time() if epoch_s is None else epoch_s
-    return tide_forecast(TideForecaster(load_tide_trace()),
+    return tide_forecast(TideForecaster(load_history(cfg)),
                          lambda t_s: tide_time_s(now - (newest_t_s - t_s), compression), compression)
 
 

@@ -63,7 +63,7 @@ def build_workloads(config: ServeTraceConfig, mean_rps: float):
     tags={"kind": "inference"})
 def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreResource, planning: PlanningSettings,
           control: ControlSettings) -> dict:
-    from flexpipe_dag.control.tide import TideForecaster
+    from flexpipe_dag.control.tide import TideForecaster, load_history
     from flexpipe_dag.core.errors import InfeasibleError
     from flexpipe_dag.core.settings import flexpipe_home
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
@@ -73,7 +73,6 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     from flexpipe_dag.serving.serve import ServeSettings, TraceServer
     from flexpipe_dag.shift.executor import GearExecutor
     from flexpipe_dag.shift.router import ServingRouter
-    from flexpipe_dag.workload.bundled import load_tide_trace
 
     db = store.get_store()
     latest = db.latest_profile()
@@ -107,7 +106,8 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
         router.open(PipelineRuntime(first, ckpt, options))
         context.log.info(f"gear {first.gear_id} live after {time.monotonic() - t0:.1f} s")
         server = TraceServer(db, control, router, GearExecutor(router, options=options), gears, settings,
-                             forecaster=TideForecaster(load_tide_trace()), tokenizer=tok, log=context.log.info)
+                             forecaster=TideForecaster(load_history(control.tide_config())), tokenizer=tok,
+                             log=context.log.info)
         holder["server"] = server
         report = server.serve(online, offline)
     summary = summarize(report.results, report.submitted_online + report.submitted_offline, report.elapsed_s,

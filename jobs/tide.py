@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, sensor
 
-from flexpipe_dag.control.tide import TideDecision, TideForecaster, TideGate, decide_offline, ema
+from flexpipe_dag.control.tide import TideDecision, TideForecaster, TideGate, decide_offline, ema, load_history
 from flexpipe_dag.core.errors import InputError
 from jobs.batch import batch_inference
 from jobs.gear_shift import SENSOR_INTERVAL_S
@@ -51,9 +51,7 @@ def evaluate_tide(db, cursor: str | None, control: ControlSettings, *, epoch_s: 
     if qps_ema is None:
         return TideEvaluation(None, json.dumps(doc))
     if forecaster is None:
-        from flexpipe_dag.workload.bundled import load_tide_trace
-
-        forecaster = TideForecaster(load_tide_trace())
+        forecaster = TideForecaster(load_history(cfg))
     gear_id = rows[-1][1].gear_id if rows else doc.get("gear_id")
     gear = db.load_gear(gear_id) if gear_id else None
     capacity = gear.qps_max if gear else float("inf")

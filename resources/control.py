@@ -58,6 +58,7 @@ def _validated(model, values: dict, source: str, section: str):
     try:
         return model.model_validate(values)
     except ValidationError as err:
-        first = err.errors()[0]
-        field = ".".join(str(p) for p in (section, *first["loc"]))
-        raise InputError(source or "control settings", field, first["msg"]) from None
+        errors = err.errors()
+        where = [".".join(str(p) for p in (section, *e["loc"])) for e in errors]
+        more = "".join(f"; also {w}: {e['msg']}" for w, e in zip(where[1:], errors[1:]))
+        raise InputError(source or "control settings", where[0], errors[0]["msg"] + more) from None

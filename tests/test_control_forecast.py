@@ -67,11 +67,72 @@ def test_rising_forecast_keeps_the_load_from_counting_as_below_the_envelope():
     assert ds[-1].trigger == "qps_below_envelope" and ds[-1].action == "shift"  # without the forecast it leaves
 
 
-@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "lots"])
-def test_bad_forecast_value_is_named(bad):
+def _raises(t, q, h):
+    raise RuntimeError("tide store offline")
+
+
+@pytest.mark.parametrize("bad, said", [(lambda t, q, h: -1.0, "returned -1.0"), (lambda t, q, h: math.nan, "returned nan"),
+                                       (lambda t, q, h: None, "raised TypeError"),
+                                       (lambda t, q, h: 10 ** 400, "raised OverflowError"),
+                                       (_raises, "raised RuntimeError: tide store offline")])
+def test_a_failing_forecast_is_ignored_and_said(bad, said):
     ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
-    with pytest.raises(InputError, match="load forecast.*qps.*finite req/s >= 0 at t_s=2"):
-        ctrl.decide(None, [sample(2, "lat")], GEARS, forecast=lambda t, q, h: bad)
+    st, d = ctrl.decide(None, [sample(2, "lat")], GEARS, forecast=bad)
+    assert st.forecast_qps is None and said in st.forecast_error
+    assert d.action == "hold" and f"[forecast ignored: the forecast {said}" in d.reason and "at t_s=2" in d.reason
+
+
+def test_a_failing_forecast_never_holds_back_leaving_an_unhealthy_gear():
+    ctrl = Controller(ControllerConfig(forecast_horizon_s=600.0))
+    _, d = ctrl.decide(None, [sample(2, "lat")], GEARS, unhealthy={"lat"}, forecast=_raises)
+    assert d.action == "shift" and d.trigger == "current_unhealthy" and "forecast ignored" in d.reason
+
+
+@pytest.mark.parametrize("figures, field", [
+    (dict(forecast_horizon_s=1e300), "forecast_horizon_s"), (dict(forecast_horizon_s=86401.0), "forecast_horizon_s"),
+    (dict(recent_peak_window_s=1e-320), "recent_peak_window_s"), (dict(device_weight=True), "device_weight"),
+    (dict(qps_ema_alpha=math.nan), "qps_ema_alpha"), (dict(envelope_margin_fraction=math.nan), "envelope_margin_fraction"),
+])
+def test_extreme_figures_are_refused(figures, field):
+    with pytest.raises(ValueError, match=field):
+        ControllerConfig(**figures)
+
+
+def test_tide_figures_refuse_infinity_booleans_and_more_than_a_day():
+    from flexpipe_dag.control.tide import TideConfig
+
+    for figures in (dict(horizon_s=math.inf), dict(horizon_s=90000.0), dict(time_compression=math.inf),
+                    dict(ema_alpha=True), dict(admit_below_fraction=math.nan)):
+        with pytest.raises(ValueError, match=next(iter(figures))):
+            TideConfig(**figures)
+
+
+def test_tide_history_file_feeds_the_forecasts(tmp_path):
+    from flexpipe_dag.control.tide import TideConfig, load_history
+
+    path = tmp_path / "our_tide.csv"
+    rows = "\n".join(f"{600 * k},{1.0 if k % 144 < 72 else 5.0}" for k in range(288))
+    path.write_text("window_start_s,total_rate_req_per_s\n" + rows + "\n")
+    tide = load_history(TideConfig(history_file=str(path)))
+    assert tide.daily_profile()[0] == 1.0 and tide.daily_profile()[100] == 5.0
+    assert load_history(TideConfig()).source.endswith("servegen_tide_14d.csv")
+    with pytest.raises(InputError, match="missing.csv"):
+        load_history(TideConfig(history_file=str(tmp_path / "missing.csv")))
+
+
+def test_old_cursors_read_and_newer_ones_are_named():
+    from flexpipe_dag.control import ControllerState
+
+    old = ControllerState(gear_id="lat", ema_qps=2.5).model_dump(mode="json")
+    for key in ("forecast_qps", "forecast_error", "qps_peaks", "last_discretionary_shift"):
+        old.pop(key)
+    old["version"] = 1
+    import json
+
+    st = ControllerState.from_cursor(json.dumps(old))
+    assert st.version == 2 and st.ema_qps == 2.5 and st.qps_peaks == []
+    with pytest.raises(InputError, match="version 3.*reads versions"):
+        ControllerState.from_cursor(json.dumps(old | {"version": 3, "from_the_future": 1}))
 
 
 def test_tide_forecast_maps_the_samples_clock_to_tide_time():

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S
 
-Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Alpha = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+#: The forecast is a daily profile: looking further than a day ahead sees nothing new.
+DAY_S = 86400.0
 PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
@@ -57,11 +60,11 @@ class ControllerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     sample_period_s: PositiveFloat = SAMPLE_PERIOD_S
-    ema_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.3
-    qps_ema_alpha: Annotated[float, Field(gt=0.0, le=1.0)] | None = Field(
+    ema_alpha: Alpha = 0.3
+    qps_ema_alpha: Alpha | None = Field(
         None, description="EMA alpha of the arrival rate alone; None = ema_alpha. At ~1 req/s a 2-s sample holds "
                           "~2 arrivals, so alpha 0.3 (about 6 s of history) swings by tens of per cent with "
-                          "Poisson noise and bursts; 0.05 (about 40 s) steadies envelope decisions at low rates")
+                          "Poisson noise and bursts; 0.1 (about 20 s) steadies envelope decisions at low rates")
 
     # triggers ------------------------------------------------------------------------------------
     imbalance_max_util: Fraction = 0.9
@@ -84,7 +87,7 @@ class ControllerConfig(BaseModel):
     # payback ------------------------------------------------------------------------------------
     default_residence_s: PositiveFloat = Field(
         1800.0, description="expected residence in a gear before any residence has been observed")
-    residence_ema_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.3
+    residence_ema_alpha: Alpha = 0.3
     default_migration_cost_s: NonNegFloat = Field(
         30.0, description="migration cost assumed when the caller passes no migration_cost_s function")
     min_gain_fraction: NonNegFloat = Field(
@@ -116,11 +119,12 @@ class ControllerConfig(BaseModel):
                          "load forces are not held back; 0 (the seeds) = off")
 
     # load forecast ------------------------------------------------------------------------------
-    forecast_horizon_s: NonNegFloat = Field(
+    forecast_horizon_s: Annotated[float, Field(ge=0.0, le=DAY_S, allow_inf_nan=False)] = Field(
         0.0, description="look-ahead of the load forecast, on the samples' clock: with a forecast passed to "
                            "decide(), forecast_above_envelope fires when the highest QPS expected within this "
                            "horizon leaves the serving gear's envelope (the shift starts before the rise, not "
-                           "after it), and qps_below_envelope waits while the forecast is back inside it; "
+                           "after it), and qps_below_envelope waits while the forecast is back inside it; at most a day "
+                           "(the forecast is a daily profile); "
                            "0 (the seeds) = ignore forecasts; one dwell (600 s) starts the shift up about as early as a "
                            "dwell allows")
 
@@ -128,8 +132,18 @@ class ControllerConfig(BaseModel):
     shift_timeout_s: PositiveFloat = Field(
         300.0, description="a shift not seen in the samples after this long is taken as failed/rolled back")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value):
+        if isinstance(value, bool):  # YAML's yes / on / true would otherwise read as 1
+            raise ValueError(f"expected a number, got the boolean {value}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> ControllerConfig:
+        if 0.0 < self.recent_peak_window_s < self.sample_period_s:
+            raise ValueError(f"recent_peak_window_s: {self.recent_peak_window_s} must be 0 (off) or at least "
+                             f"sample_period_s {self.sample_period_s}")
         if self.imbalance_min_util >= self.imbalance_max_util:
             raise ValueError(f"imbalance_min_util: {self.imbalance_min_util} must be below "
                              f"imbalance_max_util {self.imbalance_max_util}")

@@ -184,8 +184,9 @@ class Controller:
             holds until samples show the target serving (or ``shift_timeout_s`` passes).
 
         Raises:
-            InputError: duplicate gear ids, a sample names a gear not among ``gears``, or the
-                forecast returns a negative or non-finite rate.
+            InputError: duplicate gear ids, or a sample names a gear not among ``gears``. A
+                forecast that raises or returns anything but a finite rate >= 0 does not stop the
+                controller: it decides without the forecast and says so in the reason.
         """
         cfg = self.config
         st = (state or ControllerState()).model_copy(deep=True)
@@ -207,6 +208,9 @@ class Controller:
                       (st.last_sample_t_s if st.last_sample_t_s is not None else 0.0))
         self._decay_escalation(st, now_s)
         decision = self._decide_now(st, now_s, by_id, unhealthy, cost_fn, raised_by)
+        if st.forecast_error is not None:
+            decision = decision.model_copy(update={"reason": f"{decision.reason} [forecast ignored: "
+                                                             f"{st.forecast_error}]"})
         return st, decision
 
     # ------------------------------------------------------------------------------------------
@@ -237,7 +241,7 @@ class Controller:
         st.last_sample_t_s = t_s
         a = cfg.ema_alpha
         st.ema_qps = _ema(st.ema_qps, s.qps, cfg.qps_ema_alpha if cfg.qps_ema_alpha is not None else a)
-        st.forecast_qps = self._forecast(forecast, t_s, st.ema_qps)
+        st.forecast_qps = self._forecast(st, forecast, t_s, st.ema_qps)
         self._note_peak(st, t_s)
         st.ema_queue_length = _ema(st.ema_queue_length, float(s.queue_length), a)
         st.ema_running = _ema(st.ema_running, float(s.running), a)
@@ -315,18 +319,22 @@ class Controller:
         """Highest smoothed QPS over the recent-peak window (None before any sample or with the rule off)."""
         return max((q for _, q in st.qps_peaks), default=None)
 
-    def _forecast(self, forecast: ForecastFn | None, t_s: float, qps: float) -> float | None:
+    def _forecast(self, st: ControllerState, forecast: ForecastFn | None, t_s: float, qps: float) -> float | None:
+        """The forecast's req/s for this sample; None without one, or when it fails (``st.forecast_error`` says why)."""
+        st.forecast_error = None
         horizon_s = self.config.forecast_horizon_s
         if forecast is None or horizon_s <= 0:
             return None
-        value = forecast(t_s, qps, horizon_s)
         try:
-            value = float(value)
-        except (TypeError, ValueError):
-            value = math.nan
+            raw = forecast(t_s, qps, horizon_s)
+            value = float(raw)
+        except Exception as exc:  # noqa: BLE001 - the caller's forecast must not stop the controller
+            st.forecast_error = f"the forecast raised {type(exc).__name__}: {exc} at t_s={t_s:g}"
+            return None
         if not (math.isfinite(value) and value >= 0):
-            raise InputError("load forecast", "qps", f"expected finite req/s >= 0 at t_s={t_s}, got {value!r}")
-        return value
+            st.forecast_error = f"the forecast returned {raw!r} at t_s={t_s:g}; expected finite req/s >= 0"
+            return None
+        return value + 0.0  # -0.0 -> 0.0
 
     def _decay_escalation(self, st: ControllerState, t_s: float) -> None:
         if st.escalation_steps == 0 or st.last_escalation_s is None:

@@ -7,6 +7,7 @@ reads back exactly what was written (floats are written in shortest round-trip f
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,7 +24,10 @@ TRIGGER_PRIORITY: tuple[TriggerName, ...] = ("current_unhealthy", "qps_above_env
 #: (``device_weight``) and may not leave the load of the recent past without a gear that holds it.
 DISCRETIONARY_TRIGGERS: frozenset[str] = frozenset({"imbalance", "latency_under", "qps_below_envelope"})
 
-STATE_VERSION = 1
+#: 2 added the forecast, recent peaks and the last discretionary shift; a version-1 cursor reads as
+#: a version-2 state with those empty.
+STATE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class ControllerState(BaseModel):
@@ -53,7 +57,8 @@ class ControllerState(BaseModel):
     ema_p99_ms: float | None = None
     forecast_qps: float | None = Field(
         None, description="highest QPS the caller's forecast expected within forecast_horizon_s, at the newest "
-                          "sample (None without a forecast)")
+                          "sample (None without a forecast)", ge=0.0, allow_inf_nan=False)
+    forecast_error: str | None = Field(None, description="why the forecast was ignored at the newest sample")
     ema_stage_busy: list[float] = Field(default_factory=list)
     qps_peaks: list[tuple[float, float]] = Field(
         default_factory=list, description="(bucket start s, highest smoothed QPS in it) over the last "
@@ -79,19 +84,24 @@ class ControllerState(BaseModel):
         """Read a cursor written by :meth:`to_cursor`; ``None`` or ``""`` gives a fresh state.
 
         Raises:
-            InputError: the cursor is not a controller state of this version.
+            InputError: the cursor is not a controller state of a version this code reads.
         """
         if not cursor:
             return cls()
+        try:
+            version = json.loads(cursor).get("version")
+        except (ValueError, AttributeError):
+            version = None
+        if version is not None and version not in READABLE_VERSIONS:
+            raise InputError("sensor cursor", "version", f"written by controller state version {version!r}; this "
+                                                         f"FlexPipe reads versions {list(READABLE_VERSIONS)}")
         try:
             state = cls.model_validate_json(cursor)
         except ValidationError as err:
             first = err.errors()[0]
             field = ".".join(str(p) for p in first["loc"]) or None
             raise InputError("sensor cursor", field, f"not a controller state: {first['msg']}") from None
-        if state.version != STATE_VERSION:
-            raise InputError("sensor cursor", "version", f"expected {STATE_VERSION}, got {state.version}")
-        return state
+        return state.model_copy(update={"version": STATE_VERSION})
 
 
 class Decision(BaseModel):

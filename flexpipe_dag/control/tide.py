@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexpipe_dag.workload.tide import Tide
 
@@ -37,12 +37,26 @@ class TideConfig(BaseModel):
     """Thresholds of offline admission (fractions of the serving gear's ``qps_max``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    admit_below_fraction: float = Field(0.5, gt=0, le=1)
-    pause_above_fraction: float = Field(0.75, gt=0, le=1)
-    horizon_s: float = Field(1800.0, ge=0, description="look-ahead of the forecast, tide seconds")
-    ema_alpha: float = Field(0.3, gt=0, le=1)
+    admit_below_fraction: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)
+    pause_above_fraction: float = Field(0.75, gt=0, le=1, allow_inf_nan=False)
+    horizon_s: float = Field(1800.0, ge=0, le=86400.0, allow_inf_nan=False,
+                             description="look-ahead of the forecast, tide seconds (at most a day: the forecast is a "
+                                         "daily profile)")
+    ema_alpha: float = Field(0.3, gt=0, le=1, allow_inf_nan=False)
     hysteresis_samples: int = Field(3, ge=1, description="consecutive evaluations an admit / pause must hold")
-    time_compression: float = Field(1.0, gt=0, description="tide seconds per wall second (demos compress the day)")
+    time_compression: float = Field(1.0, gt=0, le=86400.0, allow_inf_nan=False,
+                                    description="tide seconds per wall second (demos compress the day; at most a day "
+                                                "per second)")
+    history_file: str = Field("", description="the online tide history the forecasts read: a CSV of "
+                                             "window_start_s,total_rate_req_per_s rows over whole days (UTC); empty "
+                                             "= the bundled ServeGen 14-day tide")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value):
+        if isinstance(value, bool):  # YAML's yes / on / true would otherwise read as 1
+            raise ValueError(f"expected a number, got the boolean {value}")
+        return value
 
     @model_validator(mode="after")
     def _ordered(self) -> TideConfig:
@@ -60,6 +74,17 @@ class TideDecision:
     forecast_qps: float
     capacity_qps: float
     reason: str
+
+
+def load_history(config: TideConfig) -> Tide:
+    """The online tide history forecasts read: ``config.history_file``, else the bundled ServeGen tide.
+
+    Raises:
+        InputError: the file is missing or not a tide (file and field named).
+    """
+    from flexpipe_dag.workload.bundled import load_tide_trace
+
+    return load_tide_trace(config.history_file or "servegen-tide")
 
 
 class TideForecaster:
@@ -80,6 +105,7 @@ class TideForecaster:
         base = self.profile_at(tide_time_s)
         if base <= 0:
             return qps_now
+        horizon_s = min(horizon_s, 86400.0)  # a daily profile repeats: a longer look-ahead sees nothing new
         steps = np.arange(tide_time_s, tide_time_s + horizon_s + self.window_s, self.window_s)
         peak = max(self.profile_at(t) for t in steps)
         return qps_now * peak / base

@@ -46,7 +46,20 @@ NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 LatencyMetric = Literal["ttft_p99_ms", "tpot_p99_ms", "e2e_p99_ms"]
 
 
-class ControllerConfig(BaseModel):
+class Figures(BaseModel):
+    """Base of the control figure models: frozen, unknown keys refused, and no booleans where numbers belong."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value):
+        if isinstance(value, bool):  # YAML's yes / on / true would otherwise read as 1
+            raise ValueError(f"expected a number, got the boolean {value}")
+        return value
+
+
+class ControllerConfig(Figures):
     """Configuration of :class:`flexpipe_dag.control.controller.Controller` (all seed figures).
 
     Units are in the field names: ``_s`` seconds, ``_ms`` milliseconds, ``_fraction`` 0..1,
@@ -56,8 +69,6 @@ class ControllerConfig(BaseModel):
         pydantic.ValidationError: a figure out of range (e.g. ``ema_alpha`` not in (0, 1],
             ``latency_under_factor >= latency_over_factor``, ``imbalance_min_util >= imbalance_max_util``).
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     sample_period_s: PositiveFloat = SAMPLE_PERIOD_S
     ema_alpha: Alpha = 0.3
@@ -131,13 +142,6 @@ class ControllerConfig(BaseModel):
     # shift bookkeeping --------------------------------------------------------------------------
     shift_timeout_s: PositiveFloat = Field(
         300.0, description="a shift not seen in the samples after this long is taken as failed/rolled back")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans(cls, value):
-        if isinstance(value, bool):  # YAML's yes / on / true would otherwise read as 1
-            raise ValueError(f"expected a number, got the boolean {value}")
-        return value
 
     @model_validator(mode="after")
     def _check(self) -> ControllerConfig:

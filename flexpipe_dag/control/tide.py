@@ -28,15 +28,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flexpipe_dag.control.config import Figures
 
 from flexpipe_dag.workload.tide import Tide
 
 
-class TideConfig(BaseModel):
+class TideConfig(Figures):
     """Thresholds of offline admission (fractions of the serving gear's ``qps_max``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     admit_below_fraction: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)
     pause_above_fraction: float = Field(0.75, gt=0, le=1, allow_inf_nan=False)
     horizon_s: float = Field(1800.0, ge=0, le=86400.0, allow_inf_nan=False,
@@ -50,13 +51,6 @@ class TideConfig(BaseModel):
     history_file: str = Field("", description="the online tide history the forecasts read: a CSV of "
                                              "window_start_s,total_rate_req_per_s rows over whole days (UTC); empty "
                                              "= the bundled ServeGen 14-day tide")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans(cls, value):
-        if isinstance(value, bool):  # YAML's yes / on / true would otherwise read as 1
-            raise ValueError(f"expected a number, got the boolean {value}")
-        return value
 
     @model_validator(mode="after")
     def _ordered(self) -> TideConfig:

@@ -213,3 +213,22 @@ def test_build_resources_refuses_a_bad_control_file_at_load(tmp_path, clean_env)
     bad.write_text("tide:\n  horizon_s: .inf\n")
     with pytest.raises(InputError, match=r"tide\.horizon_s"):
         build_resources()
+
+
+def test_demo_gives_dagster_a_persistent_home_when_none_is_set(tmp_path, monkeypatch):
+    # `flexpipe demo` run directly (not through make): its jobs run steps in subprocesses, which an
+    # ephemeral instance refuses, so DAGSTER_HOME defaults to $FLEXPIPE_HOME/dagster with deploy/dagster.yaml
+    from flexpipe_dag.cli.demo import dagster_home
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.setenv("FLEXPIPE_HOME", str(tmp_path))
+    home = dagster_home()
+    assert home == tmp_path / "dagster" and (home / "dagster.yaml").read_text() == (REPO / "deploy" / "dagster.yaml").read_text()
+    import os
+
+    assert os.environ["DAGSTER_HOME"] == str(home)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(mine))
+    assert dagster_home() == mine and (mine / "dagster.yaml").read_text() == "telemetry:\n  enabled: false\n"

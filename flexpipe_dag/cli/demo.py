@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -64,6 +65,21 @@ def fleet_preview(path: str) -> None:
               f"~{g.estimate.tokens_per_s:.0f} tok/s" if g.estimate else "")
 
 
+def dagster_home() -> Path:
+    """``DAGSTER_HOME``, defaulting (as ``make`` does) to ``$FLEXPIPE_HOME/dagster`` with the repo's
+    ``deploy/dagster.yaml``: the jobs run in subprocesses, which an ephemeral instance cannot coordinate."""
+    from flexpipe_dag.core.settings import flexpipe_home
+
+    home = Path(os.environ.get("DAGSTER_HOME") or flexpipe_home() / "dagster").expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    settings = home / "dagster.yaml"
+    shipped = Path(__file__).resolve().parents[2] / "deploy" / "dagster.yaml"
+    if not settings.exists() and shipped.exists():
+        shutil.copyfile(shipped, settings)
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
+
+
 def run(args: argparse.Namespace) -> int:
     import warnings
 
@@ -77,13 +93,14 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=PreviewWarning)
     for var, value in {**DEMO_ENV, "FLEXPIPE_DWELL_S": str(args.dwell_s)}.items():
         os.environ.setdefault(var, value)
+    repo = Path(__file__).resolve().parents[2]
+    dagster_home()
     if args.ui:
-        repo = Path(__file__).resolve().parents[2]
         dagster = str(Path(sys.executable).with_name("dagster"))
         os.execv(dagster, [dagster, "dev", "-w", str(repo / "workspace.yaml"), "-h", "127.0.0.1", "-p", "3000"])
     fleet_preview(args.fleet)
     print("== settings: " + ", ".join(f"{k}={os.environ[k]}" for k in (*DEMO_ENV, "FLEXPIPE_DWELL_S")), flush=True)
-    instance = DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else DagsterInstance.ephemeral()
+    instance = DagsterInstance.get()
 
     def launch(job_name: str, run_config: dict, output_of: str | None = None):
         print(f"== dagster run: {job_name}", flush=True)

@@ -306,7 +306,7 @@ class Controller:
         text = f"declined: {why}, but no healthy gear whose envelope holds qps {self._planning_qps(st, trigger):.3g}/s"
         if trigger in DISCRETIONARY_TRIGGERS:
             must_hold = max(self.recent_peak_qps(st) or 0.0, st.forecast_qps or 0.0)
-            if must_hold > 0:
+            if must_hold > 0 and trigger != "latency_under":  # latency_under only moves to roomier gears
                 text += f" and, for a smaller gear, the recent peak or forecast {must_hold:.3g}/s"
             last = st.last_discretionary_shift
             if (last is not None and last[1] == current.gear_id and self._reverses(st, current, by_id.get(last[0]))):

@@ -121,6 +121,18 @@ def requests(n: int = len(PROMPTS), prefix: str = ""):
     return [Request(f"{prefix}{i}", list(prompt_ids()[i]), MAX_NEW_TOKENS, eos_token_ids=eos) for i in range(n)]
 
 
+def signal_after_first_result(pid: int, sig: int, got: list):
+    """An ``on_result`` callback that appends each output to ``got`` and sends ``sig`` to ``pid``
+    when the first one arrives (a stage killed or frozen while work is in flight)."""
+
+    def on_result(out) -> None:
+        got.append(out)
+        if len(got) == 1:
+            os.kill(pid, sig)
+
+    return on_result
+
+
 def gear(ranges, micro_batch_size: int = 8, inflight: int = 2, kv_capacity_tokens: int = 2048, gear_id: str = "g",
          device_ids=None):
     from flexpipe_dag.core.gear import Gear, StagePlan

@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_runtime_helpers import checkpoint, gear, hf_reference, prompt_ids, requests  # noqa: E402
+from test_runtime_helpers import (checkpoint, gear, hf_reference, prompt_ids, requests,  # noqa: E402
+                                  signal_after_first_result)
 
 from flexpipe_dag.runtime.batch import JsonlSink, PromptRow, prompts_from_trace, run_batch_job  # noqa: E402
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError  # noqa: E402
@@ -130,14 +131,8 @@ def test_hung_stage_is_named_by_the_watchdog(two_stage):
     """Last user of ``two_stage``: the watchdog ends that pipeline."""
     _use(two_stage, [(0, 20), (20, 30)], 2, "hang")
     two_stage.options.step_timeout_s = 3.0  # read live by the watchdog
-    victim = two_stage.stage_pids()[0]
     got = []
-
-    def freeze_stage0(out):
-        got.append(out)
-        if len(got) == 1:
-            os.kill(victim, signal.SIGSTOP)
-
+    freeze_stage0 = signal_after_first_result(two_stage.stage_pids()[0], signal.SIGSTOP, got)
     with pytest.raises(StageFailedError) as err:
         two_stage.generate(requests(prefix="h-"), on_result=freeze_stage0)
     assert err.value.stage == 0 and "watchdog" in err.value.reason, err.value

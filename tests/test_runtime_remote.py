@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 
 from conftest import MODEL_CACHE  # noqa: E402
-from test_runtime_helpers import checkpoint, gear, hf_reference, requests  # noqa: E402
+from test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
 
 from flexpipe_dag.core.errors import InputError  # noqa: E402
 from flexpipe_dag.core.host import free_port  # noqa: E402
@@ -115,17 +115,9 @@ def test_killed_remote_stage_is_named_and_finished_outputs_kept():
             reqs = requests(8, prefix="kill-remote-")
             for r in reqs:  # long enough that work is in flight when stage 1 dies
                 r.max_new_tokens, r.eos_token_ids = 40, ()
-            killed = False
-
-            def on_result(out):
-                nonlocal killed
-                finished.append(out)
-                if not killed:
-                    os.kill(procs[1].pid, signal.SIGKILL)  # stage 1's process, after the first result
-                    killed = True
-
+            kill_stage1 = signal_after_first_result(procs[1].pid, signal.SIGKILL, finished)  # stage 1's process
             with pytest.raises(StageFailedError) as err:
-                rt.generate(reqs, on_result=on_result)
+                rt.generate(reqs, on_result=kill_stage1)
     finally:
         codes = _reap(procs)
     assert err.value.stage == 1, err.value.reason

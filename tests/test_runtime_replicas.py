@@ -3,7 +3,6 @@ pipelines with replicated stages (exact greedy output, reconfiguration, a killed
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -72,7 +71,7 @@ def test_cli_stage_replicas_are_checked(capsys):
 
 torch = pytest.importorskip("torch")
 
-from test_runtime_helpers import checkpoint, gear, hf_reference, requests  # noqa: E402
+from test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
 
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, StageFailedError  # noqa: E402
 
@@ -117,19 +116,12 @@ def test_replicated_first_and_last_stages_match_hf():
 @pytest.mark.slow
 def test_killed_replica_is_named_with_its_stage():
     with PipelineRuntime(_gear([(0, 15), (15, 30)], [1, 2], micro_batch_size=2), checkpoint()) as rt:
-        victim = rt.stage_pids()[2]  # stage 1, replica 1
         reqs = requests(8, prefix="repkill-")
         for r in reqs:
             r.max_new_tokens, r.eos_token_ids = 40, ()
-        got = []
-
-        def on_result(out):
-            got.append(out)
-            if len(got) == 1:
-                os.kill(victim, signal.SIGKILL)
-
+        kill_replica = signal_after_first_result(rt.stage_pids()[2], signal.SIGKILL, [])  # stage 1, replica 1
         with pytest.raises(StageFailedError) as err:
-            rt.generate(reqs, on_result=on_result)
+            rt.generate(reqs, on_result=kill_replica)
     assert (err.value.stage, err.value.replica) == (1, 1) and "stage 1 replica 1" in str(err.value)
     assert len(err.value.finished) >= 1
 

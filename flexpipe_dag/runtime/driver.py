@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 
-from flexpipe_dag.runtime.worker import F_AUX, F_BUSY_S, F_STEPS, FIELDS, WorkerSpec, setup_process
+from flexpipe_dag.runtime.worker import F_AUX, F_BUSY_S, F_STEPS, FIELDS, WorkerSpec, setup_process, worker_slot
 
 
 def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, counters,
@@ -137,7 +137,7 @@ def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, c
                     counters[F_AUX] += 1
                 elif kind == tp.RECONFIGURED:
                     for i in meta["infos"]:
-                        confirmations[(i["stage_index"], i.get("replica_index", 0))] = i
+                        confirmations[worker_slot(i)] = i
                     if len(confirmations) < layout.num_workers:
                         continue  # another last-stage replica has yet to confirm
                     layout = spec.layout(reconfig["num_blocks"])

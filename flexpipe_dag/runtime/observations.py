@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flexpipe_dag.runtime.worker import worker_slot
+
 #: Column names of one ring row, in order.
 COLUMNS: tuple[str, ...] = ("mb_id", "t_end_s", "wall_ms", "num_seqs", "prefill_seqs", "prompt_tokens",
                             "decode_tokens", "kv_context_tokens", "attended_pairs", "layer_start", "layer_end",
@@ -240,7 +242,7 @@ class ObservationCollector:
             if starts:
                 self._t0 = min(starts)
         for info, rows in zip(self.runtime.stage_info, per_stage):  # one ring per worker (stage replica)
-            s, k = info["stage_index"], info.get("replica_index", 0)
+            s, k = worker_slot(info)
             dev = gear.stages[s].device_ids[k % len(gear.stages[s].device_ids)]
             dst = None
             if s + 1 < n:  # the next stage's replica on this replica's first lane

@@ -38,7 +38,7 @@ from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint, stage_param_bytes
 from flexpipe_dag.runtime.scheduler import Request, RequestOutput
 from flexpipe_dag.runtime.remote import SILENT_AT_FAILURE_S
-from flexpipe_dag.runtime.worker import F_STEP_STARTED, F_STEPS, F_AUX, FIELDS, WorkerSpec
+from flexpipe_dag.runtime.worker import F_STEP_STARTED, F_STEPS, F_AUX, FIELDS, WorkerSpec, worker_slot
 
 #: Default backend on GPUs: NCCL carries activations between stages, gloo the driver's small messages.
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
@@ -458,18 +458,18 @@ class PipelineRuntime:
 
         Admission pauses, running sequences finish, every stage loads its new range and rebuilds its
         pool, then serving resumes with queued requests under the new gear's micro-batch size and
-        in-flight limit. The stage count must stay the same.
+        in-flight limit. The stages and their replica counts must stay the same (the processes do).
 
         Raises:
-            InputError: a different number of stages or another model.
-            InfeasibleError: the new gear does not fit, or has a stage with replicas > 1.
+            InputError: other stages or replica counts, or another model.
+            InfeasibleError: the new gear does not fit, or its KV pool has fewer blocks than a replica's lanes.
             StageFailedError: a stage failed while reloading, or did not finish within ``timeout_s``.
         """
         if [st.replicas for st in gear.stages] != [st.replicas for st in self.gear.stages]:
             raise InputError("gear", "stages", f"reconfiguration keeps the processes: expected "
                              f"{self.gear.num_stages} stages with replicas {[st.replicas for st in self.gear.stages]}, "
                              f"got {gear.num_stages} with {[st.replicas for st in gear.stages]}")
-        gear_lane_layout(gear)
+        layout = gear_lane_layout(gear)
         check_gear_fits(gear, self.ckpt, self.options)
         self._cmds.put(("reconfigure", {"ranges": gear.layer_ranges(), "num_blocks": kv_num_blocks(gear),
                                         "block_size_tokens": gear.kv_block_size_tokens, "gear_id": gear.gear_id,
@@ -483,8 +483,8 @@ class PipelineRuntime:
             if ev is None:
                 continue
             if ev[0] == "reconfigured":
-                self.gear = gear
-                self.stage_info = sorted(ev[1], key=lambda d: (d["stage_index"], d.get("replica_index", 0)))
+                self.gear, self._layout = gear, layout
+                self.stage_info = sorted(ev[1], key=worker_slot)
                 return self.stage_info
             if ev[0] == "result":
                 self._deliver(ev[1], notify=False)

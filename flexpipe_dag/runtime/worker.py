@@ -211,7 +211,7 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
                 meta = copies[0]
                 info = runner.load(meta["ranges"], meta["num_blocks"], meta["block_size_tokens"],
                                    meta.get("checkpoint_path") or spec.checkpoint_path)
-                infos = {(i["stage_index"], i.get("replica_index", 0)): i for c in copies for i in c.get("infos", [])}
+                infos = {worker_slot(i): i for c in copies for i in c.get("infos", [])}
                 infos[(stage, replica)] = info
                 in_transport = True
                 for dst in downstream:
@@ -256,6 +256,11 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
         if recorder is not None:
             recorder.close()
         _destroy()
+
+
+def worker_slot(info: dict) -> tuple[int, int]:
+    """``(stage, replica)`` of a worker's :func:`runner_info` (replica 0 when the info predates replicas)."""
+    return info["stage_index"], info.get("replica_index", 0)
 
 
 def runner_info(runner: StageRunner) -> dict:

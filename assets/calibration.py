@@ -9,9 +9,9 @@ evidence keeps its values; the probe's raw numbers are never touched. ``candidat
 import pandas as pd
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
-from resources.planning import PlanningSettings
-from resources.store_resource import StoreResource
+from flexpipe_dag.assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
+from flexpipe_dag.resources.planning import PlanningSettings
+from flexpipe_dag.resources.store_resource import StoreResource
 
 #: Fewest new stage steps worth a calibration.
 MIN_NEW_STEPS = 10

@@ -3,8 +3,8 @@
 import pandas as pd
 from dagster import AssetExecutionContext, MaterializeResult, asset
 
-from assets.metadata import table_metadata
-from resources.store_resource import StoreResource
+from flexpipe_dag.assets.metadata import table_metadata
+from flexpipe_dag.resources.store_resource import StoreResource
 
 
 def health_table(tags) -> pd.DataFrame:

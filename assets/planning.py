@@ -3,11 +3,11 @@
 import pandas as pd
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, MaterializeResult, MetadataValue, asset, asset_check
 
-from assets.calibration import calibrated_inputs
-from assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
+from flexpipe_dag.assets.calibration import calibrated_inputs
+from flexpipe_dag.assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
 from flexpipe_dag.plots import gear_layout_plot
-from resources.planning import PlanningSettings
-from resources.store_resource import StoreResource
+from flexpipe_dag.resources.planning import PlanningSettings
+from flexpipe_dag.resources.store_resource import StoreResource
 
 
 def stage_table(gears) -> pd.DataFrame:

@@ -3,11 +3,11 @@
 import pandas as pd
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, MaterializeResult, MetadataValue, asset, asset_check
 
-from assets.metadata import png_metadata, table_metadata
+from flexpipe_dag.assets.metadata import png_metadata, table_metadata
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.plots import link_bandwidth_heatmap
-from resources.prober import ProberResource
-from resources.store_resource import StoreResource
+from flexpipe_dag.resources.prober import ProberResource
+from flexpipe_dag.resources.store_resource import StoreResource
 
 def device_table(profile: ClusterProfile) -> pd.DataFrame:
     """One row per device with the figures the planner uses."""

@@ -20,21 +20,21 @@ import warnings
 
 from dagster import BetaWarning, Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
-from assets import calibration, evaluation, health, planning, profiling
+from flexpipe_dag.assets import calibration, evaluation, health, planning, profiling
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, env_value
-from jobs.batch import batch_inference
-from jobs.gear_shift import gear_shift, gear_shift_sensor
-from jobs.profiling import (DEFAULT_PROFILE_REFRESH_CRON, plan_gears_job, profile_refresh_job,
+from flexpipe_dag.jobs.batch import batch_inference
+from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
+from flexpipe_dag.jobs.profiling import (DEFAULT_PROFILE_REFRESH_CRON, plan_gears_job, profile_refresh_job,
                            profile_refresh_schedule)
-from jobs.replan import replan_sensor
-from jobs.serve import serve_trace
-from jobs.tide import tide_sensor
-from resources.control import ControlSettings
-from resources.planning import PlanningSettings
-from resources.prober import ProberResource
-from resources.store_resource import StoreResource
-from sql.store import check_store_url
+from flexpipe_dag.jobs.replan import replan_sensor
+from flexpipe_dag.jobs.serve import serve_trace
+from flexpipe_dag.jobs.tide import tide_sensor
+from flexpipe_dag.resources.control import ControlSettings
+from flexpipe_dag.resources.planning import PlanningSettings
+from flexpipe_dag.resources.prober import ProberResource
+from flexpipe_dag.resources.store_resource import StoreResource
+from flexpipe_dag.sql.store import check_store_url
 
 # Dagster's own beta notices (e.g. the sensor `owners` parameter it passes itself) say nothing to a user.
 warnings.filterwarnings("ignore", category=BetaWarning, module=r"dagster\..*")

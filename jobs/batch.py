@@ -9,7 +9,7 @@ tide sensor pauses a running job by setting its status to ``paused``: the job st
 from dagster import Config, Failure, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
-from resources.store_resource import StoreResource
+from flexpipe_dag.resources.store_resource import StoreResource
 
 #: Requests submitted per chunk; a pause takes effect between chunks.
 CHUNK_REQUESTS = 16
@@ -71,7 +71,7 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.observations import ObservationCollector
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
-    from sql.result_sink import StoreResultSink
+    from flexpipe_dag.sql.result_sink import StoreResultSink
 
     if config.control_address:
         from flexpipe_dag.runtime.remote import parse_address

@@ -18,8 +18,8 @@ from flexpipe_dag.control.controller import Controller
 from flexpipe_dag.control.state import ControllerState, Decision
 from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.settings import env_value
-from resources.control import ControlSettings
-from resources.store_resource import StoreResource
+from flexpipe_dag.resources.control import ControlSettings
+from flexpipe_dag.resources.store_resource import StoreResource
 
 #: Sensor evaluation interval, seconds (``FLEXPIPE_SENSOR_INTERVAL_S``).
 SENSOR_INTERVAL_S = env_value("FLEXPIPE_SENSOR_INTERVAL_S", int, 30, ge=1, le=86_400, unit="seconds")
@@ -107,7 +107,7 @@ def tide_history_forecast(control: ControlSettings, newest_t_s: float, epoch_s: 
     (``time_compression`` of the ``tide`` settings).
     """
     from flexpipe_dag.control.tide import TideForecaster, load_history, tide_forecast
-    from jobs.tide import tide_time_s
+    from flexpipe_dag.jobs.tide import tide_time_s
 
     cfg = control.tide_config()
     compression = cfg.time_compression

@@ -10,7 +10,7 @@ use the new figures and the controller's envelopes follow.
 from dagster import (AssetKey, DefaultSensorStatus, EventLogEntry, RunRequest, SensorEvaluationContext, SkipReason,
                      asset_sensor)
 
-from jobs.profiling import plan_gears_job
+from flexpipe_dag.jobs.profiling import plan_gears_job
 
 
 @asset_sensor(asset_key=AssetKey("calibration"), job=plan_gears_job, default_status=DefaultSensorStatus.RUNNING,

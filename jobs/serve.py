@@ -13,9 +13,9 @@ import time
 from dagster import Config, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
-from resources.control import ControlSettings
-from resources.planning import PlanningSettings
-from resources.store_resource import StoreResource
+from flexpipe_dag.resources.control import ControlSettings
+from flexpipe_dag.resources.planning import PlanningSettings
+from flexpipe_dag.resources.store_resource import StoreResource
 
 
 class ServeTraceConfig(Config):

@@ -13,10 +13,10 @@ from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, Sk
 
 from flexpipe_dag.control.tide import TideDecision, TideForecaster, TideGate, decide_offline, ema, load_history
 from flexpipe_dag.core.errors import InputError
-from jobs.batch import batch_inference
-from jobs.gear_shift import SENSOR_INTERVAL_S
-from resources.control import ControlSettings
-from resources.store_resource import StoreResource
+from flexpipe_dag.jobs.batch import batch_inference
+from flexpipe_dag.jobs.gear_shift import SENSOR_INTERVAL_S
+from flexpipe_dag.resources.control import ControlSettings
+from flexpipe_dag.resources.store_resource import StoreResource
 
 
 @dataclass

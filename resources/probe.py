@@ -25,9 +25,9 @@ from typing import Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
 from flexpipe_dag.core.host import free_port, host_memory_bytes
-from resources.microbench import (DEFAULT_LAYER, LayerShape, gemm_tflops, layer_times_ms, max_micro_batch,
+from flexpipe_dag.resources.microbench import (DEFAULT_LAYER, LayerShape, gemm_tflops, layer_times_ms, max_micro_batch,
                                   memory_bandwidth_gbps)
-from resources.nvml_facts import read_nvml_facts
+from flexpipe_dag.resources.nvml_facts import read_nvml_facts
 
 
 @dataclass

@@ -29,7 +29,7 @@ class ProberResource(ConfigurableResource):
             if declared is None:
                 raise InputError("prober resource", "cluster_file", "set a cluster file or enable probe")
             return declared
-        from resources.probe import ProbeSettings, merge_profiles, probe_host
+        from flexpipe_dag.resources.probe import ProbeSettings, merge_profiles, probe_host
 
         measured = probe_host(self.cluster_id or None, ProbeSettings(num_cpu_workers=self.num_cpu_workers))
         return merge_profiles(declared, measured) if declared else measured

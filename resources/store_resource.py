@@ -5,7 +5,7 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import PrivateAttr
 
-from sql.store import Store
+from flexpipe_dag.sql.store import Store
 
 
 class StoreResource(ConfigurableResource):

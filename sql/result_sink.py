@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sql.store import Store
+from flexpipe_dag.sql.store import Store
 
 
 class StoreResultSink:

@@ -30,7 +30,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.core.settings import database_url
-from sql import models as m
+from flexpipe_dag.sql import models as m
 
 _SQL_DIR = Path(__file__).resolve().parent
 

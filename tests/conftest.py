@@ -37,7 +37,7 @@ def _pg_engine_or_skip():
         import psycopg2  # noqa: F401
     except ImportError:
         pytest.skip("psycopg2 is not installed (pip install -e .[postgres])")
-    from sql.store import make_engine
+    from flexpipe_dag.sql.store import make_engine
 
     admin = make_engine(PG_URL, connect_args={"connect_timeout": 3})
     try:
@@ -53,7 +53,7 @@ def postgres_engine():
     """An engine on a fresh schema of the local PostgreSQL ``test`` database (dropped afterwards)."""
     import sqlalchemy
 
-    from sql.store import make_engine
+    from flexpipe_dag.sql.store import make_engine
 
     admin = _pg_engine_or_skip()
     schema = f"fp_{uuid.uuid4().hex[:12]}"
@@ -71,7 +71,7 @@ def postgres_engine():
 
 @pytest.fixture
 def sqlite_engine(tmp_path):
-    from sql.store import make_engine
+    from flexpipe_dag.sql.store import make_engine
 
     engine = make_engine(f"sqlite:///{tmp_path / 'store.db'}")
     yield engine
@@ -86,7 +86,7 @@ def engine(request):
 
 @pytest.fixture
 def store(engine):
-    from sql.store import Store
+    from flexpipe_dag.sql.store import Store
 
     return Store(engine)
 

@@ -96,7 +96,7 @@ def test_out_of_vocabulary_token_ids_are_a_malformed_row_not_a_crash():
 
 
 def test_control_file_sections_must_be_mappings(tmp_path):
-    from resources.control import ControlSettings
+    from flexpipe_dag.resources.control import ControlSettings
 
     bad = tmp_path / "c.yaml"
     bad.write_text("controller: [1, 2]\n")

@@ -171,7 +171,7 @@ def test_plan_reads_stage_replicas_through_the_helper(monkeypatch, capsys):
                                  "sqlite:///file::memory:?cache=shared",
                                  "sqlite:///file:fp?mode=memory&cache=shared&uri=true"])
 def test_in_memory_sqlite_is_refused(url):
-    from sql.store import Store, check_store_url
+    from flexpipe_dag.sql.store import Store, check_store_url
 
     with pytest.raises(InputError, match="in-memory SQLite database: every process and connection would get"):
         check_store_url(url)
@@ -180,7 +180,7 @@ def test_in_memory_sqlite_is_refused(url):
 
 
 def test_file_sqlite_urls_still_pass(tmp_path):
-    from sql.store import check_store_url
+    from flexpipe_dag.sql.store import check_store_url
 
     assert check_store_url(f"sqlite:///{tmp_path / 'fp.db'}").endswith("fp.db")
     assert check_store_url("postgresql+psycopg2://u:secret@db:5432/fp") == "postgresql+psycopg2://u:***@db:5432/fp"
@@ -194,7 +194,7 @@ def test_in_memory_url_from_environment_is_one_line(monkeypatch, capsys):
 
 
 def test_store_resource_refuses_in_memory_url():
-    from resources.store_resource import StoreResource
+    from flexpipe_dag.resources.store_resource import StoreResource
 
     with pytest.raises(InputError, match="in-memory"):
         StoreResource(database_url="sqlite://").get_store()

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 from dagster import DagsterInstance, RunRequest, build_sensor_context, materialize
 
-from assets.calibration import calibration
-from assets.planning import candidate_gears, model_profile
-from assets.profiling import gpu_profile
-from jobs.batch import batch_inference
-from jobs.replan import replan_sensor
-from resources.planning import PlanningSettings
-from resources.prober import ProberResource
-from resources.store_resource import StoreResource
+from flexpipe_dag.assets.calibration import calibration
+from flexpipe_dag.assets.planning import candidate_gears, model_profile
+from flexpipe_dag.assets.profiling import gpu_profile
+from flexpipe_dag.jobs.batch import batch_inference
+from flexpipe_dag.jobs.replan import replan_sensor
+from flexpipe_dag.resources.planning import PlanningSettings
+from flexpipe_dag.resources.prober import ProberResource
+from flexpipe_dag.resources.store_resource import StoreResource
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from flexpipe_dag.cli import main
 
 
 def test_calibrate_then_report(capsys):
-    from sql.store import Store
+    from flexpipe_dag.sql.store import Store
 
     store = Store.from_url()
     assert main(["calibrate"]) == 2  # nothing observed yet

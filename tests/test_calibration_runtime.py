@@ -38,7 +38,7 @@ def _cpu_profile(peak_tflops: float, bandwidth_gbps: float):
 def test_wrong_profile_is_corrected_by_one_run(sqlite_engine):
     import torch
 
-    from sql.store import Store
+    from flexpipe_dag.sql.store import Store
 
     from flexpipe_dag.calibration import calibrate, predicted_step_ms, rescore_gears
     from flexpipe_dag.planner.cost_model import CostModel
@@ -48,7 +48,7 @@ def test_wrong_profile_is_corrected_by_one_run(sqlite_engine):
     from flexpipe_dag.runtime.observations import ObservationCollector
     from flexpipe_dag.runtime.pipeline import PipelineRuntime
     from flexpipe_dag.runtime.scheduler import Request
-    from resources.microbench import gemm_tflops, memory_bandwidth_gbps
+    from flexpipe_dag.resources.microbench import gemm_tflops, memory_bandwidth_gbps
 
     store = Store(sqlite_engine)  # the store's own tests cover PostgreSQL; one runtime run is enough here
     torch.set_num_threads(1)

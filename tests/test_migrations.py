@@ -6,8 +6,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-from sql.models import Base
-from sql.store import Store, current_revision, downgrade, head_revisions, migrate
+from flexpipe_dag.sql.models import Base
+from flexpipe_dag.sql.store import Store, current_revision, downgrade, head_revisions, migrate
 
 
 def test_single_head():

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dagster import materialize
 
-from assets.evaluation import gear_evaluations
-from assets.planning import candidate_gears, candidate_gears_fit, model_profile
-from assets.profiling import gpu_profile
+from flexpipe_dag.assets.evaluation import gear_evaluations
+from flexpipe_dag.assets.planning import candidate_gears, candidate_gears_fit, model_profile
+from flexpipe_dag.assets.profiling import gpu_profile
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.planner.model_spec import load_model_spec
 from flexpipe_dag.planner.verify import gear_problems
-from resources.planning import PlanningSettings
-from resources.prober import ProberResource
-from resources.store_resource import StoreResource
+from flexpipe_dag.resources.planning import PlanningSettings
+from flexpipe_dag.resources.prober import ProberResource
+from flexpipe_dag.resources.store_resource import StoreResource
 
 from conftest import EXAMPLES
 

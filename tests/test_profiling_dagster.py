@@ -7,13 +7,13 @@ import json
 import pytest
 from dagster import DagsterInstance, build_schedule_context, materialize
 
-from assets.profiling import gpu_profile, gpu_profile_sane, profile_problems
+from flexpipe_dag.assets.profiling import gpu_profile, gpu_profile_sane, profile_problems
 from flexpipe_dag.cli import main as cli_main
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.definitions import defs
-from jobs.profiling import DEFAULT_PROFILE_REFRESH_CRON, profile_refresh_schedule
-from resources.prober import ProberResource
-from resources.store_resource import StoreResource
+from flexpipe_dag.jobs.profiling import DEFAULT_PROFILE_REFRESH_CRON, profile_refresh_schedule
+from flexpipe_dag.resources.prober import ProberResource
+from flexpipe_dag.resources.store_resource import StoreResource
 
 from conftest import EXAMPLES
 

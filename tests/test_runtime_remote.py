@@ -193,8 +193,8 @@ def test_run_launched_under_a_launcher(tmp_path, launcher):
 
 def test_batch_inference_job_serves_stage_workers_started_elsewhere(tmp_path):
     """The Dagster job as a multi-host user runs it: workers first, then the job with ``control_address``."""
-    from jobs.batch import batch_inference
-    from resources.store_resource import StoreResource
+    from flexpipe_dag.jobs.batch import batch_inference
+    from flexpipe_dag.resources.store_resource import StoreResource
 
     port = free_port()
     procs = _workers(f"127.0.0.1:{port}", 2)

@@ -11,10 +11,10 @@ from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_contex
 
 from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
 from flexpipe_dag.core.metrics import MetricSample, StageSample
-from jobs.gear_shift import gear_shift, gear_shift_sensor, parse_cursor
-from jobs.tide import tide_sensor
-from resources.control import ControlSettings
-from resources.store_resource import StoreResource
+from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor, parse_cursor
+from flexpipe_dag.jobs.tide import tide_sensor
+from flexpipe_dag.resources.control import ControlSettings
+from flexpipe_dag.resources.store_resource import StoreResource
 
 from conftest import EXAMPLES
 
@@ -110,7 +110,7 @@ def test_decision_inside_dwell_is_declined_with_reason(store_res):
 
 
 def test_sensor_shifts_ahead_of_a_forecast_rise(tmp_path, store_res):
-    from jobs.gear_shift import evaluate_gear_shift
+    from flexpipe_dag.jobs.gear_shift import evaluate_gear_shift
 
     db = store_res.get_store()
     cfg = tmp_path / "control.yaml"
@@ -131,8 +131,8 @@ def test_sensor_shifts_ahead_of_a_forecast_rise(tmp_path, store_res):
 def test_tide_history_forecast_places_samples_in_tide_time():
     from flexpipe_dag.control.tide import TideForecaster
     from flexpipe_dag.workload.bundled import load_tide_trace
-    from jobs.gear_shift import tide_history_forecast
-    from jobs.tide import tide_time_s
+    from flexpipe_dag.jobs.gear_shift import tide_history_forecast
+    from flexpipe_dag.jobs.tide import tide_time_s
 
     epoch, compression = 1_800_000_000.0, 24.0
     fc = tide_history_forecast(ControlSettings(), newest_t_s=500.0, epoch_s=epoch)  # tide settings: 1x
@@ -176,7 +176,7 @@ def test_gear_shift_run_fails_clearly_without_a_live_pipeline(store_res):
 def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
     from flexpipe_dag.control.tide import TideForecaster
     from flexpipe_dag.workload.bundled import load_tide_trace
-    from jobs.tide import evaluate_tide
+    from flexpipe_dag.jobs.tide import evaluate_tide
 
     db = store_res.get_store()
     job_id = db.get_or_create_job("offline-1", "batch", config={"job_key": "offline-1", "trace": "azure-conv",
@@ -213,7 +213,7 @@ def test_bad_control_file_names_file_and_field(tmp_path, store_res):
 def test_gear_health_asset_lists_open_tags(store_res):
     from dagster import materialize
 
-    from assets.health import gear_health
+    from flexpipe_dag.assets.health import gear_health
 
     db = store_res.get_store()
     db.mark_unhealthy("throughput-2s", "seed-cluster", "SmolLM2-135M", "oom", "stage 1 OOM at micro-batch 32")

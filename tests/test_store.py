@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 
 from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
 from flexpipe_dag.core.metrics import MetricSample, StageSample
-from sql import models as m
+from flexpipe_dag.sql import models as m
 
 
 def _gear(gear_id="balanced-2s", qps_max=float("inf")) -> Gear:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.calibration.report import fidelity_rows, format_report
     from flexpipe_dag.planner.cost_model import CostModel
     from flexpipe_dag.planner.model_spec import load_model_spec
-    from sql.store import Store
+    from flexpipe_dag.sql.store import Store
 
     store = Store.from_url()
     cluster_id, run_keys, obs = _observations(store, args)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+from importlib import resources
 import sys
 from pathlib import Path
 
@@ -73,9 +73,9 @@ def dagster_home() -> Path:
     home = Path(os.environ.get("DAGSTER_HOME") or flexpipe_home() / "dagster").expanduser()
     home.mkdir(parents=True, exist_ok=True)
     settings = home / "dagster.yaml"
-    shipped = Path(__file__).resolve().parents[2] / "deploy" / "dagster.yaml"
-    if not settings.exists() and shipped.exists():
-        shutil.copyfile(shipped, settings)
+    if not settings.exists():
+        shipped = resources.files("flexpipe_dag.data") / "dagster.yaml"  # deploy/dagster.yaml, installed
+        settings.write_bytes(shipped.read_bytes())
     os.environ["DAGSTER_HOME"] = str(home)
     return home
 
@@ -93,11 +93,10 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=PreviewWarning)
     for var, value in {**DEMO_ENV, "FLEXPIPE_DWELL_S": str(args.dwell_s)}.items():
         os.environ.setdefault(var, value)
-    repo = Path(__file__).resolve().parents[2]
     dagster_home()
     if args.ui:
         dagster = str(Path(sys.executable).with_name("dagster"))
-        os.execv(dagster, [dagster, "dev", "-w", str(repo / "workspace.yaml"), "-h", "127.0.0.1", "-p", "3000"])
+        os.execv(dagster, [dagster, "dev", "-m", "flexpipe_dag.definitions", "-h", "127.0.0.1", "-p", "3000"])
     fleet_preview(args.fleet)
     print("== settings: " + ", ".join(f"{k}={os.environ[k]}" for k in (*DEMO_ENV, "FLEXPIPE_DWELL_S")), flush=True)
     instance = DagsterInstance.get()
@@ -129,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _store():
-    from sql.store import Store
+    from flexpipe_dag.sql.store import Store
 
     return Store.from_url()
 

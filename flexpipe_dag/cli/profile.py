@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from resources.prober import ProberResource
+    from flexpipe_dag.resources.prober import ProberResource
 
     if not args.cluster and not args.probe:
         raise InputError(None, "--cluster/--probe", "give a cluster file, --probe, or both")
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
                              num_cpu_workers=args.cpu_workers).get_profile()
     version = None
     if not args.no_store:
-        from sql.store import Store
+        from flexpipe_dag.sql.store import Store
 
         version = Store.from_url().save_profile(profile)
     if args.json:
@@ -48,7 +48,7 @@ def _print_table(profile, version) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from assets.profiling import device_table
+    from flexpipe_dag.assets.profiling import device_table
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     title = f"{profile.cluster_id} ({profile.source})"

@@ -215,7 +215,7 @@ class TraceServer:
 
     # -- gear shifting --------------------------------------------------------------------------------
     def _control_step(self) -> None:
-        from jobs.gear_shift import evaluate_gear_shift
+        from flexpipe_dag.jobs.gear_shift import evaluate_gear_shift
 
         if not self._idle_shift():
             return

@@ -10,7 +10,7 @@ from alembic import context
 from sqlalchemy import create_engine
 
 from flexpipe_dag.core.settings import database_url
-from sql.models import Base
+from flexpipe_dag.sql.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -1,27 +1,11 @@
 """The ``gpu_profile`` asset: a new profile version of the cluster in the SQL store, and its check."""
 
-import pandas as pd
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, MaterializeResult, MetadataValue, asset, asset_check
 
 from flexpipe_dag.assets.metadata import png_metadata, table_metadata
-from flexpipe_dag.core.cluster import ClusterProfile
-from flexpipe_dag.plots import link_bandwidth_heatmap
+from flexpipe_dag.profiling.summary import device_table, link_heatmap, profile_problems
 from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
-
-def device_table(profile: ClusterProfile) -> pd.DataFrame:
-    """One row per device with the figures the planner uses."""
-    return pd.DataFrame([{
-        "device": d.device_id, "node": d.node_id, "model": d.model_name, "kind": d.kind,
-        "memory_gib": d.memory_gib, "peak_tflops": d.peak_tflops, "hbm_bandwidth_gbps": d.hbm_bandwidth_gbps,
-        "max_micro_batch": d.max_micro_batch,
-        "available_until": d.available_until.isoformat() if d.available_until else "",
-    } for d in profile.devices])
-
-def link_heatmap(profile: ClusterProfile) -> bytes:
-    ids = [d.device_id for d in profile.devices]
-    grid = [[(l.bandwidth_gbps if (l := profile.link(a, b)) else None) for b in ids] for a in ids]
-    return link_bandwidth_heatmap(ids, grid, f"{profile.cluster_id}: link bandwidth (GB/s)")
 
 @asset(group_name="profiling", kinds={"sql"}, pool="device_probe",
        description="A new profile version of the cluster: devices, links, measured timings (SQL store).")
@@ -46,18 +30,6 @@ def gpu_profile(context: AssetExecutionContext, prober: ProberResource, store: S
         "devices": table_metadata(device_table(profile)),
         **png_metadata(link_heatmap(profile), f"link_bandwidth_{profile.cluster_id}"),
     })
-
-def profile_problems(profile: ClusterProfile) -> list[str]:
-    """Sanity problems of a stored profile (empty list = sane)."""
-    ids = {d.device_id for d in profile.devices}
-    problems = [f"device {d.device_id}: memory_gib {d.memory_gib} <= 0" for d in profile.devices if not d.memory_gib > 0]
-    for l in profile.links:
-        for end in (l.src_device_id, l.dst_device_id):
-            if end not in ids:
-                problems.append(f"link {l.src_device_id}->{l.dst_device_id}: unknown device {end}")
-        if not l.bandwidth_gbps > 0:
-            problems.append(f"link {l.src_device_id}->{l.dst_device_id}: bandwidth_gbps {l.bandwidth_gbps} <= 0")
-    return problems
 
 @asset_check(asset=gpu_profile, description="Every device has memory > 0; every link joins known devices with positive bandwidth.")
 def gpu_profile_sane(store: StoreResource) -> AssetCheckResult:

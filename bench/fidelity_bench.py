@@ -43,7 +43,7 @@ def run_fidelity(num_requests: int = 24, warmup_requests: int = 16, max_prompt_t
     from flexpipe_dag.workload.bundled import bundled_path
     from flexpipe_dag.workload.request import Request as SimRequest
     from flexpipe_dag.workload.request import Workload
-    from flexpipe_dag.resources.probe import ProbeSettings, probe_host
+    from flexpipe_dag.profiling.probe import ProbeSettings, probe_host
 
     cluster = probe_host("fidelity-host", ProbeSettings(num_cpu_workers=2))
     devices = [d.device_id for d in cluster.devices][:2]

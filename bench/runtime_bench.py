@@ -55,7 +55,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from flexpipe_dag.cli.run import even_gear
+    from flexpipe_dag.core.gear_builders import even_gear
     from flexpipe_dag.runtime.batch import prompts_from_trace
     from flexpipe_dag.runtime.local import LocalPipeline
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
@@ -136,7 +136,7 @@ def score_bench(ckpt, rows, args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from flexpipe_dag.cli.run import even_gear
+    from flexpipe_dag.core.gear_builders import even_gear
     from flexpipe_dag.runtime.batch import JsonlSink, PromptRow
     from flexpipe_dag.runtime.score_runtime import ScoreOptions, run_score_job
 

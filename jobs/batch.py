@@ -37,7 +37,7 @@ class BatchInferenceConfig(Config):
 
 
 def _gear(config: BatchInferenceConfig, db, ckpt):
-    from flexpipe_dag.cli.run import even_gear
+    from flexpipe_dag.core.gear_builders import even_gear
     from flexpipe_dag.core.errors import InputError
 
     if config.gear_id:

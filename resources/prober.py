@@ -5,8 +5,8 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from flexpipe_dag.core.cluster import ClusterProfile, load_cluster_profile
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.cluster import ClusterProfile
+from flexpipe_dag.profiling.source import build_profile
 
 
 class ProberResource(ConfigurableResource):
@@ -23,13 +23,10 @@ class ProberResource(ConfigurableResource):
     num_cpu_workers: int = Field(2, ge=1, le=64, description="CPU worker processes measured on a host without GPUs")
 
     def get_profile(self) -> ClusterProfile:
-        """Build the profile. Raises InputError for a bad declared file or an empty configuration."""
-        declared = load_cluster_profile(self.cluster_file) if self.cluster_file else None
-        if not self.probe:
-            if declared is None:
-                raise InputError("prober resource", "cluster_file", "set a cluster file or enable probe")
-            return declared
-        from flexpipe_dag.resources.probe import ProbeSettings, merge_profiles, probe_host
+        """Build the profile (:func:`flexpipe_dag.profiling.source.build_profile`).
 
-        measured = probe_host(self.cluster_id or None, ProbeSettings(num_cpu_workers=self.num_cpu_workers))
-        return merge_profiles(declared, measured) if declared else measured
+        Raises:
+            InputError: a bad declared file, or an empty configuration.
+        """
+        return build_profile(probe=self.probe, cluster_file=self.cluster_file, cluster_id=self.cluster_id,
+                             num_cpu_workers=self.num_cpu_workers)

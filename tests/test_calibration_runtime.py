@@ -48,7 +48,7 @@ def test_wrong_profile_is_corrected_by_one_run(sqlite_engine):
     from flexpipe_dag.runtime.observations import ObservationCollector
     from flexpipe_dag.runtime.pipeline import PipelineRuntime
     from flexpipe_dag.runtime.scheduler import Request
-    from flexpipe_dag.resources.microbench import gemm_tflops, memory_bandwidth_gbps
+    from flexpipe_dag.profiling.microbench import gemm_tflops, memory_bandwidth_gbps
 
     store = Store(sqlite_engine)  # the store's own tests cover PostgreSQL; one runtime run is enough here
     torch.set_num_threads(1)

@@ -7,7 +7,8 @@ import json
 import pytest
 from dagster import DagsterInstance, build_schedule_context, materialize
 
-from flexpipe_dag.assets.profiling import gpu_profile, gpu_profile_sane, profile_problems
+from flexpipe_dag.assets.profiling import gpu_profile, gpu_profile_sane
+from flexpipe_dag.profiling.summary import profile_problems
 from flexpipe_dag.cli import main as cli_main
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.definitions import defs

@@ -60,7 +60,7 @@ def test_scheduler_pins_sequences_to_lanes_and_balances_them():
 
 def test_cli_stage_replicas_are_checked(capsys):
     from flexpipe_dag.cli import main
-    from flexpipe_dag.cli.run import even_gear
+    from flexpipe_dag.core.gear_builders import even_gear
 
     g = even_gear(30, 2, "m", 8, None, 4096, [1, 2])
     assert [st.device_ids for st in g.stages] == [["worker0"], ["worker1.0", "worker1.1"]]

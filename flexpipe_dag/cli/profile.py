@@ -21,14 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flexpipe_dag.resources.prober import ProberResource
 
     if not args.cluster and not args.probe:
         raise InputError(None, "--cluster/--probe", "give a cluster file, --probe, or both")
     if args.cpu_workers < 1:
         raise InputError(None, "--cpu-workers", f"expected >= 1, got {args.cpu_workers}")
-    profile = ProberResource(probe=args.probe, cluster_file=args.cluster or "",
-                             num_cpu_workers=args.cpu_workers).get_profile()
+    profile = build_profile(probe=args.probe, cluster_file=args.cluster or "", num_cpu_workers=args.cpu_workers)
     version = None
     if not args.no_store:
         from flexpipe_dag.sql.store import Store
@@ -48,7 +46,7 @@ def _print_table(profile, version) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from flexpipe_dag.assets.profiling import device_table
+    from flexpipe_dag.profiling.summary import device_table
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     title = f"{profile.cluster_id} ({profile.source})"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear_builders import even_gear, load_gear
 
 
 def register(subparsers) -> None:
@@ -62,34 +63,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def even_gear(num_layers: int, num_stages: int, model_name: str, micro_batch_size: int, inflight: int | None,
-              kv_capacity_tokens: int, replicas: list[int] | None = None):
-    """A ``uniform`` gear: layers split as evenly as possible (earlier stages take the remainder);
-    stage ``i`` on ``replicas[i]`` workers (default one each).
-
-    Raises:
-        InputError: a stage count outside ``1..num_layers``, or replicas not one count >= 1 per stage.
-    """
-    from flexpipe_dag.core.gear import Gear, StagePlan
-
-    if not 1 <= num_stages <= num_layers:
-        raise InputError(None, "--stages", f"expected 1..{num_layers}, got {num_stages}")
-    replicas = replicas or [1] * num_stages
-    if len(replicas) != num_stages or min(replicas) < 1:
-        raise InputError(None, "--stage-replicas", f"expected {num_stages} counts >= 1 (one per stage), got {replicas}")
-    base, extra = divmod(num_layers, num_stages)
-    stages, start = [], 0
-    for i in range(num_stages):
-        end = start + base + (1 if i < extra else 0)
-        devices = [f"worker{i}"] if replicas[i] == 1 else [f"worker{i}.{k}" for k in range(replicas[i])]
-        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=end, device_ids=devices))
-        start = end
-    suffix = "-r" + "x".join(map(str, replicas)) if max(replicas) > 1 else ""
-    return Gear(gear_id=f"uniform-{num_stages}{suffix}", kind="uniform", model_name=model_name, num_layers=num_layers,
-                stages=stages, micro_batch_size=micro_batch_size, max_inflight_micro_batches=inflight or num_stages,
-                kv_capacity_tokens=kv_capacity_tokens)
-
-
 def parse_replicas(text: str | None) -> list[int] | None:
     """``"1,2,1"`` -> ``[1, 2, 1]`` (``None`` stays ``None``).
 
@@ -102,22 +75,6 @@ def parse_replicas(text: str | None) -> list[int] | None:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise InputError(None, "--stage-replicas", f"expected comma-separated integers, e.g. 1,2; got {text!r}") from None
-
-
-def load_gear(path: Path):
-    from pydantic import ValidationError
-
-    from flexpipe_dag.core.gear import Gear
-
-    try:
-        return Gear.model_validate_json(path.read_text())
-    except FileNotFoundError:
-        raise InputError(str(path), None, "gear file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(path), None, f"cannot read the gear file: {exc}") from None
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise InputError(str(path), ".".join(str(x) for x in err["loc"]), err["msg"]) from None
 
 
 def check_args(args: argparse.Namespace) -> None:

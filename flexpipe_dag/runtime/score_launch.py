@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args, _unknown = ap.parse_known_args(argv)  # the deepspeed launcher may append --local_rank=N
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from flexpipe_dag.cli.run import load_gear
+    from flexpipe_dag.core.gear_builders import load_gear
     from flexpipe_dag.runtime.batch import JsonlSink, read_prompts
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import check_gear_supported

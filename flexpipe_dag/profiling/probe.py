@@ -2,7 +2,7 @@
 
 One process per device is spawned (``torch.multiprocessing``), joined in a ``torch.distributed``
 group (NCCL on GPUs, gloo on CPU). Each process runs the microbenchmarks of
-:mod:`resources.microbench` on its own device, then every ordered pair of processes measures
+:mod:`flexpipe_dag.profiling.microbench` on its own device, then every ordered pair of processes measures
 send/recv latency (ping-pong of a 4-byte message, half the median round trip) and bandwidth (a large
 message, its time less the latency). On a host without GPUs the same code measures CPU worker
 processes as devices (each with ``cores / workers`` threads and ``RAM / workers`` memory) and says
@@ -25,9 +25,9 @@ from typing import Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
 from flexpipe_dag.core.host import free_port, host_memory_bytes
-from flexpipe_dag.resources.microbench import (DEFAULT_LAYER, LayerShape, gemm_tflops, layer_times_ms, max_micro_batch,
+from flexpipe_dag.profiling.microbench import (DEFAULT_LAYER, LayerShape, gemm_tflops, layer_times_ms, max_micro_batch,
                                   memory_bandwidth_gbps)
-from flexpipe_dag.resources.nvml_facts import read_nvml_facts
+from flexpipe_dag.profiling.nvml_facts import read_nvml_facts
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""Gears built without the planner: a hand-specified split (tests, measured tables, what-if runs), an
+even split over placeholder workers (``flexpipe run --stages``, batch jobs, benches), and a gear saved
+as a JSON file (one element of ``flexpipe plan --json``'s ``gears`` list)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear import Gear, StagePlan
+
+
+def manual_gear(
+    layers_per_stage: Sequence[int],
+    *,
+    replicas: Sequence[int] | None = None,
+    gear_id: str = "manual",
+    model_name: str = "model",
+    micro_batch_size: int = 1,
+    max_inflight_micro_batches: int = 1,
+    kv_block_size_tokens: int = 16,
+    kv_capacity_tokens: int = 0,
+    target_p99_ms: float = 1000.0,
+) -> Gear:
+    """A ``kind="manual"`` gear with stage ``i`` holding ``layers_per_stage[i]`` layers on
+    ``replicas[i]`` devices named ``d<i>r<j>`` (device names are placeholders for simulation).
+
+    Raises:
+        pydantic.ValidationError: via :class:`Gear` (e.g. an empty stage).
+        ValueError: ``replicas`` length differs from ``layers_per_stage``.
+    """
+    reps = list(replicas) if replicas is not None else [1] * len(layers_per_stage)
+    if len(reps) != len(layers_per_stage):
+        raise ValueError(f"replicas: expected {len(layers_per_stage)} entries, got {len(reps)}")
+    stages, start = [], 0
+    for i, (n, r) in enumerate(zip(layers_per_stage, reps)):
+        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=start + n,
+                                device_ids=[f"d{i}r{j}" for j in range(r)]))
+        start += n
+    return Gear(gear_id=gear_id, kind="manual", model_name=model_name, num_layers=start, stages=stages,
+                micro_batch_size=micro_batch_size, max_inflight_micro_batches=max_inflight_micro_batches,
+                kv_block_size_tokens=kv_block_size_tokens, kv_capacity_tokens=kv_capacity_tokens,
+                target_p99_ms=target_p99_ms)
+
+
+def even_gear(num_layers: int, num_stages: int, model_name: str, micro_batch_size: int, inflight: int | None,
+              kv_capacity_tokens: int, replicas: list[int] | None = None) -> Gear:
+    """A ``uniform`` gear: layers split as evenly as possible (earlier stages take the remainder);
+    stage ``i`` on ``replicas[i]`` workers named ``worker<i>`` (``worker<i>.<k>`` when replicated).
+
+    ``inflight``: micro-batches in flight (None = one per stage).
+
+    Raises:
+        InputError: a stage count outside ``1..num_layers`` (``--stages``), or replicas not one count
+            >= 1 per stage (``--stage-replicas``).
+    """
+    if not 1 <= num_stages <= num_layers:
+        raise InputError(None, "--stages", f"expected 1..{num_layers}, got {num_stages}")
+    replicas = replicas or [1] * num_stages
+    if len(replicas) != num_stages or min(replicas) < 1:
+        raise InputError(None, "--stage-replicas", f"expected {num_stages} counts >= 1 (one per stage), got {replicas}")
+    base, extra = divmod(num_layers, num_stages)
+    stages, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (1 if i < extra else 0)
+        devices = [f"worker{i}"] if replicas[i] == 1 else [f"worker{i}.{k}" for k in range(replicas[i])]
+        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=end, device_ids=devices))
+        start = end
+    suffix = "-r" + "x".join(map(str, replicas)) if max(replicas) > 1 else ""
+    return Gear(gear_id=f"uniform-{num_stages}{suffix}", kind="uniform", model_name=model_name, num_layers=num_layers,
+                stages=stages, micro_batch_size=micro_batch_size, max_inflight_micro_batches=inflight or num_stages,
+                kv_capacity_tokens=kv_capacity_tokens)
+
+
+def load_gear(path: Path) -> Gear:
+    """The gear saved as JSON in ``path``.
+
+    Raises:
+        InputError: the file is missing or unreadable, or a field is invalid (named by its JSON path).
+    """
+    from pydantic import ValidationError
+
+    try:
+        return Gear.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise InputError(str(path), None, "gear file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(str(path), None, f"cannot read the gear file: {exc}") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise InputError(str(path), ".".join(str(x) for x in err["loc"]), err["msg"]) from None

@@ -1,0 +1,39 @@
+"""A cluster profile as users read it: the device table and the sanity problems of a profile."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from flexpipe_dag.core.cluster import ClusterProfile
+from flexpipe_dag.plots import link_bandwidth_heatmap
+
+
+def device_table(profile: ClusterProfile) -> pd.DataFrame:
+    """One row per device with the figures the planner uses (units in the column names)."""
+    return pd.DataFrame([{
+        "device": d.device_id, "node": d.node_id, "model": d.model_name, "kind": d.kind,
+        "memory_gib": d.memory_gib, "peak_tflops": d.peak_tflops, "hbm_bandwidth_gbps": d.hbm_bandwidth_gbps,
+        "max_micro_batch": d.max_micro_batch,
+        "available_until": d.available_until.isoformat() if d.available_until else "",
+    } for d in profile.devices])
+
+
+def link_heatmap(profile: ClusterProfile) -> bytes:
+    """PNG of the pairwise link bandwidth (GB/s) between the profile's devices."""
+    ids = [d.device_id for d in profile.devices]
+    grid = [[(l.bandwidth_gbps if (l := profile.link(a, b)) else None) for b in ids] for a in ids]
+    return link_bandwidth_heatmap(ids, grid, f"{profile.cluster_id}: link bandwidth (GB/s)")
+
+
+def profile_problems(profile: ClusterProfile) -> list[str]:
+    """Sanity problems of a profile (empty list = sane): memory <= 0, links to unknown devices or
+    with bandwidth <= 0."""
+    ids = {d.device_id for d in profile.devices}
+    problems = [f"device {d.device_id}: memory_gib {d.memory_gib} <= 0" for d in profile.devices if not d.memory_gib > 0]
+    for l in profile.links:
+        for end in (l.src_device_id, l.dst_device_id):
+            if end not in ids:
+                problems.append(f"link {l.src_device_id}->{l.dst_device_id}: unknown device {end}")
+        if not l.bandwidth_gbps > 0:
+            problems.append(f"link {l.src_device_id}->{l.dst_device_id}: bandwidth_gbps {l.bandwidth_gbps} <= 0")
+    return problems

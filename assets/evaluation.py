@@ -23,7 +23,7 @@ def evaluation_table(evaluations) -> pd.DataFrame:
 
 @asset(group_name="planning", kinds={"sql"}, deps=["candidate_gears"],
        description="Each candidate gear replayed on a real reference trace in the simulator: its measured "
-                   "envelope (qps_max within the SLO), TTFT P99 there and estimate replace the planner's.")
+                   "envelope (rps_max within the SLO), TTFT P99 there and estimate replace the planner's.")
 def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings, store: StoreResource) -> MaterializeResult:
     from flexpipe_dag.core.settings import flexpipe_home
     from flexpipe_dag.planner.cost_model import CostModel
@@ -53,10 +53,10 @@ def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings,
     base = head(reference, planning.reference_requests)
     evaluations = []
     for g in refined:  # each gear at 80 % of its measured envelope: the latency users see there
-        rate = max(0.8 * g.qps_max, 1e-3)
+        rate = max(0.8 * g.rps_max, 1e-3)
         evaluations.append(evaluate_gear(g, cost_model.timings(g), speedup(base, rate / base.mean_rate_rps), config))
-        context.log.info(f"{g.gear_id}: envelope {g.qps_min:.3g}..{g.qps_max:.3g} req/s, TTFT p99 "
-                         f"{g.target_p99_ms:.4g} ms at qps_max (was {next(o for o in gears if o.gear_id == g.gear_id).qps_max:.3g})")
+        context.log.info(f"{g.gear_id}: envelope {g.rps_min:.3g}..{g.rps_max:.3g} req/s, TTFT p99 "
+                         f"{g.target_p99_ms:.4g} ms at rps_max (was {next(o for o in gears if o.gear_id == g.gear_id).rps_max:.3g})")
     png_path = plot_evaluation(evaluations, flexpipe_home() / "plots" / "gear_evaluations.png")
     return MaterializeResult(metadata={
         "profile_version_id": info.id, "workload": reference.name, "requests": planning.reference_requests,

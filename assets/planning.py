@@ -16,7 +16,7 @@ def stage_table(gears) -> pd.DataFrame:
         "gear": g.gear_id, "kind": g.kind, "stage": st.stage_index, "layers": f"{st.layer_start}-{st.layer_end - 1}",
         "devices": ", ".join(st.device_ids), "est_stage_ms": st.est_stage_ms, "weight_gib": st.weight_gib,
         "kv_capacity_tokens": st.kv_capacity_tokens, "micro_batch": g.micro_batch_size,
-        "qps_max": g.qps_max, "target_p99_ms": g.target_p99_ms,
+        "rps_max": g.rps_max, "target_p99_ms": g.target_p99_ms,
     } for g in gears for st in g.stages])
 
 
@@ -64,7 +64,7 @@ def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, 
     db.save_gears(gears, info.id, model_id)
     for g in gears:
         context.log.info(f"{g.gear_id}: {g.num_stages} stage(s) {g.layer_ranges()}, micro-batch {g.micro_batch_size}, "
-                         f"envelope {g.qps_min:.3g}..{g.qps_max:.3g} req/s")
+                         f"envelope {g.rps_min:.3g}..{g.rps_max:.3g} req/s")
     return MaterializeResult(metadata={
         "profile_version_id": info.id, "model_id": model_id, "cluster_id": cluster.cluster_id,
         "calibrated": cal is not None,

@@ -4,7 +4,7 @@ Usage: python bench/shift_bench.py [--setting openb|lab] [--model M] [--cluster 
                                    [--gears sim|planner] [--select devices|speed] [--envelope sim|analytic]
                                    [--slo-ttft-ms 2000] [--slo-tpot-ms 200] [--duration-s 7200] [--peak-rps auto]
                                    [--peak-share 0.95] [--start-day 0] [--window-s 600]
-                                   [--device-weight 0.2] [--forecast-horizon-s 600] [--qps-ema-alpha 0.1]
+                                   [--device-weight 0.2] [--forecast-horizon-s 600] [--rps-ema-alpha 0.1]
                                    [--recent-peak-window-s 600] [--reversal-window-s 1800] [--no-seed-run]
                                    [--verbose]
 
@@ -25,7 +25,7 @@ Gears (``--gears sim``, default): the planner proposes a shortlist of distinct c
 (:func:`~flexpipe_dag.planner.gears.candidate_gears`, including its *compact* candidates: the plan on
 the fewest devices for half, a quarter and an eighth of the planned concurrency, since holding 64
 sequences of 4,096 tokens of KV alone takes 7+ of openb's 16-32 GB cards); each is replayed in the
-simulator on the first 1,000 Azure conv requests at bisected rates (envelope ``qps_max`` = highest
+simulator on the first 1,000 Azure conv requests at bisected rates (envelope ``rps_max`` = highest
 rate with >= ``ATTAINMENT`` = 95 % of requests inside the SLO), and the latency / balanced /
 throughput gears are chosen by what the simulator measured
 (:func:`~flexpipe_dag.planner.envelope.select_operating_gears`). ``--select devices`` (default) fills
@@ -41,7 +41,7 @@ drives the same replay, shifting gears from the simulator's 2-s metric samples. 
 design's seeds plus five that are off by default (``README``, "Controller and tide figures"):
 ``device_weight`` 0.2 (discretionary shifts pay for the devices they take), ``forecast_horizon_s``
 600 (``forecast_above_envelope`` starts the shift up before the rise; the forecast is the ServeGen
-tide's daily profile over the *other* 13 days, so it never sees the replayed day), ``qps_ema_alpha``
+tide's daily profile over the *other* 13 days, so it never sees the replayed day), ``rps_ema_alpha``
 0.1 (at ~1 req/s the seed alpha 0.3 follows Poisson noise), ``recent_peak_window_s`` 600 (a shift
 down must hold the last 10 minutes' peak) and ``reversal_window_s`` 1800 (a discretionary shift may
 not undo the previous one within 30 minutes: ``latency_under`` moving to a roomier gear and
@@ -158,7 +158,7 @@ def run_dynamic(workload, gears, timings, start_gear, sim_config: SimConfig, con
                 cluster, spec, dtype: str, output_tokens_mean: float, verbose: bool, forecast=None):
     """Serve the replay with the controller deciding at every metric sample; returns (SimResult, shifts).
 
-    ``forecast``: the controller's load forecast (``(t_s, qps, horizon_s) -> req/s``), or None.
+    ``forecast``: the controller's load forecast (``(t_s, rps, horizon_s) -> req/s``), or None.
     """
     layer_bytes = [spec.layer_weight_bytes(dtype)] * spec.num_layers
     extras = dict(embedding_bytes=spec.first_stage_extra_bytes(dtype), lm_head_bytes=spec.last_stage_extra_bytes(dtype))
@@ -200,7 +200,7 @@ BENCH_CONTROLLER: dict[str, tuple[float, str]] = {
     "device_weight": (0.2, "cost of devices held on discretionary shifts (seed 0)"),
     "forecast_horizon_s": (600.0, "look-ahead of the load forecast, simulated s (seed 0 = none); the forecast is the "
                                   "ServeGen tide's daily profile over the other 13 days"),
-    "qps_ema_alpha": (0.1, "EMA weight of the arrival rate (seed: ema_alpha 0.3)"),
+    "rps_ema_alpha": (0.1, "EMA weight of the arrival rate (seed: ema_alpha 0.3)"),
     "recent_peak_window_s": (600.0, "a shift down must hold this window's peak load (seed 0)"),
     "reversal_window_s": (1800.0, "a discretionary shift may not undo the previous one this soon (seed 0)"),
 }
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     t_env = time.perf_counter() - t0
     timings = {g.gear_id: cm.timings(g) for g in gears}
 
-    finite_max = [g.qps_max for g in gears if math.isfinite(g.qps_max)]
+    finite_max = [g.rps_max for g in gears if math.isfinite(g.rps_max)]
     peak_rps = args.peak_share * max(finite_max) if args.peak_rps == "auto" else float(args.peak_rps)
     tide = load_tide_trace()
     compression = 86400.0 / args.duration_s
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         est = g.estimate
         layout = " | ".join(f"{'+'.join(st.device_ids)}:{st.num_layers}L" for st in g.stages)
         print(f"  {g.gear_id:24s} {g.kind:10s} {len(g.device_ids):2d} devices, {len(g.stages)} stages, micro-batch {g.micro_batch_size:3d} x "
-              f"{g.max_inflight_micro_batches:2d}  envelope [{g.qps_min:.2f}, {g.qps_max:.2f}] req/s  "
+              f"{g.max_inflight_micro_batches:2d}  envelope [{g.rps_min:.2f}, {g.rps_max:.2f}] req/s  "
               f"TTFT p99 {est.ttft_p99_ms:.0f} ms  TPOT p99 {est.tpot_p99_ms:.0f} ms  [{layout}]", flush=True)
 
     # goodput = requests meeting both SLOs / the replay's duration (same denominator for every run)
@@ -372,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     # start in the gear whose envelope holds the opening load (else the smallest)
     opening = workload.requests[min(len(workload) - 1, 200)].arrival_s
     opening_rps = 200 / opening if opening > 0 else 0.0
-    fitting = [g for g in gears if g.qps_min <= opening_rps <= g.qps_max]
-    start = (fitting or sorted(gears, key=lambda g: g.qps_max))[0]
+    fitting = [g for g in gears if g.rps_min <= opening_rps <= g.rps_max]
+    start = (fitting or sorted(gears, key=lambda g: g.rps_max))[0]
     t0 = time.perf_counter()
     dyn_res, shifts = run_dynamic(workload, gears, timings, start, sim_config, controller, cluster, spec, args.dtype,
                                   out_mean, args.verbose, forecast=forecast)
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_use = device_usage(start.gear_id, seed_res.shifts, devices_by_gear,
                                 end_s=hold_end_s(seed_res, args.duration_s))
         seed_pdh = seed_use.per_device_hour(seed_met)
-        print(f"seed controller (design seed figures: devices free, no forecast, QPS alpha 0.3): goodput "
+        print(f"seed controller (design seed figures: devices free, no forecast, request rate alpha 0.3): goodput "
               f"{seed_met / args.duration_s:.3f} req/s = {seed_met / best_met if best_met > 0 else math.inf:.3f}x the best "
               f"static gear, SLO attainment {seed_res.summary['slo_attainment']:.3f}, lost {_lost(seed_res.summary)}, "
               f"{len(seed_shifts)} shifts = {len(seed_shifts) / hours:.2f} per simulated hour, "

@@ -25,7 +25,7 @@ class ServeTraceConfig(Config):
     trace_start_s: float = Field(600.0, ge=0, description="skip the trace's sparse first minutes")
     duration_s: float = Field(200.0, gt=0, description="wall seconds the tide day is compressed into")
     tide_start_h: float = Field(2.0, ge=0, lt=24, description="tide hour the replay starts at")
-    mean_rps: float = Field(0.0, ge=0, description="mean online arrival rate; 0 = 1.5 x the first gear's qps_max "
+    mean_rps: float = Field(0.0, ge=0, description="mean online arrival rate; 0 = 1.5 x the first gear's rps_max "
                                                    "(the tide's peak then overloads it, its trough does not)")
     max_prompt_tokens: int = 96
     max_new_tokens: int = 12
@@ -83,7 +83,7 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     if not gears:
         raise InfeasibleError(f"no runnable gears stored for profile version {info.id}: materialise candidate_gears")
     first = next((g for g in gears if g.kind == config.initial_gear_kind), gears[0])
-    mean_rps = config.mean_rps or 1.5 * first.qps_max
+    mean_rps = config.mean_rps or 1.5 * first.rps_max
     online_wl, offline_wl, compression = build_workloads(config, mean_rps)
     ckpt = resolve_checkpoint(None if planning.model == "SmolLM2-135M" else planning.model)
     tok = ckpt.tokenizer()

@@ -1,7 +1,7 @@
 """The ``tide_sensor``: admit queued offline batch jobs in troughs of the online tide, pause them as it rises.
 
 The decision itself is pure (:func:`flexpipe_dag.control.tide.decide_offline`); this module reads the
-store, keeps the smoothed online QPS in the sensor cursor, launches ``batch_inference`` runs (low
+store, keeps the smoothed online request rate in the sensor cursor, launches ``batch_inference`` runs (low
 ``dagster/priority``, so online-critical runs jump them) and marks running jobs ``paused``.
 """
 
@@ -40,27 +40,27 @@ def evaluate_tide(db, cursor: str | None, control: ControlSettings, *, epoch_s: 
     except ValueError as exc:
         raise InputError("tide_sensor cursor", None, f"cannot parse: {exc}") from None
     cfg = control.tide_config()
-    qps_ema, last_id = doc.get("qps_ema"), doc.get("last_sample_id")
+    ema_rps, last_id = doc.get("ema_rps"), doc.get("last_sample_id")
     gate = TideGate.model_validate(doc.get("gate") or {})
     admissions = dict(doc.get("admissions", {}))
     rows = db.read_samples(after_id=last_id)
     for _, smp in rows:
-        qps_ema = ema(qps_ema, smp.qps, cfg.ema_alpha)
+        ema_rps = ema(ema_rps, smp.rps, cfg.ema_alpha)
     if rows:
         last_id = rows[-1][0]
-    if qps_ema is None:
+    if ema_rps is None:
         return TideEvaluation(None, json.dumps(doc))
     if forecaster is None:
         forecaster = TideForecaster(load_history(cfg))
     gear_id = rows[-1][1].gear_id if rows else doc.get("gear_id")
     gear = db.load_gear(gear_id) if gear_id else None
-    capacity = gear.qps_max if gear else float("inf")
+    capacity = gear.rps_max if gear else float("inf")
     batch_jobs = db.jobs(kind="batch")
     running = [j for j in batch_jobs if j.status == "running"]
     gate = gate.model_copy(update={"running": bool(running) or gate.running and any(
         j.status == "admitted" for j in batch_jobs)})
     decision = decide_offline(forecaster, cfg, tide_time_s=tide_time_s(epoch_s or time.time(), cfg.time_compression),
-                              qps_ema=qps_ema, capacity_qps=capacity, offline_running=gate.running)
+                              ema_rps=ema_rps, capacity_rps=capacity, offline_running=gate.running)
     gate, act = gate.step(decision, cfg.hysteresis_samples)
     out = TideEvaluation(decision if act is None else act, "")
     if act is None:
@@ -74,7 +74,7 @@ def evaluate_tide(db, cursor: str | None, control: ControlSettings, *, epoch_s: 
         for j in out.admit:
             admissions[j.job_key] = admissions.get(j.job_key, 0) + 1
             db.update_job(j.id, status="admitted")
-    out.cursor = json.dumps({"qps_ema": qps_ema, "last_sample_id": last_id, "admissions": admissions,
+    out.cursor = json.dumps({"ema_rps": ema_rps, "last_sample_id": last_id, "admissions": admissions,
                              "gate": gate.model_dump(), "gear_id": gear_id}, sort_keys=True)
     out.run_keys = {j.job_key: f"batch:{j.job_key}:admission-{admissions[j.job_key]}" for j in out.admit}
     return out

@@ -118,8 +118,8 @@ class GearRow(Base):
     micro_batch_size: Mapped[int]
     max_inflight_micro_batches: Mapped[int]
     kv_capacity_tokens: Mapped[int]
-    qps_min: Mapped[float] = mapped_column(Float)
-    qps_max: Mapped[float | None] = mapped_column(Float, comment="NULL = unbounded")
+    rps_min: Mapped[float] = mapped_column(Float)
+    rps_max: Mapped[float | None] = mapped_column(Float, comment="NULL = unbounded")
     target_p99_ms: Mapped[float] = mapped_column(Float)
     estimate: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     spec: Mapped[dict[str, Any]]
@@ -171,7 +171,7 @@ class MetricSampleRow(Base):
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("metric_samples.id", ondelete="CASCADE"), index=True,
                                                   comment="the pipeline row a stage row belongs to")
     stage_index: Mapped[int | None]
-    qps: Mapped[float | None] = mapped_column(Float)
+    rps: Mapped[float | None] = mapped_column(Float)
     completed: Mapped[int | None]
     tokens_per_s: Mapped[float | None] = mapped_column(Float)
     queue_length: Mapped[int | None]

@@ -308,8 +308,8 @@ class Store:
                     gear_key=gear.gear_id, profile_version_id=profile_version_id, model_id=model_id,
                     plan_version=plan_version, kind=gear.kind, micro_batch_size=gear.micro_batch_size,
                     max_inflight_micro_batches=gear.max_inflight_micro_batches,
-                    kv_capacity_tokens=gear.kv_capacity_tokens, qps_min=gear.qps_min,
-                    qps_max=_finite_or_none(gear.qps_max), target_p99_ms=gear.target_p99_ms,
+                    kv_capacity_tokens=gear.kv_capacity_tokens, rps_min=gear.rps_min,
+                    rps_max=_finite_or_none(gear.rps_max), target_p99_ms=gear.target_p99_ms,
                     estimate=gear.estimate.model_dump() if gear.estimate else None,
                     spec=gear.model_dump(mode="json"),
                     stages=[m.GearStageRow(stage_index=st.stage_index, layer_start=st.layer_start,
@@ -391,7 +391,7 @@ class Store:
             for smp in samples:
                 head = m.MetricSampleRow(
                     run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s, scope="pipeline",
-                    qps=smp.qps, completed=smp.completed, tokens_per_s=smp.tokens_per_s,
+                    rps=smp.rps, completed=smp.completed, tokens_per_s=smp.tokens_per_s,
                     queue_length=smp.queue_length, running=smp.running, kv_used_fraction=smp.kv_used_fraction,
                     ttft_p50_ms=smp.ttft_p50_ms, ttft_p99_ms=smp.ttft_p99_ms, tpot_p50_ms=smp.tpot_p50_ms,
                     tpot_p99_ms=smp.tpot_p99_ms, e2e_p50_ms=smp.e2e_p50_ms, e2e_p99_ms=smp.e2e_p99_ms)
@@ -438,7 +438,7 @@ class Store:
                     stage_index=r.stage_index, busy_fraction=r.busy_fraction, queue_length=r.queue_length,
                     kv_blocks_used=r.kv_blocks_used, kv_blocks_total=r.kv_blocks_total))
             return [(h.id, MetricSample(
-                t_s=h.t_s, gear_id=h.gear_key, source=h.source, qps=h.qps, completed=h.completed,
+                t_s=h.t_s, gear_id=h.gear_key, source=h.source, rps=h.rps, completed=h.completed,
                 tokens_per_s=h.tokens_per_s, queue_length=h.queue_length, running=h.running,
                 kv_used_fraction=h.kv_used_fraction, ttft_p50_ms=h.ttft_p50_ms, ttft_p99_ms=h.ttft_p99_ms,
                 tpot_p50_ms=h.tpot_p50_ms, tpot_p99_ms=h.tpot_p99_ms, e2e_p50_ms=h.e2e_p50_ms,

@@ -204,12 +204,12 @@ def test_build_resources_refuses_a_bad_control_file_at_load(tmp_path, clean_env)
     from flexpipe_dag.definitions import build_resources
 
     bad = tmp_path / "control.yaml"
-    bad.write_text("controller:\n  qps_ema_alpha: 0\n  device_weight: yes\ntide:\n  horizon_s: .inf\n")
+    bad.write_text("controller:\n  rps_ema_alpha: 0\n  device_weight: yes\ntide:\n  horizon_s: .inf\n")
     clean_env.setenv("FLEXPIPE_CONTROL_FILE", str(bad))
     with pytest.raises(InputError) as e:
         build_resources()
     # every bad figure of the section is named, not just the first
-    assert str(e.value).startswith(f"{bad}: controller.qps_ema_alpha: ") and "also controller.device_weight" in str(e.value)
+    assert str(e.value).startswith(f"{bad}: controller.rps_ema_alpha: ") and "also controller.device_weight" in str(e.value)
     bad.write_text("tide:\n  horizon_s: .inf\n")
     with pytest.raises(InputError, match=r"tide\.horizon_s"):
         build_resources()

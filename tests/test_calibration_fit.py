@@ -202,12 +202,12 @@ def test_rescore_flags_moved_estimates_and_changed_choice_and_plots():
                      prefill_chunk_tokens=128, micro_batch_sizes=(1, 2, 4, 8))
     gear = Gear(gear_id="g", kind="manual", model_name=SPEC.name, dtype="fp32", num_layers=30, micro_batch_size=4,
                 stages=[StagePlan(stage_index=0, layer_start=0, layer_end=20, device_ids=["cpu0"]),
-                        StagePlan(stage_index=1, layer_start=20, layer_end=30, device_ids=["cpu1"])], qps_max=2.0)
+                        StagePlan(stage_index=1, layer_start=20, layer_end=30, device_ids=["cpu1"])], rps_max=2.0)
     res = rescore_gears(SPEC, wrong, cal, [gear], workload=w, margin=0.1)
     (g,) = res.gears
     assert g.exceeds_margin and res.needs_replan
     assert g.after["throughput_rps"] < g.before["throughput_rps"]
-    assert g.updated.qps_max < gear.qps_max and "now sustains" in g.message
+    assert g.updated.rps_max < gear.rps_max and "now sustains" in g.message
     assert res.choice_changed
     def imbalance(gears):
         thr = next(x for x in gears if x.kind == "throughput")

@@ -17,27 +17,27 @@ def _square_tide() -> Tide:
 def test_forecast_scales_profile_to_live_level_and_looks_ahead():
     f = TideForecaster(_square_tide())
     assert f.profile_at(3600) == 10.0 and f.profile_at(13 * 3600) == 40.0
-    assert f.forecast_qps(3600, qps_now=2.0, horizon_s=1800) == pytest.approx(2.0)
+    assert f.forecast_rps(3600, rps_now=2.0, horizon_s=1800) == pytest.approx(2.0)
     # at 11:45 the rise at 12:00 is inside a 30 min horizon: 4x the live level
-    assert f.forecast_qps(11.75 * 3600, qps_now=2.0, horizon_s=1800) == pytest.approx(8.0)
+    assert f.forecast_rps(11.75 * 3600, rps_now=2.0, horizon_s=1800) == pytest.approx(8.0)
 
 
 def test_admit_in_trough_pause_on_rise_keep_between():
     f, cfg = TideForecaster(_square_tide()), TideConfig(horizon_s=1800)
-    admit = decide_offline(f, cfg, tide_time_s=3600, qps_ema=2.0, capacity_qps=10.0, offline_running=False)
+    admit = decide_offline(f, cfg, tide_time_s=3600, ema_rps=2.0, capacity_rps=10.0, offline_running=False)
     assert admit.action == "admit" and "trough" in admit.reason
     # the rise is forecast within the horizon: running offline work is paused before it arrives
-    pause = decide_offline(f, cfg, tide_time_s=11.75 * 3600, qps_ema=2.0, capacity_qps=10.0, offline_running=True)
+    pause = decide_offline(f, cfg, tide_time_s=11.75 * 3600, ema_rps=2.0, capacity_rps=10.0, offline_running=True)
     assert pause.action == "pause"
     # between the thresholds nothing changes either way (hysteresis)
     for running in (True, False):
-        keep = decide_offline(f, cfg, tide_time_s=3600, qps_ema=6.0, capacity_qps=10.0, offline_running=running)
+        keep = decide_offline(f, cfg, tide_time_s=3600, ema_rps=6.0, capacity_rps=10.0, offline_running=running)
         assert keep.action == "keep"
 
 
 def test_online_load_above_pause_threshold_always_pauses():
     f = TideForecaster(_square_tide())
-    d = decide_offline(f, TideConfig(), tide_time_s=3600, qps_ema=9.0, capacity_qps=10.0, offline_running=True)
+    d = decide_offline(f, TideConfig(), tide_time_s=3600, ema_rps=9.0, capacity_rps=10.0, offline_running=True)
     assert d.action == "pause"
 
 

@@ -124,7 +124,7 @@ def test_select_operating_gears_by_goodput_per_device(objective, expected):
     gears = select_operating_gears(candidates, lambda g: timings[g.gear_id], trace, slo_ttft_ms=400.0,
                                    slo_tpot_ms=1000.0, num_requests=400, rel_tol=0.02, objective=objective)
     assert [(g.kind, g.gear_id) for g in gears] == expected
-    caps = [g.qps_max for g in gears]
+    caps = [g.rps_max for g in gears]
     assert caps == sorted(caps)
 
 

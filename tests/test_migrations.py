@@ -53,3 +53,19 @@ def test_step_down_and_up_keeps_rows(engine, lab_profile):
     assert store.done_request_keys(job) == {"r1"}
     assert len(store.list_profile_versions()) == 1
     assert store.jobs()[0].config == {}  # the column came back with its server default
+
+
+def test_request_rate_columns_renamed_with_data_in_place(engine):
+    """0005 renames gears.qps_* and metric_samples.qps to rps_* / rps, keeping rows; 0004 gives them back."""
+    from sqlalchemy import inspect
+
+    from flexpipe_dag.core.metrics import MetricSample
+
+    store = Store(engine)
+    store.write_samples("run-1", [MetricSample(t_s=2.0, gear_id="g", source="sim", rps=1.5, completed=1,
+                                               tokens_per_s=1.0, queue_length=0, running=0, kv_used_fraction=0.0)])
+    downgrade(engine, "0004")
+    assert "qps" in {c["name"] for c in inspect(engine).get_columns("metric_samples")}
+    migrate(engine)
+    assert {"rps_min", "rps_max"} <= {c["name"] for c in inspect(engine).get_columns("gears")}
+    assert [s.rps for _, s in Store(engine).read_samples("run-1")] == [1.5]

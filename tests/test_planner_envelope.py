@@ -35,7 +35,7 @@ def _measure(gear, timing, **kw):
 def test_one_stage_saturates_at_one_over_its_service_time():
     gear = manual_gear([4], gear_id="one", micro_batch_size=1, max_inflight_micro_batches=1)
     env = _measure(gear, _timing(100.0))  # 100 ms per request: mu = 10 req/s
-    assert 9.5 <= env.qps_max <= 10.0 + 0.2
+    assert 9.5 <= env.rps_max <= 10.0 + 0.2
     assert any(not p.passed and p.rate_rps < 11.0 for p in env.probes)  # the bracket closed near mu
     assert 100.0 - 1e-6 <= env.target_p99_ms <= SLO_TTFT_MS  # TTFT P99 measured there: service + small backlog
 
@@ -43,8 +43,8 @@ def test_one_stage_saturates_at_one_over_its_service_time():
 def test_replicas_double_the_envelope_only_with_enough_micro_batches_in_flight():
     one_slot = manual_gear([4], replicas=[2], gear_id="r2m1", micro_batch_size=1, max_inflight_micro_batches=1)
     two_slots = manual_gear([4], replicas=[2], gear_id="r2m2", micro_batch_size=1, max_inflight_micro_batches=2)
-    assert _measure(one_slot, _timing(100.0)).qps_max <= 10.2          # one replica idles
-    assert 19.0 <= _measure(two_slots, _timing(100.0)).qps_max <= 20.4  # 2 / 100 ms
+    assert _measure(one_slot, _timing(100.0)).rps_max <= 10.2          # one replica idles
+    assert 19.0 <= _measure(two_slots, _timing(100.0)).rps_max <= 20.4  # 2 / 100 ms
 
 
 def test_pipeline_envelope_is_set_by_the_bottleneck_stage():
@@ -53,14 +53,14 @@ def test_pipeline_envelope_is_set_by_the_bottleneck_stage():
     timing = _timing(100.0, 50.0)
     overlapped = manual_gear([2, 2], gear_id="m2", micro_batch_size=1, max_inflight_micro_batches=2)
     serial = manual_gear([2, 2], gear_id="m1", micro_batch_size=1, max_inflight_micro_batches=1)
-    assert 9.5 <= _measure(overlapped, timing).qps_max <= 10.2
-    assert 6.3 <= _measure(serial, timing).qps_max <= 6.8
+    assert 9.5 <= _measure(overlapped, timing).rps_max <= 10.2
+    assert 6.3 <= _measure(serial, timing).rps_max <= 6.8
 
 
 def test_a_gear_that_misses_the_slo_when_idle_gets_an_empty_envelope():
     gear = manual_gear([4], gear_id="slow", micro_batch_size=1, max_inflight_micro_batches=1)
     env = _measure(gear, _timing(SLO_TTFT_MS * 2), max_halvings=3)
-    assert env.qps_max == 0.0 and all(not p.passed for p in env.probes)
+    assert env.rps_max == 0.0 and all(not p.passed for p in env.probes)
 
 
 def test_refine_sets_estimate_target_and_overlapping_envelopes_deterministically():
@@ -74,11 +74,11 @@ def test_refine_sets_estimate_target_and_overlapping_envelopes_deterministically
     assert [g.gear_id for g in out] == ["big", "small"]                      # order kept
     assert [g.model_dump() for g in out] == [g.model_dump() for g in again]  # deterministic
     by = {g.gear_id: g for g in out}
-    assert by["small"].qps_min == 0.0
-    assert by["big"].qps_min == pytest.approx(0.7 * by["small"].qps_max)
-    assert by["big"].qps_min < by["small"].qps_max < by["big"].qps_max     # overlap for hysteresis
+    assert by["small"].rps_min == 0.0
+    assert by["big"].rps_min == pytest.approx(0.7 * by["small"].rps_max)
+    assert by["big"].rps_min < by["small"].rps_max < by["big"].rps_max     # overlap for hysteresis
     for g, env in zip(out, report):
-        assert g.qps_max == env.qps_max and isinstance(g.estimate, GearEstimate)
+        assert g.rps_max == env.rps_max and isinstance(g.estimate, GearEstimate)
         assert g.estimate.throughput_rps > 0 and g.estimate.ttft_p50_ms >= 100.0 - 1e-6
         assert g.target_p99_ms == pytest.approx(env.target_p99_ms)
         assert g.stages == {"big": big, "small": small}[g.gear_id].stages  # pipeline untouched
@@ -123,7 +123,7 @@ def test_selection_picks_throughput_by_envelope_and_latency_by_low_load_tpot():
                                    slo_tpot_ms=1000.0, num_requests=400, rel_tol=0.02, notes=notes)
     assert [(g.kind, g.gear_id) for g in gears] == [("latency", "latency-quick"), ("throughput", "throughput-roomy")]
     lat, thr = gears
-    assert lat.qps_max < thr.qps_max and thr.qps_min == pytest.approx(0.7 * lat.qps_max)
+    assert lat.rps_max < thr.rps_max and thr.rps_min == pytest.approx(0.7 * lat.rps_max)
     assert lat.estimate.tpot_p50_ms < thr.estimate.tpot_p50_ms
     assert len(notes) == 1 and "no balanced gear" in notes[0]
 
@@ -173,16 +173,16 @@ def test_load_above_every_envelope_never_shifts_down_to_a_smaller_gear():
     from flexpipe_dag.control import Controller
     from flexpipe_dag.core.metrics import MetricSample, StageSample
 
-    lat = manual_gear([30], gear_id="lat").model_copy(update={"kind": "latency", "qps_max": 7.8, "target_p99_ms": 1700.0})
+    lat = manual_gear([30], gear_id="lat").model_copy(update={"kind": "latency", "rps_max": 7.8, "target_p99_ms": 1700.0})
     thr = manual_gear([10, 20], gear_id="thr").model_copy(
-        update={"kind": "throughput", "qps_min": 5.5, "qps_max": 12.4, "target_p99_ms": 2700.0})
+        update={"kind": "throughput", "rps_min": 5.5, "rps_max": 12.4, "target_p99_ms": 2700.0})
     for g in (lat, thr):
-        g.__dict__["estimate"] = GearEstimate(throughput_rps=g.qps_max, tokens_per_s=0.0, ttft_p50_ms=300.0,
+        g.__dict__["estimate"] = GearEstimate(throughput_rps=g.rps_max, tokens_per_s=0.0, ttft_p50_ms=300.0,
                                               ttft_p99_ms=g.target_p99_ms, tpot_p50_ms=30.0, tpot_p99_ms=90.0,
                                               bottleneck_stage=0)
     ctrl, state, actions = Controller(), None, []
     for k in range(1, 400):
-        s = MetricSample(t_s=2.0 * k, gear_id="thr", source="sim", qps=19.5, completed=24, tokens_per_s=2500.0,
+        s = MetricSample(t_s=2.0 * k, gear_id="thr", source="sim", rps=19.5, completed=24, tokens_per_s=2500.0,
                          queue_length=400, running=128, kv_used_fraction=0.9, ttft_p50_ms=60_000.0,
                          ttft_p99_ms=120_000.0, stages=tuple(StageSample(stage_index=i, busy_fraction=1.0, queue_length=2,
                                                                          kv_blocks_used=9, kv_blocks_total=10)

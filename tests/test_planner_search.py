@@ -133,7 +133,7 @@ def test_gears_on_fragmented_lab_are_valid_deterministic_and_ordered():
     throughput = gears[2].estimate.tokens_per_s
     assert all(g.estimate.tokens_per_s <= throughput + 1e-9 for g in gears)
     for g in gears:
-        assert g.qps_min <= g.qps_max and g.estimate.ttft_p50_ms <= g.estimate.ttft_p99_ms
+        assert g.rps_min <= g.rps_max and g.estimate.ttft_p50_ms <= g.estimate.ttft_p99_ms
         assert g.kv_capacity_tokens == min(s.kv_capacity_tokens for s in g.stages)
         assert g.kv_capacity_tokens >= 64 * 4096
         for s in g.stages:

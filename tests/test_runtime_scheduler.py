@@ -122,9 +122,9 @@ def test_live_metrics_window():
     m.record_finished(0.3, None, 0.3)
     s = m.sample(102.0, queue_length=3, running=2, kv_blocks_used=5, kv_blocks_total=20, micro_batches_sent=7,
                  stages=[StageCounters(6, 1.5), StageCounters(4, 0.5)])
-    assert (s.t_s, s.qps, s.tokens_per_s, s.completed, s.source) == (2.0, 2.0, 5.0, 2, "live")
+    assert (s.t_s, s.rps, s.tokens_per_s, s.completed, s.source) == (2.0, 2.0, 5.0, 2, "live")
     assert s.kv_used_fraction == 0.25 and s.tpot_p50_ms == pytest.approx(20.0)
     assert [st.queue_length for st in s.stages] == [1, 2] and s.stages[0].busy_fraction == 0.75
     s2 = m.sample(104.0, queue_length=0, running=0, kv_blocks_used=0, kv_blocks_total=20, micro_batches_sent=7,
                   stages=[StageCounters(7, 2.5), StageCounters(7, 2.5)])
-    assert s2.ttft_p50_ms is None and s2.stages[1].busy_fraction == 1.0 and s2.qps == 0.0
+    assert s2.ttft_p50_ms is None and s2.stages[1].busy_fraction == 1.0 and s2.rps == 0.0

@@ -19,14 +19,14 @@ from flexpipe_dag.resources.store_resource import StoreResource
 from conftest import EXAMPLES
 
 
-def _gear(gear_id, kind, qps_min, qps_max, stages):
+def _gear(gear_id, kind, rps_min, rps_max, stages):
     bounds = [(0, 30)] if stages == 1 else [(0, 15), (15, 30)]
     devs = ["gpu_001", "gpu_002"]
     return Gear(gear_id=gear_id, kind=kind, model_name="SmolLM2-135M", num_layers=30, micro_batch_size=8,
                 stages=[StagePlan(stage_index=i, layer_start=a, layer_end=b, device_ids=[devs[i]])
                         for i, (a, b) in enumerate(bounds)],
-                qps_min=qps_min, qps_max=qps_max, target_p99_ms=500.0,
-                estimate=GearEstimate(throughput_rps=qps_max, tokens_per_s=qps_max * 100, ttft_p50_ms=100,
+                rps_min=rps_min, rps_max=rps_max, target_p99_ms=500.0,
+                estimate=GearEstimate(throughput_rps=rps_max, tokens_per_s=rps_max * 100, ttft_p50_ms=100,
                                       ttft_p99_ms=300, tpot_p50_ms=20, tpot_p99_ms=40, bottleneck_stage=0))
 
 
@@ -43,11 +43,11 @@ def store_res(tmp_path):
     return res
 
 
-def _samples(gear_id, qps_values, t0=0.0):
-    return [MetricSample(t_s=t0 + 2.0 * (i + 1), gear_id=gear_id, source="live", qps=q, completed=int(q * 2),
+def _samples(gear_id, rps_values, t0=0.0):
+    return [MetricSample(t_s=t0 + 2.0 * (i + 1), gear_id=gear_id, source="live", rps=q, completed=int(q * 2),
                          tokens_per_s=q * 100, queue_length=5, running=8, kv_used_fraction=0.3,
                          ttft_p99_ms=300.0, tpot_p99_ms=40.0,
-                         stages=(StageSample(0, 0.8, 1, 10, 100),)) for i, q in enumerate(qps_values)]
+                         stages=(StageSample(0, 0.8, 1, 10, 100),)) for i, q in enumerate(rps_values)]
 
 
 def _tick(sensor, store_res, cursor=None, **control):
@@ -67,8 +67,8 @@ def test_gear_shift_sensor_launches_one_run_with_deterministic_key(store_res):
     assert isinstance(result, RunRequest), result
     assert result.run_key.startswith("gear-shift:latency-1s->throughput-2s@t")
     cfg = result.run_config["ops"]["apply_gear_shift"]["config"]
-    assert cfg["to_gear_id"] == "throughput-2s" and cfg["trigger"] == "qps_above_envelope"
-    assert "qps" in cfg["reason"]
+    assert cfg["to_gear_id"] == "throughput-2s" and cfg["trigger"] == "rps_above_envelope"
+    assert "rps" in cfg["reason"]
     # the same tick evaluated again (a retried tick) asks for the same run key: Dagster launches one run
     again, _ = _tick(gear_shift_sensor, store_res, cursor)
     assert isinstance(again, RunRequest) and again.run_key == result.run_key
@@ -120,12 +120,12 @@ def test_sensor_shifts_ahead_of_a_forecast_rise(tmp_path, store_res):
     assert ev.decision.action == "shift" and ev.decision.trigger == "forecast_above_envelope"
     assert ev.run_key.startswith("gear-shift:latency-1s->throughput-2s@t")
     stored = db.get_shift_event(ev.event_id)
-    assert stored.trigger == "forecast_above_envelope" and "forecast qps 12/s" in stored.reason
+    assert stored.trigger == "forecast_above_envelope" and "forecast rps 12/s" in stored.reason
     # without a forecast passed, the sensor reads the bundled tide history; the seeds (horizon 0) ignore it
     _, cursor = _tick(gear_shift_sensor, store_res, config_file=str(cfg))
-    assert json.loads(json.loads(cursor)["controller"])["forecast_qps"] is not None
+    assert json.loads(json.loads(cursor)["controller"])["forecast_rps"] is not None
     _, cursor = _tick(gear_shift_sensor, store_res)
-    assert json.loads(json.loads(cursor)["controller"])["forecast_qps"] is None
+    assert json.loads(json.loads(cursor)["controller"])["forecast_rps"] is None
 
 
 def test_tide_history_forecast_places_samples_in_tide_time():
@@ -138,7 +138,7 @@ def test_tide_history_forecast_places_samples_in_tide_time():
     fc = tide_history_forecast(ControlSettings(), newest_t_s=500.0, epoch_s=epoch)  # tide settings: 1x
     ref = TideForecaster(load_tide_trace())
     # a sample 100 s older than the newest one is 100 s before now
-    assert fc(400.0, 3.0, 600.0) == pytest.approx(ref.forecast_qps(tide_time_s(epoch - 100.0, 1.0), 3.0, 600.0))
+    assert fc(400.0, 3.0, 600.0) == pytest.approx(ref.forecast_rps(tide_time_s(epoch - 100.0, 1.0), 3.0, 600.0))
     assert tide_time_s(epoch, compression) == pytest.approx((epoch * compression) % 86400.0)
 
 

@@ -23,14 +23,14 @@ def test_summary_counts_lost_and_duplicates():
 
 
 def test_html_report_embeds_the_three_figures(tmp_path):
-    samples = [MetricSample(t_s=2.0 * i, gear_id="a" if i < 5 else "b", source="live", qps=1.0 + i % 3, completed=1,
+    samples = [MetricSample(t_s=2.0 * i, gear_id="a" if i < 5 else "b", source="live", rps=1.0 + i % 3, completed=1,
                             tokens_per_s=10.0, queue_length=0, running=1, kv_used_fraction=0.1,
                             stages=(StageSample(0, 0.5, 0, 1, 10), StageSample(1, 0.4, 0, 1, 10)))
                for i in range(1, 11)]
-    shifts = [{"t_s": 10.0, "from_gear": "a", "to_gear": "b", "trigger": "qps_above_envelope", "status": "done",
-               "reason": "qps 3 above envelope max 2 for 3 samples"}]
+    shifts = [{"t_s": 10.0, "from_gear": "a", "to_gear": "b", "trigger": "rps_above_envelope", "status": "done",
+               "reason": "rps 3 above envelope max 2 for 3 samples"}]
     summary = summarize(_results(), submitted=10, elapsed_s=20.0, shifts=shifts)
     path = write_html_report(tmp_path / "r" / "report.html", "test run", summary, samples, _results(), notes=["n1"])
     text = path.read_text()
     assert text.count("data:image/png;base64,") == 3
-    assert "qps 3 above envelope max 2" in text and "lost 0" in text
+    assert "rps 3 above envelope max 2" in text and "lost 0" in text

@@ -63,7 +63,7 @@ def test_samples_every_period_and_consistent_with_results():
     ts = np.array([s.t_s for s in res.samples])
     assert np.allclose(np.diff(ts), 2.0) and ts[0] == 2.0
     assert sum(s.completed for s in res.samples) == len(w)
-    assert sum(s.qps * 2.0 for s in res.samples) == pytest.approx(len(w))
+    assert sum(s.rps * 2.0 for s in res.samples) == pytest.approx(len(w))
     assert sum(s.tokens_per_s * 2.0 for s in res.samples) == pytest.approx(res.requests["output_tokens"].sum())
     for s in res.samples:
         assert s.source == "sim" and s.gear_id == "g-old" and len(s.stages) == 2

@@ -12,11 +12,11 @@ from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.sql import models as m
 
 
-def _gear(gear_id="balanced-2s", qps_max=float("inf")) -> Gear:
+def _gear(gear_id="balanced-2s", rps_max=float("inf")) -> Gear:
     return Gear(gear_id=gear_id, kind="balanced", model_name="SmolLM2-135M", num_layers=30,
                 stages=[StagePlan(stage_index=0, layer_start=0, layer_end=12, device_ids=["a"]),
                         StagePlan(stage_index=1, layer_start=12, layer_end=30, device_ids=["b", "c"])],
-                micro_batch_size=4, qps_max=qps_max,
+                micro_batch_size=4, rps_max=rps_max,
                 estimate=GearEstimate(throughput_rps=3, tokens_per_s=300, ttft_p50_ms=10, ttft_p99_ms=20,
                                       tpot_p50_ms=5, tpot_p99_ms=9, bottleneck_stage=1))
 
@@ -38,7 +38,7 @@ def test_gears_round_trip_and_replace(store, lab_profile):
     pv = store.save_profile(lab_profile)
     model_id = store.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30})
     assert store.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30}) == model_id
-    store.save_gears([_gear(), _gear("latency-1s", qps_max=4.0)], pv.id, model_id)
+    store.save_gears([_gear(), _gear("latency-1s", rps_max=4.0)], pv.id, model_id)
     store.save_gears([_gear()], pv.id, model_id)  # a new plan: the current set; same key replaced
     gears = store.load_gears(pv.id, model_id)
     assert [g.gear_id for g in gears] == ["balanced-2s"]
@@ -46,7 +46,7 @@ def test_gears_round_trip_and_replace(store, lab_profile):
     assert sorted(g.gear_id for g in everything) == ["balanced-2s", "latency-1s"]
     assert store.load_gear("latency-1s") is not None  # an older plan's gear stays loadable by key
     got = next(g for g in gears if g.gear_id == "balanced-2s")
-    assert got == _gear() and math.isinf(got.qps_max)
+    assert got == _gear() and math.isinf(got.rps_max)
     with store.session() as s:
         assert s.scalar(select(func.count()).select_from(m.GearStageRow)) == 4
 
@@ -61,7 +61,7 @@ def test_health_tags_mark_and_clear(store):
 
 
 def test_metric_samples_round_trip(store):
-    samples = [MetricSample(t_s=2.0 * i, gear_id="g", source="sim", qps=1.5, completed=3, tokens_per_s=40.0,
+    samples = [MetricSample(t_s=2.0 * i, gear_id="g", source="sim", rps=1.5, completed=3, tokens_per_s=40.0,
                             queue_length=i, running=2, kv_used_fraction=0.25, ttft_p99_ms=12.0,
                             stages=(StageSample(0, 0.5, 1, 10, 100), StageSample(1, 0.9, 0, 12, 100)))
                for i in range(1, 4)]
@@ -99,3 +99,18 @@ def test_failed_write_leaves_nothing(store, lab_profile):
     with pytest.raises(Exception):
         store.save_gears([_gear(), "not a gear"], pv.id, model_id)  # second item fails mid-transaction
     assert store.load_gears(pv.id, model_id) == []
+
+
+def test_gears_and_control_files_written_with_qps_names_still_read(tmp_path):
+    """Request rates were named ``qps_*`` before ``rps_*``: saved gears and control files keep loading."""
+    from flexpipe_dag.control.config import ControllerConfig
+    from flexpipe_dag.core.gear_builders import load_gear
+
+    doc = _gear(rps_max=7.5).model_dump(mode="json")
+    doc["qps_min"], doc["qps_max"] = doc.pop("rps_min"), doc.pop("rps_max")
+    path = tmp_path / "old-gear.json"
+    import json
+
+    path.write_text(json.dumps(doc))
+    assert load_gear(path) == _gear(rps_max=7.5)
+    assert ControllerConfig.model_validate({"qps_ema_alpha": 0.1}).rps_ema_alpha == 0.1

@@ -173,19 +173,19 @@ def rescore_gears(model: ModelSpec, cluster: ClusterProfile, calibration: Calibr
         mb, ma = _metrics(eb), _metrics(ea)
         sb, sa = stage_decode_ms(s_before, g), stage_decode_ms(s_after, g)
         change = max([_rel(mb[m], ma[m]) for m in METRICS] + [_rel(a, b) for a, b in zip(sb, sa)])
-        ratio = ea.qps_at_envelope / eb.qps_at_envelope if eb.qps_at_envelope > 0 else 1.0
-        qps_max = g.qps_max * ratio if math.isfinite(g.qps_max) else g.qps_max
+        ratio = ea.rps_at_envelope / eb.rps_at_envelope if eb.rps_at_envelope > 0 else 1.0
+        rps_max = g.rps_max * ratio if math.isfinite(g.rps_max) else g.rps_max
         updated = g.model_copy(update={
             "estimate": GearEstimate(**{m: ma[m] for m in METRICS}, bottleneck_stage=ea.bottleneck_stage),
             "stages": [st.model_copy(update={"est_stage_ms": round(t, 6)}) for st, t in zip(g.stages, sa)],
-            "qps_min": min(g.qps_min * ratio, qps_max), "qps_max": qps_max,
+            "rps_min": min(g.rps_min * ratio, rps_max), "rps_max": rps_max,
             "target_p99_ms": max(1.0, math.ceil(ea.ttft_p99_ms))})
         verb = "sustains" if ma["throughput_rps"] <= mb["throughput_rps"] else "sustains up to"
         msg = (f"gear {g.gear_id} now {verb} {ma['throughput_rps']:.3g} req/s, not {mb['throughput_rps']:.3g}; "
                f"TPOT p50 {ma['tpot_p50_ms']:.3g} ms (was {mb['tpot_p50_ms']:.3g}); stage times "
                + ", ".join(f"{a:.3g}" for a in sa) + f" ms (were " + ", ".join(f"{b:.3g}" for b in sb) + ")")
-        if math.isfinite(g.qps_max) and ratio < 1:
-            msg += f"; its envelope narrows to {updated.qps_min:.3g}..{updated.qps_max:.3g} req/s"
+        if math.isfinite(g.rps_max) and ratio < 1:
+            msg += f"; its envelope narrows to {updated.rps_min:.3g}..{updated.rps_max:.3g} req/s"
         out.append(GearRescore(g.gear_id, g.kind, mb, ma, sb, sa, change, change > margin, updated, msg))
     planned_before: list[Gear] = []
     planned_after: list[Gear] = []

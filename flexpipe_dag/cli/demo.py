@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration-s", type=float, default=200.0, help="wall seconds one tide day is compressed into")
     p.add_argument("--dwell-s", type=float, default=30.0, help="controller dwell after a shift (seed: 600 s)")
-    p.add_argument("--mean-rps", type=float, default=0.0, help="mean online rate (0: the first gear's envelope qps_max)")
+    p.add_argument("--mean-rps", type=float, default=0.0, help="mean online rate (0: the first gear's envelope rps_max)")
     p.add_argument("--fleet", default=str(FLEET_EXAMPLE), help="fragmented fleet to plan Llama-3-8B for (preview)")
     p.add_argument("--ui", action="store_true", help="instead: start the Dagster UI (dagster dev) with the demo's settings")
     p.set_defaults(func=run)

@@ -91,14 +91,14 @@ def _print_table(cluster_id: str, model_name: str, dtype: str, gears) -> None:
     console = Console()
     summary = Table(title=f"gears for {model_name} ({dtype}) on {cluster_id}")
     for col in ("gear", "stages", "micro-batch", "in-flight", "tokens/s", "req/s", "TTFT p50/p99 ms",
-                "TPOT p50/p99 ms", "qps envelope", "KV tokens"):
+                "TPOT p50/p99 ms", "rps envelope", "KV tokens"):
         summary.add_column(col, justify="right" if col not in ("gear",) else "left")
     for g in gears:
         e = g.estimate
         summary.add_row(g.gear_id, str(g.num_stages), str(g.micro_batch_size), str(g.max_inflight_micro_batches),
                         f"{e.tokens_per_s:,.0f}", f"{e.throughput_rps:.2f}",
                         f"{e.ttft_p50_ms:,.0f} / {e.ttft_p99_ms:,.0f}", f"{e.tpot_p50_ms:.1f} / {e.tpot_p99_ms:.1f}",
-                        f"{g.qps_min:.2f}..{g.qps_max:.2f}", f"{g.kv_capacity_tokens:,}")
+                        f"{g.rps_min:.2f}..{g.rps_max:.2f}", f"{g.kv_capacity_tokens:,}")
     console.print(summary)
     for g in gears:
         t = Table(title=f"{g.gear_id} stages")

@@ -73,8 +73,8 @@ def load_gear_file(path: str | Path) -> Gear:
         data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise InputError(str(path), None, f"cannot parse: {exc}") from exc
-    if isinstance(data, dict) and data.get("qps_max", 0) is None:
-        data = {k: v for k, v in data.items() if k != "qps_max"}  # Gear.model_dump_json writes an unbounded envelope as null
+    if isinstance(data, dict) and data.get("rps_max", 0) is None:
+        data = {k: v for k, v in data.items() if k != "rps_max"}  # Gear.model_dump_json writes an unbounded envelope as null
     try:
         return Gear.model_validate(data)
     except ValidationError as exc:

@@ -10,7 +10,7 @@ shift needs its own 3; 10 min minimum dwell after a shift; a shift must pay back
 Beyond the seeds (each off by default): ``device_weight`` charges a gear for the devices it holds on
 discretionary shifts (a fragmented fleet lends what the serving gear does not hold to offline work);
 ``forecast_horizon_s`` lets a load forecast (the tide's daily profile,
-:mod:`flexpipe_dag.control.tide`) start a shift up before the rise; ``qps_ema_alpha`` smooths the
+:mod:`flexpipe_dag.control.tide`) start a shift up before the rise; ``rps_ema_alpha`` smooths the
 arrival rate apart from the rest; ``recent_peak_window_s`` keeps a shift down from landing in a gear
 the last window's peak would overrun; ``reversal_window_s`` keeps two discretionary triggers from
 ping-ponging between two gears.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S
 
@@ -72,8 +72,9 @@ class ControllerConfig(Figures):
 
     sample_period_s: PositiveFloat = SAMPLE_PERIOD_S
     ema_alpha: Alpha = 0.3
-    qps_ema_alpha: Alpha | None = Field(
-        None, description="EMA alpha of the arrival rate alone; None = ema_alpha. At ~1 req/s a 2-s sample holds "
+    rps_ema_alpha: Alpha | None = Field(
+        None, validation_alias=AliasChoices("rps_ema_alpha", "qps_ema_alpha"),  # qps_ema_alpha: the old name
+        description="EMA alpha of the arrival rate alone; None = ema_alpha. At ~1 req/s a 2-s sample holds "
                           "~2 arrivals, so alpha 0.3 (about 6 s of history) swings by tens of per cent with "
                           "Poisson noise and bursts; 0.1 (about 20 s) steadies envelope decisions at low rates")
 
@@ -86,7 +87,7 @@ class ControllerConfig(Figures):
     latency_over_factor: PositiveFloat = 1.2
     latency_under_factor: PositiveFloat = 0.7
     envelope_margin_fraction: Fraction = Field(
-        0.05, description="QPS must leave [qps_min x (1 - m), qps_max x (1 + m)] to count as outside the envelope")
+        0.05, description="request rate must leave [rps_min x (1 - m), rps_max x (1 + m)] to count as outside the envelope")
 
     # hysteresis and dwell -----------------------------------------------------------------------
     hysteresis_samples: Annotated[int, Field(ge=1)] = 3
@@ -108,9 +109,9 @@ class ControllerConfig(Figures):
                          "fraction; lets 'latency under' move to a roomier gear when goodput is equal")
     latency_weight: NonNegFloat = Field(
         0.1, description="value of one unit of latency slack fraction (1 - p99 / target) relative to goodput; "
-                         "lets 'QPS below envelope' return to a faster gear when goodput is equal")
+                         "lets 'request rate below envelope' return to a faster gear when goodput is equal")
     envelope_fit_weight: NonNegFloat = Field(
-        0.05, description="value of serving inside the planner's envelope for the smoothed QPS")
+        0.05, description="value of serving inside the planner's envelope for the smoothed request rate")
     device_weight: NonNegFloat = Field(
         0.0, description="cost of the devices a gear holds, per unit of device fraction "
                          "(n_new - n_old) / max(n_new, n_old), relative to goodput: a shift to a gear on more "
@@ -118,8 +119,8 @@ class ControllerConfig(Figures):
                          "the troughs, other tenants), and one to fewer devices gains what it hands back; 0 "
                          "(the seeds) = devices are free; 0.2 keeps a cheap gear that holds the load")
     recent_peak_window_s: NonNegFloat = Field(
-        0.0, description="a discretionary shift (imbalance, latency under target, QPS below the envelope) to a "
-                          "gear with less capacity must go to one whose envelope holds the highest smoothed QPS "
+        0.0, description="a discretionary shift (imbalance, latency under target, request rate below the envelope) to a "
+                          "gear with less capacity must go to one whose envelope holds the highest smoothed request rate "
                           "of this window: the shift cannot be undone inside the dwell, so a dip in the load must "
                           "not land the pipeline in a gear the next burst overruns; 0 (the seeds) = off; one dwell "
                           "(600 s) pairs with device_weight, which makes shifts down worth more")
@@ -132,9 +133,9 @@ class ControllerConfig(Figures):
     # load forecast ------------------------------------------------------------------------------
     forecast_horizon_s: Annotated[float, Field(ge=0.0, le=DAY_S, allow_inf_nan=False)] = Field(
         0.0, description="look-ahead of the load forecast, on the samples' clock: with a forecast passed to "
-                           "decide(), forecast_above_envelope fires when the highest QPS expected within this "
+                           "decide(), forecast_above_envelope fires when the highest request rate expected within this "
                            "horizon leaves the serving gear's envelope (the shift starts before the rise, not "
-                           "after it), and qps_below_envelope waits while the forecast is back inside it; at most a day "
+                           "after it), and rps_below_envelope waits while the forecast is back inside it; at most a day "
                            "(the forecast is a daily profile); "
                            "0 (the seeds) = ignore forecasts; one dwell (600 s) starts the shift up about as early as a "
                            "dwell allows")

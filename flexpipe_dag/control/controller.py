@@ -21,12 +21,12 @@ window is harmless):
    ==================== ==========================================================================
    current_unhealthy    the serving gear carries a health tag (acts on 1 sample, ignores dwell and
                         payback: a failing gear must be left)
-   qps_above_envelope   QPS > qps_max x (1 + envelope_margin_fraction)
-   forecast_above_      with a forecast: the highest QPS expected within ``forecast_horizon_s``
-   envelope             > qps_max x (1 + margin) while QPS itself is not yet (shift before the rise)
+   rps_above_envelope   request rate > rps_max x (1 + envelope_margin_fraction)
+   forecast_above_      with a forecast: the highest request rate expected within ``forecast_horizon_s``
+   envelope             > rps_max x (1 + margin) while request rate itself is not yet (shift before the rise)
    latency_over         P99 > latency_over_factor (1.2) x T
    imbalance            max stage utilisation > 0.9 while min < 0.6 (>= 2 stages)
-   qps_below_envelope   QPS < qps_min x (1 - envelope_margin_fraction), and so is the forecast
+   rps_below_envelope   request rate < rps_min x (1 - envelope_margin_fraction), and so is the forecast
    latency_under        P99 < latency_under_factor (0.7) x T
    ==================== ==========================================================================
 
@@ -34,20 +34,20 @@ window is harmless):
    Firing inside the dwell with a gear it would move to raises the requirement one step (see
    :mod:`flexpipe_dag.control.config`).
 
-The forecast (``decide(..., forecast=f)``, ``f(t_s, qps, horizon_s) -> req/s``, e.g.
+The forecast (``decide(..., forecast=f)``, ``f(t_s, rps, horizon_s) -> req/s``, e.g.
 :func:`flexpipe_dag.control.tide.tide_forecast`) is the caller's: the controller asks it at every
-sample for the highest load expected within ``forecast_horizon_s`` given the smoothed QPS. Without
+sample for the highest load expected within ``forecast_horizon_s`` given the smoothed request rate. Without
 one (or with ``forecast_horizon_s = 0``) the controller reacts to the load it sees only.
 
 Then once per call, at ``now_s``: with a shift still pending, hold; otherwise take the
 highest-priority firing trigger and rank the healthy candidate gears. A candidate's envelope must
-hold the smoothed QPS (the forecast for ``forecast_above_envelope``) narrowed by
-``envelope_margin_fraction`` (except for ``qps_above_envelope``, ``forecast_above_envelope`` and
+hold the smoothed request rate (the forecast for ``forecast_above_envelope``) narrowed by
+``envelope_margin_fraction`` (except for ``rps_above_envelope``, ``forecast_above_envelope`` and
 ``current_unhealthy``, which may move best-effort; the first two only to a gear with more capacity,
-``qps_max``, than the serving one; ``latency_over`` on a backlogged gear,
+``rps_max``, than the serving one; ``latency_over`` on a backlogged gear,
 whose P99 is its queue's, never to a gear with less capacity; with ``recent_peak_window_s``, a
-discretionary trigger (imbalance, latency under, QPS below the envelope) never to a gear with less
-capacity whose envelope does not hold the highest smoothed QPS of that window, nor, with a forecast,
+discretionary trigger (imbalance, latency under, request rate below the envelope) never to a gear with less
+capacity whose envelope does not hold the highest smoothed request rate of that window, nor, with a forecast,
 the load it expects; with ``reversal_window_s``, a discretionary trigger never back to the gear the
 previous discretionary shift left, inside that window): entering only well inside an envelope and
 leaving only well outside it is what keeps a load near an edge from flapping. Candidates whose
@@ -78,25 +78,25 @@ from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
 
 MigrationCostFn = Callable[[Gear, Gear], float]
-#: ``(t_s, qps, horizon_s) -> req/s``: the highest load expected within ``horizon_s`` after ``t_s`` (the
-#: samples' clock), given the smoothed load ``qps`` now.
+#: ``(t_s, rps, horizon_s) -> req/s``: the highest load expected within ``horizon_s`` after ``t_s`` (the
+#: samples' clock), given the smoothed load ``rps`` now.
 ForecastFn = Callable[[float, float, float], float]
 
 _KIND_RANK = {"latency": 0, "balanced": 1, "throughput": 2}
 #: Which way along latency (0) -> balanced (1) -> throughput (2) each trigger moves; like a gearbox,
 #: the nearest gear in that direction is preferred, then the same kind, then the other way.
-_DIRECTION: dict[str, int] = {"qps_above_envelope": +1, "forecast_above_envelope": +1, "latency_under": +1,
-                              "qps_below_envelope": -1, "imbalance": 0, "current_unhealthy": 0}
+_DIRECTION: dict[str, int] = {"rps_above_envelope": +1, "forecast_above_envelope": +1, "latency_under": +1,
+                              "rps_below_envelope": -1, "imbalance": 0, "current_unhealthy": 0}
 #: Triggers that may move to a gear whose envelope does not hold the load (when none does, the
 #: roomiest helps most; an unhealthy gear must be left regardless). The others need a fitting gear.
-_RISING = frozenset({"qps_above_envelope", "forecast_above_envelope"})
-_BEST_EFFORT_TRIGGERS = frozenset({"qps_above_envelope", "forecast_above_envelope", "current_unhealthy"})
+_RISING = frozenset({"rps_above_envelope", "forecast_above_envelope"})
+_BEST_EFFORT_TRIGGERS = frozenset({"rps_above_envelope", "forecast_above_envelope", "current_unhealthy"})
 
 
 @dataclass(frozen=True)
 class _Candidate:
     gear: Gear
-    fits: bool  # its envelope holds the smoothed QPS (with the entry margin)
+    fits: bool  # its envelope holds the smoothed request rate (with the entry margin)
     meets: bool  # its calibrated P99 estimate meets the latency target
     preference: int
     gain_fraction: float
@@ -176,8 +176,8 @@ class Controller:
                 :func:`flexpipe_dag.control.migration.migration_cost_fn`); None = the config's
                 ``default_migration_cost_s`` for every shift.
             now_s: decision time on the samples' clock; None = the newest sample's ``t_s``.
-            forecast: load forecast ``(t_s, qps, horizon_s) -> req/s`` (see :data:`ForecastFn`),
-                asked at every sample with the smoothed QPS and ``forecast_horizon_s``; None = none.
+            forecast: load forecast ``(t_s, rps, horizon_s) -> req/s`` (see :data:`ForecastFn`),
+                asked at every sample with the smoothed request rate and ``forecast_horizon_s``; None = none.
 
         Returns:
             ``(new_state, decision)``. On ``"shift"`` the caller runs the shift; the controller
@@ -240,8 +240,8 @@ class Controller:
         st.samples_seen += 1
         st.last_sample_t_s = t_s
         a = cfg.ema_alpha
-        st.ema_qps = _ema(st.ema_qps, s.qps, cfg.qps_ema_alpha if cfg.qps_ema_alpha is not None else a)
-        st.forecast_qps = self._forecast(st, forecast, t_s, st.ema_qps)
+        st.ema_rps = _ema(st.ema_rps, s.rps, cfg.rps_ema_alpha if cfg.rps_ema_alpha is not None else a)
+        st.forecast_rps = self._forecast(st, forecast, t_s, st.ema_rps)
         self._note_peak(st, t_s)
         st.ema_queue_length = _ema(st.ema_queue_length, float(s.queue_length), a)
         st.ema_running = _ema(st.ema_running, float(s.running), a)
@@ -281,16 +281,16 @@ class Controller:
 
     def _note_peak(self, st: ControllerState, t_s: float) -> None:
         window_s = self.config.recent_peak_window_s
-        if window_s <= 0 or st.ema_qps is None:
-            st.qps_peaks = []
+        if window_s <= 0 or st.ema_rps is None:
+            st.rps_peaks = []
             return
         bucket_s = window_s / 10.0
         start = math.floor(t_s / bucket_s) * bucket_s
-        if st.qps_peaks and st.qps_peaks[-1][0] == start:
-            st.qps_peaks[-1] = (start, max(st.qps_peaks[-1][1], st.ema_qps))
+        if st.rps_peaks and st.rps_peaks[-1][0] == start:
+            st.rps_peaks[-1] = (start, max(st.rps_peaks[-1][1], st.ema_rps))
         else:
-            st.qps_peaks.append((start, st.ema_qps))
-        st.qps_peaks = [p for p in st.qps_peaks if p[0] + bucket_s > t_s - window_s]
+            st.rps_peaks.append((start, st.ema_rps))
+        st.rps_peaks = [p for p in st.rps_peaks if p[0] + bucket_s > t_s - window_s]
 
     def _reverses(self, st: ControllerState, current: Gear, candidate: Gear | None) -> bool:
         last = st.last_discretionary_shift
@@ -303,9 +303,9 @@ class Controller:
     def _nowhere_text(self, st: ControllerState, current: Gear, trigger: str, why: str,
                       unhealthy: frozenset[str], by_id: dict[str, Gear]) -> str:
         """Why a firing trigger has no gear to go to: the load to hold and the rules that excluded gears."""
-        text = f"declined: {why}, but no healthy gear whose envelope holds qps {self._planning_qps(st, trigger):.3g}/s"
+        text = f"declined: {why}, but no healthy gear whose envelope holds rps {self._planning_rps(st, trigger):.3g}/s"
         if trigger in DISCRETIONARY_TRIGGERS:
-            must_hold = max(self.recent_peak_qps(st) or 0.0, st.forecast_qps or 0.0)
+            must_hold = max(self.recent_peak_rps(st) or 0.0, st.forecast_rps or 0.0)
             if must_hold > 0 and trigger != "latency_under":  # latency_under only moves to roomier gears
                 text += f" and, for a smaller gear, the recent peak or forecast {must_hold:.3g}/s"
             last = st.last_discretionary_shift
@@ -315,18 +315,18 @@ class Controller:
         return text + f" suits it ({len(unhealthy & set(by_id))} of {len(by_id)} gears unhealthy)"
 
     @staticmethod
-    def recent_peak_qps(st: ControllerState) -> float | None:
-        """Highest smoothed QPS over the recent-peak window (None before any sample or with the rule off)."""
-        return max((q for _, q in st.qps_peaks), default=None)
+    def recent_peak_rps(st: ControllerState) -> float | None:
+        """Highest smoothed request rate over the recent-peak window (None before any sample or with the rule off)."""
+        return max((q for _, q in st.rps_peaks), default=None)
 
-    def _forecast(self, st: ControllerState, forecast: ForecastFn | None, t_s: float, qps: float) -> float | None:
+    def _forecast(self, st: ControllerState, forecast: ForecastFn | None, t_s: float, rps: float) -> float | None:
         """The forecast's req/s for this sample; None without one, or when it fails (``st.forecast_error`` says why)."""
         st.forecast_error = None
         horizon_s = self.config.forecast_horizon_s
         if forecast is None or horizon_s <= 0:
             return None
         try:
-            raw = forecast(t_s, qps, horizon_s)
+            raw = forecast(t_s, rps, horizon_s)
             value = float(raw)
         except Exception as exc:  # noqa: BLE001 - the caller's forecast must not stop the controller
             st.forecast_error = f"the forecast raised {type(exc).__name__}: {exc} at t_s={t_s:g}"
@@ -351,15 +351,15 @@ class Controller:
         active: set[str] = set()
         if gear.gear_id in unhealthy:
             active.add("current_unhealthy")
-        if st.ema_qps is not None:
+        if st.ema_rps is not None:
             m = cfg.envelope_margin_fraction
-            ahead = st.forecast_qps
-            if st.ema_qps > gear.qps_max * (1.0 + m):
-                active.add("qps_above_envelope")
-            elif ahead is not None and ahead > gear.qps_max * (1.0 + m):
+            ahead = st.forecast_rps
+            if st.ema_rps > gear.rps_max * (1.0 + m):
+                active.add("rps_above_envelope")
+            elif ahead is not None and ahead > gear.rps_max * (1.0 + m):
                 active.add("forecast_above_envelope")
-            elif gear.qps_min > 0 and max(st.ema_qps, ahead or 0.0) < gear.qps_min * (1.0 - m):
-                active.add("qps_below_envelope")
+            elif gear.rps_min > 0 and max(st.ema_rps, ahead or 0.0) < gear.rps_min * (1.0 - m):
+                active.add("rps_below_envelope")
         if st.ema_p99_ms is not None:
             target = self.target_p99_ms(gear)
             if st.ema_p99_ms > cfg.latency_over_factor * target:
@@ -398,28 +398,28 @@ class Controller:
         return 10 + abs(step)  # same kind (10) or the opposite way (11, 12)
 
     @staticmethod
-    def _planning_qps(st: ControllerState, trigger: str) -> float:
-        """The load a candidate must hold: the smoothed QPS, or the forecast for ``forecast_above_envelope``."""
-        qps = st.ema_qps or 0.0
-        if trigger == "forecast_above_envelope" and st.forecast_qps is not None:
-            qps = max(qps, st.forecast_qps)  # choose (and value) the gear for the load that is coming
-        return qps
+    def _planning_rps(st: ControllerState, trigger: str) -> float:
+        """The load a candidate must hold: the smoothed request rate, or the forecast for ``forecast_above_envelope``."""
+        rps = st.ema_rps or 0.0
+        if trigger == "forecast_above_envelope" and st.forecast_rps is not None:
+            rps = max(rps, st.forecast_rps)  # choose (and value) the gear for the load that is coming
+        return rps
 
     def _rank_candidates(self, st: ControllerState, current: Gear, trigger: str, by_id: dict[str, Gear],
                          unhealthy: frozenset[str], cost_fn: MigrationCostFn) -> list[_Candidate]:
         """Healthy gears the trigger may move to, best first.
 
-        A candidate's envelope must hold the smoothed QPS (narrowed by the margin), except for the
+        A candidate's envelope must hold the smoothed request rate (narrowed by the margin), except for the
         best-effort triggers; order: envelope fits, calibrated P99 estimate meets the target,
         the trigger's kind preference, net payback ``gain x residence - cost``, gear id.
         """
         cfg = self.config
-        qps = self._planning_qps(st, trigger)
+        rps = self._planning_rps(st, trigger)
         target = self.target_p99_ms(current)
         residence_s = max(cfg.dwell_s, st.residence_ema_s if st.residence_ema_s is not None
                           else cfg.default_residence_s)
         backlogged = self.backlogged(st)
-        must_hold = max(self.recent_peak_qps(st) or 0.0, st.forecast_qps or 0.0)
+        must_hold = max(self.recent_peak_rps(st) or 0.0, st.forecast_rps or 0.0)
         out: list[_Candidate] = []
         for g in by_id.values():
             if (g.gear_id == current.gear_id or g.gear_id in unhealthy or g.num_layers != current.num_layers
@@ -428,7 +428,7 @@ class Controller:
             pref = self._allowed(trigger, current, g)
             if pref is None:
                 continue
-            fits = fits_envelope(g, qps, cfg.envelope_margin_fraction)
+            fits = fits_envelope(g, rps, cfg.envelope_margin_fraction)
             if not fits and trigger not in _BEST_EFFORT_TRIGGERS:
                 continue  # a gear outside its envelope would trigger the reverse shift: flapping
             if trigger in _RISING and not fits and capacity_rps(g) <= capacity_rps(current):
@@ -438,12 +438,12 @@ class Controller:
             if trigger in DISCRETIONARY_TRIGGERS and self._reverses(st, current, g):
                 continue  # would undo the last discretionary shift: two soft triggers ping-ponging
             if (trigger in DISCRETIONARY_TRIGGERS and must_hold > 0 and capacity_rps(g) < capacity_rps(current)
-                    and g.qps_max * (1.0 - cfg.envelope_margin_fraction) < must_hold):
+                    and g.rps_max * (1.0 - cfg.envelope_margin_fraction) < must_hold):
                 continue  # a dip: the recent peak or the coming load would overrun it, and the dwell locks it in
             est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric,
                                     within_target_ms=target if fits else None)
             meets = est is None or est <= target
-            gain = estimated_gain_fraction(trigger, current, g, qps=qps, current_p99_ms=st.ema_p99_ms,
+            gain = estimated_gain_fraction(trigger, current, g, rps=rps, current_p99_ms=st.ema_p99_ms,
                                            target_p99_ms=target, config=cfg,
                                            current_max_stage_busy=max(st.ema_stage_busy, default=None),
                                            current_completed_rps=st.ema_completed_rps, backlogged=backlogged)
@@ -458,10 +458,10 @@ class Controller:
     def _describe(self, st: ControllerState, gear: Gear) -> str:
         cfg = self.config
         parts = []
-        if st.ema_qps is not None:
-            hi = "inf" if math.isinf(gear.qps_max) else f"{gear.qps_max:.3g}"
-            ahead = "" if st.forecast_qps is None else f" (forecast {st.forecast_qps:.3g}/s)"
-            parts.append(f"qps {st.ema_qps:.3g}/s{ahead} in envelope [{gear.qps_min:.3g}, {hi}]")
+        if st.ema_rps is not None:
+            hi = "inf" if math.isinf(gear.rps_max) else f"{gear.rps_max:.3g}"
+            ahead = "" if st.forecast_rps is None else f" (forecast {st.forecast_rps:.3g}/s)"
+            parts.append(f"rps {st.ema_rps:.3g}/s{ahead} in envelope [{gear.rps_min:.3g}, {hi}]")
         if st.ema_p99_ms is not None:
             parts.append(f"{cfg.latency_metric.removesuffix('_ms')} {st.ema_p99_ms:.0f} ms vs target "
                          f"{self.target_p99_ms(gear):.0f} ms")
@@ -476,13 +476,13 @@ class Controller:
         n = st.counts.get(trigger, 0)
         if trigger == "current_unhealthy":
             return f"gear {gear.gear_id} is marked unhealthy"
-        if trigger == "qps_above_envelope":
-            what = f"qps {st.ema_qps:.3g}/s above envelope max {gear.qps_max:.3g}"
+        if trigger == "rps_above_envelope":
+            what = f"rps {st.ema_rps:.3g}/s above envelope max {gear.rps_max:.3g}"
         elif trigger == "forecast_above_envelope":
-            what = (f"forecast qps {st.forecast_qps or 0.0:.3g}/s within {_fmt_min(cfg.forecast_horizon_s)} min "
-                    f"above envelope max {gear.qps_max:.3g} (now {st.ema_qps:.3g}/s)")
-        elif trigger == "qps_below_envelope":
-            what = f"qps {st.ema_qps:.3g}/s below envelope min {gear.qps_min:.3g}"
+            what = (f"forecast rps {st.forecast_rps or 0.0:.3g}/s within {_fmt_min(cfg.forecast_horizon_s)} min "
+                    f"above envelope max {gear.rps_max:.3g} (now {st.ema_rps:.3g}/s)")
+        elif trigger == "rps_below_envelope":
+            what = f"rps {st.ema_rps:.3g}/s below envelope min {gear.rps_min:.3g}"
         elif trigger == "latency_over":
             what = f"{metric} {st.ema_p99_ms:.0f} ms > {cfg.latency_over_factor:g} x target {target:.0f} ms"
         elif trigger == "latency_under":

@@ -9,15 +9,15 @@ Gain of moving from the serving gear ``c`` to a candidate ``g`` at smoothed load
 
     gain = [goodput(g) - goodput(c)]                       always
          + headroom_weight x [headroom(g) - headroom(c)]   triggers imbalance, latency_under
-         + latency_weight  x [slack(g) - slack(c)]         triggers qps_below_envelope, latency_over
+         + latency_weight  x [slack(g) - slack(c)]         triggers rps_below_envelope, latency_over
          + envelope_fit_weight x [fit(g) - fit(c)]         always
          - device_weight x [n(g) - n(c)] / max(n(g), n(c))  triggers imbalance, latency_under,
-                                                            qps_below_envelope
+                                                            rps_below_envelope
 
     goodput(x)  = min(1, capacity(x) / q) x min(1, T / p99(x))   SLO goodput fraction
     headroom(x) = max(0, 1 - q / capacity(x))                   spare capacity fraction
     slack(x)    = max(0, 1 - p99(x) / T)                        latency slack fraction
-    fit(x)      = 1 if qps_min(x) <= q <= qps_max(x) else 0      planner's envelope contains q
+    fit(x)      = 1 if rps_min(x) <= q <= rps_max(x) else 0      planner's envelope contains q
     n(x)        = devices the gear holds (one per stage replica)
 
 ``p99(g)`` is calibrated by how the serving gear's estimate fared: ``p99(g) = e(g) x
@@ -30,7 +30,7 @@ this keeps the controller from "fixing" a latency problem by moving to a gear th
 flatters in the same way (often the same hardware under another name). A backlogged serving gear's
 P99 measures its queue, not the model's error, and calibrates nothing.
 
-``capacity(x)`` is the gear's ``qps_max`` (the most load it serves within its latency target, as
+``capacity(x)`` is the gear's ``rps_max`` (the most load it serves within its latency target, as
 the planner set it), else its estimated throughput, else unbounded; for the serving gear it is
 also capped by what its busiest stage shows, ``q / max stage utilisation`` (a stage 95 % busy at
 3 req/s saturates near 3.2 req/s whatever the plan said) and, when it is backlogged (more requests waiting than
@@ -43,7 +43,7 @@ fragmented fleet the devices the serving gear leaves free go to offline work in 
 roomier gear must buy more service than the share of devices it adds (with ``device_weight`` 0.2, a move
 from 3 to 4 devices needs a 5 % goodput gain; from 8 to 3 devices gains 0.125 of full service).
 It is charged only on the discretionary moves (imbalance, latency well under target, load below the
-envelope): a gear that no longer holds the load (``qps_above_envelope``, ``forecast_above_envelope``,
+envelope): a gear that no longer holds the load (``rps_above_envelope``, ``forecast_above_envelope``,
 ``latency_over``) or is unhealthy must be left whatever the devices, since a backlog costs far more
 than the ``capacity / q`` share the goodput term sees. For ``forecast_above_envelope`` the controller
 values candidates at the forecast load, so holding the coming peak counts as goodput.
@@ -58,13 +58,13 @@ from flexpipe_dag.control.state import DISCRETIONARY_TRIGGERS
 from flexpipe_dag.core.gear import Gear
 
 _HEADROOM_TRIGGERS = frozenset({"imbalance", "latency_under"})
-_SLACK_TRIGGERS = frozenset({"qps_below_envelope", "latency_over"})
+_SLACK_TRIGGERS = frozenset({"rps_below_envelope", "latency_over"})
 
 
 def capacity_rps(gear: Gear) -> float:
-    """Requests/s the gear serves within its latency target: ``qps_max``, else estimated throughput, else inf."""
-    if math.isfinite(gear.qps_max):
-        return gear.qps_max
+    """Requests/s the gear serves within its latency target: ``rps_max``, else estimated throughput, else inf."""
+    if math.isfinite(gear.rps_max):
+        return gear.rps_max
     if gear.estimate is not None and gear.estimate.throughput_rps > 0:
         return gear.estimate.throughput_rps
     return math.inf
@@ -97,28 +97,28 @@ def calibrated_p99_ms(candidate: Gear, current: Gear, current_p99_ms: float | No
     return est
 
 
-def fits_envelope(gear: Gear, qps: float, margin_fraction: float = 0.0) -> bool:
-    """``qps_min x (1 + m) <= qps <= qps_max x (1 - m)``: the envelope holds ``qps`` with margin ``m``.
+def fits_envelope(gear: Gear, rps: float, margin_fraction: float = 0.0) -> bool:
+    """``rps_min x (1 + m) <= rps <= rps_max x (1 - m)``: the envelope holds ``rps`` with margin ``m``.
 
     The controller leaves a gear when the load is outside its envelope *widened* by the margin and
     enters one only when the load is inside it *narrowed* by the margin: a band of 2 m on each
-    edge in which neither the exit nor the entry fires (a Schmitt trigger on the QPS axis).
+    edge in which neither the exit nor the entry fires (a Schmitt trigger on the request rate axis).
     """
-    return gear.qps_min * (1.0 + margin_fraction) <= qps <= gear.qps_max * (1.0 - margin_fraction)
+    return gear.rps_min * (1.0 + margin_fraction) <= rps <= gear.rps_max * (1.0 - margin_fraction)
 
 
-def goodput_fraction(capacity: float, qps: float, p99_ms: float | None, target_p99_ms: float) -> float:
+def goodput_fraction(capacity: float, rps: float, p99_ms: float | None, target_p99_ms: float) -> float:
     """Expected SLO goodput fraction: served share x share of the latency target met (both 0..1)."""
-    served = 1.0 if qps <= 0 or capacity >= qps else capacity / qps
+    served = 1.0 if rps <= 0 or capacity >= rps else capacity / rps
     slo = 1.0 if p99_ms is None or p99_ms <= target_p99_ms else target_p99_ms / p99_ms
     return served * slo
 
 
-def headroom_fraction(capacity: float, qps: float) -> float:
-    """Spare capacity fraction ``max(0, 1 - qps / capacity)`` (1 when capacity is unbounded)."""
+def headroom_fraction(capacity: float, rps: float) -> float:
+    """Spare capacity fraction ``max(0, 1 - rps / capacity)`` (1 when capacity is unbounded)."""
     if math.isinf(capacity):
         return 1.0
-    return max(0.0, 1.0 - qps / capacity) if capacity > 0 else 0.0
+    return max(0.0, 1.0 - rps / capacity) if capacity > 0 else 0.0
 
 
 def latency_slack_fraction(p99_ms: float | None, target_p99_ms: float) -> float | None:
@@ -128,15 +128,15 @@ def latency_slack_fraction(p99_ms: float | None, target_p99_ms: float) -> float 
     return max(0.0, 1.0 - p99_ms / target_p99_ms)
 
 
-def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, qps: float,
+def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, rps: float,
                             current_p99_ms: float | None, target_p99_ms: float,
                             config: ControllerConfig, current_max_stage_busy: float | None = None,
                             current_completed_rps: float | None = None, backlogged: bool = False) -> float:
-    """Gain of shifting ``current -> candidate`` at smoothed load ``qps`` (formula in the module docstring).
+    """Gain of shifting ``current -> candidate`` at smoothed load ``rps`` (formula in the module docstring).
 
     Args:
         trigger: the trigger that proposes the shift (selects the trade-off terms).
-        qps: smoothed arrivals per second.
+        rps: smoothed arrivals per second.
         current_p99_ms: observed smoothed P99 of the serving gear, ms (None if no request finished yet).
         target_p99_ms: the latency SLO, ms.
         current_max_stage_busy: smoothed utilisation (0..1) of the serving gear's busiest stage, or None.
@@ -148,21 +148,21 @@ def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, qps
     metric = config.latency_metric
     cur_p99 = current_p99_ms if current_p99_ms is not None else estimated_p99_ms(current, metric)
     new_p99 = calibrated_p99_ms(candidate, current, None if backlogged else current_p99_ms, metric,
-                                within_target_ms=target_p99_ms if fits_envelope(candidate, qps) else None)
+                                within_target_ms=target_p99_ms if fits_envelope(candidate, rps) else None)
     cap_c, cap_g = capacity_rps(current), capacity_rps(candidate)
-    if current_max_stage_busy is not None and current_max_stage_busy > 0 and qps > 0:
-        cap_c = min(cap_c, qps / min(1.0, current_max_stage_busy))
+    if current_max_stage_busy is not None and current_max_stage_busy > 0 and rps > 0:
+        cap_c = min(cap_c, rps / min(1.0, current_max_stage_busy))
     if backlogged and current_completed_rps is not None:
         cap_c = min(cap_c, current_completed_rps)
-    gain = goodput_fraction(cap_g, qps, new_p99, target_p99_ms) - goodput_fraction(cap_c, qps, cur_p99, target_p99_ms)
+    gain = goodput_fraction(cap_g, rps, new_p99, target_p99_ms) - goodput_fraction(cap_c, rps, cur_p99, target_p99_ms)
     if trigger in _HEADROOM_TRIGGERS:
-        gain += config.headroom_weight * (headroom_fraction(cap_g, qps) - headroom_fraction(cap_c, qps))
+        gain += config.headroom_weight * (headroom_fraction(cap_g, rps) - headroom_fraction(cap_c, rps))
     if trigger in _SLACK_TRIGGERS:
         slack_c = latency_slack_fraction(cur_p99, target_p99_ms)
         slack_g = latency_slack_fraction(new_p99, target_p99_ms)
         if slack_c is not None and slack_g is not None:
             gain += config.latency_weight * (slack_g - slack_c)
-    gain += config.envelope_fit_weight * (float(fits_envelope(candidate, qps)) - float(fits_envelope(current, qps)))
+    gain += config.envelope_fit_weight * (float(fits_envelope(candidate, rps)) - float(fits_envelope(current, rps)))
     if trigger in DISCRETIONARY_TRIGGERS:
         n_c, n_g = len(current.device_ids), len(candidate.device_ids)
         gain -= config.device_weight * (n_g - n_c) / max(n_g, n_c)

@@ -15,26 +15,40 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from flexpipe_dag.core.errors import InputError
 
 #: Trigger names, in the order the controller acts on them when several fire at once.
-TriggerName = Literal["current_unhealthy", "qps_above_envelope", "forecast_above_envelope", "latency_over",
-                      "imbalance", "qps_below_envelope", "latency_under"]
-TRIGGER_PRIORITY: tuple[TriggerName, ...] = ("current_unhealthy", "qps_above_envelope", "forecast_above_envelope",
-                                             "latency_over", "imbalance", "qps_below_envelope", "latency_under")
+TriggerName = Literal["current_unhealthy", "rps_above_envelope", "forecast_above_envelope", "latency_over",
+                      "imbalance", "rps_below_envelope", "latency_under"]
+TRIGGER_PRIORITY: tuple[TriggerName, ...] = ("current_unhealthy", "rps_above_envelope", "forecast_above_envelope",
+                                             "latency_over", "imbalance", "rps_below_envelope", "latency_under")
 
 #: Shifts the controller chooses to make, not ones the load forces: they are charged for devices
 #: (``device_weight``) and may not leave the load of the recent past without a gear that holds it.
-DISCRETIONARY_TRIGGERS: frozenset[str] = frozenset({"imbalance", "latency_under", "qps_below_envelope"})
+DISCRETIONARY_TRIGGERS: frozenset[str] = frozenset({"imbalance", "latency_under", "rps_below_envelope"})
 
 #: 2 added the forecast, recent peaks and the last discretionary shift; a version-1 cursor reads as
-#: a version-2 state with those empty.
-STATE_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: a version-2 state with those empty. 3 names the request rate ``rps`` (``ema_rps``, ``forecast_rps``,
+#: ``rps_peaks``, triggers ``rps_above_envelope`` / ``rps_below_envelope``); older cursors spelled it
+#: ``qps`` and are read with those names mapped.
+STATE_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+_LEGACY_NAMES = {"ema_qps": "ema_rps", "forecast_qps": "forecast_rps", "qps_peaks": "rps_peaks",
+                 "qps_above_envelope": "rps_above_envelope", "qps_below_envelope": "rps_below_envelope"}
+
+
+def _upgrade_legacy(doc: dict) -> dict:
+    """A version-1/2 cursor document with its ``qps`` names mapped to the ``rps`` ones."""
+    doc = {_LEGACY_NAMES.get(k, k): v for k, v in doc.items()}
+    if isinstance(doc.get("counts"), dict):
+        doc["counts"] = {_LEGACY_NAMES.get(k, k): v for k, v in doc["counts"].items()}
+    if isinstance(doc.get("escalated"), list):
+        doc["escalated"] = [_LEGACY_NAMES.get(k, k) for k in doc["escalated"]]
+    return doc
 
 
 class ControllerState(BaseModel):
     """What the controller remembers between calls (all plain JSON types).
 
     Times (``*_s``) are on the samples' clock (``MetricSample.t_s``). ``ema_*`` are exponential
-    moving averages over the samples of the serving gear (``ema_qps``, ``ema_queue_length`` and
+    moving averages over the samples of the serving gear (``ema_rps``, ``ema_queue_length`` and
     ``ema_running`` and ``ema_completed_rps`` carry over a shift: the load does not change with the gear; latency and stage
     utilisation restart). ``counts[trigger]`` is the number of consecutive samples its condition has
     held. ``escalated`` lists the triggers whose current episode already raised the threshold
@@ -50,18 +64,18 @@ class ControllerState(BaseModel):
                           "serving when the controller started: its start is unknown)")
     samples_seen: int = 0
     last_sample_t_s: float | None = Field(None, description="newest sample consumed; older ones are skipped")
-    ema_qps: float | None = None
+    ema_rps: float | None = None
     ema_queue_length: float | None = None
     ema_running: float | None = None
     ema_completed_rps: float | None = None
     ema_p99_ms: float | None = None
-    forecast_qps: float | None = Field(
-        None, description="highest QPS the caller's forecast expected within forecast_horizon_s, at the newest "
+    forecast_rps: float | None = Field(
+        None, description="highest request rate the caller's forecast expected within forecast_horizon_s, at the newest "
                           "sample (None without a forecast)", ge=0.0, allow_inf_nan=False)
     forecast_error: str | None = Field(None, description="why the forecast was ignored at the newest sample")
     ema_stage_busy: list[float] = Field(default_factory=list)
-    qps_peaks: list[tuple[float, float]] = Field(
-        default_factory=list, description="(bucket start s, highest smoothed QPS in it) over the last "
+    rps_peaks: list[tuple[float, float]] = Field(
+        default_factory=list, description="(bucket start s, highest smoothed request rate in it) over the last "
                                           "recent_peak_window_s, ten buckets; carries over a shift")
     counts: dict[str, int] = Field(default_factory=dict)
     escalated: list[str] = Field(default_factory=list)
@@ -89,14 +103,18 @@ class ControllerState(BaseModel):
         if not cursor:
             return cls()
         try:
-            version = json.loads(cursor).get("version")
+            doc = json.loads(cursor)
+            version = doc.get("version")
         except (ValueError, AttributeError):
-            version = None
+            doc, version = None, None
         if version is not None and version not in READABLE_VERSIONS:
             raise InputError("sensor cursor", "version", f"written by controller state version {version!r}; this "
                                                          f"FlexPipe reads versions {list(READABLE_VERSIONS)}")
         try:
-            state = cls.model_validate_json(cursor)
+            if isinstance(doc, dict) and version in (1, 2):
+                state = cls.model_validate(_upgrade_legacy(doc))
+            else:
+                state = cls.model_validate_json(cursor)
         except ValidationError as err:
             first = err.errors()[0]
             field = ".".join(str(p) for p in first["loc"]) or None

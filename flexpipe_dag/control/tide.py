@@ -2,15 +2,15 @@
 
 Forecast: seasonal-naive over the tide history. The daily profile ``p(tau)`` (mean rate per window
 of the day over the history's whole days, :meth:`Tide.daily_profile`) is scaled to the live level by
-the ratio of the observed smoothed online QPS to the profile at the current time of day, then read
+the ratio of the observed smoothed online request rate to the profile at the current time of day, then read
 ahead over the horizon::
 
-    forecast(t) = max_{tau in [t, t + horizon]} p(tau) * (qps_ema / p(t))
+    forecast(t) = max_{tau in [t, t + horizon]} p(tau) * (ema_rps / p(t))
 
-Decision, against the serving gear's capacity ``C`` (its ``qps_max``), with hysteresis:
+Decision, against the serving gear's capacity ``C`` (its ``rps_max``), with hysteresis:
 
-* admit queued offline work when ``max(qps_ema, forecast) < admit_below_fraction * C``;
-* pause running offline work when ``qps_ema > pause_above_fraction * C`` (> the admit fraction),
+* admit queued offline work when ``max(ema_rps, forecast) < admit_below_fraction * C``;
+* pause running offline work when ``ema_rps > pause_above_fraction * C`` (> the admit fraction),
   or the forecast says the rise arrives within the horizon (``forecast > pause_above_fraction * C``);
 * otherwise keep the current state.
 
@@ -36,7 +36,7 @@ from flexpipe_dag.workload.tide import Tide
 
 
 class TideConfig(Figures):
-    """Thresholds of offline admission (fractions of the serving gear's ``qps_max``)."""
+    """Thresholds of offline admission (fractions of the serving gear's ``rps_max``)."""
 
     admit_below_fraction: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)
     pause_above_fraction: float = Field(0.75, gt=0, le=1, allow_inf_nan=False)
@@ -64,9 +64,9 @@ class TideDecision:
     """``action`` for offline work now, with the figures behind it and a sentence for the operator."""
 
     action: Literal["admit", "pause", "keep"]
-    qps_ema: float
-    forecast_qps: float
-    capacity_qps: float
+    ema_rps: float
+    forecast_rps: float
+    capacity_rps: float
     reason: str
 
 
@@ -94,15 +94,15 @@ class TideForecaster:
         k = int((tide_time_s % 86400) // self.window_s) % len(self.profile)
         return float(self.profile[k])
 
-    def forecast_qps(self, tide_time_s: float, qps_now: float, horizon_s: float) -> float:
-        """Highest online QPS expected within ``horizon_s`` tide seconds, scaled to the live level."""
+    def forecast_rps(self, tide_time_s: float, rps_now: float, horizon_s: float) -> float:
+        """Highest online request rate expected within ``horizon_s`` tide seconds, scaled to the live level."""
         base = self.profile_at(tide_time_s)
         if base <= 0:
-            return qps_now
+            return rps_now
         horizon_s = min(horizon_s, 86400.0)  # a daily profile repeats: a longer look-ahead sees nothing new
         steps = np.arange(tide_time_s, tide_time_s + horizon_s + self.window_s, self.window_s)
         peak = max(self.profile_at(t) for t in steps)
-        return qps_now * peak / base
+        return rps_now * peak / base
 
 
 def tide_forecast(forecaster: TideForecaster, tide_time_of: Callable[[float], float],
@@ -117,13 +117,13 @@ def tide_forecast(forecaster: TideForecaster, tide_time_of: Callable[[float], fl
             demo plays a day faster).
 
     Returns:
-        ``forecast(t_s, qps, horizon_s) -> req/s``: the highest load expected within ``horizon_s``
-        (samples' clock) after ``t_s``, scaled to the smoothed load ``qps`` (see
-        :meth:`TideForecaster.forecast_qps`); what :meth:`Controller.decide
+        ``forecast(t_s, rps, horizon_s) -> req/s``: the highest load expected within ``horizon_s``
+        (samples' clock) after ``t_s``, scaled to the smoothed load ``rps`` (see
+        :meth:`TideForecaster.forecast_rps`); what :meth:`Controller.decide
         <flexpipe_dag.control.controller.Controller.decide>` takes as ``forecast``.
     """
-    def forecast(t_s: float, qps: float, horizon_s: float) -> float:
-        return forecaster.forecast_qps(tide_time_of(t_s), qps, horizon_s * time_compression)
+    def forecast(t_s: float, rps: float, horizon_s: float) -> float:
+        return forecaster.forecast_rps(tide_time_of(t_s), rps, horizon_s * time_compression)
 
     return forecast
 
@@ -133,23 +133,23 @@ def ema(previous: float | None, value: float, alpha: float) -> float:
     return value if previous is None or math.isnan(previous) else alpha * value + (1 - alpha) * previous
 
 
-def decide_offline(forecaster: TideForecaster, config: TideConfig, *, tide_time_s: float, qps_ema: float,
-                   capacity_qps: float, offline_running: bool) -> TideDecision:
+def decide_offline(forecaster: TideForecaster, config: TideConfig, *, tide_time_s: float, ema_rps: float,
+                   capacity_rps: float, offline_running: bool) -> TideDecision:
     """Admit, pause or keep offline work (see module docstring for the rule)."""
-    if not capacity_qps > 0 or math.isinf(capacity_qps):
-        capacity_qps = float("inf")
-    forecast = forecaster.forecast_qps(tide_time_s, qps_ema, config.horizon_s)
-    admit_at, pause_at = config.admit_below_fraction * capacity_qps, config.pause_above_fraction * capacity_qps
-    figures = (f"online {qps_ema:.3g} req/s, forecast peak {forecast:.3g} req/s in the next "
-               f"{config.horizon_s / 60:.0f} min, gear capacity {capacity_qps:.3g} req/s")
-    if offline_running and (qps_ema > pause_at or forecast > pause_at):
-        return TideDecision("pause", qps_ema, forecast, capacity_qps,
+    if not capacity_rps > 0 or math.isinf(capacity_rps):
+        capacity_rps = float("inf")
+    forecast = forecaster.forecast_rps(tide_time_s, ema_rps, config.horizon_s)
+    admit_at, pause_at = config.admit_below_fraction * capacity_rps, config.pause_above_fraction * capacity_rps
+    figures = (f"online {ema_rps:.3g} req/s, forecast peak {forecast:.3g} req/s in the next "
+               f"{config.horizon_s / 60:.0f} min, gear capacity {capacity_rps:.3g} req/s")
+    if offline_running and (ema_rps > pause_at or forecast > pause_at):
+        return TideDecision("pause", ema_rps, forecast, capacity_rps,
                             f"pause offline: {figures} (pause above {config.pause_above_fraction:.0%})")
-    if not offline_running and max(qps_ema, forecast) < admit_at:
-        return TideDecision("admit", qps_ema, forecast, capacity_qps,
+    if not offline_running and max(ema_rps, forecast) < admit_at:
+        return TideDecision("admit", ema_rps, forecast, capacity_rps,
                             f"admit offline: trough, {figures} (admit below {config.admit_below_fraction:.0%})")
     state = "running" if offline_running else "waiting"
-    return TideDecision("keep", qps_ema, forecast, capacity_qps, f"keep offline {state}: {figures}")
+    return TideDecision("keep", ema_rps, forecast, capacity_rps, f"keep offline {state}: {figures}")
 
 
 class TideGate(BaseModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 GearKind = Literal["latency", "balanced", "throughput", "uniform", "parameters", "oracle", "manual"]
 #: The three operating gears the planner proposes (baselines use the other kinds).
@@ -69,21 +69,22 @@ class Gear(_Model):
     max_inflight_micro_batches: Annotated[int, Field(ge=1)] = 1
     kv_block_size_tokens: Annotated[int, Field(ge=1)] = 16
     kv_capacity_tokens: Annotated[int, Field(ge=0)] = 0
-    qps_min: float = Field(0.0, ge=0)
-    qps_max: float = Field(float("inf"), ge=0, allow_inf_nan=True)
+    # Gears saved before the request rate was named rps_* spell it qps_*: both read.
+    rps_min: float = Field(0.0, ge=0, validation_alias=AliasChoices("rps_min", "qps_min"))
+    rps_max: float = Field(float("inf"), ge=0, allow_inf_nan=True, validation_alias=AliasChoices("rps_max", "qps_max"))
     target_p99_ms: float = Field(1000.0, gt=0)
     estimate: GearEstimate | None = None
     cluster_id: str | None = None
     profile_version: int | None = None
 
-    @field_validator("qps_max", mode="before")
+    @field_validator("rps_max", mode="before")
     @classmethod
     def _unbounded(cls, value):
         """JSON has no Infinity: ``null`` (or a missing value) means an unbounded envelope."""
         return float("inf") if value is None else value
 
-    @field_serializer("qps_max", when_used="json")
-    def _qps_max_json(self, value: float) -> float | None:
+    @field_serializer("rps_max", when_used="json")
+    def _rps_max_json(self, value: float) -> float | None:
         return None if value == float("inf") else value
 
     @model_validator(mode="after")
@@ -107,8 +108,8 @@ class Gear(_Model):
             expected_start = st.layer_end
         if expected_start != self.num_layers:
             raise ValueError(f"stages: cover layers [0, {expected_start}), model has {self.num_layers}")
-        if self.qps_max < self.qps_min:
-            raise ValueError(f"qps_max: {self.qps_max} is below qps_min {self.qps_min}")
+        if self.rps_max < self.rps_min:
+            raise ValueError(f"rps_max: {self.rps_max} is below rps_min {self.rps_min}")
         return self
 
     @property

@@ -36,7 +36,7 @@ class MetricSample:
     t_s: float
     gear_id: str
     source: str  # "sim" or "live"
-    qps: float  # arrivals per second in the window
+    rps: float  # arrivals per second in the window
     completed: int  # requests finished in the window
     tokens_per_s: float  # output tokens per second in the window
     queue_length: int  # requests waiting for admission at t_s

@@ -16,15 +16,15 @@ Method, per gear:
    request, so the later requests miss the TTFT SLO. The resolution this gives is about
    ``slo_ttft_s x mu / n`` above the saturation rate ``mu`` (2 % for 1,000 requests at 10 req/s
    with a 2 s SLO).
-3. ``qps_max`` is the highest passing rate: from a start rate (the gear's analytic throughput, else
+3. ``rps_max`` is the highest passing rate: from a start rate (the gear's analytic throughput, else
    the trace's own rate) the rate doubles until a probe fails or halves until one passes, then
    bisects until ``(fail - pass) / fail <= rel_tol``. A gear failing even at
-   ``start / 2**max_halvings`` gets ``qps_max = 0``.
-4. ``target_p99_ms`` is the TTFT P99 (ms) measured at ``qps_max`` and ``estimate`` the
+   ``start / 2**max_halvings`` gets ``rps_max = 0``.
+4. ``target_p99_ms`` is the TTFT P99 (ms) measured at ``rps_max`` and ``estimate`` the
    :class:`~flexpipe_dag.core.gear.GearEstimate` of that probe (throughput, tokens/s, TTFT / TPOT
    P50 / P99, busiest stage).
-5. ``qps_min``: gears sorted by ``qps_max``; the smallest starts at 0, each other at
-   ``overlap_fraction`` (0.7) x the next-smaller gear's ``qps_max``, so adjacent envelopes overlap and
+5. ``rps_min``: gears sorted by ``rps_max``; the smallest starts at 0, each other at
+   ``overlap_fraction`` (0.7) x the next-smaller gear's ``rps_max``, so adjacent envelopes overlap and
    the controller's entry / exit thresholds form a hysteresis band.
 
 Deterministic (the simulator and the time compression have no randomness) and pure (no Dagster,
@@ -80,17 +80,17 @@ class EnvelopeProbe:
 
 @dataclass(frozen=True)
 class GearEnvelope:
-    """The measured envelope of one gear: ``qps_max``, the TTFT P99 there, and every probe run."""
+    """The measured envelope of one gear: ``rps_max``, the TTFT P99 there, and every probe run."""
 
     gear_id: str
-    qps_max: float
+    rps_max: float
     target_p99_ms: float
     estimate: GearEstimate | None
     probes: tuple[EnvelopeProbe, ...]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for asset metadata: envelope plus a probe table."""
-        return {"gear_id": self.gear_id, "qps_max": self.qps_max, "target_p99_ms": self.target_p99_ms,
+        return {"gear_id": self.gear_id, "rps_max": self.rps_max, "target_p99_ms": self.target_p99_ms,
                 "estimate": self.estimate.model_dump() if self.estimate else None,
                 "probes": [{"rate_rps": p.rate_rps, "slo_attainment": p.slo_attainment, "lost": p.lost,
                             "ttft_p99_ms": p.ttft_p99_ms, "tpot_p99_ms": p.tpot_p99_ms, "passed": p.passed}
@@ -226,7 +226,7 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
 
 def apply_envelopes(gears: Sequence[Gear], envelopes: Sequence[GearEnvelope], *,
                     overlap_fraction: float = 0.7) -> list[Gear]:
-    """Copies of ``gears`` (same order) carrying the measured envelopes; ``qps_min`` per module doc, step 5.
+    """Copies of ``gears`` (same order) carrying the measured envelopes; ``rps_min`` per module doc, step 5.
 
     Raises:
         InputError: ``overlap_fraction`` outside [0, 1], or an envelope for a gear not given.
@@ -237,16 +237,16 @@ def apply_envelopes(gears: Sequence[Gear], envelopes: Sequence[GearEnvelope], *,
     missing = [g.gear_id for g in gears if g.gear_id not in by_id]
     if missing:
         raise InputError("refine_envelopes", "envelopes", f"no envelope for gear(s) {missing}")
-    order = sorted(range(len(gears)), key=lambda i: (by_id[gears[i].gear_id].qps_max, gears[i].gear_id))
-    qps_min: dict[int, float] = {}
+    order = sorted(range(len(gears)), key=lambda i: (by_id[gears[i].gear_id].rps_max, gears[i].gear_id))
+    rps_min: dict[int, float] = {}
     prev = None
     for i in order:
-        qps_min[i] = 0.0 if prev is None else overlap_fraction * prev
-        prev = by_id[gears[i].gear_id].qps_max
+        rps_min[i] = 0.0 if prev is None else overlap_fraction * prev
+        prev = by_id[gears[i].gear_id].rps_max
     out = []
     for i, g in enumerate(gears):
         env = by_id[g.gear_id]
-        out.append(g.model_copy(update={"qps_min": min(qps_min[i], env.qps_max), "qps_max": env.qps_max,
+        out.append(g.model_copy(update={"rps_min": min(rps_min[i], env.rps_max), "rps_max": env.rps_max,
                                         "target_p99_ms": env.target_p99_ms,
                                         "estimate": env.estimate if env.estimate is not None else g.estimate}))
     return out
@@ -274,13 +274,13 @@ def refine_envelopes(gears: Sequence[Gear], cost_model: Any, reference_workload:
         slo_ttft_ms / slo_tpot_ms: the SLO a request must meet, ms.
         attainment: share of (post-warm-up) requests that must meet it for a rate to count as served.
         num_requests / warmup_fraction / rel_tol: probe size, warm-up skipped, bisection tolerance.
-        overlap_fraction: ``qps_min`` of a gear = this x the next-smaller gear's ``qps_max``.
+        overlap_fraction: ``rps_min`` of a gear = this x the next-smaller gear's ``rps_max``.
         sim_config: other simulator settings (KV overrides, prefill budget, ...).
         report: if given, the :class:`GearEnvelope` of each gear (with its probes) is appended.
 
     Returns:
-        New gears, same order, with ``qps_min``, ``qps_max``, ``target_p99_ms`` (TTFT P99 at
-        ``qps_max``, ms) and ``estimate`` from the simulation; ids and pipelines unchanged.
+        New gears, same order, with ``rps_min``, ``rps_max``, ``target_p99_ms`` (TTFT P99 at
+        ``rps_max``, ms) and ``estimate`` from the simulation; ids and pipelines unchanged.
 
     Raises:
         InputError: bad arguments (named), or a timing model that does not match a gear.
@@ -310,23 +310,23 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, referenc
     Every candidate's envelope is measured (:func:`measure_envelope`); then, with ``objective="speed"``
     (default),
 
-    * ``throughput``: the highest ``qps_max`` (ties: lower TPOT P50 at the low load);
+    * ``throughput``: the highest ``rps_max`` (ties: lower TPOT P50 at the low load);
     * ``latency``: among the others serving the low load ``q_low = low_load_share x`` that
-      ``qps_max``, the lowest TPOT P50 there, then the lowest TTFT P50;
-    * ``balanced``: among the rest with ``qps_max`` strictly between the two, the highest power
-      ``qps_max / TPOT P50 at q_low`` (Kleinrock 1979).
+      ``rps_max``, the lowest TPOT P50 there, then the lowest TTFT P50;
+    * ``balanced``: among the rest with ``rps_max`` strictly between the two, the highest power
+      ``rps_max / TPOT P50 at q_low`` (Kleinrock 1979).
 
     With ``objective="devices"`` the same slots are filled by SLO goodput per device, the figure
     DistServe (OSDI'24) scores serving by (a gear's devices are its ``device_ids``, replicas included):
 
-    * ``throughput``: the highest ``qps_max``, where every candidate within ``rel_tol`` of it ties
+    * ``throughput``: the highest ``rps_max``, where every candidate within ``rel_tol`` of it ties
       (the bisection measures envelopes no finer), and among the tied the fewest devices, then the
-      highest ``qps_max``, then the lower TPOT P50 at ``q_low``;
+      highest ``rps_max``, then the lower TPOT P50 at ``q_low``;
     * ``latency``: among the others serving ``q_low``, the fewest devices (every one of them
       delivers the same goodput there, so this is the most goodput per device), then the lowest
       TPOT P50 at ``q_low``, then TTFT P50: the cheapest gear that holds the low load;
-    * ``balanced``: among the rest with ``qps_max`` strictly between the two, the highest
-      ``qps_max / devices`` (goodput per device at its envelope), then the highest power.
+    * ``balanced``: among the rest with ``rps_max`` strictly between the two, the highest
+      ``rps_max / devices`` (goodput per device at its envelope), then the highest power.
 
     A kind with no distinct candidate is left out and a sentence saying so is appended to ``notes``.
 
@@ -353,14 +353,14 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, referenc
               rel_tol=rel_tol, sim_config=sim_config)
     timings = {g.gear_id: timing_for(g) for g in candidates}
     envs = {g.gear_id: measure_envelope(g, timings[g.gear_id], reference_workload, **kw) for g in candidates}
-    best_max = max(e.qps_max for e in envs.values())
+    best_max = max(e.rps_max for e in envs.values())
     q_low = low_load_share * best_max
     base = sim_config or SimConfig()
     config = dataclasses.replace(base, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     ref, native = reference_slice(reference_workload, num_requests)
     low: dict[str, tuple[float, float]] = {}
     for g in candidates:
-        if q_low > 0 and envs[g.gear_id].qps_max >= q_low:
+        if q_low > 0 and envs[g.gear_id].rps_max >= q_low:
             est = probe_gear(g, timings[g.gear_id], ref, native, q_low, config=config, attainment=attainment).estimate
             low[g.gear_id] = (est.tpot_p50_ms, est.ttft_p50_ms)
     inf = (math.inf, math.inf)
@@ -370,13 +370,13 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, referenc
         return len(g.device_ids)
 
     def power(g: Gear) -> float:
-        return envs[g.gear_id].qps_max / max(low[g.gear_id][0], 1e-9)
+        return envs[g.gear_id].rps_max / max(low[g.gear_id][0], 1e-9)
 
     if by_devices:
-        tied = [g for g in candidates if envs[g.gear_id].qps_max >= (1.0 - rel_tol) * best_max]
-        thr = min(tied, key=lambda g: (devices(g), -envs[g.gear_id].qps_max, low.get(g.gear_id, inf), g.gear_id))
+        tied = [g for g in candidates if envs[g.gear_id].rps_max >= (1.0 - rel_tol) * best_max]
+        thr = min(tied, key=lambda g: (devices(g), -envs[g.gear_id].rps_max, low.get(g.gear_id, inf), g.gear_id))
     else:
-        thr = max(candidates, key=lambda g: (envs[g.gear_id].qps_max, [-x for x in low.get(g.gear_id, inf)], g.gear_id))
+        thr = max(candidates, key=lambda g: (envs[g.gear_id].rps_max, [-x for x in low.get(g.gear_id, inf)], g.gear_id))
     chosen: dict[str, Gear] = {"throughput": thr}
     others = [g for g in candidates if g.gear_id != thr.gear_id and g.gear_id in low]
     if others:
@@ -388,13 +388,13 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, referenc
             better = low[lat.gear_id] < low.get(thr.gear_id, inf)
         if better:
             chosen["latency"] = lat
-    lo = envs[chosen["latency"].gear_id].qps_max if "latency" in chosen else 0.0
-    hi = envs[thr.gear_id].qps_max
+    lo = envs[chosen["latency"].gear_id].rps_max if "latency" in chosen else 0.0
+    hi = envs[thr.gear_id].rps_max
     mid = [g for g in others if g.gear_id not in {c.gear_id for c in chosen.values()}
-           and lo < envs[g.gear_id].qps_max < hi]
+           and lo < envs[g.gear_id].rps_max < hi]
     if mid:
         if by_devices:
-            chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].qps_max / devices(g), power(g), g.gear_id))
+            chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].rps_max / devices(g), power(g), g.gear_id))
         else:
             chosen["balanced"] = max(mid, key=lambda g: (power(g), g.gear_id))
     for kind in ("latency", "balanced"):

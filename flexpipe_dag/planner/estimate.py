@@ -12,7 +12,7 @@ For a plan with micro-batch ``b``, ``m`` micro-batches in flight (:func:`infligh
 * TTFT = prefill through every stage and link, plus the wait at the bottleneck: the M/M/1 waiting-time
   quantile ``w_q = ln(rho / (1 - q)) * s / (1 - rho)`` for ``rho > 1 - q`` (Kleinrock 1975, Vol. 1,
   Sec. 3.2), a conservative stand-in for the queue the simulator measures; ``s`` is the bottleneck busy
-  time and ``rho = qps / X``.
+  time and ``rho = rps / X``.
 
 P50 figures use the mean prompt, P99 figures the P95 context as the prompt (the KV pool is sized at it).
 
@@ -46,7 +46,7 @@ class PlanEstimate:
     tpot_idle_ms: float
     ttft_idle_ms: float
     bottleneck_stage: int
-    qps_at_envelope: float
+    rps_at_envelope: float
 
 
 def inflight_micro_batches(plan: PipelinePlan, concurrency: int) -> int:
@@ -71,10 +71,10 @@ def _wait_quantile_ms(rho: float, service_ms: float, q: float) -> float:
 
 
 def estimate_plan(search: PipelineSearch, plan: PipelinePlan, utilisation: float = ENVELOPE_UTILISATION,
-                  qps: float | None = None) -> PlanEstimate:
-    """Estimate ``plan`` at ``qps`` requests/s, or at ``utilisation`` x its throughput when ``qps`` is None.
+                  rps: float | None = None) -> PlanEstimate:
+    """Estimate ``plan`` at ``rps`` requests/s, or at ``utilisation`` x its throughput when ``rps`` is None.
 
-    Formulas in the module docstring; ``qps`` above the plan's throughput is clipped to it.
+    Formulas in the module docstring; ``rps`` above the plan's throughput is clipped to it.
     """
     w = search.workload
     cm = search.cm
@@ -101,10 +101,10 @@ def estimate_plan(search: PipelineSearch, plan: PipelinePlan, utilisation: float
     x_busy = 1e3 / plan.bottleneck_ms
     x_slots = m * b * 1e3 / (ttft_idle + w.output_tokens_mean * tpot_full)
     x = min(x_busy, x_slots)
-    qps = utilisation * x if qps is None else min(qps, x)
-    rho = qps / x_busy
+    rps = utilisation * x if rps is None else min(rps, x)
+    rho = rps / x_busy
     service = plan.bottleneck_ms
-    active = max(1.0, min(m, qps * (ttft_idle + w.output_tokens_mean * tpot_full) / 1e3 / b))
+    active = max(1.0, min(m, rps * (ttft_idle + w.output_tokens_mean * tpot_full) / 1e3 / b))
     tpot_p50 = max(R, active * D)
     # a decode step that waits behind one prefill chunk on the bottleneck stage
     s_b = max(range(S), key=lambda i: plan.stage_busy_ms[i])
@@ -119,4 +119,4 @@ def estimate_plan(search: PipelineSearch, plan: PipelinePlan, utilisation: float
     return PlanEstimate(
         throughput_rps=x, tokens_per_s=x * w.output_tokens_mean, ttft_p50_ms=ttft_p50, ttft_p99_ms=ttft_p99,
         tpot_p50_ms=tpot_p50, tpot_p99_ms=tpot_p99, tpot_idle_ms=R, ttft_idle_ms=ttft_idle,
-        bottleneck_stage=bottleneck, qps_at_envelope=qps)
+        bottleneck_stage=bottleneck, rps_at_envelope=rps)

@@ -131,10 +131,10 @@ def pick_latency(search: PipelineSearch | None, scored: list[ScoredPlan]) -> Sco
     if search is None:
         raise InputError(None, "search", "picking a latency gear needs the search state")
     q_low = LOW_LOAD_SHARE * max(s.estimate.throughput_rps for s in scored)
-    able = [s for s in scored if s.estimate.qps_at_envelope >= q_low] or scored
+    able = [s for s in scored if s.estimate.rps_at_envelope >= q_low] or scored
 
     def key(s: ScoredPlan) -> tuple:
-        e = estimate_plan(search, s.plan, qps=q_low)
+        e = estimate_plan(search, s.plan, rps=q_low)
         return (round(e.tpot_p50_ms, 6), round(e.ttft_p50_ms, 6), -s.estimate.tokens_per_s,
                 s.plan.num_stages, s.plan.signature())
 
@@ -232,7 +232,7 @@ def _gear_id(kind: str, model: ModelSpec, dtype: str, plan: PipelinePlan, cluste
     return f"{kind}-{plan.num_stages}s-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
 
 
-def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, qps_min: float = 0.0,
+def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_min: float = 0.0,
             profile_version: int | None = None) -> Gear:
     """Turn a scored plan into a validated :class:`Gear` (stage times, weight GiB, KV token capacity)."""
     plan, est = scored.plan, scored.estimate
@@ -253,7 +253,7 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, qps_m
                                 est_stage_ms=round(float(t.decode_ms[role, k]), 6), weight_gib=round(weight / GIB, 4),
                                 kv_capacity_tokens=kv_tokens))
         start += k
-    qps_max = est.qps_at_envelope
+    rps_max = est.rps_at_envelope
     estimate = GearEstimate(
         throughput_rps=est.throughput_rps, tokens_per_s=est.tokens_per_s, ttft_p50_ms=est.ttft_p50_ms,
         ttft_p99_ms=est.ttft_p99_ms, tpot_p50_ms=est.tpot_p50_ms, tpot_p99_ms=est.tpot_p99_ms,
@@ -262,7 +262,7 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, qps_m
         gear_id=_gear_id(kind, model, cm.dtype, plan, cm.cluster.cluster_id), kind=kind, model_name=model.name,
         dtype=cm.dtype, num_layers=model.num_layers, stages=stages, micro_batch_size=plan.micro_batch_size,
         max_inflight_micro_batches=inflight_micro_batches(plan, w.concurrency),
-        kv_capacity_tokens=min(kv_caps), qps_min=min(qps_min, qps_max), qps_max=qps_max,
+        kv_capacity_tokens=min(kv_caps), rps_min=min(rps_min, rps_max), rps_max=rps_max,
         target_p99_ms=max(1.0, math.ceil(est.ttft_p99_ms)), estimate=estimate, cluster_id=cm.cluster.cluster_id,
         profile_version=profile_version)
 
@@ -385,13 +385,13 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
     if not scored:
         raise InfeasibleError(search.explain_infeasible())
     chosen, collapsed = choose_operating_plans(search, scored)
-    by_capacity = sorted(chosen, key=lambda k: (chosen[k].estimate.qps_at_envelope, k))
+    by_capacity = sorted(chosen, key=lambda k: (chosen[k].estimate.rps_at_envelope, k))
     gears: dict[str, Gear] = {}
     prev_max = None
     for kind in by_capacity:
-        qps_min = 0.0 if prev_max is None else 0.7 * prev_max
-        gears[kind] = to_gear(search, kind, chosen[kind], qps_min=qps_min, profile_version=profile_version)
-        prev_max = chosen[kind].estimate.qps_at_envelope
+        rps_min = 0.0 if prev_max is None else 0.7 * prev_max
+        gears[kind] = to_gear(search, kind, chosen[kind], rps_min=rps_min, profile_version=profile_version)
+        prev_max = chosen[kind].estimate.rps_at_envelope
     notes = [f"{kind} collapses into {into} ({gears[into].gear_id}): no distinct configuration of its own on "
              f"{len(search.pool)} usable device(s) for micro-batches {list(workload.batch_sizes())}"
              for kind, into in collapsed.items()]
@@ -417,7 +417,7 @@ def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16"
         The distinct gears in the order latency, balanced, throughput: three where the cluster allows
         three configurations, fewer when a kind collapses into another (:func:`plan_gear_set` names
         which). Each carries its analytic estimate and envelope: ordered by capacity, each gear's
-        ``qps_min`` is 70 % of the next-smaller gear's ``qps_max`` (overlap for hysteresis), the
+        ``rps_min`` is 70 % of the next-smaller gear's ``rps_max`` (overlap for hysteresis), the
         smallest starts at 0. For envelopes measured in the simulator, pass the result to
         :func:`flexpipe_dag.planner.envelope.refine_envelopes`.
 

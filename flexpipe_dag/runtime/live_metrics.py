@@ -84,7 +84,7 @@ class LiveMetrics:
         tpot50, tpot99 = _pcts(self._tpot)
         e2e50, e2e99 = _pcts(self._e2e)
         s = MetricSample(
-            t_s=t_s, gear_id=self.gear_id, source="live", qps=self._arrivals / window, completed=len(self._e2e),
+            t_s=t_s, gear_id=self.gear_id, source="live", rps=self._arrivals / window, completed=len(self._e2e),
             tokens_per_s=self._tokens / window, queue_length=queue_length, running=running,
             kv_used_fraction=kv_blocks_used / kv_blocks_total if kv_blocks_total else 0.0,
             ttft_p50_ms=ttft50, ttft_p99_ms=ttft99, tpot_p50_ms=tpot50, tpot_p99_ms=tpot99,

@@ -59,7 +59,7 @@ def _segments(samples: Sequence[MetricSample]) -> list[tuple[float, float, str]]
 
 
 def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str, Any]]) -> bytes:
-    """Offered QPS and output tokens/s over time, the serving gear shaded, each shift marked."""
+    """Offered request rate and output tokens/s over time, the serving gear shaded, each shift marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,10 +67,10 @@ def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str,
 
     fig, ax = plt.subplots(figsize=(12, 3.6), dpi=100)
     t = [s.t_s for s in samples]
-    (raw,) = ax.plot(t, [s.qps for s in samples], label="arrivals (req/s)", color="k", lw=0.6, alpha=0.5)
+    (raw,) = ax.plot(t, [s.rps for s in samples], label="arrivals (req/s)", color="k", lw=0.6, alpha=0.5)
     smoothed, level = [], None
     for s in samples:  # the EMA the controller acts on (design seed alpha 0.3)
-        level = s.qps if level is None else 0.3 * s.qps + 0.7 * level
+        level = s.rps if level is None else 0.3 * s.rps + 0.7 * level
         smoothed.append(level)
     (ema,) = ax.plot(t, smoothed, label="arrivals, EMA (req/s)", color="k", lw=1.8)
     ax2 = ax.twinx()

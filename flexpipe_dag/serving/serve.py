@@ -93,7 +93,7 @@ class TraceServer:
         self._shift_thread: threading.Thread | None = None
         self._cursor: str | None = None
         self._declined_logged: dict[str | None, float] = {}
-        self._qps_ema: float | None = None
+        self._ema_rps: float | None = None
         self._gate = TideGate()
         self._done_by_class: dict[str, int] = {}
         self._online_at_last_tide = 0
@@ -279,12 +279,12 @@ class TraceServer:
         interval = self.settings.control_interval_s
         arrived = self.report.submitted_online - self._online_at_last_tide
         self._online_at_last_tide = self.report.submitted_online
-        self._qps_ema = ema(self._qps_ema, arrived / interval, cfg.ema_alpha)
+        self._ema_rps = ema(self._ema_rps, arrived / interval, cfg.ema_alpha)
         active = self.router.active
-        capacity = active.gear.qps_max if active is not None else float("inf")
+        capacity = active.gear.rps_max if active is not None else float("inf")
         tide_time = self.settings.tide_start_s + self.settings.tide_compression * now_s
-        d = decide_offline(self.forecaster, cfg, tide_time_s=tide_time, qps_ema=self._qps_ema,
-                           capacity_qps=capacity, offline_running=self._gate.running)
+        d = decide_offline(self.forecaster, cfg, tide_time_s=tide_time, ema_rps=self._ema_rps,
+                           capacity_rps=capacity, offline_running=self._gate.running)
         self._gate, act = self._gate.step(d, cfg.hysteresis_samples)
         if act is None:
             return

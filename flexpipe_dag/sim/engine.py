@@ -587,7 +587,7 @@ class Simulator:
             t_s=tick,
             gear_id=pipe.gear_id,
             source="sim",
-            qps=w[0] / period,
+            rps=w[0] / period,
             completed=w[1],
             tokens_per_s=w[2] / period,
             queue_length=len(self._waiting),

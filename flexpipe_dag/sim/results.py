@@ -35,7 +35,7 @@ class SimResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
     def timeseries(self) -> pd.DataFrame:
-        """Samples as a frame: ``t_s, qps, completed, tokens_per_s, queue_length, running,
+        """Samples as a frame: ``t_s, rps, completed, tokens_per_s, queue_length, running,
         kv_used_fraction, ttft_p99_ms, ..., stage<i>_busy`` (queue length and KV use over time)."""
         rows = []
         for s in self.samples:

@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexpipe_dag.profiling.source import build_profile
 
     if not args.cluster and not args.probe:
         raise InputError(None, "--cluster/--probe", "give a cluster file, --probe, or both")

@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup browser demo test bench dev clean
+.PHONY: setup browser demo lint test bench dev clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,12 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ]; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium is not installed and this is not root: the browser test will skip"; fi; }
+
+# ruff, mypy (strict on the pure core) and the import contract (see ARCHITECTURE.md)
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 test: setup browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -15,7 +15,10 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from flexpipe_dag.control.config import ControllerConfig
-from flexpipe_dag.control.settings import ResolvedControlSettings, resolve_control_settings
+from flexpipe_dag.control.settings import (
+    ResolvedControlSettings,
+    resolve_control_settings,
+)
 from flexpipe_dag.control.tide import TideConfig
 
 

@@ -27,8 +27,16 @@ from flexpipe_dag.control.controller import Controller
 from flexpipe_dag.control.cursor import make_cursor, parse_cursor
 from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.state import Decision
-from flexpipe_dag.control.tide import (TideConfig, TideDecision, TideForecaster, TideGate, decide_offline, ema,
-                                       load_history, tide_forecast)
+from flexpipe_dag.control.tide import (
+    TideConfig,
+    TideDecision,
+    TideForecaster,
+    TideGate,
+    decide_offline,
+    ema,
+    load_history,
+    tide_forecast,
+)
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.gear import Gear

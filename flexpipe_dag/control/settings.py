@@ -13,7 +13,7 @@ Plain Python and pydantic: no Dagster and no store here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexpipe_dag.control.config import ControllerConfig
@@ -32,8 +32,8 @@ class ResolvedControlSettings:
     messages.
     """
 
-    controller: ControllerConfig = ControllerConfig()
-    tide: TideConfig = TideConfig()
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    tide: TideConfig = field(default_factory=TideConfig)
     source: str = ""
 
 

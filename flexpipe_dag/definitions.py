@@ -118,8 +118,8 @@ def build_resources() -> dict:
     if database_url:
         check_store_url(database_url)
     control = ControlSettings(config_file=os.environ.get("FLEXPIPE_CONTROL_FILE", ""),
-                              dwell_s=env_value("FLEXPIPE_DWELL_S", float, -1.0, ge=0, unit="seconds"))
-    control.controller_config(), control.tide_config()  # a bad control file fails the load, not the first tick
+                              dwell_s=env_value("FLEXPIPE_DWELL_S", float, None, ge=0, unit="seconds"))
+    control.resolved()  # read and validated once, here: a bad control file fails the load, not the first tick
     return {
         "store": StoreResource(database_url=database_url),
         "prober": ProberResource(probe=env_value("FLEXPIPE_PROBE", bool, True),

@@ -75,6 +75,7 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     from flexpipe_dag.shift.router import ServingRouter
 
     db = store.get_store()
+    figures = control.resolved()  # the controller's and the tide's figures, read once per process
     latest = db.latest_profile()
     if latest is None:
         raise InfeasibleError("no cluster profile stored: run profile_refresh first")
@@ -105,8 +106,8 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
         t0 = time.monotonic()
         router.open(PipelineRuntime(first, ckpt, options))
         context.log.info(f"gear {first.gear_id} live after {time.monotonic() - t0:.1f} s")
-        server = TraceServer(db, control, router, GearExecutor(router, options=options), gears, settings,
-                             forecaster=TideForecaster(load_history(control.tide_config())), tokenizer=tok,
+        server = TraceServer(db, figures, router, GearExecutor(router, options=options), gears, settings,
+                             forecaster=TideForecaster(load_history(figures.tide)), tokenizer=tok,
                              log=context.log.info)
         holder["server"] = server
         report = server.serve(online, offline)

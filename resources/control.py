@@ -1,14 +1,25 @@
-"""Dagster resource with every figure of the gear-shift controller and of offline (tide) admission."""
+"""Dagster resource with every figure of the gear-shift controller and of offline (tide) admission.
 
-from pathlib import Path
+The resource only names where the figures come from; :meth:`ControlSettings.resolved` reads and
+validates them once per process (:func:`flexpipe_dag.control.settings.resolve_control_settings`) into
+an immutable :class:`~flexpipe_dag.control.settings.ResolvedControlSettings` that the sensors, the
+serve job and the decision services share. The code location resolves them when it loads, so a bad
+control file fails the load; a changed file takes effect when the code location is reloaded.
+"""
 
-import yaml
+from __future__ import annotations
+
+from functools import lru_cache
+
 from dagster import ConfigurableResource
 from pydantic import Field
 
 from flexpipe_dag.control.config import ControllerConfig
+from flexpipe_dag.control.settings import (
+    ResolvedControlSettings,
+    resolve_control_settings,
+)
 from flexpipe_dag.control.tide import TideConfig
-from flexpipe_dag.core.errors import InputError
 
 
 class ControlSettings(ConfigurableResource):
@@ -17,48 +28,35 @@ class ControlSettings(ConfigurableResource):
     ``config_file`` (``FLEXPIPE_CONTROL_FILE``) is a YAML file with optional ``controller:`` (any
     field of :class:`~flexpipe_dag.control.config.ControllerConfig`) and ``tide:`` (any field of
     :class:`~flexpipe_dag.control.tide.TideConfig`) sections; unset figures keep the design's seed
-    values. ``target_p99_ms`` > 0 sets the service latency target for every gear.
+    values. ``target_p99_ms`` > 0 sets the service latency target for every gear; ``dwell_s``
+    (``FLEXPIPE_DWELL_S``), when set, the minimum dwell after a shift.
     """
 
     config_file: str = ""
     target_p99_ms: float = Field(0.0, ge=0, description="0 = each gear's own target")
-    dwell_s: float = Field(-1.0, description="< 0 = the config file's or the seed's 600 s")
+    dwell_s: float | None = Field(None, description="None = the config file's or the seed's 600 s")
 
-    def _sections(self) -> dict:
-        if not self.config_file:
-            return {}
-        path = Path(self.config_file)
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise InputError(str(path), None, f"cannot read controller config: {str(exc).splitlines()[0]}") from None
-        if not isinstance(data, dict) or set(data) - {"controller", "tide"}:
-            raise InputError(str(path), None, "expected a mapping with 'controller' and/or 'tide' sections")
-        for section, values in data.items():
-            if values is not None and not isinstance(values, dict):
-                raise InputError(str(path), section, f"expected a mapping of figures, got {values!r}")
-        return data
+    def resolved(self) -> ResolvedControlSettings:
+        """The validated figures, read once per process for these three values (then reused as they are).
+
+        Raises:
+            InputError: the control file cannot be read, has the wrong shape, or holds a bad figure
+                (file and field named).
+        """
+        return _resolve_once(self.config_file, self.target_p99_ms, self.dwell_s)
 
     def controller_config(self) -> ControllerConfig:
         """The validated controller config (InputError naming the file and field on a bad value)."""
-        values = dict(self._sections().get("controller") or {})
-        if self.target_p99_ms > 0:
-            values["target_p99_ms"] = self.target_p99_ms
-        if self.dwell_s >= 0:
-            values["dwell_s"] = self.dwell_s
-        return _validated(ControllerConfig, values, self.config_file, "controller")
+        return self.resolved().controller
 
     def tide_config(self) -> TideConfig:
-        return _validated(TideConfig, dict(self._sections().get("tide") or {}), self.config_file, "tide")
+        """The validated tide config (InputError naming the file and field on a bad value)."""
+        return self.resolved().tide
 
 
-def _validated(model, values: dict, source: str, section: str):
-    from pydantic import ValidationError
-
-    try:
-        return model.model_validate(values)
-    except ValidationError as err:
-        errors = err.errors()
-        where = [".".join(str(p) for p in (section, *e["loc"])) for e in errors]
-        more = "".join(f"; also {w}: {e['msg']}" for w, e in zip(where[1:], errors[1:]))
-        raise InputError(source or "control settings", where[0], errors[0]["msg"] + more) from None
+@lru_cache(maxsize=32)
+def _resolve_once(config_file: str, target_p99_ms: float, dwell_s: float | None) -> ResolvedControlSettings:
+    """:func:`resolve_control_settings`, remembered per process: Dagster builds a new resource object for every
+    sensor evaluation from the same three values, and the file is not read again for them (an error is not
+    remembered: a fixed file reads on the next call)."""
+    return resolve_control_settings(config_file, target_p99_ms=target_p99_ms, dwell_s=dwell_s)

@@ -112,6 +112,7 @@ def test_build_resources_reads_good_values(clean_env):
         clean_env.setenv(var, value)
     res = build_resources()
     assert res["control"].dwell_s == 30.0 and res["prober"].probe is False
+    assert res["control"].resolved().controller.dwell_s == 30.0
     planning = res["planning"]
     assert planning.concurrency == 16 and planning.slo_ttft_ms == 4000.0 and planning.stage_replicas is False
     assert planning.dtype == "fp32" and planning.max_new_tokens == 0  # blank = unset = the field's default
@@ -121,7 +122,8 @@ def test_build_resources_defaults_without_environment(clean_env):
     from flexpipe_dag.definitions import build_resources
 
     res = build_resources()
-    assert res["control"].dwell_s == -1.0 and res["prober"].probe is True
+    assert res["control"].dwell_s is None and res["prober"].probe is True
+    assert res["control"].resolved().controller.dwell_s == 600.0  # unset: the seed's dwell
     assert res["planning"].concurrency == 32 and res["planning"].stage_replicas is True
 
 

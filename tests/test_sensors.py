@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
 import pytest
 from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context
 
+from flexpipe_dag.control.cursor import parse_cursor
+from flexpipe_dag.control.settings import resolve_control_settings
+from flexpipe_dag.control.tide import TideConfig
 from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
 from flexpipe_dag.core.metrics import MetricSample, StageSample
-from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor, parse_cursor
+from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
 from flexpipe_dag.jobs.tide import tide_sensor
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
@@ -110,13 +114,13 @@ def test_decision_inside_dwell_is_declined_with_reason(store_res):
 
 
 def test_sensor_shifts_ahead_of_a_forecast_rise(tmp_path, store_res):
-    from flexpipe_dag.jobs.gear_shift import evaluate_gear_shift
+    from flexpipe_dag.control.service import evaluate_gear_shift
 
     db = store_res.get_store()
     cfg = tmp_path / "control.yaml"
     cfg.write_text("controller:\n  forecast_horizon_s: 600\n")
     db.write_samples("live", _samples("latency-1s", [2.0] * 4))  # inside latency-1s's 5 req/s
-    ev = evaluate_gear_shift(db, None, ControlSettings(config_file=str(cfg)), forecast=lambda t, q, h: 12.0)
+    ev = evaluate_gear_shift(db, None, resolve_control_settings(str(cfg)), forecast=lambda t, q, h: 12.0)
     assert ev.decision.action == "shift" and ev.decision.trigger == "forecast_above_envelope"
     assert ev.run_key.startswith("gear-shift:latency-1s->throughput-2s@t")
     stored = db.get_shift_event(ev.event_id)
@@ -131,11 +135,10 @@ def test_sensor_shifts_ahead_of_a_forecast_rise(tmp_path, store_res):
 def test_tide_history_forecast_places_samples_in_tide_time():
     from flexpipe_dag.control.tide import TideForecaster
     from flexpipe_dag.workload.bundled import load_tide_trace
-    from flexpipe_dag.jobs.gear_shift import tide_history_forecast
-    from flexpipe_dag.jobs.tide import tide_time_s
+    from flexpipe_dag.control.service import tide_history_forecast, tide_time_s
 
     epoch, compression = 1_800_000_000.0, 24.0
-    fc = tide_history_forecast(ControlSettings(), newest_t_s=500.0, epoch_s=epoch)  # tide settings: 1x
+    fc = tide_history_forecast(TideConfig(), newest_t_s=500.0, epoch_s=epoch)  # tide settings: 1x
     ref = TideForecaster(load_tide_trace())
     # a sample 100 s older than the newest one is 100 s before now
     assert fc(400.0, 3.0, 600.0) == pytest.approx(ref.forecast_rps(tide_time_s(epoch - 100.0, 1.0), 3.0, 600.0))
@@ -176,7 +179,7 @@ def test_gear_shift_run_fails_clearly_without_a_live_pipeline(store_res):
 def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
     from flexpipe_dag.control.tide import TideForecaster
     from flexpipe_dag.workload.bundled import load_tide_trace
-    from flexpipe_dag.jobs.tide import evaluate_tide
+    from flexpipe_dag.control.service import evaluate_tide
 
     db = store_res.get_store()
     job_id = db.get_or_create_job("offline-1", "batch", config={"job_key": "offline-1", "trace": "azure-conv",
@@ -187,7 +190,7 @@ def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
     cursor = None
     for _ in range(3):  # an admission must hold for 3 consecutive evaluations (hysteresis)
         assert db.job_status(job_id) == "queued"
-        ev = evaluate_tide(db, cursor, ControlSettings(), epoch_s=float(trough_s), forecaster=forecaster)
+        ev = evaluate_tide(db, cursor, TideConfig(), epoch_s=float(trough_s), forecaster=forecaster)
         cursor = ev.cursor
     assert ev.decision.action == "admit", ev.decision.reason
     assert [j.job_key for j in ev.admit] == ["offline-1"] and ev.run_keys["offline-1"] == "batch:offline-1:admission-1"
@@ -208,6 +211,8 @@ def test_bad_control_file_names_file_and_field(tmp_path, store_res):
     bad.write_text("controller:\n  ema_alpha: 3\n")
     with pytest.raises(InputError, match=r"controller\.ema_alpha"):
         ControlSettings(config_file=str(bad)).controller_config()
+    with pytest.raises(InputError, match=rf"^{re.escape(str(bad))}: controller\.ema_alpha: "):
+        resolve_control_settings(str(bad))
 
 
 def test_gear_health_asset_lists_open_tags(store_res):

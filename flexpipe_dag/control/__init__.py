@@ -1,7 +1,9 @@
 """Gear-shift control: a pure controller (EMA, hysteresis, dwell, payback) and migration-cost estimates.
 
 Plain data in, plain data out; no Dagster, SQL or torch. The same :class:`Controller` reads metric
-samples from the simulator and from the live runtime.
+samples from the simulator and from the live runtime. :mod:`~flexpipe_dag.control.settings` resolves
+the control file once; :mod:`~flexpipe_dag.control.service` holds the decision services the sensors and
+the serve loop call (the store reached through a protocol).
 """
 
 from flexpipe_dag.control.config import ControllerConfig

@@ -5,8 +5,8 @@
 
 * writes the pipeline's metric samples to the store (``t_s`` rebased to seconds since the serve
   started, so samples of successive gears form one series);
-* asks the controller through the *same* function the ``gear_shift_sensor`` calls
-  (:func:`jobs.gear_shift.evaluate_gear_shift`) when ``inline_control`` is on, and applies shifts
+* asks the controller through the *same* service the ``gear_shift_sensor`` calls
+  (:func:`flexpipe_dag.control.service.evaluate_gear_shift`) when ``inline_control`` is on, and applies shifts
   that ``gear_shift`` runs requested through the store (status ``requested``) in any case; a shift
   runs in a background thread while traffic keeps flowing, and its outcome is stored with the event
   (a rolled-back gear is tagged unhealthy);
@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexpipe_dag.control.service import evaluate_gear_shift
+from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.tide import TideConfig, TideForecaster, TideGate, decide_offline, ema, tide_forecast
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
@@ -68,7 +70,8 @@ class TraceServer:
 
     Args:
         store: the SQL store (samples, results, shift events, health tags).
-        control: :class:`resources.control.ControlSettings` (controller and tide figures).
+        control: the resolved controller and tide figures
+            (:class:`~flexpipe_dag.control.settings.ResolvedControlSettings`).
         router / executor: the serving front with its first gear open, and the shift executor on it.
         gears: gears the controller may choose from (by id).
         tokenizer: decodes outputs into text for the stored results (optional).
@@ -76,7 +79,7 @@ class TraceServer:
         log: called with one line per event worth telling the user.
     """
 
-    def __init__(self, store, control, router, executor, gears: Sequence[Gear], settings: ServeSettings, *,
+    def __init__(self, store, control: ResolvedControlSettings, router, executor, gears: Sequence[Gear], settings: ServeSettings, *,
                  forecaster: TideForecaster | None = None, tokenizer=None, log: Callable[[str], None] = print):
         self.db = store
         self.control = control
@@ -215,8 +218,6 @@ class TraceServer:
 
     # -- gear shifting --------------------------------------------------------------------------------
     def _control_step(self) -> None:
-        from flexpipe_dag.jobs.gear_shift import evaluate_gear_shift
-
         if not self._idle_shift():
             return
         for ev in self.db.pending_shift_requests():  # asked for by gear_shift runs (sensor mode / by hand)
@@ -273,7 +274,7 @@ class TraceServer:
     def _tide_step(self, now_s: float) -> None:
         if self.forecaster is None or self._jobs.get("offline") is None:
             return
-        cfg: TideConfig = self.control.tide_config()
+        cfg: TideConfig = self.control.tide
         # offered online load over the last interval, from the arrivals this loop submitted (it keeps
         # falling to 0 when the trace goes quiet, when an idle pipeline reports no samples)
         interval = self.settings.control_interval_s

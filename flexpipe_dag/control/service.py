@@ -1,0 +1,326 @@
+"""The decision services: one gear-shift evaluation and one offline-admission (tide) evaluation against the store.
+
+The live pipeline and the Dagster wiring meet in the SQL store. The pipeline writes metric samples;
+:func:`evaluate_gear_shift` (called by the ``gear_shift_sensor`` and by the serve loop itself) reads the
+new ones, asks the pure :class:`~flexpipe_dag.control.controller.Controller`, records every decision
+taken or declined with its reason as a shift event (status ``decided`` / ``declined``) and returns the
+deterministic run key of a shift. :func:`evaluate_tide` (called by the ``tide_sensor``) keeps the
+smoothed online request rate in its cursor, decides offline admission with the tide rule
+(:func:`flexpipe_dag.control.tide.decide_offline`), marks batch jobs ``admitted`` or ``paused`` and
+returns the run keys of the admissions.
+
+Both take the resolved figures (:class:`~flexpipe_dag.control.settings.ResolvedControlSettings`,
+:class:`~flexpipe_dag.control.config.ControllerConfig`, :class:`~flexpipe_dag.control.tide.TideConfig`)
+and the store through the protocols below (:class:`GearShiftStore`, :class:`TideStore`; the SQL
+``Store`` satisfies both): no Dagster, no SQL import here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from flexpipe_dag.control.controller import Controller
+from flexpipe_dag.control.cursor import make_cursor, parse_cursor
+from flexpipe_dag.control.settings import ResolvedControlSettings
+from flexpipe_dag.control.state import Decision
+from flexpipe_dag.control.tide import (
+    TideConfig,
+    TideDecision,
+    TideForecaster,
+    TideGate,
+    decide_offline,
+    ema,
+    load_history,
+    tide_forecast,
+)
+from flexpipe_dag.core.cluster import ClusterProfile
+from flexpipe_dag.core.errors import FlexPipeError, InputError
+from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.metrics import MetricSample
+
+#: ``forecast(t_s, rps, horizon_s) -> req/s``, what :meth:`Controller.decide` takes as ``forecast``.
+ForecastFn = Callable[[float, float, float], float]
+
+
+# -- what the services need of the store ------------------------------------------------------------
+class ProfileVersionRef(Protocol):
+    """A stored cluster-profile version (only its row id is read)."""
+
+    @property
+    def id(self) -> int: ...
+
+
+class BatchJobRow(Protocol):
+    """A stored inference job as the tide reads it."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def job_key(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def config(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class GearShiftStore(Protocol):
+    """The store methods :func:`evaluate_gear_shift` calls (the SQL ``Store`` has them)."""
+
+    def latest_sample_run_key(self) -> str | None: ...
+
+    def read_samples(self, *, run_key: str | None = None,
+                     after_id: int | None = None) -> list[tuple[int, MetricSample]]: ...
+
+    def list_profile_versions(self) -> Sequence[ProfileVersionRef]: ...
+
+    def load_gears(self, profile_version_id: int | None = None) -> list[Gear]: ...
+
+    def load_gear(self, gear_key: str) -> Gear | None: ...
+
+    def latest_profile(self) -> tuple[Any, ClusterProfile] | None: ...
+
+    def unhealthy_gear_keys(self) -> set[str]: ...
+
+    def record_shift_event(self, action: str, status: str, reason: str, *, from_gear_key: str | None = None,
+                           to_gear_key: str | None = None, trigger: str | None = None,
+                           est_gain: float | None = None, migration_cost_s: float | None = None,
+                           details: dict[str, Any] | None = None) -> int: ...
+
+
+@runtime_checkable
+class TideStore(Protocol):
+    """The store methods :func:`evaluate_tide` calls (the SQL ``Store`` has them)."""
+
+    def read_samples(self, *, run_key: str | None = None,
+                     after_id: int | None = None) -> list[tuple[int, MetricSample]]: ...
+
+    def load_gear(self, gear_key: str) -> Gear | None: ...
+
+    def jobs(self, *, kind: str | None = None) -> Sequence[BatchJobRow]: ...
+
+    def update_job(self, job_id: int, **fields: Any) -> None: ...
+
+
+@runtime_checkable
+class ControlStore(GearShiftStore, TideStore, Protocol):
+    """Everything both services call."""
+
+
+# -- gear shifting ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShiftEvaluation:
+    """One evaluation: the decision (None when no new samples), the cursor to keep, the stored event and run key.
+
+    ``event_id`` is set when the decision was stored (a shift or a declined one); ``run_key`` only
+    for a shift.
+    """
+
+    decision: Decision | None
+    cursor: str
+    event_id: int | None = None
+    run_key: str | None = None
+
+    @property
+    def summary(self) -> str:
+        """The decision's reason, or "no new metric samples"."""
+        return self.decision.reason if self.decision else "no new metric samples"
+
+
+def shift_run_key(decision: Decision) -> str:
+    """Deterministic run key: the same decision always maps to the same key (no duplicate runs).
+
+    ``gear-shift:<from>-><to>@t<decision time, seconds on the samples' clock, 1 decimal>``.
+    """
+    return f"gear-shift:{decision.from_gear_id}->{decision.to_gear_id}@t{decision.t_s:.1f}"
+
+
+def _migration_cost(db: GearShiftStore, gears: Sequence[Gear]) -> Callable[[Gear, Gear], float] | None:
+    """The controller's migration-cost function (seconds) for the newest profile, or None when it cannot be built
+    (no profile stored, no gears, or the gears' model is unknown)."""
+    from flexpipe_dag.control.migration import migration_cost_fn
+    from flexpipe_dag.planner.model_spec import load_model_spec
+
+    latest = db.latest_profile()
+    if latest is None or not gears:
+        return None
+    _, cluster = latest
+    try:
+        spec = load_model_spec(gears[0].model_name)
+    except FlexPipeError:
+        return None
+    dtype = gears[0].dtype
+    return migration_cost_fn(cluster, [spec.layer_weight_bytes(dtype)] * spec.num_layers,
+                             embedding_bytes=spec.first_stage_extra_bytes(dtype),
+                             lm_head_bytes=spec.last_stage_extra_bytes(dtype),
+                             fallback_bandwidth_gbps=min((l.bandwidth_gbps for l in cluster.links), default=1.0))
+
+
+def candidate_gears_for(db: GearShiftStore, serving_gear_ids: Iterable[str]) -> list[Gear]:
+    """The newest profile's current gears, plus any gear the samples name that an earlier plan made."""
+    latest = db.list_profile_versions()
+    gears = db.load_gears(latest[-1].id) if latest else []
+    known = {g.gear_id for g in gears}
+    for gear_id in dict.fromkeys(serving_gear_ids):
+        if gear_id not in known and (gear := db.load_gear(gear_id)) is not None:
+            gears.append(gear)
+            known.add(gear_id)
+    return gears
+
+
+def tide_time_s(epoch_s: float, compression: float) -> float:
+    """Tide time (seconds since a tide midnight) for a wall-clock instant (epoch seconds); ``compression`` tide s
+    per wall s."""
+    return (epoch_s * compression) % 86400.0
+
+
+def tide_history_forecast(tide: TideConfig, newest_t_s: float, epoch_s: float | None = None) -> ForecastFn:
+    """The controller's load forecast from the tide history (``tide.history_file``, else the bundled
+    ServeGen tide), on the metric samples' clock.
+
+    A sample's ``t_s`` counts from its run's start, so it is placed in wall time by its distance to
+    the newest sample (``newest_t_s``, taken as now: ``epoch_s``, epoch seconds, default the clock),
+    then in tide time as the ``tide_sensor`` does (``tide.time_compression``).
+
+    Raises:
+        InputError: the history file is missing or not a tide (file and field named).
+    """
+    compression = tide.time_compression
+    now = time.time() if epoch_s is None else epoch_s
+    return tide_forecast(TideForecaster(load_history(tide)),
+                         lambda t_s: tide_time_s(now - (newest_t_s - t_s), compression), compression)
+
+
+def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: ResolvedControlSettings,
+                        run_key_prefix: str = "", run_key: str | None = None, forecast: ForecastFn | None = None,
+                        epoch_s: float | None = None) -> ShiftEvaluation:
+    """Read new samples, ask the controller, store the decision if a trigger fired; see module docstring.
+
+    Args:
+        db: the store.
+        cursor: what the previous evaluation returned (None / "" = start afresh).
+        settings: the resolved controller and tide figures.
+        run_key_prefix: put before the shift's run key (the serve loop prefixes its own run key).
+        run_key: the serving run whose samples to follow (default: the run that wrote the newest
+            sample). When the followed run changes, the controller starts afresh.
+        forecast: the controller's load forecast; None with ``forecast_horizon_s`` > 0 in the
+            controller settings uses :func:`tide_history_forecast` (``epoch_s``: now, epoch
+            seconds, for tests).
+
+    Returns:
+        The evaluation; a decision is stored (``record_shift_event``, status ``decided`` for a shift,
+        ``declined`` for a declined one) only when a trigger fired.
+
+    Raises:
+        InputError: ``cursor`` is not one this service wrote; the tide history cannot be read.
+    """
+    state, last_id, followed = parse_cursor(cursor)
+    run_key = run_key or db.latest_sample_run_key()
+    if run_key != followed:
+        state = None
+    rows = db.read_samples(run_key=run_key, after_id=last_id) if run_key else []
+    if not rows:
+        return ShiftEvaluation(None, make_cursor(state, last_id, run_key))
+    samples = [s for _, s in rows]
+    gears = candidate_gears_for(db, [smp.gear_id for smp in samples])
+    config = settings.controller
+    if forecast is None and config.forecast_horizon_s > 0:
+        forecast = tide_history_forecast(settings.tide, max(smp.t_s for smp in samples), epoch_s)
+    new_state, decision = Controller(config).decide(
+        state, samples, gears, unhealthy=db.unhealthy_gear_keys(), migration_cost_s=_migration_cost(db, gears),
+        forecast=forecast)
+    cursor = make_cursor(new_state, rows[-1][0], run_key)
+    if decision.action != "shift" and not decision.declined:
+        return ShiftEvaluation(decision, cursor)
+    event_id = db.record_shift_event(
+        decision.action, "decided" if decision.action == "shift" else "declined", decision.reason,
+        from_gear_key=decision.from_gear_id, to_gear_key=decision.to_gear_id, trigger=decision.trigger,
+        est_gain=decision.estimated_gain_fraction, migration_cost_s=decision.migration_cost_s,
+        details=decision.model_dump())
+    run_key = run_key_prefix + shift_run_key(decision) if decision.action == "shift" else None
+    return ShiftEvaluation(decision, cursor, event_id, run_key)
+
+
+# -- offline admission ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TideEvaluation:
+    """One evaluation of offline admission.
+
+    ``decision`` is None before any online sample; ``admit`` the batch job rows to launch (marked
+    ``admitted``), ``paused`` the keys of the jobs marked ``paused``, ``run_keys`` each admitted job's
+    run key (``batch:<job key>:admission-<n>``, n counting that job's admissions).
+    """
+
+    decision: TideDecision | None
+    cursor: str
+    admit: tuple[BatchJobRow, ...] = ()
+    paused: tuple[str, ...] = ()
+    run_keys: Mapping[str, str] = field(default_factory=dict)
+
+
+def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_s: float | None = None,
+                  forecaster: TideForecaster | None = None) -> TideEvaluation:
+    """One evaluation of offline admission (see module docstring).
+
+    Args:
+        db: the store.
+        cursor: what the previous evaluation returned (None / "" = start afresh).
+        tide: the tide figures (thresholds, EMA alpha, hysteresis, time compression, history).
+        epoch_s: now, epoch seconds (default the clock), placed in tide time with
+            ``tide.time_compression``.
+        forecaster: the tide history's forecaster (default: built from ``tide.history_file``).
+
+    Raises:
+        InputError: ``cursor`` is not JSON ("tide_sensor cursor"); the tide history cannot be read.
+    """
+    try:
+        doc = json.loads(cursor) if cursor else {}
+    except ValueError as exc:
+        raise InputError("tide_sensor cursor", None, f"cannot parse: {exc}") from None
+    cfg = tide
+    ema_rps, last_id = doc.get("ema_rps"), doc.get("last_sample_id")
+    gate = TideGate.model_validate(doc.get("gate") or {})
+    admissions = dict(doc.get("admissions", {}))
+    rows = db.read_samples(after_id=last_id)
+    for _, smp in rows:
+        ema_rps = ema(ema_rps, smp.rps, cfg.ema_alpha)
+    if rows:
+        last_id = rows[-1][0]
+    if ema_rps is None:
+        return TideEvaluation(None, json.dumps(doc))
+    if forecaster is None:
+        forecaster = TideForecaster(load_history(cfg))
+    gear_id = rows[-1][1].gear_id if rows else doc.get("gear_id")
+    gear = db.load_gear(gear_id) if gear_id else None
+    capacity = gear.rps_max if gear else float("inf")
+    batch_jobs = db.jobs(kind="batch")
+    running = [j for j in batch_jobs if j.status == "running"]
+    gate = gate.model_copy(update={"running": bool(running) or gate.running and any(
+        j.status == "admitted" for j in batch_jobs)})
+    decision = decide_offline(forecaster, cfg, tide_time_s=tide_time_s(epoch_s or time.time(), cfg.time_compression),
+                              ema_rps=ema_rps, capacity_rps=capacity, offline_running=gate.running)
+    gate, act = gate.step(decision, cfg.hysteresis_samples)
+    admit: list[BatchJobRow] = []
+    paused: list[str] = []
+    if act is None:
+        pass
+    elif act.action == "pause":
+        for j in running:
+            db.update_job(j.id, status="paused")
+            paused.append(j.job_key)
+    elif act.action == "admit":
+        admit = [j for j in batch_jobs if j.status in ("queued", "paused") and j.config]
+        for j in admit:
+            admissions[j.job_key] = admissions.get(j.job_key, 0) + 1
+            db.update_job(j.id, status="admitted")
+    new_cursor = json.dumps({"ema_rps": ema_rps, "last_sample_id": last_id, "admissions": admissions,
+                             "gate": gate.model_dump(), "gear_id": gear_id}, sort_keys=True)
+    return TideEvaluation(decision if act is None else act, new_cursor, tuple(admit), tuple(paused),
+                          {j.job_key: f"batch:{j.job_key}:admission-{admissions[j.job_key]}" for j in admit})

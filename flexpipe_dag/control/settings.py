@@ -1,0 +1,112 @@
+"""The control settings, resolved once: the controller's and the tide's figures in one immutable object.
+
+A control file (``FLEXPIPE_CONTROL_FILE`` in the Dagster code location) is a YAML file with optional
+``controller:`` (any field of :class:`~flexpipe_dag.control.config.ControllerConfig`) and ``tide:``
+(any field of :class:`~flexpipe_dag.control.tide.TideConfig`) sections; unset figures keep the
+design's seed values. :func:`resolve_control_settings` reads and validates it (plus the two
+overrides, the latency target and the dwell) into a :class:`ResolvedControlSettings`, which the
+decision services (:mod:`flexpipe_dag.control.service`) and the serve loop take as it is: nothing
+re-reads the file afterwards.
+
+Plain Python and pydantic: no Dagster and no store here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flexpipe_dag.control.config import ControllerConfig
+from flexpipe_dag.control.tide import TideConfig
+from flexpipe_dag.core.errors import InputError
+
+#: The sections a control file may hold.
+CONTROL_SECTIONS = ("controller", "tide")
+
+
+@dataclass(frozen=True)
+class ResolvedControlSettings:
+    """The controller's and the tide's validated figures (both pydantic models are frozen too).
+
+    ``source`` is the control file they were read from ("" = the seeds and overrides only), for
+    messages.
+    """
+
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    tide: TideConfig = field(default_factory=TideConfig)
+    source: str = ""
+
+
+def read_control_file(config_file: str) -> dict[str, dict]:
+    """The ``controller`` / ``tide`` sections of a control file (``{}`` for ``config_file`` "").
+
+    Returns:
+        ``{section: {figure: value}}`` with only the sections the file holds (a section left
+        empty in the YAML reads as ``{}``); the figures are not validated here.
+
+    Raises:
+        InputError: the file cannot be read or is not YAML ("cannot read controller config"), is not
+            a mapping of those sections, or a section is not a mapping of figures (file and
+            section named).
+    """
+    if not config_file:
+        return {}
+    import yaml
+
+    path = Path(config_file)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise InputError(str(path), None, f"cannot read controller config: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict) or set(data) - set(CONTROL_SECTIONS):
+        raise InputError(str(path), None, "expected a mapping with 'controller' and/or 'tide' sections")
+    for section, values in data.items():
+        if values is not None and not isinstance(values, dict):
+            raise InputError(str(path), section, f"expected a mapping of figures, got {values!r}")
+    return {section: dict(values or {}) for section, values in data.items()}
+
+
+def resolve_control_settings(config_file: str = "", *, target_p99_ms: float = 0.0,
+                             dwell_s: float | None = None) -> ResolvedControlSettings:
+    """Read and validate the control settings once.
+
+    Args:
+        config_file: the YAML control file ("" = the seed figures).
+        target_p99_ms: > 0 sets the service latency target (milliseconds) for every gear, over the
+            file's ``controller.target_p99_ms``; 0 keeps the file's (or each gear's own target).
+        dwell_s: the minimum dwell after a shift (seconds), over the file's ``controller.dwell_s``;
+            None keeps the file's (or the seed's 600 s).
+
+    Raises:
+        InputError: the file cannot be read or has the wrong shape (:func:`read_control_file`), or a
+            figure is out of range: the file (or "control settings" without one) and the field
+            (``controller.ema_alpha``, ``tide.horizon_s``) are named, and every other bad figure of
+            the same section follows as "; also <field>: <why>".
+    """
+    sections = read_control_file(config_file)
+    values = dict(sections.get("controller") or {})
+    if target_p99_ms > 0:
+        values["target_p99_ms"] = target_p99_ms
+    if dwell_s is not None:
+        values["dwell_s"] = dwell_s
+    controller = validated(ControllerConfig, values, config_file, "controller")
+    tide = validated(TideConfig, dict(sections.get("tide") or {}), config_file, "tide")
+    return ResolvedControlSettings(controller=controller, tide=tide, source=config_file)
+
+
+def validated(model, values: dict, source: str, section: str):
+    """``model.model_validate(values)``, a validation error turned into one :class:`InputError`.
+
+    Raises:
+        InputError: ``source`` (or "control settings" when "") and ``<section>.<field>`` of the first
+            bad figure named, the others appended as "; also <section>.<field>: <why>".
+    """
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        errors = err.errors()
+        where = [".".join(str(p) for p in (section, *e["loc"])) for e in errors]
+        more = "".join(f"; also {w}: {e['msg']}" for w, e in zip(where[1:], errors[1:]))
+        raise InputError(source or "control settings", where[0], errors[0]["msg"] + more) from None

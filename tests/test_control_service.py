@@ -1,0 +1,266 @@
+"""The decision services with plain config objects and a plain in-memory store (no Dagster, no SQL); the control
+settings resolved once and reused across sensor evaluations."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from conftest import EXAMPLES, REPO
+
+from flexpipe_dag.control.config import ControllerConfig
+from flexpipe_dag.control.cursor import make_cursor, parse_cursor
+from flexpipe_dag.control.service import (
+    ControlStore,
+    GearShiftStore,
+    TideEvaluation,
+    TideStore,
+    evaluate_gear_shift,
+    evaluate_tide,
+    shift_run_key,
+)
+from flexpipe_dag.control.settings import (
+    ResolvedControlSettings,
+    resolve_control_settings,
+)
+from flexpipe_dag.control.tide import TideConfig, TideForecaster
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
+from flexpipe_dag.core.metrics import MetricSample, StageSample
+
+
+def _gear(gear_id, kind, rps_min, rps_max, stages):
+    bounds = [(0, 30)] if stages == 1 else [(0, 15), (15, 30)]
+    devs = ["gpu_001", "gpu_002"]
+    return Gear(gear_id=gear_id, kind=kind, model_name="SmolLM2-135M", num_layers=30, micro_batch_size=8,
+                stages=[StagePlan(stage_index=i, layer_start=a, layer_end=b, device_ids=[devs[i]])
+                        for i, (a, b) in enumerate(bounds)],
+                rps_min=rps_min, rps_max=rps_max, target_p99_ms=500.0,
+                estimate=GearEstimate(throughput_rps=rps_max, tokens_per_s=rps_max * 100, ttft_p50_ms=100,
+                                      ttft_p99_ms=300, tpot_p50_ms=20, tpot_p99_ms=40, bottleneck_stage=0))
+
+
+GEARS = [_gear("latency-1s", "latency", 0.0, 5.0, 1), _gear("throughput-2s", "throughput", 3.5, 40.0, 2)]
+
+
+def _samples(gear_id, rps_values, t0=0.0):
+    return [MetricSample(t_s=t0 + 2.0 * (i + 1), gear_id=gear_id, source="live", rps=q, completed=int(q * 2),
+                         tokens_per_s=q * 100, queue_length=5, running=8, kv_used_fraction=0.3,
+                         ttft_p99_ms=300.0, tpot_p99_ms=40.0,
+                         stages=(StageSample(0, 0.8, 1, 10, 100),)) for i, q in enumerate(rps_values)]
+
+
+class MemoryStore:
+    """Just the methods the services call (the ControlStore protocol), in memory."""
+
+    def __init__(self, gears=GEARS):
+        self.gears = list(gears)
+        self.samples: list[tuple[int, str, MetricSample]] = []
+        self.events: list[dict] = []
+        self.batch: list[SimpleNamespace] = []
+
+    def write(self, run_key, samples):
+        for smp in samples:
+            self.samples.append((len(self.samples) + 1, run_key, smp))
+
+    # -- the protocol ----------------------------------------------------------------------------
+    def latest_sample_run_key(self):
+        return self.samples[-1][1] if self.samples else None
+
+    def read_samples(self, *, run_key=None, after_id=None):
+        return [(i, s) for i, rk, s in self.samples
+                if (run_key is None or rk == run_key) and (after_id is None or i > after_id)]
+
+    def list_profile_versions(self):
+        return [SimpleNamespace(id=1)]
+
+    def load_gears(self, profile_version_id=None):
+        return list(self.gears)
+
+    def load_gear(self, gear_key):
+        return next((g for g in self.gears if g.gear_id == gear_key), None)
+
+    def latest_profile(self):
+        return None  # no profile: the controller's default migration cost
+
+    def unhealthy_gear_keys(self):
+        return set()
+
+    def record_shift_event(self, action, status, reason, **fields):
+        self.events.append({"action": action, "status": status, "reason": reason, **fields})
+        return len(self.events)
+
+    def jobs(self, *, kind=None):
+        return [j for j in self.batch if kind is None or j.kind == kind]
+
+    def update_job(self, job_id, **fields):
+        job = next(j for j in self.batch if j.id == job_id)
+        for k, v in fields.items():
+            setattr(job, k, v)
+
+
+def test_memory_store_and_sql_store_satisfy_the_protocols(tmp_path):
+    from flexpipe_dag.sql.store import Store
+
+    for db in (MemoryStore(), Store.from_url(f"sqlite:///{tmp_path / 'fp.db'}")):
+        assert isinstance(db, GearShiftStore) and isinstance(db, TideStore) and isinstance(db, ControlStore)
+    assert not isinstance(object(), GearShiftStore)
+
+
+def test_gear_shift_service_takes_plain_config_objects():
+    db = MemoryStore()
+    settings = ResolvedControlSettings()  # the seeds
+    db.write("live", _samples("latency-1s", [2.0, 2.0]))
+    ev = evaluate_gear_shift(db, None, settings)
+    assert ev.decision is not None and ev.decision.action != "shift" and ev.run_key is None and not db.events
+    db.write("live", _samples("latency-1s", [12.0] * 6, t0=4.0))  # far above latency-1s's 5 req/s
+    ev2 = evaluate_gear_shift(db, ev.cursor, settings, run_key_prefix="serve-1:")
+    d = ev2.decision
+    assert d.action == "shift" and d.trigger == "rps_above_envelope" and d.to_gear_id == "throughput-2s"
+    assert ev2.run_key == "serve-1:" + shift_run_key(d) and ev2.run_key.startswith("serve-1:gear-shift:latency-1s->")
+    assert ev2.event_id == 1 and db.events[0]["status"] == "decided" and db.events[0]["reason"] == d.reason
+    assert db.events[0]["migration_cost_s"] == ControllerConfig().default_migration_cost_s  # no profile stored
+    # the cursor keeps the followed run and the last row read: nothing new, no decision
+    state, last_id, run_key = parse_cursor(ev2.cursor)
+    assert (last_id, run_key) == (8, "live") and state is not None
+    assert make_cursor(state, last_id, run_key) == ev2.cursor
+    ev3 = evaluate_gear_shift(db, ev2.cursor, settings)
+    assert ev3.decision is None and ev3.summary == "no new metric samples" and len(db.events) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ev3.cursor = ""  # type: ignore[misc]
+
+
+def test_gear_shift_service_reads_the_dwell_and_forecast_from_the_settings():
+    db = MemoryStore()
+    db.write("live", _samples("latency-1s", [2.0] * 4))  # inside latency-1s's envelope
+    ev = evaluate_gear_shift(db, None, ResolvedControlSettings(controller=ControllerConfig(forecast_horizon_s=600)),
+                             forecast=lambda t, q, h: 12.0)
+    assert ev.decision.action == "shift" and ev.decision.trigger == "forecast_above_envelope"
+    # the shift was taken: a fall below the new gear's envelope inside the dwell is declined, with the dwell named
+    db.write("live", _samples("throughput-2s", [0.5] * 8, t0=20.0))
+    ev2 = evaluate_gear_shift(db, ev.cursor, ResolvedControlSettings())
+    assert ev2.decision.declined and "dwell" in ev2.decision.reason and db.events[-1]["status"] == "declined"
+    assert ev2.run_key is None and ev2.event_id == len(db.events)
+    # with no dwell, the same fall shifts back
+    db2 = MemoryStore()
+    db2.write("live", _samples("latency-1s", [12.0] * 6))
+    settings = ResolvedControlSettings(controller=ControllerConfig(dwell_s=0.0))
+    first = evaluate_gear_shift(db2, None, settings)
+    db2.write("live", _samples("throughput-2s", [0.5] * 8, t0=20.0))
+    back = evaluate_gear_shift(db2, first.cursor, settings)
+    assert back.decision.action == "shift" and back.decision.to_gear_id == "latency-1s"
+
+
+def test_tide_service_takes_plain_config_objects():
+    from flexpipe_dag.workload.bundled import load_tide_trace
+
+    db = MemoryStore()
+    db.batch = [SimpleNamespace(id=7, job_key="offline-1", kind="batch", status="queued", config={"num_requests": 8}),
+                SimpleNamespace(id=8, job_key="no-config", kind="batch", status="queued", config={})]
+    ev = evaluate_tide(db, None, TideConfig())
+    assert ev == TideEvaluation(None, "{}") and ev.run_keys == {}  # no online sample yet
+    db.write("live", _samples("throughput-2s", [1.0] * 3))  # far below its 40 req/s capacity
+    forecaster = TideForecaster(load_tide_trace())
+    trough_s = min(range(0, 86400, 600), key=forecaster.profile_at)
+    cursor = None
+    for _ in range(2):  # hysteresis 2 here
+        ev = evaluate_tide(db, cursor, TideConfig(hysteresis_samples=2), epoch_s=float(trough_s),
+                           forecaster=forecaster)
+        cursor = ev.cursor
+    assert ev.decision.action == "admit" and [j.job_key for j in ev.admit] == ["offline-1"]
+    assert ev.run_keys == {"offline-1": "batch:offline-1:admission-1"} and ev.paused == ()
+    assert db.batch[0].status == "admitted" and db.batch[1].status == "queued"
+    assert json.loads(ev.cursor)["admissions"] == {"offline-1": 1}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ev.run_keys = {}  # type: ignore[misc]
+    # online rises to the gear's capacity: the running job is paused after the hysteresis
+    db.batch[0].status = "running"
+    db.write("live", _samples("throughput-2s", [39.0] * 6, t0=10.0))
+    for _ in range(2):
+        ev = evaluate_tide(db, cursor, TideConfig(hysteresis_samples=2), epoch_s=float(trough_s),
+                           forecaster=forecaster)
+        cursor = ev.cursor
+    assert ev.decision.action == "pause" and ev.paused == ("offline-1",) and ev.admit == () and ev.run_keys == {}
+    assert db.batch[0].status == "paused"
+    with pytest.raises(InputError, match="tide_sensor cursor"):
+        evaluate_tide(db, "not json", TideConfig())
+
+
+def test_resolve_control_settings_overrides_and_errors(tmp_path):
+    cfg = tmp_path / "control.yaml"
+    cfg.write_text("controller:\n  dwell_s: 120\n  target_p99_ms: 800\ntide:\n  horizon_s: 600\n")
+    resolved = resolve_control_settings(str(cfg))
+    assert resolved.controller.dwell_s == 120.0 and resolved.controller.target_p99_ms == 800.0
+    assert resolved.tide.horizon_s == 600.0 and resolved.source == str(cfg)
+    over = resolve_control_settings(str(cfg), target_p99_ms=500.0, dwell_s=0.0)  # 0 s is a dwell, not "unset"
+    assert over.controller.dwell_s == 0.0 and over.controller.target_p99_ms == 500.0
+    assert resolve_control_settings().controller == ControllerConfig() and resolve_control_settings().tide == TideConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.controller = ControllerConfig()  # type: ignore[misc]
+    with pytest.raises(InputError, match=r"^control settings: controller\.dwell_s: "):
+        resolve_control_settings(dwell_s=-1.0)  # no sentinel: a negative dwell is refused
+    cfg.write_text("tide:\n  admit_below_fraction: 0.9\n  pause_above_fraction: 0.5\n")
+    with pytest.raises(InputError, match="pause_above_fraction must exceed"):
+        resolve_control_settings(str(cfg))
+    cfg.write_text("gears: {}\n")
+    with pytest.raises(InputError, match="expected a mapping with 'controller' and/or 'tide' sections"):
+        resolve_control_settings(str(cfg))
+    with pytest.raises(InputError, match="cannot read controller config"):
+        resolve_control_settings(str(tmp_path / "missing.yaml"))
+
+
+def test_control_file_is_read_once_across_sensor_evaluations(tmp_path, monkeypatch):
+    from dagster import DagsterInstance, RunRequest, build_sensor_context
+
+    import flexpipe_dag.control.settings as settings_mod
+    from flexpipe_dag.core.cluster import load_cluster_profile
+    from flexpipe_dag.jobs.gear_shift import gear_shift_sensor
+    from flexpipe_dag.jobs.tide import tide_sensor
+    from flexpipe_dag.resources.control import ControlSettings
+    from flexpipe_dag.resources.store_resource import StoreResource
+
+    reads = []
+    real_read = settings_mod.read_control_file
+    monkeypatch.setattr(settings_mod, "read_control_file", lambda path: reads.append(path) or real_read(path))
+    cfg = tmp_path / "control.yaml"
+    cfg.write_text("controller:\n  dwell_s: 0\n")
+    loaded = ControlSettings(config_file=str(cfg)).resolved()  # what the code location does when it loads
+    assert reads == [str(cfg)] and loaded.controller.dwell_s == 0.0
+    # Dagster builds a fresh resource object for every evaluation: the resolved figures are the same object
+    assert ControlSettings(config_file=str(cfg)).resolved() is loaded
+    cfg.write_text("controller: [not, read, again]\n")  # a later edit is not re-parsed by a tick
+
+    store_res = StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}")
+    db = store_res.get_store()
+    info = db.save_profile(load_cluster_profile(EXAMPLES / "seed_example.yaml"))
+    db.save_gears(GEARS, info.id, db.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30}))
+    cursor, tide_cursor, results = None, None, []
+    for t0 in (0.0, 20.0, 40.0):
+        db.write_samples("live", _samples("latency-1s", [12.0] * 3, t0=t0))
+        for sensor in (gear_shift_sensor, tide_sensor):
+            ctx = build_sensor_context(instance=DagsterInstance.ephemeral(),
+                                       cursor=cursor if sensor is gear_shift_sensor else tide_cursor,
+                                       resources={"store": store_res, "control": ControlSettings(config_file=str(cfg))})
+            results.append(sensor(ctx))
+            if sensor is gear_shift_sensor:
+                cursor = ctx.cursor
+            else:
+                tide_cursor = ctx.cursor
+    assert reads == [str(cfg)], reads  # six evaluations, one read
+    assert any(isinstance(r, RunRequest) for r in results)
+
+
+def test_control_layer_imports_no_dagster_and_no_sql():
+    code = ("import sys, flexpipe_dag.control.service, flexpipe_dag.control.settings, flexpipe_dag.control.cursor; "
+            "print(sorted(m for m in ('dagster', 'sqlalchemy', 'flexpipe_dag.sql', 'flexpipe_dag.jobs', "
+            "'flexpipe_dag.resources') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -18,12 +18,12 @@ from flexpipe_dag.control.controller import Controller
 from flexpipe_dag.control.state import ControllerState, Decision
 from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.settings import env_value
+from flexpipe_dag.core.status import TERMINAL_SHIFT_STATUSES
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
 #: Sensor evaluation interval, seconds (``FLEXPIPE_SENSOR_INTERVAL_S``).
 SENSOR_INTERVAL_S = env_value("FLEXPIPE_SENSOR_INTERVAL_S", int, 30, ge=1, le=86_400, unit="seconds")
-TERMINAL_SHIFT_STATUSES = ("done", "rolled_back", "failed")
 
 
 @dataclass(frozen=True)

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 from sqlalchemy import select, update
 
+from flexpipe_dag.core.status import HealthFailure, checked
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase
 
 
 class HealthTags(StoreBase):
     """Gears tagged unhealthy after a failure, until a profile refresh or model change clears them
-    (table ``health_tags``)."""
+    (table ``health_tags``).
+
+    Raises:
+        InputError: :meth:`mark_unhealthy` with a ``failure`` that is not a
+            :class:`~flexpipe_dag.core.status.HealthFailure` (nothing is written).
+    """
 
     def mark_unhealthy(self, gear_key: str, cluster_key: str, model_name: str, failure: str, reason: str,
                        run_key: str | None = None) -> int:
         """Tag a gear unhealthy after a failure (OOM, timeout, crashed stage); return the tag id."""
+        failure = checked(HealthFailure, failure, "health_tags", "failure").value
         with self.session() as s:
             tag = m.HealthTag(gear_key=gear_key, cluster_key=cluster_key, model_name=model_name,
                               failure=failure, reason=reason, run_key=run_key)

@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from flexpipe_dag.core.status import InferenceJobStatus, RequestResultStatus, checked
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase
 
@@ -16,6 +17,9 @@ class InferenceJobs(StoreBase):
     request, unique per (job, request key) so writes are idempotent (table ``request_results``).
 
     Raises:
+        InputError: a job ``status`` that is not an
+            :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a result ``status`` that is not a
+            :class:`~flexpipe_dag.core.status.RequestResultStatus` (nothing is written).
         KeyError: an update or read of a job id that is not stored.
     """
 
@@ -26,14 +30,17 @@ class InferenceJobs(StoreBase):
         with self.session() as s:
             job = s.scalar(select(m.InferenceJob).where(m.InferenceJob.job_key == job_key))
             if job is None:
-                job = m.InferenceJob(job_key=job_key, kind=kind, status="queued", priority=priority,
-                                     source_path=source_path, gear_key=gear_key, config=dict(config or {}))
+                job = m.InferenceJob(job_key=job_key, kind=kind, status=InferenceJobStatus.QUEUED.value,
+                                     priority=priority, source_path=source_path, gear_key=gear_key,
+                                     config=dict(config or {}))
                 s.add(job)
                 s.flush()
             return job.id
 
     def update_job(self, job_id: int, **fields: Any) -> None:
         """Set columns of a job (status, total_requests, malformed_rows, error, gear_key)."""
+        if "status" in fields:
+            fields["status"] = checked(InferenceJobStatus, fields["status"], "inference_jobs", "status").value
         with self.session() as s:
             job = s.get(m.InferenceJob, job_id)
             if job is None:
@@ -64,6 +71,7 @@ class InferenceJobs(StoreBase):
                      ttft_ms: float | None = None, tpot_ms: float | None = None,
                      e2e_ms: float | None = None) -> bool:
         """Write one request's result idempotently; returns False if it was already stored."""
+        status = checked(RequestResultStatus, status, "request_results", "status").value
         try:
             return self._insert_result(job_id, request_key, prompt_tokens, output_token_ids, status, gear_key,
                                        output_text, ttft_ms, tpot_ms, e2e_ms)
@@ -88,7 +96,7 @@ class InferenceJobs(StoreBase):
         """Request keys of a job with a ``done`` result (a re-run skips them)."""
         with self.session() as s:
             return set(s.scalars(select(m.RequestResult.request_key).where(
-                m.RequestResult.job_id == job_id, m.RequestResult.status == "done")))
+                m.RequestResult.job_id == job_id, m.RequestResult.status == RequestResultStatus.DONE.value)))
 
     def results(self, job_id: int) -> list[m.RequestResult]:
         """A job's results, in the order they were written."""

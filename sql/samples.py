@@ -7,21 +7,28 @@ from collections.abc import Iterable
 from sqlalchemy import select
 
 from flexpipe_dag.core.metrics import MetricSample, StageSample
+from flexpipe_dag.core.status import SampleSource, checked
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase
 
 
 class MetricSamples(StoreBase):
     """Metric samples of serving runs: one ``pipeline`` row per sample and one ``stage`` row per stage
-    under it (table ``metric_samples``)."""
+    under it (table ``metric_samples``).
+
+    Raises:
+        InputError: :meth:`write_samples` of a sample whose ``source`` is not a
+            :class:`~flexpipe_dag.core.status.SampleSource` (nothing of the batch is written).
+    """
 
     def write_samples(self, run_key: str, samples: Iterable[MetricSample]) -> int:
         """Append metric samples (one pipeline row + one row per stage each); return rows written."""
         written = 0
         with self.session() as s:
             for smp in samples:
+                source = checked(SampleSource, smp.source, "metric_samples", "source").value
                 head = m.MetricSampleRow(
-                    run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s, scope="pipeline",
+                    run_key=run_key, gear_key=smp.gear_id, source=source, t_s=smp.t_s, scope="pipeline",
                     rps=smp.rps, completed=smp.completed, tokens_per_s=smp.tokens_per_s,
                     queue_length=smp.queue_length, running=smp.running, kv_used_fraction=smp.kv_used_fraction,
                     ttft_p50_ms=smp.ttft_p50_ms, ttft_p99_ms=smp.ttft_p99_ms, tpot_p50_ms=smp.tpot_p50_ms,
@@ -29,7 +36,7 @@ class MetricSamples(StoreBase):
                 s.add(head)
                 s.flush()
                 s.add_all(m.MetricSampleRow(
-                    run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s, scope="stage",
+                    run_key=run_key, gear_key=smp.gear_id, source=source, t_s=smp.t_s, scope="stage",
                     parent_id=head.id, stage_index=st.stage_index, busy_fraction=st.busy_fraction,
                     queue_length=st.queue_length, kv_blocks_used=st.kv_blocks_used,
                     kv_blocks_total=st.kv_blocks_total) for st in smp.stages)

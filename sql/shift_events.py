@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from flexpipe_dag.core.status import ShiftEventAction, ShiftEventStatus, checked
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase, finite_or_none, json_ready
 
@@ -20,6 +21,9 @@ class ShiftEvents(StoreBase):
     """Controller decisions, taken or declined, and the outcome of each shift (table ``shift_events``).
 
     Raises:
+        InputError: a write with an ``action`` that is not a
+            :class:`~flexpipe_dag.core.status.ShiftEventAction` or a ``status`` that is not a
+            :class:`~flexpipe_dag.core.status.ShiftEventStatus` (nothing is written).
         KeyError: an update or read of an event id that is not stored.
     """
 
@@ -28,6 +32,8 @@ class ShiftEvents(StoreBase):
                            est_gain: float | None = None, migration_cost_s: float | None = None,
                            run_key: str | None = None, details: dict[str, Any] | None = None) -> int:
         """Record a controller decision or a shift's outcome; return the event id."""
+        action = checked(ShiftEventAction, action, "shift_events", "action").value
+        status = checked(ShiftEventStatus, status, "shift_events", "status").value
         with self.session() as s:
             ev = m.ShiftEvent(action=action, status=status, reason=reason, from_gear_key=from_gear_key,
                               to_gear_key=to_gear_key, trigger=trigger, est_gain=finite_or_none(est_gain),
@@ -39,6 +45,7 @@ class ShiftEvents(StoreBase):
 
     def update_shift_event(self, event_id: int, status: str, details: dict[str, Any] | None = None) -> None:
         """Set an event's status and merge ``details`` into its details."""
+        status = checked(ShiftEventStatus, status, "shift_events", "status").value
         with self.session() as s:
             ev = s.get(m.ShiftEvent, event_id)
             if ev is None:
@@ -58,7 +65,7 @@ class ShiftEvents(StoreBase):
     def pending_shift_requests(self) -> list[m.ShiftEvent]:
         """Shifts a Dagster run asked the live pipeline to make (status ``requested``), oldest first."""
         with self.session() as s:
-            return list(s.scalars(select(m.ShiftEvent).where(m.ShiftEvent.status == "requested")
+            return list(s.scalars(select(m.ShiftEvent).where(m.ShiftEvent.status == ShiftEventStatus.REQUESTED.value)
                                   .order_by(m.ShiftEvent.id)))
 
     def shift_events(self, limit: int | None = None) -> list[m.ShiftEvent]:

@@ -9,6 +9,7 @@ tide sensor pauses a running job by setting its status to ``paused``: the job st
 from dagster import Config, Failure, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
+from flexpipe_dag.core.status import HealthFailure, InferenceJobStatus
 from flexpipe_dag.resources.store_resource import StoreResource
 
 #: Requests submitted per chunk; a pause takes effect between chunks.
@@ -83,8 +84,8 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     rows, malformed = _rows(config, ckpt)
     job_id = db.get_or_create_job(config.job_key, "batch", priority=config.priority,
                                   source_path=config.prompts_path or config.trace, gear_key=gear.gear_id)
-    db.update_job(job_id, status="running", total_requests=len(rows), malformed_rows=len(malformed), error=None,
-                  gear_key=gear.gear_id)
+    db.update_job(job_id, status=InferenceJobStatus.RUNNING, total_requests=len(rows), malformed_rows=len(malformed),
+                  error=None, gear_key=gear.gear_id)
     sink = StoreResultSink(db, job_id)
     for m in malformed[:50]:
         context.log.warning(f"malformed row {m.line}: {m.reason}")
@@ -102,7 +103,7 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
         todo = [r for r in rows if r.request_id not in sink.done_ids()]
         skipped = len(rows) - len(todo)
         for start in range(0, len(todo), CHUNK_REQUESTS):
-            if db.job_status(job_id) == "paused":
+            if db.job_status(job_id) == InferenceJobStatus.PAUSED:
                 paused = True
                 context.log.info(f"job {config.job_key} paused by the tide sensor after {finished} requests")
                 break
@@ -118,9 +119,9 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
                 failure = report.failure
                 break
     if failure:
-        db.update_job(job_id, status="failed", error=failure)
-        db.mark_unhealthy(gear.gear_id, gear.cluster_id or "local", gear.model_name, "crashed_stage", failure,
-                          run_key=context.run_id)
+        db.update_job(job_id, status=InferenceJobStatus.FAILED, error=failure)
+        db.mark_unhealthy(gear.gear_id, gear.cluster_id or "local", gear.model_name, HealthFailure.CRASHED_STAGE,
+                          failure, run_key=context.run_id)
         raise Failure(f"batch job {config.job_key}: {failure}; {skipped + finished} finished results kept",
                       metadata={"finished": skipped + finished})
     status = "paused" if paused else "done"

@@ -15,11 +15,10 @@ from dagster import (Config, DefaultSensorStatus, Failure, OpExecutionContext, R
                      SkipReason, job, op, sensor)
 
 from flexpipe_dag.control.service import evaluate_gear_shift
+from flexpipe_dag.core.status import TERMINAL_SHIFT_STATUSES
 from flexpipe_dag.jobs.sensor_settings import SENSOR_INTERVAL_S
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
-
-TERMINAL_SHIFT_STATUSES = ("done", "rolled_back", "failed")
 
 
 class GearShiftConfig(Config):

@@ -2,7 +2,8 @@
 
 One schema serves SQLite (embedded default) and PostgreSQL. Constraint names follow a fixed naming
 convention so Alembic migrations are stable on both. ``*_key`` columns hold the user-facing ids
-(device ids, gear ids, request ids); ``id`` columns are surrogate keys.
+(device ids, gear ids, request ids); ``id`` columns are surrogate keys. Status, action and source
+columns hold the values of the enums in :mod:`flexpipe_dag.core.status`; their comments list them.
 
 Tables: clusters, profile_versions, devices, links, models, gears, gear_stages, health_tags,
 metric_samples, shift_events, inference_jobs, request_results, stage_observations, calibrations.
@@ -15,6 +16,9 @@ from typing import Any
 
 from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from flexpipe_dag.core.status import (HealthFailure, InferenceJobStatus, RequestResultStatus, SampleSource,
+                                      ShiftEventAction, ShiftEventStatus, column_comment)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -149,7 +153,7 @@ class HealthTag(Base):
     gear_key: Mapped[str] = mapped_column(String(200), index=True)
     cluster_key: Mapped[str] = mapped_column(String(200))
     model_name: Mapped[str] = mapped_column(String(200))
-    failure: Mapped[str] = mapped_column(String(40), comment="oom | timeout | crashed_stage | health_check")
+    failure: Mapped[str] = mapped_column(String(40), comment=column_comment(HealthFailure))
     reason: Mapped[str] = mapped_column(Text)
     run_key: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -165,7 +169,7 @@ class MetricSampleRow(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     run_key: Mapped[str] = mapped_column(String(200))
     gear_key: Mapped[str] = mapped_column(String(200))
-    source: Mapped[str] = mapped_column(String(10))
+    source: Mapped[str] = mapped_column(String(10), comment=column_comment(SampleSource))
     t_s: Mapped[float] = mapped_column(Float)
     scope: Mapped[str] = mapped_column(String(10))
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("metric_samples.id", ondelete="CASCADE"), index=True,
@@ -195,8 +199,8 @@ class ShiftEvent(Base):
     __tablename__ = "shift_events"
     id: Mapped[int] = mapped_column(primary_key=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
-    action: Mapped[str] = mapped_column(String(20), comment="shift | hold | rollback")
-    status: Mapped[str] = mapped_column(String(20), comment="decided | running | done | rolled_back | failed | declined")
+    action: Mapped[str] = mapped_column(String(20), comment=column_comment(ShiftEventAction))
+    status: Mapped[str] = mapped_column(String(20), comment=column_comment(ShiftEventStatus))
     from_gear_key: Mapped[str | None] = mapped_column(String(200))
     to_gear_key: Mapped[str | None] = mapped_column(String(200))
     trigger: Mapped[str | None] = mapped_column(String(40))
@@ -212,7 +216,7 @@ class InferenceJob(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     job_key: Mapped[str] = mapped_column(String(200), unique=True)
     kind: Mapped[str] = mapped_column(String(20), comment="batch | online")
-    status: Mapped[str] = mapped_column(String(20), comment="queued | running | paused | done | failed")
+    status: Mapped[str] = mapped_column(String(20), comment=column_comment(InferenceJobStatus))
     priority: Mapped[int] = mapped_column(default=0)
     source_path: Mapped[str | None] = mapped_column(Text)
     gear_key: Mapped[str | None] = mapped_column(String(200))
@@ -234,7 +238,7 @@ class RequestResult(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("inference_jobs.id", ondelete="CASCADE"), index=True)
     request_key: Mapped[str] = mapped_column(String(200))
-    status: Mapped[str] = mapped_column(String(20), comment="done | failed")
+    status: Mapped[str] = mapped_column(String(20), comment=column_comment(RequestResultStatus))
     gear_key: Mapped[str | None] = mapped_column(String(200))
     prompt_tokens: Mapped[int]
     output_tokens: Mapped[int]

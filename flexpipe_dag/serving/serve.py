@@ -33,6 +33,7 @@ from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.tide import TideConfig, TideForecaster, TideGate, decide_offline, ema, tide_forecast
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
+from flexpipe_dag.core.status import InferenceJobStatus, ShiftEventStatus
 from flexpipe_dag.serving.prompts import TimedRequest
 
 
@@ -118,9 +119,9 @@ class TraceServer:
         self._t0 = time.monotonic()
         online_job = db.get_or_create_job(s.online_job_key, "online", source_path=s.run_key)
         offline_job = db.get_or_create_job(s.offline_job_key, "batch", priority=-1) if s.offline_job_key else None
-        db.update_job(online_job, status="running", total_requests=len(online))
+        db.update_job(online_job, status=InferenceJobStatus.RUNNING, total_requests=len(online))
         if offline_job is not None:
-            db.update_job(offline_job, status="queued", total_requests=len(offline))
+            db.update_job(offline_job, status=InferenceJobStatus.QUEUED, total_requests=len(offline))
         self._jobs = {"online": online_job, "offline": offline_job}
         pending = sorted(online, key=lambda r: r.arrival_s)
         offline_todo = [r for r in offline if r.request.request_id not in (db.done_request_keys(offline_job) if offline_job else set())]
@@ -152,7 +153,7 @@ class TraceServer:
                     self.router.submit([r.request for r in batch])
                     self.report.submitted_offline += len(batch)
                     if offline_job is not None:
-                        db.update_job(offline_job, status="running")
+                        db.update_job(offline_job, status=InferenceJobStatus.RUNNING)
             online_done = i == len(pending) and self._finished("online") == len(pending)
             if online_done and online_end_s is None:
                 online_end_s = now
@@ -162,7 +163,7 @@ class TraceServer:
             time.sleep(0.05)
         self._finish_offline(offline_todo)
         self._write_samples()
-        db.update_job(online_job, status="done")
+        db.update_job(online_job, status=InferenceJobStatus.DONE)
         self.report.elapsed_s = time.monotonic() - self._t0
         return self.report
 
@@ -175,7 +176,7 @@ class TraceServer:
         self._drain_outputs()
         job = self._jobs["offline"]
         if job is not None:
-            self.db.update_job(job, status="paused" if offline_todo else "done")
+            self.db.update_job(job, status=InferenceJobStatus.PAUSED if offline_todo else InferenceJobStatus.DONE)
 
     def _finished(self, klass: str) -> int:
         return self._done_by_class.get(klass, 0)
@@ -239,7 +240,7 @@ class TraceServer:
             self._declined_logged[d.trigger] = now  # every decision is stored; the log shows one per 30 s
             self.log(f"controller: {d.reason}")
         if ev.run_key is not None:
-            self.db.update_shift_event(ev.event_id, "requested", {"run_key": ev.run_key})
+            self.db.update_shift_event(ev.event_id, ShiftEventStatus.REQUESTED, {"run_key": ev.run_key})
             self._start_shift(ev.event_id, d.from_gear_id, d.to_gear_id, d.trigger, d.reason)
 
     def _start_shift(self, event_id: int, from_gear: str | None, to_gear: str, trigger: str, reason: str) -> None:
@@ -250,7 +251,7 @@ class TraceServer:
         self.report.shifts.append(record)
         if gear is None:
             record["status"] = "failed"
-            self.db.update_shift_event(event_id, "failed", {"error": f"unknown gear {to_gear}"})
+            self.db.update_shift_event(event_id, ShiftEventStatus.FAILED, {"error": f"unknown gear {to_gear}"})
             return
         self.log(f"t={t_s:.0f}s shift {from_gear} -> {to_gear} ({trigger}): {reason}")
 
@@ -290,5 +291,6 @@ class TraceServer:
         if act is None:
             return
         self.report.tide_decisions.append({"t_s": round(now_s, 1), "action": act.action, "reason": act.reason})
-        self.db.update_job(self._jobs["offline"], status="running" if self._gate.running else "paused")
+        self.db.update_job(self._jobs["offline"],
+                           status=InferenceJobStatus.RUNNING if self._gate.running else InferenceJobStatus.PAUSED)
         self.log(f"t={now_s:.0f}s tide: {d.reason}")

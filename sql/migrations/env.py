@@ -1,6 +1,6 @@
 """Alembic environment for the FlexPipe store.
 
-Run programmatically by :func:`sql.store.migrate` (a connection is passed in
+Run programmatically by :func:`sql.engine.migrate` (a connection is passed in
 ``config.attributes["connection"]``) or from the command line::
 
     alembic -c sql/alembic.ini upgrade head     # uses FLEXPIPE_DATABASE_URL or the SQLite default

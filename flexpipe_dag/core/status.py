@@ -1,0 +1,101 @@
+"""The closed sets of values the store keeps in string columns: statuses, actions, kinds.
+
+Each is an :class:`enum.StrEnum`, so a member compares equal to its string and readers of plain
+strings keep working. The store checks every write with :func:`checked` and derives the column
+comments from the enums (:func:`column_comment`), so the schema lists every value the code writes.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TypeVar
+
+from flexpipe_dag.core.errors import InputError
+
+
+class ShiftEventAction(StrEnum):
+    """``shift_events.action``: what the controller decided."""
+
+    SHIFT = "shift"  # move the pipeline to another gear
+    HOLD = "hold"  # stay (stored when a shift was considered and declined)
+
+
+class ShiftEventStatus(StrEnum):
+    """``shift_events.status``: where a decision stands.
+
+    ``decided`` -> ``requested`` (a ``gear_shift`` run asked the serving process) -> ``done``,
+    ``rolled_back`` or ``failed``; a declined decision is stored as ``declined`` and stays so.
+    """
+
+    DECIDED = "decided"
+    DECLINED = "declined"
+    REQUESTED = "requested"
+    DONE = "done"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+
+
+#: The shift statuses a ``gear_shift`` run waits for: the serving process is finished with the event.
+TERMINAL_SHIFT_STATUSES: tuple[ShiftEventStatus, ...] = (
+    ShiftEventStatus.DONE, ShiftEventStatus.ROLLED_BACK, ShiftEventStatus.FAILED)
+
+
+class InferenceJobStatus(StrEnum):
+    """``inference_jobs.status``.
+
+    ``queued`` (created) -> ``admitted`` (the tide sensor launched a run) -> ``running`` ->
+    ``paused`` (the tide rose; resumable) | ``done`` | ``failed``.
+    """
+
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class RequestResultStatus(StrEnum):
+    """``request_results.status``: a ``done`` request is skipped when its job runs again."""
+
+    DONE = "done"
+    FAILED = "failed"
+
+
+class HealthFailure(StrEnum):
+    """``health_tags.failure``: why a gear was tagged unhealthy."""
+
+    OOM = "oom"
+    TIMEOUT = "timeout"
+    CRASHED_STAGE = "crashed_stage"
+    HEALTH_CHECK = "health_check"
+    REFUSED = "refused"
+    WRONG_OUTPUT = "wrong_output"
+
+
+class SampleSource(StrEnum):
+    """``metric_samples.source``: who emitted a metric sample."""
+
+    SIM = "sim"  # the simulator
+    LIVE = "live"  # the live pipeline
+
+
+def column_comment(enum: type[StrEnum]) -> str:
+    """The SQL column comment for a column holding ``enum``: every value, ``a | b | c``."""
+    return " | ".join(member.value for member in enum)
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def checked(enum: type[E], value: str, where: str, field: str) -> E:
+    """``value`` as a member of ``enum``.
+
+    Raises:
+        InputError: ``where`` and ``field`` named; ``value`` is none of the enum's values (they are listed).
+    """
+    try:
+        return enum(value)
+    except ValueError:
+        raise InputError(where, field, f"{value!r} is not a {enum.__name__}; expected one of "
+                         f"{', '.join(member.value for member in enum)}") from None

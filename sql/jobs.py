@@ -1,0 +1,105 @@
+"""Inference jobs and their request results in the store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from flexpipe_dag.core.status import InferenceJobStatus, RequestResultStatus, checked
+from flexpipe_dag.sql import models as m
+from flexpipe_dag.sql.session import StoreBase
+
+
+class InferenceJobs(StoreBase):
+    """Online and batch inference jobs (table ``inference_jobs``) and one result row per finished
+    request, unique per (job, request key) so writes are idempotent (table ``request_results``).
+
+    Raises:
+        InputError: a job ``status`` that is not an
+            :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a result ``status`` that is not a
+            :class:`~flexpipe_dag.core.status.RequestResultStatus` (nothing is written).
+        KeyError: an update or read of a job id that is not stored.
+    """
+
+    def get_or_create_job(self, job_key: str, kind: str = "batch", *, priority: int = 0,
+                          source_path: str | None = None, gear_key: str | None = None,
+                          config: dict[str, Any] | None = None) -> int:
+        """The id of job ``job_key``, creating it (status ``queued``) if new; ``config`` relaunches it."""
+        with self.session() as s:
+            job = s.scalar(select(m.InferenceJob).where(m.InferenceJob.job_key == job_key))
+            if job is None:
+                job = m.InferenceJob(job_key=job_key, kind=kind, status=InferenceJobStatus.QUEUED.value,
+                                     priority=priority, source_path=source_path, gear_key=gear_key,
+                                     config=dict(config or {}))
+                s.add(job)
+                s.flush()
+            return job.id
+
+    def update_job(self, job_id: int, **fields: Any) -> None:
+        """Set columns of a job (status, total_requests, malformed_rows, error, gear_key)."""
+        if "status" in fields:
+            fields["status"] = checked(InferenceJobStatus, fields["status"], "inference_jobs", "status").value
+        with self.session() as s:
+            job = s.get(m.InferenceJob, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            for k, v in fields.items():
+                setattr(job, k, v)
+
+    def job_status(self, job_id: int) -> str:
+        """A job's status as stored now."""
+        with self.session() as s:
+            job = s.get(m.InferenceJob, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            return job.status
+
+    def jobs(self, status: str | None = None, kind: str | None = None) -> list[m.InferenceJob]:
+        """Jobs, highest priority first, then oldest first (optionally of one status and/or kind)."""
+        with self.session() as s:
+            q = select(m.InferenceJob).order_by(m.InferenceJob.priority.desc(), m.InferenceJob.id)
+            if status is not None:
+                q = q.where(m.InferenceJob.status == status)
+            if kind is not None:
+                q = q.where(m.InferenceJob.kind == kind)
+            return list(s.scalars(q))
+
+    def write_result(self, job_id: int, request_key: str, *, prompt_tokens: int, output_token_ids: list[int],
+                     status: str = "done", gear_key: str | None = None, output_text: str | None = None,
+                     ttft_ms: float | None = None, tpot_ms: float | None = None,
+                     e2e_ms: float | None = None) -> bool:
+        """Write one request's result idempotently; returns False if it was already stored."""
+        status = checked(RequestResultStatus, status, "request_results", "status").value
+        try:
+            return self._insert_result(job_id, request_key, prompt_tokens, output_token_ids, status, gear_key,
+                                       output_text, ttft_ms, tpot_ms, e2e_ms)
+        except IntegrityError:  # a concurrent writer stored the same request first
+            return False
+
+    def _insert_result(self, job_id: int, request_key: str, prompt_tokens: int, output_token_ids: list[int],
+                       status: str, gear_key: str | None, output_text: str | None, ttft_ms: float | None,
+                       tpot_ms: float | None, e2e_ms: float | None) -> bool:
+        with self.session() as s:
+            exists = s.scalar(select(m.RequestResult.id).where(m.RequestResult.job_id == job_id,
+                                                               m.RequestResult.request_key == request_key))
+            if exists is not None:
+                return False
+            s.add(m.RequestResult(job_id=job_id, request_key=request_key, status=status, gear_key=gear_key,
+                                  prompt_tokens=prompt_tokens, output_tokens=len(output_token_ids),
+                                  output_token_ids=list(output_token_ids), output_text=output_text,
+                                  ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms))
+            return True
+
+    def done_request_keys(self, job_id: int) -> set[str]:
+        """Request keys of a job with a ``done`` result (a re-run skips them)."""
+        with self.session() as s:
+            return set(s.scalars(select(m.RequestResult.request_key).where(
+                m.RequestResult.job_id == job_id, m.RequestResult.status == RequestResultStatus.DONE.value)))
+
+    def results(self, job_id: int) -> list[m.RequestResult]:
+        """A job's results, in the order they were written."""
+        with self.session() as s:
+            return list(s.scalars(select(m.RequestResult).where(m.RequestResult.job_id == job_id)
+                                  .order_by(m.RequestResult.id)))

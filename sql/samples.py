@@ -1,0 +1,84 @@
+"""Metric samples in the store: what the simulator and the live pipeline report every sampling period."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sqlalchemy import select
+
+from flexpipe_dag.core.metrics import MetricSample, StageSample
+from flexpipe_dag.core.status import SampleSource, checked
+from flexpipe_dag.sql import models as m
+from flexpipe_dag.sql.session import StoreBase
+
+
+class MetricSamples(StoreBase):
+    """Metric samples of serving runs: one ``pipeline`` row per sample and one ``stage`` row per stage
+    under it (table ``metric_samples``).
+
+    Raises:
+        InputError: :meth:`write_samples` of a sample whose ``source`` is not a
+            :class:`~flexpipe_dag.core.status.SampleSource` (nothing of the batch is written).
+    """
+
+    def write_samples(self, run_key: str, samples: Iterable[MetricSample]) -> int:
+        """Append metric samples (one pipeline row + one row per stage each); return rows written."""
+        written = 0
+        with self.session() as s:
+            for smp in samples:
+                source = checked(SampleSource, smp.source, "metric_samples", "source").value
+                head = m.MetricSampleRow(
+                    run_key=run_key, gear_key=smp.gear_id, source=source, t_s=smp.t_s, scope="pipeline",
+                    rps=smp.rps, completed=smp.completed, tokens_per_s=smp.tokens_per_s,
+                    queue_length=smp.queue_length, running=smp.running, kv_used_fraction=smp.kv_used_fraction,
+                    ttft_p50_ms=smp.ttft_p50_ms, ttft_p99_ms=smp.ttft_p99_ms, tpot_p50_ms=smp.tpot_p50_ms,
+                    tpot_p99_ms=smp.tpot_p99_ms, e2e_p50_ms=smp.e2e_p50_ms, e2e_p99_ms=smp.e2e_p99_ms)
+                s.add(head)
+                s.flush()
+                s.add_all(m.MetricSampleRow(
+                    run_key=run_key, gear_key=smp.gear_id, source=source, t_s=smp.t_s, scope="stage",
+                    parent_id=head.id, stage_index=st.stage_index, busy_fraction=st.busy_fraction,
+                    queue_length=st.queue_length, kv_blocks_used=st.kv_blocks_used,
+                    kv_blocks_total=st.kv_blocks_total) for st in smp.stages)
+                written += 1 + len(smp.stages)
+        return written
+
+    def latest_sample_run_key(self) -> str | None:
+        """The run that wrote the newest metric sample (the pipeline serving now), or None."""
+        with self.session() as s:
+            return s.scalar(select(m.MetricSampleRow.run_key).order_by(m.MetricSampleRow.id.desc()).limit(1))
+
+    def read_samples(self, run_key: str | None = None, after_t_s: float | None = None,
+                     after_id: int | None = None, limit: int | None = None) -> list[tuple[int, MetricSample]]:
+        """Metric samples rebuilt from rows, oldest first, as ``(row_id, sample)`` pairs.
+
+        ``after_id`` lets a sensor read only what arrived since its cursor.
+        """
+        with self.session() as s:
+            q = select(m.MetricSampleRow).where(m.MetricSampleRow.scope == "pipeline")
+            if run_key is not None:
+                q = q.where(m.MetricSampleRow.run_key == run_key)
+            if after_t_s is not None:
+                q = q.where(m.MetricSampleRow.t_s > after_t_s)
+            if after_id is not None:
+                q = q.where(m.MetricSampleRow.id > after_id)
+            q = q.order_by(m.MetricSampleRow.id)
+            if limit is not None:
+                q = q.limit(limit)
+            heads = list(s.scalars(q))
+            if not heads:
+                return []
+            stage_rows = s.scalars(select(m.MetricSampleRow).where(
+                m.MetricSampleRow.parent_id.in_([h.id for h in heads])).order_by(m.MetricSampleRow.id))
+            stages: dict[int, list[StageSample]] = {}
+            for r in stage_rows:
+                stages.setdefault(r.parent_id, []).append(StageSample(
+                    stage_index=r.stage_index, busy_fraction=r.busy_fraction, queue_length=r.queue_length,
+                    kv_blocks_used=r.kv_blocks_used, kv_blocks_total=r.kv_blocks_total))
+            return [(h.id, MetricSample(
+                t_s=h.t_s, gear_id=h.gear_key, source=h.source, rps=h.rps, completed=h.completed,
+                tokens_per_s=h.tokens_per_s, queue_length=h.queue_length, running=h.running,
+                kv_used_fraction=h.kv_used_fraction, ttft_p50_ms=h.ttft_p50_ms, ttft_p99_ms=h.ttft_p99_ms,
+                tpot_p50_ms=h.tpot_p50_ms, tpot_p99_ms=h.tpot_p99_ms, e2e_p50_ms=h.e2e_p50_ms,
+                e2e_p99_ms=h.e2e_p99_ms, stages=tuple(stages.get(h.id, ()))))
+                for h in heads]

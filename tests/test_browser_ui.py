@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from conftest import EXAMPLES, REPO
+from tests.support import EXAMPLES, REPO
 
 pytestmark = pytest.mark.browser
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

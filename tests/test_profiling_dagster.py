@@ -16,7 +16,7 @@ from flexpipe_dag.jobs.profiling import DEFAULT_PROFILE_REFRESH_CRON, profile_re
 from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
 
-from conftest import EXAMPLES
+from tests.support import EXAMPLES
 
 
 def _resources(tmp_path, **prober):
@@ -115,7 +115,7 @@ def test_probe_on_cuda_writes_fixture():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device on this host: the GPU probe runs where one is available")
-    from conftest import REPO
+    from tests.support import REPO
 
     profile = ProberResource(probe=True).get_profile()
     assert all(d.kind == "cuda" for d in profile.devices)

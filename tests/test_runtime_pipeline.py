@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_runtime_helpers import (checkpoint, gear, hf_reference, prompt_ids, requests,  # noqa: E402
+from tests.test_runtime_helpers import (checkpoint, gear, hf_reference, prompt_ids, requests,  # noqa: E402
                                   signal_after_first_result)
 
 from flexpipe_dag.runtime.batch import JsonlSink, PromptRow, prompts_from_trace, run_batch_job  # noqa: E402

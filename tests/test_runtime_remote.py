@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import MODEL_CACHE  # noqa: E402
-from test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
+from tests.support import MODEL_CACHE  # noqa: E402
+from tests.test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
 
 from flexpipe_dag.core.errors import InputError  # noqa: E402
 from flexpipe_dag.core.host import free_port  # noqa: E402

@@ -16,7 +16,7 @@ from flexpipe_dag.jobs.tide import tide_sensor
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
-from conftest import EXAMPLES
+from tests.support import EXAMPLES
 
 
 def _gear(gear_id, kind, qps_min, qps_max, stages):

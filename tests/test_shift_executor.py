@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_runtime_helpers import PROMPTS, checkpoint, gear, hf_reference, requests  # noqa: E402
+from tests.test_runtime_helpers import PROMPTS, checkpoint, gear, hf_reference, requests  # noqa: E402
 
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, stage_memory_bytes  # noqa: E402
 from flexpipe_dag.shift import GearExecutor, ServingRouter, ShiftConfig  # noqa: E402

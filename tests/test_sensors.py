@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
 from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context
@@ -16,7 +14,7 @@ from flexpipe_dag.jobs.tide import tide_sensor
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
-from tests.support import EXAMPLES
+from tests.support import EXAMPLES, BackgroundThread, wait_until
 
 
 def _gear(gear_id, kind, qps_min, qps_max, stages):
@@ -147,19 +145,16 @@ def test_gear_shift_run_waits_for_the_live_pipeline(store_res):
     applied = []
 
     def live_pipeline():  # the serving process's side of the protocol
-        for _ in range(100):
-            for ev in db.pending_shift_requests():
-                applied.append(ev.to_gear_key)
-                db.update_shift_event(ev.id, "done", {"outcome": "switched"})
-                return
-            time.sleep(0.1)
+        ev = wait_until(db.pending_shift_requests, 20, "the gear_shift run to post its shift request", interval_s=0.1)[0]
+        applied.append(ev.to_gear_key)
+        db.update_shift_event(ev.id, "done", {"outcome": "switched"})
 
-    server = threading.Thread(target=live_pipeline)
+    server = BackgroundThread(live_pipeline, name="live-pipeline")
     server.start()
     result = gear_shift.execute_in_process(
         run_config={"ops": {"apply_gear_shift": {"config": {"to_gear_id": "throughput-2s", "timeout_s": 20}}}},
         resources={"store": store_res})
-    server.join()
+    server.join_or_fail(30)
     assert result.success and applied == ["throughput-2s"]
     assert db.shift_events()[-1].status == "done"
 

@@ -37,7 +37,7 @@ def test_plan_and_evaluate_chain_stores_gears(tmp_path):
     assert {g.kind for g in gears} <= {"latency", "balanced", "throughput"} and gears
     assert all(g.profile_version == info.id for g in gears)
     meta = result.asset_materializations_for_node("gear_evaluations")[0].metadata
-    assert meta["requests"].value == 300
+    assert meta["requests"].value == res["planning"].reference_requests
     for g in gears:
         assert g.gear_id in meta["evaluations"].value
 

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.slow
 UNEVEN3 = [(0, 7), (7, 26), (26, 30)]
 #: The head binds a free port itself and reports it (``listen()``); workers are started after.
 ANY_PORT = "127.0.0.1:0"
+#: A launcher's whole run (3 ranks load the model; ~280 s for deepspeed on a loaded 2-core host).
+LAUNCH_TIMEOUT_S = 600
 
 
 def _env() -> dict:
@@ -56,7 +58,7 @@ def _reap(procs: list[subprocess.Popen], timeout_s: float = 30) -> list[int | No
             codes.append(p.wait(timeout=timeout_s))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+            p.wait(timeout=30)
             codes.append(None)
     return codes
 
@@ -200,9 +202,9 @@ def test_run_launched_under_a_launcher(tmp_path, launcher):
         cmd += ["run", "--launched", "--control-port", str(unused_port()), "--stages", "2", "--prompts", str(prompts),
                 "--out", str(out), "--max-new-tokens", "64"]
         try:
-            proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"timed out after 300 s waiting for {launcher} to finish; stderr: "
+            raise AssertionError(f"timed out after {LAUNCH_TIMEOUT_S} s waiting for {launcher} to finish; stderr: "
                                  f"{(exc.stderr or b'')[-3000:]!r}") from None
         if proc.returncode != 0 and is_port_clash(proc.stderr):
             out.unlink(missing_ok=True)

@@ -180,7 +180,9 @@ def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
     forecaster = TideForecaster(load_tide_trace())
     trough_s = min(range(0, 86400, 600), key=forecaster.profile_at)  # the real tide's quietest window
     cursor = None
-    for _ in range(3):  # an admission must hold for 3 consecutive evaluations (hysteresis)
+    needed = ControlSettings().tide_config().hysteresis_samples  # consecutive evaluations an admission needs
+    assert needed > 1  # else the loop below would not show the hysteresis
+    for _ in range(needed):
         assert db.job_status(job_id) == "queued"
         ev = evaluate_tide(db, cursor, ControlSettings(), epoch_s=float(trough_s), forecaster=forecaster)
         cursor = ev.cursor
@@ -190,7 +192,7 @@ def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
     db.update_job(job_id, status="running")  # the batch run started
     db.write_samples("live", _samples("throughput-2s", [39.0] * 6, t0=10.0))  # the tide rises: online first
     cursor = ev.cursor
-    for _ in range(3):
+    for _ in range(needed):  # the pause needs as many
         result, cursor = _tick(tide_sensor, store_res, cursor)
     assert isinstance(result, SkipReason) and "paused offline-1" in str(result.skip_message)
     assert db.job_status(job_id) == "paused"

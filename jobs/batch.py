@@ -34,7 +34,8 @@ class BatchInferenceConfig(Config):
     kv_pool_tokens_max: int = Field(8192, ge=256, description="cap on the gear's KV pool for this job")
     control_address: str = Field("", description="HOST:PORT: serve stage workers started on other hosts "
                                  "(`flexpipe worker --head HOST:PORT --stage S` on each) instead of spawning "
-                                 "them here; empty = every stage on this host")
+                                 "them here (PORT 0: a free port, named in the run's log); empty = every "
+                                 "stage on this host")
 
 
 def _gear(config: BatchInferenceConfig, db, ckpt):
@@ -91,6 +92,8 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
         context.log.warning(f"malformed row {m.line}: {m.reason}")
     runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s,
                                                          control_address=config.control_address or None))
+    if config.control_address:  # the bound port (PORT 0 picks one)
+        context.log.info(f"waiting for {sum(st.replicas for st in gear.stages)} stage workers at {runtime.listen()}")
     finished = skipped = tokens = steps = 0
     paused = False
     failure = None

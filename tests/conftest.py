@@ -1,26 +1,19 @@
-"""Shared fixtures: a fresh store on SQLite and on the local PostgreSQL server."""
+"""Shared fixtures: a fresh store on SQLite and on the local PostgreSQL server.
+
+Only fixtures live here; helpers and constants shared by the test modules are in
+``tests/support.py`` (``from tests.support import ...``; never ``import conftest``)."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
-from pathlib import Path
 
 import pytest
 
+from tests.support import EXAMPLES, MODEL_CACHE, PG_URL
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples" / "clusters"
-#: The local PostgreSQL server's test database (trust auth). Override with FLEXPIPE_TEST_PG_URL.
-PG_URL = os.environ.get("FLEXPIPE_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
-
-
-#: Converted model checkpoints are shared by all tests of a machine (converting the GGUF takes ~20 s).
-MODEL_CACHE = os.environ.get("FLEXPIPE_TEST_MODEL_CACHE") or os.path.join(
-    tempfile.gettempdir(), f"flexpipe-test-cache-{os.getuid()}", "models")
 
 
 @pytest.fixture(autouse=True)

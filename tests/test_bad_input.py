@@ -9,7 +9,7 @@ import pytest
 from flexpipe_dag.cli import main as cli_main
 from flexpipe_dag.core.errors import InputError
 
-from conftest import EXAMPLES
+from tests.support import EXAMPLES
 
 
 def _one_line_error(capsys, *needles):
@@ -84,7 +84,7 @@ def test_prompt_rows_with_infinite_numbers_or_string_ids_are_malformed(tmp_path)
 
 def test_out_of_vocabulary_token_ids_are_a_malformed_row_not_a_crash():
     from flexpipe_dag.runtime.batch import PromptRow, to_requests
-    from test_runtime_helpers import checkpoint
+    from tests.test_runtime_helpers import checkpoint
 
     ckpt = checkpoint()
     tok = ckpt.tokenizer()
@@ -241,7 +241,7 @@ def test_plan_default_context_is_capped_at_a_short_model_context(tmp_path, capsy
 
 @pytest.fixture
 def sim_files(tmp_path):
-    from test_sim_cli import _files
+    from tests.test_sim_cli import _files
 
     gear, timing = _files(tmp_path)
     return ["simulate", "--gear-file", str(gear), "--timing", str(timing), "--trace", "azure-conv",

@@ -17,7 +17,7 @@ from flexpipe_dag.cli import main as cli_main
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, check_number, env_value, parse_setting
 
-from conftest import EXAMPLES, REPO
+from tests.support import EXAMPLES, REPO
 
 #: Every FLEXPIPE_* variable build_resources() parses as a number or boolean.
 DEFINITIONS_ENV = ("FLEXPIPE_DWELL_S", "FLEXPIPE_PROBE", "FLEXPIPE_SLO_TTFT_MS", "FLEXPIPE_SLO_TPOT_MS",

@@ -10,31 +10,75 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
-from conftest import EXAMPLES, REPO
+from tests.support import EXAMPLES, REPO, PortClash, is_port_clash, retry_on_port_clash, unused_port, wait_until
 
 pytestmark = pytest.mark.browser
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+#: Deadlines: ``dagster dev`` answering, a clicked Materialize launching its run, that run finishing.
+UI_START_TIMEOUT_S, RUN_LAUNCH_TIMEOUT_S, RUN_FINISH_TIMEOUT_S = 180, 60, 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _start_dagster_dev(home, env) -> tuple[subprocess.Popen, str]:
+    """``dagster dev`` on a loopback port; the process and its URL once it answers.
+
+    dagster-webserver cannot bind port 0 and report it (``-p 0`` means "3000 or any free one",
+    logged but not returned), so the port is guessed, and the start retried when the log says that
+    another process took it meanwhile."""
+
+    def attempt() -> tuple[subprocess.Popen, str]:
+        port = unused_port()
+        log_path = home / f"dagster-dev-{port}.log"
+        with open(log_path, "w") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "dagster"), "dev", "-w",
+                                     str(REPO / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
+                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+
+        def answers() -> bool:
+            text = log_path.read_text(errors="replace")
+            if is_port_clash(text):
+                raise PortClash(f"port {port} taken; log: {log_path}")
+            if proc.poll() is not None:
+                raise AssertionError(f"dagster dev exited with {proc.returncode} before answering; log: {log_path}")
+            if f"Serving dagster-webserver on {url}" not in text:  # not some other server on that port
+                return False
+            try:
+                urllib.request.urlopen(f"{url}/server_info", timeout=2)
+            except OSError:
+                return False
+            return True
+
+        try:
+            wait_until(answers, UI_START_TIMEOUT_S, f"dagster dev to answer at {url}/server_info (log: {log_path})",
+                       interval_s=1)
+        except BaseException:
+            _stop(proc)
+            raise
+        return proc, url
+
+    return retry_on_port_clash(attempt, "dagster dev")
 
 
 @pytest.fixture(scope="module")
 def dagster_ui(tmp_path_factory):
-    """``dagster dev`` (webserver + daemon) on a free loopback port, stopped with its whole process group."""
+    """``dagster dev`` (webserver + daemon) on a loopback port, stopped with its whole process group."""
     if CHROMIUM is None:
         pytest.skip("Debian chromium is not installed (apt-get install chromium; make test does it as root)")
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra)")
@@ -42,33 +86,14 @@ def dagster_ui(tmp_path_factory):
     dagster_home = home / "dagster"
     dagster_home.mkdir()
     shutil.copy(REPO / "deploy" / "dagster.yaml", dagster_home / "dagster.yaml")
-    port = _free_port()
     env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FLEXPIPE_HOME": str(home / "fp"),
            "FLEXPIPE_PROBE": "0", "FLEXPIPE_CLUSTER_FILE": str(EXAMPLES / "fragmented_lab.yaml")}
     env.pop("FLEXPIPE_DATABASE_URL", None)
-    log = open(home / "dagster-dev.log", "w")
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "dagster"), "dev", "-w",
-                             str(REPO / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _start_dagster_dev(home, env)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/server_info", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"dagster dev did not come up; log: {home / 'dagster-dev.log'}")
-                time.sleep(1)
         yield url, dagster_home
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        _stop(proc)
 
 
 @pytest.fixture
@@ -111,16 +136,11 @@ def test_ui_shows_assets_and_sensors_and_runs_profile_refresh(dagster_ui, page):
     _open(page, f"{url}/locations/flexpipe/jobs/profile_refresh")
     _skip_dialog(page)
     page.locator("button", has_text=re.compile(r"^\s*Materialize\s*$")).first.click()
-    page.wait_for_timeout(2000)
     instance = DagsterInstance.from_config(str(dagster_home))
-    deadline = time.monotonic() + 240
-    runs = []
-    while time.monotonic() < deadline:
-        runs = instance.get_runs()
-        if runs and runs[0].status in (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED):
-            break
-        time.sleep(2)
-    assert runs, "clicking Materialize launched no run"
+    wait_until(instance.get_runs, RUN_LAUNCH_TIMEOUT_S, "clicking Materialize to launch a run", interval_s=1)
+    done = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
+    runs = wait_until(lambda: [r for r in instance.get_runs()[:1] if r.status in done], RUN_FINISH_TIMEOUT_S,
+                      "the launched run to finish", interval_s=2)
     assert runs[0].job_name == "profile_refresh"
     assert runs[0].status == DagsterRunStatus.SUCCESS, runs[0].status
     _open(page, f"{url}/runs/{runs[0].run_id}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_calibration_fit import cpu_cluster, synthetic_run
+from tests.test_calibration_fit import cpu_cluster, synthetic_run
 
 from flexpipe_dag.cli import main
 

@@ -42,7 +42,8 @@ def test_ring_commit_wrap_and_unlink(tmp_path):
 
 
 def test_sweep_removes_rings_of_dead_workers(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=60)
     stale = tmp_path / f"stage0-{int(dead.stdout)}-deadbeef.f64"
     stale.write_bytes(b"\0" * 128)
     live = tmp_path / f"stage1-{os.getpid()}-cafecafe.f64"

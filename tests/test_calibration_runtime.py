@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_runtime_helpers import checkpoint, prompt_ids  # noqa: E402
+from tests.test_runtime_helpers import checkpoint, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MEASURED_AT = dt.datetime(2026, 11, 29, tzinfo=dt.timezone.utc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_calibration_fit import SPEC, cpu_cluster, synthetic_run
+from tests.test_calibration_fit import SPEC, cpu_cluster, synthetic_run
 
 from flexpipe_dag.calibration import calibrate
 

@@ -10,7 +10,7 @@ import yaml
 from flexpipe_dag.core.cluster import ClusterProfile, load_cluster_profile, parse_cluster_profile
 from flexpipe_dag.core.errors import InputError
 
-from conftest import EXAMPLES
+from tests.support import EXAMPLES
 
 
 def seed_doc() -> dict:

@@ -129,7 +129,8 @@ def test_shift_is_pending_until_the_samples_show_the_new_gear():
     assert st.gear_id == "bal" and st.pending_to_gear_id is None and st.counts == {} and d.action == "hold"
     assert st.residence_ema_s is None and st.gear_since_s == 12  # "lat" served since before we looked
     st, _ = ctrl.decide(st, [sample(700, "lat")], GEARS)
-    assert st.residence_ema_s == 688.0 and st.ema_p99_ms == 800.0 and st.ema_stage_busy == [0.7, 0.7]
+    # the first residence observed seeds the EMA: "bal" served from t=12 to t=700
+    assert st.residence_ema_s == 700 - 12 and st.ema_p99_ms == 800.0 and st.ema_stage_busy == [0.7, 0.7]
 
 
 def test_pending_shift_times_out_when_the_new_gear_never_serves():

@@ -13,7 +13,7 @@ from flexpipe_dag.control.tide import TideForecaster, tide_forecast
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.workload.tide import Tide
 
-from test_control_controller import BAL, GEARS, LAT, THR, TARGET_MS, feed, make_gear, sample
+from tests.test_control_controller import BAL, GEARS, LAT, THR, TARGET_MS, feed, make_gear, sample
 
 
 def constant(value: float):

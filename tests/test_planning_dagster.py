@@ -14,7 +14,7 @@ from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
 
-from conftest import EXAMPLES
+from tests.support import EXAMPLES
 
 ASSETS = [gpu_profile, model_profile, candidate_gears, candidate_gears_fit, gear_evaluations]
 
@@ -37,7 +37,7 @@ def test_plan_and_evaluate_chain_stores_gears(tmp_path):
     assert {g.kind for g in gears} <= {"latency", "balanced", "throughput"} and gears
     assert all(g.profile_version == info.id for g in gears)
     meta = result.asset_materializations_for_node("gear_evaluations")[0].metadata
-    assert meta["requests"].value == 300
+    assert meta["requests"].value == res["planning"].reference_requests
     for g in gears:
         assert g.gear_id in meta["evaluations"].value
 

@@ -16,7 +16,7 @@ from flexpipe_dag.jobs.profiling import DEFAULT_PROFILE_REFRESH_CRON, profile_re
 from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
 
-from conftest import EXAMPLES
+from tests.support import EXAMPLES
 
 
 def _resources(tmp_path, **prober):
@@ -97,7 +97,10 @@ def test_cli_profile_json_and_errors(tmp_path, capsys):
     assert cli_main(["profile", "--cluster", str(EXAMPLES / "fragmented_lab.yaml"), "--json"]) == 0
     captured = capsys.readouterr()
     doc = json.loads(captured.out)
-    assert len(doc["devices"]) == 7 and len(doc["links"]) == 42 and "profile version 1" in captured.err
+    lab = load_cluster_profile(EXAMPLES / "fragmented_lab.yaml")
+    n = len(lab.devices)
+    assert len(doc["devices"]) == n and len(doc["links"]) == n * (n - 1)  # the fleet form links every ordered pair
+    assert "profile version 1" in captured.err
     again = tmp_path / "printed.json"
     again.write_text(captured.out)  # what --json prints loads back as a cluster file
     assert cli_main(["profile", "--cluster", str(again), "--no-store"]) == 0
@@ -115,7 +118,7 @@ def test_probe_on_cuda_writes_fixture():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device on this host: the GPU probe runs where one is available")
-    from conftest import REPO
+    from tests.support import REPO
 
     profile = ProberResource(probe=True).get_profile()
     assert all(d.kind == "cuda" for d in profile.devices)

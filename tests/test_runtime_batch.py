@@ -61,7 +61,7 @@ def test_jsonl_sink_is_idempotent_and_survives_a_torn_line(tmp_path):
 
 def test_gear_that_does_not_fit_is_refused_before_launch():
     pytest.importorskip("torch")
-    from test_runtime_helpers import checkpoint, gear
+    from tests.test_runtime_helpers import checkpoint, gear
 
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
@@ -74,7 +74,7 @@ def test_gear_that_does_not_fit_is_refused_before_launch():
 
 def test_replica_that_does_not_fit_its_device_is_refused_before_launch():
     pytest.importorskip("torch")
-    from test_runtime_helpers import checkpoint, gear
+    from tests.test_runtime_helpers import checkpoint, gear
 
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
@@ -101,7 +101,7 @@ def test_continuations_for_scoring_rows(tmp_path):
 
 def test_unknown_start_method_is_refused_before_launch():
     pytest.importorskip("torch")
-    from test_runtime_helpers import checkpoint, gear
+    from tests.test_runtime_helpers import checkpoint, gear
 
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 

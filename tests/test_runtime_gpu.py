@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_runtime_helpers import MAX_NEW_TOKENS, checkpoint, gear, prompt_ids, requests  # noqa: E402
+from tests.test_runtime_helpers import MAX_NEW_TOKENS, checkpoint, gear, prompt_ids, requests  # noqa: E402
 
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, cuda_backend  # noqa: E402
 

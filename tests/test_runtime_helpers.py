@@ -4,7 +4,7 @@ Two things are slow and never change between test sessions, so they are cached o
 ``FLEXPIPE_TEST_CACHE`` (default ``<tmp>/flexpipe-test-cache-<uid>``):
 
 * the GGUF -> safetensors conversion of SmolLM2 (keyed by the GGUF file, as the runtime keys it;
-  shared with the other test modules through ``FLEXPIPE_TEST_MODEL_CACHE``, see conftest.py);
+  shared with the other test modules through ``FLEXPIPE_TEST_MODEL_CACHE``, see tests/support.py);
 * the single-process ``transformers`` references (greedy ``generate`` outputs, prompt log-probs),
   keyed by the converted checkpoint, the torch and transformers versions, and the exact inputs.
 
@@ -35,8 +35,9 @@ TEST_CACHE = Path(os.environ.get("FLEXPIPE_TEST_CACHE")
 @functools.lru_cache(maxsize=1)
 def checkpoint():
     """SmolLM2-135M-Instruct, converted once into the machine's shared test model cache (the same
-    directory conftest.py gives every test as ``FLEXPIPE_MODEL_CACHE``; named explicitly here because
-    module-scoped fixtures run before that per-test setting)."""
+    directory, ``tests.support.MODEL_CACHE``, that conftest.py gives every test as
+    ``FLEXPIPE_MODEL_CACHE``; named explicitly here because module-scoped fixtures run before that
+    per-test setting)."""
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
 
     return resolve_checkpoint(cache_dir=os.environ.get("FLEXPIPE_TEST_MODEL_CACHE") or TEST_CACHE / "models")

@@ -1,6 +1,10 @@
 """Stage workers started outside the head (other hosts, here other process trees on this host):
 ``flexpipe worker --head``, ``flexpipe run --launched`` under ``torch.distributed.run``, the control
-store's refusals, and a killed remote stage named by the head with finished outputs kept."""
+store's refusals, and a killed remote stage named by the head with finished outputs kept.
+
+Ports: a head here listens on ``127.0.0.1:0`` and the workers are pointed at the port it reports
+(:meth:`PipelineRuntime.listen`); only the launchers, which must be handed their ports up front,
+get guessed ports, retried when another process took one meanwhile."""
 
 from __future__ import annotations
 
@@ -9,17 +13,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
 pytest.importorskip("torch")
 
-from conftest import MODEL_CACHE  # noqa: E402
-from test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
+from tests.support import (MODEL_CACHE, BackgroundThread, PortClash, hold_unused_port, is_port_clash,  # noqa: E402
+                           retry_on_port_clash, unused_port, wait_until)
+from tests.test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
 
 from flexpipe_dag.core.errors import InputError  # noqa: E402
-from flexpipe_dag.core.host import free_port  # noqa: E402
 from flexpipe_dag.runtime.observations import ObservationCollector  # noqa: E402
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError  # noqa: E402
 from flexpipe_dag.runtime.remote import ControlServer, connect, parse_address, serve_stage  # noqa: E402
@@ -27,6 +31,10 @@ from flexpipe_dag.runtime.worker import WorkerSpec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 UNEVEN3 = [(0, 7), (7, 26), (26, 30)]
+#: The head binds a free port itself and reports it (``listen()``); workers are started after.
+ANY_PORT = "127.0.0.1:0"
+#: A launcher's whole run (3 ranks load the model; ~280 s for deepspeed on a loaded 2-core host).
+LAUNCH_TIMEOUT_S = 600
 
 
 def _env() -> dict:
@@ -50,32 +58,34 @@ def _reap(procs: list[subprocess.Popen], timeout_s: float = 30) -> list[int | No
             codes.append(p.wait(timeout=timeout_s))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+            p.wait(timeout=30)
             codes.append(None)
     return codes
 
 
 def test_remote_stage_workers_match_hf_generate_and_exit_cleanly():
     ref = hf_reference()
-    port = free_port()
-    procs = _workers(f"127.0.0.1:{port}", 3)
     reqs = requests(8, prefix="remote-")
+    rt = PipelineRuntime(gear(UNEVEN3, micro_batch_size=4), checkpoint(),
+                         RuntimeOptions(control_address=ANY_PORT, start_timeout_s=240))
+    procs = _workers(rt.listen(), 3)
     try:
-        options = RuntimeOptions(control_address=f"127.0.0.1:{port}", start_timeout_s=240)
-        with PipelineRuntime(gear(UNEVEN3, micro_batch_size=4), checkpoint(), options) as rt:
+        with rt:
             assert [(i["layer_start"], i["layer_end"]) for i in rt.stage_info] == UNEVEN3
             assert rt.stage_pids() == [p.pid for p in procs]  # the stages are those processes
             collector = ObservationCollector(rt, "remote")
             outs = rt.generate(reqs)
             observed: list = []
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:  # rows arrive with the heartbeats (every 0.2 s)
-                observed += collector.collect()
+
+            def every_stage_reported_alike() -> bool:  # rows arrive with the heartbeats (every 0.2 s)
+                observed.extend(collector.collect())
                 counts = [sum(o.stage_index == s for o in observed) for s in range(3)]
-                if counts[0] and len(set(counts)) == 1:
-                    break
-                time.sleep(0.2)
+                return bool(counts[0]) and len(set(counts)) == 1
+
+            wait_until(every_stage_reported_alike, 10, "every stage's observation rows to reach the head",
+                       interval_s=0.2)
     finally:
+        rt.shutdown()
         codes = _reap(procs)
     assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id.split("-")[-1]]
                                                                  for r in reqs}
@@ -89,16 +99,16 @@ def test_remote_stage_workers_match_hf_generate_and_exit_cleanly():
 
 def test_remote_replicated_stage_matches_hf_generate():
     ref = hf_reference()
-    port = free_port()
-    procs = _workers(f"127.0.0.1:{port}", 2, replicas=[1, 2])
     reqs = requests(8, prefix="remote-rep-")
+    g = gear([(0, 12), (12, 30)], micro_batch_size=2, device_ids=[["a"], ["b", "c"]])
+    rt = PipelineRuntime(g, checkpoint(), RuntimeOptions(control_address=ANY_PORT, start_timeout_s=240))
+    procs = _workers(rt.listen(), 2, replicas=[1, 2])
     try:
-        options = RuntimeOptions(control_address=f"127.0.0.1:{port}", start_timeout_s=240)
-        g = gear([(0, 12), (12, 30)], micro_batch_size=2, device_ids=[["a"], ["b", "c"]])
-        with PipelineRuntime(g, checkpoint(), options) as rt:
+        with rt:
             assert [(i["stage_index"], i["replica_index"]) for i in rt.stage_info] == [(0, 0), (1, 0), (1, 1)]
             outs = rt.generate(reqs)
     finally:
+        rt.shutdown()
         codes = _reap(procs)
     assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id.split("-")[-1]]
                                                                  for r in reqs}
@@ -106,12 +116,12 @@ def test_remote_replicated_stage_matches_hf_generate():
 
 
 def test_killed_remote_stage_is_named_and_finished_outputs_kept():
-    port = free_port()
-    procs = _workers(f"127.0.0.1:{port}", 2)
+    rt = PipelineRuntime(gear([(0, 15), (15, 30)], micro_batch_size=2), checkpoint(),
+                         RuntimeOptions(control_address=ANY_PORT, start_timeout_s=240))
+    procs = _workers(rt.listen(), 2)
     finished: list = []
     try:
-        options = RuntimeOptions(control_address=f"127.0.0.1:{port}", start_timeout_s=240)
-        with PipelineRuntime(gear([(0, 15), (15, 30)], micro_batch_size=2), checkpoint(), options) as rt:
+        with rt:
             reqs = requests(8, prefix="kill-remote-")
             for r in reqs:  # long enough that work is in flight when stage 1 dies
                 r.max_new_tokens, r.eos_token_ids = 40, ()
@@ -119,6 +129,7 @@ def test_killed_remote_stage_is_named_and_finished_outputs_kept():
             with pytest.raises(StageFailedError) as err:
                 rt.generate(reqs, on_result=kill_stage1)
     finally:
+        rt.shutdown()
         codes = _reap(procs)
     assert err.value.stage == 1, err.value.reason
     assert "heartbeat" in err.value.reason
@@ -127,11 +138,14 @@ def test_killed_remote_stage_is_named_and_finished_outputs_kept():
 
 
 def test_head_without_workers_says_how_to_start_them():
-    options = RuntimeOptions(control_address=f"127.0.0.1:{free_port()}", start_timeout_s=2)
+    options = RuntimeOptions(control_address=ANY_PORT, start_timeout_s=2)
     rt = PipelineRuntime(gear([(0, 15), (15, 30)]), checkpoint(), options)
+    address = rt.listen()
+    assert address.startswith("127.0.0.1:") and address != ANY_PORT  # the port it bound, not 0
     with pytest.raises(StageFailedError) as err:
         rt.start()
-    assert err.value.stage == 0 and "flexpipe worker --head" in err.value.reason and "--stage 0" in err.value.reason
+    assert err.value.stage == 0 and "--stage 0" in err.value.reason
+    assert f"flexpipe worker --head {address} " in err.value.reason  # the address workers can reach
 
 
 def test_control_store_refuses_a_second_worker_and_a_stage_outside_the_gear():
@@ -155,8 +169,8 @@ def test_control_store_refuses_a_second_worker_and_a_stage_outside_the_gear():
 
 
 def test_worker_without_a_head_says_so():
-    with pytest.raises(InputError, match="no FlexPipe head answered"):
-        serve_stage(f"127.0.0.1:{free_port()}", 0, connect_timeout_s=2)
+    with hold_unused_port() as port, pytest.raises(InputError, match="no FlexPipe head answered"):
+        serve_stage(f"127.0.0.1:{port}", 0, connect_timeout_s=2)
 
 
 @pytest.mark.parametrize("text", ["nohost", "host:", ":29500", "host:99999", "host:abc", "127.0.0.1:29500:5", "::1:29500"])
@@ -174,16 +188,30 @@ def test_run_launched_under_a_launcher(tmp_path, launcher):
     prompts.write_text("".join(json.dumps({"id": r.request_id, "token_ids": r.prompt_token_ids, "max_new_tokens":
                                            r.max_new_tokens}) + "\n" for r in requests(4, prefix="launch-")))
     out = tmp_path / "out.jsonl"
-    port = free_port()
-    if launcher == "deepspeed":  # its single-host form; a hostfile spreads the same ranks over hosts
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "3", "--master_port", str(port),
-               "--module", "flexpipe_dag.cli"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "3",
-               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "flexpipe_dag.cli"]
-    cmd += ["run", "--launched", "--control-port", str(free_port()), "--stages", "2", "--prompts", str(prompts),
-            "--out", str(out), "--max-new-tokens", "64"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+
+    def launch() -> subprocess.CompletedProcess:
+        # a launcher and its ranks must agree on the ports before any of them binds one: guessed
+        # here, and the whole launch retried if another process took one meanwhile
+        port = unused_port()
+        if launcher == "deepspeed":  # its single-host form; a hostfile spreads the same ranks over hosts
+            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "3", "--master_port", str(port),
+                   "--module", "flexpipe_dag.cli"]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "3",
+                   "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "flexpipe_dag.cli"]
+        cmd += ["run", "--launched", "--control-port", str(unused_port()), "--stages", "2", "--prompts", str(prompts),
+                "--out", str(out), "--max-new-tokens", "64"]
+        try:
+            proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"timed out after {LAUNCH_TIMEOUT_S} s waiting for {launcher} to finish; stderr: "
+                                 f"{(exc.stderr or b'')[-3000:]!r}") from None
+        if proc.returncode != 0 and is_port_clash(proc.stderr):
+            out.unlink(missing_ok=True)
+            raise PortClash(proc.stderr[-1000:])
+        return proc
+
+    proc = retry_on_port_clash(launch, f"flexpipe run --launched under {launcher}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])  # launcher logs follow
     assert summary["finished"] == 4 and summary["failure"] is None, summary
@@ -191,20 +219,36 @@ def test_run_launched_under_a_launcher(tmp_path, launcher):
     assert rows == {i: ref[i.split("-")[-1]] for i in ids}
 
 
-def test_batch_inference_job_serves_stage_workers_started_elsewhere(tmp_path):
-    """The Dagster job as a multi-host user runs it: workers first, then the job with ``control_address``."""
+def test_batch_inference_job_serves_stage_workers_started_elsewhere(tmp_path, monkeypatch):
+    """The Dagster job as a multi-host user runs it: the job with ``control_address`` (port 0: the
+    head picks one and logs it), and the workers pointed at that address once it listens."""
     from flexpipe_dag.jobs.batch import batch_inference
     from flexpipe_dag.resources.store_resource import StoreResource
 
-    port = free_port()
-    procs = _workers(f"127.0.0.1:{port}", 2)
+    listening: list[str] = []  # the address the job's head bound, as its run log names it
+    listen = PipelineRuntime.listen
+    monkeypatch.setattr(PipelineRuntime, "listen", lambda self: listening.append(listen(self)) or listening[-1])
+    procs: list[subprocess.Popen] = []
+    job_over = threading.Event()
+
+    def start_workers() -> None:
+        if wait_until(lambda: listening or job_over.is_set(), 240, "the batch job's head to listen"):
+            if listening:
+                procs.extend(_workers(listening[0], 2))
+
+    starter = BackgroundThread(start_workers, name="start-workers")
+    starter.start()
     store = StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}")
     try:
         result = batch_inference.execute_in_process(run_config={"ops": {"run_batch": {"config": {
             "job_key": "remote-1", "trace": "azure-conv", "num_requests": 6, "max_prompt_tokens": 32,
-            "max_new_tokens": 4, "stages": 2, "control_address": f"127.0.0.1:{port}"}}}}, resources={"store": store})
+            "max_new_tokens": 4, "stages": 2, "control_address": ANY_PORT}}}}, resources={"store": store})
     finally:
+        job_over.set()
+        starter.join(timeout=30)
         codes = _reap(procs)
+    starter.join_or_fail(0)
+    assert listening and not listening[0].endswith(":0"), listening
     assert result.success and codes == [0, 0]
     (job,) = store.get_store().jobs()
     assert job.status == "done" and len(store.get_store().results(job.id)) == 6

@@ -70,7 +70,7 @@ def test_deepspeed_pipeline_scores_equal_transformers_logprobs_on_an_uneven_two_
     more on a loaded host); warm, the test takes about 25 s, mostly two process start-ups.
     """
     pytest.importorskip("deepspeed")
-    from test_runtime_helpers import checkpoint, gear, hf_token_logprobs
+    from tests.test_runtime_helpers import checkpoint, gear, hf_token_logprobs
 
     from flexpipe_dag.runtime.batch import JsonlSink, PromptRow
     from flexpipe_dag.runtime.model_loader import stage_param_bytes
@@ -123,7 +123,7 @@ def test_deepspeed_pipeline_scores_equal_transformers_logprobs_on_an_uneven_two_
 
 def test_cli_score_refuses_a_replicated_gear_and_skips_done_rows(tmp_path, capsys):
     pytest.importorskip("torch")
-    from test_runtime_helpers import checkpoint, gear
+    from tests.test_runtime_helpers import checkpoint, gear
 
     from flexpipe_dag.cli import main
 

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_runtime_helpers import checkpoint, hf_reference, requests  # noqa: E402
+from tests.test_runtime_helpers import checkpoint, hf_reference, requests  # noqa: E402
 
 from flexpipe_dag.runtime.local import LocalPipeline  # noqa: E402
 from flexpipe_dag.runtime.model_loader import load_stage_module, stage_param_bytes  # noqa: E402

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 
 import pytest
 from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context
@@ -20,7 +18,7 @@ from flexpipe_dag.jobs.tide import tide_sensor
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
-from conftest import EXAMPLES
+from tests.support import EXAMPLES, BackgroundThread, wait_until
 
 
 def _gear(gear_id, kind, rps_min, rps_max, stages):
@@ -150,19 +148,16 @@ def test_gear_shift_run_waits_for_the_live_pipeline(store_res):
     applied = []
 
     def live_pipeline():  # the serving process's side of the protocol
-        for _ in range(100):
-            for ev in db.pending_shift_requests():
-                applied.append(ev.to_gear_key)
-                db.update_shift_event(ev.id, "done", {"outcome": "switched"})
-                return
-            time.sleep(0.1)
+        ev = wait_until(db.pending_shift_requests, 20, "the gear_shift run to post its shift request", interval_s=0.1)[0]
+        applied.append(ev.to_gear_key)
+        db.update_shift_event(ev.id, "done", {"outcome": "switched"})
 
-    server = threading.Thread(target=live_pipeline)
+    server = BackgroundThread(live_pipeline, name="live-pipeline")
     server.start()
     result = gear_shift.execute_in_process(
         run_config={"ops": {"apply_gear_shift": {"config": {"to_gear_id": "throughput-2s", "timeout_s": 20}}}},
         resources={"store": store_res})
-    server.join()
+    server.join_or_fail(30)
     assert result.success and applied == ["throughput-2s"]
     assert db.shift_events()[-1].status == "done"
 
@@ -188,7 +183,9 @@ def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
     forecaster = TideForecaster(load_tide_trace())
     trough_s = min(range(0, 86400, 600), key=forecaster.profile_at)  # the real tide's quietest window
     cursor = None
-    for _ in range(3):  # an admission must hold for 3 consecutive evaluations (hysteresis)
+    needed = ControlSettings().tide_config().hysteresis_samples  # consecutive evaluations an admission needs
+    assert needed > 1  # else the loop below would not show the hysteresis
+    for _ in range(needed):
         assert db.job_status(job_id) == "queued"
         ev = evaluate_tide(db, cursor, TideConfig(), epoch_s=float(trough_s), forecaster=forecaster)
         cursor = ev.cursor
@@ -198,7 +195,7 @@ def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
     db.update_job(job_id, status="running")  # the batch run started
     db.write_samples("live", _samples("throughput-2s", [39.0] * 6, t0=10.0))  # the tide rises: online first
     cursor = ev.cursor
-    for _ in range(3):
+    for _ in range(needed):  # the pause needs as many
         result, cursor = _tick(tide_sensor, store_res, cursor)
     assert isinstance(result, SkipReason) and "paused offline-1" in str(result.skip_message)
     assert db.job_status(job_id) == "paused"

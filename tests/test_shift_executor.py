@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_runtime_helpers import PROMPTS, checkpoint, gear, hf_reference, requests  # noqa: E402
+from tests.support import BackgroundThread, wait_until  # noqa: E402
+from tests.test_runtime_helpers import PROMPTS, checkpoint, gear, hf_reference, requests  # noqa: E402
 
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, stage_memory_bytes  # noqa: E402
 from flexpipe_dag.shift import GearExecutor, ServingRouter, ShiftConfig  # noqa: E402
@@ -25,6 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 FAST = dict(warmup_requests=2, warmup_max_new_tokens=4, health_window_s=2.0, probe_interval_s=0.5,
             warmup_timeout_s=120.0, drain_timeout_s=60.0, probe_timeout_s=30.0)
+#: Deadlines of the test's own waits: the first submissions (the runtime is already up), the router
+#: going idle after a shift, the load thread stopping.
+SUBMIT_TIMEOUT_S, IDLE_TIMEOUT_S, JOIN_TIMEOUT_S = 60.0, 120.0, 120.0
 
 
 class Sink:
@@ -49,13 +53,16 @@ class Sink:
 
 
 class Load:
-    """Submits one request every ``interval_s`` in a background thread until stopped (then ``tail`` more)."""
+    """Submits one request every ``interval_s`` in a background thread until stopped (then ``tail`` more).
+
+    A load thread that dies (``submit`` raised) fails :meth:`wait_submitted` at once with its error,
+    and the ``with`` block's exit, instead of leaving the test waiting for submissions."""
 
     def __init__(self, router: ServingRouter, tag: str, interval_s: float = 2.0, tail: int = 3, cap: int = 200):
         self.router, self.tag, self.interval_s, self.tail, self.cap = router, tag, interval_s, tail, cap
         self.submitted: list[str] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.thread = BackgroundThread(self._run, name=f"load-{tag}")
 
     def _run(self):
         reqs = requests()
@@ -70,13 +77,24 @@ class Load:
                 extra = self.tail if extra is None else extra - 1
             time.sleep(self.interval_s)
 
+    def wait_submitted(self, n: int) -> None:
+        """Block until ``n`` requests were submitted (deadline :data:`SUBMIT_TIMEOUT_S`)."""
+        wait_until(lambda: len(self.submitted) >= n, SUBMIT_TIMEOUT_S, f"the load thread to submit {n} requests",
+                   thread=self.thread)
+
     def __enter__(self):
-        self._thread.start()
+        self.thread.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         self._stop.set()
-        self._thread.join(timeout=120)
+        if exc_type is None:  # else the block's own failure is the one to report
+            self.thread.join_or_fail(JOIN_TIMEOUT_S)
+
+
+def _wait_idle(router: ServingRouter) -> None:
+    assert router.wait_idle(timeout_s=IDLE_TIMEOUT_S), \
+        f"timed out after {IDLE_TIMEOUT_S} s waiting for the router to finish its {router.ledger.num_open()} open requests"
 
 
 def _old_router(sink: Sink, ranges=((0, 30),), options: RuntimeOptions | None = None):
@@ -97,10 +115,9 @@ def test_shift_under_continuous_load_loses_and_duplicates_nothing():
         old_pids = old.runtime.stage_pids()
         executor = GearExecutor(router, ShiftConfig(**FAST))
         with Load(router, "s") as load:
-            while len(load.submitted) < 4:
-                time.sleep(0.05)
+            load.wait_submitted(4)
             outcome = executor.shift(gear([(0, 8), (8, 30)], micro_batch_size=4, gear_id="new"))
-        assert router.wait_idle(timeout_s=120)
+        _wait_idle(router)
         new = router.active
         print("shift", outcome.status, outcome.timings_s, outcome.details.get("start_s"), len(load.submitted))
         assert outcome.status == "done", outcome
@@ -124,10 +141,9 @@ def test_failing_new_gear_rolls_back_and_loses_nothing():
         # stage 1 of the new gear raises after 12 steps: the warm-up (8 steps) passes, live traffic kills it
         faulty = RuntimeOptions(fault={"stage": 1, "raise_after_steps": 12})
         with Load(router, "r") as load:
-            while len(load.submitted) < 3:
-                time.sleep(0.05)
+            load.wait_submitted(3)
             outcome = executor.shift(gear([(0, 20), (20, 30)], micro_batch_size=4, gear_id="bad"), options=faulty)
-        assert router.wait_idle(timeout_s=120)
+        _wait_idle(router)
         print("rollback", outcome.timings_s, outcome.details.get("start_s"), "requests", len(load.submitted))
         assert outcome.status == "rolled_back", outcome
         assert outcome.failed_step in ("drain", "health") and "injected fault" in outcome.reason
@@ -161,7 +177,7 @@ def test_warmup_and_drain_timeouts_become_rollbacks():
         router.switch_to = busy_switch
         with Load(router, "t") as load:
             out2 = executor.shift(gear([(0, 15), (15, 30)], micro_batch_size=4, gear_id="ok"))
-        assert router.wait_idle(timeout_s=120)
+        _wait_idle(router)
         assert out2.status == "rolled_back" and out2.failed_step == "drain", out2
         assert not out2.new_gear_at_fault and out2.unhealthy_gear_id is None
         assert router.active is old and all(ln.state in ("retired", "failed") for ln in router.lanes if ln is not old)
@@ -182,10 +198,9 @@ def test_degraded_mode_warms_with_a_small_kv_pool_and_grows_it_after_the_switch(
     with _old_router(sink, options=options) as router:
         executor = GearExecutor(router, ShiftConfig(**FAST))
         with Load(router, "g") as load:
-            while len(load.submitted) < 3:
-                time.sleep(0.05)
+            load.wait_submitted(3)
             outcome = executor.shift(new_gear)
-        assert router.wait_idle(timeout_s=120)
+        _wait_idle(router)
         print("degraded", outcome.timings_s, "requests", len(load.submitted))
         assert outcome.status == "done" and outcome.mode == "degraded", outcome
         warm = outcome.details["warm_kv_tokens"]
@@ -209,10 +224,9 @@ def test_cold_shift_in_place_when_memory_is_too_short_for_two_gears():
         lane = router.open(PipelineRuntime(old_gear, ckpt, options))
         pids = lane.runtime.stage_pids()
         with Load(router, "c") as load:
-            while len(load.submitted) < 2:
-                time.sleep(0.05)
+            load.wait_submitted(2)
             outcome = GearExecutor(router, ShiftConfig(**FAST)).shift(new_gear)
-        assert router.wait_idle(timeout_s=120)
+        _wait_idle(router)
         print("cold", outcome.timings_s, "requests", len(load.submitted))
         assert outcome.status == "done" and outcome.mode == "in_place", outcome
         assert outcome.details["residency"]["mode"] == "cold"

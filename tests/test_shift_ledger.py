@@ -11,6 +11,8 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.shift.ledger import INTERNAL_PREFIX, RequestLedger
 from flexpipe_dag.shift.residency import plan_residency
 
+from tests.support import join_or_fail
+
 
 @dataclass
 class Req:
@@ -88,7 +90,7 @@ def test_concurrent_finishes_deliver_exactly_once():
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        join_or_fail(t, 60)
     assert sorted(o.request_id for o in got) == sorted(str(i) for i in range(n))
     assert led.duplicates_dropped == 2 * n
 

@@ -46,7 +46,9 @@ def test_step_api_lets_a_controller_shift():
     old, new = _gears()
     sim = Simulator(w, old, SLOW)
     seen: list[MetricSample] = []
+    horizon_s = 120 + 3600  # the window, then an hour to drain: a simulation that never finishes fails here
     while not sim.finished:
+        assert sim.now_s < horizon_s, f"the simulation had not finished at t={sim.now_s} s (simulated)"
         samples = sim.advance(sim.now_s + 2.0)
         seen.extend(samples)
         if sim.gear_id == "g-old" and samples and samples[-1].t_s >= 20:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import warnings
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -15,13 +17,28 @@ from flexpipe_dag.workload import (
 )
 
 
+def _csv_rows(name: str) -> list[dict[str, str]]:
+    """The bundled trace's rows as plain text, read with the csv module (not the loader under test)."""
+    with open(bundled_path(name), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _clock_s(stamp: str) -> Decimal:
+    """``"2023-11-16 18:15:46.6805900"`` -> seconds since midnight, every fractional digit kept."""
+    h, m, s = stamp.split(" ")[1].split(":")
+    return int(h) * 3600 + int(m) * 60 + Decimal(s)
+
+
 def test_azure_conv_real_trace():
     w = load_trace("azure-conv")
-    assert len(w) == 19366
+    rows = _csv_rows("azure-conv")
+    assert len(w) == len(rows) and len(rows) > 19_000  # README: 19,366 requests over ~58 min
     assert w.requests[0].arrival_s == 0.0
-    # 18:15:50.9951690 - 18:15:46.6805900: the 7th fractional digit is kept
-    assert w.requests[1].arrival_s == pytest.approx(4.314579, abs=1e-9)
-    assert (w.requests[0].input_tokens, w.requests[0].output_tokens) == (374, 44)
+    # e.g. 18:15:50.9951690 - 18:15:46.6805900: the 7th fractional digit is kept
+    gap = _clock_s(rows[1]["TIMESTAMP"]) - _clock_s(rows[0]["TIMESTAMP"])
+    assert w.requests[1].arrival_s == pytest.approx(float(gap), abs=1e-9)
+    assert (w.requests[0].input_tokens, w.requests[0].output_tokens) == (int(rows[0]["ContextTokens"]),
+                                                                         int(rows[0]["GeneratedTokens"]))
     assert 3400 < w.duration_s < 3600
     assert all(r.klass == "online" for r in w.requests[:50])
     assert all(a.arrival_s <= b.arrival_s for a, b in zip(w.requests, w.requests[1:]))
@@ -29,10 +46,12 @@ def test_azure_conv_real_trace():
 
 def test_azure_code_and_arxiv_backlog():
     code = load_trace("azure-code")
-    assert len(code) == 8819
+    assert len(code) == len(_csv_rows("azure-code"))
     arxiv = load_trace("arxiv-summarization")
-    assert len(arxiv) == 2000
-    assert arxiv.requests[0].input_tokens == 3772 and arxiv.requests[0].output_tokens == 54
+    first = _csv_rows("arxiv-summarization")
+    assert len(arxiv) == len(first) == 2000  # the bundled slice: the first 2,000 rows (data/README.md)
+    assert (arxiv.requests[0].input_tokens, arxiv.requests[0].output_tokens) == (int(first[0]["num_prefill_tokens"]),
+                                                                                 int(first[0]["num_decode_tokens"]))
     assert {r.klass for r in arxiv} == {"offline"} and {r.arrival_s for r in arxiv} == {0.0}
     lim = load_length_file(bundled_path("arxiv-summarization"), limit=10, arrival_s=5.0)
     assert len(lim) == 10 and lim.requests[0].arrival_s == 5.0

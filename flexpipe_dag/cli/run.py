@@ -51,7 +51,8 @@ def register(subparsers) -> None:
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help="stage workers run elsewhere: serve the control store on PORT and wait for "
-                            "`flexpipe worker --head HOST:PORT --stage S` on each stage's host")
+                            "`flexpipe worker --head HOST:PORT --stage S` on each stage's host (PORT 0: a free "
+                            "port, printed in the 'waiting for ... stage workers at HOST:PORT' line)")
     hosts.add_argument("--launched", action="store_true",
                        help="started on every rank by DeepSpeed's launcher or torch.distributed.run (world size = "
                             "1 + one per stage replica): rank 0 is the head (scheduler, results), rank w+1 serves "
@@ -243,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     if not control_address and args.device == "cpu" and workers > (os.cpu_count() or 1):
         print(f"warning: {workers} stage workers on {os.cpu_count()} CPU cores: they will compete for the cores",
               file=sys.stderr)
-    where = (f"waiting for {workers} stage workers at {control_address}" if control_address
+    where = (f"waiting for {workers} stage workers at {runtime.listen()}" if control_address  # the bound port
              else "starting workers")
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
           f"{gear.max_inflight_micro_batches} in flight; {where}...", file=sys.stderr)

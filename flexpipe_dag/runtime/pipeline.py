@@ -84,8 +84,10 @@ class RuntimeOptions:
     ``control_address``: ``"HOST:PORT"`` to serve stage workers started elsewhere (other hosts:
     ``flexpipe worker --head HOST:PORT --stage S``, or ``flexpipe run --launched`` under a
     launcher; :mod:`~flexpipe_dag.runtime.remote`); only the driver is spawned here and the head
-    listens on ``PORT`` (``HOST`` names this host in messages). ``None`` (default): every stage
-    is a child of this process. ``heartbeat_timeout_s``: a remote stage silent this long is lost.
+    listens on ``PORT`` (``HOST`` names this host in messages); ``PORT`` 0 picks a free port, which
+    :meth:`PipelineRuntime.listen` returns before the workers are started. ``None`` (default):
+    every stage is a child of this process. ``heartbeat_timeout_s``: a remote stage silent this
+    long is lost.
     """
 
     dtype: str = "fp32"
@@ -273,10 +275,7 @@ class PipelineRuntime:
 
         layout = self._layout
         if self.options.control_address:
-            from flexpipe_dag.runtime.remote import ControlServer, parse_address
-
-            host, port = parse_address(self.options.control_address, "control_address")
-            self._control = ControlServer(port, layout.num_workers, self.options.heartbeat_timeout_s, host=host)
+            self.listen()
         else:
             check_gear_fits(self.gear, self.ckpt, self.options)  # remote hosts' memory is not known here
         spec = self._spec()
@@ -322,6 +321,25 @@ class PipelineRuntime:
         self.stage_info = [info[w] for w in range(spec.num_workers)]  # per worker: stage order, replicas together
         return self.stage_info
 
+    def listen(self) -> str:
+        """With ``options.control_address``: serve the control store now (idempotent; :meth:`start`
+        does it itself) and return the ``HOST:PORT`` workers should use, with the port actually
+        bound: ``control_address`` ``"HOST:0"`` picks a free one, so a caller that starts the workers
+        itself learns it here, before :meth:`start` waits for them.
+
+        Raises:
+            InputError: no ``control_address``, a bad one, or its port cannot be bound.
+        """
+        if not self.options.control_address:
+            raise InputError(None, "control_address", "listen() serves remote stage workers: set "
+                                                      "RuntimeOptions.control_address = 'HOST:PORT'")
+        if self._control is None:
+            from flexpipe_dag.runtime.remote import ControlServer, parse_address
+
+            host, port = parse_address(self.options.control_address, "control_address")
+            self._control = ControlServer(port, self._layout.num_workers, self.options.heartbeat_timeout_s, host=host)
+        return self._control.address
+
     @property
     def remote_stages(self) -> list:
         """Handles of stage workers on other hosts (:class:`~flexpipe_dag.runtime.remote.RemoteStage`),
@@ -335,6 +353,10 @@ class PipelineRuntime:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Drain and stop every process (forcefully after ``timeout_s``)."""
         if not self._started:
+            if self._control is not None:  # listening (listen()) but never started
+                self._control.abort("the pipeline stopped before it started")
+                self._control.close()
+                self._control = None
             return
         self._started = False
         alive = all(p.is_alive() for p in self._procs)

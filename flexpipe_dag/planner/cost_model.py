@@ -32,9 +32,10 @@ from typing import Mapping
 import yaml
 
 from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
+from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
-from flexpipe_dag.planner.model_spec import ModelSpec, dtype_bytes
+from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.operators import (
     OP_CLASSES,
     embedding_work_by_class,
@@ -97,7 +98,8 @@ class CostModel:
     Args:
         model: the model's architecture facts.
         cluster: devices and links.
-        dtype: weight dtype (``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4``).
+        dtype: weight dtype (``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4``, or an alias such as
+            ``float16``; kept as its canonical name, see :mod:`flexpipe_dag.core.dtypes`).
         efficiency: per-class factors; default :func:`default_efficiency`.
         device_overrides: ``{device_id: {op_class: Efficiency}}`` from a per-device calibration;
             classes not named keep the defaults.
@@ -106,10 +108,9 @@ class CostModel:
     def __init__(self, model: ModelSpec, cluster: ClusterProfile, *, dtype: str = "bf16",
                  efficiency: Mapping[str, Efficiency] | None = None,
                  device_overrides: Mapping[str, Mapping[str, Efficiency]] | None = None):
-        dtype_bytes(dtype, "--dtype")
         self.model = model
         self.cluster = cluster
-        self.dtype = dtype
+        self.dtype = canonical_dtype(dtype, "--dtype")
         self.efficiency = dict(efficiency or default_efficiency())
         self.device_overrides = {k: dict(v) for k, v in (device_overrides or {}).items()}
         unknown = set(self.device_overrides) - {d.device_id for d in cluster.devices}

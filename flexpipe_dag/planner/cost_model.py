@@ -148,11 +148,15 @@ class CostModel:
         n = float(num_tokens)
         return self._time(device_id, "lp", lambda n: layer_work_by_class(self.model, n, n * (n + 1) / 2, n, self.dtype), n)
 
-    def layer_decode_ms(self, device_id: str, batch_size: int, context_tokens: int) -> float:
-        """One decoder layer, one decode step of ``batch_size`` sequences holding ``context_tokens`` KV tokens in total, ms."""
+    def layer_decode_ms(self, device_id: str, num_seqs: int, context_tokens: int) -> float:
+        """One decoder layer, one decode step of ``num_seqs`` sequences holding ``context_tokens`` KV tokens in total, ms.
+
+        ``num_seqs`` is the sequences decoding in the step; the search passes a full micro-batch
+        (``micro_batch_size``), the simulator the micro-batch's decoding members.
+        """
         return self._time(device_id, "ld",
                           lambda b, c: layer_work_by_class(self.model, b, c, c, self.dtype),
-                          float(batch_size), float(context_tokens))
+                          float(num_seqs), float(context_tokens))
 
     def first_extra_ms(self, device_id: str, num_tokens: int) -> float:
         """Embedding gather for ``num_tokens`` tokens (first stage only), ms."""
@@ -178,14 +182,14 @@ class CostModel:
             t += self.last_extra_ms(device_id, num_prompts)
         return t
 
-    def stage_decode_ms(self, device_id: str, num_layers: int, first: bool, last: bool, batch_size: int,
+    def stage_decode_ms(self, device_id: str, num_layers: int, first: bool, last: bool, num_seqs: int,
                         context_tokens: int) -> float:
-        """One decode step of a micro-batch of ``batch_size`` sequences (``context_tokens`` KV tokens in total), ms."""
-        t = num_layers * self.layer_decode_ms(device_id, batch_size, context_tokens)
+        """One decode step of ``num_seqs`` sequences of a micro-batch (``context_tokens`` KV tokens in total), ms."""
+        t = num_layers * self.layer_decode_ms(device_id, num_seqs, context_tokens)
         if first:
-            t += self.first_extra_ms(device_id, batch_size)
+            t += self.first_extra_ms(device_id, num_seqs)
         if last:
-            t += self.last_extra_ms(device_id, batch_size)
+            t += self.last_extra_ms(device_id, num_seqs)
         return t
 
     def link(self, src_device_id: str, dst_device_id: str) -> Link | None:
@@ -245,9 +249,9 @@ class GearTiming:
         dev, k, first, last = self._stage(stage_index)
         return self.cost_model.stage_prefill_ms(dev, k, first, last, int(num_tokens))
 
-    def decode_ms(self, stage_index: int, batch_size: int, context_tokens: int) -> float:
+    def decode_ms(self, stage_index: int, num_seqs: int, context_tokens: int) -> float:
         dev, k, first, last = self._stage(stage_index)
-        return self.cost_model.stage_decode_ms(dev, k, first, last, int(batch_size), int(context_tokens))
+        return self.cost_model.stage_decode_ms(dev, k, first, last, int(num_seqs), int(context_tokens))
 
     def transfer_ms(self, stage_index: int, num_tokens: int) -> float:
         if stage_index >= self.num_stages - 1:

@@ -74,17 +74,18 @@ def candidate_plans(search: PipelineSearch, num_stages: int | None = None, repli
     """Every distinct plan the search proposes over micro-batch sizes and the bottleneck ladder."""
     seen: dict[tuple, ScoredPlan] = {}
     built: set[tuple] = set()
-    for b in search.workload.batch_sizes():
-        t_min = search.min_limit(b) if num_stages is None else _min_limit_forced(search, b, num_stages)
+    for micro_batch_size in search.workload.micro_batch_sizes_to_search():
+        t_min = (search.min_limit(micro_batch_size) if num_stages is None
+                 else _min_limit_forced(search, micro_batch_size, num_stages))
         if t_min is None:
             continue
-        cand = search.candidate_limits(b)
+        cand = search.candidate_limits(micro_batch_size)
         t_max = float(cand[-1])
         ladder = [t_min] if num_stages is not None else sorted(
             {t_min, *np.geomspace(t_min, max(t_max, t_min), LADDER_STEPS).tolist()})
         for limit in ladder:
             for prefer in ("capacity", "speed"):
-                for plan in search.construct(b, limit, prefer, num_stages):
+                for plan in search.construct(micro_batch_size, limit, prefer, num_stages):
                     if plan.signature() in built:
                         continue
                     built.add(plan.signature())
@@ -94,14 +95,14 @@ def candidate_plans(search: PipelineSearch, num_stages: int | None = None, repli
     return list(seen.values())
 
 
-def _min_limit_forced(search: PipelineSearch, b: int, num_stages: int) -> float | None:
-    cand = search.candidate_limits(b)
-    if len(cand) == 0 or not search.construct(b, float(cand[-1]), "capacity", num_stages):
+def _min_limit_forced(search: PipelineSearch, micro_batch_size: int, num_stages: int) -> float | None:
+    cand = search.candidate_limits(micro_batch_size)
+    if len(cand) == 0 or not search.construct(micro_batch_size, float(cand[-1]), "capacity", num_stages):
         return None
     lo, hi = 0, len(cand) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if search.construct(b, float(cand[mid]), "capacity", num_stages):
+        if search.construct(micro_batch_size, float(cand[mid]), "capacity", num_stages):
             hi = mid
         else:
             lo = mid + 1
@@ -175,8 +176,8 @@ def baseline_plans(search: PipelineSearch, kind: str, sequences: list[list[str]]
             sizes = balanced_partition(weights, len(seq))
         else:
             raise InputError(None, "kind", f"not a baseline kind: {kind!r}")
-        for b in search.workload.batch_sizes():
-            plan = search.evaluate_split(b, seq, sizes, kind)
+        for micro_batch_size in search.workload.micro_batch_sizes_to_search():
+            plan = search.evaluate_split(micro_batch_size, seq, sizes, kind)
             if plan is not None:
                 out.append(_score(search, plan))
         if out:
@@ -197,7 +198,7 @@ def oracle_plans(search: PipelineSearch) -> list[ScoredPlan]:
         raise InputError(None, "oracle", f"exhaustive oracle is for <= {ORACLE_MAX_DEVICES} devices and "
                          f"<= {ORACLE_MAX_LAYERS} layers, got {len(pool)} devices and {L} layers")
     out = []
-    for b in search.workload.batch_sizes():
+    for micro_batch_size in search.workload.micro_batch_sizes_to_search():
         best: PipelinePlan | None = None
         seen_sig: set[tuple] = set()
         for s in range(1, min(len(pool), L) + 1):
@@ -213,14 +214,14 @@ def oracle_plans(search: PipelineSearch) -> list[ScoredPlan]:
                 roles = [SINGLE] if s == 1 else [FIRST] + [MIDDLE] * (s - 2) + [LAST]
                 costs = np.full((s, L + 1, L + 1), np.inf)
                 for k, (d, role) in enumerate(zip(seq, roles)):
-                    row = search.tables(d, b).busy_ms[role]            # by number of layers
+                    row = search.tables(d, micro_batch_size).busy_ms[role]            # by number of layers
                     diff = np.arange(L + 1)[None, :] - np.arange(L + 1)[:, None]
                     costs[k] = np.where(diff >= 1, row[np.clip(diff, 0, L)], np.inf)
                 bottleneck, sizes = min_bottleneck_split(costs, links)
                 if not sizes:
                     continue
                 if best is None or bottleneck < best.bottleneck_ms - 1e-12:
-                    best = search.evaluate_split(b, list(seq), sizes, "oracle")
+                    best = search.evaluate_split(micro_batch_size, list(seq), sizes, "oracle")
         if best is not None:
             out.append(_score(search, best))
     return out
@@ -393,7 +394,7 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
         gears[kind] = to_gear(search, kind, chosen[kind], rps_min=rps_min, profile_version=profile_version)
         prev_max = chosen[kind].estimate.rps_at_envelope
     notes = [f"{kind} collapses into {into} ({gears[into].gear_id}): no distinct configuration of its own on "
-             f"{len(search.pool)} usable device(s) for micro-batches {list(workload.batch_sizes())}"
+             f"{len(search.pool)} usable device(s) for micro-batches {workload.micro_batch_sizes_to_search()}"
              for kind, into in collapsed.items()]
     ordered = [gears[k] for k in ("latency", "balanced", "throughput") if k in gears]
     return GearSet(ordered, collapsed, notes)

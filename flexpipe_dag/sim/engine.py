@@ -113,7 +113,7 @@ class _Pipeline:
         self.timing = timing
         self.num_stages = gear.num_stages
         self.stages = [_Stage(st.replicas) for st in gear.stages]
-        self.max_seqs = config.max_batch_size or gear.micro_batch_size
+        self.micro_batch_size = config.micro_batch_size or gear.micro_batch_size  # sequences per slot
         n_slots = config.max_inflight_micro_batches or gear.max_inflight_micro_batches
         self.slots: list[list[_Seq]] = [[] for _ in range(n_slots)]
         self.idle: list[int] = list(range(n_slots))  # slots with nothing in flight and no sequences
@@ -463,11 +463,11 @@ class Simulator:
                 i += 1
         # 2. admissions (prefill in this iteration)
         waiting = self._waiting
-        if pipe.admitting and waiting and len(seqs) < pipe.max_seqs:
+        if pipe.admitting and waiting and len(seqs) < pipe.micro_batch_size:
             budget = self.config.prefill_token_budget
             prefill_tokens = 0
             admitted = False
-            while waiting and len(seqs) < pipe.max_seqs:
+            while waiting and len(seqs) < pipe.micro_batch_size:
                 s = waiting[0][1]
                 if bounded and pipe.blocks_for(s.inp + s.out) > pipe.total_blocks:
                     heapq.heappop(waiting)  # could never finish on this gear's KV pool

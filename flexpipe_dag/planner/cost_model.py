@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import yaml
 
@@ -78,6 +78,10 @@ def default_efficiency() -> dict[str, Efficiency]:
 
 
 WorkByClass = Mapping[str, tuple[float, float, int]]
+#: What makes two devices time alike: (peak TFLOP/s, HBM GB/s, sorted per-class efficiency overrides).
+DeviceKey = tuple[float, float, tuple[tuple[str, Efficiency], ...]]
+#: Per-device efficiency factors from a calibration: ``{device_id: {op_class: Efficiency}}``.
+DeviceOverrides = Mapping[str, Mapping[str, Efficiency]]
 
 
 def roofline_ms(work: WorkByClass, peak_tflops: float, hbm_bandwidth_gbps: float,
@@ -107,7 +111,7 @@ class CostModel:
 
     def __init__(self, model: ModelSpec, cluster: ClusterProfile, *, dtype: str = "bf16",
                  efficiency: Mapping[str, Efficiency] | None = None,
-                 device_overrides: Mapping[str, Mapping[str, Efficiency]] | None = None):
+                 device_overrides: DeviceOverrides | None = None):
         self.model = model
         self.cluster = cluster
         self.dtype = canonical_dtype(dtype, "--dtype")
@@ -118,13 +122,14 @@ class CostModel:
             raise InputError("device_overrides", None, f"unknown device ids {sorted(unknown)}")
         self._devices = {d.device_id: d for d in cluster.devices}
         self._links = {(l.src_device_id, l.dst_device_id): l for l in cluster.links}
-        self._cache: dict[tuple, float] = {}
+        # (device key, work tag, arguments) -> ms, and ("tr", src, dst, tokens) -> ms for transfers
+        self._cache: dict[tuple[DeviceKey, str, tuple[float, ...]] | tuple[str, str, str, int], float] = {}
 
     # -- device-level pieces (cached by device profile, so identical devices share entries) ------
     def device(self, device_id: str) -> Device:
         return self._devices[device_id]
 
-    def device_key(self, device_id: str) -> tuple:
+    def device_key(self, device_id: str) -> DeviceKey:
         """Devices with equal keys have equal times: (peak TFLOP/s, HBM GB/s, overrides)."""
         d = self._devices[device_id]
         over = self.device_overrides.get(device_id)
@@ -134,7 +139,7 @@ class CostModel:
         over = self.device_overrides.get(device_id)
         return {**self.efficiency, **over} if over else self.efficiency
 
-    def _time(self, device_id: str, tag: str, work_fn, *args) -> float:
+    def _time(self, device_id: str, tag: str, work_fn: Callable[..., WorkByClass], *args: float) -> float:
         key = (self.device_key(device_id), tag, args)
         hit = self._cache.get(key)
         if hit is None:
@@ -241,7 +246,8 @@ class GearTiming:
                 raise InputError(gear.gear_id, f"stages[{a.stage_index}]",
                                  f"no link {a.device_ids[0]} -> {b.device_ids[0]} in the cluster profile")
 
-    def _stage(self, i: int):
+    def _stage(self, i: int) -> tuple[str, int, bool, bool]:
+        """Stage ``i``'s (first replica's device, layer count, is first, is last)."""
         st = self.gear.stages[i]
         return st.device_ids[0], st.num_layers, i == 0, i == self.num_stages - 1
 

@@ -36,8 +36,8 @@ import numpy as np
 
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.errors import InfeasibleError, InputError
-from flexpipe_dag.core.gear import Gear, GearEstimate, GearKind, StagePlan
-from flexpipe_dag.planner.cost_model import CostModel
+from flexpipe_dag.core.gear import OPERATING_KINDS, Gear, GearEstimate, GearKind, StagePlan
+from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
 from flexpipe_dag.planner.estimate import PlanEstimate, estimate_plan, inflight_micro_batches
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
 from flexpipe_dag.planner.partition import (
@@ -46,7 +46,7 @@ from flexpipe_dag.planner.partition import (
     min_bottleneck_split,
     uniform_partition,
 )
-from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch
+from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch, PlanSignature
 from flexpipe_dag.planner.workload import PlanWorkload
 
 ORACLE_MAX_DEVICES = 6
@@ -72,8 +72,8 @@ def _score(search: PipelineSearch, plan: PipelinePlan) -> ScoredPlan:
 
 def candidate_plans(search: PipelineSearch, num_stages: int | None = None, replicas: bool = True) -> list[ScoredPlan]:
     """Every distinct plan the search proposes over micro-batch sizes and the bottleneck ladder."""
-    seen: dict[tuple, ScoredPlan] = {}
-    built: set[tuple] = set()
+    seen: dict[PlanSignature, ScoredPlan] = {}
+    built: set[PlanSignature] = set()
     for micro_batch_size in search.workload.micro_batch_sizes_to_search():
         t_min = (search.min_limit(micro_batch_size) if num_stages is None
                  else _min_limit_forced(search, micro_batch_size, num_stages))
@@ -114,7 +114,7 @@ def pick(kind: str, scored: list[ScoredPlan], search: PipelineSearch | None = No
 
     ``search`` is needed for ``latency`` (it re-estimates candidates at the low-load point).
     """
-    def tie(s: ScoredPlan) -> tuple:
+    def tie(s: ScoredPlan) -> tuple[int, int, PlanSignature]:
         return (s.plan.num_stages, s.plan.micro_batch_size, s.plan.signature())
 
     if kind in ("throughput", "uniform", "parameters", "oracle"):
@@ -134,7 +134,7 @@ def pick_latency(search: PipelineSearch | None, scored: list[ScoredPlan]) -> Sco
     q_low = LOW_LOAD_SHARE * max(s.estimate.throughput_rps for s in scored)
     able = [s for s in scored if s.estimate.rps_at_envelope >= q_low] or scored
 
-    def key(s: ScoredPlan) -> tuple:
+    def key(s: ScoredPlan) -> tuple[float, float, float, int, PlanSignature]:
         e = estimate_plan(search, s.plan, rps=q_low)
         return (round(e.tpot_p50_ms, 6), round(e.ttft_p50_ms, 6), -s.estimate.tokens_per_s,
                 s.plan.num_stages, s.plan.signature())
@@ -200,7 +200,7 @@ def oracle_plans(search: PipelineSearch) -> list[ScoredPlan]:
     out = []
     for micro_batch_size in search.workload.micro_batch_sizes_to_search():
         best: PipelinePlan | None = None
-        seen_sig: set[tuple] = set()
+        seen_sig: set[tuple[object, ...]] = set()  # device profiles, then link times
         for s in range(1, min(len(pool), L) + 1):
             for seq in itertools.permutations(pool, s):
                 sig = tuple(search.profile(d) for d in seq) + tuple(
@@ -270,7 +270,7 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_m
 
 def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16",
                 workload: PlanWorkload | None = None, now: dt.datetime | None = None,
-                device_overrides=None) -> PipelineSearch:
+                device_overrides: DeviceOverrides | None = None) -> PipelineSearch:
     """Cost model + search state for ``model`` on ``cluster``."""
     cm = CostModel(model, cluster, dtype=dtype, device_overrides=device_overrides)
     return PipelineSearch(cm, workload or PlanWorkload(), now)
@@ -329,12 +329,13 @@ class GearSet:
         return next(g for g in self.gears if g.kind == kind)
 
 
-def _config_key(search: PipelineSearch, s: ScoredPlan) -> tuple:
+def _config_key(search: PipelineSearch, s: ScoredPlan) -> tuple[PlanSignature, int]:
     """What makes two plans the same runnable configuration: stages, devices, micro-batch, in flight."""
     return (s.plan.signature(), inflight_micro_batches(s.plan, search.workload.concurrency))
 
 
-def choose_operating_plans(search: PipelineSearch, scored: list[ScoredPlan]) -> tuple[dict[str, ScoredPlan], dict[str, str]]:
+def choose_operating_plans(search: PipelineSearch,
+                           scored: list[ScoredPlan]) -> tuple[dict[GearKind, ScoredPlan], dict[str, str]]:
     """Pick distinct latency / balanced / throughput plans (objectives in the module docstring).
 
     ``throughput`` and ``latency`` are picked on their own objectives; if they are the same
@@ -347,7 +348,7 @@ def choose_operating_plans(search: PipelineSearch, scored: list[ScoredPlan]) -> 
     """
     thr = pick("throughput", scored, search)
     lat = pick("latency", scored, search)
-    chosen: dict[str, ScoredPlan] = {"throughput": thr}
+    chosen: dict[GearKind, ScoredPlan] = {"throughput": thr}
     collapsed: dict[str, str] = {}
     if _config_key(search, lat) == _config_key(search, thr):
         collapsed["latency"] = "throughput"
@@ -369,7 +370,7 @@ def choose_operating_plans(search: PipelineSearch, scored: list[ScoredPlan]) -> 
 def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                   concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                   workload: PlanWorkload | None = None, profile_version: int | None = None,
-                  device_overrides=None, replicas: bool = True) -> GearSet:
+                  device_overrides: DeviceOverrides | None = None, replicas: bool = True) -> GearSet:
     """Plan the distinct operating gears for ``model`` on ``cluster`` (arguments as :func:`plan_gears`).
 
     Envelopes here are the analytic ones (see :func:`plan_gears`); replace them with simulated ones
@@ -403,7 +404,7 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
 def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                workload: PlanWorkload | None = None, profile_version: int | None = None,
-               device_overrides=None, replicas: bool = True) -> list[Gear]:
+               device_overrides: DeviceOverrides | None = None, replicas: bool = True) -> list[Gear]:
     """Plan the latency, balanced and throughput gears for ``model`` on ``cluster``.
 
     Args:
@@ -435,7 +436,8 @@ def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16"
 def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                     concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                     workload: PlanWorkload | None = None, profile_version: int | None = None,
-                    device_overrides=None, max_candidates: int = 6, compact: bool = True) -> list[Gear]:
+                    device_overrides: DeviceOverrides | None = None, max_candidates: int = 6,
+                    compact: bool = True) -> list[Gear]:
     """A shortlist of distinct configurations for scoring in the simulator (``kind="manual"``).
 
     The three analytic picks come first, then, alternating, the best plan by estimated tokens/s for
@@ -465,8 +467,8 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     if not scored:
         raise InfeasibleError(search.explain_infeasible())
     chosen, _ = choose_operating_plans(search, scored)
-    picks: list[ScoredPlan] = [chosen[k] for k in ("latency", "balanced", "throughput") if k in chosen]
-    by_layout: dict[tuple, ScoredPlan] = {}
+    picks: list[ScoredPlan] = [chosen[k] for k in OPERATING_KINDS if k in chosen]
+    by_layout: dict[tuple[object, ...], ScoredPlan] = {}  # sorted device tuples, then layer counts
     for sp in sorted(scored, key=lambda x: (-x.estimate.tokens_per_s, x.estimate.tpot_idle_ms, x.plan.signature())):
         by_layout.setdefault(tuple(sorted(map(tuple, sp.plan.device_ids))) + tuple(sp.plan.sizes), sp)
     floor = LOW_LOAD_SHARE * max(x.estimate.throughput_rps for x in scored)
@@ -475,7 +477,7 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     for a, b in itertools.zip_longest(by_layout.values(), fast):
         picks += [x for x in (a, b) if x is not None]
     out: list[Gear] = []
-    seen: set[tuple] = set()
+    seen: set[tuple[PlanSignature, int]] = set()
     for sp in picks:
         key = _config_key(search, sp)
         if key in seen:
@@ -493,8 +495,9 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
 
 
 def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, workload: PlanWorkload,
-                        now: dt.datetime | None, device_overrides, profile_version: int | None, *,
-                        fewest_devices: int, signatures: set[tuple]) -> list[Gear]:
+                        now: dt.datetime | None, device_overrides: DeviceOverrides | None,
+                        profile_version: int | None, *, fewest_devices: int,
+                        signatures: set[PlanSignature]) -> list[Gear]:
     """The fewest-device plan for each reduced concurrency (see :func:`candidate_gears`), as candidate gears.
 
     Only plans on fewer devices than ``fewest_devices`` (and than the previous compact one) are

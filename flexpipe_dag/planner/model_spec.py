@@ -400,7 +400,8 @@ def _replace_source(spec: ModelSpec, source: str) -> ModelSpec:
 @functools.cache
 def _builtin_table() -> dict[str, dict[str, Any]]:
     text = importlib.resources.files("flexpipe_dag.data").joinpath("models/builtin_models.yaml").read_text()
-    return yaml.safe_load(text)["models"]
+    models: dict[str, dict[str, Any]] = yaml.safe_load(text)["models"]
+    return models
 
 
 def builtin_model_names() -> list[str]:

@@ -40,12 +40,16 @@ import numpy as np
 
 from flexpipe_dag.core.cluster import Device
 from flexpipe_dag.core.errors import InfeasibleError
-from flexpipe_dag.planner.cost_model import CostModel
+from flexpipe_dag.planner.cost_model import CostModel, DeviceKey
 from flexpipe_dag.planner.model_spec import GIB
 from flexpipe_dag.planner.workload import PlanWorkload
 
 MIDDLE, FIRST, LAST, SINGLE = 0, 1, 2, 3
 ROLE_FLAGS = {MIDDLE: (False, False), FIRST: (True, False), LAST: (False, True), SINGLE: (True, True)}
+#: Devices with equal profiles are interchangeable: (cost-model key, memory GiB, largest micro-batch or None).
+DeviceProfile = tuple[DeviceKey, float, int | None]
+#: What makes two plans the same: (micro-batch size, device ids per stage, layers per stage).
+PlanSignature = tuple[int, tuple[tuple[str, ...], ...], tuple[int, ...]]
 
 
 @dataclass
@@ -84,7 +88,7 @@ class PipelinePlan:
     def num_stages(self) -> int:
         return len(self.sizes)
 
-    def signature(self) -> tuple:
+    def signature(self) -> PlanSignature:
         return (self.micro_batch_size, tuple(tuple(d) for d in self.device_ids), tuple(self.sizes))
 
 
@@ -113,13 +117,13 @@ class PipelineSearch:
             raise InfeasibleError(
                 f"all {len(cluster.devices)} devices become unavailable within the minimum residence of "
                 f"{workload.min_residence_s:.0f} s (available_until)")
-        self._profile_of: dict[str, tuple] = {}
+        self._profile_of: dict[str, DeviceProfile] = {}
         for d in self.pool:
             self._profile_of[d.device_id] = (cost_model.device_key(d.device_id), d.memory_gib, d.max_micro_batch)
         self.profiles = sorted(set(self._profile_of.values()), key=repr)
         self._profile_index = np.array([self.profiles.index(self._profile_of[d.device_id]) for d in self.pool])
         self._rep = {p: next(d.device_id for d in self.pool if self._profile_of[d.device_id] == p) for p in self.profiles}
-        self._tables: dict[tuple, StageTables] = {}
+        self._tables: dict[tuple[DeviceProfile, int, int], StageTables] = {}
         self._node = {d.device_id: d.node_id for d in self.pool}
         dt_ = cost_model.dtype
         self._act_bytes = self.model.activation_bytes_per_token(dt_)
@@ -131,7 +135,7 @@ class PipelineSearch:
         self._ws_token = self.model.activation_workspace_bytes_per_token(dt_)
 
     # -- tables -------------------------------------------------------------------------------
-    def profile(self, device_id: str) -> tuple:
+    def profile(self, device_id: str) -> DeviceProfile:
         return self._profile_of[device_id]
 
     def tables(self, device_id: str, micro_batch_size: int, replicas: int = 1) -> StageTables:
@@ -188,7 +192,8 @@ class PipelineSearch:
             t = self.tables(self._rep[prof], micro_batch_size)
             for role in range(4):
                 per_profile[p_i, role] = int(np.searchsorted(t.busy_ms[role, 1:], limit_ms, side="right"))
-        return np.minimum(per_profile[self._profile_index], self.num_layers)
+        caps: np.ndarray = np.minimum(per_profile[self._profile_index], self.num_layers)
+        return caps
 
     def feasible(self, micro_batch_size: int, limit_ms: float) -> bool:
         """Whether some device set covers all layers with every stage's busy <= ``limit_ms`` (links aside)."""
@@ -204,7 +209,7 @@ class PipelineSearch:
         f_order = np.argsort(-g_first, kind="stable")[:2]
         l_order = np.argsort(-g_last, kind="stable")[:2]
         best = max(g_first[f] + g_last[l] for f in f_order for l in l_order if f != l)
-        return mid_total + best >= L
+        return bool(mid_total + best >= L)
 
     def candidate_limits(self, micro_batch_size: int) -> np.ndarray:
         """Sorted unique finite busy values of every profile, role and layer count (the enumerated bottlenecks)."""
@@ -245,11 +250,13 @@ class PipelineSearch:
             singles = [i for i in range(len(ids)) if caps[i, SINGLE] >= L]
             if singles:
                 i = min(singles, key=lambda j: (speed[j], ids[j]))
-                plans.append(self._finish(micro_batch_size, [ids[i]], limit_ms))
+                single = self._finish(micro_batch_size, [ids[i]], limit_ms)
+                if single is not None:
+                    plans.append(single)
             if num_stages == 1:
-                return [p for p in plans if p is not None]
+                return plans
         if len(ids) < 2:
-            return [p for p in plans if p is not None]
+            return plans
         g_first = np.where(caps[:, FIRST] >= 1, caps[:, FIRST] - caps[:, MIDDLE], -10**9)
         g_last = np.where(caps[:, LAST] >= 1, caps[:, LAST] - caps[:, MIDDLE], -10**9)
         if prefer == "speed":
@@ -287,7 +294,7 @@ class PipelineSearch:
         """First, middles grouped by node (first's node, then others, then last's node), last."""
         nf, nl = self._node[first], self._node[last]
 
-        def rank(d: str) -> tuple:
+        def rank(d: str) -> tuple[int, str, str]:
             n = self._node[d]
             return (0 if n == nf else 2 if n == nl else 1, n, d)
 
@@ -307,7 +314,8 @@ class PipelineSearch:
         cand = cand[np.isfinite(cand) & (cand <= limit_ms * (1 + 1e-12))]
 
         def caps_at(t: float) -> np.ndarray:
-            return (rows <= t).sum(axis=1)
+            counts: np.ndarray = (rows <= t).sum(axis=1)
+            return counts
 
         lo, hi = 0, len(cand) - 1
         if hi < 0:
@@ -339,7 +347,7 @@ class PipelineSearch:
     def add_replicas(self, plan: PipelinePlan, max_rounds: int = 64) -> PipelinePlan:
         """Give the bottleneck stage data-parallel replicas from unused devices of its profile, while that lowers the bottleneck."""
         used = {d for ds in plan.device_ids for d in ds}
-        spare_by_profile: dict[tuple, list[str]] = {}
+        spare_by_profile: dict[DeviceProfile, list[str]] = {}
         for d in self.pool:
             if d.device_id not in used:
                 spare_by_profile.setdefault(self._profile_of[d.device_id], []).append(d.device_id)

@@ -73,7 +73,8 @@ class Device(_Strict):
     peak_tflops: PositiveFloat = Field(description="dense half-precision TFLOP/s (datasheet or measured GEMM)")
     hbm_bandwidth_gbps: PositiveFloat = Field(description="device memory bandwidth, GB/s")
     compute_score: PositiveFloat = Field(description="peak_tflops relative to A100-SXM-80GB = 1.0")
-    max_micro_batch: Annotated[int, Field(ge=1)] | None = None
+    max_micro_batch: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="largest micro_batch_size (sequences) the device takes; the search skips larger ones")
     available_until: dt.datetime | None = None
     op_timings_ms: dict[str, NonNegFloat] = Field(default_factory=dict)
     facts: dict[str, Any] = Field(default_factory=dict, description="raw probe facts (NVML, torch)")
@@ -173,7 +174,7 @@ class _SeedNode(BaseModel):
     host: str | None = None
     memory_gb: PositiveFloat
     compute_score: PositiveFloat
-    max_batch_microbatch: Annotated[int, Field(ge=1)] | None = None
+    max_batch_microbatch: Annotated[int, Field(ge=1)] | None = None  # the seed file's name for Device.max_micro_batch
     hbm_bandwidth_gbps: PositiveFloat | None = None
     available_until: dt.datetime | None = None
     interconnect: dict[str, _SeedLink] = Field(default_factory=dict)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import yaml
 

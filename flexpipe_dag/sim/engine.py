@@ -210,7 +210,7 @@ _Event = tuple[float, int, int, _Pipeline, _MicroBatch | float]
 class _Window:
     """What happened in one sample window: arrivals, completions, tokens and latencies (seconds)."""
 
-    __slots__ = ("arrivals", "completed", "tokens", "ttft_s", "tpot_s", "e2e_s")
+    __slots__ = ("arrivals", "completed", "e2e_s", "tokens", "tpot_s", "ttft_s")
 
     def __init__(self) -> None:
         self.arrivals = 0

@@ -1,6 +1,7 @@
 # FlexPipe: the two commands a newcomer needs.
 #   make demo   set up .venv and run the main job (the whole loop, see README)
 #   make test   set up .venv and run the test suite
+#   make lint   ruff, mypy (strict on the pure core) and the import contract (CI runs it first)
 # Everything lands in .venv; nothing is installed system-wide.
 
 PYTHON ?= python3

@@ -73,7 +73,7 @@ def run_fidelity(num_requests: int = 24, warmup_requests: int = 16, max_prompt_t
     workload = Workload.from_requests(
         [SimRequest(o.request_id, 0.0, len(o.prompt_token_ids), len(o.output_token_ids)) for o in outputs],
         name="fidelity")
-    config = SimConfig(max_batch_size=gear.micro_batch_size, max_inflight_micro_batches=gear.max_inflight_micro_batches)
+    config = SimConfig(micro_batch_size=gear.micro_batch_size, max_inflight_micro_batches=gear.max_inflight_micro_batches)
     cal = calibrate(spec, cluster, observations, dtype="fp32")
     out = {"measured": {"ttft_ms": m_ttft, "tpot_ms": m_tpot, "wall_s": wall_s}, "calibration": cal.summary_lines()}
     for name, cm in (("profile", CostModel(spec, cluster, dtype="fp32")), ("calibrated", cal.cost_model(spec, cluster))):

@@ -33,7 +33,7 @@ from flexpipe_dag.planner.workload import PlanWorkload  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 SMALL = PlanWorkload(context_p95_tokens=2048, concurrency=16, prompt_tokens_mean=512, output_tokens_mean=128,
-                     micro_batch_sizes=(1, 4, 16))
+                     micro_batch_size_candidates=(1, 4, 16))
 
 
 def random_instances(n: int, seed: int) -> None:
@@ -55,7 +55,7 @@ def random_instances(n: int, seed: int) -> None:
         # capacity objective (what the oracle optimises): least bottleneck over micro-batch sizes
         oracle_t = min(p.plan.bottleneck_ms for p in oracle_plans(search))
         ours_t = min(min(x.bottleneck_ms for x in search.construct(b, search.min_limit(b)))
-                     for b in SMALL.batch_sizes() if search.min_limit(b) is not None)
+                     for b in SMALL.micro_batch_sizes_to_search() if search.min_limit(b) is not None)
         capacity.append(oracle_t / ours_t)
     r = np.array(ratios)
     print(f"random small instances: {len(r)} feasible of {n} ({infeasible} infeasible for both), "

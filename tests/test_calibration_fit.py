@@ -199,7 +199,7 @@ def test_rescore_flags_moved_estimates_and_changed_choice_and_plots():
     observations = synthetic_run(wrong, truth, n=80)
     cal = calibrate(SPEC, wrong, observations, dtype="fp32")
     w = PlanWorkload(context_p95_tokens=160, concurrency=8, prompt_tokens_mean=96, output_tokens_mean=16,
-                     prefill_chunk_tokens=128, micro_batch_sizes=(1, 2, 4, 8))
+                     prefill_chunk_tokens=128, micro_batch_size_candidates=(1, 2, 4, 8))
     gear = Gear(gear_id="g", kind="manual", model_name=SPEC.name, dtype="fp32", num_layers=30, micro_batch_size=4,
                 stages=[StagePlan(stage_index=0, layer_start=0, layer_end=20, device_ids=["cpu0"]),
                         StagePlan(stage_index=1, layer_start=20, layer_end=30, device_ids=["cpu1"])], rps_max=2.0)

@@ -57,7 +57,7 @@ def test_wrong_profile_is_corrected_by_one_run(sqlite_engine):
     info = store.save_profile(wrong)
     spec = load_model_spec("SmolLM2-135M")
     workload = PlanWorkload(context_p95_tokens=64, concurrency=8, prompt_tokens_mean=36, output_tokens_mean=8,
-                            prefill_chunk_tokens=64, micro_batch_sizes=(4,))
+                            prefill_chunk_tokens=64, micro_batch_size_candidates=(4,))
     planned = plan_gears(wrong, spec, dtype="fp32", workload=workload)
     gear = next(g for g in planned if g.kind == "throughput")
     assert gear.num_stages == 2 and gear.stages[0].device_ids == ["cpu0"]

@@ -158,7 +158,7 @@ def test_a_kind_without_a_distinct_configuration_collapses_and_says_so():
                                                           hbm_bandwidth_gbps=1000.0, compute_score=0.3)], links=[])
     model = ModelSpec(name="m8", num_layers=8, hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128,
                       intermediate_size=5632, vocab_size=1024)
-    workload = PlanWorkload(context_p95_tokens=1024, concurrency=8, micro_batch_sizes=(8,))
+    workload = PlanWorkload(context_p95_tokens=1024, concurrency=8, micro_batch_size_candidates=(8,))
     gs = plan_gear_set(one, model, workload=workload)
     assert [g.kind for g in gs.gears] == ["throughput"]
     assert gs.collapsed == {"latency": "throughput", "balanced": "throughput"}

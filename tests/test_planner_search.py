@@ -21,7 +21,7 @@ from flexpipe_dag.planner.workload import PlanWorkload
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 
 SMALL = PlanWorkload(context_p95_tokens=2048, concurrency=8, prompt_tokens_mean=512, output_tokens_mean=128,
-                     micro_batch_sizes=(1, 4, 8))
+                     micro_batch_size_candidates=(1, 4, 8))
 
 
 def _cluster(memories: list[float], tflops: float = 100.0, bw: float = 1000.0) -> ClusterProfile:
@@ -68,7 +68,7 @@ def test_half_memory_device_never_gets_more_than_it_can_hold():
     # 24 layers of 0.33 GiB weights + KV: the pair must share the model; half of it (12 layers) does
     # not fit on the small card, so a memory-blind split would overflow it.
     model = _model(24)
-    workload = PlanWorkload(context_p95_tokens=4096, concurrency=32, micro_batch_sizes=(1, 8, 32))
+    workload = PlanWorkload(context_p95_tokens=4096, concurrency=32, micro_batch_size_candidates=(1, 8, 32))
     cluster = _cluster([8.0, 4.0])
     per_layer = (model.layer_weight_bytes() + 32 * 4096 * model.kv_bytes_per_token_per_layer()) / GIB
     assert 24 * per_layer > 8 * 0.88 and 12 * per_layer > 4 * 0.88
@@ -90,7 +90,7 @@ def test_search_bottleneck_equals_the_exhaustive_oracle(seed):
     model = random_model(rng, int(rng.integers(3, 13)))
     search = make_search(cluster, model, workload=SMALL)
     oracle = {s.plan.micro_batch_size: s.plan.bottleneck_ms for s in oracle_plans(search)}
-    for b in SMALL.batch_sizes():
+    for b in SMALL.micro_batch_sizes_to_search():
         limit = search.min_limit(b)
         if b not in oracle:
             assert limit is None

@@ -150,7 +150,7 @@ class Calibration:
 
     # -- plain-data form (the store keeps it as JSON) ----------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        def eff(d):
+        def eff(d: Mapping[str, Efficiency] | None) -> dict[str, dict[str, Any]] | None:
             return {c: asdict(e) for c, e in d.items()} if d is not None else None
 
         return {
@@ -165,12 +165,15 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
-        def eff(d):
-            return {c: Efficiency(**e) for c, e in d.items()} if d is not None else None
+        def eff(d: Mapping[str, Mapping[str, Any]]) -> dict[str, Efficiency]:
+            return {c: Efficiency(**e) for c, e in dict(d).items()}  # dict(None) is a TypeError: not a document
+
+        def eff_or_none(d: Mapping[str, Mapping[str, Any]] | None) -> dict[str, Efficiency] | None:
+            return eff(d) if d is not None else None
 
         try:
             devices = {k: DeviceCalibration(c["device_id"], c["model_name"], tuple(c["group"]), TimeScaleFit(**c["fit"]),
-                                            eff(c["overrides"]), tuple(c.get("clipped", ())))
+                                            eff_or_none(c["overrides"]), tuple(c.get("clipped", ())))
                        for k, c in data["devices"].items()}
             links = [LinkFit(**{**l, "notes": tuple(l.get("notes", ()))}) for l in data.get("links", [])]
             return cls(data["cluster_id"], data["model_name"], data["dtype"], devices, links,
@@ -180,7 +183,11 @@ class Calibration:
             raise InputError("calibration", None, f"not a calibration document: {exc}") from None
 
 
-def _group_key(cluster: ClusterProfile, device_id: str, group_by: str) -> tuple:
+#: Devices calibrated together: ``(device_id,)``, or ``(model_name, peak TFLOP/s, HBM GB/s)``.
+GroupKey = tuple[str | float, ...]
+
+
+def _group_key(cluster: ClusterProfile, device_id: str, group_by: str) -> GroupKey:
     if group_by == "device":
         return (device_id,)
     d = cluster.device(device_id)
@@ -242,10 +249,10 @@ def calibrate(model: ModelSpec, cluster: ClusterProfile, observations: Iterable[
     for o in obs:
         if o.device_id not in known:
             raise InputError("observations", "device_id", f"device {o.device_id!r} is not in cluster {cluster.cluster_id!r}")
-    by_group: dict[tuple, list[StageObservation]] = defaultdict(list)
+    by_group: dict[GroupKey, list[StageObservation]] = defaultdict(list)
     for o in obs:
         by_group[_group_key(cluster, o.device_id, group_by)].append(o)
-    members: dict[tuple, list[str]] = defaultdict(list)
+    members: dict[GroupKey, list[str]] = defaultdict(list)
     for d in cluster.devices:
         members[_group_key(cluster, d.device_id, group_by)].append(d.device_id)
     devices: dict[str, DeviceCalibration] = {}

@@ -109,14 +109,16 @@ def _robust_scale(r: np.ndarray, floor: float) -> float:
     return max(floor, 1.4826 * float(np.median(np.abs(r - np.median(r))))) if len(r) else floor
 
 
-def _huber_objective(theta, tc, tm, to, log_y, precision, noise, c) -> float:
+def _huber_objective(theta: np.ndarray, tc: np.ndarray, tm: np.ndarray, to: np.ndarray, log_y: np.ndarray,
+                     precision: np.ndarray, noise: float, c: float) -> float:
     pred, _ = _jacobian(theta, tc, tm, to)
     a = np.abs(np.log(pred) - log_y) / noise
     rho = np.where(a <= c, 0.5 * a**2, c * a - 0.5 * c**2)
     return float(rho.sum() + 0.5 * theta @ (precision * theta))
 
 
-def _map_fit(tc, tm, to, log_y, precision: np.ndarray, s: FitSettings, theta0: np.ndarray
+def _map_fit(tc: np.ndarray, tm: np.ndarray, to: np.ndarray, log_y: np.ndarray, precision: np.ndarray, s: FitSettings,
+             theta0: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Huber-weighted MAP by damped Gauss-Newton from ``theta0``.
 
@@ -158,7 +160,7 @@ def _map_fit(tc, tm, to, log_y, precision: np.ndarray, s: FitSettings, theta0: n
     return theta, np.linalg.inv(hess), noise, score
 
 
-def _starts(tc, tm, to, log_y, fixed: np.ndarray) -> list[np.ndarray]:
+def _starts(tc: np.ndarray, tm: np.ndarray, to: np.ndarray, log_y: np.ndarray, fixed: np.ndarray) -> list[np.ndarray]:
     """Start points: the prior, and for each free term the scale that alone best explains the steps.
 
     The roofline's max makes the posterior multi-modal (a gap on decode steps can be closed by the

@@ -137,7 +137,7 @@ class LinkSummary:
 
 def stage_time_summaries(observations: Iterable[StageObservation]) -> list[StageTimeSummary]:
     """Group by (gear, stage, device, layer count, kind): measured stage time per micro-batch."""
-    groups: dict[tuple, list[StageObservation]] = defaultdict(list)
+    groups: dict[tuple[str, int, str, int, str], list[StageObservation]] = defaultdict(list)  # gear, stage, device, layers, kind
     for o in observations:
         groups[(o.gear_id, o.stage_index, o.device_id, o.num_layers, o.kind)].append(o)
     out = []

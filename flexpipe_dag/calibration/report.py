@@ -17,7 +17,8 @@ from the workload. Queueing is not in these figures (the simulator and the live 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,8 @@ def _transfer_ms(cm: CostModel, o: StageObservation) -> float:
     return link.transfer_ms(o.send_bytes) if link is not None else 0.0
 
 
-def fidelity_rows(observations: Sequence[StageObservation], before: CostModel, after: CostModel) -> list[dict]:
+def fidelity_rows(observations: Sequence[StageObservation], before: CostModel,
+                  after: CostModel) -> list[dict[str, Any]]:
     """Report rows, per gear: ``{gear_id, metric, stage, kind, count, measured_ms, before_ms, after_ms}``.
 
     ``metric`` is ``stage_time`` (per stage and kind), ``ttft_service`` or ``tpot_service`` (stage ``None``).
@@ -43,7 +45,7 @@ def fidelity_rows(observations: Sequence[StageObservation], before: CostModel, a
         return []
     y = np.array([o.wall_ms for o in obs])
     pb, pa = predicted_step_ms(before, obs), predicted_step_ms(after, obs)
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     by_gear: dict[str, list[int]] = defaultdict(list)
     for i, o in enumerate(obs):
         by_gear[o.gear_id].append(i)
@@ -79,7 +81,7 @@ def fidelity_rows(observations: Sequence[StageObservation], before: CostModel, a
     return rows
 
 
-def format_report(rows: Sequence[dict]) -> str:
+def format_report(rows: Sequence[Mapping[str, Any]]) -> str:
     """A plain-text table of :func:`fidelity_rows` (errors as signed percentages of measured)."""
     head = f"{'gear':<28} {'metric':<13} {'stage':>5} {'kind':<8} {'n':>5} {'measured ms':>12} " \
            f"{'before ms':>10} {'err':>7} {'after ms':>10} {'err':>7}"

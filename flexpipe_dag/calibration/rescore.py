@@ -28,6 +28,9 @@ from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch
 from flexpipe_dag.planner.workload import PlanWorkload
 
+#: A gear's configuration: ``(micro_batch_size, ((device_ids, num_layers), ...))``.
+Layout = tuple[int, tuple[tuple[tuple[str, ...], int], ...]]
+
 METRICS: tuple[str, ...] = ("throughput_rps", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
@@ -101,7 +104,7 @@ class RescoreResult:
     gears: list[GearRescore]
     planned_before: list[Gear] = field(default_factory=list)
     planned_after: list[Gear] = field(default_factory=list)
-    choice_changes: dict[str, tuple] = field(default_factory=dict)
+    choice_changes: dict[str, tuple[Layout | None, Layout | None]] = field(default_factory=dict)
 
     @property
     def choice_changed(self) -> bool:
@@ -119,16 +122,16 @@ class RescoreResult:
         return out
 
 
-def layout(gear: Gear) -> tuple:
+def layout(gear: Gear) -> Layout:
     """What makes two gears the same configuration: micro-batch and ``(devices, layers)`` per stage."""
     return (gear.micro_batch_size, tuple((tuple(st.device_ids), st.num_layers) for st in gear.stages))
 
 
-def _layout_text(lay: tuple | None) -> str:
+def _layout_text(lay: Layout | None) -> str:
     if lay is None:
         return "none (collapsed)"
-    b, stages = lay
-    return "[" + ", ".join(f"{'+'.join(d)}:{k}" for d, k in stages) + f"] b={b}"
+    micro_batch_size, stages = lay
+    return "[" + ", ".join(f"{'+'.join(d)}:{k}" for d, k in stages) + f"] b={micro_batch_size}"
 
 
 def _metrics(est: PlanEstimate) -> dict[str, float]:
@@ -189,7 +192,7 @@ def rescore_gears(model: ModelSpec, cluster: ClusterProfile, calibration: Calibr
         out.append(GearRescore(g.gear_id, g.kind, mb, ma, sb, sa, change, change > margin, updated, msg))
     planned_before: list[Gear] = []
     planned_after: list[Gear] = []
-    changes: dict[str, tuple] = {}
+    changes: dict[str, tuple[Layout | None, Layout | None]] = {}
     if replan:
         planned_before = plan_gears(cluster, model, dtype=dtype, workload=workload, now=now,
                                     device_overrides=calibration.base_overrides)

@@ -83,4 +83,5 @@ def roofline_terms(works: Sequence[StepWork], peak_tflops: float, hbm_bandwidth_
 def predict_terms_ms(tc: np.ndarray, tm: np.ndarray, to: np.ndarray, a_compute: float = 1.0, a_memory: float = 1.0,
                      a_overhead: float = 1.0) -> np.ndarray:
     """Step times, ms, ``(num_steps,)``, for multipliers on achieved compute / bandwidth / overhead rate."""
-    return (to / a_overhead + np.maximum(tc / a_compute, tm / a_memory)).sum(axis=1)
+    step_ms: np.ndarray = (to / a_overhead + np.maximum(tc / a_compute, tm / a_memory)).sum(axis=1)
+    return step_ms

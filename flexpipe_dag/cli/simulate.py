@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     check_flags(args)
     gear, timing = _gear_and_timing(args)
     workload = build_workload(args)
-    config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_batch_size=args.micro_batch_size,
+    config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, micro_batch_size=args.micro_batch_size,
                        max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens)
     result = Simulator(workload, gear, timing, config).run()
     if args.timeseries_csv:

@@ -49,8 +49,10 @@ from flexpipe_dag.core.errors import InputError
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
+#: How the GPUs of one node talk to each other.
+IntraNodeKind = Literal["nvlink", "pcie"]
 #: Latency of a link inside one host, by kind, in microseconds (typical NCCL p2p small-message figures).
-INTRA_NODE_LATENCY_US = {"nvlink": 3.0, "pcie": 10.0}
+INTRA_NODE_LATENCY_US: dict[IntraNodeKind, float] = {"nvlink": 3.0, "pcie": 10.0}
 REFERENCE_TFLOPS = 312.0
 REFERENCE_HBM_GBPS = 2039.0
 
@@ -71,7 +73,8 @@ class Device(_Strict):
     peak_tflops: PositiveFloat = Field(description="dense half-precision TFLOP/s (datasheet or measured GEMM)")
     hbm_bandwidth_gbps: PositiveFloat = Field(description="device memory bandwidth, GB/s")
     compute_score: PositiveFloat = Field(description="peak_tflops relative to A100-SXM-80GB = 1.0")
-    max_micro_batch: Annotated[int, Field(ge=1)] | None = None
+    max_micro_batch: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="largest micro_batch_size (sequences) the device takes; the search skips larger ones")
     available_until: dt.datetime | None = None
     op_timings_ms: dict[str, NonNegFloat] = Field(default_factory=dict)
     facts: dict[str, Any] = Field(default_factory=dict, description="raw probe facts (NVML, torch)")
@@ -171,7 +174,7 @@ class _SeedNode(BaseModel):
     host: str | None = None
     memory_gb: PositiveFloat
     compute_score: PositiveFloat
-    max_batch_microbatch: Annotated[int, Field(ge=1)] | None = None
+    max_batch_microbatch: Annotated[int, Field(ge=1)] | None = None  # the seed file's name for Device.max_micro_batch
     hbm_bandwidth_gbps: PositiveFloat | None = None
     available_until: dt.datetime | None = None
     interconnect: dict[str, _SeedLink] = Field(default_factory=dict)
@@ -192,7 +195,7 @@ class _FleetNode(_Strict):
     node_id: str = Field(min_length=1)
     gpu_model: str
     count: Annotated[int, Field(ge=1, le=64)] = 1
-    intra_node: Literal["nvlink", "pcie"] | None = None
+    intra_node: IntraNodeKind | None = None
     available_until: dt.datetime | None = None
 
 
@@ -247,16 +250,16 @@ def _from_seed(form: _SeedForm, source: str) -> ClusterProfile:
 def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
     catalog = gpu_catalog()
     devices: list[Device] = []
-    intra: dict[str, tuple[str, float]] = {}
+    intra: dict[str, tuple[IntraNodeKind, float]] = {}
     for i, node in enumerate(form.fleet):
         spec = catalog.get(node.gpu_model)
         if spec is None:
             raise InputError(source, f"fleet[{i}].gpu_model",
                              f"unknown GPU model {node.gpu_model!r}; expected one of {', '.join(catalog)}")
-        kind = node.intra_node or ("nvlink" if spec.nvlink_gbps else "pcie")
+        kind: IntraNodeKind = node.intra_node or ("nvlink" if spec.nvlink_gbps else "pcie")
         if kind == "nvlink" and not spec.nvlink_gbps:
             raise InputError(source, f"fleet[{i}].intra_node", f"{spec.model_name} has no NVLink")
-        intra[node.node_id] = (kind, spec.nvlink_gbps if kind == "nvlink" else spec.pcie_gbps)
+        intra[node.node_id] = (kind, spec.nvlink_gbps if kind == "nvlink" and spec.nvlink_gbps else spec.pcie_gbps)
         for k in range(node.count):
             devices.append(Device(
                 device_id=f"{node.node_id}-gpu{k}", node_id=node.node_id, model_name=spec.model_name,
@@ -273,9 +276,9 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
             if a is b:
                 continue
             if a.node_id == b.node_id:
-                kind, bw = intra[a.node_id]
+                intra_kind, bw = intra[a.node_id]
                 links.append(Link(src_device_id=a.device_id, dst_device_id=b.device_id, bandwidth_gbps=bw,
-                                  latency_us=INTRA_NODE_LATENCY_US[kind], kind=kind))
+                                  latency_us=INTRA_NODE_LATENCY_US[intra_kind], kind=intra_kind))
             else:
                 links.append(Link(src_device_id=a.device_id, dst_device_id=b.device_id,
                                   bandwidth_gbps=form.inter_node.bandwidth_gbps,

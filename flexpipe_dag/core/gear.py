@@ -79,7 +79,7 @@ class Gear(_Model):
 
     @field_validator("rps_max", mode="before")
     @classmethod
-    def _unbounded(cls, value):
+    def _unbounded(cls, value: object) -> object:
         """JSON has no Infinity: ``null`` (or a missing value) means an unbounded envelope."""
         return float("inf") if value is None else value
 

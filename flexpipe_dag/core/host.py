@@ -10,7 +10,8 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a torch.distributed rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) for AF_INET
+        return port
 
 
 def host_memory_bytes() -> int:

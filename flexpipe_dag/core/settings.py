@@ -83,9 +83,9 @@ def parse_setting(raw: str, kind: type[_T], source: str, field: str | None = Non
     if kind is bool:
         low = text.lower()
         if low in TRUE_WORDS:
-            return True  # type: ignore[return-value]
+            return True
         if low in FALSE_WORDS:
-            return False  # type: ignore[return-value]
+            return False
         raise InputError(source, field, f"expected a boolean ({'/'.join(TRUE_WORDS[:2])} or "
                                         f"{'/'.join(FALSE_WORDS[:2])}), got {raw!r}")
     value: int | float | None = None
@@ -114,7 +114,7 @@ def parse_setting(raw: str, kind: type[_T], source: str, field: str | None = Non
     if ((ge is not None and value < ge) or (gt is not None and value <= gt) or (le is not None and value > le)
             or (lt is not None and value >= lt)):
         raise InputError(source, field, f"expected {expected}, got {shown!r}")
-    return kind(value)  # type: ignore[return-value]
+    return kind(value)
 
 
 def env_value(name: str, kind: type[_T], default: _T | None = None, *, ge: float | None = None,

@@ -22,8 +22,12 @@ class StageTimingModel(Protocol):
         """Time for the stage to run prefill over ``num_tokens`` prompt tokens (summed over the micro-batch)."""
         ...
 
-    def decode_ms(self, stage_index: int, batch_size: int, context_tokens: int) -> float:
-        """Time for one decode step of ``batch_size`` sequences whose KV contexts total ``context_tokens``."""
+    def decode_ms(self, stage_index: int, num_seqs: int, context_tokens: int) -> float:
+        """Time for one decode step of ``num_seqs`` sequences whose KV contexts total ``context_tokens``.
+
+        ``num_seqs`` is the sequences decoding in this step: the decoding members of one micro-batch,
+        so at most the gear's ``micro_batch_size`` (the planner prices a full micro-batch).
+        """
         ...
 
     def transfer_ms(self, stage_index: int, num_tokens: int) -> float:

@@ -20,6 +20,7 @@ import argparse
 import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, SupportsInt, cast
 
 import numpy as np
 import pandas as pd
@@ -56,7 +57,7 @@ def load_vidur_rows() -> pd.DataFrame:
     for rel in VIDUR_FILES:
         df = pd.read_csv(base.joinpath(rel).open())
         for cfg, group in df.groupby(["n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size"]):
-            heads, kv, hidden, inter, vocab = (int(x) for x in cfg)
+            heads, kv, hidden, inter, vocab = (int(cast(SupportsInt, x)) for x in cfg)  # integer CSV columns
             spec = ModelSpec(name=Path(rel).stem, num_layers=1, hidden_size=hidden, num_heads=heads,
                              num_kv_heads=kv, head_dim=hidden // heads, intermediate_size=inter,
                              vocab_size=vocab, source=rel)
@@ -119,9 +120,9 @@ def fit_efficiency(rows: pd.DataFrame | None = None) -> dict[str, ClassFit]:
     return out
 
 
-def efficiency_document(fits: dict[str, ClassFit]) -> dict:
+def efficiency_document(fits: dict[str, ClassFit]) -> dict[str, Any]:
     """The YAML document the cost model loads: fitted classes + the attention default."""
-    classes = {cls: {"compute": f.efficiency.compute, "memory": f.efficiency.memory,
+    classes: dict[str, dict[str, float | str]] = {cls: {"compute": f.efficiency.compute, "memory": f.efficiency.memory,
                      "overhead_us": f.efficiency.overhead_us, "fit_rows": f.num_rows,
                      "fit_mape": round(f.mape, 4)} for cls, f in sorted(fits.items())}
     a = ATTENTION_DEFAULT

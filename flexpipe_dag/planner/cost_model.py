@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import yaml
 
 from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
+from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
-from flexpipe_dag.planner.model_spec import ModelSpec, dtype_bytes
+from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.operators import (
     OP_CLASSES,
     embedding_work_by_class,
@@ -77,6 +78,10 @@ def default_efficiency() -> dict[str, Efficiency]:
 
 
 WorkByClass = Mapping[str, tuple[float, float, int]]
+#: What makes two devices time alike: (peak TFLOP/s, HBM GB/s, sorted per-class efficiency overrides).
+DeviceKey = tuple[float, float, tuple[tuple[str, Efficiency], ...]]
+#: Per-device efficiency factors from a calibration: ``{device_id: {op_class: Efficiency}}``.
+DeviceOverrides = Mapping[str, Mapping[str, Efficiency]]
 
 
 def roofline_ms(work: WorkByClass, peak_tflops: float, hbm_bandwidth_gbps: float,
@@ -97,7 +102,8 @@ class CostModel:
     Args:
         model: the model's architecture facts.
         cluster: devices and links.
-        dtype: weight dtype (``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4``).
+        dtype: weight dtype (``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4``, or an alias such as
+            ``float16``; kept as its canonical name, see :mod:`flexpipe_dag.core.dtypes`).
         efficiency: per-class factors; default :func:`default_efficiency`.
         device_overrides: ``{device_id: {op_class: Efficiency}}`` from a per-device calibration;
             classes not named keep the defaults.
@@ -105,11 +111,10 @@ class CostModel:
 
     def __init__(self, model: ModelSpec, cluster: ClusterProfile, *, dtype: str = "bf16",
                  efficiency: Mapping[str, Efficiency] | None = None,
-                 device_overrides: Mapping[str, Mapping[str, Efficiency]] | None = None):
-        dtype_bytes(dtype, "--dtype")
+                 device_overrides: DeviceOverrides | None = None):
         self.model = model
         self.cluster = cluster
-        self.dtype = dtype
+        self.dtype = canonical_dtype(dtype, "--dtype")
         self.efficiency = dict(efficiency or default_efficiency())
         self.device_overrides = {k: dict(v) for k, v in (device_overrides or {}).items()}
         unknown = set(self.device_overrides) - {d.device_id for d in cluster.devices}
@@ -117,13 +122,14 @@ class CostModel:
             raise InputError("device_overrides", None, f"unknown device ids {sorted(unknown)}")
         self._devices = {d.device_id: d for d in cluster.devices}
         self._links = {(l.src_device_id, l.dst_device_id): l for l in cluster.links}
-        self._cache: dict[tuple, float] = {}
+        # (device key, work tag, arguments) -> ms, and ("tr", src, dst, tokens) -> ms for transfers
+        self._cache: dict[tuple[DeviceKey, str, tuple[float, ...]] | tuple[str, str, str, int], float] = {}
 
     # -- device-level pieces (cached by device profile, so identical devices share entries) ------
     def device(self, device_id: str) -> Device:
         return self._devices[device_id]
 
-    def device_key(self, device_id: str) -> tuple:
+    def device_key(self, device_id: str) -> DeviceKey:
         """Devices with equal keys have equal times: (peak TFLOP/s, HBM GB/s, overrides)."""
         d = self._devices[device_id]
         over = self.device_overrides.get(device_id)
@@ -133,7 +139,7 @@ class CostModel:
         over = self.device_overrides.get(device_id)
         return {**self.efficiency, **over} if over else self.efficiency
 
-    def _time(self, device_id: str, tag: str, work_fn, *args) -> float:
+    def _time(self, device_id: str, tag: str, work_fn: Callable[..., WorkByClass], *args: float) -> float:
         key = (self.device_key(device_id), tag, args)
         hit = self._cache.get(key)
         if hit is None:
@@ -147,11 +153,15 @@ class CostModel:
         n = float(num_tokens)
         return self._time(device_id, "lp", lambda n: layer_work_by_class(self.model, n, n * (n + 1) / 2, n, self.dtype), n)
 
-    def layer_decode_ms(self, device_id: str, batch_size: int, context_tokens: int) -> float:
-        """One decoder layer, one decode step of ``batch_size`` sequences holding ``context_tokens`` KV tokens in total, ms."""
+    def layer_decode_ms(self, device_id: str, num_seqs: int, context_tokens: int) -> float:
+        """One decoder layer, one decode step of ``num_seqs`` sequences holding ``context_tokens`` KV tokens in total, ms.
+
+        ``num_seqs`` is the sequences decoding in the step; the search passes a full micro-batch
+        (``micro_batch_size``), the simulator the micro-batch's decoding members.
+        """
         return self._time(device_id, "ld",
                           lambda b, c: layer_work_by_class(self.model, b, c, c, self.dtype),
-                          float(batch_size), float(context_tokens))
+                          float(num_seqs), float(context_tokens))
 
     def first_extra_ms(self, device_id: str, num_tokens: int) -> float:
         """Embedding gather for ``num_tokens`` tokens (first stage only), ms."""
@@ -177,14 +187,14 @@ class CostModel:
             t += self.last_extra_ms(device_id, num_prompts)
         return t
 
-    def stage_decode_ms(self, device_id: str, num_layers: int, first: bool, last: bool, batch_size: int,
+    def stage_decode_ms(self, device_id: str, num_layers: int, first: bool, last: bool, num_seqs: int,
                         context_tokens: int) -> float:
-        """One decode step of a micro-batch of ``batch_size`` sequences (``context_tokens`` KV tokens in total), ms."""
-        t = num_layers * self.layer_decode_ms(device_id, batch_size, context_tokens)
+        """One decode step of ``num_seqs`` sequences of a micro-batch (``context_tokens`` KV tokens in total), ms."""
+        t = num_layers * self.layer_decode_ms(device_id, num_seqs, context_tokens)
         if first:
-            t += self.first_extra_ms(device_id, batch_size)
+            t += self.first_extra_ms(device_id, num_seqs)
         if last:
-            t += self.last_extra_ms(device_id, batch_size)
+            t += self.last_extra_ms(device_id, num_seqs)
         return t
 
     def link(self, src_device_id: str, dst_device_id: str) -> Link | None:
@@ -236,7 +246,8 @@ class GearTiming:
                 raise InputError(gear.gear_id, f"stages[{a.stage_index}]",
                                  f"no link {a.device_ids[0]} -> {b.device_ids[0]} in the cluster profile")
 
-    def _stage(self, i: int):
+    def _stage(self, i: int) -> tuple[str, int, bool, bool]:
+        """Stage ``i``'s (first replica's device, layer count, is first, is last)."""
         st = self.gear.stages[i]
         return st.device_ids[0], st.num_layers, i == 0, i == self.num_stages - 1
 
@@ -244,9 +255,9 @@ class GearTiming:
         dev, k, first, last = self._stage(stage_index)
         return self.cost_model.stage_prefill_ms(dev, k, first, last, int(num_tokens))
 
-    def decode_ms(self, stage_index: int, batch_size: int, context_tokens: int) -> float:
+    def decode_ms(self, stage_index: int, num_seqs: int, context_tokens: int) -> float:
         dev, k, first, last = self._stage(stage_index)
-        return self.cost_model.stage_decode_ms(dev, k, first, last, int(batch_size), int(context_tokens))
+        return self.cost_model.stage_decode_ms(dev, k, first, last, int(num_seqs), int(context_tokens))
 
     def transfer_ms(self, stage_index: int, num_tokens: int) -> float:
         if stage_index >= self.num_stages - 1:

@@ -38,7 +38,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
@@ -51,7 +51,35 @@ from flexpipe_dag.sim.evaluate import estimate_from_result
 from flexpipe_dag.workload.request import Workload
 from flexpipe_dag.workload.transform import head, speedup
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 TimingSource = Callable[[Gear], StageTimingModel]
+
+
+@runtime_checkable
+class TimingProvider(Protocol):
+    """An object that prices gears, e.g. the planner's :class:`~flexpipe_dag.planner.cost_model.CostModel`."""
+
+    def timings(self, gear: Gear) -> StageTimingModel:
+        """A timing model for ``gear``."""
+        ...
+
+
+class ProbeSettings(TypedDict, total=False):
+    """The keyword settings of :func:`measure_envelope` that :func:`measure_envelopes` passes on."""
+
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    attainment: float
+    num_requests: int
+    warmup_fraction: float
+    rel_tol: float
+    start_rps: float | None
+    max_doublings: int
+    max_halvings: int
+    sim_config: SimConfig | None
+
 #: How :func:`select_operating_gears` fills the three slots: by speed (TPOT, power) or by goodput per device.
 SelectionObjective = Literal["speed", "devices"]
 SELECTION_OBJECTIVES: tuple[str, ...] = ("speed", "devices")
@@ -97,8 +125,8 @@ class GearEnvelope:
                            for p in self.probes]}
 
 
-def _timing_source(cost_model: Any) -> TimingSource:
-    if hasattr(cost_model, "timings"):
+def _timing_source(cost_model: TimingProvider | TimingSource) -> TimingSource:
+    if isinstance(cost_model, TimingProvider):  # has .timings (a runtime-checkable protocol checks the attribute)
         return cost_model.timings
     if callable(cost_model):
         return cost_model
@@ -252,13 +280,14 @@ def apply_envelopes(gears: Sequence[Gear], envelopes: Sequence[GearEnvelope], *,
     return out
 
 
-def measure_envelopes(gears: Sequence[Gear], cost_model: Any, reference_workload: Workload, **kwargs) -> list[GearEnvelope]:
+def measure_envelopes(gears: Sequence[Gear], cost_model: TimingProvider | TimingSource, reference_workload: Workload,
+                      **kwargs: Unpack[ProbeSettings]) -> list[GearEnvelope]:
     """:func:`measure_envelope` for each gear, timings from ``cost_model`` (see :func:`refine_envelopes`)."""
     timing_for = _timing_source(cost_model)
     return [measure_envelope(g, timing_for(g), reference_workload, **kwargs) for g in gears]
 
 
-def refine_envelopes(gears: Sequence[Gear], cost_model: Any, reference_workload: Workload, *,
+def refine_envelopes(gears: Sequence[Gear], cost_model: TimingProvider | TimingSource, reference_workload: Workload, *,
                      slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, attainment: float = 0.95,
                      num_requests: int = 1000, warmup_fraction: float = 0.25, rel_tol: float = 0.03,
                      overlap_fraction: float = 0.7, sim_config: SimConfig | None = None,
@@ -299,7 +328,8 @@ def _relabel(gear: Gear, kind: str) -> Gear:
     return gear.model_copy(update={"kind": kind, "gear_id": f"{kind}-{suffix}"})
 
 
-def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, reference_workload: Workload, *,
+def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvider | TimingSource,
+                           reference_workload: Workload, *,
                            slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, attainment: float = 0.95,
                            num_requests: int = 1000, low_load_share: float = 0.25, rel_tol: float = 0.03,
                            overlap_fraction: float = 0.7, sim_config: SimConfig | None = None,
@@ -349,8 +379,8 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: Any, referenc
         raise InputError("select_operating_gears", "objective",
                          f"got {objective!r}; expected one of {', '.join(SELECTION_OBJECTIVES)}")
     timing_for = _timing_source(cost_model)
-    kw = dict(slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, attainment=attainment, num_requests=num_requests,
-              rel_tol=rel_tol, sim_config=sim_config)
+    kw: ProbeSettings = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "attainment": attainment,
+                         "num_requests": num_requests, "rel_tol": rel_tol, "sim_config": sim_config}
     timings = {g.gear_id: timing_for(g) for g in candidates}
     envs = {g.gear_id: measure_envelope(g, timings[g.gear_id], reference_workload, **kw) for g in candidates}
     best_max = max(e.rps_max for e in envs.values())

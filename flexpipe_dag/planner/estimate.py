@@ -78,19 +78,19 @@ def estimate_plan(search: PipelineSearch, plan: PipelinePlan, utilisation: float
     """
     w = search.workload
     cm = search.cm
-    b = plan.micro_batch_size
+    micro_batch_size = plan.micro_batch_size
     S = plan.num_stages
     roles = [SINGLE] if S == 1 else [FIRST] + [MIDDLE] * (S - 2) + [LAST]
     dec, pf_mean, pf_p95 = [], [], []
-    ctx = int(round(b * w.decode_context_mean_tokens))
+    ctx = int(round(micro_batch_size * w.decode_context_mean_tokens))
     for ds, k, role in zip(plan.device_ids, plan.sizes, roles):
         first, last = role in (FIRST, SINGLE), role in (LAST, SINGLE)
-        t = search.tables(ds[0], b, len(ds))
+        t = search.tables(ds[0], micro_batch_size, len(ds))
         dec.append(float(t.decode_ms[role, k]))
         pf_mean.append(float(t.prefill_ms[role, k]))
         pf_p95.append(cm.stage_prefill_ms(ds[0], k, first, last, w.context_p95_tokens))
     hops = list(zip(plan.device_ids, plan.device_ids[1:]))
-    tr_dec = sum(cm.transfer_ms(a[0], c[0], b) for a, c in hops)
+    tr_dec = sum(cm.transfer_ms(a[0], c[0], micro_batch_size) for a, c in hops)
     tr_pf = sum(cm.transfer_ms(a[0], c[0], w.prompt_tokens_mean) for a, c in hops)
     tr_pf95 = sum(cm.transfer_ms(a[0], c[0], w.context_p95_tokens) for a, c in hops)
     R = sum(dec) + tr_dec
@@ -99,12 +99,12 @@ def estimate_plan(search: PipelineSearch, plan: PipelinePlan, utilisation: float
     ttft_idle = sum(pf_mean) + tr_pf
     tpot_full = max(R, m * D)
     x_busy = 1e3 / plan.bottleneck_ms
-    x_slots = m * b * 1e3 / (ttft_idle + w.output_tokens_mean * tpot_full)
+    x_slots = m * micro_batch_size * 1e3 / (ttft_idle + w.output_tokens_mean * tpot_full)
     x = min(x_busy, x_slots)
     rps = utilisation * x if rps is None else min(rps, x)
     rho = rps / x_busy
     service = plan.bottleneck_ms
-    active = max(1.0, min(m, rps * (ttft_idle + w.output_tokens_mean * tpot_full) / 1e3 / b))
+    active = max(1.0, min(m, rps * (ttft_idle + w.output_tokens_mean * tpot_full) / 1e3 / micro_batch_size))
     tpot_p50 = max(R, active * D)
     # a decode step that waits behind one prefill chunk on the bottleneck stage
     s_b = max(range(S), key=lambda i: plan.stage_busy_ms[i])

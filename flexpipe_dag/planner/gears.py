@@ -36,8 +36,8 @@ import numpy as np
 
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.errors import InfeasibleError, InputError
-from flexpipe_dag.core.gear import Gear, GearEstimate, GearKind, StagePlan
-from flexpipe_dag.planner.cost_model import CostModel
+from flexpipe_dag.core.gear import OPERATING_KINDS, Gear, GearEstimate, GearKind, StagePlan
+from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
 from flexpipe_dag.planner.estimate import PlanEstimate, estimate_plan, inflight_micro_batches
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
 from flexpipe_dag.planner.partition import (
@@ -46,7 +46,7 @@ from flexpipe_dag.planner.partition import (
     min_bottleneck_split,
     uniform_partition,
 )
-from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch
+from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch, PlanSignature
 from flexpipe_dag.planner.workload import PlanWorkload
 
 ORACLE_MAX_DEVICES = 6
@@ -72,19 +72,20 @@ def _score(search: PipelineSearch, plan: PipelinePlan) -> ScoredPlan:
 
 def candidate_plans(search: PipelineSearch, num_stages: int | None = None, replicas: bool = True) -> list[ScoredPlan]:
     """Every distinct plan the search proposes over micro-batch sizes and the bottleneck ladder."""
-    seen: dict[tuple, ScoredPlan] = {}
-    built: set[tuple] = set()
-    for b in search.workload.batch_sizes():
-        t_min = search.min_limit(b) if num_stages is None else _min_limit_forced(search, b, num_stages)
+    seen: dict[PlanSignature, ScoredPlan] = {}
+    built: set[PlanSignature] = set()
+    for micro_batch_size in search.workload.micro_batch_sizes_to_search():
+        t_min = (search.min_limit(micro_batch_size) if num_stages is None
+                 else _min_limit_forced(search, micro_batch_size, num_stages))
         if t_min is None:
             continue
-        cand = search.candidate_limits(b)
+        cand = search.candidate_limits(micro_batch_size)
         t_max = float(cand[-1])
         ladder = [t_min] if num_stages is not None else sorted(
             {t_min, *np.geomspace(t_min, max(t_max, t_min), LADDER_STEPS).tolist()})
         for limit in ladder:
             for prefer in ("capacity", "speed"):
-                for plan in search.construct(b, limit, prefer, num_stages):
+                for plan in search.construct(micro_batch_size, limit, prefer, num_stages):
                     if plan.signature() in built:
                         continue
                     built.add(plan.signature())
@@ -94,14 +95,14 @@ def candidate_plans(search: PipelineSearch, num_stages: int | None = None, repli
     return list(seen.values())
 
 
-def _min_limit_forced(search: PipelineSearch, b: int, num_stages: int) -> float | None:
-    cand = search.candidate_limits(b)
-    if len(cand) == 0 or not search.construct(b, float(cand[-1]), "capacity", num_stages):
+def _min_limit_forced(search: PipelineSearch, micro_batch_size: int, num_stages: int) -> float | None:
+    cand = search.candidate_limits(micro_batch_size)
+    if len(cand) == 0 or not search.construct(micro_batch_size, float(cand[-1]), "capacity", num_stages):
         return None
     lo, hi = 0, len(cand) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if search.construct(b, float(cand[mid]), "capacity", num_stages):
+        if search.construct(micro_batch_size, float(cand[mid]), "capacity", num_stages):
             hi = mid
         else:
             lo = mid + 1
@@ -113,7 +114,7 @@ def pick(kind: str, scored: list[ScoredPlan], search: PipelineSearch | None = No
 
     ``search`` is needed for ``latency`` (it re-estimates candidates at the low-load point).
     """
-    def tie(s: ScoredPlan) -> tuple:
+    def tie(s: ScoredPlan) -> tuple[int, int, PlanSignature]:
         return (s.plan.num_stages, s.plan.micro_batch_size, s.plan.signature())
 
     if kind in ("throughput", "uniform", "parameters", "oracle"):
@@ -133,7 +134,7 @@ def pick_latency(search: PipelineSearch | None, scored: list[ScoredPlan]) -> Sco
     q_low = LOW_LOAD_SHARE * max(s.estimate.throughput_rps for s in scored)
     able = [s for s in scored if s.estimate.rps_at_envelope >= q_low] or scored
 
-    def key(s: ScoredPlan) -> tuple:
+    def key(s: ScoredPlan) -> tuple[float, float, float, int, PlanSignature]:
         e = estimate_plan(search, s.plan, rps=q_low)
         return (round(e.tpot_p50_ms, 6), round(e.ttft_p50_ms, 6), -s.estimate.tokens_per_s,
                 s.plan.num_stages, s.plan.signature())
@@ -175,8 +176,8 @@ def baseline_plans(search: PipelineSearch, kind: str, sequences: list[list[str]]
             sizes = balanced_partition(weights, len(seq))
         else:
             raise InputError(None, "kind", f"not a baseline kind: {kind!r}")
-        for b in search.workload.batch_sizes():
-            plan = search.evaluate_split(b, seq, sizes, kind)
+        for micro_batch_size in search.workload.micro_batch_sizes_to_search():
+            plan = search.evaluate_split(micro_batch_size, seq, sizes, kind)
             if plan is not None:
                 out.append(_score(search, plan))
         if out:
@@ -197,9 +198,9 @@ def oracle_plans(search: PipelineSearch) -> list[ScoredPlan]:
         raise InputError(None, "oracle", f"exhaustive oracle is for <= {ORACLE_MAX_DEVICES} devices and "
                          f"<= {ORACLE_MAX_LAYERS} layers, got {len(pool)} devices and {L} layers")
     out = []
-    for b in search.workload.batch_sizes():
+    for micro_batch_size in search.workload.micro_batch_sizes_to_search():
         best: PipelinePlan | None = None
-        seen_sig: set[tuple] = set()
+        seen_sig: set[tuple[object, ...]] = set()  # device profiles, then link times
         for s in range(1, min(len(pool), L) + 1):
             for seq in itertools.permutations(pool, s):
                 sig = tuple(search.profile(d) for d in seq) + tuple(
@@ -213,14 +214,14 @@ def oracle_plans(search: PipelineSearch) -> list[ScoredPlan]:
                 roles = [SINGLE] if s == 1 else [FIRST] + [MIDDLE] * (s - 2) + [LAST]
                 costs = np.full((s, L + 1, L + 1), np.inf)
                 for k, (d, role) in enumerate(zip(seq, roles)):
-                    row = search.tables(d, b).busy_ms[role]            # by number of layers
+                    row = search.tables(d, micro_batch_size).busy_ms[role]            # by number of layers
                     diff = np.arange(L + 1)[None, :] - np.arange(L + 1)[:, None]
                     costs[k] = np.where(diff >= 1, row[np.clip(diff, 0, L)], np.inf)
                 bottleneck, sizes = min_bottleneck_split(costs, links)
                 if not sizes:
                     continue
                 if best is None or bottleneck < best.bottleneck_ms - 1e-12:
-                    best = search.evaluate_split(b, list(seq), sizes, "oracle")
+                    best = search.evaluate_split(micro_batch_size, list(seq), sizes, "oracle")
         if best is not None:
             out.append(_score(search, best))
     return out
@@ -269,7 +270,7 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_m
 
 def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16",
                 workload: PlanWorkload | None = None, now: dt.datetime | None = None,
-                device_overrides=None) -> PipelineSearch:
+                device_overrides: DeviceOverrides | None = None) -> PipelineSearch:
     """Cost model + search state for ``model`` on ``cluster``."""
     cm = CostModel(model, cluster, dtype=dtype, device_overrides=device_overrides)
     return PipelineSearch(cm, workload or PlanWorkload(), now)
@@ -328,12 +329,13 @@ class GearSet:
         return next(g for g in self.gears if g.kind == kind)
 
 
-def _config_key(search: PipelineSearch, s: ScoredPlan) -> tuple:
+def _config_key(search: PipelineSearch, s: ScoredPlan) -> tuple[PlanSignature, int]:
     """What makes two plans the same runnable configuration: stages, devices, micro-batch, in flight."""
     return (s.plan.signature(), inflight_micro_batches(s.plan, search.workload.concurrency))
 
 
-def choose_operating_plans(search: PipelineSearch, scored: list[ScoredPlan]) -> tuple[dict[str, ScoredPlan], dict[str, str]]:
+def choose_operating_plans(search: PipelineSearch,
+                           scored: list[ScoredPlan]) -> tuple[dict[GearKind, ScoredPlan], dict[str, str]]:
     """Pick distinct latency / balanced / throughput plans (objectives in the module docstring).
 
     ``throughput`` and ``latency`` are picked on their own objectives; if they are the same
@@ -346,7 +348,7 @@ def choose_operating_plans(search: PipelineSearch, scored: list[ScoredPlan]) -> 
     """
     thr = pick("throughput", scored, search)
     lat = pick("latency", scored, search)
-    chosen: dict[str, ScoredPlan] = {"throughput": thr}
+    chosen: dict[GearKind, ScoredPlan] = {"throughput": thr}
     collapsed: dict[str, str] = {}
     if _config_key(search, lat) == _config_key(search, thr):
         collapsed["latency"] = "throughput"
@@ -368,7 +370,7 @@ def choose_operating_plans(search: PipelineSearch, scored: list[ScoredPlan]) -> 
 def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                   concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                   workload: PlanWorkload | None = None, profile_version: int | None = None,
-                  device_overrides=None, replicas: bool = True) -> GearSet:
+                  device_overrides: DeviceOverrides | None = None, replicas: bool = True) -> GearSet:
     """Plan the distinct operating gears for ``model`` on ``cluster`` (arguments as :func:`plan_gears`).
 
     Envelopes here are the analytic ones (see :func:`plan_gears`); replace them with simulated ones
@@ -393,7 +395,7 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
         gears[kind] = to_gear(search, kind, chosen[kind], rps_min=rps_min, profile_version=profile_version)
         prev_max = chosen[kind].estimate.rps_at_envelope
     notes = [f"{kind} collapses into {into} ({gears[into].gear_id}): no distinct configuration of its own on "
-             f"{len(search.pool)} usable device(s) for micro-batches {list(workload.batch_sizes())}"
+             f"{len(search.pool)} usable device(s) for micro-batches {workload.micro_batch_sizes_to_search()}"
              for kind, into in collapsed.items()]
     ordered = [gears[k] for k in ("latency", "balanced", "throughput") if k in gears]
     return GearSet(ordered, collapsed, notes)
@@ -402,7 +404,7 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
 def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                workload: PlanWorkload | None = None, profile_version: int | None = None,
-               device_overrides=None, replicas: bool = True) -> list[Gear]:
+               device_overrides: DeviceOverrides | None = None, replicas: bool = True) -> list[Gear]:
     """Plan the latency, balanced and throughput gears for ``model`` on ``cluster``.
 
     Args:
@@ -434,7 +436,8 @@ def plan_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16"
 def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16", context_p95_tokens: int = 4096,
                     concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                     workload: PlanWorkload | None = None, profile_version: int | None = None,
-                    device_overrides=None, max_candidates: int = 6, compact: bool = True) -> list[Gear]:
+                    device_overrides: DeviceOverrides | None = None, max_candidates: int = 6,
+                    compact: bool = True) -> list[Gear]:
     """A shortlist of distinct configurations for scoring in the simulator (``kind="manual"``).
 
     The three analytic picks come first, then, alternating, the best plan by estimated tokens/s for
@@ -464,8 +467,8 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     if not scored:
         raise InfeasibleError(search.explain_infeasible())
     chosen, _ = choose_operating_plans(search, scored)
-    picks: list[ScoredPlan] = [chosen[k] for k in ("latency", "balanced", "throughput") if k in chosen]
-    by_layout: dict[tuple, ScoredPlan] = {}
+    picks: list[ScoredPlan] = [chosen[k] for k in OPERATING_KINDS if k in chosen]
+    by_layout: dict[tuple[object, ...], ScoredPlan] = {}  # sorted device tuples, then layer counts
     for sp in sorted(scored, key=lambda x: (-x.estimate.tokens_per_s, x.estimate.tpot_idle_ms, x.plan.signature())):
         by_layout.setdefault(tuple(sorted(map(tuple, sp.plan.device_ids))) + tuple(sp.plan.sizes), sp)
     floor = LOW_LOAD_SHARE * max(x.estimate.throughput_rps for x in scored)
@@ -474,7 +477,7 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     for a, b in itertools.zip_longest(by_layout.values(), fast):
         picks += [x for x in (a, b) if x is not None]
     out: list[Gear] = []
-    seen: set[tuple] = set()
+    seen: set[tuple[PlanSignature, int]] = set()
     for sp in picks:
         key = _config_key(search, sp)
         if key in seen:
@@ -492,8 +495,9 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
 
 
 def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, workload: PlanWorkload,
-                        now: dt.datetime | None, device_overrides, profile_version: int | None, *,
-                        fewest_devices: int, signatures: set[tuple]) -> list[Gear]:
+                        now: dt.datetime | None, device_overrides: DeviceOverrides | None,
+                        profile_version: int | None, *, fewest_devices: int,
+                        signatures: set[PlanSignature]) -> list[Gear]:
     """The fewest-device plan for each reduced concurrency (see :func:`candidate_gears`), as candidate gears.
 
     Only plans on fewer devices than ``fewest_devices`` (and than the previous compact one) are

@@ -50,27 +50,24 @@ from typing import Any
 
 import yaml
 
+from flexpipe_dag.core.dtypes import DTYPES, lookup_dtype
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 
-#: Bytes per weight parameter by dtype.
-DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+#: Bytes per weight parameter by canonical dtype name (a view of :data:`flexpipe_dag.core.dtypes.DTYPES`).
+DTYPE_BYTES: dict[str, float] = {d.name: d.bytes_per_element for d in DTYPES}
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GIB = 1024**3
 
 
 def dtype_bytes(dtype: str, source: str = "dtype") -> float:
-    """Bytes per weight parameter for ``dtype``; :class:`InputError` for an unknown dtype."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise InputError(source, "dtype", f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
+    """Bytes per weight parameter for ``dtype`` (a name or alias); :class:`InputError` for an unknown dtype."""
+    return lookup_dtype(dtype, source, "dtype").bytes_per_element
 
 
 def kv_dtype_bytes(dtype: str) -> float:
     """Bytes per KV-cache element: 4 for fp32 weights, else 2 (quantised weights keep a 16-bit KV cache)."""
-    dtype_bytes(dtype)
-    return 4.0 if dtype == "fp32" else 2.0
+    return lookup_dtype(dtype, "dtype", "dtype").activation_bytes
 
 
 #: Optional ``config.json`` keys the spec reads or that the runtime's model loader relies on, with
@@ -403,7 +400,8 @@ def _replace_source(spec: ModelSpec, source: str) -> ModelSpec:
 @functools.cache
 def _builtin_table() -> dict[str, dict[str, Any]]:
     text = importlib.resources.files("flexpipe_dag.data").joinpath("models/builtin_models.yaml").read_text()
-    return yaml.safe_load(text)["models"]
+    models: dict[str, dict[str, Any]] = yaml.safe_load(text)["models"]
+    return models
 
 
 def builtin_model_names() -> list[str]:

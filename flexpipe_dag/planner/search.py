@@ -40,12 +40,16 @@ import numpy as np
 
 from flexpipe_dag.core.cluster import Device
 from flexpipe_dag.core.errors import InfeasibleError
-from flexpipe_dag.planner.cost_model import CostModel
+from flexpipe_dag.planner.cost_model import CostModel, DeviceKey
 from flexpipe_dag.planner.model_spec import GIB
 from flexpipe_dag.planner.workload import PlanWorkload
 
 MIDDLE, FIRST, LAST, SINGLE = 0, 1, 2, 3
 ROLE_FLAGS = {MIDDLE: (False, False), FIRST: (True, False), LAST: (False, True), SINGLE: (True, True)}
+#: Devices with equal profiles are interchangeable: (cost-model key, memory GiB, largest micro-batch or None).
+DeviceProfile = tuple[DeviceKey, float, int | None]
+#: What makes two plans the same: (micro-batch size, device ids per stage, layers per stage).
+PlanSignature = tuple[int, tuple[tuple[str, ...], ...], tuple[int, ...]]
 
 
 @dataclass
@@ -66,7 +70,7 @@ class StageTables:
 
 @dataclass
 class PipelinePlan:
-    """One candidate pipeline: ordered stages ``(device_ids, num_layers)`` at micro-batch ``b``."""
+    """One candidate pipeline: ordered stages ``(device_ids, num_layers)`` at ``micro_batch_size`` sequences per micro-batch."""
 
     micro_batch_size: int
     device_ids: list[list[str]]
@@ -84,7 +88,7 @@ class PipelinePlan:
     def num_stages(self) -> int:
         return len(self.sizes)
 
-    def signature(self) -> tuple:
+    def signature(self) -> PlanSignature:
         return (self.micro_batch_size, tuple(tuple(d) for d in self.device_ids), tuple(self.sizes))
 
 
@@ -113,13 +117,13 @@ class PipelineSearch:
             raise InfeasibleError(
                 f"all {len(cluster.devices)} devices become unavailable within the minimum residence of "
                 f"{workload.min_residence_s:.0f} s (available_until)")
-        self._profile_of: dict[str, tuple] = {}
+        self._profile_of: dict[str, DeviceProfile] = {}
         for d in self.pool:
             self._profile_of[d.device_id] = (cost_model.device_key(d.device_id), d.memory_gib, d.max_micro_batch)
         self.profiles = sorted(set(self._profile_of.values()), key=repr)
         self._profile_index = np.array([self.profiles.index(self._profile_of[d.device_id]) for d in self.pool])
         self._rep = {p: next(d.device_id for d in self.pool if self._profile_of[d.device_id] == p) for p in self.profiles}
-        self._tables: dict[tuple, StageTables] = {}
+        self._tables: dict[tuple[DeviceProfile, int, int], StageTables] = {}
         self._node = {d.device_id: d.node_id for d in self.pool}
         dt_ = cost_model.dtype
         self._act_bytes = self.model.activation_bytes_per_token(dt_)
@@ -131,28 +135,28 @@ class PipelineSearch:
         self._ws_token = self.model.activation_workspace_bytes_per_token(dt_)
 
     # -- tables -------------------------------------------------------------------------------
-    def profile(self, device_id: str) -> tuple:
+    def profile(self, device_id: str) -> DeviceProfile:
         return self._profile_of[device_id]
 
-    def tables(self, device_id: str, b: int, replicas: int = 1) -> StageTables:
+    def tables(self, device_id: str, micro_batch_size: int, replicas: int = 1) -> StageTables:
         """Stage figures for ``device_id``'s profile (cached per profile, micro-batch, replicas)."""
         prof = self._profile_of[device_id]
-        key = (prof, b, replicas)
+        key = (prof, micro_batch_size, replicas)
         hit = self._tables.get(key)
         if hit is not None:
             return hit
         dev = self._rep[prof]
         w, L, cm = self.workload, self.num_layers, self.cm
         ks = np.arange(L + 1, dtype=float)
-        ctx = int(round(b * w.decode_context_mean_tokens))
-        layer_dec = cm.layer_decode_ms(dev, b, ctx)
+        ctx = int(round(micro_batch_size * w.decode_context_mean_tokens))
+        layer_dec = cm.layer_decode_ms(dev, micro_batch_size, ctx)
         layer_pf = cm.layer_prefill_ms(dev, w.prompt_tokens_mean)
-        emb_dec, emb_pf = cm.first_extra_ms(dev, b), cm.first_extra_ms(dev, w.prompt_tokens_mean)
-        head_dec, head_pf = cm.last_extra_ms(dev, b), cm.last_extra_ms(dev, 1)
+        emb_dec, emb_pf = cm.first_extra_ms(dev, micro_batch_size), cm.first_extra_ms(dev, w.prompt_tokens_mean)
+        head_dec, head_pf = cm.last_extra_ms(dev, micro_batch_size), cm.last_extra_ms(dev, 1)
         kv_seqs = math.ceil(w.concurrency / replicas)
         usable = self.cm.device(dev).memory_gib * GIB * (1 - w.reserve_fraction)
-        ws = max(b, w.prefill_chunk_tokens) * self._ws_token
-        too_big_batch = prof[2] is not None and b > prof[2]
+        ws = max(micro_batch_size, w.prefill_chunk_tokens) * self._ws_token
+        over_device_max_micro_batch = prof[2] is not None and micro_batch_size > prof[2]
         busy = np.empty((4, L + 1))
         dec = np.empty((4, L + 1))
         pf = np.empty((4, L + 1))
@@ -162,12 +166,12 @@ class PipelineSearch:
             pf[role] = ks * layer_pf + first * emb_pf + last * head_pf
             mem[role] = (ks * (self._layer_w + kv_seqs * w.context_p95_tokens * self._kv_layer_token)
                          + first * self._first_w + last * self._last_w - (first and last) * self._tied + ws)
-            busy[role] = (pf[role] + w.output_tokens_mean * dec[role] / b) / replicas
+            busy[role] = (pf[role] + w.output_tokens_mean * dec[role] / micro_batch_size) / replicas
         busy[:, 0] = np.inf
         busy[mem > usable] = np.inf
-        if too_big_batch:
+        if over_device_max_micro_batch:
             busy[:] = np.inf
-        out = StageTables(busy, dec, pf, mem, usable, (layer_pf + w.output_tokens_mean * layer_dec / b) / replicas)
+        out = StageTables(busy, dec, pf, mem, usable, (layer_pf + w.output_tokens_mean * layer_dec / micro_batch_size) / replicas)
         self._tables[key] = out
         return out
 
@@ -181,18 +185,19 @@ class PipelineSearch:
         return moved / (link.bandwidth_gbps * 1e9 * w.link_utilisation_max) * 1e3
 
     # -- capacities -----------------------------------------------------------------------------
-    def _caps(self, b: int, limit_ms: float) -> np.ndarray:
+    def _caps(self, micro_batch_size: int, limit_ms: float) -> np.ndarray:
         """``(devices, 4)`` layer capacities of every pool device at bottleneck ``limit_ms``."""
         per_profile = np.empty((len(self.profiles), 4), dtype=int)
         for p_i, prof in enumerate(self.profiles):
-            t = self.tables(self._rep[prof], b)
+            t = self.tables(self._rep[prof], micro_batch_size)
             for role in range(4):
                 per_profile[p_i, role] = int(np.searchsorted(t.busy_ms[role, 1:], limit_ms, side="right"))
-        return np.minimum(per_profile[self._profile_index], self.num_layers)
+        caps: np.ndarray = np.minimum(per_profile[self._profile_index], self.num_layers)
+        return caps
 
-    def feasible(self, b: int, limit_ms: float) -> bool:
+    def feasible(self, micro_batch_size: int, limit_ms: float) -> bool:
         """Whether some device set covers all layers with every stage's busy <= ``limit_ms`` (links aside)."""
-        caps = self._caps(b, limit_ms)
+        caps = self._caps(micro_batch_size, limit_ms)
         L = self.num_layers
         if (caps[:, SINGLE] >= L).any():
             return True
@@ -204,30 +209,30 @@ class PipelineSearch:
         f_order = np.argsort(-g_first, kind="stable")[:2]
         l_order = np.argsort(-g_last, kind="stable")[:2]
         best = max(g_first[f] + g_last[l] for f in f_order for l in l_order if f != l)
-        return mid_total + best >= L
+        return bool(mid_total + best >= L)
 
-    def candidate_limits(self, b: int) -> np.ndarray:
+    def candidate_limits(self, micro_batch_size: int) -> np.ndarray:
         """Sorted unique finite busy values of every profile, role and layer count (the enumerated bottlenecks)."""
-        vals = [self.tables(self._rep[p], b).busy_ms.ravel() for p in self.profiles]
+        vals = [self.tables(self._rep[p], micro_batch_size).busy_ms.ravel() for p in self.profiles]
         allv = np.concatenate(vals)
         return np.unique(allv[np.isfinite(allv)])
 
-    def min_limit(self, b: int) -> float | None:
-        """Least feasible bottleneck at micro-batch ``b`` (binary search over :meth:`candidate_limits`)."""
-        cand = self.candidate_limits(b)
-        if len(cand) == 0 or not self.feasible(b, cand[-1]):
+    def min_limit(self, micro_batch_size: int) -> float | None:
+        """Least feasible bottleneck at ``micro_batch_size`` (binary search over :meth:`candidate_limits`)."""
+        cand = self.candidate_limits(micro_batch_size)
+        if len(cand) == 0 or not self.feasible(micro_batch_size, cand[-1]):
             return None
         lo, hi = 0, len(cand) - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.feasible(b, cand[mid]):
+            if self.feasible(micro_batch_size, cand[mid]):
                 hi = mid
             else:
                 lo = mid + 1
         return float(cand[lo])
 
     # -- construction ---------------------------------------------------------------------------
-    def construct(self, b: int, limit_ms: float, prefer: str = "capacity", num_stages: int | None = None,
+    def construct(self, micro_batch_size: int, limit_ms: float, prefer: str = "capacity", num_stages: int | None = None,
                   max_pairs: int = 3) -> list[PipelinePlan]:
         """Plans whose stages all fit ``limit_ms`` (links may exceed it; they count in the bottleneck).
 
@@ -236,20 +241,22 @@ class PipelineSearch:
                 stages, lowest bottleneck); ``"speed"`` with the fastest per layer (lowest latency).
             num_stages: force exactly this many stages (``None``: as few as needed).
         """
-        caps = self._caps(b, limit_ms)
+        caps = self._caps(micro_batch_size, limit_ms)
         L = self.num_layers
         ids = [d.device_id for d in self.pool]
-        speed = np.array([self.tables(i, b).layer_busy_ms for i in ids])
+        speed = np.array([self.tables(i, micro_batch_size).layer_busy_ms for i in ids])
         plans: list[PipelinePlan] = []
         if num_stages in (None, 1):
             singles = [i for i in range(len(ids)) if caps[i, SINGLE] >= L]
             if singles:
                 i = min(singles, key=lambda j: (speed[j], ids[j]))
-                plans.append(self._finish(b, [ids[i]], limit_ms))
+                single = self._finish(micro_batch_size, [ids[i]], limit_ms)
+                if single is not None:
+                    plans.append(single)
             if num_stages == 1:
-                return [p for p in plans if p is not None]
+                return plans
         if len(ids) < 2:
-            return [p for p in plans if p is not None]
+            return plans
         g_first = np.where(caps[:, FIRST] >= 1, caps[:, FIRST] - caps[:, MIDDLE], -10**9)
         g_last = np.where(caps[:, LAST] >= 1, caps[:, LAST] - caps[:, MIDDLE], -10**9)
         if prefer == "speed":
@@ -278,7 +285,7 @@ class PipelineSearch:
                 if covered < L or (want is not None and len(mids) < want):
                     continue
                 order = self._order(ids[f], [ids[i] for i in mids], ids[l])
-                plan = self._finish(b, order, limit_ms)
+                plan = self._finish(micro_batch_size, order, limit_ms)
                 if plan is not None:
                     plans.append(plan)
         return plans
@@ -287,13 +294,13 @@ class PipelineSearch:
         """First, middles grouped by node (first's node, then others, then last's node), last."""
         nf, nl = self._node[first], self._node[last]
 
-        def rank(d: str) -> tuple:
+        def rank(d: str) -> tuple[int, str, str]:
             n = self._node[d]
             return (0 if n == nf else 2 if n == nl else 1, n, d)
 
         return [first, *sorted(mids, key=rank), last]
 
-    def _finish(self, b: int, order: list[str], limit_ms: float) -> PipelinePlan | None:
+    def _finish(self, micro_batch_size: int, order: list[str], limit_ms: float) -> PipelinePlan | None:
         """Tighten the bottleneck for this ordered device set and split the layers (exact for it)."""
         L, S = self.num_layers, len(order)
         if S > L:
@@ -302,12 +309,13 @@ class PipelineSearch:
         links = [self.link_busy_ms(a, c) for a, c in zip(order, order[1:])]
         if any(math.isinf(x) for x in links):
             return None
-        rows = np.stack([self.tables(d, b).busy_ms[r, 1:] for d, r in zip(order, roles)])   # (S, L)
+        rows = np.stack([self.tables(d, micro_batch_size).busy_ms[r, 1:] for d, r in zip(order, roles)])   # (S, L)
         cand = np.unique(rows)
         cand = cand[np.isfinite(cand) & (cand <= limit_ms * (1 + 1e-12))]
 
         def caps_at(t: float) -> np.ndarray:
-            return (rows <= t).sum(axis=1)
+            counts: np.ndarray = (rows <= t).sum(axis=1)
+            return counts
 
         lo, hi = 0, len(cand) - 1
         if hi < 0:
@@ -325,7 +333,7 @@ class PipelineSearch:
         sizes = [int(x) for x in np.minimum(caps_at(cand[lo]), L)]
         excess = sum(sizes) - L
         # trim the excess from the stages slowest per layer (keeps layers on fast devices)
-        slow_first = sorted(range(S), key=lambda i: -self.tables(order[i], b).layer_busy_ms)
+        slow_first = sorted(range(S), key=lambda i: -self.tables(order[i], micro_batch_size).layer_busy_ms)
         while excess > 0:
             for i in slow_first:
                 if excess and sizes[i] > 1:
@@ -333,13 +341,13 @@ class PipelineSearch:
                     sizes[i] -= take
                     excess -= take
         busy = [float(r[k - 1]) for r, k in zip(rows, sizes)]
-        return PipelinePlan(b, [[d] for d in order], sizes, busy, links)
+        return PipelinePlan(micro_batch_size, [[d] for d in order], sizes, busy, links)
 
     # -- replicas -------------------------------------------------------------------------------
     def add_replicas(self, plan: PipelinePlan, max_rounds: int = 64) -> PipelinePlan:
         """Give the bottleneck stage data-parallel replicas from unused devices of its profile, while that lowers the bottleneck."""
         used = {d for ds in plan.device_ids for d in ds}
-        spare_by_profile: dict[tuple, list[str]] = {}
+        spare_by_profile: dict[DeviceProfile, list[str]] = {}
         for d in self.pool:
             if d.device_id not in used:
                 spare_by_profile.setdefault(self._profile_of[d.device_id], []).append(d.device_id)
@@ -376,15 +384,15 @@ class PipelineSearch:
         return bool(prev_ok and next_ok)
 
     # -- evaluation of a fixed split (baselines, oracle) ----------------------------------------
-    def evaluate_split(self, b: int, order: list[str], sizes: list[int], origin: str) -> PipelinePlan | None:
+    def evaluate_split(self, micro_batch_size: int, order: list[str], sizes: list[int], origin: str) -> PipelinePlan | None:
         """Price a given ordered device list and layer split; ``None`` if a stage does not fit or a link is missing."""
         S = len(order)
         roles = [SINGLE] if S == 1 else [FIRST] + [MIDDLE] * (S - 2) + [LAST]
-        busy = [float(self.tables(d, b).busy_ms[r, k]) for d, r, k in zip(order, roles, sizes)]
+        busy = [float(self.tables(d, micro_batch_size).busy_ms[r, k]) for d, r, k in zip(order, roles, sizes)]
         links = [self.link_busy_ms(a, c) for a, c in zip(order, order[1:])]
         if any(math.isinf(x) for x in busy + links):
             return None
-        return PipelinePlan(b, [[d] for d in order], list(sizes), busy, links, origin)
+        return PipelinePlan(micro_batch_size, [[d] for d in order], list(sizes), busy, links, origin)
 
     # -- diagnostics ----------------------------------------------------------------------------
     def explain_infeasible(self) -> str:

@@ -20,7 +20,8 @@ class PlanWorkload:
         reserve_fraction: device memory kept free (the design asks for 10-15 %).
         link_utilisation_max: adjacent-stage traffic may use at most this share of a link (0.7).
         min_residence_s: a device whose ``available_until`` is sooner than this is not used.
-        micro_batch_sizes: micro-batch sizes (sequences) the search tries.
+        micro_batch_size_candidates: micro-batch sizes (sequences per micro-batch) the search may try;
+            :meth:`micro_batch_sizes_to_search` caps them at ``concurrency``.
     """
 
     context_p95_tokens: int = 4096
@@ -31,7 +32,7 @@ class PlanWorkload:
     reserve_fraction: float = 0.12
     link_utilisation_max: float = 0.7
     min_residence_s: float = 600.0
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    micro_batch_size_candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self) -> None:
         for name in ("context_p95_tokens", "concurrency", "prompt_tokens_mean", "output_tokens_mean",
@@ -45,15 +46,15 @@ class PlanWorkload:
             raise InputError("workload", "link_utilisation_max", f"expected (0, 1], got {self.link_utilisation_max}")
         if self.min_residence_s < 0:
             raise InputError("workload", "min_residence_s", f"expected >= 0, got {self.min_residence_s}")
-        if not self.micro_batch_sizes or any(b < 1 for b in self.micro_batch_sizes):
-            raise InputError("workload", "micro_batch_sizes", f"expected positive sizes, got {self.micro_batch_sizes}")
+        if not self.micro_batch_size_candidates or any(size < 1 for size in self.micro_batch_size_candidates):
+            raise InputError("workload", "micro_batch_size_candidates",
+                             f"expected positive sizes, got {self.micro_batch_size_candidates}")
 
     @property
     def decode_context_mean_tokens(self) -> float:
         """Mean KV context of a sequence during decode: prompt + half the output."""
         return self.prompt_tokens_mean + self.output_tokens_mean / 2.0
 
-    def batch_sizes(self) -> list[int]:
-        """Micro-batch sizes worth trying: no larger than the concurrency, ascending, unique."""
-        sizes = sorted({min(b, self.concurrency) for b in self.micro_batch_sizes})
-        return sizes
+    def micro_batch_sizes_to_search(self) -> list[int]:
+        """Micro-batch sizes the search tries: the candidates capped at the concurrency, ascending, unique."""
+        return sorted({min(size, self.concurrency) for size in self.micro_batch_size_candidates})

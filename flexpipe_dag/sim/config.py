@@ -17,12 +17,12 @@ class SimConfig:
         slo_ttft_ms / slo_tpot_ms: a request meets its SLO when TTFT <= slo_ttft_ms and TPOT <=
             slo_tpot_ms (TPOT is not checked for one-token outputs). Defaults 2 s / 200 ms are in the
             range serving papers use for chat (e.g. DistServe, OSDI'24, Table 1).
-        max_batch_size: sequences per micro-batch (default: ``gear.micro_batch_size``).
+        micro_batch_size: sequences per micro-batch (default: ``gear.micro_batch_size``).
         max_inflight_micro_batches: default ``gear.max_inflight_micro_batches``.
         kv_capacity_tokens: KV pool size (default: ``gear.kv_capacity_tokens``, else the minimum of
             the stages' ``kv_capacity_tokens``; 0 / unknown everywhere means an unbounded pool).
         prefill_token_budget: most prompt tokens admitted into one micro-batch iteration (one
-            prompt is always allowed); ``None`` = no limit beyond ``max_batch_size``.
+            prompt is always allowed); ``None`` = no limit beyond ``micro_batch_size``.
         decode_context_quantum_tokens: decode times are memoised on a grid of this many context
             tokens and linearly interpolated (exact for costs linear in context; 0 = no memo).
         preempt_offline_for_online: an online request that cannot get KV blocks may preempt
@@ -32,7 +32,7 @@ class SimConfig:
     sample_period_s: float = SAMPLE_PERIOD_S
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 200.0
-    max_batch_size: int | None = None
+    micro_batch_size: int | None = None
     max_inflight_micro_batches: int | None = None
     kv_capacity_tokens: int | None = None
     prefill_token_budget: int | None = None
@@ -44,7 +44,7 @@ class SimConfig:
             "sample_period_s": self.sample_period_s > 0,
             "slo_ttft_ms": self.slo_ttft_ms > 0,
             "slo_tpot_ms": self.slo_tpot_ms > 0,
-            "max_batch_size": self.max_batch_size is None or self.max_batch_size >= 1,
+            "micro_batch_size": self.micro_batch_size is None or self.micro_batch_size >= 1,
             "max_inflight_micro_batches": self.max_inflight_micro_batches is None or self.max_inflight_micro_batches >= 1,
             "kv_capacity_tokens": self.kv_capacity_tokens is None or self.kv_capacity_tokens >= 0,
             "prefill_token_budget": self.prefill_token_budget is None or self.prefill_token_budget >= 1,

@@ -118,8 +118,9 @@ def gear_holds(start_gear_id: str, shifts: Sequence[ShiftLike], *, end_s: float,
         gear_id = start_gear_id if k == 0 else ordered[k - 1].to_gear_id
         since = start_s if k == 0 else float(ordered[k - 1].requested_s)
         until = end_s
-        if k < len(ordered) and ordered[k].drained_s is not None:
-            until = float(ordered[k].drained_s)
+        drained_s = ordered[k].drained_s if k < len(ordered) else None
+        if drained_s is not None:
+            until = float(drained_s)
         holds.append(GearHold(gear_id, clip(since), clip(until)))
     return holds
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import numpy as np
 
@@ -47,14 +48,20 @@ from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.workload.request import Workload
 
+if TYPE_CHECKING:
+    from flexpipe_dag.sim.results import SimResult
+
 _ARRIVE, _DONE, _SWITCH = 0, 1, 2
 _INF = float("inf")
+
+#: A sequence's place in the waiting queue: (0 online / 1 offline, -priority, arrival_s, request index).
+_SeqKey = tuple[int, int, float, int]
 
 
 class _Seq:
     __slots__ = ("idx", "key", "online", "inp", "out", "gen", "blocks", "first_s", "finish_s", "preempt", "rejected", "gear_id", "pf")
 
-    def __init__(self, idx: int, key: tuple, online: bool, inp: int, out: int):
+    def __init__(self, idx: int, key: _SeqKey, online: bool, inp: int, out: int):
         self.idx = idx
         self.key = key
         self.online = online
@@ -76,7 +83,7 @@ class _Stage:
     def __init__(self, replicas: int):
         self.replicas = replicas
         self.free = replicas
-        self.queue: deque = deque()
+        self.queue: deque[_MicroBatch] = deque()
         self.busy_s = 0.0  # total replica-seconds of service
         self.busy_win: dict[int, float] = {}  # window index -> replica-seconds
 
@@ -84,7 +91,7 @@ class _Stage:
 class _MicroBatch:
     __slots__ = ("slot", "stage", "times_s", "xfer_s", "seqs")
 
-    def __init__(self, slot: int, times_s: list, xfer_s: list, seqs: list):
+    def __init__(self, slot: int, times_s: list[float], xfer_s: list[float], seqs: list[_Seq]):
         self.slot = slot
         self.stage = 0
         self.times_s = times_s
@@ -113,7 +120,7 @@ class _Pipeline:
         self.timing = timing
         self.num_stages = gear.num_stages
         self.stages = [_Stage(st.replicas) for st in gear.stages]
-        self.max_seqs = config.max_batch_size or gear.micro_batch_size
+        self.micro_batch_size = config.micro_batch_size or gear.micro_batch_size  # sequences per slot
         n_slots = config.max_inflight_micro_batches or gear.max_inflight_micro_batches
         self.slots: list[list[_Seq]] = [[] for _ in range(n_slots)]
         self.idle: list[int] = list(range(n_slots))  # slots with nothing in flight and no sequences
@@ -128,10 +135,10 @@ class _Pipeline:
         self._decode = timing.decode_ms
         self._transfer = timing.transfer_ms
         self.ctx_quantum = config.decode_context_quantum_tokens
-        self._pcache: list[dict] = [{} for _ in range(self.num_stages)]
-        self._dcache: list[dict] = [{} for _ in range(self.num_stages)]
-        self._tcache: list[dict] = [{} for _ in range(self.num_stages)]
-        self._iter_cache: dict = {}
+        self._pcache: list[dict[int, float]] = [{} for _ in range(self.num_stages)]           # prefill tokens -> ms
+        self._dcache: list[dict[tuple[int, int], float]] = [{} for _ in range(self.num_stages)]  # (seqs, ctx) -> ms
+        self._tcache: list[dict[int, float]] = [{} for _ in range(self.num_stages)]           # tokens -> s
+        self._iter_cache: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}
 
     @property
     def used_blocks(self) -> int:
@@ -140,7 +147,7 @@ class _Pipeline:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block)
 
-    def iteration_times(self, prefill_tokens: int, n_decode: int, ctx_tokens: int) -> tuple[list, list]:
+    def iteration_times(self, prefill_tokens: int, n_decode: int, ctx_tokens: int) -> tuple[list[float], list[float]]:
         """Per-stage service seconds and per-hop transfer seconds of one iteration (memoised).
 
         Prefill and transfer times are cached by exact token count. Decode times are cached on a
@@ -152,7 +159,8 @@ class _Pipeline:
         hit = self._iter_cache.get(key)
         if hit is not None:
             return hit
-        times, xfer = [], []
+        times: list[float] = []
+        xfer: list[float] = []
         tok = prefill_tokens + n_decode
         last = self.num_stages - 1
         q = self.ctx_quantum
@@ -195,6 +203,35 @@ class _Pipeline:
         return out
 
 
+#: A queued event: (time_s, tie-break counter, kind, pipeline, micro-batch or switch-request time).
+_Event = tuple[float, int, int, _Pipeline, _MicroBatch | float]
+
+
+class _Window:
+    """What happened in one sample window: arrivals, completions, tokens and latencies (seconds)."""
+
+    __slots__ = ("arrivals", "completed", "e2e_s", "tokens", "tpot_s", "ttft_s")
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.completed = 0
+        self.tokens = 0
+        self.ttft_s: list[float] = []
+        self.tpot_s: list[float] = []
+        self.e2e_s: list[float] = []
+
+
+class _ShiftRecord(TypedDict):
+    """A shift as the simulator tracks it (``_pipe``: the old pipeline, to mark when it drained)."""
+
+    requested_s: float
+    switched_s: float
+    from_gear_id: str
+    to_gear_id: str
+    drained_s: float | None
+    _pipe: _Pipeline
+
+
 @dataclass(frozen=True)
 class ShiftEvent:
     """A gear shift in the simulation: requested at ``requested_s``, admitting on the new gear from
@@ -235,19 +272,19 @@ class Simulator:
         ]
         self._arrival_s = [r.arrival_s for r in reqs]
         self._next_arrival = 0
-        self._heap: list = []
+        self._heap: list[_Event] = []
         self._counter = 0
-        self._waiting: list = []  # heap of (key, seq)
+        self._waiting: list[tuple[_SeqKey, _Seq]] = []  # heap of (key, seq)
         self._running = 0
         self.now_s = 0.0
         self._active = _Pipeline(gear, timing, self.config)
         self._draining: list[_Pipeline] = []
         self._pipes = [self._active]
-        self.shifts: list[dict] = []
+        self.shifts: list[_ShiftRecord] = []
         self.samples: list[MetricSample] = []
         self._period = self.config.sample_period_s
         self._next_tick = 1
-        self._win: dict[int, list] = {}  # window -> [arrivals, completed, tokens, ttft[], tpot[], e2e[]]
+        self._win: dict[int, _Window] = {}  # window index -> what happened in it
         self._pending_switch = 0
         self._last_event_s = 0.0
 
@@ -287,12 +324,12 @@ class Simulator:
             self._emit_until(until_s)
         return self.samples[first_new:]
 
-    def run(self) -> "SimResult":  # noqa: F821 - defined in results
+    def run(self) -> SimResult:
         """Simulate to the end and return the :class:`~flexpipe_dag.sim.results.SimResult`."""
         self.advance(_INF)
         return self.result()
 
-    def result(self):
+    def result(self) -> SimResult:
         """Per-request results, samples, shifts and summary of what has been simulated so far."""
         from flexpipe_dag.sim.results import build_result
 
@@ -302,9 +339,10 @@ class Simulator:
         return build_result(self)
 
     # ------------------------------------------------------------------ event loop
-    def _push(self, t: float, kind: int, a, b) -> None:
+    def _push(self, t: float, kind: int, pipe: _Pipeline, payload: _MicroBatch | float) -> None:
+        """Queue an event: ``_ARRIVE`` / ``_DONE`` carry a micro-batch, ``_SWITCH`` the time it was requested."""
         self._counter += 1
-        heapq.heappush(self._heap, (t, self._counter, kind, a, b))
+        heapq.heappush(self._heap, (t, self._counter, kind, pipe, payload))
 
     def _loop(self, until_s: float) -> None:
         heap = self._heap
@@ -329,22 +367,22 @@ class Simulator:
                     s = seqs[self._next_arrival]
                     heapq.heappush(waiting, (s.key, s))
                     self._next_arrival += 1
-                    w[0] += 1
+                    w.arrivals += 1
                 self._wake(self._active, t)
                 continue
-            _, _, kind, a, b = heapq.heappop(heap)
+            _, _, kind, pipe, payload = heapq.heappop(heap)
             if kind == _DONE:
-                self._stage_done(a, b, t)
+                self._stage_done(pipe, cast(_MicroBatch, payload), t)
             elif kind == _ARRIVE:
-                self._stage_arrive(a, b, t)
+                self._stage_arrive(pipe, cast(_MicroBatch, payload), t)
             else:
-                self._switch(a, b, t)
+                self._switch(pipe, cast(float, payload), t)
 
-    def _window(self, t: float) -> list:
+    def _window(self, t: float) -> _Window:
         k = int(t // self._period)
         w = self._win.get(k)
         if w is None:
-            w = self._win[k] = [0, 0, 0, [], [], []]
+            w = self._win[k] = _Window()
         return w
 
     # ------------------------------------------------------------------ stages
@@ -395,24 +433,24 @@ class Simulator:
         """The last stage finished an iteration: every sequence gained one token."""
         pipe.inflight -= 1
         w = self._window(t)
-        w[2] += len(mb.seqs)
-        keep = []
+        w.tokens += len(mb.seqs)
+        keep: list[_Seq] = []
         for s in mb.seqs:
             s.gen += 1
             if s.first_s < 0.0:
                 s.first_s = t
-                w[3].append(t - self._arrival_s[s.idx])
+                w.ttft_s.append(t - self._arrival_s[s.idx])
             if s.gen >= s.out:
                 s.finish_s = t
                 s.gear_id = pipe.gear_id
                 pipe.free_blocks += s.blocks
                 s.blocks = 0
                 self._running -= 1
-                w[1] += 1
+                w.completed += 1
                 a = self._arrival_s[s.idx]
-                w[5].append(t - a)
+                w.e2e_s.append(t - a)
                 if s.out > 1:
-                    w[4].append((t - s.first_s) / (s.out - 1))
+                    w.tpot_s.append((t - s.first_s) / (s.out - 1))
             else:
                 keep.append(s)
         pipe.slots[mb.slot] = keep
@@ -463,11 +501,11 @@ class Simulator:
                 i += 1
         # 2. admissions (prefill in this iteration)
         waiting = self._waiting
-        if pipe.admitting and waiting and len(seqs) < pipe.max_seqs:
+        if pipe.admitting and waiting and len(seqs) < pipe.micro_batch_size:
             budget = self.config.prefill_token_budget
             prefill_tokens = 0
             admitted = False
-            while waiting and len(seqs) < pipe.max_seqs:
+            while waiting and len(seqs) < pipe.micro_batch_size:
                 s = waiting[0][1]
                 if bounded and pipe.blocks_for(s.inp + s.out) > pipe.total_blocks:
                     heapq.heappop(waiting)  # could never finish on this gear's KV pool
@@ -512,7 +550,7 @@ class Simulator:
         pipe.inflight += 1
         self._stage_arrive(pipe, _MicroBatch(slot, times, xfer, seqs), t)
 
-    def _evict_offline(self, pipe: _Pipeline, seqs: list, need: int) -> bool:
+    def _evict_offline(self, pipe: _Pipeline, seqs: list[_Seq], need: int) -> bool:
         """Preempt offline sequences of this micro-batch (lowest priority first) until ``need`` blocks are free."""
         offline_blocks = sum(s.blocks for s in seqs if not s.online)
         if pipe.free_blocks + offline_blocks < need:
@@ -561,7 +599,7 @@ class Simulator:
 
     def _emit(self, k: int, tick: float) -> None:
         period = self._period
-        w = self._win.pop(k, None) or [0, 0, 0, [], [], []]
+        w = self._win.pop(k, None) or _Window()
         pipe = self._active
         used = pipe.used_blocks
         total = pipe.total_blocks
@@ -579,17 +617,17 @@ class Simulator:
             for st in old.stages:
                 st.busy_win.pop(k, None)
 
-        def pct(v: list, q: float) -> float | None:
+        def pct(v: list[float], q: float) -> float | None:
             return float(np.percentile(v, q)) * 1000.0 if v else None
 
-        ttft, tpot, e2e = w[3], w[4], w[5]
+        ttft, tpot, e2e = w.ttft_s, w.tpot_s, w.e2e_s
         self.samples.append(MetricSample(
             t_s=tick,
             gear_id=pipe.gear_id,
             source="sim",
-            rps=w[0] / period,
-            completed=w[1],
-            tokens_per_s=w[2] / period,
+            rps=w.arrivals / period,
+            completed=w.completed,
+            tokens_per_s=w.tokens / period,
             queue_length=len(self._waiting),
             running=self._running,
             kv_used_fraction=(used / total) if total else 0.0,
@@ -600,5 +638,5 @@ class Simulator:
         ))
 
 
-def _seq_key(s: _Seq) -> tuple:
+def _seq_key(s: _Seq) -> _SeqKey:
     return s.key

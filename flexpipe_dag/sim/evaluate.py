@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -44,7 +44,7 @@ def estimate_from_result(result: SimResult) -> GearEstimate:
     s = result.summary
     util = s["stage_utilisation"][s["gear_id"]]
 
-    def v(d: dict, k: str) -> float:
+    def v(d: Mapping[str, Any], k: str) -> float:
         return float(d[k]) if d[k] is not None else 0.0
 
     return GearEstimate(

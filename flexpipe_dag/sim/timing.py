@@ -6,7 +6,7 @@ where exact stage times make the simulator's output checkable by hand.
 Per stage ``i`` (all ms, one replica):
 
 * ``prefill_ms(i, n)      = prefill_fixed_ms + prefill_per_token_ms * n``
-* ``decode_ms(i, b, ctx)  = decode_fixed_ms + decode_per_seq_ms * b + decode_per_context_token_ms * ctx``
+* ``decode_ms(i, n, ctx)  = decode_fixed_ms + decode_per_seq_ms * n + decode_per_context_token_ms * ctx`` (``n`` sequences)
 * ``transfer_ms(i, n)     = transfer_fixed_ms + transfer_per_token_ms * n`` for ``i`` < last, else 0.
 """
 
@@ -65,8 +65,8 @@ class LinearStageTiming:
     def prefill_ms(self, stage_index: int, num_tokens: int) -> float:
         return self._pf[stage_index] + self._pt[stage_index] * num_tokens
 
-    def decode_ms(self, stage_index: int, batch_size: int, context_tokens: int) -> float:
-        return self._df[stage_index] + self._ds[stage_index] * batch_size + self._dc[stage_index] * context_tokens
+    def decode_ms(self, stage_index: int, num_seqs: int, context_tokens: int) -> float:
+        return self._df[stage_index] + self._ds[stage_index] * num_seqs + self._dc[stage_index] * context_tokens
 
     def transfer_ms(self, stage_index: int, num_tokens: int) -> float:
         if stage_index >= self.num_stages - 1:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -91,7 +92,7 @@ def _sorted_by_arrival(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     return frame
 
 
-def _finish(frame: pd.DataFrame, name: str, source: str, meta: dict, rebase: bool = False) -> Workload:
+def _finish(frame: pd.DataFrame, name: str, source: str, meta: dict[str, Any], rebase: bool = False) -> Workload:
     frame = _sorted_by_arrival(frame, source)
     if rebase:
         frame["arrival_s"] = frame["arrival_s"] - float(frame["arrival_s"].iloc[0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import pandas as pd
 
@@ -71,7 +71,7 @@ class Workload:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Request]:
         return iter(self.requests)
 
     @property

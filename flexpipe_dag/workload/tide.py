@@ -56,7 +56,8 @@ class Tide:
         days = len(self.rates_rps) // per_day
         if days == 0:
             raise InputError(self.source, None, f"tide covers {self.duration_s} s; a daily profile needs at least one day")
-        return self.rates_rps[: days * per_day].reshape(days, per_day).mean(axis=0)
+        profile: np.ndarray = self.rates_rps[: days * per_day].reshape(days, per_day).mean(axis=0)
+        return profile
 
     def without_days(self, days: Iterable[int]) -> Tide:
         """The same history with whole days removed (e.g. the day a benchmark replays, so its forecast

@@ -23,10 +23,26 @@ import threading
 import time
 import traceback
 
-from flexpipe_dag.runtime.messages import (AddRequests, DriverCounter, FlushMetrics, MessageKind,
-                                           MetricsSampled, ProcessFailed, Reconfigure, Reconfigured, RequestFinished,
-                                           RequestRefused, SchedulerConfig, StageInfo, StageReload, StepResult,
-                                           Stopped, StopPipeline, WorkerCounter, counter_index)
+from flexpipe_dag.runtime.messages import (
+    AddRequests,
+    DriverCounter,
+    FlushMetrics,
+    MessageKind,
+    MetricsSampled,
+    ProcessFailed,
+    Reconfigure,
+    Reconfigured,
+    RequestFinished,
+    RequestRefused,
+    SchedulerConfig,
+    StageInfo,
+    StageReload,
+    StepResult,
+    Stopped,
+    StopPipeline,
+    WorkerCounter,
+    counter_index,
+)
 from flexpipe_dag.runtime.worker import WorkerSpec, setup_process
 
 #: Seconds an idle driver sleeps between polls when nothing is queued or running.

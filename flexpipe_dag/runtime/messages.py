@@ -197,7 +197,7 @@ class StopPipeline:
     """Drain running sequences, then stop every stage (queued requests are dropped)."""
 
 
-DriverCommand = Union[AddRequests, Reconfigure, FlushMetrics, StopPipeline]
+DriverCommand = AddRequests | Reconfigure | FlushMetrics | StopPipeline
 
 
 # -- between ranks ---------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ class ProcessFailed:
         in_transport: it failed while sending / receiving (so likely because a peer died).
     """
 
-    source: Union[int, str]
+    source: int | str
     message: str
     in_transport: bool
 
@@ -282,8 +282,7 @@ class Stopped:
     """The driver stopped every stage after :class:`StopPipeline`; it exits next."""
 
 
-RuntimeEvent = Union[StageReady, ProcessFailed, RequestFinished, MetricsSampled, Reconfigured, RequestRefused,
-                     Stopped]
+RuntimeEvent = StageReady | ProcessFailed | RequestFinished | MetricsSampled | Reconfigured | RequestRefused | Stopped
 
 
 # -- JSON wire form --------------------------------------------------------------------------------
@@ -345,7 +344,7 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _decode(tp: Any, v: Any, where: str) -> Any:  # noqa: C901 - one case per annotation form
+def _decode(tp: Any, v: Any, where: str) -> Any:  # one case per annotation form
     if tp is Any:
         return v
     if tp is type(None):

@@ -50,8 +50,16 @@ import time
 from datetime import timedelta
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.runtime.messages import (COUNTER_SLOTS, MessageError, ProcessFailed, StageReady, WorkerCounter,
-                                           counter_index, from_json, to_json)
+from flexpipe_dag.runtime.messages import (
+    COUNTER_SLOTS,
+    MessageError,
+    ProcessFailed,
+    StageReady,
+    WorkerCounter,
+    counter_index,
+    from_json,
+    to_json,
+)
 from flexpipe_dag.runtime.rendezvous import connect, parse_address
 from flexpipe_dag.runtime.worker import WorkerSpec
 

@@ -21,7 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexpipe_dag.runtime.messages import PAYLOAD_TYPES, MessageError, MessageKind, from_json, to_json
+from flexpipe_dag.runtime.messages import (
+    PAYLOAD_TYPES,
+    MessageError,
+    MessageKind,
+    from_json,
+    to_json,
+)
 
 _HEADER_LEN = 8
 _NO_PAYLOAD = b"null"  # a kind without payload still sends a (non-empty) one

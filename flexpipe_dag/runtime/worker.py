@@ -28,8 +28,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from flexpipe_dag.runtime.messages import (MessageKind, ProcessFailed, StageInfo, StageReady, StageReload, StepResult,
-                                           WorkerCounter, counter_index)
+from flexpipe_dag.runtime.messages import (
+    MessageKind,
+    ProcessFailed,
+    StageInfo,
+    StageReady,
+    StageReload,
+    StepResult,
+    WorkerCounter,
+    counter_index,
+)
 
 
 @dataclass

@@ -69,7 +69,7 @@ class Driver:
     def __init__(self, spec: WorkerSpec, gear_id: str, config: SchedulerConfig, evt_q, counters,
                  metrics_period_s: float):
         from flexpipe_dag.runtime import transport
-        from flexpipe_dag.runtime.kv_blocks import BlockAllocator
+        from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
         from flexpipe_dag.runtime.live_metrics import LiveMetrics
         from flexpipe_dag.runtime.scheduler import Scheduler
 
@@ -93,6 +93,9 @@ class Driver:
         self.stopping = False
         self.sent = 0  # micro-batches sent into the pipeline
         self.in_transport = False
+        self._refusals = (KVCapacityError, ValueError)  # what add_request raises for a request it will not serve
+        self._handlers = {AddRequests: self.on_add, Reconfigure: self.on_reconfigure, FlushMetrics: self.on_flush,
+                          StopPipeline: self.on_stop}
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self, cmd_q) -> None:
@@ -148,24 +151,20 @@ class Driver:
     # -- commands from the parent ---------------------------------------------------------------
     def take_commands(self, cmd_q) -> None:
         """Apply every command waiting on ``cmd_q``."""
-        handlers = {AddRequests: self.on_add, Reconfigure: self.on_reconfigure, FlushMetrics: self.on_flush,
-                    StopPipeline: self.on_stop}
         try:
             while True:
                 cmd = cmd_q.get_nowait()
-                handlers[type(cmd)](cmd)
+                self._handlers[type(cmd)](cmd)
         except queue.Empty:
             pass
 
     def on_add(self, cmd: AddRequests) -> None:
         """Queue each request; a refused one is reported as :class:`RequestRefused`."""
-        from flexpipe_dag.runtime.kv_blocks import KVCapacityError
-
         for req in cmd.requests:
             try:
                 self.scheduler.add_request(req)
                 self.metrics.record_arrivals(1)
-            except (KVCapacityError, ValueError) as exc:
+            except self._refusals as exc:
                 self.evt_q.put(RequestRefused(req.request_id, str(exc)))
 
     def on_reconfigure(self, cmd: Reconfigure) -> None:

@@ -43,7 +43,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", dest="micro_batch_size", type=int, default=8,
+                    help="sequences per micro-batch of the FlexPipe gears (and rows per transformers generate "
+                         "batch of the baseline, so both batch alike)")
     ap.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--score", action="store_true", help="also bench the DeepSpeed scoring path")
@@ -81,8 +83,8 @@ def main() -> None:
     pad = ckpt.config.pad_token_id if ckpt.config.pad_token_id is not None else 0
     t0 = time.perf_counter()
     produced = 0
-    for i in range(0, len(rows), args.batch_size):
-        chunk = rows[i:i + args.batch_size]
+    for i in range(0, len(rows), args.micro_batch_size):
+        chunk = rows[i:i + args.micro_batch_size]
         width = max(len(r.token_ids) for r in chunk)
         ids = torch.tensor([[pad] * (width - len(r.token_ids)) + r.token_ids for r in chunk])
         mask = torch.tensor([[0] * (width - len(r.token_ids)) + [1] * len(r.token_ids) for r in chunk])
@@ -100,14 +102,14 @@ def main() -> None:
     if args.device == "cuda":
         local = LocalPipeline([st.to(dev) for st in local.stages], 1024, 16)
     t0 = time.perf_counter()
-    outs = local.generate(requests(), micro_batch_size=args.batch_size)
+    outs = local.generate(requests(), micro_batch_size=args.micro_batch_size)
     sync()
     results["local_1stage"] = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
     del local
     torch.set_num_threads(1)
 
     for stages in (2, 3):
-        gear = even_gear(ckpt.num_layers, stages, ckpt.name, args.batch_size, stages, 16384)
+        gear = even_gear(ckpt.num_layers, stages, ckpt.name, args.micro_batch_size, stages, 16384)
         with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device)) as rt:
             t0 = time.perf_counter()
             outs = rt.generate(requests())
@@ -148,18 +150,18 @@ def score_bench(ckpt, rows, args) -> None:
     ordered = sorted(prompts, key=lambda r: -len(r.token_ids))
     t0 = time.perf_counter()
     with torch.inference_mode():
-        for i in range(0, len(ordered), args.batch_size):
-            chunk = ordered[i:i + args.batch_size]
+        for i in range(0, len(ordered), args.micro_batch_size):
+            chunk = ordered[i:i + args.micro_batch_size]
             width = max(len(r.token_ids) for r in chunk)
             ids = torch.tensor([r.token_ids + [pad] * (width - len(r.token_ids)) for r in chunk])
             torch.log_softmax(hf(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
     hf_tps = tokens / (time.perf_counter() - t0)
     del hf
     torch.set_num_threads(1)
-    gear = even_gear(ckpt.num_layers, 2, ckpt.name, args.batch_size, 2, 16384)
+    gear = even_gear(ckpt.num_layers, 2, ckpt.name, args.micro_batch_size, 2, 16384)
     with tempfile.TemporaryDirectory() as tmp:
         report = run_score_job(gear, prompts, JsonlSink(Path(tmp) / "scores.jsonl"), model=ckpt,
-                               options=ScoreOptions(micro_batch_size=args.batch_size // 2 or 1, max_micro_batches=2,
+                               options=ScoreOptions(micro_batch_size=args.micro_batch_size // 2 or 1, max_micro_batches=2,
                                                     keep_token_logprobs=False))
     if report.failure:
         raise SystemExit(f"scoring failed: {report.failure}")

@@ -39,11 +39,11 @@ def hf_reference_cuda() -> dict[str, list[int]]:
 @pytest.mark.parametrize("ranges", [[(0, 30)], [(0, 15), (15, 30)], [(0, 4), (4, 30)], [(0, 10), (10, 20), (20, 30)],
                                     [(0, 2), (2, 25), (25, 30)]],
                          ids=["1", "2-even", "2-uneven", "3-even", "3-uneven"])
-@pytest.mark.parametrize("batch_size", [8, 1])
-def test_cuda_pipeline_matches_hf_generate(ranges, batch_size):
+@pytest.mark.parametrize("micro_batch_size", [8, 1])
+def test_cuda_pipeline_matches_hf_generate(ranges, micro_batch_size):
     ref = hf_reference_cuda()
-    reqs = requests(8 if batch_size == 8 else 3, prefix=f"gpu{len(ranges)}{ranges[0][1]}{batch_size}-")
-    with PipelineRuntime(gear(ranges, micro_batch_size=batch_size), checkpoint(),
+    reqs = requests(8 if micro_batch_size == 8 else 3, prefix=f"gpu{len(ranges)}{ranges[0][1]}{micro_batch_size}-")
+    with PipelineRuntime(gear(ranges, micro_batch_size=micro_batch_size), checkpoint(),
                          RuntimeOptions(device="cuda", start_timeout_s=600)) as rt:
         outs = rt.generate(reqs)
     got = {o.request_id: o.output_token_ids for o in outs}

@@ -56,10 +56,10 @@ def two_stage():
 
 
 @pytest.mark.parametrize("ranges", [EVEN2, UNEVEN2], ids=["even", "uneven"])
-@pytest.mark.parametrize("batch_size", [8, 1])
-def test_two_stages_match_hf_generate(two_stage, ranges, batch_size):
-    _use(two_stage, ranges, batch_size, f"g2-{len(ranges)}-{batch_size}")
-    reqs = requests(8 if batch_size == 8 else 3, prefix=f"2s{batch_size}{ranges[0][1]}-")
+@pytest.mark.parametrize("micro_batch_size", [8, 1])
+def test_two_stages_match_hf_generate(two_stage, ranges, micro_batch_size):
+    _use(two_stage, ranges, micro_batch_size, f"g2-{len(ranges)}-{micro_batch_size}")
+    reqs = requests(8 if micro_batch_size == 8 else 3, prefix=f"2s{micro_batch_size}{ranges[0][1]}-")
     _check(two_stage.generate(reqs), reqs)  # batch 1: one sequence per micro-batch, 2 micro-batches in flight
 
 

@@ -12,13 +12,13 @@ from flexpipe_dag.runtime.local import LocalPipeline  # noqa: E402
 from flexpipe_dag.runtime.model_loader import load_stage_module, stage_param_bytes  # noqa: E402
 
 
-@pytest.mark.parametrize("ranges,batch_size", [([(0, 30)], 8), ([(0, 4), (4, 30)], 1), ([(0, 2), (2, 25), (25, 30)], 8)])
-def test_chained_stages_match_hf_generate(ranges, batch_size):
+@pytest.mark.parametrize("ranges,micro_batch_size", [([(0, 30)], 8), ([(0, 4), (4, 30)], 1), ([(0, 2), (2, 25), (25, 30)], 8)])
+def test_chained_stages_match_hf_generate(ranges, micro_batch_size):
     """In one process, no communication: a fast check of the stage code (the multi-process tests in
-    test_runtime_pipeline.py cover every stage count, split and batch size)."""
+    test_runtime_pipeline.py cover every stage count, split and micro-batch size)."""
     pipe = LocalPipeline.from_layer_ranges(checkpoint(), ranges, num_blocks=128, block_size_tokens=16)
-    reqs = requests() if batch_size == 8 else requests()[:3]
-    outs = pipe.generate(reqs, micro_batch_size=batch_size)
+    reqs = requests() if micro_batch_size == 8 else requests()[:3]
+    outs = pipe.generate(reqs, micro_batch_size=micro_batch_size)
     ref = hf_reference()
     assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id] for r in reqs}
 

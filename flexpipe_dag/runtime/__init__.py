@@ -8,7 +8,11 @@ Modules (one job each):
 * :mod:`~flexpipe_dag.runtime.kv_cache` - the per-stage pre-allocated K/V block pool (torch).
 * :mod:`~flexpipe_dag.runtime.stage` - forward of a packed batch through one stage.
 * :mod:`~flexpipe_dag.runtime.scheduler` - pure iteration-level continuous batching.
+* :mod:`~flexpipe_dag.runtime.messages` - pure: the typed messages, events, counter slots and
+  scheduler config between processes, and their checked JSON wire form.
 * :mod:`~flexpipe_dag.runtime.transport` - framed tensor messages over ``torch.distributed``.
+* :mod:`~flexpipe_dag.runtime.rendezvous` / :mod:`~flexpipe_dag.runtime.remote` - the head's
+  control store (address, client) and stage workers on other hosts.
 * :mod:`~flexpipe_dag.runtime.worker` / :mod:`~flexpipe_dag.runtime.pipeline` - one process per
   stage, the driver, watchdog and live metrics.
 * :mod:`~flexpipe_dag.runtime.batch` - batch jobs: prompt files, sinks, idempotent re-runs.

@@ -1,17 +1,19 @@
 """The driver process (rank 0): scheduler, micro-batch dispatch, results, live metrics, reconfiguration.
 
-Commands arrive from the parent on ``cmd_q``:
+Commands arrive from the parent on ``cmd_q`` (:mod:`~flexpipe_dag.runtime.messages`):
 
-* ``("add", [Request, ...])`` - queue requests;
-* ``("reconfigure", {"ranges", "num_blocks", "block_size_tokens", "gear_id"})`` - pause admission,
-  drain running sequences (in-flight work finishes), send ``RECONFIGURE`` down the stages, resume
-  with a fresh KV allocator once the last stage confirms; queued requests wait meanwhile;
-* ``("flush", None)`` - emit a metrics sample now (covering the time since the last one);
-* ``("stop", None)`` - drain, then stop every stage.
+* :class:`~flexpipe_dag.runtime.messages.AddRequests` - queue requests;
+* :class:`~flexpipe_dag.runtime.messages.Reconfigure` - pause admission, drain running sequences
+  (in-flight work finishes), send ``RECONFIGURE`` down the stages, resume with a fresh KV allocator
+  once every last-stage replica confirms; queued requests wait meanwhile;
+* :class:`~flexpipe_dag.runtime.messages.FlushMetrics` - emit a metrics sample now (covering the
+  time since the last one);
+* :class:`~flexpipe_dag.runtime.messages.StopPipeline` - drain, then stop every stage.
 
-Events go to the parent on ``evt_q``: ``("result", RequestOutput)``, ``("metrics", MetricSample)``,
-``("reconfigured", [stage info])``, ``("refused", request_id, reason)``, ``("error", "driver", msg, transport)``,
-``("stopped",)``.
+Events go to the parent on ``evt_q``: ``RequestFinished``, ``MetricsSampled``, ``Reconfigured``,
+``RequestRefused``, ``ProcessFailed("driver", ...)``, ``Stopped``.
+
+:class:`Driver` has one method per event; :func:`driver_main` is the process entry point.
 """
 
 from __future__ import annotations
@@ -21,150 +23,279 @@ import threading
 import time
 import traceback
 
-from flexpipe_dag.runtime.worker import F_AUX, F_BUSY_S, F_STEPS, FIELDS, WorkerSpec, setup_process, worker_slot
+from flexpipe_dag.runtime.messages import (
+    AddRequests,
+    DriverCounter,
+    FlushMetrics,
+    MessageKind,
+    MetricsSampled,
+    ProcessFailed,
+    Reconfigure,
+    Reconfigured,
+    RequestFinished,
+    RequestRefused,
+    SchedulerConfig,
+    StageInfo,
+    StageReload,
+    StepResult,
+    Stopped,
+    StopPipeline,
+    WorkerCounter,
+    counter_index,
+)
+from flexpipe_dag.runtime.worker import WorkerSpec, setup_process
+
+#: Seconds an idle driver sleeps between polls when nothing is queued or running.
+_IDLE_SLEEP_S = 0.01
 
 
-def driver_main(spec: WorkerSpec, gear_id: str, sched_cfg: dict, cmd_q, evt_q, counters,
-                metrics_period_s: float) -> None:
-    """Entry point of the driver process; see the module docstring for the protocol."""
-    in_transport = False
-    try:
-        setup_process(spec, 0)
-        from flexpipe_dag.runtime import transport as tp
+class Driver:
+    """The driver's state and its reactions, one method per event. Runs in the driver process after
+    :func:`~flexpipe_dag.runtime.worker.setup_process` (it sends and receives on the process group).
+
+    Args:
+        spec: the pipeline's :class:`~flexpipe_dag.runtime.worker.WorkerSpec` (ranks, KV geometry).
+        gear_id: the gear served (names metric samples until a reconfiguration changes it).
+        config: the scheduler's :class:`~flexpipe_dag.runtime.messages.SchedulerConfig`.
+        evt_q: where events for the parent go.
+        counters: the shared counter array (this rank's :class:`DriverCounter` slots are written;
+            the workers' :class:`WorkerCounter` slots are read for metrics).
+        metrics_period_s: seconds between metric samples.
+
+    Attributes:
+        in_transport: a send / receive is under way (a failure now is likely a peer's death).
+    """
+
+    def __init__(self, spec: WorkerSpec, gear_id: str, config: SchedulerConfig, evt_q, counters,
+                 metrics_period_s: float):
+        from flexpipe_dag.runtime import transport
         from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
-        from flexpipe_dag.runtime.live_metrics import LiveMetrics, StageCounters
+        from flexpipe_dag.runtime.live_metrics import LiveMetrics
         from flexpipe_dag.runtime.scheduler import Scheduler
 
-        layout = spec.layout()
+        self._tp = transport
+        self.spec, self.evt_q, self.counters = spec, evt_q, counters
+        self.metrics_period_s = metrics_period_s
+        self.layout = spec.layout()
         n = spec.num_stages
-        first_ranks = [layout.rank(0, k) for k in range(layout.replicas[0])]
-        last_ranks = [layout.rank(n - 1, k) for k in range(layout.replicas[-1])]
-        sched = Scheduler(BlockAllocator(layout.num_blocks, spec.block_size_tokens, layout.num_lanes), **sched_cfg)
-        inbox: queue.Queue = queue.Queue()
+        self.first_ranks = [self.layout.rank(0, k) for k in range(self.layout.replicas[0])]
+        self.last_ranks = [self.layout.rank(n - 1, k) for k in range(self.layout.replicas[-1])]
+        self.scheduler = Scheduler(BlockAllocator(self.layout.num_blocks, spec.block_size_tokens, self.layout.num_lanes),
+                                   micro_batch_size=config.micro_batch_size,
+                                   max_inflight_micro_batches=config.max_inflight_micro_batches,
+                                   max_tokens_per_micro_batch=config.max_tokens_per_micro_batch)
+        self.metrics = LiveMetrics(gear_id, time.monotonic())
+        self.inbox: queue.Queue = queue.Queue()  # (MessageKind, payload) from the last stage, or an exception
+        self.next_sample = time.monotonic() + metrics_period_s
+        self.pending_reconfigure: Reconfigure | None = None
+        self.reconfigure_sent = False
+        self.confirmations: dict[tuple[int, int], StageInfo] = {}
+        self.stopping = False
+        self.sent = 0  # micro-batches sent into the pipeline
+        self.in_transport = False
+        self._refusals = (KVCapacityError, ValueError)  # what add_request raises for a request it will not serve
+        self._handlers = {AddRequests: self.on_add, Reconfigure: self.on_reconfigure, FlushMetrics: self.on_flush,
+                          StopPipeline: self.on_stop}
 
-        def receive() -> None:  # the driver's messages travel in host memory (gloo) on every backend
-            stops = 0
-            try:
-                while True:
-                    if len(last_ranks) == 1:
-                        kind, meta, _ = tp.recv_message(last_ranks[0])
-                    else:
-                        _src, kind, meta, _ = tp.recv_message_any()
-                    if kind == tp.STOP:
-                        stops += 1
-                        if stops == len(last_ranks):
-                            inbox.put((kind, meta))
-                            return
-                        continue
-                    inbox.put((kind, meta))
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                inbox.put(("error", exc))
+    # -- main loop ------------------------------------------------------------------------------
+    def run(self, cmd_q) -> None:
+        """Serve until a :class:`StopPipeline` has drained and stopped every stage.
 
-        threading.Thread(target=receive, name="flexpipe-driver-recv", daemon=True).start()
-        metrics = LiveMetrics(gear_id, time.monotonic())
-        next_sample = time.monotonic() + metrics_period_s
-        reconfig: dict | None = None
-        reconfig_sent = False
-        stopping = False
-        sent = 0
+        Raises:
+            BaseException: whatever a send, the receiver thread or the scheduler raised.
+        """
+        threading.Thread(target=self._receive, name="flexpipe-driver-recv", daemon=True).start()
         while True:
-            # 1. commands
-            try:
-                while True:
-                    cmd, arg = cmd_q.get_nowait()
-                    if cmd == "add":
-                        for req in arg:
-                            try:
-                                sched.add_request(req)
-                                metrics.record_arrivals(1)
-                            except (KVCapacityError, ValueError) as exc:
-                                evt_q.put(("refused", req.request_id, str(exc)))
-                    elif cmd == "reconfigure":
-                        reconfig, reconfig_sent = arg, False
-                        sched.admission_paused = True
-                    elif cmd == "flush":
-                        next_sample = 0.0
-                    elif cmd == "stop":
-                        stopping = True
-                        sched.admission_paused = True
-            except queue.Empty:
-                pass
-            # 2. dispatch
-            while (mb := sched.schedule()) is not None:
-                in_transport = True
-                tp.send_message(layout.lane_rank(0, mb.lane), tp.BATCH, mb, tp.batch_input_ids(mb))
-                in_transport = False
-                sent += 1
-                counters[F_STEPS] = sent
-            drained = sched.num_running == 0 and sched.num_inflight_micro_batches == 0
-            if reconfig is not None and drained and not reconfig_sent:
-                in_transport = True
-                for dst in first_ranks:
-                    tp.send_message(dst, tp.RECONFIGURE, {**reconfig, "infos": []})
-                in_transport = False
-                reconfig_sent = True
-                confirmations: dict = {}
-            if stopping and drained and reconfig is None:  # queued requests are dropped on stop
-                in_transport = True
-                for dst in first_ranks:
-                    tp.send_message(dst, tp.STOP, None)
-                in_transport = False
-                while True:
-                    item = inbox.get(timeout=600)
-                    if item[0] == tp.STOP:
-                        break
-                    if item[0] == "error":
-                        raise item[1]
-                evt_q.put(("stopped",))
+            self.take_commands(cmd_q)
+            self.dispatch()
+            if self.drained and self.pending_reconfigure is not None and not self.reconfigure_sent:
+                self.send_reconfigure()
+            if self.stopping and self.drained and self.pending_reconfigure is None:
+                self.stop_stages()  # queued requests are dropped on stop
                 return
-            # 3. results
-            busy = sched.num_inflight_micro_batches > 0
-            try:
-                item = inbox.get(timeout=0.02 if busy or reconfig_sent else 0.005)
-            except queue.Empty:
-                item = None
-            if item is not None:
-                kind, meta = item
-                if kind == "error":
-                    in_transport = True
-                    raise meta
-                if kind == tp.RESULT:
-                    mb_id, tokens = meta
-                    metrics.record_tokens(len(tokens))
-                    for out in sched.update_from_output(mb_id, tokens):
-                        metrics.record_finished(out.ttft_s, out.tpot_s, out.e2e_s)
-                        evt_q.put(("result", out))
-                    counters[F_AUX] += 1
-                elif kind == tp.RECONFIGURED:
-                    for i in meta["infos"]:
-                        confirmations[worker_slot(i)] = i
-                    if len(confirmations) < layout.num_workers:
-                        continue  # another last-stage replica has yet to confirm
-                    layout = spec.layout(reconfig["num_blocks"])
-                    sched.allocator.reset(layout.num_blocks, reconfig["block_size_tokens"], layout.num_lanes)
-                    sched.micro_batch_size = reconfig.get("micro_batch_size", sched.micro_batch_size)
-                    sched.max_inflight_micro_batches = reconfig.get("max_inflight_micro_batches",
-                                                                    sched.max_inflight_micro_batches)
-                    metrics.gear_id = reconfig.get("gear_id", metrics.gear_id)
-                    evt_q.put(("reconfigured", list(confirmations.values())))
-                    reconfig, reconfig_sent = None, False
-                    sched.admission_paused = stopping
-            elif not busy and not sched.has_unfinished():
-                time.sleep(0.01)
-            # 4. metrics
+            self.take_one_message()
             now = time.monotonic()
-            if now >= next_sample:
-                stages = [StageCounters(  # a replicated stage: its steps summed, busy time averaged over replicas
-                    int(sum(counters[layout.rank(s, k) * FIELDS + F_STEPS] for k in range(layout.replicas[s]))),
-                    float(sum(counters[layout.rank(s, k) * FIELDS + F_BUSY_S] for k in range(layout.replicas[s]))
-                          / layout.replicas[s])) for s in range(n)]
-                evt_q.put(("metrics", metrics.sample(
-                    now, queue_length=sched.num_waiting, running=sched.num_running,
-                    kv_blocks_used=sched.allocator.num_used_blocks, kv_blocks_total=sched.allocator.num_blocks,
-                    micro_batches_sent=sent, stages=stages)))
-                next_sample = now + metrics_period_s
+            if now >= self.next_sample:
+                self.on_sample_due(now)
+
+    @property
+    def drained(self) -> bool:
+        """No sequence running and no micro-batch in flight."""
+        return self.scheduler.num_running == 0 and self.scheduler.num_inflight_micro_batches == 0
+
+    def _send(self, dst: int, kind: MessageKind, payload=None, tensor=None) -> None:
+        self.in_transport = True
+        self._tp.send_message(dst, kind, payload, tensor)
+        self.in_transport = False
+
+    def _receive(self) -> None:
+        """Receiver thread: messages of the last stage's replicas into :attr:`inbox` (the driver's
+        messages travel in host memory, gloo, on every backend). Stops after every replica's ``STOP``."""
+        tp, stops = self._tp, 0
+        try:
+            while True:
+                if len(self.last_ranks) == 1:
+                    kind, meta, _ = tp.recv_message(self.last_ranks[0])
+                else:
+                    _src, kind, meta, _ = tp.recv_message_any()
+                if kind == MessageKind.STOP:
+                    stops += 1
+                    if stops == len(self.last_ranks):
+                        self.inbox.put((kind, meta))
+                        return
+                    continue
+                self.inbox.put((kind, meta))
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self.inbox.put(exc)
+
+    # -- commands from the parent ---------------------------------------------------------------
+    def take_commands(self, cmd_q) -> None:
+        """Apply every command waiting on ``cmd_q``."""
+        try:
+            while True:
+                cmd = cmd_q.get_nowait()
+                self._handlers[type(cmd)](cmd)
+        except queue.Empty:
+            pass
+
+    def on_add(self, cmd: AddRequests) -> None:
+        """Queue each request; a refused one is reported as :class:`RequestRefused`."""
+        for req in cmd.requests:
+            try:
+                self.scheduler.add_request(req)
+                self.metrics.record_arrivals(1)
+            except self._refusals as exc:
+                self.evt_q.put(RequestRefused(req.request_id, str(exc)))
+
+    def on_reconfigure(self, cmd: Reconfigure) -> None:
+        """Pause admission; the stages reload once running sequences drained (:meth:`send_reconfigure`)."""
+        self.pending_reconfigure, self.reconfigure_sent = cmd, False
+        self.scheduler.admission_paused = True
+
+    def on_flush(self, cmd: FlushMetrics) -> None:
+        """Sample metrics at the next opportunity."""
+        self.next_sample = 0.0
+
+    def on_stop(self, cmd: StopPipeline) -> None:
+        """Pause admission; stop once running sequences drained (and any reconfiguration finished)."""
+        self.stopping = True
+        self.scheduler.admission_paused = True
+
+    # -- the pipeline ---------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        """Send every micro-batch the scheduler is ready to run to stage 0 of its lane."""
+        while (mb := self.scheduler.schedule()) is not None:
+            self._send(self.layout.lane_rank(0, mb.lane), MessageKind.BATCH, mb, self._tp.batch_input_ids(mb))
+            self.sent += 1
+            self.counters[counter_index(0, DriverCounter.MICRO_BATCHES_SENT)] = self.sent
+
+    def send_reconfigure(self) -> None:
+        """Send the pending :class:`Reconfigure` down every lane (the pipeline is drained)."""
+        for dst in self.first_ranks:
+            self._send(dst, MessageKind.RECONFIGURE, StageReload(self.pending_reconfigure))
+        self.reconfigure_sent = True
+        self.confirmations = {}
+
+    def stop_stages(self) -> None:
+        """Send ``STOP`` down every lane, wait until it came back from every last-stage replica, then
+        report :class:`Stopped`.
+
+        Raises:
+            BaseException: the receiver thread's failure.
+        """
+        for dst in self.first_ranks:
+            self._send(dst, MessageKind.STOP, None)
+        while True:
+            item = self.inbox.get(timeout=600)
+            if isinstance(item, BaseException):
+                raise item
+            if item[0] == MessageKind.STOP:
+                break
+        self.evt_q.put(Stopped())
+
+    def take_one_message(self) -> None:
+        """Handle the next message from the last stage, waiting briefly for one (longer while work is
+        in flight); sleep a little when there is nothing at all to do.
+
+        Raises:
+            BaseException: the receiver thread's failure (counted as a transport failure).
+        """
+        busy = self.scheduler.num_inflight_micro_batches > 0
+        try:
+            item = self.inbox.get(timeout=0.02 if busy or self.reconfigure_sent else 0.005)
+        except queue.Empty:
+            if not busy and not self.scheduler.has_unfinished():
+                time.sleep(_IDLE_SLEEP_S)
+            return
+        if isinstance(item, BaseException):
+            self.in_transport = True
+            raise item
+        kind, payload = item
+        if kind == MessageKind.RESULT:
+            self.on_result(payload)
+        elif kind == MessageKind.RECONFIGURED:
+            self.on_reconfigured(payload)
+
+    def on_result(self, result: StepResult) -> None:
+        """A micro-batch's sampled tokens: advance its sequences, report those that finished."""
+        self.metrics.record_tokens(len(result.token_ids))
+        for out in self.scheduler.update_from_output(result.mb_id, list(result.token_ids)):
+            self.metrics.record_finished(out.ttft_s, out.tpot_s, out.e2e_s)
+            self.evt_q.put(RequestFinished(out))
+        self.counters[counter_index(0, DriverCounter.MICRO_BATCHES_DONE)] += 1
+
+    def on_reconfigured(self, reload: StageReload) -> None:
+        """One last-stage replica confirmed; once every worker has, adopt the new KV geometry and
+        scheduler limits, report :class:`Reconfigured` and resume admission (unless stopping)."""
+        for info in reload.infos:
+            self.confirmations[info.slot] = info
+        if len(self.confirmations) < self.layout.num_workers:
+            return  # another last-stage replica has yet to confirm
+        cmd = self.pending_reconfigure
+        self.layout = self.spec.layout(cmd.num_blocks)
+        sched = self.scheduler
+        sched.allocator.reset(self.layout.num_blocks, cmd.block_size_tokens, self.layout.num_lanes)
+        sched.micro_batch_size = cmd.micro_batch_size
+        sched.max_inflight_micro_batches = cmd.max_inflight_micro_batches
+        self.metrics.gear_id = cmd.gear_id
+        self.evt_q.put(Reconfigured(tuple(self.confirmations.values())))
+        self.pending_reconfigure, self.reconfigure_sent = None, False
+        sched.admission_paused = self.stopping
+
+    # -- metrics --------------------------------------------------------------------------------
+    def on_sample_due(self, now: float) -> None:
+        """Emit a :class:`MetricsSampled` for the window since the last one."""
+        from flexpipe_dag.runtime.live_metrics import StageCounters
+
+        c, layout, sched = self.counters, self.layout, self.scheduler
+
+        def total(stage: int, slot: WorkerCounter) -> float:
+            return sum(c[counter_index(layout.rank(stage, k), slot)] for k in range(layout.replicas[stage]))
+
+        # a replicated stage: its steps summed, busy time averaged over replicas
+        stages = [StageCounters(int(total(s, WorkerCounter.STEPS)), float(total(s, WorkerCounter.BUSY_S)
+                                                                          / layout.replicas[s]))
+                  for s in range(self.spec.num_stages)]
+        self.evt_q.put(MetricsSampled(self.metrics.sample(
+            now, queue_length=sched.num_waiting, running=sched.num_running,
+            kv_blocks_used=sched.allocator.num_used_blocks, kv_blocks_total=sched.allocator.num_blocks,
+            micro_batches_sent=self.sent, stages=stages)))
+        self.next_sample = now + self.metrics_period_s
+
+
+
+def driver_main(spec: WorkerSpec, gear_id: str, config: SchedulerConfig, cmd_q, evt_q, counters,
+                metrics_period_s: float) -> None:
+    """Entry point of the driver process (rank 0): run a :class:`Driver` until it stops; on any
+    failure report :class:`ProcessFailed` ``("driver", ...)`` and exit non-zero."""
+    driver: Driver | None = None
+    try:
+        setup_process(spec, 0)
+        driver = Driver(spec, gear_id, config, evt_q, counters, metrics_period_s)
+        driver.run(cmd_q)
     except BaseException as exc:  # noqa: BLE001
-        evt_q.put(("error", "driver", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", in_transport))
+        evt_q.put(ProcessFailed("driver", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}",
+                                driver is not None and driver.in_transport))
         raise SystemExit(1) from None
     finally:
         from flexpipe_dag.runtime.worker import _destroy

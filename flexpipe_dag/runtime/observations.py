@@ -3,7 +3,7 @@
 Every stage worker writes one row per micro-batch step into a fixed-size ring of ``float64`` rows in
 a memory-mapped file (:class:`StepRecorder`; no message, no lock, a few stores per step). The
 parent opens each stage's ring from the path the worker reports in its stage info
-(``stage_info[s]["observations_path"]``) and turns new rows into
+(``worker_infos[w].observations_path``) and turns new rows into
 :class:`~flexpipe_dag.calibration.observation.StageObservation` objects
 (:class:`ObservationCollector`), which the calibration fits and the store keeps.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flexpipe_dag.runtime.worker import worker_slot
+from flexpipe_dag.runtime.messages import StageInfo
 
 #: Column names of one ring row, in order.
 COLUMNS: tuple[str, ...] = ("mb_id", "t_end_s", "wall_ms", "num_seqs", "prefill_seqs", "prompt_tokens",
@@ -198,7 +198,8 @@ class ObservationCollector:
 
     Args:
         runtime: a started :class:`~flexpipe_dag.runtime.pipeline.PipelineRuntime` (its ``gear``
-            names each stage's device; its ``stage_info`` the ring files).
+            names each stage's device; its ``worker_infos``, :class:`~flexpipe_dag.runtime.messages.StageInfo`
+            per worker, the ring files).
         run_key: written into nothing here; kept for the caller's store writes.
 
     Raises:
@@ -212,11 +213,11 @@ class ObservationCollector:
         remote = getattr(runtime, "remote_stages", None)
         if remote:  # stages on other hosts ship their rows to the head (flexpipe_dag.runtime.remote)
             self._readers = list(remote)
-        for info in [] if remote else runtime.stage_info:
-            path = info.get("observations_path")
-            if not path:
-                raise ValueError(f"stage {info.get('stage_index')} reported no observations_path")
-            self._readers.append(RingReader(path))
+        infos: list[StageInfo] = runtime.worker_infos
+        for info in [] if remote else infos:
+            if not info.observations_path:
+                raise ValueError(f"stage {info.stage_index} reported no observations_path")
+            self._readers.append(RingReader(info.observations_path))
         self.observations: list = []
         self._t0: float | None = None
 
@@ -241,8 +242,8 @@ class ObservationCollector:
             starts = [rows[0, _C["t_end_s"]] - rows[0, _C["wall_ms"]] / 1e3 for rows in per_stage if len(rows)]
             if starts:
                 self._t0 = min(starts)
-        for info, rows in zip(self.runtime.stage_info, per_stage):  # one ring per worker (stage replica)
-            s, k = worker_slot(info)
+        for info, rows in zip(self.runtime.worker_infos, per_stage):  # one ring per worker (stage replica)
+            s, k = info.slot
             dev = gear.stages[s].device_ids[k % len(gear.stages[s].device_ids)]
             dst = None
             if s + 1 < n:  # the next stage's replica on this replica's first lane

@@ -35,10 +35,14 @@ from flexpipe_dag.core.host import free_port, host_memory_bytes
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
+from flexpipe_dag.runtime.messages import (COUNTER_SLOTS, AddRequests, DriverCounter, FlushMetrics, MetricsSampled,
+                                           ProcessFailed, Reconfigure, Reconfigured, RequestFinished, RequestRefused,
+                                           SchedulerConfig, StageInfo, StageReady, Stopped, StopPipeline,
+                                           WorkerCounter, counter_index, worker_slot)
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint, stage_param_bytes
 from flexpipe_dag.runtime.scheduler import Request, RequestOutput
 from flexpipe_dag.runtime.remote import SILENT_AT_FAILURE_S
-from flexpipe_dag.runtime.worker import F_STEP_STARTED, F_STEPS, F_AUX, FIELDS, WorkerSpec, worker_slot
+from flexpipe_dag.runtime.worker import WorkerSpec
 
 #: Default backend on GPUs: NCCL carries activations between stages, gloo the driver's small messages.
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
@@ -239,7 +243,8 @@ class PipelineRuntime:
         self.gear = gear
         self.ckpt = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
         self.options = options or RuntimeOptions()
-        self.stage_info: list[dict] = []
+        #: per worker (stage order, replicas together): what it reported once loaded; empty before start
+        self.worker_infos: list[StageInfo] = []
         self._procs: list = []  # [driver, stage 0, stage 1, ...]
         self._outstanding: set[str] = set()
         self._finished: list[RequestOutput] = []
@@ -267,9 +272,16 @@ class PipelineRuntime:
                           replicas=[st.replicas for st in self.gear.stages],
                           checkpoint_fingerprint=self.ckpt.fingerprint if self._control else "")
 
+    @property
+    def stage_info(self) -> list[dict]:
+        """:attr:`worker_infos` as plain dicts (``stage_index``, ``replica_index``, ``layer_start``,
+        ``layer_end``, ``param_bytes``, ``kv_pool_bytes``, ``kv_capacity_tokens``, ``pid``, ``host``,
+        ``observations_path``), for reports and JSON; empty before :meth:`start`."""
+        return [i.as_dict() for i in self.worker_infos]
+
     def start(self) -> list[dict]:
-        """Check the fit, spawn the processes, wait until every stage has loaded; returns stage info
-        (``param_bytes``, ``kv_pool_bytes``, ``kv_capacity_tokens``, ``pid`` per stage)."""
+        """Check the fit, spawn the processes, wait until every stage has loaded; returns
+        :attr:`stage_info` (``param_bytes``, ``kv_pool_bytes``, ``kv_capacity_tokens``, ``pid`` per worker)."""
         from flexpipe_dag.runtime.driver import driver_main
         from flexpipe_dag.runtime.worker import worker_main
 
@@ -282,10 +294,10 @@ class PipelineRuntime:
         ctx = process_context(self.options.start_method)
         self._events = ctx.Queue()
         self._cmds = ctx.Queue()
-        self._counters = ctx.RawArray("d", FIELDS * spec.world_size)
-        sched_cfg = {"micro_batch_size": self.gear.micro_batch_size,
-                     "max_inflight_micro_batches": self.gear.max_inflight_micro_batches,
-                     "max_tokens_per_micro_batch": self.options.max_tokens_per_micro_batch}
+        self._counters = ctx.RawArray("d", COUNTER_SLOTS * spec.world_size)
+        sched_cfg = SchedulerConfig(micro_batch_size=self.gear.micro_batch_size,
+                                    max_inflight_micro_batches=self.gear.max_inflight_micro_batches,
+                                    max_tokens_per_micro_batch=self.options.max_tokens_per_micro_batch)
         self._procs = [ctx.Process(target=driver_main, name="flexpipe-driver", daemon=True,
                                    args=(spec, self.gear.gear_id, sched_cfg, self._cmds, self._events,
                                          self._counters, self.options.metrics_period_s))]
@@ -300,7 +312,7 @@ class PipelineRuntime:
             self._control.start(self._events, self._counters)
             self._procs += self._control.workers
         self._started = True
-        info: dict[int, dict] = {}
+        info: dict[int, StageInfo] = {}
         deadline = time.monotonic() + self.options.start_timeout_s
         while len(info) < spec.num_workers:
             if time.monotonic() > deadline:
@@ -316,9 +328,9 @@ class PipelineRuntime:
                            f"`flexpipe worker --head {self._control.address} {which}`")
                 self._fail(culprit, why)
             ev = self._next_event(0.2)
-            if ev and ev[0] == "ready":
-                info[ev[1]] = ev[2]
-        self.stage_info = [info[w] for w in range(spec.num_workers)]  # per worker: stage order, replicas together
+            if isinstance(ev, StageReady):
+                info[ev.worker] = ev.info
+        self.worker_infos = [info[w] for w in range(spec.num_workers)]  # per worker: stage order, replicas together
         return self.stage_info
 
     def listen(self) -> str:
@@ -361,7 +373,7 @@ class PipelineRuntime:
         self._started = False
         alive = all(p.is_alive() for p in self._procs)
         if alive:
-            self._cmds.put(("stop", None))
+            self._cmds.put(StopPipeline())
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 try:
@@ -370,7 +382,7 @@ class PipelineRuntime:
                     if not all(p.is_alive() for p in self._procs):
                         break
                     continue
-                if ev[0] == "stopped":
+                if isinstance(ev, Stopped):
                     break
         self._kill_all(grace_s=5.0 if alive else 0.5)
 
@@ -400,7 +412,7 @@ class PipelineRuntime:
         reqs = list(requests)
         ids = [r.request_id for r in reqs]
         self._outstanding.update(ids)
-        self._cmds.put(("add", reqs))
+        self._cmds.put(AddRequests(tuple(reqs)))
         return ids
 
     def generate(self, requests: Iterable[Request], on_result: Callable[[RequestOutput], None] | None = None,
@@ -425,13 +437,13 @@ class PipelineRuntime:
             ev = self._next_event(0.1)
             if ev is None:
                 continue
-            if ev[0] == "result":
-                self._deliver(ev[1])
-            elif ev[0] == "metrics":
-                self._record(ev[1], on_metrics)
-            elif ev[0] == "refused":
-                self._outstanding.discard(ev[1])
-                self._refused[ev[1]] = ev[2]
+            if isinstance(ev, RequestFinished):
+                self._deliver(ev.output)
+            elif isinstance(ev, MetricsSampled):
+                self._record(ev.sample, on_metrics)
+            elif isinstance(ev, RequestRefused):
+                self._outstanding.discard(ev.request_id)
+                self._refused[ev.request_id] = ev.reason
 
     def flush_metrics(self, on_metrics: Callable[[MetricSample], None] | None = None,
                       timeout_s: float = 10.0) -> MetricSample | None:
@@ -441,17 +453,17 @@ class PipelineRuntime:
         Raises:
             StageFailedError: as :meth:`generate`.
         """
-        self._cmds.put(("flush", None))
+        self._cmds.put(FlushMetrics())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             ev = self._next_event(0.1)
             if ev is None:
                 continue
-            if ev[0] == "metrics":
-                self._record(ev[1], on_metrics)
-                return ev[1]
-            if ev[0] == "result":  # a request submitted meanwhile
-                self._deliver(ev[1])
+            if isinstance(ev, MetricsSampled):
+                self._record(ev.sample, on_metrics)
+                return ev.sample
+            if isinstance(ev, RequestFinished):  # a request submitted meanwhile
+                self._deliver(ev.output)
         return None
 
     def _deliver(self, out: RequestOutput, notify: bool = True) -> None:
@@ -493,10 +505,10 @@ class PipelineRuntime:
                              f"got {gear.num_stages} with {[st.replicas for st in gear.stages]}")
         layout = gear_lane_layout(gear)
         check_gear_fits(gear, self.ckpt, self.options)
-        self._cmds.put(("reconfigure", {"ranges": gear.layer_ranges(), "num_blocks": kv_num_blocks(gear),
-                                        "block_size_tokens": gear.kv_block_size_tokens, "gear_id": gear.gear_id,
-                                        "micro_batch_size": gear.micro_batch_size,
-                                        "max_inflight_micro_batches": gear.max_inflight_micro_batches}))
+        self._cmds.put(Reconfigure(gear_id=gear.gear_id, ranges=tuple(tuple(r) for r in gear.layer_ranges()),
+                                   num_blocks=kv_num_blocks(gear), block_size_tokens=gear.kv_block_size_tokens,
+                                   micro_batch_size=gear.micro_batch_size,
+                                   max_inflight_micro_batches=gear.max_inflight_micro_batches))
         deadline = time.monotonic() + timeout_s
         while True:
             if time.monotonic() > deadline:
@@ -504,14 +516,14 @@ class PipelineRuntime:
             ev = self._next_event(0.1)
             if ev is None:
                 continue
-            if ev[0] == "reconfigured":
+            if isinstance(ev, Reconfigured):
                 self.gear, self._layout = gear, layout
-                self.stage_info = sorted(ev[1], key=worker_slot)
+                self.worker_infos = sorted(ev.infos, key=worker_slot)
                 return self.stage_info
-            if ev[0] == "result":
-                self._deliver(ev[1], notify=False)
-            elif ev[0] == "metrics":
-                self._record(ev[1])
+            if isinstance(ev, RequestFinished):
+                self._deliver(ev.output, notify=False)
+            elif isinstance(ev, MetricsSampled):
+                self._record(ev.sample)
 
     # -- watchdog ---------------------------------------------------------------------------------
     def _next_event(self, timeout_s: float):
@@ -520,8 +532,8 @@ class PipelineRuntime:
             ev = self._events.get(timeout=timeout_s)
         except queue.Empty:
             ev = None
-        if ev is not None and ev[0] == "error":
-            self._fail(ev[1], ev[2], first_error=ev)
+        if isinstance(ev, ProcessFailed):
+            self._fail(ev.source, ev.message, first_error=ev)
         self._check_health()
         return ev
 
@@ -542,10 +554,11 @@ class PipelineRuntime:
         limit = self.options.step_timeout_s
         c = self._counters
         for s in range(len(self._procs) - 1):
-            started = c[(s + 1) * FIELDS + F_STEP_STARTED]
+            started = c[counter_index(s + 1, WorkerCounter.STEP_STARTED)]
             if started and now - started > limit:
                 self._fail(s, f"watchdog: one step has run for {now - started:.1f} s (limit {limit:.0f} s)")
-        sent, done = c[F_STEPS], c[F_AUX]
+        sent = c[counter_index(0, DriverCounter.MICRO_BATCHES_SENT)]
+        done = c[counter_index(0, DriverCounter.MICRO_BATCHES_DONE)]
         if sent > done:  # work in flight: it must make progress
             mark = (sent, done)
             if self._stall_mark is None or self._stall_mark[0] != mark:
@@ -553,7 +566,8 @@ class PipelineRuntime:
             elif now - self._stall_mark[1] > limit:
                 oldest = done + 1  # micro-batches are served FIFO by every (non-replicated) stage
                 lay = self._layout
-                steps = [[c[lay.rank(s, k) * FIELDS + F_STEPS] for k in range(r)] for s, r in enumerate(lay.replicas)]
+                steps = [[c[counter_index(lay.rank(s, k), WorkerCounter.STEPS)] for k in range(r)]
+                         for s, r in enumerate(lay.replicas)]
                 stage = next((s for s in range(lay.num_stages) if sum(steps[s]) < oldest), lay.num_stages - 1)
                 replica = min(range(lay.replicas[stage]), key=lambda k: steps[stage][k])  # the one that fell behind
                 self._fail(lay.rank(stage, replica) - 1, f"watchdog: no progress for {now - self._stall_mark[1]:.1f} s; micro-batch "
@@ -561,21 +575,21 @@ class PipelineRuntime:
         else:
             self._stall_mark = None
 
-    def _fail(self, stage: int | str, reason: str, first_error=None) -> None:
+    def _fail(self, stage: int | str, reason: str, first_error: ProcessFailed | None = None) -> None:
         """Collect reports for a moment, pick the culprit, kill every process, raise."""
-        reports: dict = {}
+        reports: dict[int | str, tuple[str, bool]] = {}  # source -> (message, in_transport)
         if first_error is not None:
-            reports[first_error[1]] = (first_error[2], first_error[3])
+            reports[first_error.source] = (first_error.message, first_error.in_transport)
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             try:
                 ev = self._events.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if ev[0] == "error":
-                reports.setdefault(ev[1], (ev[2], ev[3]))
-            elif ev[0] == "result":  # finished just before the failure: keep it
-                self._deliver(ev[1])
+            if isinstance(ev, ProcessFailed):
+                reports.setdefault(ev.source, (ev.message, ev.in_transport))
+            elif isinstance(ev, RequestFinished):  # finished just before the failure: keep it
+                self._deliver(ev.output)
         codes = {("driver" if i == 0 else i - 1): p.exitcode for i, p in enumerate(self._procs)}
         culprit, why = stage, reason
         killed = [s for s, code in codes.items() if code is not None and code < 0]

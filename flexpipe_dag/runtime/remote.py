@@ -11,12 +11,13 @@ serves on ``PORT`` (the only port to open besides the backend's own data connect
 
 * ``claim/<w>``: a worker claims worker slot ``w`` (stage ``s`` without replicas; a second
   claimant is refused);
-* ``spec``: the pickled :class:`~flexpipe_dag.runtime.worker.WorkerSpec` (layer ranges, KV pool,
+* ``spec``: the :class:`~flexpipe_dag.runtime.worker.WorkerSpec` as JSON (layer ranges, KV pool,
   dtype, backend), published by the head; every worker loads *its own* copy of the model (same
   model name required, path may differ per host);
 * ``pg/...``: the ``torch.distributed`` rendezvous of driver + stages (gloo on CPU, NCCL on GPU);
-* ``events`` (a store queue): ``ready`` / ``error`` reports, exactly as local workers put them on
-  their ``multiprocessing`` queue;
+* ``events`` (a store queue): :class:`~flexpipe_dag.runtime.messages.StageReady` /
+  :class:`~flexpipe_dag.runtime.messages.ProcessFailed` reports as JSON, the events local workers
+  put on their ``multiprocessing`` queue;
 * ``hb/<w>``: a heartbeat every :data:`HEARTBEAT_PERIOD_S` carrying the stage's step counters
   (steps, busy seconds, age of the running step), mirrored by the head into the same counter
   array local workers write, so the watchdog and live metrics work unchanged;
@@ -28,13 +29,17 @@ serves on ``PORT`` (the only port to open besides the backend's own data connect
 A worker whose heartbeat stops (process killed, host lost) is named by the head's watchdog after
 ``heartbeat_timeout_s``; a worker that loses the head for as long exits on its own, so no stage is
 left holding a GPU.
+
+Nothing read from the store is unpickled: the spec and the events are JSON checked field by field
+on receipt (:func:`~flexpipe_dag.runtime.messages.from_json`, a
+:class:`~flexpipe_dag.runtime.messages.MessageError` names what is wrong), heartbeats and
+observation rows fixed ``struct`` / ``float64`` layouts.
 """
 
 from __future__ import annotations
 
 import array
 import os
-import pickle
 import queue
 import signal
 import socket
@@ -45,7 +50,21 @@ import time
 from datetime import timedelta
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.runtime.worker import F_STEP_STARTED, FIELDS, WorkerSpec
+from flexpipe_dag.runtime.messages import (
+    COUNTER_SLOTS,
+    MessageError,
+    ProcessFailed,
+    StageReady,
+    WorkerCounter,
+    counter_index,
+    from_json,
+    to_json,
+)
+from flexpipe_dag.runtime.rendezvous import connect, parse_address
+from flexpipe_dag.runtime.worker import WorkerSpec
+
+__all__ = ["ControlServer", "HeartbeatCounters", "RemoteStage", "StoreEvents", "connect", "fetch_spec",
+           "parse_address", "serve_stage"]
 
 #: Seconds between a remote worker's heartbeats (and the head's polls of the store).
 HEARTBEAT_PERIOD_S = 0.2
@@ -54,34 +73,14 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
 #: A remote stage silent this long when a run fails is taken as the failure's cause.
 SILENT_AT_FAILURE_S = 3 * HEARTBEAT_PERIOD_S + 0.2
 _EVENTS = "events"
-_HB = struct.Struct(f"<qd{FIELDS}d")  # sequence, sender's monotonic clock, counter fields
+_HB = struct.Struct(f"<qd{COUNTER_SLOTS}d")  # sequence, sender's monotonic clock, the worker's counter row
 _OBS = struct.Struct("<dq")  # sender's monotonic clock, rows dropped so far; then float64 ring rows
 
 
-def parse_address(text: str, field: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` -> ``(host, port)``.
-
-    Raises:
-        InputError: naming ``field`` when the text is not ``HOST:PORT`` with a port in 0..65535.
-    """
-    host, sep, port = str(text).rpartition(":")
-    bracketed = host.startswith("[") and host.endswith("]")
-    if (not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535
-            or (":" in host and not bracketed)):
-        raise InputError(None, field, f"expected HOST:PORT (e.g. gpu-a100-0:29501, [::1]:29501 for IPv6), got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-def connect(host: str, port: int, timeout_s: float):
-    """A client of the head's control store (retries until the head is up or ``timeout_s`` passes)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-
-
 class StoreEvents:
-    """Worker side of the event channel: ``put(event)`` pushes a pickled tuple onto the store queue.
-    ``on_ready(info)`` is called with the stage's ``ready`` info (its observation ring's path)."""
+    """Worker side of the event channel: ``put(event)`` pushes a :class:`StageReady` or
+    :class:`ProcessFailed` as JSON onto the store queue. ``on_ready(info)`` is called with the
+    stage's :class:`~flexpipe_dag.runtime.messages.StageInfo` (its observation ring's path)."""
 
     def __init__(self, store, on_ready=None, name: str = "worker"):
         self._store = store
@@ -89,16 +88,16 @@ class StoreEvents:
         self._on_ready = on_ready
         self.name = name
 
-    def put(self, event: tuple) -> None:
-        """Send ``event`` to the head (best effort: a head that is gone cannot hear it); an error is
+    def put(self, event: StageReady | ProcessFailed) -> None:
+        """Send ``event`` to the head (best effort: a head that is gone cannot hear it); a failure is
         also printed here, so the worker's own host shows why it stopped."""
-        if event[0] == "ready" and self._on_ready is not None:
-            self._on_ready(event[2])
-        if event[0] == "error":
-            print(f"flexpipe worker ({self.name}): {event[2].strip().splitlines()[0]}", file=sys.stderr, flush=True)
+        if isinstance(event, StageReady) and self._on_ready is not None:
+            self._on_ready(event.info)
+        if isinstance(event, ProcessFailed):
+            print(f"flexpipe worker ({self.name}): {event.message.strip().splitlines()[0]}", file=sys.stderr, flush=True)
         try:
             with self._lock:
-                self._store.queue_push(_EVENTS, pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL))
+                self._store.queue_push(_EVENTS, to_json(event))
         except Exception:  # noqa: BLE001 - the head is gone; the heartbeat thread ends this process
             pass
 
@@ -111,21 +110,22 @@ class HeartbeatCounters:
     def __init__(self, store, worker: int, world_size: int, head_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  name: str = ""):
         self.name = name or f"worker {worker}"
-        self._values = array.array("d", [0.0] * (FIELDS * world_size))
+        self._values = array.array("d", [0.0] * (COUNTER_SLOTS * world_size))
         self._store = store.clone()
-        self.worker, self._base = worker, (worker + 1) * FIELDS
+        self.worker, self._base = worker, counter_index(worker + 1, 0)
         self._head_timeout_s = head_timeout_s
         self._stop = threading.Event()
         self._ring = None  # this stage's observation ring, once loaded
         self._thread = threading.Thread(target=self._beat, name=f"flexpipe-heartbeat-{worker}", daemon=True)
         self._thread.start()
 
-    def watch_ring(self, info: dict) -> None:
-        """Ship the rows of the stage's observation ring (``info["observations_path"]``) to the head."""
+    def watch_ring(self, info) -> None:
+        """Ship the rows of the stage's observation ring (``info.observations_path``, a
+        :class:`~flexpipe_dag.runtime.messages.StageInfo`) to the head."""
         from flexpipe_dag.runtime.observations import RingReader
 
-        if info.get("observations_path"):
-            self._ring = RingReader(info["observations_path"])
+        if info.observations_path:
+            self._ring = RingReader(info.observations_path)
 
     def __getitem__(self, i: int) -> float:
         return self._values[i]
@@ -147,7 +147,7 @@ class HeartbeatCounters:
         while not self._stop.wait(HEARTBEAT_PERIOD_S):
             seq += 1
             try:
-                fields = self._values[self._base:self._base + FIELDS]
+                fields = self._values[self._base:self._base + COUNTER_SLOTS]
                 self._store.set(f"hb/{self.worker}", _HB.pack(seq, time.monotonic(), *fields))
                 self._ship_observations()
                 if self._store.check(["abort"]):
@@ -268,7 +268,7 @@ class ControlServer:
     def publish(self, spec: WorkerSpec) -> None:
         """Hand the pipeline spec to the workers (they block on it after claiming their stage)."""
         with self._lock:
-            self._main.set("spec", pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+            self._main.set("spec", to_json(spec))
 
     def claimed(self) -> list[int]:
         """Worker slots claimed so far."""
@@ -308,15 +308,24 @@ class ControlServer:
                 self._stop.wait(HEARTBEAT_PERIOD_S / 4)
         except Exception as exc:  # noqa: BLE001 - surfaces as a driver failure in the watchdog
             if not self._stop.is_set():
-                events.put(("error", "driver", f"control store failed: {type(exc).__name__}: {exc}", True))
+                events.put(ProcessFailed("driver", f"control store failed: {type(exc).__name__}: {exc}", True))
 
     def poll(self, store, events, counters) -> None:
-        """One pass: drain the event queue, mirror heartbeats and exit codes (public for tests)."""
+        """One pass: drain the event queue, mirror heartbeats and exit codes (public for tests).
+
+        Raises:
+            MessageError: a worker sent an event that is not a valid :class:`StageReady` /
+                :class:`ProcessFailed`, or one for a worker slot this pipeline does not have.
+        """
         while store.queue_len(_EVENTS) > 0:
-            ev = pickle.loads(store.queue_pop(_EVENTS, False))
-            if ev[0] == "ready":
-                st = self.workers[ev[1]]
-                st.pid, st.host = ev[2].get("pid"), ev[2].get("host")
+            ev = from_json((StageReady, ProcessFailed), store.queue_pop(_EVENTS, False), "a remote worker")
+            w = ev.worker if isinstance(ev, StageReady) else ev.source
+            if isinstance(w, int) and not 0 <= w < len(self.workers):
+                raise MessageError(f"a remote worker reported as worker {w}; this pipeline has "
+                                   f"{len(self.workers)} (0..{len(self.workers) - 1})")
+            if isinstance(ev, StageReady):
+                st = self.workers[ev.worker]
+                st.pid, st.host = ev.info.pid, ev.info.host
             events.put(ev)
         now = time.monotonic()
         for st in self.workers:
@@ -330,9 +339,9 @@ class ControlServer:
             if seq == st._seq:
                 continue
             st._seq, st.last_beat = seq, now
-            base = (w + 1) * FIELDS
+            base = counter_index(w + 1, 0)
             for i, v in enumerate(fields):
-                if i == F_STEP_STARTED and v:
+                if i == WorkerCounter.STEP_STARTED and v:
                     v = now - (sent_at - v)  # the worker's clock -> ours, via the step's age
                 counters[base + i] = v
 
@@ -371,7 +380,7 @@ def fetch_spec(host: str, port: int, timeout_s: float):
     def attempt() -> None:
         try:
             store = connect(host, port, timeout_s)
-            box["value"] = (store, pickle.loads(store.get("spec")))
+            box["value"] = (store, store.get("spec"))
         except Exception as exc:  # noqa: BLE001
             box["error"] = exc
 
@@ -379,7 +388,12 @@ def fetch_spec(host: str, port: int, timeout_s: float):
     thread.start()
     thread.join(timeout_s + 1.0)
     if "value" in box:
-        return box["value"]
+        store, blob = box["value"]
+        try:
+            return store, from_json(WorkerSpec, blob, f"the head at {host}:{port}")
+        except MessageError as exc:
+            raise InputError(None, "--head", f"the head at {host}:{port} sent a pipeline spec this worker cannot "
+                                             f"read (another FlexPipe version?): {exc}") from None
     why = _first_line(box["error"]) if "error" in box else "no answer (is that port a FlexPipe head?)"
     raise InputError(None, "--head", f"no FlexPipe head answered at {host}:{port} within {timeout_s:.0f} s: {why}")
 
@@ -453,7 +467,7 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
 
     def on_sigterm(signum, _frame) -> None:  # a launcher stopping every rank: say so, then go
         try:
-            events.put(("error", worker, f"stopped by signal {signum}", True))
+            events.put(ProcessFailed(worker, f"stopped by signal {signum}", True))
             store.set(f"exit/{worker}", str(128 + signum))
         finally:
             os._exit(128 + signum)

@@ -1,7 +1,9 @@
 """Framed messages between pipeline ranks over ``torch.distributed`` point-to-point send/recv.
 
-A message is: a fixed ``int64[8]`` header (kind, metadata bytes, tensor rank, dtype code, up to 4
-dims), then the pickled metadata as a ``uint8`` tensor, then the tensor itself. Shapes travel
+A message is: a fixed ``int64[8]`` header (kind, payload bytes, tensor rank, dtype code, up to 4
+dims), then the payload as a ``uint8`` tensor (JSON of the kind's dataclass,
+:data:`~flexpipe_dag.runtime.messages.PAYLOAD_TYPES`; checked on receipt, never unpickled), then
+the tensor itself. Shapes travel
 ahead of data, so the receiver allocates exactly and sequence lengths may change every step
 (gloo aborts on a size mismatch otherwise). The header and metadata always travel in host memory
 (gloo), the tensor on ``device``: host memory under gloo, the rank's GPU under the
@@ -9,23 +11,26 @@ ahead of data, so the receiver allocates exactly and sequence lengths may change
 several others (stage replicas) can take the next header from whichever sender is ready
 (:func:`recv_message_any`) and then the rest of that message from that sender.
 
-Message kinds: ``BATCH`` (a micro-batch's metadata + input / activations), ``RESULT`` (last stage
--> driver: sampled tokens), ``RECONFIGURE`` / ``RECONFIGURED`` (new layer ranges, KV pool size),
-``STOP``.
+Message kinds: :class:`~flexpipe_dag.runtime.messages.MessageKind`.
 """
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-BATCH, RESULT, RECONFIGURE, RECONFIGURED, STOP = 1, 2, 3, 4, 5
-KIND_NAMES = {BATCH: "BATCH", RESULT: "RESULT", RECONFIGURE: "RECONFIGURE", RECONFIGURED: "RECONFIGURED",
-              STOP: "STOP"}
+from flexpipe_dag.runtime.messages import (
+    PAYLOAD_TYPES,
+    MessageError,
+    MessageKind,
+    from_json,
+    to_json,
+)
+
 _HEADER_LEN = 8
+_NO_PAYLOAD = b"null"  # a kind without payload still sends a (non-empty) one
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
 
 
@@ -33,10 +38,24 @@ class TransportError(RuntimeError):
     """A peer closed the connection or sent a malformed frame."""
 
 
-def send_message(dst: int, kind: int, meta: Any = None, tensor: torch.Tensor | None = None,
+def send_message(dst: int, kind: MessageKind, meta: Any = None, tensor: torch.Tensor | None = None,
                  device: torch.device | str = "cpu") -> None:
-    """Send one framed message to rank ``dst`` (blocking). ``tensor`` has at most 4 dims."""
-    payload = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    """Send one framed message to rank ``dst`` (blocking).
+
+    Args:
+        kind: the frame kind; ``meta`` must be an instance of its payload type
+            (:data:`~flexpipe_dag.runtime.messages.PAYLOAD_TYPES`, ``None`` for ``STOP``).
+        tensor: at most 4 dims, any of the dtypes in the header's table.
+
+    Raises:
+        TypeError: ``meta`` is not the kind's payload type.
+        ValueError: a tensor of more than 4 dims.
+    """
+    want = PAYLOAD_TYPES[MessageKind(kind)]
+    if (meta is None) != (want is None) or (want is not None and not isinstance(meta, want)):
+        raise TypeError(f"{MessageKind(kind).name} carries {want.__name__ if want else 'no payload'}, "
+                        f"got {type(meta).__name__}")
+    payload = _NO_PAYLOAD if meta is None else to_json(meta)
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
     header[0], header[1] = kind, len(payload)
     if tensor is not None:
@@ -53,28 +72,46 @@ def send_message(dst: int, kind: int, meta: Any = None, tensor: torch.Tensor | N
         dist.send(tensor.contiguous().to(device), dst)
 
 
-def recv_message(src: int, device: torch.device | str = "cpu") -> tuple[int, Any, torch.Tensor | None]:
-    """Receive one framed message from rank ``src`` (blocking): ``(kind, meta, tensor or None)``."""
+def recv_message(src: int, device: torch.device | str = "cpu") -> tuple[MessageKind, Any, torch.Tensor | None]:
+    """Receive one framed message from rank ``src`` (blocking): ``(kind, payload, tensor or None)``.
+
+    Raises:
+        TransportError: a malformed header or payload (naming the sender).
+    """
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
     dist.recv(header, src)
     return _rest(src, header, device)
 
 
-def recv_message_any(device: torch.device | str = "cpu") -> tuple[int, int, Any, torch.Tensor | None]:
-    """Receive the next framed message from whichever rank sends first: ``(src, kind, meta, tensor)``."""
+def recv_message_any(device: torch.device | str = "cpu") -> tuple[int, MessageKind, Any, torch.Tensor | None]:
+    """Receive the next framed message from whichever rank sends first: ``(src, kind, payload, tensor)``.
+
+    Raises:
+        TransportError: as :func:`recv_message`.
+    """
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
     src = dist.recv(header)
     return (src, *_rest(src, header, device))
 
 
-def _rest(src: int, header: torch.Tensor, device) -> tuple[int, Any, torch.Tensor | None]:
+def _rest(src: int, header: torch.Tensor, device) -> tuple[MessageKind, Any, torch.Tensor | None]:
     h = header.tolist()
-    kind, nbytes, ndim = h[0], h[1], h[2]
-    if kind not in KIND_NAMES or nbytes < 0:
+    nbytes, ndim = h[1], h[2]
+    if h[0] not in MessageKind._value2member_map_ or nbytes < 0 or ndim > 4 or not -1 <= h[3] < len(_DTYPES):
         raise TransportError(f"malformed header from rank {src}: {h}")
+    kind = MessageKind(h[0])
     buf = torch.empty(nbytes, dtype=torch.uint8)
     dist.recv(buf, src)
-    meta = pickle.loads(buf.numpy().tobytes())
+    want = PAYLOAD_TYPES[kind]
+    try:
+        if want is None:
+            if buf.numpy().tobytes() != _NO_PAYLOAD:
+                raise MessageError(f"{kind.name} carries no payload, got {nbytes} bytes")
+            meta = None
+        else:
+            meta = from_json(want, buf.numpy().tobytes(), f"rank {src}")
+    except MessageError as exc:
+        raise TransportError(f"malformed {kind.name} from rank {src}: {exc}") from None
     tensor = None
     if ndim >= 0:
         tensor = torch.empty(h[4:4 + ndim], dtype=_DTYPES[h[3]], device=device)

@@ -11,9 +11,11 @@ Control messages travel down the same lanes: ``RECONFIGURE`` makes every worker 
 range and rebuild its KV pool in place (no process restart), ``STOP`` ends the loop; a worker fed
 by several replicas acts once every one of them has passed the message on.
 
-Shared counters (a ``multiprocessing`` double array, :data:`FIELDS` per rank) let the parent's
-watchdog see progress without any message: steps done, busy seconds, the clock reading when the
-current step started (0 when idle).
+Shared counters (a ``multiprocessing`` double array, one row of
+:data:`~flexpipe_dag.runtime.messages.COUNTER_SLOTS` per rank, slots
+:class:`~flexpipe_dag.runtime.messages.WorkerCounter`) let the parent's watchdog see progress
+without any message: steps done, busy seconds, the clock reading when the current step started
+(0 when idle). Messages and events are the typed ones of :mod:`~flexpipe_dag.runtime.messages`.
 """
 
 from __future__ import annotations
@@ -26,17 +28,26 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-#: Counter fields per rank in the shared array.
-FIELDS = 4
-F_STEPS, F_BUSY_S, F_STEP_STARTED, F_AUX = range(FIELDS)
+from flexpipe_dag.runtime.messages import (
+    MessageKind,
+    ProcessFailed,
+    StageInfo,
+    StageReady,
+    StageReload,
+    StepResult,
+    WorkerCounter,
+    counter_index,
+)
 
 
 @dataclass
 class WorkerSpec:
-    """Everything a stage worker needs (picklable; sent to spawned processes).
+    """Everything a stage worker needs (picklable; sent to spawned processes; JSON through the
+    control store to workers on other hosts, :func:`~flexpipe_dag.runtime.messages.to_json`).
 
-    ``ranges[s]`` is stage ``s``'s ``[layer_start, layer_end)``; ``device`` is ``"cpu"`` or a CUDA
-    device string (``"cuda"`` means ``cuda:<stage>``).
+    ``ranges[s]`` is stage ``s``'s ``[layer_start, layer_end)``; ``num_blocks`` the KV pool's blocks
+    of ``block_size_tokens`` tokens each; ``device`` is ``"cpu"`` or a CUDA device string
+    (``"cuda"`` means ``cuda:<stage>``).
     """
 
     checkpoint_path: str
@@ -91,7 +102,7 @@ def setup_process(spec: WorkerSpec, rank: int) -> None:
 
     torch.set_num_threads(spec.threads_per_rank)
     if spec.control_address:  # stages on other hosts: rendezvous through the head's control store
-        from flexpipe_dag.runtime.remote import connect, parse_address
+        from flexpipe_dag.runtime.rendezvous import connect, parse_address
 
         host, port = parse_address(spec.control_address, "control_address")
         store = dist.PrefixStore("pg", connect(host, port, timeout_s=300.0))
@@ -131,7 +142,7 @@ class StageRunner:
         self.module = self.pool = None
         self.load(spec.ranges, spec.num_blocks, spec.block_size_tokens, spec.checkpoint_path)
 
-    def load(self, ranges, num_blocks: int, block_size_tokens: int, checkpoint_path: str) -> dict:
+    def load(self, ranges, num_blocks: int, block_size_tokens: int, checkpoint_path: str) -> StageInfo:
         """Load this stage's layers of ``ranges`` and a pool for its lanes' share of ``num_blocks``."""
         import gc
 
@@ -163,8 +174,8 @@ class StageRunner:
 
 def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
     """Entry point of worker ``worker`` (rank ``worker + 1``; stage and replica from the spec's lane
-    layout). Reports ``("ready", worker, info)`` and, on failure, ``("error", worker, message,
-    is_transport_error)`` on ``events``, then exits non-zero."""
+    layout). Reports :class:`~flexpipe_dag.runtime.messages.StageReady` and, on failure,
+    :class:`~flexpipe_dag.runtime.messages.ProcessFailed` on ``events``, then exits non-zero."""
     rank = worker + 1
     in_transport = False
     recorder = None
@@ -181,16 +192,18 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
 
         recorder = StepRecorder(stage)  # per-step observations for calibration (a memory-mapped ring)
         runner.observations_path = recorder.path
-        events.put(("ready", worker, runner_info(runner)))
+        events.put(StageReady(worker, runner_info(runner)))
         device = stage_device(spec, worker)
         layout = runner.layout
         upstream = layout.upstream(stage, replica)
         downstream = layout.downstream(stage, replica)
         last = stage == spec.num_stages - 1
         recv_device = link_device(spec, device, upstream[0])
-        base = rank * FIELDS
+        steps_slot = counter_index(rank, WorkerCounter.STEPS)
+        busy_slot = counter_index(rank, WorkerCounter.BUSY_S)
+        started_slot = counter_index(rank, WorkerCounter.STEP_STARTED)
         steps = 0
-        control: dict[int, list] = {}  # STOP / RECONFIGURE copies received, until every upstream sent one
+        control: dict[MessageKind, list] = {}  # STOP / RECONFIGURE copies received, until every upstream sent one
         while True:
             in_transport = True
             if len(upstream) == 1:
@@ -198,46 +211,45 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
             else:  # several replicas feed this one: take whichever is ready
                 _src, kind, meta, x = tp.recv_message_any(recv_device)
             in_transport = False
-            if kind in (tp.STOP, tp.RECONFIGURE):
+            if kind in (MessageKind.STOP, MessageKind.RECONFIGURE):
                 control.setdefault(kind, []).append(meta)
                 if len(control[kind]) < len(upstream):
                     continue  # wait for the same order along every lane
                 copies = control.pop(kind)
-                if kind == tp.STOP:
+                if kind == MessageKind.STOP:
                     in_transport = True
                     for dst in downstream:
-                        tp.send_message(dst, tp.STOP, None)
+                        tp.send_message(dst, MessageKind.STOP, None)
                     break
-                meta = copies[0]
-                info = runner.load(meta["ranges"], meta["num_blocks"], meta["block_size_tokens"],
-                                   meta.get("checkpoint_path") or spec.checkpoint_path)
-                infos = {worker_slot(i): i for c in copies for i in c.get("infos", [])}
-                infos[(stage, replica)] = info
+                cmd = copies[0].command
+                info = runner.load(cmd.ranges, cmd.num_blocks, cmd.block_size_tokens, spec.checkpoint_path)
+                infos = {i.slot: i for c in copies for i in c.infos}
+                infos[info.slot] = info
                 in_transport = True
                 for dst in downstream:
-                    tp.send_message(dst, tp.RECONFIGURED if last else tp.RECONFIGURE,
-                                    {**meta, "infos": list(infos.values())})
+                    tp.send_message(dst, MessageKind.RECONFIGURED if last else MessageKind.RECONFIGURE,
+                                    StageReload(cmd, tuple(infos.values())))
                 layout = runner.layout
                 continue
-            if kind != tp.BATCH:
-                raise tp.TransportError(f"stage {stage}: unexpected message kind {tp.KIND_NAMES.get(kind, kind)}")
+            if kind != MessageKind.BATCH:
+                raise tp.TransportError(f"stage {stage}: unexpected message kind {kind.name}")
             t0 = time.monotonic()
-            counters[base + F_STEP_STARTED] = t0
+            counters[started_slot] = t0
             if spec.fault.get("stage") == stage and steps >= spec.fault.get("raise_after_steps", 1 << 60):
                 raise RuntimeError(f"injected fault after {steps} steps")
             out = runner.module(runner.local_batch(meta), x, runner.pool)
             next_rank = layout.lane_rank(stage + 1, meta.lane)
             if last:
                 tokens = sample_tokens(out, meta.seqs)
-                payload = (tp.RESULT, (meta.mb_id, tokens), None)
+                payload = (MessageKind.RESULT, StepResult(meta.mb_id, tuple(int(t) for t in tokens)), None)
             else:
-                payload = (tp.BATCH, meta, out)
+                payload = (MessageKind.BATCH, meta, out)
             if device.startswith("cuda"):
                 torch.cuda.synchronize(device)
             steps += 1
             t1 = time.monotonic()
-            counters[base + F_BUSY_S] += t1 - t0
-            counters[base + F_STEP_STARTED] = 0.0
+            counters[busy_slot] += t1 - t0
+            counters[started_slot] = 0.0
             recorder.begin(meta.mb_id, meta.seqs, *runner.ranges[stage], (t1 - t0) * 1e3, t1)
             if last:
                 recorder.commit()
@@ -248,9 +260,9 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
                 recorder.commit()
             # counted only once handed on: a stage stopped mid-send still holds the micro-batch, and
             # the watchdog's stall finder must name it, not the stage waiting for it
-            counters[base + F_STEPS] = steps
+            counters[steps_slot] = steps
     except BaseException as exc:  # report, then die: the parent names this stage
-        events.put(("error", worker, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", in_transport))
+        events.put(ProcessFailed(worker, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", in_transport))
         raise SystemExit(1) from None
     finally:
         if recorder is not None:
@@ -258,16 +270,13 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
         _destroy()
 
 
-def worker_slot(info: dict) -> tuple[int, int]:
-    """``(stage, replica)`` of a worker's :func:`runner_info` (replica 0 when the info predates replicas)."""
-    return info["stage_index"], info.get("replica_index", 0)
-
-
-def runner_info(runner: StageRunner) -> dict:
+def runner_info(runner: StageRunner) -> StageInfo:
+    """The :class:`~flexpipe_dag.runtime.messages.StageInfo` of a loaded :class:`StageRunner`."""
     a, b = runner.ranges[runner.stage]
-    return {"stage_index": runner.stage, "replica_index": runner.replica, "layer_start": a, "layer_end": b, "param_bytes": runner.module.param_bytes(),
-            "kv_pool_bytes": runner.pool.nbytes, "kv_capacity_tokens": runner.pool.capacity_tokens,
-            "pid": os.getpid(), "host": socket.gethostname(), "observations_path": getattr(runner, "observations_path", None)}
+    return StageInfo(stage_index=runner.stage, replica_index=runner.replica, layer_start=int(a), layer_end=int(b),
+                     param_bytes=int(runner.module.param_bytes()), kv_pool_bytes=int(runner.pool.nbytes),
+                     kv_capacity_tokens=int(runner.pool.capacity_tokens), pid=os.getpid(), host=socket.gethostname(),
+                     observations_path=getattr(runner, "observations_path", None))
 
 
 def _destroy() -> None:

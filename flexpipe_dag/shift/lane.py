@@ -4,10 +4,12 @@ The runtime's events (results, metrics, refusals, failures) are read by whoever 
 ``wait``; a lane gives each runtime exactly one such reader, its *pump* thread, so two pipelines
 serve side by side (the old gear draining while the new one takes traffic). The pump calls
 ``runtime.wait`` whenever the ledger says requests are open on this lane, hands results and
-metric samples to the :class:`~flexpipe_dag.shift.router.ServingRouter`, reports the runtime's
-refusals after each ``wait`` (and whenever :meth:`Lane.poll_refusals` is called), and reports a
+metric samples to its owner (a :class:`LaneOwner`: the
+:class:`~flexpipe_dag.shift.router.ServingRouter`), reports the runtime's refusals after each
+``wait`` (and whenever :meth:`Lane.poll_refusals` is called), and reports a
 :class:`~flexpipe_dag.runtime.pipeline.StageFailedError` (crash, raise, or the runtime's watchdog)
-to the router, which moves the lane's unfinished requests elsewhere.
+to the owner, which moves the lane's unfinished requests elsewhere. The lane knows its owner only
+through :class:`LaneOwner`, so this module does not import the router.
 
 Everything else that reads the runtime's events (``reconfigure``, ``shutdown``) runs only while
 the pump is parked (:meth:`Lane.run_exclusive`, :meth:`Lane.retire`), so no event is read twice
@@ -24,11 +26,12 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from flexpipe_dag.shift.ledger import RequestLedger
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexpipe_dag.runtime.pipeline import PipelineRuntime
-    from flexpipe_dag.shift.router import ServingRouter
 
 LaneState = Literal["warming", "active", "draining", "standby", "retired", "failed"]
 #: What a refusal by this lane's runtime means: tell the caller (``final``), keep the request for
@@ -37,8 +40,38 @@ LaneState = Literal["warming", "active", "draining", "standby", "retired", "fail
 RefusalPolicy = Literal["final", "park", "fail"]
 
 
+class LaneOwner(Protocol):
+    """What a :class:`Lane` needs from whoever owns it (the
+    :class:`~flexpipe_dag.shift.router.ServingRouter` implements it). The lane calls these from its
+    pump thread (and from :meth:`Lane.run_exclusive`, :meth:`Lane.retire`, :meth:`Lane.force_stop`).
+
+    Attributes:
+        ledger: the :class:`~flexpipe_dag.shift.ledger.RequestLedger` recording which lane holds each
+            request; the lane asks it what is open and records finished outputs in it.
+    """
+
+    ledger: RequestLedger
+
+    def lane_failed(self, lane: Lane, err: BaseException) -> None:
+        """``lane``'s runtime failed with ``err`` (a ``StageFailedError``, or a bug); move its open requests."""
+
+    def lane_gone(self, lane: Lane) -> None:
+        """``lane`` was retired or killed; move whatever is still open on it."""
+
+    def lane_refused(self, lane: Lane, refusals: dict[str, str]) -> None:
+        """``lane``'s runtime refused these requests (request id -> reason), each reported once."""
+
+    def lane_metrics(self, lane: Lane, sample: Any) -> None:
+        """A :class:`~flexpipe_dag.core.metrics.MetricSample` of ``lane``'s runtime."""
+
+
 class Lane:
     """One started pipeline runtime, its pump thread and its place in the router.
+
+    Args:
+        lane_id: unique name, ``"<gear_id>#<n>"``.
+        runtime: the started :class:`PipelineRuntime`.
+        owner: the :class:`LaneOwner` told of results, metrics, refusals and failures.
 
     Attributes:
         lane_id: unique name, ``"<gear_id>#<n>"``.
@@ -50,8 +83,8 @@ class Lane:
         health_failure: the first failed health finding (a refusal under policy ``fail``).
     """
 
-    def __init__(self, lane_id: str, runtime: PipelineRuntime, router: ServingRouter):
-        self.lane_id, self.runtime, self.router = lane_id, runtime, router
+    def __init__(self, lane_id: str, runtime: PipelineRuntime, owner: LaneOwner):
+        self.lane_id, self.runtime, self.owner = lane_id, runtime, owner
         self.state: LaneState = "warming"
         self.refusal_policy: RefusalPolicy = "final"
         self.failure: Exception | None = None
@@ -78,7 +111,7 @@ class Lane:
     def _pump(self) -> None:
         from flexpipe_dag.runtime.pipeline import StageFailedError
 
-        ledger = self.router.ledger
+        ledger = self.owner.ledger
         while not self._stop.is_set():
             if not ledger.has_open(self.lane_id):
                 time.sleep(0.02)
@@ -99,25 +132,25 @@ class Lane:
                 if not isinstance(err, StageFailedError):  # a bug, not the runtime's watchdog: stop it
                     with suppress(Exception):
                         self.runtime.shutdown(timeout_s=2.0)
-                self.router._lane_failed(self, err)
+                self.owner.lane_failed(self, err)
                 return
             self.poll_refusals()
             if time.monotonic() - t0 < 0.005:  # accepted by the ledger, not yet submitted to the runtime
                 time.sleep(0.005)
 
     def _on_result(self, out: Any) -> None:
-        self.router.ledger.finish(out, self.lane_id)
+        self.owner.ledger.finish(out, self.lane_id)
 
     def _on_metrics(self, sample: Any) -> None:
-        self.router._metrics(self, sample)
+        self.owner.lane_metrics(self, sample)
 
     def poll_refusals(self) -> int:
-        """Hand the runtime's new refusals to the router (each once); returns how many were new."""
+        """Hand the runtime's new refusals to the owner (each once); returns how many were new."""
         with self._refusal_lock:
             fresh = {rid: why for rid, why in self.runtime.refused.items() if rid not in self._seen_refusals}
             self._seen_refusals.update(fresh)
         if fresh:
-            self.router._lane_refused(self, fresh)
+            self.owner.lane_refused(self, fresh)
         return len(fresh)
 
     # -- exclusive use, stop ------------------------------------------------------------------------
@@ -127,16 +160,16 @@ class Lane:
 
         Raises:
             TimeoutError: the lane did not empty within ``timeout_s``.
-            StageFailedError: ``fn`` failed the runtime; the router has been told (open requests moved).
+            StageFailedError: ``fn`` failed the runtime; the owner has been told (open requests moved).
         """
         from flexpipe_dag.runtime.pipeline import StageFailedError
 
         deadline = time.monotonic() + timeout_s
-        while self.router.ledger.has_open(self.lane_id):
+        while self.owner.ledger.has_open(self.lane_id):
             if self.failure is not None:
                 raise self.failure
             if time.monotonic() > deadline:
-                raise TimeoutError(f"lane {self.lane_id} still had {self.router.ledger.num_open(self.lane_id)} "
+                raise TimeoutError(f"lane {self.lane_id} still had {self.owner.ledger.num_open(self.lane_id)} "
                                    f"open requests after {timeout_s:.1f} s")
             time.sleep(0.02)
         if not self._rt_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -146,7 +179,7 @@ class Lane:
         except StageFailedError as err:
             self.failure = err
             self._stop.set()
-            self.router._lane_failed(self, err)
+            self.owner.lane_failed(self, err)
             raise
         finally:
             self._rt_lock.release()
@@ -160,7 +193,7 @@ class Lane:
         if self.state != "failed":
             self.runtime.shutdown(timeout_s=timeout_s)
             self.state = "retired"
-        self.router._lane_gone(self)
+        self.owner.lane_gone(self)
 
     def force_stop(self, join_timeout_s: float = 10.0) -> None:
         """Kill the lane now: SIGKILL its stage processes (the pump's ``wait`` then fails through the
@@ -178,4 +211,4 @@ class Lane:
             self.runtime.shutdown(timeout_s=1.0)
         if self.state != "failed":
             self.state = "retired"
-        self.router._lane_gone(self)
+        self.owner.lane_gone(self)

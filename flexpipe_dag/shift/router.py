@@ -43,6 +43,9 @@ REFUSAL_POLL_S = 0.25
 class ServingRouter:
     """Entry point over live pipelines, with exactly-once delivery. Use as a context manager.
 
+    It implements its lanes' :class:`~flexpipe_dag.shift.lane.LaneOwner` (``lane_failed``, ``lane_gone``,
+    ``lane_refused``, ``lane_metrics`` are called from lane threads).
+
     Args:
         on_result: ``RequestOutput -> None``, called once per caller request (in a pump thread).
         on_refused: ``(request_id, reason) -> None`` for requests no pipeline will serve (e.g.
@@ -233,12 +236,15 @@ class ServingRouter:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- reports from lanes (pump / monitor threads) ------------------------------------------------
-    def _metrics(self, lane: Lane, sample: Any) -> None:
+    # -- reports from lanes (LaneOwner; pump / monitor threads) -------------------------------------
+    def lane_metrics(self, lane: Lane, sample: Any) -> None:
+        """Pass a lane's metric sample to ``on_metrics``."""
         if self._on_metrics is not None:
             self._on_metrics(sample)
 
-    def _lane_failed(self, lane: Lane, err: BaseException) -> None:
+    def lane_failed(self, lane: Lane, err: BaseException) -> None:
+        """Keep the failed lane's delivered outputs, fail its probes, mark it failed, fall back if it was
+        the entry point, and re-submit (or hold) its open requests."""
         for out in getattr(err, "finished", []) or []:  # delivered ones are dropped as duplicates
             self.ledger.finish(out, lane.lane_id)
         reason = f"{type(err).__name__}: {err}"
@@ -256,7 +262,9 @@ class ServingRouter:
                 self.fallback = None
             self.move_open(lane)
 
-    def _lane_refused(self, lane: Lane, refusals: dict[str, str]) -> None:
+    def lane_refused(self, lane: Lane, refusals: dict[str, str]) -> None:
+        """Refuse each request for good (policy ``final``, probes) or park it for a later re-submission
+        (policies ``park`` / ``fail``; ``fail`` also records the lane's health failure)."""
         for rid, reason in refusals.items():
             try:
                 entry = self.ledger.get(rid)
@@ -272,7 +280,7 @@ class ServingRouter:
                 if lane.refusal_policy == "fail" and lane.health_failure is None:
                     lane.health_failure = f"request {rid} refused: {reason}"
 
-    def _lane_gone(self, lane: Lane) -> None:
+    def lane_gone(self, lane: Lane) -> None:
         """A lane was retired or killed: anything still open on it moves on."""
         self.ledger.fail_internal(lane.lane_id, f"lane {lane.lane_id} stopped")
         with self._lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from conftest import EXAMPLES
+from tests.support import EXAMPLES
 from test_control_service import GEARS, _samples
 
 from flexpipe_dag.control.config import ControllerConfig

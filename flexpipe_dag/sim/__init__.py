@@ -11,10 +11,10 @@ from typing import Sequence
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig
-from flexpipe_dag.sim.engine import ShiftEvent, Simulator
+from flexpipe_dag.sim.engine import Simulator
 from flexpipe_dag.sim.evaluate import GearEvaluation, estimate_from_result, evaluate_gear, plot_evaluation
 from flexpipe_dag.core.gear_builders import manual_gear
-from flexpipe_dag.sim.results import SimResult, summarize
+from flexpipe_dag.sim.results import ShiftEvent, SimResult, summarize
 from flexpipe_dag.sim.timing import COST_FIELDS, LinearStageTiming, StageCosts
 from flexpipe_dag.workload.request import Workload
 

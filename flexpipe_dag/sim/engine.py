@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict, cast
+from typing import TypedDict, cast
 
 import numpy as np
 
@@ -46,10 +45,8 @@ from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig
+from flexpipe_dag.sim.results import RunRecord, ShiftEvent, SimResult, build_result
 from flexpipe_dag.workload.request import Workload
-
-if TYPE_CHECKING:
-    from flexpipe_dag.sim.results import SimResult
 
 _ARRIVE, _DONE, _SWITCH = 0, 1, 2
 _INF = float("inf")
@@ -232,18 +229,6 @@ class _ShiftRecord(TypedDict):
     _pipe: _Pipeline
 
 
-@dataclass(frozen=True)
-class ShiftEvent:
-    """A gear shift in the simulation: requested at ``requested_s``, admitting on the new gear from
-    ``switched_s``, the old gear empty at ``drained_s`` (``None`` while still draining)."""
-
-    requested_s: float
-    switched_s: float
-    from_gear_id: str
-    to_gear_id: str
-    drained_s: float | None
-
-
 class Simulator:
     """Step-able discrete-event simulation of a workload served by a gear (see module docstring).
 
@@ -331,12 +316,20 @@ class Simulator:
 
     def result(self) -> SimResult:
         """Per-request results, samples, shifts and summary of what has been simulated so far."""
-        from flexpipe_dag.sim.results import build_result
-
         if self._last_event_s > 0.0 or self._seqs:
             # the window holding the last event, [k p, (k+1) p), is reported at tick (k+1) p
             self._emit_until((int(self._last_event_s // self._period) + 1) * self._period)
-        return build_result(self)
+        stage_busy: dict[str, list[float]] = {}
+        for p in self._pipes:
+            prev = stage_busy.get(p.gear_id, [0.0] * p.num_stages)
+            stage_busy[p.gear_id] = [a + st.busy_s / st.replicas for a, st in zip(prev, p.stages)]
+        seqs = self._seqs
+        return build_result(RunRecord(
+            workload=self.workload, config=self.config, arrival_s=self._arrival_s,
+            first_token_s=[s.first_s for s in seqs], finish_s=[s.finish_s for s in seqs],
+            preemptions=[s.preempt for s in seqs], rejected=[s.rejected for s in seqs],
+            gear_ids=[s.gear_id for s in seqs], stage_busy_s=stage_busy, samples=self.samples,
+            shifts=self.shift_events(), first_gear_id=self._pipes[0].gear_id, final_gear_id=self.gear_id))
 
     # ------------------------------------------------------------------ event loop
     def _push(self, t: float, kind: int, pipe: _Pipeline, payload: _MicroBatch | float) -> None:

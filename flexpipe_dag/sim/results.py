@@ -2,18 +2,63 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from flexpipe_dag.core.metrics import MetricSample
-
-if TYPE_CHECKING:
-    from flexpipe_dag.sim.engine import ShiftEvent, Simulator
+from flexpipe_dag.sim.config import SimConfig
+from flexpipe_dag.workload.request import Workload
 
 PERCENTILES = (50, 95, 99)
+
+
+@dataclass(frozen=True)
+class ShiftEvent:
+    """A gear shift in the simulation: requested at ``requested_s``, admitting on the new gear from
+    ``switched_s``, the old gear empty at ``drained_s`` (``None`` while still draining)."""
+
+    requested_s: float
+    switched_s: float
+    from_gear_id: str
+    to_gear_id: str
+    drained_s: float | None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What the simulator hands over to build a :class:`SimResult` (its internal state stays its own).
+
+    Per-request lists follow ``workload.requests``' order; times are simulated seconds, ``-1`` where
+    not reached (first token, finish).
+
+    Attributes:
+        workload: the simulated requests.
+        config: the simulator settings (SLOs among them).
+        arrival_s / first_token_s / finish_s: per request.
+        preemptions / rejected / gear_ids: per request: times preempted, refused, the gear that served it.
+        stage_busy_s: per gear, busy seconds of each stage (replicas averaged).
+        samples: the metric samples emitted.
+        shifts: the gear shifts.
+        first_gear_id / final_gear_id: the gear at the start and the one admitting at the end.
+    """
+
+    workload: Workload
+    config: SimConfig
+    arrival_s: Sequence[float]
+    first_token_s: Sequence[float]
+    finish_s: Sequence[float]
+    preemptions: Sequence[int]
+    rejected: Sequence[bool]
+    gear_ids: Sequence[str]
+    stage_busy_s: dict[str, list[float]]
+    samples: Sequence[MetricSample]
+    shifts: list[ShiftEvent]
+    first_gear_id: str
+    final_gear_id: str
 
 
 @dataclass
@@ -31,7 +76,7 @@ class SimResult:
 
     requests: pd.DataFrame
     samples: list[MetricSample]
-    shifts: list["ShiftEvent"]
+    shifts: list[ShiftEvent]
     summary: dict[str, Any] = field(default_factory=dict)
 
     def timeseries(self) -> pd.DataFrame:
@@ -118,20 +163,19 @@ def summarize(frame: pd.DataFrame, samples: list[MetricSample], stage_busy: dict
     return summary
 
 
-def build_result(sim: "Simulator") -> SimResult:
-    """Collect a :class:`SimResult` from a simulator's state (called by ``Simulator.result``)."""
-    reqs = sim.workload.requests
-    seqs = sim._seqs
+def build_result(run: RunRecord) -> SimResult:
+    """Collect a :class:`SimResult` from what a simulator recorded (called by ``Simulator.result``)."""
+    reqs = run.workload.requests
     nan = float("nan")
-    first = np.array([s.first_s if s.first_s >= 0 else nan for s in seqs], dtype=float)
-    finish = np.array([s.finish_s if s.finish_s >= 0 else nan for s in seqs], dtype=float)
-    arrival = np.array(sim._arrival_s, dtype=float)
+    first = np.array([t if t >= 0 else nan for t in run.first_token_s], dtype=float)
+    finish = np.array([t if t >= 0 else nan for t in run.finish_s], dtype=float)
+    arrival = np.array(run.arrival_s, dtype=float)
     out = np.array([r.output_tokens for r in reqs], dtype=np.int64)
     ttft_ms = (first - arrival) * 1000.0
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot_ms = np.where(out > 1, (finish - first) * 1000.0 / np.maximum(out - 1, 1), nan)
     e2e_ms = (finish - arrival) * 1000.0
-    cfg = sim.config
+    cfg = run.config
     slo_met = (~np.isnan(finish)) & (ttft_ms <= cfg.slo_ttft_ms) & (np.isnan(tpot_ms) | (tpot_ms <= cfg.slo_tpot_ms))
     frame = pd.DataFrame({
         "request_id": [r.request_id for r in reqs],
@@ -142,20 +186,15 @@ def build_result(sim: "Simulator") -> SimResult:
         "finish_s": finish,
         "input_tokens": [r.input_tokens for r in reqs],
         "output_tokens": out,
-        "preemptions": [s.preempt for s in seqs],
-        "rejected": [s.rejected for s in seqs],
-        "gear_id": [s.gear_id for s in seqs],
+        "preemptions": list(run.preemptions),
+        "rejected": list(run.rejected),
+        "gear_id": list(run.gear_ids),
         "ttft_ms": ttft_ms,
         "tpot_ms": tpot_ms,
         "e2e_ms": e2e_ms,
         "slo_met": slo_met,
     })
-    stage_busy: dict[str, list[float]] = {}
-    for p in sim._pipes:
-        prev = stage_busy.get(p.gear_id, [0.0] * p.num_stages)
-        stage_busy[p.gear_id] = [a + st.busy_s / st.replicas for a, st in zip(prev, p.stages)]
-    shifts = sim.shift_events()
-    summary = summarize(frame, sim.samples, stage_busy, cfg.slo_ttft_ms, cfg.slo_tpot_ms, len(shifts))
-    summary["gear_id"] = sim._pipes[0].gear_id
-    summary["final_gear_id"] = sim.gear_id
-    return SimResult(requests=frame, samples=list(sim.samples), shifts=shifts, summary=summary)
+    summary = summarize(frame, list(run.samples), run.stage_busy_s, cfg.slo_ttft_ms, cfg.slo_tpot_ms, len(run.shifts))
+    summary["gear_id"] = run.first_gear_id
+    summary["final_gear_id"] = run.final_gear_id
+    return SimResult(requests=frame, samples=list(run.samples), shifts=run.shifts, summary=summary)

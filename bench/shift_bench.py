@@ -118,7 +118,7 @@ from flexpipe_dag.control import Controller, ControllerConfig, drain_time_s, mig
 from flexpipe_dag.control.tide import TideForecaster, tide_forecast
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import FlexPipeError
-from flexpipe_dag.planner.envelope import refine_envelopes, select_operating_gears
+from flexpipe_dag.planner.envelope import SelectionSettings, refine_envelopes, select_operating_gears
 from flexpipe_dag.planner.gears import candidate_gears, make_search, plan_gear_set
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.sim import SimConfig, Simulator
@@ -295,12 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     cm = make_search(cluster, spec, dtype=args.dtype).cm
     base = load_trace("azure-conv")
     t0 = time.perf_counter()
-    notes: list[str] = []
     if args.gears == "sim":
         args.envelope = "sim"
         shortlist = candidate_gears(cluster, spec, dtype=args.dtype)
-        gears = select_operating_gears(shortlist, cm, base, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                                       attainment=ATTAINMENT, rel_tol=0.05, notes=notes, objective=args.select)
+        settings = SelectionSettings(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, attainment=ATTAINMENT,
+                                     rel_tol=0.05)
+        selection = select_operating_gears(shortlist, cm, base, settings, objective=args.select)
+        gears, notes = selection.gears, list(selection.notes)
         notes.insert(0, f"chosen by simulation from {len(shortlist)} distinct planner candidates (devices: "
                         f"{', '.join(str(len(g.device_ids)) for g in shortlist)}), objective {args.select}")
     else:

@@ -116,13 +116,13 @@ def _toy_candidates():
     ("devices", [("latency", "latency-slow1"), ("balanced", "balanced-quick2"), ("throughput", "throughput-roomy")]),
 ])
 def test_select_operating_gears_by_goodput_per_device(objective, expected):
-    from flexpipe_dag.planner.envelope import select_operating_gears
+    from flexpipe_dag.planner.envelope import SelectionSettings, select_operating_gears
     from flexpipe_dag.workload.request import Request, Workload
 
     trace = Workload("two-token", tuple(Request(f"r{i}", float(i), 1, 2) for i in range(400)))
     candidates, timings = _toy_candidates()
-    gears = select_operating_gears(candidates, lambda g: timings[g.gear_id], trace, slo_ttft_ms=400.0,
-                                   slo_tpot_ms=1000.0, num_requests=400, rel_tol=0.02, objective=objective)
+    settings = SelectionSettings(slo_ttft_ms=400.0, slo_tpot_ms=1000.0, num_requests=400, rel_tol=0.02)
+    gears = select_operating_gears(candidates, lambda g: timings[g.gear_id], trace, settings, objective=objective).gears
     assert [(g.kind, g.gear_id) for g in gears] == expected
     caps = [g.rps_max for g in gears]
     assert caps == sorted(caps)

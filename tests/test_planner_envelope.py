@@ -111,16 +111,17 @@ def test_bad_arguments_are_named():
 def test_selection_picks_throughput_by_envelope_and_latency_by_low_load_tpot():
     # "quick": one replica, 10 ms decode steps (mu = 1 / 110 ms ~ 9 req/s); "roomy": two replicas,
     # 40 ms decode steps (mu ~ 2 / 140 ms ~ 14 req/s). Two-token requests: one prefill, one decode.
-    from flexpipe_dag.planner.envelope import select_operating_gears
+    from flexpipe_dag.planner.envelope import SelectionSettings, select_operating_gears
 
     trace = Workload("two-token", tuple(Request(f"r{i}", float(i), 1, 2) for i in range(400)))
     quick = manual_gear([4], gear_id="candidate-quick", micro_batch_size=1, max_inflight_micro_batches=1)
     roomy = manual_gear([4], replicas=[2], gear_id="candidate-roomy", micro_batch_size=1, max_inflight_micro_batches=2)
     timings = {"candidate-quick": LinearStageTiming([StageCosts(prefill_fixed_ms=100.0, decode_fixed_ms=10.0)]),
                "candidate-roomy": LinearStageTiming([StageCosts(prefill_fixed_ms=100.0, decode_fixed_ms=40.0)])}
-    notes: list[str] = []
-    gears = select_operating_gears([roomy, quick], lambda g: timings[g.gear_id], trace, slo_ttft_ms=SLO_TTFT_MS,
-                                   slo_tpot_ms=1000.0, num_requests=400, rel_tol=0.02, notes=notes)
+    settings = SelectionSettings(slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0, num_requests=400, rel_tol=0.02)
+    selection = select_operating_gears([roomy, quick], lambda g: timings[g.gear_id], trace, settings)
+    gears, notes = selection.gears, selection.notes
+    assert {e.gear_id for e in selection.envelopes} == {"candidate-quick", "candidate-roomy"}
     assert [(g.kind, g.gear_id) for g in gears] == [("latency", "latency-quick"), ("throughput", "throughput-roomy")]
     lat, thr = gears
     assert lat.rps_max < thr.rps_max and thr.rps_min == pytest.approx(0.7 * lat.rps_max)

@@ -80,6 +80,35 @@ class ProbeSettings(TypedDict, total=False):
     max_halvings: int
     sim_config: SimConfig | None
 
+@dataclass(frozen=True)
+class SelectionSettings:
+    """How :func:`select_operating_gears` measures and compares candidates.
+
+    Attributes:
+        slo_ttft_ms / slo_tpot_ms: the SLO a request must meet, ms.
+        attainment: share of (post-warm-up) requests that must meet it for a rate to count as served.
+        num_requests: requests of the reference trace replayed per probe.
+        rel_tol: bisection tolerance of an envelope (relative); candidates this close tie.
+        low_load_share: the low load at which latency is compared, as a share of the best ``rps_max``.
+        overlap_fraction: ``rps_min`` of a gear = this x the next-smaller gear's ``rps_max``.
+        sim_config: other simulator settings (KV overrides, prefill budget, ...).
+    """
+
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 200.0
+    attainment: float = 0.95
+    num_requests: int = 1000
+    rel_tol: float = 0.03
+    low_load_share: float = 0.25
+    overlap_fraction: float = 0.7
+    sim_config: SimConfig | None = None
+
+    def probe_settings(self) -> ProbeSettings:
+        """The keyword settings of :func:`measure_envelope` these imply."""
+        return {"slo_ttft_ms": self.slo_ttft_ms, "slo_tpot_ms": self.slo_tpot_ms, "attainment": self.attainment,
+                "num_requests": self.num_requests, "rel_tol": self.rel_tol, "sim_config": self.sim_config}
+
+
 #: How :func:`select_operating_gears` fills the three slots: by speed (TPOT, power) or by goodput per device.
 SelectionObjective = Literal["speed", "devices"]
 SELECTION_OBJECTIVES: tuple[str, ...] = ("speed", "devices")
@@ -328,13 +357,25 @@ def _relabel(gear: Gear, kind: str) -> Gear:
     return gear.model_copy(update={"kind": kind, "gear_id": f"{kind}-{suffix}"})
 
 
+@dataclass(frozen=True)
+class OperatingSelection:
+    """What :func:`select_operating_gears` chose and why.
+
+    Attributes:
+        gears: the chosen gears, ordered latency, balanced, throughput (a kind with no distinct
+            candidate is left out), relabelled and carrying their measured envelopes.
+        envelopes: the measured :class:`GearEnvelope` of every candidate, with its probes.
+        notes: a sentence for each kind left out.
+    """
+
+    gears: list[Gear]
+    envelopes: list[GearEnvelope]
+    notes: list[str]
+
+
 def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvider | TimingSource,
-                           reference_workload: Workload, *,
-                           slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, attainment: float = 0.95,
-                           num_requests: int = 1000, low_load_share: float = 0.25, rel_tol: float = 0.03,
-                           overlap_fraction: float = 0.7, sim_config: SimConfig | None = None,
-                           report: list[GearEnvelope] | None = None, notes: list[str] | None = None,
-                           objective: SelectionObjective = "speed") -> list[Gear]:
+                           reference_workload: Workload, settings: SelectionSettings = SelectionSettings(),
+                           objective: SelectionObjective = "speed") -> OperatingSelection:
     """Pick the latency / balanced / throughput gears from ``candidates`` by simulation and set their envelopes.
 
     Every candidate's envelope is measured (:func:`measure_envelope`); then, with ``objective="speed"``
@@ -358,17 +399,18 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
     * ``balanced``: among the rest with ``rps_max`` strictly between the two, the highest
       ``rps_max / devices`` (goodput per device at its envelope), then the highest power.
 
-    A kind with no distinct candidate is left out and a sentence saying so is appended to ``notes``.
+    A kind with no distinct candidate is left out and a sentence saying so is in the ``notes``.
 
     Args:
         candidates: distinct configurations, e.g. :func:`flexpipe_dag.planner.gears.candidate_gears`.
-        cost_model / reference_workload / slo_* / attainment / num_requests / rel_tol /
-        overlap_fraction / sim_config / report: as :func:`refine_envelopes`.
+        cost_model / reference_workload: as :func:`refine_envelopes`.
+        settings: SLO, probe size, tolerances (:class:`SelectionSettings`).
         objective: ``"speed"`` or ``"devices"`` (above).
 
     Returns:
-        The chosen gears, ordered latency, balanced, throughput, relabelled (kind and id prefix) and
-        carrying their measured envelopes and estimates.
+        An :class:`OperatingSelection`: the chosen gears, ordered latency, balanced, throughput,
+        relabelled (kind and id prefix) and carrying their measured envelopes and estimates; every
+        candidate's envelope; the notes.
 
     Raises:
         InputError: no candidates, an unknown ``objective``, or as :func:`refine_envelopes`.
@@ -379,15 +421,15 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
         raise InputError("select_operating_gears", "objective",
                          f"got {objective!r}; expected one of {', '.join(SELECTION_OBJECTIVES)}")
     timing_for = _timing_source(cost_model)
-    kw: ProbeSettings = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "attainment": attainment,
-                         "num_requests": num_requests, "rel_tol": rel_tol, "sim_config": sim_config}
+    kw = settings.probe_settings()
+    rel_tol, attainment = settings.rel_tol, settings.attainment
     timings = {g.gear_id: timing_for(g) for g in candidates}
     envs = {g.gear_id: measure_envelope(g, timings[g.gear_id], reference_workload, **kw) for g in candidates}
     best_max = max(e.rps_max for e in envs.values())
-    q_low = low_load_share * best_max
-    base = sim_config or SimConfig()
-    config = dataclasses.replace(base, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
-    ref, native = reference_slice(reference_workload, num_requests)
+    q_low = settings.low_load_share * best_max
+    base = settings.sim_config or SimConfig()
+    config = dataclasses.replace(base, slo_ttft_ms=settings.slo_ttft_ms, slo_tpot_ms=settings.slo_tpot_ms)
+    ref, native = reference_slice(reference_workload, settings.num_requests)
     low: dict[str, tuple[float, float]] = {}
     for g in candidates:
         if q_low > 0 and envs[g.gear_id].rps_max >= q_low:
@@ -427,8 +469,9 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
             chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].rps_max / devices(g), power(g), g.gear_id))
         else:
             chosen["balanced"] = max(mid, key=lambda g: (power(g), g.gear_id))
+    notes: list[str] = []
     for kind in ("latency", "balanced"):
-        if kind not in chosen and notes is not None:
+        if kind not in chosen:
             notes.append(f"no {kind} gear distinct from the others: among {len(candidates)} candidates none "
                          + (("uses fewer devices (or as few with a lower TPOT) at the low load than the throughput gear"
                              if by_devices else "has a lower TPOT at the low load than the throughput gear")
@@ -437,8 +480,7 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
     order = [k for k in ("latency", "balanced", "throughput") if k in chosen]
     picked = [chosen[k] for k in order]
     picked_envs = [envs[g.gear_id] for g in picked]
-    if report is not None:
-        report.extend(envs.values())
     relabelled = [_relabel(g, k) for g, k in zip(picked, order)]
     renamed = [dataclasses.replace(e, gear_id=g.gear_id) for e, g in zip(picked_envs, relabelled)]
-    return apply_envelopes(relabelled, renamed, overlap_fraction=overlap_fraction)
+    return OperatingSelection(gears=apply_envelopes(relabelled, renamed, overlap_fraction=settings.overlap_fraction),
+                              envelopes=list(envs.values()), notes=notes)

@@ -2,13 +2,13 @@
 
 Data: the vidur A100 operator profile bundled in ``flexpipe_dag/data/profiling/vidur_a100/`` (Llama-2-7B
 and -70B operators, 1..4096 tokens, TP 1/2/4/8; rows and work counts from
-:func:`flexpipe_dag.planner.calibration.load_vidur_rows`). For each operator class, every measured row is
+:func:`flexpipe_dag.calibration.reference.load_vidur_rows`). For each operator class, every measured row is
 one observation of one kernel on the A100 (one column of unit roofline terms at efficiency 1 and a 5 us
 per-kernel overhead prior), and the same :func:`flexpipe_dag.calibration.fit.fit_time_scales` that
 calibrates runtime stage steps fits the class's (compute, memory, overhead) time scales - with wide
 priors here, since nothing is known before. Printed per class: mean / median / P90 absolute percentage
 error of the fitted roofline, next to two baselines computed in the same run: the planner's grid fit
-(:func:`flexpipe_dag.planner.calibration.fit_efficiency`, least squares in log space, no outlier
+(:func:`flexpipe_dag.calibration.reference.fit_efficiency`, least squares in log space, no outlier
 rejection) and the pure datasheet roofline. The goal is a median error within 15 % per class. A second
 table fits one set of factors per operator kernel with the same code, separating the fit's error from the
 cost model's grouping of operators into classes (``add`` streams at ~1.8 TB/s, RoPE and SiLU-and-multiply
@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from flexpipe_dag.calibration.fit import FitSettings, fit_time_scales  # noqa: E402
 from flexpipe_dag.core.catalog import REFERENCE_MODEL, gpu_catalog  # noqa: E402
-from flexpipe_dag.planner.calibration import fit_efficiency, load_vidur_rows, predict_ms  # noqa: E402
+from flexpipe_dag.calibration.reference import fit_efficiency, load_vidur_rows, predict_ms  # noqa: E402
 from flexpipe_dag.planner.cost_model import Efficiency  # noqa: E402
 
 PRIOR_OVERHEAD_US = 5.0

@@ -1,6 +1,6 @@
 """Cost-model error against the measured vidur A100 operator timings, per operator class and operator.
 
-Fits the per-class efficiency factors (``flexpipe_dag.planner.calibration``) and prints, per class
+Fits the per-class efficiency factors (``flexpipe_dag.calibration.reference``) and prints, per class
 and per operator, the mean / median / P90 absolute percentage error of the roofline prediction, next
 to a baseline measured in the same run: the pure datasheet roofline (efficiency 1, no overhead).
 
@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from flexpipe_dag.core.catalog import REFERENCE_MODEL, gpu_catalog  # noqa: E402
-from flexpipe_dag.planner.calibration import fit_efficiency, load_vidur_rows, predict_ms  # noqa: E402
+from flexpipe_dag.calibration.reference import fit_efficiency, load_vidur_rows, predict_ms  # noqa: E402
 from flexpipe_dag.planner.cost_model import Efficiency  # noqa: E402
 
 

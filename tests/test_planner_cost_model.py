@@ -8,7 +8,7 @@ import pytest
 
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.planner.calibration import efficiency_document, fit_efficiency
+from flexpipe_dag.calibration.reference import efficiency_document, fit_efficiency
 from flexpipe_dag.planner.cost_model import CostModel, Efficiency, default_efficiency
 from flexpipe_dag.planner.gears import plan_gears
 from flexpipe_dag.planner.model_spec import load_model_spec

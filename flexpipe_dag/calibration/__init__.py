@@ -1,4 +1,8 @@
-"""Closed-loop calibration: observed stage steps -> per-device efficiency factors -> re-scored gears.
+"""Calibration of the cost model, in one room.
+
+* Reference fit (:mod:`reference`): the cost model's default per-class efficiency factors, fitted
+  once to public A100 operator timings (vidur) and shipped as ``data/profiling/a100_efficiency.yaml``.
+* Closed loop: observed stage steps of real runs -> per-device efficiency factors -> re-scored gears.
 
 Pure Python / numpy (no torch, Dagster or SQL imports). Entry points::
 
@@ -10,7 +14,10 @@ Pure Python / numpy (no torch, Dagster or SQL imports). Entry points::
 Modules: :mod:`observation` (the observed-step record, measured stage / link summaries), :mod:`work`
 (an observed step's operator work), :mod:`fit` (robust Bayesian time-scale fit), :mod:`links`
 (link latency / bandwidth), :mod:`calibrate`, :mod:`rescore`, :mod:`report` (fidelity report),
-:mod:`plots`.
+:mod:`plots`, :mod:`reference`. The Dagster ``calibration`` asset (``assets/calibration.py``) and
+``flexpipe calibrate`` (``cli/calibrate.py``) are wiring over these; the store keeps observations and
+calibration versions (``sql/observations.py``); the runtime records the observations
+(``runtime/observations.py``).
 """
 
 from flexpipe_dag.calibration.calibrate import Calibration, DeviceCalibration, calibrate, predicted_step_ms

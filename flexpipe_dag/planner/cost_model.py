@@ -16,7 +16,7 @@ the embedding on the first stage and final norm + LM head on the last:
 * transfer of ``n`` tokens' activations over a link: ``latency_us + n x activation bytes / bandwidth``.
 
 The efficiency factors ``compute_c``, ``memory_c``, ``overhead_us_c`` are fitted to the measured
-vidur A100 operator times (:mod:`flexpipe_dag.planner.calibration`, stored in
+vidur A100 operator times (:mod:`flexpipe_dag.calibration.reference`, stored in
 ``flexpipe_dag/data/profiling/a100_efficiency.yaml``). They are device-independent defaults; a
 calibration step can pass ``device_overrides={device_id: {op_class: Efficiency}}`` measured on
 that device.

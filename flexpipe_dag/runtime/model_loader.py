@@ -45,17 +45,14 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: ``model_type`` values whose decoder layer is the Llama layer (RMSNorm, RoPE, GQA, SwiGLU).
 LLAMA_FAMILY = ("llama",)
 
-_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-           "bf16": "bfloat16", "bfloat16": "bfloat16"}
-
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"fp32" | "fp16" | "bf16"`` (or the torch spelling) -> ``torch.dtype``; InputError otherwise."""
     import torch
 
-    if name not in _DTYPES:
-        raise InputError(None, "dtype", f"expected one of {sorted(_DTYPES)}, got {name!r}")
-    return getattr(torch, _DTYPES[name])
+    from flexpipe_dag.core.dtypes import compute_dtype
+
+    return getattr(torch, str(compute_dtype(name).torch_name))
 
 
 def default_model_source() -> Path:

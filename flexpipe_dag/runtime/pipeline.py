@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from flexpipe_dag.core.host import free_port, host_memory_bytes
+from flexpipe_dag.core.dtypes import compute_dtype
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
@@ -48,9 +49,6 @@ from flexpipe_dag.runtime.worker import WorkerSpec
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 #: KV capacity used when the gear leaves ``kv_capacity_tokens`` at 0.
 DEFAULT_KV_CAPACITY_TOKENS = 8192
-_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
-
-
 class StageFailedError(FlexPipeError):
     """A pipeline stage (or the driver) crashed, raised, or hung; the run is over.
 
@@ -157,7 +155,7 @@ def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32") -> lis
                          f"has {ckpt.num_layers}")
     cfg = ckpt.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    nbytes = _DTYPE_BYTES[dtype]
+    nbytes = int(compute_dtype(dtype).bytes_per_element)
     tokens = kv_num_blocks(gear) * gear.kv_block_size_tokens
     n = gear.num_stages
     rows = []

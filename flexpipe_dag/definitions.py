@@ -78,10 +78,11 @@ def _planning_env() -> dict:
     from flexpipe_dag.planner.model_spec import DTYPE_BYTES
 
     fields = PlanningSettings.model_fields
-    out = {}
+    out: dict[str, object] = {}
     for var, name in PLANNING_ENV.items():
         kind = fields[name].annotation
-        if kind in (int, float, bool):
+        value: object
+        if kind is int or kind is float or kind is bool:
             bounds = _bounds_of(fields[name])
             if kind is int:
                 bounds.setdefault("le", INT32_MAX)

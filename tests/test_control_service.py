@@ -11,7 +11,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import EXAMPLES, REPO
+from tests.support import EXAMPLES, REPO
 
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.cursor import make_cursor, parse_cursor

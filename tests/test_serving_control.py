@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from conftest import EXAMPLES
-from test_control_service import GEARS, _samples
+from tests.support import EXAMPLES
+from tests.test_control_service import GEARS, _samples
 
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.settings import ResolvedControlSettings

@@ -49,6 +49,10 @@ PLANNING_ENV = {"FLEXPIPE_MODEL": "model", "FLEXPIPE_PLAN_DTYPE": "dtype", "FLEX
                 "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests", "FLEXPIPE_STAGE_REPLICAS": "stage_replicas"}
 
 
+#: The field types :func:`_planning_env` parses with ``env_value`` (others are taken as stripped strings).
+_SCALAR_KINDS: dict[object, type[int | float | bool]] = {int: int, float: float, bool: bool}
+
+
 def _unit_of(name: str) -> str:
     """Unit named by a field's suffix, for error messages."""
     for suffix, unit in (("_ms", "milliseconds"), ("_s", "seconds"), ("_tokens", "tokens")):
@@ -78,10 +82,11 @@ def _planning_env() -> dict:
     from flexpipe_dag.planner.model_spec import DTYPE_BYTES
 
     fields = PlanningSettings.model_fields
-    out = {}
+    out: dict[str, object] = {}
     for var, name in PLANNING_ENV.items():
-        kind = fields[name].annotation
-        if kind in (int, float, bool):
+        kind = _SCALAR_KINDS.get(fields[name].annotation)
+        value: object
+        if kind is not None:
             bounds = _bounds_of(fields[name])
             if kind is int:
                 bounds.setdefault("le", INT32_MAX)

@@ -57,10 +57,10 @@ def gear_layout_plot(gears: Sequence) -> bytes:
     import matplotlib.pyplot as plt
 
     fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(12.0, 1.5 + 0.8 * len(gears)), dpi=100)
-    colors = plt.get_cmap("tab10").colors
+    colors = matplotlib.colormaps["tab10"]  # 10 listed colours; an int picks one
     for row, gear in enumerate(gears):
         for st in gear.stages:
-            ax_l.barh(row, st.num_layers, left=st.layer_start, color=colors[st.stage_index % 10], edgecolor="k")
+            ax_l.barh(row, st.num_layers, left=st.layer_start, color=colors(st.stage_index % 10), edgecolor="k")
             ax_l.text(st.layer_start + st.num_layers / 2, row, "\n".join(st.device_ids), ha="center",
                       va="center", fontsize=6)
         times = [st.est_stage_ms or 0.0 for st in gear.stages]

@@ -25,14 +25,14 @@ class BatchInferenceConfig(Config):
     num_requests: int = 64
     max_prompt_tokens: int = 256
     max_new_tokens: int = 16
-    gear_id: str = Field("", description="a stored gear; empty = even split over `stages` CPU workers")
+    gear_id: str = Field(default="", description="a stored gear; empty = even split over `stages` CPU workers")
     stages: int = 2
     micro_batch_size: int = 8
-    model: str = Field("", description="checkpoint: HF dir or GGUF; empty = SmolLM2-135M-Instruct")
+    model: str = Field(default="", description="checkpoint: HF dir or GGUF; empty = SmolLM2-135M-Instruct")
     priority: int = 0
     step_timeout_s: float = 120.0
-    kv_pool_tokens_max: int = Field(8192, ge=256, description="cap on the gear's KV pool for this job")
-    control_address: str = Field("", description="HOST:PORT: serve stage workers started on other hosts "
+    kv_pool_tokens_max: int = Field(default=8192, ge=256, description="cap on the gear's KV pool for this job")
+    control_address: str = Field(default="", description="HOST:PORT: serve stage workers started on other hosts "
                                  "(`flexpipe worker --head HOST:PORT --stage S` on each) instead of spawning "
                                  "them here (PORT 0: a free port, named in the run's log); empty = every "
                                  "stage on this host")

@@ -75,6 +75,7 @@ def gear_shift_sensor(context: SensorEvaluationContext, store: StoreResource, co
     if ev.run_key is None:
         return SkipReason(ev.summary)
     d = ev.decision
+    assert d is not None and d.to_gear_id is not None  # a run key comes only with a shift, which names its target
     return RunRequest(run_key=ev.run_key, tags={"flexpipe/trigger": d.trigger or "", "flexpipe/to_gear": d.to_gear_id},
                       run_config={"ops": {"apply_gear_shift": {"config": {
                           "to_gear_id": d.to_gear_id, "from_gear_id": d.from_gear_id or "", "reason": d.reason,

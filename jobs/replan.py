@@ -16,7 +16,10 @@ from flexpipe_dag.jobs.profiling import plan_gears_job
 @asset_sensor(asset_key=AssetKey("calibration"), job=plan_gears_job, default_status=DefaultSensorStatus.RUNNING,
               description="Re-plans the gears when a new calibration changes their estimates past the margin.")
 def replan_sensor(context: SensorEvaluationContext, asset_event: EventLogEntry):
-    meta = asset_event.asset_materialization.metadata
+    materialization = asset_event.asset_materialization
+    if materialization is None:  # an asset sensor is handed materialisations; anything else has nothing to read
+        return SkipReason("not a materialisation of calibration: nothing to re-plan")
+    meta = materialization.metadata
     calibration_id = meta.get("calibration_id")
     if calibration_id is None:
         return SkipReason("calibration kept the profile's values: nothing to re-plan")

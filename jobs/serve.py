@@ -22,20 +22,23 @@ class ServeTraceConfig(Config):
     """The replay (CPU-sized defaults: a few minutes on 2 cores)."""
 
     trace: str = "azure-conv"
-    trace_start_s: float = Field(600.0, ge=0, description="skip the trace's sparse first minutes")
-    duration_s: float = Field(200.0, gt=0, description="wall seconds the tide day is compressed into")
-    tide_start_h: float = Field(2.0, ge=0, lt=24, description="tide hour the replay starts at")
-    mean_rps: float = Field(0.0, ge=0, description="mean online arrival rate; 0 = 1.5 x the first gear's rps_max "
-                                                   "(the tide's peak then overloads it, its trough does not)")
+    trace_start_s: float = Field(default=600.0, ge=0, description="skip the trace's sparse first minutes")
+    duration_s: float = Field(default=200.0, gt=0, description="wall seconds the tide day is compressed into")
+    tide_start_h: float = Field(default=2.0, ge=0, lt=24, description="tide hour the replay starts at")
+    mean_rps: float = Field(default=0.0, ge=0, description="mean online arrival rate; 0 = 1.5 x the first gear's "
+                                                           "rps_max (the tide's peak then overloads it, its trough "
+                                                           "does not)")
     max_prompt_tokens: int = 96
     max_new_tokens: int = 12
     offline_trace: str = "arxiv-summarization"
     offline_requests: int = 24
     initial_gear_kind: str = "latency"
-    inline_control: bool = Field(True, description="decide shifts in the loop (no daemon); else apply gear_shift runs")
+    inline_control: bool = Field(default=True,
+                                 description="decide shifts in the loop (no daemon); else apply gear_shift runs")
     max_offline_inflight: int = 4
     step_timeout_s: float = 120.0
-    kv_pool_tokens_max: int = Field(8192, ge=256, description="cap on each gear's KV pool (CPU workers share host RAM)")
+    kv_pool_tokens_max: int = Field(default=8192, ge=256,
+                                    description="cap on each gear's KV pool (CPU workers share host RAM)")
 
 
 def _runnable(gears, kv_pool_tokens_max: int):

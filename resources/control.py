@@ -33,8 +33,8 @@ class ControlSettings(ConfigurableResource):
     """
 
     config_file: str = ""
-    target_p99_ms: float = Field(0.0, ge=0, description="0 = each gear's own target")
-    dwell_s: float | None = Field(None, description="None = the config file's or the seed's 600 s")
+    target_p99_ms: float = Field(default=0.0, ge=0, description="0 = each gear's own target")
+    dwell_s: float | None = Field(default=None, description="None = the config file's or the seed's 600 s")
 
     def resolved(self) -> ResolvedControlSettings:
         """The validated figures, read once per process for these three values (then reused as they are).

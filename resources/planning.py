@@ -13,18 +13,20 @@ class PlanningSettings(ConfigurableResource):
 
     model: str = "SmolLM2-135M"
     dtype: str = "bf16"
-    context_p95_tokens: int = Field(2048, ge=1, description="P95 context the KV pool is sized for")
-    concurrency: int = Field(32, ge=1, description="sequences in flight the KV pool must hold")
-    min_residence_s: float = Field(600.0, ge=0, description="devices leaving sooner are not used")
-    reference_trace: str = Field("azure-conv", description="workload gears are scored on (bundled name or path)")
-    reference_requests: int = Field(1500, ge=50, description="requests of the reference trace to simulate")
-    slo_ttft_ms: float = Field(2000.0, gt=0)
-    slo_tpot_ms: float = Field(200.0, gt=0)
-    max_prompt_tokens: int = Field(0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
-    max_new_tokens: int = Field(0, ge=0, description="cap on generated tokens (0 = none)")
-    stage_replicas: bool = Field(True, description="allow replicas of a hot stage (the runtime runs one worker per replica)")
-    replan_margin: float = Field(0.10, gt=0, description="a calibration that moves a gear's estimate by more "
-                                                          "than this fraction re-plans the gears")
+    context_p95_tokens: int = Field(default=2048, ge=1, description="P95 context the KV pool is sized for")
+    concurrency: int = Field(default=32, ge=1, description="sequences in flight the KV pool must hold")
+    min_residence_s: float = Field(default=600.0, ge=0, description="devices leaving sooner are not used")
+    reference_trace: str = Field(default="azure-conv",
+                                 description="workload gears are scored on (bundled name or path)")
+    reference_requests: int = Field(default=1500, ge=50, description="requests of the reference trace to simulate")
+    slo_ttft_ms: float = Field(default=2000.0, gt=0)
+    slo_tpot_ms: float = Field(default=200.0, gt=0)
+    max_prompt_tokens: int = Field(default=0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
+    max_new_tokens: int = Field(default=0, ge=0, description="cap on generated tokens (0 = none)")
+    stage_replicas: bool = Field(default=True,
+                                 description="allow replicas of a hot stage (the runtime runs one worker per replica)")
+    replan_margin: float = Field(default=0.10, gt=0, description="a calibration that moves a gear's estimate by more "
+                                                                 "than this fraction re-plans the gears")
 
     def reference_workload(self):
         """The reference trace with the serving caps applied to its lengths (what gears are scored on)."""

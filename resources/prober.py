@@ -19,8 +19,9 @@ class ProberResource(ConfigurableResource):
 
     probe: bool = True
     cluster_file: str = ""
-    cluster_id: str = Field("", description="id of a probed cluster (default: the host name)")
-    num_cpu_workers: int = Field(2, ge=1, le=64, description="CPU worker processes measured on a host without GPUs")
+    cluster_id: str = Field(default="", description="id of a probed cluster (default: the host name)")
+    num_cpu_workers: int = Field(default=2, ge=1, le=64,
+                                 description="CPU worker processes measured on a host without GPUs")
 
     def get_profile(self) -> ClusterProfile:
         """Build the profile (:func:`flexpipe_dag.profiling.source.build_profile`).

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, select, update
 
 from flexpipe_dag.core.status import HealthFailure, checked
 from flexpipe_dag.sql import models as m
@@ -55,4 +57,6 @@ class HealthTags(StoreBase):
                 q = q.where(m.HealthTag.cluster_key == cluster_key)
             if model_name is not None:
                 q = q.where(m.HealthTag.model_name == model_name)
-            return s.execute(q.values(cleared_at=m.utcnow(), cleared_reason=reason)).rowcount
+            # an UPDATE executes to a CursorResult (the one that has rowcount); Session.execute is typed Result
+            result = cast(CursorResult[Any], s.execute(q.values(cleared_at=m.utcnow(), cleared_reason=reason)))
+            return result.rowcount

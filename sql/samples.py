@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeVar
 
 from sqlalchemy import select
 
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.core.status import SampleSource, checked
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase
+
+_T = TypeVar("_T")
+
+
+def _held(row: m.MetricSampleRow, column: str, value: _T | None) -> _T:
+    """``value`` of a column every row of ``row``'s scope holds (:meth:`MetricSamples.write_samples` always sets
+    it; the columns are nullable only because the other scope leaves them empty).
+
+    Raises:
+        InputError: the column is NULL (a row written by something else); the row and column are named.
+    """
+    if value is None:
+        raise InputError("metric_samples", f"row {row.id}: {column}", f"NULL in a {row.scope!r} row; expected a value")
+    return value
 
 
 class MetricSamples(StoreBase):
@@ -53,6 +69,9 @@ class MetricSamples(StoreBase):
         """Metric samples rebuilt from rows, oldest first, as ``(row_id, sample)`` pairs.
 
         ``after_id`` lets a sensor read only what arrived since its cursor.
+
+        Raises:
+            InputError: a row lacks a value its scope always holds (row and column named).
         """
         with self.session() as s:
             q = select(m.MetricSampleRow).where(m.MetricSampleRow.scope == "pipeline")
@@ -72,13 +91,17 @@ class MetricSamples(StoreBase):
                 m.MetricSampleRow.parent_id.in_([h.id for h in heads])).order_by(m.MetricSampleRow.id))
             stages: dict[int, list[StageSample]] = {}
             for r in stage_rows:
-                stages.setdefault(r.parent_id, []).append(StageSample(
-                    stage_index=r.stage_index, busy_fraction=r.busy_fraction, queue_length=r.queue_length,
-                    kv_blocks_used=r.kv_blocks_used, kv_blocks_total=r.kv_blocks_total))
+                stages.setdefault(_held(r, "parent_id", r.parent_id), []).append(StageSample(
+                    stage_index=_held(r, "stage_index", r.stage_index),
+                    busy_fraction=_held(r, "busy_fraction", r.busy_fraction),
+                    queue_length=_held(r, "queue_length", r.queue_length),
+                    kv_blocks_used=_held(r, "kv_blocks_used", r.kv_blocks_used),
+                    kv_blocks_total=_held(r, "kv_blocks_total", r.kv_blocks_total)))
             return [(h.id, MetricSample(
-                t_s=h.t_s, gear_id=h.gear_key, source=h.source, rps=h.rps, completed=h.completed,
-                tokens_per_s=h.tokens_per_s, queue_length=h.queue_length, running=h.running,
-                kv_used_fraction=h.kv_used_fraction, ttft_p50_ms=h.ttft_p50_ms, ttft_p99_ms=h.ttft_p99_ms,
-                tpot_p50_ms=h.tpot_p50_ms, tpot_p99_ms=h.tpot_p99_ms, e2e_p50_ms=h.e2e_p50_ms,
-                e2e_p99_ms=h.e2e_p99_ms, stages=tuple(stages.get(h.id, ()))))
+                t_s=h.t_s, gear_id=h.gear_key, source=h.source, rps=_held(h, "rps", h.rps),
+                completed=_held(h, "completed", h.completed), tokens_per_s=_held(h, "tokens_per_s", h.tokens_per_s),
+                queue_length=_held(h, "queue_length", h.queue_length), running=_held(h, "running", h.running),
+                kv_used_fraction=_held(h, "kv_used_fraction", h.kv_used_fraction), ttft_p50_ms=h.ttft_p50_ms,
+                ttft_p99_ms=h.ttft_p99_ms, tpot_p50_ms=h.tpot_p50_ms, tpot_p99_ms=h.tpot_p99_ms,
+                e2e_p50_ms=h.e2e_p50_ms, e2e_p99_ms=h.e2e_p99_ms, stages=tuple(stages.get(h.id, ()))))
                 for h in heads]

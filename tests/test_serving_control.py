@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tests.support import EXAMPLES
-from test_control_service import GEARS, _samples
+from tests.test_control_service import GEARS, _samples
 
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.settings import ResolvedControlSettings

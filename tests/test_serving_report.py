@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from flexpipe_dag.core.metrics import MetricSample, StageSample
-from flexpipe_dag.serving.report import summarize, write_html_report
+from flexpipe_dag.serving.report import load_vs_gear_png, summarize, write_html_report
 
 
 def _results():
@@ -38,3 +38,10 @@ def test_html_report_embeds_the_three_figures(tmp_path):
     text = path.read_text()
     assert text.count("data:image/png;base64,") == 3
     assert "rps 3 above envelope max 2" in text and "lost 0" in text
+
+
+def test_load_vs_gear_shades_more_gears_than_the_palette_holds():
+    """Pastel1 lists 9 colours: a tenth gear reuses one (it used to fail with a KeyError)."""
+    samples = [MetricSample(t_s=2.0 * i, gear_id=f"g{i:02d}", source="live", rps=1.0, completed=1, tokens_per_s=10.0,
+                            queue_length=0, running=1, kv_used_fraction=0.1) for i in range(1, 12)]
+    assert load_vs_gear_png(samples, []).startswith(b"\x89PNG")

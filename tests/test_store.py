@@ -73,6 +73,27 @@ def test_metric_samples_round_trip(store):
     assert [s.t_s for _, s in store.read_samples(after_id=last_id)] == [6.0, 2.0]
 
 
+def test_metric_sample_row_missing_a_figure_is_named(store):
+    """A row lacking a figure its scope always holds (not written by write_samples) is refused by name, not read
+    back as a sample holding None."""
+    from sqlalchemy import update
+
+    from flexpipe_dag.core.errors import InputError
+
+    store.write_samples("run-1", [MetricSample(t_s=2.0, gear_id="g", source="sim", rps=1.5, completed=3,
+                                               tokens_per_s=40.0, queue_length=0, running=2, kv_used_fraction=0.25,
+                                               stages=(StageSample(0, 0.5, 1, 10, 100),))])
+    with store.session() as s:
+        s.execute(update(m.MetricSampleRow).where(m.MetricSampleRow.scope == "stage").values(busy_fraction=None))
+    with pytest.raises(InputError, match=r"metric_samples: row \d+: busy_fraction: NULL in a 'stage' row"):
+        store.read_samples("run-1")
+    with store.session() as s:
+        s.execute(update(m.MetricSampleRow).where(m.MetricSampleRow.scope == "stage").values(busy_fraction=0.5))
+        s.execute(update(m.MetricSampleRow).where(m.MetricSampleRow.scope == "pipeline").values(rps=None))
+    with pytest.raises(InputError, match=r"row \d+: rps: NULL in a 'pipeline' row"):
+        store.read_samples("run-1")
+
+
 def test_results_are_idempotent_and_jobs_tracked(store):
     job = store.get_or_create_job("batch-1", source_path="prompts.jsonl")
     assert store.get_or_create_job("batch-1") == job

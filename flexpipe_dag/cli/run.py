@@ -163,10 +163,11 @@ def launched_head(args: argparse.Namespace) -> tuple[int, int, str]:
 
     rank, world = env_value("RANK", int), env_value("WORLD_SIZE", int)
     addr, port = os.environ.get("MASTER_ADDR"), env_value("MASTER_PORT", int)
-    for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", addr), ("MASTER_PORT", port)):
-        if value is None:
-            raise InputError(None, name, "--launched expects the launcher's RANK, WORLD_SIZE, MASTER_ADDR and "
-                                         "MASTER_PORT (run it under deepspeed or torch.distributed.run)")
+    if rank is None or world is None or addr is None or port is None:
+        name = next(name for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", addr),
+                                             ("MASTER_PORT", port)) if value is None)
+        raise InputError(None, name, "--launched expects the launcher's RANK, WORLD_SIZE, MASTER_ADDR and "
+                                     "MASTER_PORT (run it under deepspeed or torch.distributed.run)")
     control = args.control_port if args.control_port is not None else port + 1
     if not 1 <= control <= 65535:
         raise InputError(None, "--control-port", f"expected a TCP port 1..65535, got {control}")
@@ -215,11 +216,13 @@ def run(args: argparse.Namespace) -> int:
                          args.kv_capacity_tokens or 8192, parse_replicas(args.stage_replicas))
     if args.prompts:
         rows, malformed = read_prompts(args.prompts, args.max_new_tokens)
-    else:
+    elif args.trace is not None:
         rows, malformed = prompts_from_trace(args.trace, ckpt.tokenizer(), num_requests=args.num_requests,
                                              max_prompt_tokens=args.max_prompt_tokens,
                                              max_new_tokens=args.max_new_tokens,
                                              length_scale=args.length_scale), []
+    else:  # the parser requires one of the two
+        raise InputError(None, "--prompts", "expected --prompts FILE or --trace FILE|NAME")
     if not rows:
         for m in malformed[:20]:
             print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
@@ -257,7 +260,11 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         bar = tqdm(total=len(rows), unit="req", desc="flexpipe run")
         bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
-        report = run_batch_job(runtime, rows, sink, malformed=malformed, on_progress=lambda d, t: bar.update(1))
+
+        def progress(done: int, total: int) -> None:
+            bar.update(1)
+
+        report = run_batch_job(runtime, rows, sink, malformed=malformed, on_progress=progress)
         bar.close()
     summary = {"rows": report.rows, "finished": report.finished, "skipped_done": report.skipped_done,
                "malformed": len(report.malformed), "refused": len(report.refused),
@@ -291,8 +298,11 @@ def _score(args: argparse.Namespace, gear, ckpt, rows, malformed, sink) -> int:
           f"on a host compiles DeepSpeed's shm op, about a minute)...", file=sys.stderr)
     bar = tqdm(total=len(rows), unit="row", desc="flexpipe run --score")
     bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
-    report = run_score_job(gear, rows, sink, model=ckpt, options=options, malformed=malformed,
-                           on_progress=lambda d, t: bar.update(1))
+
+    def progress(done: int, total: int) -> None:
+        bar.update(1)
+
+    report = run_score_job(gear, rows, sink, model=ckpt, options=options, malformed=malformed, on_progress=progress)
     bar.close()
     summary = {"rows": report.rows, "finished": report.finished, "skipped_done": report.skipped_done,
                "malformed": len(report.malformed), "units": report.units, "scored_tokens": report.scored_tokens,

@@ -53,7 +53,7 @@ class Figures(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_booleans(cls, value):
+    def _no_booleans(cls, value: object) -> object:
         if isinstance(value, bool):  # YAML's yes / on / true would otherwise read as 1
             raise ValueError(f"expected a number, got the boolean {value}")
         return value

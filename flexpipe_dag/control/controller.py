@@ -108,7 +108,7 @@ class _Candidate:
         return self.gain_fraction * self.residence_s - self.migration_cost_s
 
 
-def _pipeline_key(gear: Gear) -> tuple:
+def _pipeline_key(gear: Gear) -> tuple[object, ...]:
     """What decides a gear's behaviour: stages (layers, devices), batching and KV pool."""
     return (tuple((st.layer_start, st.layer_end, tuple(st.device_ids)) for st in gear.stages),
             gear.micro_batch_size, gear.max_inflight_micro_batches, gear.kv_capacity_tokens)

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.tide import TideConfig
@@ -22,6 +25,8 @@ from flexpipe_dag.core.errors import InputError
 
 #: The sections a control file may hold.
 CONTROL_SECTIONS = ("controller", "tide")
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class ResolvedControlSettings:
     source: str = ""
 
 
-def read_control_file(config_file: str) -> dict[str, dict]:
+def read_control_file(config_file: str) -> dict[str, dict[str, Any]]:
     """The ``controller`` / ``tide`` sections of a control file (``{}`` for ``config_file`` "").
 
     Returns:
@@ -94,7 +99,7 @@ def resolve_control_settings(config_file: str = "", *, target_p99_ms: float = 0.
     return ResolvedControlSettings(controller=controller, tide=tide, source=config_file)
 
 
-def validated(model, values: dict, source: str, section: str):
+def validated(model: type[_Model], values: dict[str, Any], source: str, section: str) -> _Model:
     """``model.model_validate(values)``, a validation error turned into one :class:`InputError`.
 
     Raises:

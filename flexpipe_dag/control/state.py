@@ -8,7 +8,7 @@ reads back exactly what was written (floats are written in shortest round-trip f
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,7 +34,7 @@ _LEGACY_NAMES = {"ema_qps": "ema_rps", "forecast_qps": "forecast_rps", "qps_peak
                  "qps_above_envelope": "rps_above_envelope", "qps_below_envelope": "rps_below_envelope"}
 
 
-def _upgrade_legacy(doc: dict) -> dict:
+def _upgrade_legacy(doc: dict[str, Any]) -> dict[str, Any]:
     """A version-1/2 cursor document with its ``qps`` names mapped to the ``rps`` ones."""
     doc = {_LEGACY_NAMES.get(k, k): v for k, v in doc.items()}
     if isinstance(doc.get("counts"), dict):

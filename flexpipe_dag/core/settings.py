@@ -19,7 +19,7 @@ import math
 import numbers
 import os
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, overload
 
 from flexpipe_dag.core.errors import InputError
 
@@ -115,6 +115,17 @@ def parse_setting(raw: str, kind: type[_T], source: str, field: str | None = Non
             or (lt is not None and value >= lt)):
         raise InputError(source, field, f"expected {expected}, got {shown!r}")
     return kind(value)
+
+
+@overload
+def env_value(name: str, kind: type[_T], default: _T, *, ge: float | None = None, gt: float | None = None,
+              le: float | None = None, lt: float | None = None, unit: str = "") -> _T: ...
+
+
+@overload
+def env_value(name: str, kind: type[_T], default: None = None, *, ge: float | None = None,
+              gt: float | None = None, le: float | None = None, lt: float | None = None,
+              unit: str = "") -> _T | None: ...
 
 
 def env_value(name: str, kind: type[_T], default: _T | None = None, *, ge: float | None = None,

@@ -9,7 +9,11 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 #: Layer shape used to time attention / MLP when no model is given: SmolLM2-135M's decoder layer.
 DEFAULT_LAYER = {"hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536}
@@ -29,14 +33,14 @@ class LayerShape:
         return self.hidden_size // self.num_heads
 
 
-def _sync(device) -> None:
+def _sync(device: torch.device) -> None:
     import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_ms(device, fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+def time_ms(device: torch.device, fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` on ``device`` in ms (CUDA synchronised)."""
     for _ in range(warmup):
         fn()
@@ -50,7 +54,7 @@ def time_ms(device, fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) ->
     return statistics.median(times)
 
 
-def gemm_tflops(device, dtype, n: int) -> float:
+def gemm_tflops(device: torch.device, dtype: torch.dtype, n: int) -> float:
     """Achieved dense matmul TFLOP/s for an ``n x n @ n x n`` product (2 n^3 FLOPs)."""
     import torch
 
@@ -60,7 +64,7 @@ def gemm_tflops(device, dtype, n: int) -> float:
     return 2 * n**3 / (ms / 1e3) / 1e12
 
 
-def memory_bandwidth_gbps(device, num_bytes: int) -> float:
+def memory_bandwidth_gbps(device: torch.device, num_bytes: int) -> float:
     """Achieved memory bandwidth of a device-to-device copy, GB/s (counts read + write bytes)."""
     import torch
 
@@ -70,7 +74,8 @@ def memory_bandwidth_gbps(device, num_bytes: int) -> float:
     return 2 * num_bytes / (ms / 1e3) / 1e9
 
 
-def layer_times_ms(device, dtype, shape: LayerShape, token_counts: list[int]) -> dict[str, float]:
+def layer_times_ms(device: torch.device, dtype: torch.dtype, shape: LayerShape,
+                   token_counts: list[int]) -> dict[str, float]:
     """Time attention (QKV/O projections + SDPA, causal) and gated MLP of one layer at each token count.
 
     Returns ``{"attention_t{N}": ms, "mlp_t{N}": ms, ...}``: one sequence of N tokens (prefill shape).
@@ -89,7 +94,7 @@ def layer_times_ms(device, dtype, shape: LayerShape, token_counts: list[int]) ->
         for n in token_counts:
             x = torch.randn(1, n, h, device=device, dtype=dtype)
 
-            def attention(x=x, n=n):
+            def attention(x: torch.Tensor = x, n: int = n) -> torch.Tensor:
                 q = F.linear(x, w["q"]).view(1, n, shape.num_heads, d).transpose(1, 2)
                 k = F.linear(x, w["k"]).view(1, n, shape.num_kv_heads, d).transpose(1, 2)
                 v = F.linear(x, w["v"]).view(1, n, shape.num_kv_heads, d).transpose(1, 2)
@@ -98,7 +103,7 @@ def layer_times_ms(device, dtype, shape: LayerShape, token_counts: list[int]) ->
                 a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 return F.linear(a.transpose(1, 2).reshape(1, n, h), w["o"])
 
-            def mlp(x=x):
+            def mlp(x: torch.Tensor = x) -> torch.Tensor:
                 return F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"])
 
             out[f"attention_t{n}"] = time_ms(device, attention)
@@ -118,8 +123,8 @@ def activation_bytes_per_sequence(shape: LayerShape, context_tokens: int, dtype_
     return elems * dtype_bytes
 
 
-def max_micro_batch(device, dtype, shape: LayerShape, context_tokens: int, memory_budget_bytes: int,
-                    cap: int = 1024) -> tuple[int, str]:
+def max_micro_batch(device: torch.device, dtype: torch.dtype, shape: LayerShape, context_tokens: int,
+                    memory_budget_bytes: int, cap: int = 1024) -> tuple[int, str]:
     """Largest micro-batch (sequences of ``context_tokens``) one layer's forward fits in.
 
     On CUDA this is found for real: doubling then bisection, catching ``torch.cuda.OutOfMemoryError``.

@@ -6,8 +6,11 @@ whatever it could read, and the prober writes it into the profile's notes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -18,7 +21,8 @@ class NvmlReport:
     errors: list[str] = field(default_factory=list)
 
 
-def _try(report: NvmlReport, what: str, fn, *args):
+def _try(report: NvmlReport, what: str, fn: Callable[..., _T], *args: Any) -> _T | None:
+    """``fn(*args)``, or None with the NVML error recorded in ``report`` under ``what``."""
     import pynvml
 
     try:

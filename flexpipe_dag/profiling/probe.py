@@ -21,13 +21,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
 from flexpipe_dag.core.host import free_port, host_memory_bytes
 from flexpipe_dag.profiling.microbench import (DEFAULT_LAYER, LayerShape, gemm_tflops, layer_times_ms, max_micro_batch,
                                   memory_bandwidth_gbps)
 from flexpipe_dag.profiling.nvml_facts import read_nvml_facts
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -57,7 +60,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _measure_links(rank: int, world: int, device, nbytes: int, repeats: int) -> dict[int, dict[str, float]]:
+def _measure_links(rank: int, world: int, device: torch.device, nbytes: int,
+                   repeats: int) -> dict[int, dict[str, float]]:
     """Ordered-pair latency (us) and bandwidth (GB/s) from ``rank`` to every peer (run on all ranks)."""
     import torch
     import torch.distributed as dist
@@ -66,7 +70,7 @@ def _measure_links(rank: int, world: int, device, nbytes: int, repeats: int) -> 
     big = torch.zeros(nbytes // 4, device=device)
     out: dict[int, dict[str, float]] = {}
 
-    def sync():
+    def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -173,8 +177,9 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
         notes.append(f"no CUDA device: measured {world} CPU worker processes as devices "
                      f"({max(1, (os.cpu_count() or 1) // world)} threads each, fp32)")
     with tempfile.TemporaryDirectory(prefix="flexpipe-probe-") as out_dir:
-        mp.start_processes(_worker, args=(world, free_port(), out_dir, asdict(settings), use_cuda),
-                           nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(  # type: ignore[no-untyped-call]  # torch leaves start_processes unannotated
+            _worker, args=(world, free_port(), out_dir, asdict(settings), use_cuda), nprocs=world, join=True,
+            start_method="spawn")
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     devices, links = [], []
     for r in ranks:

@@ -77,7 +77,8 @@ def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str,
     ax2.plot(t, [s.tokens_per_s for s in samples], label="output tokens/s", color="tab:green", alpha=0.6)
     ax2.set_ylabel("output tokens/s")
     gears = sorted({s.gear_id for s in samples})
-    colors = dict(zip(gears, plt.get_cmap("Pastel1").colors))
+    pastel = matplotlib.colormaps["Pastel1"]  # 9 listed colours, repeated past the ninth gear
+    colors = {g: pastel(i % pastel.N) for i, g in enumerate(gears)}
     for a, b, g in _segments(samples):
         ax.axvspan(a, b, color=colors[g], alpha=0.6, lw=0)
     for sh in shifts:
@@ -85,7 +86,7 @@ def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str,
         ax.text(sh["t_s"], ax.get_ylim()[1] * 0.95, f" {sh['status']}: {sh['to_gear']}", fontsize=7, color="tab:red",
                 va="top")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[g]) for g in gears]
-    ax.legend(handles + [raw, ema], gears + [raw.get_label(), ema.get_label()], fontsize=7,
+    ax.legend(handles + [raw, ema], gears + [str(raw.get_label()), str(ema.get_label())], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.08, 1.0))
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("req/s")

@@ -155,11 +155,12 @@ class TraceServer:
                     if offline_job is not None:
                         db.update_job(offline_job, status=InferenceJobStatus.RUNNING)
             online_done = i == len(pending) and self._finished("online") == len(pending)
-            if online_done and online_end_s is None:
-                online_end_s = now
-            offline_settled = not offline_todo and self._finished("offline") == self.report.submitted_offline
-            if online_done and (offline_settled or now - online_end_s > s.offline_grace_s) and self._idle_shift():
-                break
+            if online_done:
+                if online_end_s is None:
+                    online_end_s = now
+                offline_settled = not offline_todo and self._finished("offline") == self.report.submitted_offline
+                if (offline_settled or now - online_end_s > s.offline_grace_s) and self._idle_shift():
+                    break
             time.sleep(0.05)
         self._finish_offline(offline_todo)
         self._write_samples()
@@ -240,6 +241,8 @@ class TraceServer:
             self._declined_logged[d.trigger] = now  # every decision is stored; the log shows one per 30 s
             self.log(f"controller: {d.reason}")
         if ev.run_key is not None:
+            # a run key comes only with a stored shift decision, which names its target and trigger
+            assert d is not None and ev.event_id is not None and d.to_gear_id is not None and d.trigger is not None
             self.db.update_shift_event(ev.event_id, ShiftEventStatus.REQUESTED, {"run_key": ev.run_key})
             self._start_shift(ev.event_id, d.from_gear_id, d.to_gear_id, d.trigger, d.reason)
 

@@ -31,7 +31,6 @@ def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings,
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.sim.config import SimConfig
     from flexpipe_dag.sim.evaluate import evaluate_gear, plot_evaluation
-    from flexpipe_dag.workload.bundled import load_trace
     from flexpipe_dag.workload.transform import head, speedup
 
     db = store.get_store()

@@ -1,7 +1,15 @@
 """Planning assets: ``model_profile``, ``candidate_gears`` (+ fit check) and ``gear_evaluations``."""
 
 import pandas as pd
-from dagster import AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, MaterializeResult, MetadataValue, asset, asset_check
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+    asset_check,
+)
 
 from flexpipe_dag.assets.calibration import calibrated_inputs
 from flexpipe_dag.assets.metadata import latest_profile_or_fail, png_metadata, table_metadata

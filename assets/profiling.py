@@ -1,11 +1,20 @@
 """The ``gpu_profile`` asset: a new profile version of the cluster in the SQL store, and its check."""
 
-from dagster import AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, MaterializeResult, MetadataValue, asset, asset_check
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+    asset_check,
+)
 
 from flexpipe_dag.assets.metadata import png_metadata, table_metadata
 from flexpipe_dag.profiling.summary import device_table, link_heatmap, profile_problems
 from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
+
 
 @asset(group_name="profiling", kinds={"sql"}, pool="device_probe",
        description="A new profile version of the cluster: devices, links, measured timings (SQL store).")

@@ -24,12 +24,12 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from flexpipe_dag.calibration.fit import FitSettings, fit_time_scales  # noqa: E402
-from flexpipe_dag.core.catalog import REFERENCE_MODEL, gpu_catalog  # noqa: E402
-from flexpipe_dag.calibration.reference import fit_efficiency, load_vidur_rows, predict_ms  # noqa: E402
-from flexpipe_dag.planner.cost_model import Efficiency  # noqa: E402
+from flexpipe_dag.calibration.fit import FitSettings, fit_time_scales
+from flexpipe_dag.calibration.reference import fit_efficiency, load_vidur_rows, predict_ms
+from flexpipe_dag.core.catalog import REFERENCE_MODEL, gpu_catalog
+from flexpipe_dag.planner.cost_model import Efficiency
 
 PRIOR_OVERHEAD_US = 5.0
 SETTINGS = FitSettings(prior_sd=(2.0, 2.0, 3.0), min_observations=10)
@@ -85,7 +85,7 @@ def main() -> None:
     print(f"worst per-class median error of the robust fit: {worst_median:.1%} (goal <= 15 %); "
           f"fit time {fit_s:.2f} s vs grid fit {grid_s:.2f} s")
     # the same fit with one set of factors per operator kernel: how much of the error is the class grouping
-    print(f"\nper-operator factors (same fit; the cost model would need these operators as their own classes):")
+    print("\nper-operator factors (same fit; the cost model would need these operators as their own classes):")
     print(f"{'operator':<26} {'rows':>5} | {'mean':>7} {'median':>7} {'p90':>7} | factors (compute, memory, overhead_us)")
     worst_op = 0.0
     for op, og in rows.groupby("op"):

@@ -13,11 +13,11 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from flexpipe_dag.core.catalog import REFERENCE_MODEL, gpu_catalog  # noqa: E402
-from flexpipe_dag.calibration.reference import fit_efficiency, load_vidur_rows, predict_ms  # noqa: E402
-from flexpipe_dag.planner.cost_model import Efficiency  # noqa: E402
+from flexpipe_dag.calibration.reference import fit_efficiency, load_vidur_rows, predict_ms
+from flexpipe_dag.core.catalog import REFERENCE_MODEL, gpu_catalog
+from flexpipe_dag.planner.cost_model import Efficiency
 
 
 def ape_stats(pred: np.ndarray, meas: np.ndarray) -> str:

@@ -34,6 +34,7 @@ def run_fidelity(num_requests: int = 24, warmup_requests: int = 16, max_prompt_t
     from flexpipe_dag.core.gear import Gear, StagePlan
     from flexpipe_dag.planner.cost_model import CostModel
     from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.profiling.probe import ProbeSettings, probe_host
     from flexpipe_dag.runtime.batch import prompts_from_trace, to_requests
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.observations import ObservationCollector
@@ -43,7 +44,6 @@ def run_fidelity(num_requests: int = 24, warmup_requests: int = 16, max_prompt_t
     from flexpipe_dag.workload.bundled import bundled_path
     from flexpipe_dag.workload.request import Request as SimRequest
     from flexpipe_dag.workload.request import Workload
-    from flexpipe_dag.profiling.probe import ProbeSettings, probe_host
 
     cluster = probe_host("fidelity-host", ProbeSettings(num_cpu_workers=2))
     devices = [d.device_id for d in cluster.devices][:2]

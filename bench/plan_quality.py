@@ -22,14 +22,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from flexpipe_dag.core.cluster import load_cluster_profile  # noqa: E402
-from flexpipe_dag.core.errors import InfeasibleError  # noqa: E402
-from flexpipe_dag.planner.gears import candidate_plans, make_search, oracle_plans, pick, plan_kind  # noqa: E402
-from flexpipe_dag.planner.instances import random_cluster, random_model  # noqa: E402
-from flexpipe_dag.planner.model_spec import load_model_spec  # noqa: E402
-from flexpipe_dag.planner.workload import PlanWorkload  # noqa: E402
+from flexpipe_dag.core.cluster import load_cluster_profile
+from flexpipe_dag.core.errors import InfeasibleError
+from flexpipe_dag.planner.gears import candidate_plans, make_search, oracle_plans, pick, plan_kind
+from flexpipe_dag.planner.instances import random_cluster, random_model
+from flexpipe_dag.planner.model_spec import load_model_spec
+from flexpipe_dag.planner.workload import PlanWorkload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 SMALL = PlanWorkload(context_p95_tokens=2048, concurrency=16, prompt_tokens_mean=512, output_tokens_mean=128,

@@ -15,9 +15,9 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from flexpipe_dag.core.cluster import parse_cluster_profile  # noqa: E402
-from flexpipe_dag.planner.gears import make_search, plan_gears, plan_kind  # noqa: E402
-from flexpipe_dag.planner.model_spec import load_model_spec  # noqa: E402
+from flexpipe_dag.core.cluster import parse_cluster_profile
+from flexpipe_dag.planner.gears import make_search, plan_gears, plan_kind
+from flexpipe_dag.planner.model_spec import load_model_spec
 
 FLEET = {
     "cluster_id": "bench-64",

@@ -340,14 +340,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(f'{field} {getattr(args, field):g}' for field in BENCH_CONTROLLER)} (forecast: {history.source}), "
           f"latency target = SLO TTFT; shift warm-up = weight transfer time, "
           f"then drain")
-    print(f"gears (planner; envelopes {f'simulated on the first 1000 azure-conv requests, >= {ATTAINMENT:.0%} SLO attainment' if args.envelope == 'sim' else 'analytic'}"
+    envelopes = (f"simulated on the first 1000 azure-conv requests, >= {ATTAINMENT:.0%} SLO attainment"
+                 if args.envelope == "sim" else "analytic")
+    print(f"gears (planner; envelopes {envelopes}"
           f"{f', {t_env:.1f} s wall' if args.envelope == 'sim' else ''}):")
     for note in notes:
         print(f"  note: {note}")
     for g in gears:
         est = g.estimate
         layout = " | ".join(f"{'+'.join(st.device_ids)}:{st.num_layers}L" for st in g.stages)
-        print(f"  {g.gear_id:24s} {g.kind:10s} {len(g.device_ids):2d} devices, {len(g.stages)} stages, micro-batch {g.micro_batch_size:3d} x "
+        print(f"  {g.gear_id:24s} {g.kind:10s} {len(g.device_ids):2d} devices, {len(g.stages)} stages, "
+              f"micro-batch {g.micro_batch_size:3d} x "
               f"{g.max_inflight_micro_batches:2d}  envelope [{g.rps_min:.2f}, {g.rps_max:.2f}] req/s  "
               f"TTFT p99 {est.ttft_p99_ms:.0f} ms  TPOT p99 {est.tpot_p99_ms:.0f} ms  [{layout}]", flush=True)
 

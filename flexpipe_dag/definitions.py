@@ -25,8 +25,12 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, env_value
 from flexpipe_dag.jobs.batch import batch_inference
 from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
-from flexpipe_dag.jobs.profiling import (DEFAULT_PROFILE_REFRESH_CRON, plan_gears_job, profile_refresh_job,
-                           profile_refresh_schedule)
+from flexpipe_dag.jobs.profiling import (
+    DEFAULT_PROFILE_REFRESH_CRON,
+    plan_gears_job,
+    profile_refresh_job,
+    profile_refresh_schedule,
+)
 from flexpipe_dag.jobs.replan import replan_sensor
 from flexpipe_dag.jobs.serve import serve_trace
 from flexpipe_dag.jobs.tide import tide_sensor

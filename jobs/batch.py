@@ -39,8 +39,8 @@ class BatchInferenceConfig(Config):
 
 
 def _gear(config: BatchInferenceConfig, db, ckpt):
-    from flexpipe_dag.core.gear_builders import even_gear
     from flexpipe_dag.core.errors import InputError
+    from flexpipe_dag.core.gear_builders import even_gear
 
     if config.gear_id:
         gear = db.load_gear(config.gear_id)

@@ -11,8 +11,18 @@ pipeline applies it (warm-up, drain, switch, rollback) and marks it ``done``, ``
 
 import time
 
-from dagster import (Config, DefaultSensorStatus, Failure, OpExecutionContext, RunRequest, SensorEvaluationContext,
-                     SkipReason, job, op, sensor)
+from dagster import (
+    Config,
+    DefaultSensorStatus,
+    Failure,
+    OpExecutionContext,
+    RunRequest,
+    SensorEvaluationContext,
+    SkipReason,
+    job,
+    op,
+    sensor,
+)
 
 from flexpipe_dag.control.service import evaluate_gear_shift
 from flexpipe_dag.core.status import TERMINAL_SHIFT_STATUSES

@@ -7,8 +7,15 @@ calibration (run key ``replan:calibration-<id>``), so ``candidate_gears`` and ``
 use the new figures and the controller's envelopes follow.
 """
 
-from dagster import (AssetKey, DefaultSensorStatus, EventLogEntry, RunRequest, SensorEvaluationContext, SkipReason,
-                     asset_sensor)
+from dagster import (
+    AssetKey,
+    DefaultSensorStatus,
+    EventLogEntry,
+    RunRequest,
+    SensorEvaluationContext,
+    SkipReason,
+    asset_sensor,
+)
 
 from flexpipe_dag.jobs.profiling import plan_gears_job
 

@@ -14,11 +14,30 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from flexpipe_dag.core.status import (HealthFailure, InferenceJobStatus, RequestResultStatus, SampleSource,
-                                      ShiftEventAction, ShiftEventStatus, column_comment)
+from flexpipe_dag.core.status import (
+    HealthFailure,
+    InferenceJobStatus,
+    RequestResultStatus,
+    SampleSource,
+    ShiftEventAction,
+    ShiftEventStatus,
+    column_comment,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -30,7 +49,7 @@ NAMING_CONVENTION = {
 
 
 def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 class Base(DeclarativeBase):

@@ -53,9 +53,9 @@ class Profiles(StoreBase):
                 for d in profile.devices
             ]
             pv.links = [
-                m.LinkRow(src_device_key=l.src_device_id, dst_device_key=l.dst_device_id,
-                          bandwidth_gbps=l.bandwidth_gbps, latency_us=l.latency_us, kind=l.kind)
-                for l in profile.links
+                m.LinkRow(src_device_key=link.src_device_id, dst_device_key=link.dst_device_id,
+                          bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us, kind=link.kind)
+                for link in profile.links
             ]
             s.add(pv)
             s.flush()
@@ -86,9 +86,9 @@ class Profiles(StoreBase):
                                 compute_score=d.compute_score, max_micro_batch=d.max_micro_batch,
                                 available_until=d.available_until, op_timings_ms=d.op_timings_ms, facts=d.facts)
                          for d in pv.devices],
-                links=[Link(src_device_id=l.src_device_key, dst_device_id=l.dst_device_key,
-                            bandwidth_gbps=l.bandwidth_gbps, latency_us=l.latency_us, kind=l.kind)
-                       for l in pv.links],
+                links=[Link(src_device_id=link.src_device_key, dst_device_id=link.dst_device_key,
+                            bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us, kind=link.kind)
+                       for link in pv.links],
             )
 
     def latest_profile(self, cluster_key: str | None = None) -> tuple[ProfileVersionInfo, ClusterProfile] | None:

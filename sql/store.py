@@ -27,8 +27,15 @@ from sqlalchemy import Engine
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import database_url
-from flexpipe_dag.sql.engine import (alembic_config, check_store_url, current_revision, downgrade, head_revisions,
-                                     make_engine, migrate)
+from flexpipe_dag.sql.engine import (
+    alembic_config,
+    check_store_url,
+    current_revision,
+    downgrade,
+    head_revisions,
+    make_engine,
+    migrate,
+)
 from flexpipe_dag.sql.gears import Gears, spec_hash
 from flexpipe_dag.sql.health import HealthTags
 from flexpipe_dag.sql.jobs import InferenceJobs

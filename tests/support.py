@@ -19,8 +19,9 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "clusters"
@@ -36,7 +37,7 @@ T = TypeVar("T")
 
 
 def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, *, interval_s: float = 0.05,
-               thread: "BackgroundThread | None" = None) -> T:
+               thread: BackgroundThread | None = None) -> T:
     """Poll ``predicate()`` until it returns something truthy, and return that.
 
     Args:
@@ -72,7 +73,7 @@ class BackgroundThread(threading.Thread):
     def run(self) -> None:
         try:
             super().run()
-        except BaseException as exc:  # noqa: BLE001 - kept for the test thread to re-raise
+        except BaseException as exc:
             self.error = exc
 
     def check(self, what: str = "its work") -> None:

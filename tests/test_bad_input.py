@@ -8,7 +8,6 @@ import pytest
 
 from flexpipe_dag.cli import main as cli_main
 from flexpipe_dag.core.errors import InputError
-
 from tests.support import EXAMPLES
 
 

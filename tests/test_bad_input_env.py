@@ -16,7 +16,6 @@ import pytest
 from flexpipe_dag.cli import main as cli_main
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, check_number, env_value, parse_setting
-
 from tests.support import EXAMPLES, REPO
 
 #: Every FLEXPIPE_* variable build_resources() parses as a number or boolean.

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from tests.test_calibration_fit import cpu_cluster, synthetic_run
-
 from flexpipe_dag.cli import main
+from tests.test_calibration_fit import cpu_cluster, synthetic_run
 
 
 def test_calibrate_then_report(capsys):
@@ -26,7 +25,7 @@ def test_calibrate_then_report(capsys):
     assert main(["calibrate", "--report"]) == 0
     report = capsys.readouterr().out
     assert "stage_time" in report and "tpot_service" in report and "ttft_service" in report
-    rows = [l.split() for l in report.splitlines() if l.startswith("g ")]
+    rows = [link.split() for link in report.splitlines() if link.startswith("g ")]
     assert {r[1] for r in rows} == {"stage_time", "ttft_service", "tpot_service"}
     assert len([r for r in rows if r[1] == "stage_time"]) == 4  # 2 stages x (prefill, decode)
     assert main(["calibrate", "--cluster-id", "nope"]) == 2

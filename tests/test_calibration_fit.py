@@ -15,6 +15,7 @@ from flexpipe_dag.calibration.observation import link_summaries, stage_time_summ
 from flexpipe_dag.calibration.plots import plot_predicted_vs_measured, stage_time_errors
 from flexpipe_dag.calibration.work import predict_terms_ms, roofline_terms, step_work_by_class
 from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear, StagePlan
 from flexpipe_dag.planner.cost_model import CostModel, default_efficiency
 from flexpipe_dag.planner.model_spec import load_model_spec
@@ -30,7 +31,7 @@ def cpu_cluster(peak0: float = 0.024, peak1: float = 0.024, devices: int = 2) ->
     links = [Link(src_device_id=a.device_id, dst_device_id=b.device_id, bandwidth_gbps=1.0, latency_us=100.0, kind="gloo")
              for a in devs for b in devs if a is not b]
     return ClusterProfile(cluster_id="cpu-host", devices=devs, links=links, source="probe",
-                          measured_at=dt.datetime(2026, 11, 29, tzinfo=dt.timezone.utc))
+                          measured_at=dt.datetime(2026, 11, 29, tzinfo=dt.UTC))
 
 
 def obs(device: str, stage: int, kind: str, seqs: int, tokens_per_seq: int, ctx_per_seq: int, layers=(0, 15),
@@ -188,7 +189,7 @@ def test_summaries_count_and_group():
     assert sum(s.count for s in sums) == len(observations)
     (link,) = link_summaries(observations)
     assert (link.src_device_id, link.dst_device_id, link.count) == ("cpu0", "cpu1", 20)
-    with pytest.raises(Exception):
+    with pytest.raises(InputError, match="kind"):
         StageObservation(**{**observations[0].to_dict(), "kind": "other"})
 
 
@@ -211,7 +212,7 @@ def test_rescore_flags_moved_estimates_and_changed_choice_and_plots():
     assert res.choice_changed
     def imbalance(gears):
         thr = next(x for x in gears if x.kind == "throughput")
-        return (max(s.num_layers for s in thr.stages) - min(s.num_layers for s in thr.stages) 
+        return (max(s.num_layers for s in thr.stages) - min(s.num_layers for s in thr.stages)
                 if thr.num_stages > 1 else 0)
     assert imbalance(res.planned_after) < imbalance(res.planned_before)
     assert any("pick changes" in m for m in res.messages())

@@ -9,7 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from flexpipe_dag.runtime.observations import RingReader, StepRecorder, micro_batch_counts, rows_to_dicts, sweep_stale_rings
+from flexpipe_dag.runtime.observations import (
+    RingReader,
+    StepRecorder,
+    micro_batch_counts,
+    rows_to_dicts,
+    sweep_stale_rings,
+)
 
 
 def seq(n, p):

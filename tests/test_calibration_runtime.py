@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.test_runtime_helpers import checkpoint, prompt_ids  # noqa: E402
+from tests.test_runtime_helpers import checkpoint, prompt_ids
 
 pytestmark = pytest.mark.slow
-MEASURED_AT = dt.datetime(2026, 11, 29, tzinfo=dt.timezone.utc)
+MEASURED_AT = dt.datetime(2026, 11, 29, tzinfo=dt.UTC)
 
 
 def _cpu_profile(peak_tflops: float, bandwidth_gbps: float):
@@ -38,17 +38,16 @@ def _cpu_profile(peak_tflops: float, bandwidth_gbps: float):
 def test_wrong_profile_is_corrected_by_one_run(sqlite_engine):
     import torch
 
-    from flexpipe_dag.sql.store import Store
-
     from flexpipe_dag.calibration import calibrate, predicted_step_ms, rescore_gears
     from flexpipe_dag.planner.cost_model import CostModel
     from flexpipe_dag.planner.gears import plan_gears
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.planner.workload import PlanWorkload
+    from flexpipe_dag.profiling.microbench import gemm_tflops, memory_bandwidth_gbps
     from flexpipe_dag.runtime.observations import ObservationCollector
     from flexpipe_dag.runtime.pipeline import PipelineRuntime
     from flexpipe_dag.runtime.scheduler import Request
-    from flexpipe_dag.profiling.microbench import gemm_tflops, memory_bandwidth_gbps
+    from flexpipe_dag.sql.store import Store
 
     store = Store(sqlite_engine)  # the store's own tests cover PostgreSQL; one runtime run is enough here
     torch.set_num_threads(1)

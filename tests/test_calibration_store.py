@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_calibration_fit import SPEC, cpu_cluster, synthetic_run
-
 from flexpipe_dag.calibration import calibrate
+from tests.test_calibration_fit import SPEC, cpu_cluster, synthetic_run
 
 
 def test_observations_and_calibrations_round_trip(store):

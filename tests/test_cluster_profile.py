@@ -9,7 +9,6 @@ import yaml
 
 from flexpipe_dag.core.cluster import ClusterProfile, load_cluster_profile, parse_cluster_profile
 from flexpipe_dag.core.errors import InputError
-
 from tests.support import EXAMPLES
 
 
@@ -111,5 +110,5 @@ def test_available_until_models_time_fragments():
         "cluster_id": "c", "devices": [{"device_id": "a", "node_id": "n", "memory_gib": 16, "peak_tflops": 65,
                                         "hbm_bandwidth_gbps": 320, "compute_score": 0.2,
                                         "available_until": "2026-12-01T00:00:00Z"}]})
-    now = dt.datetime(2026, 11, 30, 23, 0, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 11, 30, 23, 0, tzinfo=dt.UTC)
     assert p.devices[0].available_for_s(now) == 3600

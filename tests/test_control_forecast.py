@@ -12,8 +12,7 @@ from flexpipe_dag.control.payback import calibrated_p99_ms, estimated_gain_fract
 from flexpipe_dag.control.tide import TideForecaster, tide_forecast
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.workload.tide import Tide
-
-from tests.test_control_controller import BAL, GEARS, LAT, THR, TARGET_MS, feed, make_gear, sample
+from tests.test_control_controller import BAL, GEARS, LAT, TARGET_MS, THR, feed, make_gear, sample
 
 
 def constant(value: float):

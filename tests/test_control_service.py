@@ -11,7 +11,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from tests.support import EXAMPLES, REPO
 
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.cursor import make_cursor, parse_cursor
@@ -32,6 +31,7 @@ from flexpipe_dag.control.tide import TideConfig, TideForecaster
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
 from flexpipe_dag.core.metrics import MetricSample, StageSample
+from tests.support import EXAMPLES, REPO
 
 
 def _gear(gear_id, kind, rps_min, rps_max, stages):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.sim import ShiftEvent, manual_gear, simulate_schedule
+from flexpipe_dag.sim import LinearStageTiming, ShiftEvent, manual_gear, simulate_schedule
 from flexpipe_dag.sim.device_hours import GearHold, device_hours, device_spans, device_usage, gear_holds
-from flexpipe_dag.sim import LinearStageTiming
 from flexpipe_dag.workload import load_trace, time_window
 
 DEVICES = {"big": ["a", "b", "c", "d"], "small": ["a", "b"], "other": ["e"]}

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from flexpipe_dag.calibration.reference import efficiency_document, fit_efficiency
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.calibration.reference import efficiency_document, fit_efficiency
 from flexpipe_dag.planner.cost_model import CostModel, Efficiency, default_efficiency
 from flexpipe_dag.planner.gears import plan_gears
 from flexpipe_dag.planner.model_spec import load_model_spec
@@ -55,7 +55,7 @@ def test_timings_follow_the_gear(lab):
     assert timing.num_stages == gear.num_stages
     last = gear.num_stages - 1
     assert timing.transfer_ms(last, 100) == 0.0
-    for i, st in enumerate(gear.stages):
+    for i in range(gear.num_stages):
         assert timing.decode_ms(i, 4, 4000) > 0 and timing.prefill_ms(i, 512) > timing.prefill_ms(i, 16)
     assert timing.decode_ms(0, gear.micro_batch_size, 1) <= timing.decode_ms(0, gear.micro_batch_size, 10**6)
 

@@ -12,7 +12,7 @@ import pytest
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import GearEstimate
-from flexpipe_dag.planner.envelope import apply_envelopes, measure_envelope, refine_envelopes, GearEnvelope
+from flexpipe_dag.planner.envelope import GearEnvelope, apply_envelopes, measure_envelope, refine_envelopes
 from flexpipe_dag.sim import LinearStageTiming, StageCosts, manual_gear
 from flexpipe_dag.workload.request import Request, Workload
 

@@ -112,7 +112,7 @@ def test_kv_pool_too_large_names_the_kv_pool():
 
 def test_devices_leaving_before_the_minimum_residence_are_not_used():
     cluster = _cluster([40.0, 40.0, 40.0])
-    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     cluster.devices[1].available_until = now + dt.timedelta(seconds=60)
     gears = plan_gears(cluster, _model(8), now=now, min_residence_s=600, workload=None, concurrency=8,
                        context_p95_tokens=1024)

@@ -13,7 +13,6 @@ from flexpipe_dag.planner.verify import gear_problems
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
-
 from tests.support import EXAMPLES
 
 ASSETS = [gpu_profile, model_profile, candidate_gears, candidate_gears_fit, gear_evaluations]

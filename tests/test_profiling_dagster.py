@@ -8,14 +8,13 @@ import pytest
 from dagster import DagsterInstance, build_schedule_context, materialize
 
 from flexpipe_dag.assets.profiling import gpu_profile, gpu_profile_sane
-from flexpipe_dag.profiling.summary import profile_problems
 from flexpipe_dag.cli import main as cli_main
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.definitions import defs
 from flexpipe_dag.jobs.profiling import DEFAULT_PROFILE_REFRESH_CRON, profile_refresh_schedule
+from flexpipe_dag.profiling.summary import profile_problems
 from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
-
 from tests.support import EXAMPLES
 
 
@@ -80,7 +79,7 @@ def test_real_probe_measures_cpu_workers_and_links():
     for d in profile.devices:
         assert d.peak_tflops > 0 and d.hbm_bandwidth_gbps > 0 and d.max_micro_batch >= 1
         assert {"attention_t128", "mlp_t128"} <= set(d.op_timings_ms)
-    assert all(l.bandwidth_gbps > 0 and l.latency_us > 0 for l in profile.links)
+    assert all(link.bandwidth_gbps > 0 and link.latency_us > 0 for link in profile.links)
     if profile.devices[0].kind == "cpu-worker":
         assert any("CPU worker processes" in n for n in profile.notes)
         assert any(n.startswith("pynvml:") for n in profile.notes)  # the NVML failure is reported

@@ -11,7 +11,6 @@ from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.runtime.batch import JsonlSink, read_prompts
 
 
-
 def test_jsonl_prompts_count_malformed_rows(tmp_path):
     p = tmp_path / "prompts.jsonl"
     p.write_text("\n".join([
@@ -61,9 +60,8 @@ def test_jsonl_sink_is_idempotent_and_survives_a_torn_line(tmp_path):
 
 def test_gear_that_does_not_fit_is_refused_before_launch():
     pytest.importorskip("torch")
-    from tests.test_runtime_helpers import checkpoint, gear
-
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+    from tests.test_runtime_helpers import checkpoint, gear
 
     g = gear([(0, 10), (10, 30)])
     rt = PipelineRuntime(g, checkpoint(), RuntimeOptions(device_memory_bytes={"cpu0": 10 * 2**30, "cpu1": 200 * 2**20}))
@@ -74,9 +72,8 @@ def test_gear_that_does_not_fit_is_refused_before_launch():
 
 def test_replica_that_does_not_fit_its_device_is_refused_before_launch():
     pytest.importorskip("torch")
-    from tests.test_runtime_helpers import checkpoint, gear
-
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+    from tests.test_runtime_helpers import checkpoint, gear
 
     g = gear([(0, 10), (10, 30)], device_ids=[["cpu0"], ["cpu1", "cpu2"]])
     rt = PipelineRuntime(g, checkpoint(), RuntimeOptions(device_memory_bytes={"cpu2": 200 * 2**20}))
@@ -101,9 +98,8 @@ def test_continuations_for_scoring_rows(tmp_path):
 
 def test_unknown_start_method_is_refused_before_launch():
     pytest.importorskip("torch")
-    from tests.test_runtime_helpers import checkpoint, gear
-
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+    from tests.test_runtime_helpers import checkpoint, gear
 
     rt = PipelineRuntime(gear([(0, 30)]), checkpoint(), RuntimeOptions(start_method="fork"))
     with pytest.raises(InputError, match="start_method: expected 'forkserver' or 'spawn'"):

@@ -11,9 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.test_runtime_helpers import MAX_NEW_TOKENS, checkpoint, gear, prompt_ids, requests  # noqa: E402
-
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, cuda_backend  # noqa: E402
+from tests.test_runtime_helpers import MAX_NEW_TOKENS, checkpoint, gear, prompt_ids, requests  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
 

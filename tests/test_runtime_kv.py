@@ -64,11 +64,10 @@ def test_pool_write_gather_roundtrip():
 def test_paged_attention_matches_hf_forward():
     """Prefill in two chunks through scattered blocks, then decode: logits equal HF's full forward."""
     torch = pytest.importorskip("torch")
-    from tests.test_runtime_helpers import checkpoint, hf_model, prompt_ids
-
     from flexpipe_dag.runtime.model_loader import load_stage_module
     from flexpipe_dag.runtime.scheduler import MicroBatch, ScheduledSeq
     from flexpipe_dag.runtime.stage import batch_input_ids
+    from tests.test_runtime_helpers import checkpoint, hf_model, prompt_ids
 
     ck = checkpoint()
     stage = load_stage_module(ck, 0, 30, first=True, last=True)

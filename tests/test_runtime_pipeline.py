@@ -19,11 +19,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.test_runtime_helpers import (checkpoint, gear, hf_reference, prompt_ids, requests,  # noqa: E402
-                                  signal_after_first_result)
-
-from flexpipe_dag.runtime.batch import JsonlSink, PromptRow, prompts_from_trace, run_batch_job  # noqa: E402
-from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError  # noqa: E402
+from flexpipe_dag.runtime.batch import JsonlSink, PromptRow, prompts_from_trace, run_batch_job
+from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError
+from tests.test_runtime_helpers import checkpoint, gear, hf_reference, prompt_ids, requests, signal_after_first_result
 
 pytestmark = pytest.mark.slow
 

@@ -19,15 +19,22 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.support import (MODEL_CACHE, BackgroundThread, PortClash, hold_unused_port, is_port_clash,  # noqa: E402
-                           retry_on_port_clash, unused_port, wait_until)
-from tests.test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
-
-from flexpipe_dag.core.errors import InputError  # noqa: E402
-from flexpipe_dag.runtime.observations import ObservationCollector  # noqa: E402
-from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError  # noqa: E402
-from flexpipe_dag.runtime.remote import ControlServer, connect, parse_address, serve_stage  # noqa: E402
-from flexpipe_dag.runtime.worker import WorkerSpec  # noqa: E402
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.observations import ObservationCollector
+from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError
+from flexpipe_dag.runtime.remote import ControlServer, connect, parse_address, serve_stage
+from flexpipe_dag.runtime.worker import WorkerSpec
+from tests.support import (
+    MODEL_CACHE,
+    BackgroundThread,
+    PortClash,
+    hold_unused_port,
+    is_port_clash,
+    retry_on_port_clash,
+    unused_port,
+    wait_until,
+)
+from tests.test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result
 
 pytestmark = pytest.mark.slow
 UNEVEN3 = [(0, 7), (7, 26), (26, 30)]

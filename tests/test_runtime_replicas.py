@@ -71,9 +71,8 @@ def test_cli_stage_replicas_are_checked(capsys):
 
 torch = pytest.importorskip("torch")
 
-from tests.test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
-
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, StageFailedError  # noqa: E402
+from tests.test_runtime_helpers import checkpoint, gear, hf_reference, requests, signal_after_first_result  # noqa: E402
 
 
 def _gear(ranges, replicas, **kw):

@@ -70,11 +70,10 @@ def test_deepspeed_pipeline_scores_equal_transformers_logprobs_on_an_uneven_two_
     more on a loaded host); warm, the test takes about 25 s, mostly two process start-ups.
     """
     pytest.importorskip("deepspeed")
-    from tests.test_runtime_helpers import checkpoint, gear, hf_token_logprobs
-
     from flexpipe_dag.runtime.batch import JsonlSink, PromptRow
     from flexpipe_dag.runtime.model_loader import stage_param_bytes
     from flexpipe_dag.runtime.score_runtime import ScoreOptions, run_score_job
+    from tests.test_runtime_helpers import checkpoint, gear, hf_token_logprobs
 
     ck = checkpoint()
     tok = ck.tokenizer()
@@ -123,9 +122,8 @@ def test_deepspeed_pipeline_scores_equal_transformers_logprobs_on_an_uneven_two_
 
 def test_cli_score_refuses_a_replicated_gear_and_skips_done_rows(tmp_path, capsys):
     pytest.importorskip("torch")
-    from tests.test_runtime_helpers import checkpoint, gear
-
     from flexpipe_dag.cli import main
+    from tests.test_runtime_helpers import checkpoint, gear
 
     gear_path, rows, out = tmp_path / "gear.json", tmp_path / "rows.jsonl", tmp_path / "scores.jsonl"
     rows.write_text(json.dumps({"id": "a", "prompt": "Hello there"}) + "\n")

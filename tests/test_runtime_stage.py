@@ -6,10 +6,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.test_runtime_helpers import checkpoint, hf_reference, requests  # noqa: E402
-
-from flexpipe_dag.runtime.local import LocalPipeline  # noqa: E402
-from flexpipe_dag.runtime.model_loader import load_stage_module, stage_param_bytes  # noqa: E402
+from flexpipe_dag.runtime.local import LocalPipeline
+from flexpipe_dag.runtime.model_loader import load_stage_module, stage_param_bytes
+from tests.test_runtime_helpers import checkpoint, hf_reference, requests
 
 
 @pytest.mark.parametrize("ranges,micro_batch_size", [([(0, 30)], 8), ([(0, 4), (4, 30)], 1), ([(0, 2), (2, 25), (25, 30)], 8)])

@@ -17,7 +17,6 @@ from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
 from flexpipe_dag.jobs.tide import tide_sensor
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
-
 from tests.support import EXAMPLES, BackgroundThread, wait_until
 
 
@@ -131,9 +130,9 @@ def test_sensor_shifts_ahead_of_a_forecast_rise(tmp_path, store_res):
 
 
 def test_tide_history_forecast_places_samples_in_tide_time():
+    from flexpipe_dag.control.service import tide_history_forecast, tide_time_s
     from flexpipe_dag.control.tide import TideForecaster
     from flexpipe_dag.workload.bundled import load_tide_trace
-    from flexpipe_dag.control.service import tide_history_forecast, tide_time_s
 
     epoch, compression = 1_800_000_000.0, 24.0
     fc = tide_history_forecast(TideConfig(), newest_t_s=500.0, epoch_s=epoch)  # tide settings: 1x
@@ -172,9 +171,9 @@ def test_gear_shift_run_fails_clearly_without_a_live_pipeline(store_res):
 
 
 def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):
+    from flexpipe_dag.control.service import evaluate_tide
     from flexpipe_dag.control.tide import TideForecaster
     from flexpipe_dag.workload.bundled import load_tide_trace
-    from flexpipe_dag.control.service import evaluate_tide
 
     db = store_res.get_store()
     job_id = db.get_or_create_job("offline-1", "batch", config={"job_key": "offline-1", "trace": "azure-conv",

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tests.support import EXAMPLES
-from tests.test_control_service import GEARS, _samples
-
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.tide import TideConfig, TideForecaster
 from flexpipe_dag.serving.serve import ServeSettings, TraceServer
+from tests.support import EXAMPLES
+from tests.test_control_service import GEARS, _samples
 
 
 class _Executor:

@@ -16,11 +16,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.support import BackgroundThread, wait_until  # noqa: E402
-from tests.test_runtime_helpers import PROMPTS, checkpoint, gear, hf_reference, requests  # noqa: E402
-
-from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, stage_memory_bytes  # noqa: E402
-from flexpipe_dag.shift import GearExecutor, ServingRouter, ShiftConfig  # noqa: E402
+from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, stage_memory_bytes
+from flexpipe_dag.shift import GearExecutor, ServingRouter, ShiftConfig
+from tests.support import BackgroundThread, wait_until
+from tests.test_runtime_helpers import PROMPTS, checkpoint, gear, hf_reference, requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -10,7 +10,6 @@ import pytest
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.shift.ledger import INTERNAL_PREFIX, RequestLedger
 from flexpipe_dag.shift.residency import plan_residency
-
 from tests.support import join_or_fail
 
 

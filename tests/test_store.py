@@ -117,7 +117,7 @@ def test_shift_events(store):
 def test_failed_write_leaves_nothing(store, lab_profile):
     pv = store.save_profile(lab_profile)
     model_id = store.save_model("m", "bf16", 30, {})
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):
         store.save_gears([_gear(), "not a gear"], pv.id, model_id)  # second item fails mid-transaction
     assert store.load_gears(pv.id, model_id) == []
 

@@ -13,8 +13,17 @@ from sqlalchemy import func, inspect, select
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.metrics import MetricSample
-from flexpipe_dag.core.status import (TERMINAL_SHIFT_STATUSES, HealthFailure, InferenceJobStatus, RequestResultStatus,
-                                      SampleSource, ShiftEventAction, ShiftEventStatus, checked, column_comment)
+from flexpipe_dag.core.status import (
+    TERMINAL_SHIFT_STATUSES,
+    HealthFailure,
+    InferenceJobStatus,
+    RequestResultStatus,
+    SampleSource,
+    ShiftEventAction,
+    ShiftEventStatus,
+    checked,
+    column_comment,
+)
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.store import downgrade, migrate
 

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from tests.support import (BackgroundThread, PortClash, hold_unused_port, join_or_fail, retry_on_port_clash,
-                           wait_until)
+from tests.support import BackgroundThread, PortClash, hold_unused_port, join_or_fail, retry_on_port_clash, wait_until
 
 
 def test_wait_until_returns_the_value_or_fails_with_what_it_waited_for():

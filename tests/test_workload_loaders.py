@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import warnings
 from decimal import Decimal
 from pathlib import Path
 
@@ -12,8 +11,19 @@ import pytest
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.workload import (
-    UnsortedTraceWarning, Request, Workload, bundled_path, load_azure_trace, load_length_file, load_request_file,
-    load_trace, mix, speedup, time_window, to_plain_dicts, write_requests_jsonl,
+    Request,
+    UnsortedTraceWarning,
+    Workload,
+    bundled_path,
+    load_azure_trace,
+    load_length_file,
+    load_request_file,
+    load_trace,
+    mix,
+    speedup,
+    time_window,
+    to_plain_dicts,
+    write_requests_jsonl,
 )
 
 

@@ -11,7 +11,13 @@ import pytest
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.workload import (
-    aggregate_servegen_rates, bundled_path, load_tide, load_tide_trace, load_trace, shape_by_tide, tide_arrivals,
+    aggregate_servegen_rates,
+    bundled_path,
+    load_tide,
+    load_tide_trace,
+    load_trace,
+    shape_by_tide,
+    tide_arrivals,
 )
 
 #: ServeGen's raw per-client chunks are not in the repo (the bundled tide is their aggregate): the

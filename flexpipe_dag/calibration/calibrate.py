@@ -120,10 +120,10 @@ class Calibration:
         """
         if cluster.cluster_id != self.cluster_id:
             raise InputError("calibration", "cluster_id", f"calibrated {self.cluster_id!r}, got {cluster.cluster_id!r}")
-        fitted = {(l.src_device_id, l.dst_device_id): l for l in self.links if l.fitted}
-        links = [l.model_copy(update={"bandwidth_gbps": fitted[(l.src_device_id, l.dst_device_id)].bandwidth_gbps,
-                                      "latency_us": fitted[(l.src_device_id, l.dst_device_id)].latency_us})
-                 if (l.src_device_id, l.dst_device_id) in fitted else l for l in cluster.links]
+        fitted = {(link.src_device_id, link.dst_device_id): link for link in self.links if link.fitted}
+        links = [link.model_copy(update={"bandwidth_gbps": fitted[(link.src_device_id, link.dst_device_id)].bandwidth_gbps,
+                                      "latency_us": fitted[(link.src_device_id, link.dst_device_id)].latency_us})
+                 if (link.src_device_id, link.dst_device_id) in fitted else link for link in cluster.links]
         return cluster.model_copy(update={"links": links, "notes": list(cluster.notes) + [
             f"links calibrated {self.created_at.isoformat(timespec='seconds')} from {self.num_observations} observed steps"]},
             deep=True)
@@ -139,13 +139,13 @@ class Calibration:
 
     def summary_lines(self) -> list[str]:
         lines = [c.summary() for c in self.devices.values()]
-        for l in self.links:
-            if l.fitted:
-                lines.append(f"link {l.src_device_id} -> {l.dst_device_id}: {l.bandwidth_gbps:.3g} GB/s, "
-                             f"{l.latency_us:.0f} us (profiled {l.prior_bandwidth_gbps:.3g} GB/s, "
-                             f"{l.prior_latency_us:.0f} us; {l.num_observations} hand-offs)")
+        for link in self.links:
+            if link.fitted:
+                lines.append(f"link {link.src_device_id} -> {link.dst_device_id}: {link.bandwidth_gbps:.3g} GB/s, "
+                             f"{link.latency_us:.0f} us (profiled {link.prior_bandwidth_gbps:.3g} GB/s, "
+                             f"{link.prior_latency_us:.0f} us; {link.num_observations} hand-offs)")
             else:
-                lines.append(f"link {l.src_device_id} -> {l.dst_device_id}: profile kept ({'; '.join(l.notes)})")
+                lines.append(f"link {link.src_device_id} -> {link.dst_device_id}: profile kept ({'; '.join(link.notes)})")
         return lines
 
     # -- plain-data form (the store keeps it as JSON) ----------------------------------------------
@@ -160,7 +160,7 @@ class Calibration:
             "devices": {k: {"device_id": c.device_id, "model_name": c.model_name, "group": list(c.group),
                             "fit": asdict(c.fit), "overrides": eff(c.overrides), "clipped": list(c.clipped)}
                         for k, c in self.devices.items()},
-            "links": [asdict(l) for l in self.links],
+            "links": [asdict(link) for link in self.links],
         }
 
     @classmethod
@@ -175,7 +175,7 @@ class Calibration:
             devices = {k: DeviceCalibration(c["device_id"], c["model_name"], tuple(c["group"]), TimeScaleFit(**c["fit"]),
                                             eff_or_none(c["overrides"]), tuple(c.get("clipped", ())))
                        for k, c in data["devices"].items()}
-            links = [LinkFit(**{**l, "notes": tuple(l.get("notes", ()))}) for l in data.get("links", [])]
+            links = [LinkFit(**{**link, "notes": tuple(link.get("notes", ()))}) for link in data.get("links", [])]
             return cls(data["cluster_id"], data["model_name"], data["dtype"], devices, links,
                        dt.datetime.fromisoformat(data["created_at"]), int(data["num_observations"]),
                        {k: eff(v) for k, v in data.get("base_overrides", {}).items()})
@@ -282,7 +282,7 @@ def calibrate(model: ModelSpec, cluster: ClusterProfile, observations: Iterable[
         links.append(fit_link(src, dst, np.array([o.send_bytes for o in group]), np.array([o.send_ms for o in group]),
                               link.bandwidth_gbps, link.latency_us))
     return Calibration(cluster.cluster_id, model.name, dtype, devices, links,
-                       now or dt.datetime.now(dt.timezone.utc), len(obs), base_over)
+                       now or dt.datetime.now(dt.UTC), len(obs), base_over)
 
 
 def predicted_step_ms(cost_model: CostModel, observations: list[StageObservation]) -> np.ndarray:

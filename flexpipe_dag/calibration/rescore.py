@@ -186,7 +186,7 @@ def rescore_gears(model: ModelSpec, cluster: ClusterProfile, calibration: Calibr
         verb = "sustains" if ma["throughput_rps"] <= mb["throughput_rps"] else "sustains up to"
         msg = (f"gear {g.gear_id} now {verb} {ma['throughput_rps']:.3g} req/s, not {mb['throughput_rps']:.3g}; "
                f"TPOT p50 {ma['tpot_p50_ms']:.3g} ms (was {mb['tpot_p50_ms']:.3g}); stage times "
-               + ", ".join(f"{a:.3g}" for a in sa) + f" ms (were " + ", ".join(f"{b:.3g}" for b in sb) + ")")
+               + ", ".join(f"{a:.3g}" for a in sa) + " ms (were " + ", ".join(f"{b:.3g}" for b in sb) + ")")
         if math.isfinite(g.rps_max) and ratio < 1:
             msg += f"; its envelope narrows to {updated.rps_min:.3g}..{updated.rps_max:.3g} req/s"
         out.append(GearRescore(g.gear_id, g.kind, mb, ma, sb, sa, change, change > margin, updated, msg))

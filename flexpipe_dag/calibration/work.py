@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from flexpipe_dag.calibration.observation import StageObservation
 from flexpipe_dag.planner.cost_model import Efficiency
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.operators import (
@@ -30,8 +31,6 @@ from flexpipe_dag.planner.operators import (
     head_work_by_class,
     layer_work_by_class,
 )
-
-from flexpipe_dag.calibration.observation import StageObservation
 
 WorkByClass = dict[str, tuple[float, float, int]]
 #: A step's work in segments priced separately (as the cost model does): decoder layers, embedding, head.

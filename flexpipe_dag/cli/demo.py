@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from importlib import resources
 import sys
+from importlib import resources
 from pathlib import Path
 
 from flexpipe_dag.core.errors import InputError

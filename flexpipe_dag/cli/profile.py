@@ -61,7 +61,7 @@ def _print_table(profile, version) -> None:
         table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
     console.print(table)
     console.print(f"{len(profile.links)} links; "
-                  + "; ".join(f"{l.src_device_id}->{l.dst_device_id} {l.bandwidth_gbps:.3g} GB/s {l.latency_us:.3g} us"
-                              for l in profile.links[:6]) + (" ..." if len(profile.links) > 6 else ""))
+                  + "; ".join(f"{link.src_device_id}->{link.dst_device_id} {link.bandwidth_gbps:.3g} GB/s {link.latency_us:.3g} us"
+                              for link in profile.links[:6]) + (" ..." if len(profile.links) > 6 else ""))
     for note in profile.notes:
         console.print(f"note: {note}")

@@ -29,7 +29,15 @@ from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
 from flexpipe_dag.workload import (
-    BUNDLED_TRACES, Workload, as_class, load_tide_trace, load_trace, mix, shape_by_tide, speedup, time_window,
+    BUNDLED_TRACES,
+    Workload,
+    as_class,
+    load_tide_trace,
+    load_trace,
+    mix,
+    shape_by_tide,
+    speedup,
+    time_window,
 )
 
 
@@ -42,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bf16", help="weight dtype for the planner (default bf16)")
     p.add_argument("--gear-file", help="a Gear as JSON or YAML (instead of --cluster/--model/--gear)")
     p.add_argument("--timing", help="per-stage linear costs CSV (with --gear-file)")
-    p.add_argument("--trace", required=True, help=f"trace file or bundled name ({', '.join(n for n in BUNDLED_TRACES if n != 'servegen-tide')})")
+    bundled = ", ".join(n for n in BUNDLED_TRACES if n != "servegen-tide")
+    p.add_argument("--trace", required=True, help=f"trace file or bundled name ({bundled})")
     p.add_argument("--speedup", type=float, default=1.0, help="compress arrival times by this factor (default 1)")
     p.add_argument("--window-s", type=float, nargs=2, metavar=("START", "END"), help="only requests arriving in [START, END) s")
     p.add_argument("--tide-compression", type=float,

@@ -70,8 +70,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from flexpipe_dag.control.config import ControllerConfig
-from flexpipe_dag.control.payback import (calibrated_p99_ms, capacity_rps, estimated_gain_fraction, fits_envelope,
-                                          pays_back)
+from flexpipe_dag.control.payback import (
+    calibrated_p99_ms,
+    capacity_rps,
+    estimated_gain_fraction,
+    fits_envelope,
+    pays_back,
+)
 from flexpipe_dag.control.state import DISCRETIONARY_TRIGGERS, TRIGGER_PRIORITY, ControllerState, Decision
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
@@ -328,7 +333,7 @@ class Controller:
         try:
             raw = forecast(t_s, rps, horizon_s)
             value = float(raw)
-        except Exception as exc:  # noqa: BLE001 - the caller's forecast must not stop the controller
+        except Exception as exc:
             st.forecast_error = f"the forecast raised {type(exc).__name__}: {exc} at t_s={t_s:g}"
             return None
         if not (math.isfinite(value) and value >= 0):

@@ -31,7 +31,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flexpipe_dag.control.config import Figures
-
 from flexpipe_dag.workload.tide import Tide
 
 

@@ -89,9 +89,9 @@ class Device(_Strict):
             return math.inf
         until = self.available_until
         if until.tzinfo is None:
-            until = until.replace(tzinfo=dt.timezone.utc)
+            until = until.replace(tzinfo=dt.UTC)
         if now.tzinfo is None:
-            now = now.replace(tzinfo=dt.timezone.utc)
+            now = now.replace(tzinfo=dt.UTC)
         return (until - now).total_seconds()
 
 
@@ -115,7 +115,7 @@ class ClusterProfile(_Strict):
     cluster_id: str = Field(min_length=1)
     devices: list[Device] = Field(min_length=1)
     links: list[Link] = Field(default_factory=list)
-    measured_at: dt.datetime = Field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
+    measured_at: dt.datetime = Field(default_factory=lambda: dt.datetime.now(dt.UTC))
     source: str = "declared"
     notes: list[str] = Field(default_factory=list)
 
@@ -152,7 +152,7 @@ class ClusterProfile(_Strict):
         return self._link_index().get((src_device_id, dst_device_id))
 
     def _link_index(self) -> dict[tuple[str, str], Link]:
-        return {(l.src_device_id, l.dst_device_id): l for l in self.links}
+        return {(link.src_device_id, link.dst_device_id): link for link in self.links}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict in the native form (loads back with :func:`parse_cluster_profile`)."""
@@ -233,7 +233,7 @@ def _from_seed(form: _SeedForm, source: str) -> ClusterProfile:
             n.node_id, n.host or n.node_id, n.generation, n.memory_gb, n.compute_score,
             n.hbm_bandwidth_gbps, model_name=n.model_name, max_micro_batch=n.max_batch_microbatch,
             available_until=n.available_until))
-        for key, l in n.interconnect.items():
+        for key, link in n.interconnect.items():
             field = f"nodes[{i}].interconnect.{key}"
             if not key.startswith("to_"):
                 raise InputError(source, field, "expected a key of the form to_<node_id>")
@@ -242,8 +242,8 @@ def _from_seed(form: _SeedForm, source: str) -> ClusterProfile:
                 raise InputError(source, field, f"self-link on {peer!r}")
             if peer not in ids:
                 raise InputError(source, field, f"link to unknown node {peer!r}; known: {', '.join(ids)}")
-            links.append(Link(src_device_id=n.node_id, dst_device_id=peer, bandwidth_gbps=l.bandwidth_gbps,
-                              latency_us=l.latency_us))
+            links.append(Link(src_device_id=n.node_id, dst_device_id=peer, bandwidth_gbps=link.bandwidth_gbps,
+                              latency_us=link.latency_us))
     return ClusterProfile(cluster_id=form.cluster_id, devices=devices, links=links, source="declared")
 
 

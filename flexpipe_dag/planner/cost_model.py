@@ -121,7 +121,7 @@ class CostModel:
         if unknown:
             raise InputError("device_overrides", None, f"unknown device ids {sorted(unknown)}")
         self._devices = {d.device_id: d for d in cluster.devices}
-        self._links = {(l.src_device_id, l.dst_device_id): l for l in cluster.links}
+        self._links = {(link.src_device_id, link.dst_device_id): link for link in cluster.links}
         # (device key, work tag, arguments) -> ms, and ("tr", src, dst, tokens) -> ms for transfers
         self._cache: dict[tuple[DeviceKey, str, tuple[float, ...]] | tuple[str, str, str, int], float] = {}
 

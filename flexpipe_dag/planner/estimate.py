@@ -82,7 +82,6 @@ def estimate_plan(search: PipelineSearch, plan: PipelinePlan, utilisation: float
     S = plan.num_stages
     roles = [SINGLE] if S == 1 else [FIRST] + [MIDDLE] * (S - 2) + [LAST]
     dec, pf_mean, pf_p95 = [], [], []
-    ctx = int(round(micro_batch_size * w.decode_context_mean_tokens))
     for ds, k, role in zip(plan.device_ids, plan.sizes, roles):
         first, last = role in (FIRST, SINGLE), role in (LAST, SINGLE)
         t = search.tables(ds[0], micro_batch_size, len(ds))

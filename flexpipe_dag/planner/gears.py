@@ -442,7 +442,8 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
 
     The three analytic picks come first, then, alternating, the best plan by estimated tokens/s for
     each device layout (devices and layer split, any micro-batch) and the lowest idle TPOT among the
-    rest whose estimated capacity is at least ``LOW_LOAD_SHARE`` of the best, until ``max_candidates``. Ids are ``candidate-<stages>s-<hash>``.
+    rest whose estimated capacity is at least ``LOW_LOAD_SHARE`` of the best, until ``max_candidates``.
+    Ids are ``candidate-<stages>s-<hash>``.
     :func:`flexpipe_dag.planner.envelope.select_operating_gears` picks and relabels the operating
     gears from it.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

@@ -208,7 +208,7 @@ class PipelineSearch:
         g_last = np.where(caps[:, LAST] >= 1, caps[:, LAST] - caps[:, MIDDLE], -10**9)
         f_order = np.argsort(-g_first, kind="stable")[:2]
         l_order = np.argsort(-g_last, kind="stable")[:2]
-        best = max(g_first[f] + g_last[l] for f in f_order for l in l_order if f != l)
+        best = max(g_first[f] + g_last[last] for f in f_order for last in l_order if f != last)
         return bool(mid_total + best >= L)
 
     def candidate_limits(self, micro_batch_size: int) -> np.ndarray:
@@ -267,10 +267,10 @@ class PipelineSearch:
         l_top = sorted(range(len(ids)), key=lambda i: (-g_last[i], speed[i], ids[i]))[:max_pairs]
         mid_sorted = sorted(range(len(ids)), key=key)
         for f in f_top:
-            for l in l_top:
-                if f == l or caps[f, FIRST] < 1 or caps[l, LAST] < 1:
+            for last in l_top:
+                if f == last or caps[f, FIRST] < 1 or caps[last, LAST] < 1:
                     continue
-                covered = caps[f, FIRST] + caps[l, LAST]
+                covered = caps[f, FIRST] + caps[last, LAST]
                 mids: list[int] = []
                 want = None if num_stages is None else num_stages - 2
                 for i in mid_sorted:
@@ -278,13 +278,13 @@ class PipelineSearch:
                         break
                     if want is not None and len(mids) >= want:
                         break
-                    if i in (f, l) or caps[i, MIDDLE] < 1:
+                    if i in (f, last) or caps[i, MIDDLE] < 1:
                         continue
                     mids.append(i)
                     covered += caps[i, MIDDLE]
                 if covered < L or (want is not None and len(mids) < want):
                     continue
-                order = self._order(ids[f], [ids[i] for i in mids], ids[l])
+                order = self._order(ids[f], [ids[i] for i in mids], ids[last])
                 plan = self._finish(micro_batch_size, order, limit_ms)
                 if plan is not None:
                     plans.append(plan)

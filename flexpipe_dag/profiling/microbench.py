@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:

@@ -25,8 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
 from flexpipe_dag.core.host import free_port, host_memory_bytes
-from flexpipe_dag.profiling.microbench import (DEFAULT_LAYER, LayerShape, gemm_tflops, layer_times_ms, max_micro_batch,
-                                  memory_bandwidth_gbps)
+from flexpipe_dag.profiling.microbench import (
+    DEFAULT_LAYER,
+    LayerShape,
+    gemm_tflops,
+    layer_times_ms,
+    max_micro_batch,
+    memory_bandwidth_gbps,
+)
 from flexpipe_dag.profiling.nvml_facts import read_nvml_facts
 
 if TYPE_CHECKING:
@@ -198,12 +204,12 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
             compute_score=r["gemm_tflops"] / REFERENCE_TFLOPS, hbm_bandwidth_gbps=r["memory_bandwidth_gbps"],
             max_micro_batch=max(1, r["max_micro_batch"]), op_timings_ms=r["op_timings_ms"], facts=facts))
     for r in ranks:
-        for dst, l in r["links"].items():
+        for dst, link in r["links"].items():
             links.append(Link(src_device_id=devices[r["rank"]].device_id, dst_device_id=devices[int(dst)].device_id,
-                              bandwidth_gbps=l["bandwidth_gbps"], latency_us=l["latency_us"],
+                              bandwidth_gbps=link["bandwidth_gbps"], latency_us=link["latency_us"],
                               kind="nccl" if use_cuda else "gloo"))
     return ClusterProfile(cluster_id=cluster_id or host, devices=devices, links=links, source="probe",
-                          measured_at=dt.datetime.now(dt.timezone.utc), notes=notes)
+                          measured_at=dt.datetime.now(dt.UTC), notes=notes)
 
 
 def merge_profiles(declared: ClusterProfile, measured: ClusterProfile) -> ClusterProfile:
@@ -225,8 +231,8 @@ def merge_profiles(declared: ClusterProfile, measured: ClusterProfile) -> Cluste
             "hbm_bandwidth_gbps": m.hbm_bandwidth_gbps, "op_timings_ms": m.op_timings_ms,
             "max_micro_batch": m.max_micro_batch, "facts": m.facts, "kind": m.kind}))
     devices.extend(measured_by_id.values())
-    links = {(l.src_device_id, l.dst_device_id): l for l in declared.links}
-    links.update({(l.src_device_id, l.dst_device_id): l for l in measured.links})
+    links = {(link.src_device_id, link.dst_device_id): link for link in declared.links}
+    links.update({(link.src_device_id, link.dst_device_id): link for link in measured.links})
     return ClusterProfile(cluster_id=declared.cluster_id, devices=devices, links=list(links.values()),
                           source="merged", measured_at=measured.measured_at,
                           notes=declared.notes + measured.notes)

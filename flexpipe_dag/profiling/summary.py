@@ -21,7 +21,7 @@ def device_table(profile: ClusterProfile) -> pd.DataFrame:
 def link_heatmap(profile: ClusterProfile) -> bytes:
     """PNG of the pairwise link bandwidth (GB/s) between the profile's devices."""
     ids = [d.device_id for d in profile.devices]
-    grid = [[(l.bandwidth_gbps if (l := profile.link(a, b)) else None) for b in ids] for a in ids]
+    grid = [[(link.bandwidth_gbps if (link := profile.link(a, b)) else None) for b in ids] for a in ids]
     return link_bandwidth_heatmap(ids, grid, f"{profile.cluster_id}: link bandwidth (GB/s)")
 
 
@@ -30,10 +30,10 @@ def profile_problems(profile: ClusterProfile) -> list[str]:
     with bandwidth <= 0."""
     ids = {d.device_id for d in profile.devices}
     problems = [f"device {d.device_id}: memory_gib {d.memory_gib} <= 0" for d in profile.devices if not d.memory_gib > 0]
-    for l in profile.links:
-        for end in (l.src_device_id, l.dst_device_id):
+    for link in profile.links:
+        for end in (link.src_device_id, link.dst_device_id):
             if end not in ids:
-                problems.append(f"link {l.src_device_id}->{l.dst_device_id}: unknown device {end}")
-        if not l.bandwidth_gbps > 0:
-            problems.append(f"link {l.src_device_id}->{l.dst_device_id}: bandwidth_gbps {l.bandwidth_gbps} <= 0")
+                problems.append(f"link {link.src_device_id}->{link.dst_device_id}: unknown device {end}")
+        if not link.bandwidth_gbps > 0:
+            problems.append(f"link {link.src_device_id}->{link.dst_device_id}: bandwidth_gbps {link.bandwidth_gbps} <= 0")
     return problems

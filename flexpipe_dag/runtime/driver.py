@@ -145,7 +145,7 @@ class Driver:
                         return
                     continue
                 self.inbox.put((kind, meta))
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+        except BaseException as exc:
             self.inbox.put(exc)
 
     # -- commands from the parent ---------------------------------------------------------------
@@ -293,7 +293,7 @@ def driver_main(spec: WorkerSpec, gear_id: str, config: SchedulerConfig, cmd_q, 
         setup_process(spec, 0)
         driver = Driver(spec, gear_id, config, evt_q, counters, metrics_period_s)
         driver.run(cmd_q)
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         evt_q.put(ProcessFailed("driver", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}",
                                 driver is not None and driver.in_transport))
         raise SystemExit(1) from None

@@ -157,7 +157,7 @@ def gear_pipeline_module(ckpt: Checkpoint, layer_ranges: list[tuple[int, int]], 
     parts = gear_parts(layer_ranges)
 
     class GearPipelineModule(PipelineModule):
-        def _partition_layers(self, method="uniform"):  # noqa: ARG002 - the gear decides, not a method
+        def _partition_layers(self, method="uniform"):
             if len(parts) != self.num_stages + 1 or parts[-1] != len(self._layer_specs):
                 raise ValueError(f"gear parts {parts} do not fit {self.num_stages} stages of "
                                  f"{len(self._layer_specs)} pipeline layers")

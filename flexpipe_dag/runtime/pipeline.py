@@ -31,18 +31,34 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from flexpipe_dag.core.host import free_port, host_memory_bytes
 from flexpipe_dag.core.dtypes import compute_dtype
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.host import free_port, host_memory_bytes
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
-from flexpipe_dag.runtime.messages import (COUNTER_SLOTS, AddRequests, DriverCounter, FlushMetrics, MetricsSampled,
-                                           ProcessFailed, Reconfigure, Reconfigured, RequestFinished, RequestRefused,
-                                           SchedulerConfig, StageInfo, StageReady, Stopped, StopPipeline,
-                                           WorkerCounter, counter_index, worker_slot)
+from flexpipe_dag.runtime.messages import (
+    COUNTER_SLOTS,
+    AddRequests,
+    DriverCounter,
+    FlushMetrics,
+    MetricsSampled,
+    ProcessFailed,
+    Reconfigure,
+    Reconfigured,
+    RequestFinished,
+    RequestRefused,
+    SchedulerConfig,
+    StageInfo,
+    StageReady,
+    Stopped,
+    StopPipeline,
+    WorkerCounter,
+    counter_index,
+    worker_slot,
+)
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint, stage_param_bytes
-from flexpipe_dag.runtime.scheduler import Request, RequestOutput
 from flexpipe_dag.runtime.remote import SILENT_AT_FAILURE_S
+from flexpipe_dag.runtime.scheduler import Request, RequestOutput
 from flexpipe_dag.runtime.worker import WorkerSpec
 
 #: Default backend on GPUs: NCCL carries activations between stages, gloo the driver's small messages.
@@ -75,7 +91,8 @@ class RuntimeOptions:
     ``dtype``: compute dtype (``fp32`` default on CPU; the gear's own dtype is a GPU-plan figure).
     ``device``: ``"cpu"`` or ``"cuda"`` (stage ``s`` on ``cuda:<s mod GPU count>``; remote stage
     workers on their ``cuda:<local rank>``); ``backend`` defaults to gloo on CPU and on CUDA to
-    :func:`cuda_backend` (NCCL between stages, gloo to the driver; gloo alone when stages share a GPU). ``step_timeout_s``: watchdog limit for one step. ``device_memory_bytes``:
+    :func:`cuda_backend` (NCCL between stages, gloo to the driver; gloo alone when stages share a
+    GPU). ``step_timeout_s``: watchdog limit for one step. ``device_memory_bytes``:
     per device id, for the fit check (default: this host's physical memory shared by the stages).
     ``start_method``: ``"forkserver"`` (default: stage processes fork from a server that imported
     torch and the stage code once per caller process, so a pipeline starts in about a second after

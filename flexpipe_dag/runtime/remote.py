@@ -98,7 +98,7 @@ class StoreEvents:
         try:
             with self._lock:
                 self._store.queue_push(_EVENTS, to_json(event))
-        except Exception:  # noqa: BLE001 - the head is gone; the heartbeat thread ends this process
+        except Exception:
             pass
 
 
@@ -139,7 +139,7 @@ class HeartbeatCounters:
         self._thread.join(timeout=2)
         try:
             self._ship_observations()
-        except Exception:  # noqa: BLE001 - the head is gone
+        except Exception:
             pass
 
     def _beat(self) -> None:
@@ -156,7 +156,7 @@ class HeartbeatCounters:
                     self._store.set(f"exit/{self.worker}", "1")  # the head is waiting to see this worker go
                     os._exit(1)
                 last_ok = time.monotonic()
-            except Exception as exc:  # noqa: BLE001 - the head is unreachable
+            except Exception as exc:
                 if self._stop.is_set():
                     return
                 if time.monotonic() - last_ok > self._head_timeout_s:
@@ -247,7 +247,7 @@ class ControlServer:
         try:  # torch's TCPStore listens on every interface, whatever host it is given
             self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=30))
-        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError / DistNetworkError
+        except Exception as exc:
             raise InputError(None, "control address (--listen / control_address)",
                              f"cannot serve the control store on port {port}: {_first_line(exc)}") from None
         self.port = self._store.port
@@ -280,7 +280,7 @@ class ControlServer:
         try:
             with self._lock:
                 self._main.set("abort", reason)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     def start(self, events: queue.Queue, counters) -> None:
@@ -298,7 +298,7 @@ class ControlServer:
             try:
                 with self._lock:
                     self.poll(self._main, *self._sinks)
-            except Exception:  # noqa: BLE001 - best effort on the way out
+            except Exception:
                 pass
 
     def _pump(self, store, events, counters) -> None:
@@ -306,7 +306,7 @@ class ControlServer:
             while not self._stop.is_set():
                 self.poll(store, events, counters)
                 self._stop.wait(HEARTBEAT_PERIOD_S / 4)
-        except Exception as exc:  # noqa: BLE001 - surfaces as a driver failure in the watchdog
+        except Exception as exc:
             if not self._stop.is_set():
                 events.put(ProcessFailed("driver", f"control store failed: {type(exc).__name__}: {exc}", True))
 
@@ -381,7 +381,7 @@ def fetch_spec(host: str, port: int, timeout_s: float):
         try:
             store = connect(host, port, timeout_s)
             box["value"] = (store, store.get("spec"))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             box["error"] = exc
 
     thread = threading.Thread(target=attempt, name="flexpipe-connect", daemon=True)
@@ -483,6 +483,6 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
     counters.close()
     try:
         store.set(f"exit/{worker}", str(result["code"]))
-    except Exception:  # noqa: BLE001 - the head is gone; nothing to tell
+    except Exception:
         pass
     return result["code"]

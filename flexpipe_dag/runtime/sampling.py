@@ -7,7 +7,7 @@ sequences share the micro-batch, so results are reproducible across batch sizes 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

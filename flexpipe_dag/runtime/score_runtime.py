@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from flexpipe_dag.core.host import free_port
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.host import free_port
 from flexpipe_dag.runtime.batch import MalformedRow, PromptRow, ResultSink
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint
 from flexpipe_dag.runtime.scoring import (
@@ -200,7 +200,7 @@ def score_rank_main(rank: int, spec: ScoreSpec, master_port: int, events, counte
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort on the way out
+        except Exception:
             pass
 
 

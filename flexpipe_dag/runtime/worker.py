@@ -285,5 +285,5 @@ def _destroy() -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort on the way out
+    except Exception:
         pass

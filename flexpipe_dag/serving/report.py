@@ -157,7 +157,7 @@ def write_html_report(path: str | Path, title: str, summary: dict[str, Any], sam
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}img{{max-width:100%}}</style></head><body>
-<h1>{html.escape(title)}</h1><p>generated {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}</p>
+<h1>{html.escape(title)}</h1><p>generated {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}</p>
 <p><b>{summary['served']}</b> of {summary['submitted']} requests served, <b>lost {summary['lost']}</b>,
 duplicates {summary['duplicates']}, {summary['output_tokens_per_s']} output tokens/s over {summary['elapsed_s']} s.</p>
 <table><tr><th>class</th><th>served</th><th>TTFT p50</th><th>TTFT p99</th><th>TPOT p50</th><th>TPOT p99</th>

@@ -304,7 +304,6 @@ class GearExecutor:
         return dataclasses.replace(base, **update)
 
     def _plan(self, old_rt: PipelineRuntime, new_gear: Gear, ckpt, opts) -> ResidencyPlan:
-        import os
 
         from flexpipe_dag.runtime.pipeline import kv_num_blocks, stage_memory_bytes
 
@@ -333,7 +332,7 @@ class GearExecutor:
         def run() -> None:
             try:
                 rt.start()
-            except BaseException as exc:  # noqa: BLE001 - handed to the executor thread
+            except BaseException as exc:
                 box["error"] = exc
 
         th = threading.Thread(target=run, name="flexpipe-shift-start", daemon=True)
@@ -440,7 +439,7 @@ class GearExecutor:
         except TimeoutError as exc:
             router.release_held()
             return f"KV pool not grown (the gear keeps its warm-up pool): {exc}"
-        except Exception as exc:  # noqa: BLE001 - a failed reconfigure kills the new gear's processes
+        except Exception as exc:
             raise _StepFailed("grow", f"KV pool growth failed: {str(exc).splitlines()[0]}") from exc
         router.release_held()
         return None
@@ -475,7 +474,7 @@ class GearExecutor:
         router.hold()
         try:
             lane = router.open(PipelineRuntime(old_gear, ckpt, dataclasses.replace(opts, fault={})))
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             out.timings_s["rollback"] = round(time.monotonic() - t, 4)
             return finish("failed", f"{exc.reason}; restarting the old gear failed too: {err}", exc.step,
                           exc.at_fault)
@@ -533,7 +532,7 @@ class GearExecutor:
             out.timings_s["health"] = round(time.monotonic() - t, 4)
         except _StepFailed as exc:
             return self._restart_old(old_gear, ckpt, old.runtime.options, exc, out, finish)
-        except Exception as exc:  # noqa: BLE001 - reconfigure / start raised
+        except Exception as exc:
             return self._restart_old(old_gear, ckpt, old.runtime.options,
                                      _StepFailed("warmup", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"),
                                      out, finish)

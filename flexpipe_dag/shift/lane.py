@@ -123,7 +123,7 @@ class Lane:
             try:
                 if not self._stop.is_set():
                     self.runtime.wait(on_result=self._on_result, on_metrics=self._on_metrics)
-            except BaseException as exc:  # noqa: BLE001 - a failure must not leave requests stranded
+            except BaseException as exc:
                 err = exc
             finally:
                 self._rt_lock.release()

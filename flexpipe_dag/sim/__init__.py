@@ -6,14 +6,14 @@ Drive it with any :class:`~flexpipe_dag.core.timing.StageTimingModel` (the plann
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.gear_builders import manual_gear
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.sim.engine import Simulator
 from flexpipe_dag.sim.evaluate import GearEvaluation, estimate_from_result, evaluate_gear, plot_evaluation
-from flexpipe_dag.core.gear_builders import manual_gear
 from flexpipe_dag.sim.results import ShiftEvent, SimResult, summarize
 from flexpipe_dag.sim.timing import COST_FIELDS, LinearStageTiming, StageCosts
 from flexpipe_dag.workload.request import Workload
@@ -48,5 +48,6 @@ def simulate_schedule(
     return sim.run()
 
 
-__all__ = ["COST_FIELDS", "GearEvaluation", "estimate_from_result", "evaluate_gear", "plot_evaluation", "LinearStageTiming", "ShiftEvent", "SimConfig", "SimResult", "Simulator", "StageCosts",
+__all__ = ["COST_FIELDS", "GearEvaluation", "estimate_from_result", "evaluate_gear", "plot_evaluation",
+           "LinearStageTiming", "ShiftEvent", "SimConfig", "SimResult", "Simulator", "StageCosts",
            "manual_gear", "simulate", "simulate_schedule", "summarize"]

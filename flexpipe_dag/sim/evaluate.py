@@ -7,9 +7,10 @@ CDF and the per-stage utilisation over time (matplotlib, imported lazily).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

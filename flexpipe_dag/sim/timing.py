@@ -12,9 +12,9 @@ Per stage ``i`` (all ms, one replica):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Sequence
 
 import pandas as pd
 

@@ -7,7 +7,14 @@ Pure data in, plain data out (pandas / numpy only).
 from flexpipe_dag.workload.bundled import BUNDLED_TRACES, bundled_path, load_tide_trace, load_trace, traces_dir
 from flexpipe_dag.workload.loaders import UnsortedTraceWarning, load_azure_trace, load_length_file, load_request_file
 from flexpipe_dag.workload.request import Request, Workload, to_plain_dicts, write_requests_jsonl
-from flexpipe_dag.workload.tide import Tide, aggregate_servegen_rates, load_tide, shape_by_tide, tide_arrivals, tide_from_frame
+from flexpipe_dag.workload.tide import (
+    Tide,
+    aggregate_servegen_rates,
+    load_tide,
+    shape_by_tide,
+    tide_arrivals,
+    tide_from_frame,
+)
 from flexpipe_dag.workload.transform import as_class, head, mix, speedup, time_window
 
 __all__ = [

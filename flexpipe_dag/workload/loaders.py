@@ -55,7 +55,8 @@ def _read_table(path: Path) -> pd.DataFrame:
         else:
             frame = pd.read_csv(path, skipinitialspace=True)
     except (ValueError, pd.errors.ParserError) as exc:
-        raise InputError(str(path), None, f"cannot parse as {'JSONL' if path.suffix.lower() in ('.jsonl', '.ndjson') else 'CSV'}: {exc}") from exc
+        form = "JSONL" if path.suffix.lower() in (".jsonl", ".ndjson") else "CSV"
+        raise InputError(str(path), None, f"cannot parse as {form}: {exc}") from exc
     if frame.empty:
         raise InputError(str(path), None, "no requests (only a header); expected at least one data row")
     return frame
@@ -169,7 +170,8 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
         prio = prio.astype(np.int64)
     else:
         prio = pd.Series(0, index=frame.index, dtype=np.int64)
-    ids = frame["request_id"].astype(str) if "request_id" in frame.columns else pd.Series([f"{path.stem}-{i:06d}" for i in range(len(frame))])
+    ids = (frame["request_id"].astype(str) if "request_id" in frame.columns
+           else pd.Series([f"{path.stem}-{i:06d}" for i in range(len(frame))]))
     too_long = ids.str.len() > MAX_REQUEST_ID_CHARS
     if too_long.any():
         i = int(np.flatnonzero(too_long.to_numpy())[0])

@@ -9,9 +9,10 @@ both the simulator and the live runtime (the fidelity hook).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Literal
 
 import pandas as pd
 

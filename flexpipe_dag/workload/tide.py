@@ -14,9 +14,9 @@ Time compression ``c`` maps tide time ``start_s + c * tau`` to workload time ``t
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import pandas as pd

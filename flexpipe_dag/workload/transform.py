@@ -59,7 +59,8 @@ def mix(*workloads: Workload, name: str | None = None) -> Workload:
     for w in workloads:
         for r in w.requests:
             if r.request_id in seen:
-                raise InputError(w.source or w.name, "request_id", f"id {r.request_id!r} appears in more than one workload; expected unique ids")
+                raise InputError(w.source or w.name, "request_id",
+                                 f"id {r.request_id!r} appears in more than one workload; expected unique ids")
             seen.add(r.request_id)
     merged = [r for w in workloads for r in w.requests]
     return Workload.from_requests(merged, name=name or "+".join(w.name for w in workloads),

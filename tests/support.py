@@ -145,3 +145,19 @@ def retry_on_port_clash(attempt: Callable[[], T], what: str, attempts: int = 3) 
             last = exc
     raise AssertionError(f"{what}: the port picked was taken by another process {attempts} times in a row "
                          f"(EADDRINUSE); last: {last}")
+
+
+def enveloped_gear(gear_id: str, kind: str, rps_min: float, rps_max: float, stages: int):  # -> Gear
+    """A SmolLM2-135M gear (30 layers) on ``stages`` (1 or 2) of ``gpu_001`` / ``gpu_002`` with the
+    envelope ``[rps_min, rps_max]`` req/s, target P99 500 ms and a matching estimate, for controller
+    and sensor tests."""
+    from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
+
+    bounds = [(0, 30)] if stages == 1 else [(0, 15), (15, 30)]
+    devs = ["gpu_001", "gpu_002"]
+    return Gear(gear_id=gear_id, kind=kind, model_name="SmolLM2-135M", num_layers=30, micro_batch_size=8,
+                stages=[StagePlan(stage_index=i, layer_start=a, layer_end=b, device_ids=[devs[i]])
+                        for i, (a, b) in enumerate(bounds)],
+                rps_min=rps_min, rps_max=rps_max, target_p99_ms=500.0,
+                estimate=GearEstimate(throughput_rps=rps_max, tokens_per_s=rps_max * 100, ttft_p50_ms=100,
+                                      ttft_p99_ms=300, tpot_p50_ms=20, tpot_p99_ms=40, bottleneck_stage=0))

@@ -29,23 +29,10 @@ from flexpipe_dag.control.settings import (
 )
 from flexpipe_dag.control.tide import TideConfig, TideForecaster
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
 from flexpipe_dag.core.metrics import MetricSample, StageSample
-from tests.support import EXAMPLES, REPO
+from tests.support import EXAMPLES, REPO, enveloped_gear
 
-
-def _gear(gear_id, kind, rps_min, rps_max, stages):
-    bounds = [(0, 30)] if stages == 1 else [(0, 15), (15, 30)]
-    devs = ["gpu_001", "gpu_002"]
-    return Gear(gear_id=gear_id, kind=kind, model_name="SmolLM2-135M", num_layers=30, micro_batch_size=8,
-                stages=[StagePlan(stage_index=i, layer_start=a, layer_end=b, device_ids=[devs[i]])
-                        for i, (a, b) in enumerate(bounds)],
-                rps_min=rps_min, rps_max=rps_max, target_p99_ms=500.0,
-                estimate=GearEstimate(throughput_rps=rps_max, tokens_per_s=rps_max * 100, ttft_p50_ms=100,
-                                      ttft_p99_ms=300, tpot_p50_ms=20, tpot_p99_ms=40, bottleneck_stage=0))
-
-
-GEARS = [_gear("latency-1s", "latency", 0.0, 5.0, 1), _gear("throughput-2s", "throughput", 3.5, 40.0, 2)]
+GEARS = [enveloped_gear("latency-1s", "latency", 0.0, 5.0, 1), enveloped_gear("throughput-2s", "throughput", 3.5, 40.0, 2)]
 
 
 def _samples(gear_id, rps_values, t0=0.0):

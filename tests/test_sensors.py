@@ -11,24 +11,12 @@ from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_contex
 from flexpipe_dag.control.cursor import parse_cursor
 from flexpipe_dag.control.settings import resolve_control_settings
 from flexpipe_dag.control.tide import TideConfig
-from flexpipe_dag.core.gear import Gear, GearEstimate, StagePlan
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
 from flexpipe_dag.jobs.tide import tide_sensor
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
-from tests.support import EXAMPLES, BackgroundThread, wait_until
-
-
-def _gear(gear_id, kind, rps_min, rps_max, stages):
-    bounds = [(0, 30)] if stages == 1 else [(0, 15), (15, 30)]
-    devs = ["gpu_001", "gpu_002"]
-    return Gear(gear_id=gear_id, kind=kind, model_name="SmolLM2-135M", num_layers=30, micro_batch_size=8,
-                stages=[StagePlan(stage_index=i, layer_start=a, layer_end=b, device_ids=[devs[i]])
-                        for i, (a, b) in enumerate(bounds)],
-                rps_min=rps_min, rps_max=rps_max, target_p99_ms=500.0,
-                estimate=GearEstimate(throughput_rps=rps_max, tokens_per_s=rps_max * 100, ttft_p50_ms=100,
-                                      ttft_p99_ms=300, tpot_p50_ms=20, tpot_p99_ms=40, bottleneck_stage=0))
+from tests.support import EXAMPLES, BackgroundThread, enveloped_gear, wait_until
 
 
 @pytest.fixture
@@ -39,7 +27,7 @@ def store_res(tmp_path):
     db = res.get_store()
     info = db.save_profile(load_cluster_profile(EXAMPLES / "seed_example.yaml"))
     model_id = db.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30})
-    db.save_gears([_gear("latency-1s", "latency", 0.0, 5.0, 1), _gear("throughput-2s", "throughput", 3.5, 40.0, 2)],
+    db.save_gears([enveloped_gear("latency-1s", "latency", 0.0, 5.0, 1), enveloped_gear("throughput-2s", "throughput", 3.5, 40.0, 2)],
                   info.id, model_id)
     return res
 

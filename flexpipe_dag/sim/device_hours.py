@@ -33,7 +33,7 @@ _SOURCE = "device accounting"
 
 
 class ShiftLike(Protocol):
-    """What a shift record must carry (:class:`~flexpipe_dag.sim.engine.ShiftEvent` does)."""
+    """What a shift record must carry (:class:`~flexpipe_dag.sim.results.ShiftEvent` does)."""
 
     requested_s: float
     switched_s: float

@@ -11,6 +11,23 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear, StagePlan
 
 
+def even_layer_counts(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts that differ by at most one, earlier stages taking the remainder
+    (``even_layer_counts(30, 4) == [8, 8, 7, 7]``). The caller checks ``1 <= num_stages <= num_layers``."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + 1 if i < extra else base for i in range(num_stages)]
+
+
+def stages_from_counts(layers_per_stage: Sequence[int], device_ids: Sequence[Sequence[str]]) -> list[StagePlan]:
+    """Contiguous stages: stage ``i`` holds the next ``layers_per_stage[i]`` layers on ``device_ids[i]``
+    (one device per replica)."""
+    stages, start = [], 0
+    for i, (n, devices) in enumerate(zip(layers_per_stage, device_ids)):
+        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=start + n, device_ids=list(devices)))
+        start += n
+    return stages
+
+
 def manual_gear(
     layers_per_stage: Sequence[int],
     *,
@@ -33,12 +50,8 @@ def manual_gear(
     reps = list(replicas) if replicas is not None else [1] * len(layers_per_stage)
     if len(reps) != len(layers_per_stage):
         raise ValueError(f"replicas: expected {len(layers_per_stage)} entries, got {len(reps)}")
-    stages, start = [], 0
-    for i, (n, r) in enumerate(zip(layers_per_stage, reps)):
-        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=start + n,
-                                device_ids=[f"d{i}r{j}" for j in range(r)]))
-        start += n
-    return Gear(gear_id=gear_id, kind="manual", model_name=model_name, num_layers=start, stages=stages,
+    stages = stages_from_counts(layers_per_stage, [[f"d{i}r{j}" for j in range(r)] for i, r in enumerate(reps)])
+    return Gear(gear_id=gear_id, kind="manual", model_name=model_name, num_layers=sum(layers_per_stage), stages=stages,
                 micro_batch_size=micro_batch_size, max_inflight_micro_batches=max_inflight_micro_batches,
                 kv_block_size_tokens=kv_block_size_tokens, kv_capacity_tokens=kv_capacity_tokens,
                 target_p99_ms=target_p99_ms)
@@ -60,13 +73,8 @@ def even_gear(num_layers: int, num_stages: int, model_name: str, micro_batch_siz
     replicas = replicas or [1] * num_stages
     if len(replicas) != num_stages or min(replicas) < 1:
         raise InputError(None, "--stage-replicas", f"expected {num_stages} counts >= 1 (one per stage), got {replicas}")
-    base, extra = divmod(num_layers, num_stages)
-    stages, start = [], 0
-    for i in range(num_stages):
-        end = start + base + (1 if i < extra else 0)
-        devices = [f"worker{i}"] if replicas[i] == 1 else [f"worker{i}.{k}" for k in range(replicas[i])]
-        stages.append(StagePlan(stage_index=i, layer_start=start, layer_end=end, device_ids=devices))
-        start = end
+    devices = [[f"worker{i}"] if r == 1 else [f"worker{i}.{k}" for k in range(r)] for i, r in enumerate(replicas)]
+    stages = stages_from_counts(even_layer_counts(num_layers, num_stages), devices)
     suffix = "-r" + "x".join(map(str, replicas)) if max(replicas) > 1 else ""
     return Gear(gear_id=f"uniform-{num_stages}{suffix}", kind="uniform", model_name=model_name, num_layers=num_layers,
                 stages=stages, micro_batch_size=micro_batch_size, max_inflight_micro_batches=inflight or num_stages,

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from flexpipe_dag.core.errors import InfeasibleError
+from flexpipe_dag.core.gear_builders import even_layer_counts
 
 
 def check_stage_count(num_layers: int, num_stages: int) -> None:
@@ -32,8 +33,7 @@ def uniform_partition(num_layers: int, num_stages: int) -> list[int]:
         InfeasibleError: ``num_stages > num_layers`` or ``num_stages < 1``.
     """
     check_stage_count(num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
-    return [base + 1 if i < extra else base for i in range(num_stages)]
+    return even_layer_counts(num_layers, num_stages)
 
 
 def sizes_to_bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:

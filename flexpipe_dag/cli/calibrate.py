@@ -18,7 +18,7 @@ from flexpipe_dag.core.errors import InputError
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="fit the cost model to observed runs; --report: predicted vs measured",
-                              description=__doc__.splitlines()[0].strip("`: "))
+                              description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--cluster-id", default=None, help="cluster whose runs to use (default: the only one observed)")
     p.add_argument("--model", default="SmolLM2-135M", help="model the runs served (built-in name, config dir, .gguf)")
     p.add_argument("--dtype", default="fp32", help="dtype the runs computed in (fp32 on the CPU runtime)")
@@ -36,8 +36,9 @@ def _observations(store, args):
         runs = [r for r in runs if r["run_key"] in args.run_key]
     clusters = sorted({r["cluster_key"] for r in runs if r["cluster_key"]})
     if not runs:
-        raise InputError("store", "stage_observations", "no observed steps stored; serve a gear first and store "
-                         "its ObservationCollector steps (Store.write_observations)")
+        raise InputError("store", "stage_observations", "no observed steps stored; run the Dagster batch_inference job (or "
+                         "`flexpipe demo`) first: it records every stage step in the store (`flexpipe run` "
+                         "writes its results to a file only)")
     cluster_id = args.cluster_id
     if cluster_id is None:
         if len(clusters) != 1:

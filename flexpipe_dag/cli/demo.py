@@ -32,7 +32,7 @@ FLEET_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "clusters" / 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the main job end to end as Dagster runs", description=__doc__,
+    p = sub.add_parser("demo", help="run the main job end to end as Dagster runs", description=__doc__.replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration-s", type=float, default=200.0, help="wall seconds one tide day is compressed into")
     p.add_argument("--dwell-s", type=float, default=30.0, help="controller dwell after a shift (seed: 600 s)")

@@ -15,7 +15,7 @@ DEFAULT_CONTEXT_P95_TOKENS = 4096
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="plan candidate gears for a model on a cluster",
-                              description=__doc__.splitlines()[0].strip("`: "))
+                              description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--cluster", required=True, help="cluster profile file (.yaml / .json; native, seed or fleet form)")
     p.add_argument("--model", required=True,
                    help="built-in model name, a Hugging Face config.json directory, or a .gguf file")

@@ -11,7 +11,7 @@ from flexpipe_dag.core.errors import InputError
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="validate / measure a cluster profile, store it and print it",
-                       description=__doc__)
+                       description=__doc__.replace("``", ""))
     p.add_argument("--cluster", metavar="FILE", help="declared inventory (native, seed or fleet YAML/JSON)")
     p.add_argument("--probe", action="store_true", help="measure this host's devices (GPUs, or CPU workers)")
     p.add_argument("--cpu-workers", type=int, default=2, help="CPU worker processes to measure without GPUs")

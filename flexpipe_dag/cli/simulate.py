@@ -43,7 +43,7 @@ from flexpipe_dag.workload import (
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="replay a request trace through a gear (TTFT, TPOT, goodput, utilisation)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", help="cluster profile YAML (with --model and --gear)")
     p.add_argument("--model", help="model name or config path (with --cluster)")
     p.add_argument("--gear", help="gear id or kind (latency / balanced / throughput) among the planner's gears")

@@ -20,13 +20,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
+from flexpipe_dag.core.user_yaml import load_user_yaml
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
 from flexpipe_dag.workload import (
     BUNDLED_TRACES,
@@ -79,8 +79,8 @@ def load_gear_file(path: str | Path) -> Gear:
         raise InputError(str(path), None, "file not found; expected a gear as JSON or YAML")
     try:
         text = path.read_text()
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        data = json.loads(text) if path.suffix.lower() == ".json" else load_user_yaml(text, str(path))
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
         raise InputError(str(path), None, f"cannot parse: {exc}") from exc
     if isinstance(data, dict) and data.get("rps_max", 0) is None:
         data = {k: v for k, v in data.items() if k != "rps_max"}  # Gear.model_dump_json writes an unbounded envelope as null

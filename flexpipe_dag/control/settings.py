@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.tide import TideConfig
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.user_yaml import load_user_yaml
 
 #: The sections a control file may hold.
 CONTROL_SECTIONS = ("controller", "tide")
@@ -50,24 +51,26 @@ def read_control_file(config_file: str) -> dict[str, dict[str, Any]]:
         empty in the YAML reads as ``{}``); the figures are not validated here.
 
     Raises:
-        InputError: the file cannot be read or is not YAML ("cannot read controller config"), is not
+        InputError: the file cannot be read ("cannot read controller config") or is not YAML (a
+            duplicate key or an alias counts as not YAML: :func:`~flexpipe_dag.core.user_yaml.load_user_yaml`), is not
             a mapping of those sections, or a section is not a mapping of figures (file and
             section named).
     """
     if not config_file:
         return {}
-    import yaml
-
     path = Path(config_file)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise InputError(str(path), None, f"cannot read controller config: {str(exc).splitlines()[0]}") from None
+    data = load_user_yaml(text, str(path))
+    if data is None:
+        data = {}
     if not isinstance(data, dict) or set(data) - set(CONTROL_SECTIONS):
         raise InputError(str(path), None, "expected a mapping with 'controller' and/or 'tide' sections")
     for section, values in data.items():
         if values is not None and not isinstance(values, dict):
-            raise InputError(str(path), section, f"expected a mapping of figures, got {values!r}")
+            raise InputError(str(path), section, f"expected a mapping of figures, got a {type(values).__name__}")
     return {section: dict(values or {}) for section, values in data.items()}
 
 

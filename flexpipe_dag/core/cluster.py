@@ -40,11 +40,11 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flexpipe_dag.core.catalog import REFERENCE_MODEL, gpu_catalog, lookup_gpu
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.user_yaml import load_user_yaml
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -344,8 +344,11 @@ def load_cluster_profile(path: str | Path) -> ClusterProfile:
         raise InputError(str(path), None, f"cannot read file: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise InputError(str(path), None, f"not UTF-8 text ({exc.reason} at byte {exc.start}); expected YAML or JSON") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise InputError(str(path), None, f"not valid YAML/JSON: {exc}") from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise InputError(str(path), None, f"not valid YAML/JSON: {exc}") from None
+    else:
+        data = load_user_yaml(text, str(path))
     return parse_cluster_profile(data, str(path))

@@ -341,7 +341,7 @@ class PipelineRuntime:
                 culprit = missing[0]
                 control = self._control
                 unclaimed = [w for w in missing if w not in control.claimed()] if control is not None else []
-                if control is not None and unclaimed:  # the others wait for it in the rendezvous: name the one that never came
+                if control is not None and unclaimed:  # the others wait for it in the rendezvous: name the absent one
                     culprit = unclaimed[0]
                     stage, replica = layout.locate(culprit)
                     which = f"--stage {stage}" + (f" --replica {replica}" if layout.replicas[stage] > 1 else "")

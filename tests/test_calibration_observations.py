@@ -58,3 +58,10 @@ def test_sweep_removes_rings_of_dead_workers(tmp_path):
     assert not stale.exists() and live.exists()
     with pytest.raises(ValueError):
         RingReader(live)
+
+
+def test_recorder_refuses_a_step_after_close(tmp_path):
+    rec = StepRecorder(0, capacity=4, directory=tmp_path)
+    rec.close()
+    with pytest.raises(ValueError, match="closed"):
+        rec.begin(1, [seq(3, 0)], 0, 10, 12.5, 100.0)

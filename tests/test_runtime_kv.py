@@ -88,3 +88,19 @@ def test_paged_attention_matches_hf_forward():
         ref2 = hf_model()(torch.tensor([ids + [nxt]])).logits[0, -1]
     torch.testing.assert_close(got[0], ref2, rtol=1e-4, atol=1e-4)
     assert int(got[0].argmax()) == int(ref2.argmax())
+
+
+def test_reset_resizes_an_empty_pool_and_refuses_one_in_use():
+    a = BlockAllocator(num_blocks=4, block_size_tokens=4)
+    a.reserve(1, 4)
+    a.append(1, 4)
+    with pytest.raises(ValueError, match="still hold KV blocks"):
+        a.reset(8)
+    a.free(1)
+    a.reset(8, num_lanes=2)  # block size kept
+    assert (a.num_blocks, a.block_size_tokens, a.num_lanes, a.blocks_per_lane) == (8, 4, 2, 4)
+    a.reserve(2, 16, lane=1)
+    assert a.append(2, 5) == [4, 5]  # lane 1 owns blocks 4..7
+    a.free(2)
+    with pytest.raises(ValueError, match="split evenly"):
+        a.reset(6, num_lanes=4)

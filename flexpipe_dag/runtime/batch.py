@@ -222,7 +222,10 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
                 bad.append(MalformedRow(i, f"invalid JSON: {exc.msg}"))
                 continue
             r = _parse_row(raw, i, default_max_new_tokens, seen)
-            (rows if isinstance(r, PromptRow) else bad).append(r)
+            if isinstance(r, PromptRow):
+                rows.append(r)
+            else:
+                bad.append(r)
     elif p.suffix == ".parquet":
         import pandas as pd
 
@@ -233,7 +236,10 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
             if raw.get("token_ids") is not None and hasattr(raw["token_ids"], "tolist"):
                 raw["token_ids"] = raw["token_ids"].tolist()
             r = _parse_row(raw, i, default_max_new_tokens, seen)
-            (rows if isinstance(r, PromptRow) else bad).append(r)
+            if isinstance(r, PromptRow):
+                rows.append(r)
+            else:
+                bad.append(r)
     else:
         raise InputError(str(p), None, f"expected a .jsonl or .parquet prompts file, got {p.suffix!r}")
     return rows, bad
@@ -265,12 +271,16 @@ def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests:
     corpus = tokenizer(Path(corpus_path).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     rows: list[PromptRow] = []
     offset = 0
-    for i, rec in enumerate(df.head(num_requests).itertuples(index=False)):
-        n = max(1, min(math.ceil(int(rec.ContextTokens) * length_scale), max_prompt_tokens, len(corpus)))
+    head = df.head(num_requests)
+    # plain Python scalars (tolist), so int() sees ints / floats / strings, not pandas scalar types
+    contexts: list[Any] = head["ContextTokens"].tolist()
+    generated: list[Any] = head["GeneratedTokens"].tolist()
+    for i, (context_tokens, generated_tokens) in enumerate(zip(contexts, generated)):
+        n = max(1, min(math.ceil(int(context_tokens) * length_scale), max_prompt_tokens, len(corpus)))
         if offset + n > len(corpus):
             offset = 0
         rows.append(PromptRow(f"trace-{i:05d}", None, corpus[offset:offset + n],
-                              max(1, min(math.ceil(int(rec.GeneratedTokens) * length_scale), max_new_tokens)),
+                              max(1, min(math.ceil(int(generated_tokens) * length_scale), max_new_tokens)),
                               priority))
         offset += n
     return rows

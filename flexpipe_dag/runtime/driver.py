@@ -22,6 +22,8 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 from flexpipe_dag.runtime.messages import (
     AddRequests,
@@ -94,8 +96,9 @@ class Driver:
         self.sent = 0  # micro-batches sent into the pipeline
         self.in_transport = False
         self._refusals = (KVCapacityError, ValueError)  # what add_request raises for a request it will not serve
-        self._handlers = {AddRequests: self.on_add, Reconfigure: self.on_reconfigure, FlushMetrics: self.on_flush,
-                          StopPipeline: self.on_stop}
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            AddRequests: self.on_add, Reconfigure: self.on_reconfigure, FlushMetrics: self.on_flush,
+            StopPipeline: self.on_stop}
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self, cmd_q) -> None:
@@ -190,9 +193,16 @@ class Driver:
             self.counters[counter_index(0, DriverCounter.MICRO_BATCHES_SENT)] = self.sent
 
     def send_reconfigure(self) -> None:
-        """Send the pending :class:`Reconfigure` down every lane (the pipeline is drained)."""
+        """Send the pending :class:`Reconfigure` down every lane (the pipeline is drained).
+
+        Raises:
+            RuntimeError: no reconfiguration is pending.
+        """
+        cmd = self.pending_reconfigure
+        if cmd is None:
+            raise RuntimeError("driver: no reconfiguration pending to send")
         for dst in self.first_ranks:
-            self._send(dst, MessageKind.RECONFIGURE, StageReload(self.pending_reconfigure))
+            self._send(dst, MessageKind.RECONFIGURE, StageReload(cmd))
         self.reconfigure_sent = True
         self.confirmations = {}
 
@@ -246,12 +256,18 @@ class Driver:
 
     def on_reconfigured(self, reload: StageReload) -> None:
         """One last-stage replica confirmed; once every worker has, adopt the new KV geometry and
-        scheduler limits, report :class:`Reconfigured` and resume admission (unless stopping)."""
+        scheduler limits, report :class:`Reconfigured` and resume admission (unless stopping).
+
+        Raises:
+            RuntimeError: no reconfiguration is pending (the stages confirmed one never sent).
+        """
+        cmd = self.pending_reconfigure
+        if cmd is None:
+            raise RuntimeError("driver: a last stage confirmed a reconfiguration, but none is pending")
         for info in reload.infos:
             self.confirmations[info.slot] = info
         if len(self.confirmations) < self.layout.num_workers:
             return  # another last-stage replica has yet to confirm
-        cmd = self.pending_reconfigure
         self.layout = self.spec.layout(cmd.num_blocks)
         sched = self.scheduler
         sched.allocator.reset(self.layout.num_blocks, cmd.block_size_tokens, self.layout.num_lanes)

@@ -38,6 +38,10 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size_tokens: int, num_lanes: int = 1):
+        self._setup(num_blocks, block_size_tokens, num_lanes)
+
+    def _setup(self, num_blocks: int, block_size_tokens: int, num_lanes: int) -> None:
+        """(Re)build an empty pool of these sizes (checks them first)."""
         if num_blocks < 1 or block_size_tokens < 1 or num_lanes < 1:
             raise ValueError(f"num_blocks, block_size_tokens and num_lanes must be >= 1, got {num_blocks}, "
                              f"{block_size_tokens}, {num_lanes}")
@@ -144,8 +148,8 @@ class BlockAllocator:
         """
         if self._tables:
             raise ValueError(f"{len(self._tables)} sequences still hold KV blocks")
-        self.__init__(num_blocks or self.num_blocks, block_size_tokens or self.block_size_tokens,
-                      num_lanes or self.num_lanes)
+        self._setup(num_blocks or self.num_blocks, block_size_tokens or self.block_size_tokens,
+                    num_lanes or self.num_lanes)
 
 
 def slot_mapping(block_table: list[int], start_pos: int, end_pos: int, block_size_tokens: int) -> list[int]:

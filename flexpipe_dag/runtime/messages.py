@@ -351,7 +351,7 @@ def _decode(tp: Any, v: Any, where: str) -> Any:  # one case per annotation form
         if v is not None:
             raise MessageError(f"{where}: expected null, got {_short(v)}")
         return None
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a dataclass type (an annotation, not an instance)
         if not isinstance(v, dict):
             raise MessageError(f"{where}: expected an object, got {_short(v)}")
         fields = {f.name for f in dataclasses.fields(tp)}

@@ -109,15 +109,19 @@ class StepRecorder:
         d = Path(directory) if directory is not None else observations_dir()
         sweep_stale_rings(d)
         self.path = str(d / f"stage{stage}-{os.getpid()}-{uuid.uuid4().hex[:8]}.f64")
-        self._ring = np.memmap(self.path, dtype="<f8", mode="w+", shape=(capacity + 1, NUM_COLUMNS))
+        self._ring: np.memmap | None = np.memmap(self.path, dtype="<f8", mode="w+", shape=(capacity + 1, NUM_COLUMNS))
         self._ring[0, :4] = (0, capacity, NUM_COLUMNS, FORMAT_VERSION)
         self.capacity = capacity
         self._written = 0
         self._row: np.ndarray | None = None
 
     def begin(self, mb_id: int, seqs, layer_start: int, layer_end: int, wall_ms: float, t_end_s: float) -> None:
-        """Fill the next row (not yet visible to readers) with one step's counts and compute time."""
-        row = self._ring[1 + self._written % self.capacity]
+        """Fill the next row (not yet visible to readers) with one step's counts and compute time.
+
+        Raises:
+            ValueError: the recorder was closed.
+        """
+        row = self._open_ring()[1 + self._written % self.capacity]
         row[:] = math.nan
         counts = micro_batch_counts(seqs)
         row[_C["mb_id"]], row[_C["t_end_s"]], row[_C["wall_ms"]] = mb_id, t_end_s, wall_ms
@@ -136,8 +140,13 @@ class StepRecorder:
         if self._row is None:
             return
         self._written += 1
-        self._ring[0, 0] = self._written
+        self._open_ring()[0, 0] = self._written
         self._row = None
+
+    def _open_ring(self) -> np.memmap:
+        if self._ring is None:
+            raise ValueError(f"{self.path}: the step recorder is closed")
+        return self._ring
 
     def close(self, unlink: bool = True) -> None:
         """Flush and (by default) remove the file; readers that opened it keep their mapping."""

@@ -88,7 +88,8 @@ class DecoderLayerPipe(nn.Module):
                  stage_tensor_names(ckpt, layer_index, layer_index + 1, first=False, last=False).items()}
         _assign(self, _load(ckpt, names, dtype), f"decoder layer {layer_index}")
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        # the config fills num_key_value_heads in (None: one per attention head, HF's own default)
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, t, _ = h.shape

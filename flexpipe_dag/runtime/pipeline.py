@@ -30,6 +30,7 @@ import queue
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flexpipe_dag.core.dtypes import compute_dtype
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
@@ -60,6 +61,9 @@ from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint, st
 from flexpipe_dag.runtime.remote import SILENT_AT_FAILURE_S
 from flexpipe_dag.runtime.scheduler import Request, RequestOutput
 from flexpipe_dag.runtime.worker import WorkerSpec
+
+if TYPE_CHECKING:
+    from flexpipe_dag.runtime.remote import ControlServer
 
 #: Default backend on GPUs: NCCL carries activations between stages, gloo the driver's small messages.
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
@@ -172,6 +176,7 @@ def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32") -> lis
                          f"has {ckpt.num_layers}")
     cfg = ckpt.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads  # None: one per head (HF's default)
     nbytes = int(compute_dtype(dtype).bytes_per_element)
     tokens = kv_num_blocks(gear) * gear.kv_block_size_tokens
     n = gear.num_stages
@@ -181,7 +186,7 @@ def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32") -> lis
                                    dtype_bytes=nbytes)
         if i == n - 1 and i == 0 and "lm_head.weight" not in ckpt.tensor_files:
             params -= ckpt.config.vocab_size * ckpt.config.hidden_size * nbytes  # tied head counted once
-        kv = tokens * kv_bytes_per_token(st.num_layers, cfg.num_key_value_heads, head_dim, nbytes)
+        kv = tokens * kv_bytes_per_token(st.num_layers, kv_heads, head_dim, nbytes)
         rows.append({"stage_index": i, "device_ids": list(st.device_ids), "param_bytes": params,
                      "kv_pool_bytes": kv, "total_bytes": params + kv})
     return rows
@@ -265,10 +270,10 @@ class PipelineRuntime:
         self._finished: list[RequestOutput] = []
         self._metrics: list[MetricSample] = []
         self._refused: dict[str, str] = {}
-        self._stall_mark: tuple[float, float] | None = None
+        self._stall_mark: tuple[tuple[float, float], float] | None = None  # ((sent, done), since when)
         self._on_result: Callable[[RequestOutput], None] | None = None
         self._started = False
-        self._control = None  # ControlServer when the stages are remote
+        self._control: ControlServer | None = None  # when the stages are remote
         self._abort_reason: str | None = None
         self._layout = gear_lane_layout(gear)
 
@@ -334,13 +339,14 @@ class PipelineRuntime:
                 missing = sorted(set(range(spec.num_workers)) - set(info))
                 why = f"did not load within {self.options.start_timeout_s:.0f} s"
                 culprit = missing[0]
-                unclaimed = [w for w in missing if w not in self._control.claimed()] if self._control else []
-                if unclaimed:  # the others wait for it in the rendezvous: name the one that never came
+                control = self._control
+                unclaimed = [w for w in missing if w not in control.claimed()] if control is not None else []
+                if control is not None and unclaimed:  # the others wait for it in the rendezvous: name the absent one
                     culprit = unclaimed[0]
                     stage, replica = layout.locate(culprit)
                     which = f"--stage {stage}" + (f" --replica {replica}" if layout.replicas[stage] > 1 else "")
                     why = (f"no worker joined within {self.options.start_timeout_s:.0f} s; start one with "
-                           f"`flexpipe worker --head {self._control.address} {which}`")
+                           f"`flexpipe worker --head {control.address} {which}`")
                 self._fail(culprit, why)
             ev = self._next_event(0.2)
             if isinstance(ev, StageReady):
@@ -520,7 +526,7 @@ class PipelineRuntime:
                              f"got {gear.num_stages} with {[st.replicas for st in gear.stages]}")
         layout = gear_lane_layout(gear)
         check_gear_fits(gear, self.ckpt, self.options)
-        self._cmds.put(Reconfigure(gear_id=gear.gear_id, ranges=tuple(tuple(r) for r in gear.layer_ranges()),
+        self._cmds.put(Reconfigure(gear_id=gear.gear_id, ranges=tuple((a, b) for a, b in gear.layer_ranges()),
                                    num_blocks=kv_num_blocks(gear), block_size_tokens=gear.kv_block_size_tokens,
                                    micro_batch_size=gear.micro_batch_size,
                                    max_inflight_micro_batches=gear.max_inflight_micro_batches))

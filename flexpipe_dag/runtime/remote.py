@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.runtime.messages import (
@@ -62,6 +63,9 @@ from flexpipe_dag.runtime.messages import (
 )
 from flexpipe_dag.runtime.rendezvous import connect, parse_address
 from flexpipe_dag.runtime.worker import WorkerSpec
+
+if TYPE_CHECKING:
+    from flexpipe_dag.runtime.observations import RingReader
 
 __all__ = ["ControlServer", "HeartbeatCounters", "RemoteStage", "StoreEvents", "connect", "fetch_spec",
            "parse_address", "serve_stage"]
@@ -115,7 +119,7 @@ class HeartbeatCounters:
         self.worker, self._base = worker, counter_index(worker + 1, 0)
         self._head_timeout_s = head_timeout_s
         self._stop = threading.Event()
-        self._ring = None  # this stage's observation ring, once loaded
+        self._ring: RingReader | None = None  # this stage's observation ring, once loaded
         self._thread = threading.Thread(target=self._beat, name=f"flexpipe-heartbeat-{worker}", daemon=True)
         self._thread.start()
 
@@ -254,7 +258,8 @@ class ControlServer:
         self._host = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.workers = [RemoteStage(self, w) for w in range(num_workers)]
-        self._main = self._store.clone()
+        # Store.clone is a method of torch's c10d Store at runtime, missing from torch/_C/_distributed_c10d.pyi
+        self._main = self._store.clone()  # type: ignore[attr-defined]
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -286,7 +291,8 @@ class ControlServer:
     def start(self, events: queue.Queue, counters) -> None:
         """Start mirroring: remote events onto ``events``, heartbeats into ``counters``."""
         self._sinks = (events, counters)
-        self._thread = threading.Thread(target=self._pump, args=(self._store.clone(), events, counters),
+        store = self._store.clone()  # type: ignore[attr-defined]  # in torch, not in its stub (see __init__)
+        self._thread = threading.Thread(target=self._pump, args=(store, events, counters),
                                         name="flexpipe-control-pump", daemon=True)
         self._thread.start()
 

@@ -309,7 +309,7 @@ class Scheduler:
 
     def abort_inflight(self) -> list[str]:
         """Forget every in-flight micro-batch (after a pipeline failure); returns affected request ids."""
-        ids = []
+        ids: list[str] = []
         for seq_ids in self._inflight.values():
             ids.extend(self._running[i].req.request_id for i in seq_ids if i in self._running)
         self._inflight.clear()

@@ -158,7 +158,7 @@ def score_record(row: RowScores, gear_id: str, keep_token_logprobs: bool = True)
     conts = []
     for i in range(row.expected):
         lp = row.got[i]
-        c = {"tokens": len(lp), "logprob": math.fsum(lp), "mean_logprob": math.fsum(lp) / len(lp)}
+        c: dict[str, Any] = {"tokens": len(lp), "logprob": math.fsum(lp), "mean_logprob": math.fsum(lp) / len(lp)}
         if keep_token_logprobs:
             c["token_logprobs"] = lp
         conts.append(c)

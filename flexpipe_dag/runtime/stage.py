@@ -12,6 +12,8 @@ Single process, no communication: chaining stages in one process reproduces HF g
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,20 +78,29 @@ class StageModule(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: MicroBatch, x: torch.Tensor, pool: PagedKVPool) -> torch.Tensor:
+        if self.rotary_emb is None:
+            raise RuntimeError("StageModule has no rotary embedding: build it with load_stage_module")
         device = pool.k.device
         positions, new_slots, ctx_slots, spans = _batch_index(batch.seqs, pool.block_size_tokens, device)
-        h = self.embed_tokens(x.to(device)) if self.first else x.to(device=device, dtype=pool.k.dtype)
+        if self.embed_tokens is not None:  # the first stage (embed_tokens is set exactly when first)
+            h = self.embed_tokens(x.to(device))
+        else:
+            h = x.to(device=device, dtype=pool.k.dtype)
         cos, sin = self.rotary_emb(h[None], positions[None])  # [1, T, head_dim]
-        for li, layer in enumerate(self.layers):
+        for li, layer in enumerate(self.decoder_layers()):
             residual = h
             h = residual + self._attention(li, layer.self_attn, layer.input_layernorm(h), cos, sin,
                                            new_slots, ctx_slots, spans, pool)
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
-        if not self.last:
+        if self.norm is None or self.lm_head is None:  # not the last stage (both are set exactly when last)
             return h
         last_idx = torch.tensor([start + n - 1 for start, n in spans], device=device)
         return self.lm_head(self.norm(h.index_select(0, last_idx)))
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's decoder layers, typed (``nn.ModuleList`` iterates as plain modules)."""
+        return [cast(LlamaDecoderLayer, layer) for layer in self.layers]
 
     def _attention(self, li, attn, hn, cos, sin, new_slots, ctx_slots, spans, pool: PagedKVPool) -> torch.Tensor:
         t = hn.shape[0]

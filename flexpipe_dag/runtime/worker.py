@@ -24,9 +24,11 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flexpipe_dag.runtime.messages import (
     MessageKind,
@@ -38,6 +40,11 @@ from flexpipe_dag.runtime.messages import (
     WorkerCounter,
     counter_index,
 )
+
+if TYPE_CHECKING:
+    from flexpipe_dag.runtime.kv_cache import PagedKVPool
+    from flexpipe_dag.runtime.lanes import LaneLayout
+    from flexpipe_dag.runtime.stage import StageModule
 
 
 @dataclass
@@ -77,7 +84,7 @@ class WorkerSpec:
         """Replicas per stage (one each when ``replicas`` is unset)."""
         return tuple(self.replicas or [1] * self.num_stages)
 
-    def layout(self, num_blocks: int | None = None):
+    def layout(self, num_blocks: int | None = None) -> LaneLayout:
         """The :class:`~flexpipe_dag.runtime.lanes.LaneLayout` (ranks, lanes, KV split) of this spec."""
         from flexpipe_dag.runtime.lanes import LaneLayout
 
@@ -139,10 +146,14 @@ class StageRunner:
     def __init__(self, spec: WorkerSpec, stage: int, replica: int = 0):
         self.spec, self.stage, self.replica = spec, stage, replica
         self.worker = spec.layout().rank(stage, replica) - 1
-        self.module = self.pool = None
+        self.module: StageModule | None = None
+        self.pool: PagedKVPool | None = None
+        #: the stage's observation ring (set by :func:`worker_main` once its recorder exists)
+        self.observations_path: str | None = None
         self.load(spec.ranges, spec.num_blocks, spec.block_size_tokens, spec.checkpoint_path)
 
-    def load(self, ranges, num_blocks: int, block_size_tokens: int, checkpoint_path: str) -> StageInfo:
+    def load(self, ranges: Sequence[tuple[int, int]], num_blocks: int, block_size_tokens: int,
+             checkpoint_path: str) -> StageInfo:
         """Load this stage's layers of ``ranges`` and a pool for its lanes' share of ``num_blocks``."""
         import gc
 
@@ -154,11 +165,17 @@ class StageRunner:
         n = len(ranges)
         ckpt = Checkpoint(path=Path(checkpoint_path), name=self.spec.checkpoint_name)
         module = load_stage_module(ckpt, a, b, first=self.stage == 0, last=self.stage == n - 1, dtype=self.spec.dtype)
-        self.module = module.to(stage_device(self.spec, self.worker))
+        self.module = module = module.to(stage_device(self.spec, self.worker))
         self.layout = self.spec.layout(num_blocks)
-        self.pool = self.module.new_kv_pool(self.layout.replica_blocks(self.stage), block_size_tokens)
-        self.ranges = list(ranges)
+        self.pool = module.new_kv_pool(self.layout.replica_blocks(self.stage), block_size_tokens)
+        self.ranges: list[tuple[int, int]] = list(ranges)
         return runner_info(self)
+
+    def loaded(self) -> tuple[StageModule, PagedKVPool]:
+        """The module and KV pool of the last :meth:`load` (both set unless that load raised)."""
+        if self.module is None or self.pool is None:
+            raise RuntimeError(f"stage {self.stage} replica {self.replica}: no layers loaded")
+        return self.module, self.pool
 
     def local_batch(self, batch):
         """``batch`` with block tables in this replica's pool (a copy when lanes share the stage)."""
@@ -237,7 +254,8 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
             counters[started_slot] = t0
             if spec.fault.get("stage") == stage and steps >= spec.fault.get("raise_after_steps", 1 << 60):
                 raise RuntimeError(f"injected fault after {steps} steps")
-            out = runner.module(runner.local_batch(meta), x, runner.pool)
+            module, pool = runner.loaded()
+            out = module(runner.local_batch(meta), x, pool)
             next_rank = layout.lane_rank(stage + 1, meta.lane)
             if last:
                 tokens = sample_tokens(out, meta.seqs)
@@ -250,7 +268,8 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
             t1 = time.monotonic()
             counters[busy_slot] += t1 - t0
             counters[started_slot] = 0.0
-            recorder.begin(meta.mb_id, meta.seqs, *runner.ranges[stage], (t1 - t0) * 1e3, t1)
+            layer_start, layer_end = runner.ranges[stage]
+            recorder.begin(meta.mb_id, meta.seqs, layer_start, layer_end, (t1 - t0) * 1e3, t1)
             if last:
                 recorder.commit()
             in_transport = True
@@ -273,10 +292,11 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
 def runner_info(runner: StageRunner) -> StageInfo:
     """The :class:`~flexpipe_dag.runtime.messages.StageInfo` of a loaded :class:`StageRunner`."""
     a, b = runner.ranges[runner.stage]
+    module, pool = runner.loaded()
     return StageInfo(stage_index=runner.stage, replica_index=runner.replica, layer_start=int(a), layer_end=int(b),
-                     param_bytes=int(runner.module.param_bytes()), kv_pool_bytes=int(runner.pool.nbytes),
-                     kv_capacity_tokens=int(runner.pool.capacity_tokens), pid=os.getpid(), host=socket.gethostname(),
-                     observations_path=getattr(runner, "observations_path", None))
+                     param_bytes=int(module.param_bytes()), kv_pool_bytes=int(pool.nbytes),
+                     kv_capacity_tokens=int(pool.capacity_tokens), pid=os.getpid(), host=socket.gethostname(),
+                     observations_path=runner.observations_path)
 
 
 def _destroy() -> None:

@@ -203,7 +203,8 @@ class GearExecutor:
         old = self.router.active
         moved0 = self.router.ledger.moved
         out = ShiftOutcome("failed", old.gear.gear_id if old else None, new_gear.gear_id, "shadow", "")
-        self._new_lane, self._new_base = None, 0
+        self._new_lane: Lane | None = None  # the lane the shift moves traffic to, once started
+        self._new_base = 0
 
         def finish(status: ShiftStatus, reason: str, step: str | None = None, at_fault: bool = False) -> ShiftOutcome:
             out.status, out.reason, out.failed_step, out.new_gear_at_fault = status, reason, step, at_fault
@@ -298,10 +299,9 @@ class GearExecutor:
     # -- step helpers -------------------------------------------------------------------------------
     def _new_options(self, base: RuntimeOptions) -> RuntimeOptions:
         cfg = self.config
-        update = {"start_timeout_s": min(base.start_timeout_s, cfg.warmup_timeout_s)}
-        if cfg.step_timeout_s is not None:
-            update["step_timeout_s"] = cfg.step_timeout_s
-        return dataclasses.replace(base, **update)
+        step_timeout_s = base.step_timeout_s if cfg.step_timeout_s is None else cfg.step_timeout_s
+        return dataclasses.replace(base, start_timeout_s=min(base.start_timeout_s, cfg.warmup_timeout_s),
+                                   step_timeout_s=step_timeout_s)
 
     def _plan(self, old_rt: PipelineRuntime, new_gear: Gear, ckpt, opts) -> ResidencyPlan:
 

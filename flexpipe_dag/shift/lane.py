@@ -87,7 +87,7 @@ class Lane:
         self.lane_id, self.runtime, self.owner = lane_id, runtime, owner
         self.state: LaneState = "warming"
         self.refusal_policy: RefusalPolicy = "final"
-        self.failure: Exception | None = None
+        self.failure: BaseException | None = None
         self.health_failure: str | None = None
         self.forced = False  # force_stop() was called: the failure it causes is ours, not the gear's
         self._stop = threading.Event()

@@ -202,7 +202,8 @@ class RequestLedger:
                 e.status = "failed"
                 self._reindex(e, lane_id)
         for e in hit:
-            e.probe._settle(error=reason)
+            if e.probe is not None:  # always: an entry is internal exactly when it has a probe
+                e.probe._settle(error=reason)
         return len(hit)
 
     # -- queries ------------------------------------------------------------------------------------
@@ -217,8 +218,9 @@ class RequestLedger:
             raise KeyError(f"{request_id} is not an internal request")
         return p
 
-    def open_on(self, lane_id: str, *, internal: bool | None = False) -> list[LedgerEntry]:
-        """Pending entries on ``lane_id`` in acceptance order (``internal=None``: both kinds)."""
+    def open_on(self, lane_id: str | None, *, internal: bool | None = False) -> list[LedgerEntry]:
+        """Pending entries on ``lane_id`` (``None``: the held ones) in acceptance order (``internal=None``:
+        both kinds)."""
         with self._lock:
             return [e for e in self._open.get(lane_id, {}).values() if internal is None or e.internal == internal]
 

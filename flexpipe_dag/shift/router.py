@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.shift.lane import Lane
+from flexpipe_dag.shift.lane import Lane, LaneState
 from flexpipe_dag.shift.ledger import INTERNAL_PREFIX, LedgerEntry, Probe, RequestLedger
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,10 +76,10 @@ class ServingRouter:
         self._monitor.start()
 
     # -- lanes --------------------------------------------------------------------------------------
-    def add_lane(self, runtime: PipelineRuntime, state: str = "warming") -> Lane:
+    def add_lane(self, runtime: PipelineRuntime, state: LaneState = "warming") -> Lane:
         """Wrap a *started* runtime in a lane (not the entry point) and start its pump."""
         lane = Lane(f"{runtime.gear.gear_id}#{next(self._seq)}", runtime, self)
-        lane.state = state  # type: ignore[assignment]
+        lane.state = state
         with self._lock:
             self._lanes[lane.lane_id] = lane
         lane.start_pump()
@@ -153,7 +153,8 @@ class ServingRouter:
             lane.runtime.submit([request])
         else:
             self.ledger.fail_internal(lane.lane_id, f"lane {lane.lane_id} is {lane.state}")
-        return entry.probe  # type: ignore[return-value]
+        assert entry.probe is not None  # accept(internal=True) always gives the entry a probe
+        return entry.probe
 
     def _target(self) -> Lane | None:
         a = self._active
@@ -172,7 +173,9 @@ class ServingRouter:
 
     def _flush_held(self) -> int:
         lane = self._target()
-        held = self.ledger.open_on(None) if lane else []  # type: ignore[arg-type]
+        if lane is None:
+            return 0
+        held = self.ledger.open_on(None)
         return self._send(held, lane) if held else 0
 
     def _send(self, entries: list[LedgerEntry], lane: Lane) -> int:

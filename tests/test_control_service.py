@@ -251,3 +251,19 @@ def test_control_layer_imports_no_dagster_and_no_sql():
                          check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_tide_cursor_reads_the_old_qps_name_and_names_bad_fields():
+    from flexpipe_dag.control.cursor import TideCursor
+
+    old = json.dumps({"qps_ema": 3.0, "last_sample_id": 7, "admissions": {"j": 1},
+                      "gate": {"running": False, "pending": None, "count": 0}, "gear_id": "g"})
+    cur = TideCursor.parse(old)
+    assert (cur.ema_rps, cur.last_sample_id, cur.admissions, cur.gear_id) == (3.0, 7, {"j": 1}, "g")
+    assert TideCursor.parse(cur.dump()) == cur
+    for bad, field in (("[1]", None), ('{"last_sample_id": "x"}', "last_sample_id"), ('{"gate": 5}', "gate"),
+                       ('{"admissions": [1, 2]}', "admissions"), ('{"ema_rps": -1}', "ema_rps"),
+                       ('{"qps_ema": 1, "ema_rps": 2}', "ema_rps")):
+        with pytest.raises(InputError, match="tide_sensor cursor") as err:
+            TideCursor.parse(bad)
+        assert field is None or field in str(err.value)

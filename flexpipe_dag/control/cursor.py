@@ -1,4 +1,5 @@
-"""The gear-shift controller's cursor: its state, the last metric-sample row read and the run followed, as JSON.
+"""Sensor cursors as JSON: the gear-shift controller's (its state, the last metric-sample row read and
+the run followed) and the tide sensor's (:class:`TideCursor`).
 
 The ``gear_shift_sensor`` keeps it as its Dagster cursor and the serve loop in memory; both go through
 :func:`flexpipe_dag.control.service.evaluate_gear_shift`, which reads and writes it with these two
@@ -8,8 +9,12 @@ functions.
 from __future__ import annotations
 
 import json
+from typing import Annotated
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from flexpipe_dag.control.state import ControllerState
+from flexpipe_dag.control.tide import TideGate
 from flexpipe_dag.core.errors import InputError
 
 
@@ -33,3 +38,48 @@ def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_k
     """The cursor :func:`parse_cursor` reads back: sorted-key JSON of the state, the row id and the run key."""
     return json.dumps({"controller": state.to_cursor() if state else None, "last_sample_id": last_sample_id,
                        "run_key": run_key}, sort_keys=True)
+
+
+class TideCursor(BaseModel):
+    """The ``tide_sensor``'s cursor: the smoothed online rate, the last metric-sample row read, how
+    often each batch job was admitted (for run keys), the admission gate and the gear last seen.
+
+    Cursors written before request rates were named ``rps`` hold ``qps_ema``; it reads as ``ema_rps``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    ema_rps: float | None = Field(None, ge=0.0, allow_inf_nan=False,
+                                  validation_alias=AliasChoices("ema_rps", "qps_ema"))
+    last_sample_id: int | None = Field(None, ge=0)
+    admissions: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    gate: TideGate = Field(default_factory=TideGate)
+    gear_id: str | None = None
+
+    @classmethod
+    def parse(cls, cursor: str | None) -> TideCursor:
+        """Read a cursor :meth:`dump` wrote (``None`` / ``""`` = a fresh one).
+
+        Raises:
+            InputError: not JSON, or a field of the wrong type or range (named; "tide_sensor cursor").
+        """
+        if not cursor:
+            return cls()
+        try:
+            doc = json.loads(cursor)
+        except (ValueError, RecursionError) as exc:
+            raise InputError("tide_sensor cursor", None, f"cannot parse: {exc}") from None
+        if not isinstance(doc, dict):
+            raise InputError("tide_sensor cursor", None, f"expected a JSON object, got {type(doc).__name__}")
+        if "qps_ema" in doc and "ema_rps" in doc:
+            raise InputError("tide_sensor cursor", "ema_rps", "holds both qps_ema (the old name) and ema_rps")
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or None
+            raise InputError("tide_sensor cursor", field, first["msg"]) from None
+
+    def dump(self) -> str:
+        """The cursor as a compact JSON string (sorted keys)."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)

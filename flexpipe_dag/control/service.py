@@ -17,28 +17,26 @@ and the store through the protocols below (:class:`GearShiftStore`, :class:`Tide
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from flexpipe_dag.control.controller import Controller
-from flexpipe_dag.control.cursor import make_cursor, parse_cursor
+from flexpipe_dag.control.cursor import TideCursor, make_cursor, parse_cursor
 from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.state import Decision
 from flexpipe_dag.control.tide import (
     TideConfig,
     TideDecision,
     TideForecaster,
-    TideGate,
     decide_offline,
     ema,
     load_history,
     tide_forecast,
 )
 from flexpipe_dag.core.cluster import ClusterProfile
-from flexpipe_dag.core.errors import FlexPipeError, InputError
+from flexpipe_dag.core.errors import FlexPipeError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
 
@@ -278,26 +276,23 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
         forecaster: the tide history's forecaster (default: built from ``tide.history_file``).
 
     Raises:
-        InputError: ``cursor`` is not JSON ("tide_sensor cursor"); the tide history cannot be read.
+        InputError: ``cursor`` is not a tide cursor (:class:`~flexpipe_dag.control.cursor.TideCursor`,
+            field named); the tide history cannot be read.
     """
-    try:
-        doc = json.loads(cursor) if cursor else {}
-    except ValueError as exc:
-        raise InputError("tide_sensor cursor", None, f"cannot parse: {exc}") from None
+    state = TideCursor.parse(cursor)
     cfg = tide
-    ema_rps, last_id = doc.get("ema_rps"), doc.get("last_sample_id")
-    gate = TideGate.model_validate(doc.get("gate") or {})
-    admissions = dict(doc.get("admissions", {}))
+    ema_rps, last_id, gate = state.ema_rps, state.last_sample_id, state.gate
+    admissions = dict(state.admissions)
     rows = db.read_samples(after_id=last_id)
     for _, smp in rows:
         ema_rps = ema(ema_rps, smp.rps, cfg.ema_alpha)
     if rows:
         last_id = rows[-1][0]
     if ema_rps is None:
-        return TideEvaluation(None, json.dumps(doc))
+        return TideEvaluation(None, cursor or "{}")  # nothing seen yet: the cursor stays as it was
     if forecaster is None:
         forecaster = TideForecaster(load_history(cfg))
-    gear_id = rows[-1][1].gear_id if rows else doc.get("gear_id")
+    gear_id = rows[-1][1].gear_id if rows else state.gear_id
     gear = db.load_gear(gear_id) if gear_id else None
     capacity = gear.rps_max if gear else float("inf")
     batch_jobs = db.jobs(kind="batch")
@@ -320,7 +315,7 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
         for j in admit:
             admissions[j.job_key] = admissions.get(j.job_key, 0) + 1
             db.update_job(j.id, status="admitted")
-    new_cursor = json.dumps({"ema_rps": ema_rps, "last_sample_id": last_id, "admissions": admissions,
-                             "gate": gate.model_dump(), "gear_id": gear_id}, sort_keys=True)
+    new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, admissions=admissions, gate=gate,
+                            gear_id=gear_id).dump()
     return TideEvaluation(decision if act is None else act, new_cursor, tuple(admit), tuple(paused),
                           {j.job_key: f"batch:{j.job_key}:admission-{admissions[j.job_key]}" for j in admit})

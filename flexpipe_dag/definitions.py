@@ -83,7 +83,7 @@ def _planning_env() -> dict:
         InputError: a variable is not of its field's type (int / float / bool) or is outside the
             field's range (named: variable, expected type and range, value given); an unknown dtype.
     """
-    from flexpipe_dag.planner.model_spec import DTYPE_BYTES
+    from flexpipe_dag.core.dtypes import canonical_dtype
 
     fields = PlanningSettings.model_fields
     out: dict[str, object] = {}
@@ -99,9 +99,8 @@ def _planning_env() -> dict:
             value = (os.environ.get(var) or "").strip() or None
         if value is not None:
             out[name] = value
-    if "dtype" in out and out["dtype"] not in DTYPE_BYTES:
-        raise InputError("environment variable FLEXPIPE_PLAN_DTYPE", None,
-                         f"unknown dtype {out['dtype']!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    if "dtype" in out:
+        out["dtype"] = canonical_dtype(str(out["dtype"]), "environment variable FLEXPIPE_PLAN_DTYPE", None)
     return out
 
 

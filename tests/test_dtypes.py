@@ -37,3 +37,27 @@ def test_planner_accepts_an_alias_and_keeps_the_canonical_name():
     assert CostModel(spec, lab, dtype="bfloat16").dtype == "bf16"
     with pytest.raises(InputError, match="--dtype: dtype: unknown dtype 'fp7'"):
         CostModel(spec, lab, dtype="fp7")
+
+
+def test_gears_keep_a_canonical_dtype_and_refuse_unknown_ones():
+    from pydantic import ValidationError
+
+    from flexpipe_dag.core.gear_builders import manual_gear
+
+    gear = manual_gear([2, 2])
+    assert gear.model_copy(update={"dtype": "bf16"}).dtype == "bf16"
+    assert type(gear).model_validate({**gear.model_dump(), "dtype": "float16"}).dtype == "fp16"
+    for bad in ("bogus", "", "FP32"):
+        with pytest.raises(ValidationError, match="unknown dtype"):
+            type(gear).model_validate({**gear.model_dump(), "dtype": bad})
+
+
+def test_cli_dtype_flags_take_aliases_and_refuse_weight_only_formats_for_the_runtime(capsys):
+    from flexpipe_dag.cli import main
+    from tests.support import EXAMPLES
+
+    assert main(["plan", "--cluster", str(EXAMPLES / "fragmented_lab.yaml"), "--model", "Llama-3-8B",
+                 "--dtype", "float16", "--json"]) == 0
+    assert '"dtype": "fp16"' in capsys.readouterr().out
+    assert main(["run", "--stages", "2", "--num-requests", "1", "--trace", "azure-conv", "--dtype", "int8"]) == 2
+    assert "--dtype: dtype 'int8' is a weight-only planning format" in capsys.readouterr().err

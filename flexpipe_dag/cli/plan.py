@@ -6,11 +6,20 @@ import argparse
 import json
 
 from flexpipe_dag.core.cluster import load_cluster_profile
+from flexpipe_dag.core.dtypes import DTYPE_NAMES, canonical_dtype
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, check_number, env_value
 
 #: ``--context-p95`` when not given (capped at the model's own max context).
 DEFAULT_CONTEXT_P95_TOKENS = 4096
+
+
+def _dtype(name: str) -> str:
+    """argparse type: a dtype name or alias -> its canonical name."""
+    try:
+        return canonical_dtype(name, None, "--dtype")
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(exc.problem) from None
 
 
 def register(subparsers) -> None:
@@ -19,7 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--cluster", required=True, help="cluster profile file (.yaml / .json; native, seed or fleet form)")
     p.add_argument("--model", required=True,
                    help="built-in model name, a Hugging Face config.json directory, or a .gguf file")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "int8", "int4"])
+    p.add_argument("--dtype", default="bf16", type=_dtype, metavar="{" + ",".join(DTYPE_NAMES) + "}",
+                   help="weight dtype (float32 / bfloat16 / float16 also read)")
     p.add_argument("--context-p95", type=int, default=None,
                    help=f"P95 context tokens (prompt + output) the KV pool is sized for; at most the model's max "
                         f"context (default {DEFAULT_CONTEXT_P95_TOKENS}, or the model's max context if smaller)")

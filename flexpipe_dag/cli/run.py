@@ -84,7 +84,7 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         InputError: naming the flag and what was expected.
     """
-    from flexpipe_dag.planner.model_spec import dtype_bytes
+    from flexpipe_dag.core.dtypes import compute_dtype
 
     for flag, value, low in (("--num-requests", args.num_requests, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 1),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--micro-batch-size", args.micro_batch_size, 1),
@@ -101,10 +101,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(None, "--step-timeout-s", f"expected a positive number of seconds, got {args.step_timeout_s}")
     if not (args.length_scale > 0 and math.isfinite(args.length_scale)):
         raise InputError(None, "--length-scale", f"expected a positive number, got {args.length_scale}")
-    try:
-        dtype_bytes(args.dtype)
-    except InputError as exc:
-        raise InputError(None, "--dtype", exc.problem) from None
+    args.dtype = compute_dtype(args.dtype, None, "--dtype").name  # int8 / int4 plan weights; the runtime computes in these
     out = Path(args.out)
     if out.is_dir():
         raise InputError(str(out), "--out", "is a directory; expected a JSONL file path")

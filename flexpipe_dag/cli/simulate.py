@@ -129,10 +129,9 @@ def check_flags(args: argparse.Namespace) -> None:
             ``--offline``, SLOs > 0, micro-batch / in-flight / KV overrides >= 1, a writable
             ``--timeseries-csv`` path, a known ``--dtype``).
     """
-    from flexpipe_dag.planner.model_spec import DTYPE_BYTES
+    from flexpipe_dag.core.dtypes import canonical_dtype
 
-    if args.dtype not in DTYPE_BYTES:
-        raise InputError(None, "--dtype", f"unknown dtype {args.dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    args.dtype = canonical_dtype(args.dtype, None, "--dtype")
     check_number(args.speedup, None, "--speedup", gt=0, unit="factor")
     if args.window_s:
         start_s, end_s = args.window_s

@@ -11,6 +11,9 @@ from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
+from flexpipe_dag.core.dtypes import canonical_dtype
+from flexpipe_dag.core.errors import InputError
+
 GearKind = Literal["latency", "balanced", "throughput", "uniform", "parameters", "oracle", "manual"]
 #: The three operating gears the planner proposes (baselines use the other kinds).
 OPERATING_KINDS: tuple[GearKind, ...] = ("latency", "balanced", "throughput")
@@ -76,6 +79,15 @@ class Gear(_Model):
     estimate: GearEstimate | None = None
     cluster_id: str | None = None
     profile_version: int | None = None
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        """A dtype of the one table (:mod:`flexpipe_dag.core.dtypes`), stored by its canonical name."""
+        try:
+            return canonical_dtype(value)
+        except InputError as exc:
+            raise ValueError(exc.problem) from None
 
     @field_validator("rps_max", mode="before")
     @classmethod

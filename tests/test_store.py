@@ -135,3 +135,23 @@ def test_gears_and_control_files_written_with_qps_names_still_read(tmp_path):
     path.write_text(json.dumps(doc))
     assert load_gear(path) == _gear(rps_max=7.5)
     assert ControllerConfig.model_validate({"qps_ema_alpha": 0.1}).rps_ema_alpha == 0.1
+
+
+def test_old_and_new_rate_names_together_are_refused_by_name(tmp_path):
+    import json
+
+    from flexpipe_dag.control.config import ControllerConfig
+    from flexpipe_dag.control.state import ControllerState
+    from flexpipe_dag.core.errors import InputError
+    from flexpipe_dag.core.gear_builders import load_gear
+
+    doc = _gear(rps_max=7.5).model_dump(mode="json") | {"qps_max": 9.0}
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="qps_max .the old name. and rps_max are both given"):
+        load_gear(path)
+    with pytest.raises(ValueError, match="qps_ema_alpha .the old name. and rps_ema_alpha"):
+        ControllerConfig.model_validate({"qps_ema_alpha": 0.1, "rps_ema_alpha": 0.2})
+    # a cursor is machine-written: the new name wins whatever the key order
+    for doc in ({"version": 2, "ema_qps": 3.0, "ema_rps": 9.0}, {"version": 2, "ema_rps": 9.0, "ema_qps": 3.0}):
+        assert ControllerState.from_cursor(json.dumps(doc)).ema_rps == 9.0

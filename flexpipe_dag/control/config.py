@@ -144,6 +144,14 @@ class ControllerConfig(Figures):
     shift_timeout_s: PositiveFloat = Field(
         300.0, description="a shift not seen in the samples after this long is taken as failed/rolled back")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_for_the_rate_alpha(cls, data: object) -> object:
+        """``qps_ema_alpha`` (the name before ``rps``) reads too, but not beside ``rps_ema_alpha``."""
+        if isinstance(data, dict) and "qps_ema_alpha" in data and "rps_ema_alpha" in data:
+            raise ValueError("qps_ema_alpha (the old name) and rps_ema_alpha are both given; keep rps_ema_alpha")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ControllerConfig:
         if 0.0 < self.recent_peak_window_s < self.sample_period_s:

@@ -36,9 +36,10 @@ _LEGACY_NAMES = {"ema_qps": "ema_rps", "forecast_qps": "forecast_rps", "qps_peak
 
 def _upgrade_legacy(doc: dict[str, Any]) -> dict[str, Any]:
     """A version-1/2 cursor document with its ``qps`` names mapped to the ``rps`` ones."""
-    doc = {_LEGACY_NAMES.get(k, k): v for k, v in doc.items()}
+    doc = {_LEGACY_NAMES.get(k, k): v for k, v in doc.items() if _LEGACY_NAMES.get(k) not in doc}  # new name wins
     if isinstance(doc.get("counts"), dict):
-        doc["counts"] = {_LEGACY_NAMES.get(k, k): v for k, v in doc["counts"].items()}
+        counts = doc["counts"]
+        doc["counts"] = {_LEGACY_NAMES.get(k, k): v for k, v in counts.items() if _LEGACY_NAMES.get(k) not in counts}
     if isinstance(doc.get("escalated"), list):
         doc["escalated"] = [_LEGACY_NAMES.get(k, k) for k in doc["escalated"]]
     return doc

@@ -80,6 +80,16 @@ class Gear(_Model):
     cluster_id: str | None = None
     profile_version: int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_per_rate(cls, data: object) -> object:
+        """``qps_min`` / ``qps_max`` (the names before ``rps``) read too, but not beside the new ones."""
+        if isinstance(data, dict):
+            for old, new in (("qps_min", "rps_min"), ("qps_max", "rps_max")):
+                if old in data and new in data:
+                    raise ValueError(f"{old} (the old name) and {new} are both given; keep {new}")
+        return data
+
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import InferenceJobStatus, RequestResultStatus, checked
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.session import StoreBase
+from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, checked_text
 
 
 class InferenceJobs(StoreBase):
@@ -18,8 +20,8 @@ class InferenceJobs(StoreBase):
 
     Raises:
         InputError: a job ``status`` that is not an
-            :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a result ``status`` that is not a
-            :class:`~flexpipe_dag.core.status.RequestResultStatus` (nothing is written).
+            :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a result that cannot be stored
+            (see :meth:`write_result`); the field is named and nothing is written.
         KeyError: an update or read of a job id that is not stored.
     """
 
@@ -70,18 +72,60 @@ class InferenceJobs(StoreBase):
                      status: str = "done", gear_key: str | None = None, output_text: str | None = None,
                      ttft_ms: float | None = None, tpot_ms: float | None = None,
                      e2e_ms: float | None = None) -> bool:
-        """Write one request's result idempotently; returns False if it was already stored."""
-        status = checked(RequestResultStatus, status, "request_results", "status").value
+        """Write one request's result idempotently; returns False if it was already stored.
+
+        Only a stored result of the same ``(job_id, request_key)`` (also one a concurrent writer stored
+        first) means "already stored"; every other reason a row cannot be written is refused.
+        ``ttft_ms``, ``tpot_ms`` and ``e2e_ms`` are None when there is no value (``tpot_ms`` of a
+        one-token output); NaN is never one.
+
+        Raises:
+            InputError: the field named and nothing written: ``job_id`` is no stored job; ``request_key``
+                is not a string of at most 200 characters; ``prompt_tokens`` or an output token id is not
+                an integer; a latency is NaN or infinite; ``status`` is not a
+                :class:`~flexpipe_dag.core.status.RequestResultStatus`; ``gear_key`` is not a string of at
+                most 200 characters (or None); or the database refused the row for another reason.
+        """
+        where = "request_results"
+        status = checked(RequestResultStatus, status, where, "status").value
+        checked_int(job_id, where, "job_id")
+        checked_text(request_key, where, "request_key", 200)
+        prompt_tokens = checked_int(prompt_tokens, where, "prompt_tokens")
+        if isinstance(output_token_ids, (str, bytes)) or not isinstance(output_token_ids, Iterable):
+            raise InputError(where, "output_token_ids", f"expected a list of integers, got {output_token_ids!r}")
+        token_ids = [checked_int(t, where, f"output_token_ids[{i}]") for i, t in enumerate(output_token_ids)]
+        checked_text(gear_key, where, "gear_key", 200, optional=True)
+        if output_text is not None and not isinstance(output_text, str):
+            raise InputError(where, "output_text", f"expected a string or None, got {output_text!r}")
+        ttft_ms, tpot_ms, e2e_ms = (checked_finite(v, where, name, optional=True) for name, v in
+                                    (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms), ("e2e_ms", e2e_ms)))
         try:
-            return self._insert_result(job_id, request_key, prompt_tokens, output_token_ids, status, gear_key,
+            return self._insert_result(job_id, request_key, prompt_tokens, token_ids, status, gear_key,
                                        output_text, ttft_ms, tpot_ms, e2e_ms)
-        except IntegrityError:  # a concurrent writer stored the same request first
-            return False
+        except IntegrityError as exc:
+            if self._result_stored(job_id, request_key):
+                return False  # a concurrent writer stored the same request first
+            if not self._job_stored(job_id):  # deleted since the check
+                raise InputError(where, "job_id", f"no inference job with id {job_id}") from None
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
+            raise InputError(where, None, f"not written: {reason}") from None
+
+    def _result_stored(self, job_id: int, request_key: str) -> bool:
+        with self.session() as s:
+            return s.scalar(select(m.RequestResult.id).where(m.RequestResult.job_id == job_id,
+                                                             m.RequestResult.request_key == request_key)) is not None
+
+    def _job_stored(self, job_id: int) -> bool:
+        with self.session() as s:
+            return s.get(m.InferenceJob, job_id) is not None
 
     def _insert_result(self, job_id: int, request_key: str, prompt_tokens: int, output_token_ids: list[int],
                        status: str, gear_key: str | None, output_text: str | None, ttft_ms: float | None,
                        tpot_ms: float | None, e2e_ms: float | None) -> bool:
         with self.session() as s:
+            if s.get(m.InferenceJob, job_id) is None:
+                raise InputError("request_results", "job_id", f"no inference job with id {job_id}; "
+                                 "create it with get_or_create_job first")
             exists = s.scalar(select(m.RequestResult.id).where(m.RequestResult.job_id == job_id,
                                                                m.RequestResult.request_key == request_key))
             if exists is not None:

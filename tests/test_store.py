@@ -135,3 +135,62 @@ def test_gears_and_control_files_written_with_qps_names_still_read(tmp_path):
     path.write_text(json.dumps(doc))
     assert load_gear(path) == _gear(rps_max=7.5)
     assert ControllerConfig.model_validate({"qps_ema_alpha": 0.1}).rps_ema_alpha == 0.1
+
+
+# -- bad input is refused by name, nothing written ---------------------------------------------------
+def _result_count(store) -> int:
+    with store.session() as s:
+        return s.scalar(select(func.count()).select_from(m.RequestResult))
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"job_id": 10_000}, r"request_results: job_id: no inference job with id 10000"),
+    ({"job_id": "1"}, r"request_results: job_id: expected an integer, got '1'"),
+    ({"request_key": None}, r"request_results: request_key: expected a string of at most 200 characters, got None"),
+    ({"request_key": "k" * 201}, r"request_results: request_key: expected a string of at most 200 characters"),
+    ({"prompt_tokens": None}, r"request_results: prompt_tokens: expected an integer, got None"),
+    ({"prompt_tokens": 2.5}, r"request_results: prompt_tokens: expected an integer, got 2.5"),
+    ({"output_token_ids": None}, r"request_results: output_token_ids: expected a list of integers, got None"),
+    ({"output_token_ids": [1, None]}, r"request_results: output_token_ids\[1\]: expected an integer, got None"),
+    ({"ttft_ms": float("nan")}, r"request_results: ttft_ms: expected a finite number or None, got nan"),
+    ({"e2e_ms": float("inf")}, r"request_results: e2e_ms: expected a finite number or None, got inf"),
+], ids=["unknown-job", "str-job-id", "no-request-key", "long-request-key", "no-prompt-tokens", "fraction-tokens",
+        "no-token-ids", "none-token-id", "nan-ttft", "inf-e2e"])
+def test_write_result_refuses_bad_input_instead_of_already_stored(store, fields, match):
+    """Only a duplicate (job, request key) is 'already stored' (False); an unknown job or a missing or non-finite
+    figure is refused by name, on SQLite (foreign keys by pragma) and PostgreSQL alike, and nothing is written."""
+    from flexpipe_dag.core.errors import InputError
+
+    job = store.get_or_create_job("batch-1")
+    call = {"job_id": job, "request_key": "r1", "prompt_tokens": 5, "output_token_ids": [1, 2], **fields}
+    with pytest.raises(InputError, match=match):
+        store.write_result(call.pop("job_id"), call.pop("request_key"), **call)
+    assert _result_count(store) == 0
+    assert store.write_result(job, "r1", prompt_tokens=5, output_token_ids=[1, 2])  # the good call still writes
+    assert not store.write_result(job, "r1", prompt_tokens=5, output_token_ids=[1, 2])
+
+
+def test_write_result_lost_race_is_already_stored_and_other_integrity_errors_are_named(store, monkeypatch):
+    """A concurrent writer storing the same request between the check and the insert is 'already stored'; an
+    integrity error with no duplicate behind it is refused, never reported as stored."""
+    from sqlalchemy.exc import IntegrityError
+
+    from flexpipe_dag.core.errors import InputError
+    from flexpipe_dag.sql.jobs import InferenceJobs
+
+    job = store.get_or_create_job("batch-1")
+    real_insert = InferenceJobs._insert_result
+
+    def racing_insert(self, job_id, request_key, *args):
+        real_insert(self, job_id, request_key, *args)  # the other writer wins
+        raise IntegrityError("INSERT", {}, Exception("UNIQUE constraint failed"))
+
+    monkeypatch.setattr(InferenceJobs, "_insert_result", racing_insert)
+    assert store.write_result(job, "r1", prompt_tokens=5, output_token_ids=[1]) is False
+
+    def failing_insert(self, *args):
+        raise IntegrityError("INSERT", {}, Exception("CHECK constraint failed: something"))
+
+    monkeypatch.setattr(InferenceJobs, "_insert_result", failing_insert)
+    with pytest.raises(InputError, match=r"request_results: not written: CHECK constraint failed: something"):
+        store.write_result(job, "r2", prompt_tokens=5, output_token_ids=[1])

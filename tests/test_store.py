@@ -194,3 +194,55 @@ def test_write_result_lost_race_is_already_stored_and_other_integrity_errors_are
     monkeypatch.setattr(InferenceJobs, "_insert_result", failing_insert)
     with pytest.raises(InputError, match=r"request_results: not written: CHECK constraint failed: something"):
         store.write_result(job, "r2", prompt_tokens=5, output_token_ids=[1])
+
+
+def _good_sample(t_s: float = 2.0, **fields) -> MetricSample:
+    stage = {k.removeprefix("stage_"): fields.pop(k) for k in list(fields) if k.startswith("stage_")}
+    return MetricSample(**{"t_s": t_s, "gear_id": "g", "source": "sim", "rps": 1.5, "completed": 3,
+                           "tokens_per_s": 40.0, "queue_length": 0, "running": 2, "kv_used_fraction": 0.25,
+                           "ttft_p99_ms": 12.0, **fields},
+                        stages=(StageSample(0, 0.5, 1, 10, 100),
+                                StageSample(**{"stage_index": 1, "busy_fraction": 0.9, "queue_length": 0,
+                                               "kv_blocks_used": 12, "kv_blocks_total": 100, **stage})))
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"rps": NAN}, r"^metric_samples: rps: expected a finite number, got nan \(batch item 1\)$"),
+    ({"t_s": NAN}, r"^metric_samples: t_s: expected a finite number, got nan"),
+    ({"tokens_per_s": INF}, r"^metric_samples: tokens_per_s: expected a finite number, got inf"),
+    ({"kv_used_fraction": -INF}, r"^metric_samples: kv_used_fraction: expected a finite number, got -inf"),
+    ({"rps": None}, r"^metric_samples: rps: expected a finite number, got None"),
+    ({"completed": NAN}, r"^metric_samples: completed: expected an integer, got nan"),
+    ({"queue_length": 2.5}, r"^metric_samples: queue_length: expected an integer, got 2.5"),
+    ({"ttft_p99_ms": NAN}, r"^metric_samples: ttft_p99_ms: expected a finite number or None, got nan"),
+    ({"e2e_p50_ms": INF}, r"^metric_samples: e2e_p50_ms: expected a finite number or None, got inf"),
+    ({"gear_id": None}, r"^metric_samples: gear_id: expected a string of at most 200 characters, got None"),
+    ({"stage_busy_fraction": NAN}, r"^metric_samples: stages\[1\]\.busy_fraction: expected a finite number, got nan"),
+    ({"stage_kv_blocks_total": None}, r"^metric_samples: stages\[1\]\.kv_blocks_total: expected an integer, got None"),
+], ids=["nan-rps", "nan-t_s", "inf-tokens", "-inf-kv", "none-rps", "nan-completed", "fraction-queue", "nan-ttft",
+        "inf-e2e", "no-gear", "nan-stage-busy", "none-stage-kv"])
+def test_write_samples_refuses_non_finite_figures(store, fields, match):
+    """NaN and inf are no figures (SQLite would store NaN as NULL, and every later read_samples of the run would
+    fail); a percentile with no value is None, never NaN. The field is named and nothing of the batch is written."""
+    from flexpipe_dag.core.errors import InputError
+
+    with pytest.raises(InputError, match=match):
+        store.write_samples("run-1", [_good_sample(), _good_sample(**{"t_s": 4.0, **fields})])
+    with store.session() as s:
+        assert s.scalar(select(func.count()).select_from(m.MetricSampleRow)) == 0
+    assert store.read_samples("run-1") == []
+
+
+def test_write_samples_keeps_none_percentiles_and_whole_number_floats(store):
+    """None percentiles (no request finished in the window) and counts given as whole-number floats or numpy
+    numbers are stored and read back as plain values."""
+    import numpy as np
+
+    sample = _good_sample(ttft_p99_ms=None, rps=np.float64(1.5), completed=np.int64(3), queue_length=4.0)
+    assert store.write_samples("run-1", [sample]) == 3
+    ((_, got),) = store.read_samples("run-1")
+    assert got == _good_sample(ttft_p99_ms=None, queue_length=4)
+    assert type(got.queue_length) is int and type(got.rps) is float and got.ttft_p99_ms is None

@@ -9,9 +9,13 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.status import InferenceJobStatus, RequestResultStatus, checked
+from flexpipe_dag.core.status import InferenceJobKind, InferenceJobStatus, RequestResultStatus, checked
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, checked_text
+
+#: The fields of a job :meth:`InferenceJobs.update_job` sets (what batch jobs, serving runs and the tide
+#: sensor change); the id, key, kind, priority, source and config are fixed when the job is created.
+UPDATABLE_JOB_FIELDS: tuple[str, ...] = ("status", "total_requests", "malformed_rows", "error", "gear_key")
 
 
 class InferenceJobs(StoreBase):
@@ -19,16 +23,21 @@ class InferenceJobs(StoreBase):
     request, unique per (job, request key) so writes are idempotent (table ``request_results``).
 
     Raises:
-        InputError: a job ``status`` that is not an
-            :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a result that cannot be stored
+        InputError: a job ``kind`` that is not an :class:`~flexpipe_dag.core.status.InferenceJobKind`, a
+            job update that is not allowed (see :meth:`update_job`), or a result that cannot be stored
             (see :meth:`write_result`); the field is named and nothing is written.
         KeyError: an update or read of a job id that is not stored.
     """
 
-    def get_or_create_job(self, job_key: str, kind: str = "batch", *, priority: int = 0,
+    def get_or_create_job(self, job_key: str, kind: str = InferenceJobKind.BATCH, *, priority: int = 0,
                           source_path: str | None = None, gear_key: str | None = None,
                           config: dict[str, Any] | None = None) -> int:
-        """The id of job ``job_key``, creating it (status ``queued``) if new; ``config`` relaunches it."""
+        """The id of job ``job_key``, creating it (status ``queued``) if new; ``config`` relaunches it.
+
+        Raises:
+            InputError: ``kind`` is not an :class:`~flexpipe_dag.core.status.InferenceJobKind` (nothing is written).
+        """
+        kind = checked(InferenceJobKind, kind, "inference_jobs", "kind").value
         with self.session() as s:
             job = s.scalar(select(m.InferenceJob).where(m.InferenceJob.job_key == job_key))
             if job is None:
@@ -40,9 +49,29 @@ class InferenceJobs(StoreBase):
             return job.id
 
     def update_job(self, job_id: int, **fields: Any) -> None:
-        """Set columns of a job (status, total_requests, malformed_rows, error, gear_key)."""
+        """Set fields of a job: only those its runs change (:data:`UPDATABLE_JOB_FIELDS`): ``status``,
+        ``total_requests``, ``malformed_rows`` (integers), ``error`` and ``gear_key`` (strings or None).
+
+        Raises:
+            InputError: the field named and nothing of the call written: a field not in
+                :data:`UPDATABLE_JOB_FIELDS` (the id, the job key, a misspelt name), a ``status`` that is not
+                an :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a value of the wrong type.
+            KeyError: ``job_id`` is not stored.
+        """
+        where = "inference_jobs"
+        for name in fields:
+            if name not in UPDATABLE_JOB_FIELDS:
+                raise InputError(where, name, "not a field update_job sets; expected "
+                                 f"{', '.join(UPDATABLE_JOB_FIELDS[:-1])} or {UPDATABLE_JOB_FIELDS[-1]}")
         if "status" in fields:
-            fields["status"] = checked(InferenceJobStatus, fields["status"], "inference_jobs", "status").value
+            fields["status"] = checked(InferenceJobStatus, fields["status"], where, "status").value
+        for name in ("total_requests", "malformed_rows"):
+            if name in fields:
+                fields[name] = checked_int(fields[name], where, name)
+        if "error" in fields and fields["error"] is not None and not isinstance(fields["error"], str):
+            raise InputError(where, "error", f"expected a string or None, got {fields['error']!r}")
+        if "gear_key" in fields:
+            checked_text(fields["gear_key"], where, "gear_key", 200, optional=True)
         with self.session() as s:
             job = s.get(m.InferenceJob, job_id)
             if job is None:

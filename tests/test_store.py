@@ -246,3 +246,32 @@ def test_write_samples_keeps_none_percentiles_and_whole_number_floats(store):
     ((_, got),) = store.read_samples("run-1")
     assert got == _good_sample(ttft_p99_ms=None, queue_length=4)
     assert type(got.queue_length) is int and type(got.rps) is float and got.ttft_p99_ms is None
+
+
+def _job_row(store, job_key: str) -> tuple:
+    (job,) = [j for j in store.jobs() if j.job_key == job_key]
+    return job.id, job.status, job.total_requests, job.malformed_rows, job.error, job.gear_key
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"id": 777}, r"^inference_jobs: id: not a field update_job sets; expected status, total_requests, "
+                  r"malformed_rows, error or gear_key$"),
+    ({"status": "done", "job_key": "other"}, r"^inference_jobs: job_key: not a field update_job sets"),
+    ({"totl_requests": 3}, r"^inference_jobs: totl_requests: not a field update_job sets"),
+    ({"status": "done", "total_requests": None}, r"^inference_jobs: total_requests: expected an integer, got None$"),
+    ({"malformed_rows": 1.5}, r"^inference_jobs: malformed_rows: expected an integer, got 1.5$"),
+    ({"error": 42}, r"^inference_jobs: error: expected a string or None, got 42$"),
+    ({"gear_key": "g" * 201}, r"^inference_jobs: gear_key: expected a string of at most 200 characters or None"),
+], ids=["primary-key", "job-key-with-status", "typo", "none-total", "fraction-malformed", "int-error", "long-gear"])
+def test_update_job_sets_only_its_fields(store, fields, match):
+    """update_job sets what its callers set (status, counts, error, gear) and refuses any other attribute (the
+    primary key, the job key, a typo silently ignored before) by name, writing nothing of the call."""
+    from flexpipe_dag.core.errors import InputError
+
+    job = store.get_or_create_job("batch-1")
+    before = _job_row(store, "batch-1")
+    with pytest.raises(InputError, match=match):
+        store.update_job(job, **fields)
+    assert _job_row(store, "batch-1") == before
+    store.update_job(job, status="running", total_requests=3, malformed_rows=1, error=None, gear_key="g")
+    assert _job_row(store, "batch-1") == (job, "running", 3, 1, None, "g")

@@ -55,7 +55,8 @@ def _shown(value: Any) -> str:
 
 
 @overload
-def checked_int(value: Any, where: str, field: str, *, optional: Literal[False] = False, context: str = "") -> int: ...
+def checked_int(value: Any, where: str, field: str, *, optional: Literal[False] = False,
+                context: str = "") -> int: ...
 @overload
 def checked_int(value: Any, where: str, field: str, *, optional: bool, context: str = "") -> int | None: ...
 def checked_int(value: Any, where: str, field: str, *, optional: bool = False, context: str = "") -> int | None:
@@ -77,7 +78,8 @@ def checked_int(value: Any, where: str, field: str, *, optional: bool = False, c
 
 
 @overload
-def checked_finite(value: Any, where: str, field: str, *, optional: Literal[False] = False, context: str = "") -> float: ...
+def checked_finite(value: Any, where: str, field: str, *, optional: Literal[False] = False,
+                   context: str = "") -> float: ...
 @overload
 def checked_finite(value: Any, where: str, field: str, *, optional: bool, context: str = "") -> float | None: ...
 def checked_finite(value: Any, where: str, field: str, *, optional: bool = False, context: str = "") -> float | None:

@@ -275,3 +275,27 @@ def test_update_job_sets_only_its_fields(store, fields, match):
     assert _job_row(store, "batch-1") == before
     store.update_job(job, status="running", total_requests=3, malformed_rows=1, error=None, gear_key="g")
     assert _job_row(store, "batch-1") == (job, "running", 3, 1, None, "g")
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"reason": None}, r"^shift_events: reason: expected a string, got None$"),
+    ({"reason": 3}, r"^shift_events: reason: expected a string, got 3$"),
+    ({"est_gain": NAN}, r"^shift_events: est_gain: expected a number \(inf: unbounded, stored as NULL\) or None, "
+                        r"got nan$"),
+    ({"migration_cost_s": NAN}, r"^shift_events: migration_cost_s: expected a number .* got nan$"),
+    ({"est_gain": "0.4"}, r"^shift_events: est_gain: expected a number .* got '0.4'$"),
+    ({"trigger": "t" * 41}, r"^shift_events: trigger: expected a string of at most 40 characters or None"),
+    ({"to_gear_key": "g" * 201}, r"^shift_events: to_gear_key: expected a string of at most 200 characters"),
+], ids=["no-reason", "int-reason", "nan-gain", "nan-cost", "str-gain", "long-trigger", "long-gear"])
+def test_record_shift_event_refuses_bad_input(store, fields, match):
+    """A missing reason was a raw IntegrityError and a NaN gain or cost was stored as NULL (SQLite) or NaN
+    (PostgreSQL); both are refused by name and nothing is written. inf stays 'unbounded' (NULL)."""
+    from flexpipe_dag.core.errors import InputError
+
+    call = {"reason": "p99 over target", "est_gain": 0.4, **fields}
+    with pytest.raises(InputError, match=match):
+        store.record_shift_event("shift", "decided", call.pop("reason"), **call)
+    assert store.shift_events() == []
+    ev = store.record_shift_event("shift", "decided", "r", est_gain=INF, migration_cost_s=2.5)
+    got = store.get_shift_event(ev)
+    assert (got.est_gain, got.migration_cost_s) == (None, 2.5)

@@ -9,7 +9,7 @@ tide sensor pauses a running job by setting its status to ``paused``: the job st
 from dagster import Config, Failure, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
-from flexpipe_dag.core.status import HealthFailure, InferenceJobStatus
+from flexpipe_dag.core.status import HealthFailure, InferenceJobKind, InferenceJobStatus
 from flexpipe_dag.resources.store_resource import StoreResource
 
 #: Requests submitted per chunk; a pause takes effect between chunks.
@@ -83,7 +83,7 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     ckpt = resolve_checkpoint(config.model or None)
     gear = _gear(config, db, ckpt)
     rows, malformed = _rows(config, ckpt)
-    job_id = db.get_or_create_job(config.job_key, "batch", priority=config.priority,
+    job_id = db.get_or_create_job(config.job_key, InferenceJobKind.BATCH, priority=config.priority,
                                   source_path=config.prompts_path or config.trace, gear_key=gear.gear_id)
     db.update_job(job_id, status=InferenceJobStatus.RUNNING, total_requests=len(rows), malformed_rows=len(malformed),
                   error=None, gear_key=gear.gear_id)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from flexpipe_dag.core.status import InferenceJobStatus, RequestResultStatus, checked
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.status import InferenceJobKind, InferenceJobStatus, RequestResultStatus, checked
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.session import StoreBase
+from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, checked_text
+
+#: The fields of a job :meth:`InferenceJobs.update_job` sets (what batch jobs, serving runs and the tide
+#: sensor change); the id, key, kind, priority, source and config are fixed when the job is created.
+UPDATABLE_JOB_FIELDS: tuple[str, ...] = ("status", "total_requests", "malformed_rows", "error", "gear_key")
 
 
 class InferenceJobs(StoreBase):
@@ -17,16 +23,21 @@ class InferenceJobs(StoreBase):
     request, unique per (job, request key) so writes are idempotent (table ``request_results``).
 
     Raises:
-        InputError: a job ``status`` that is not an
-            :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a result ``status`` that is not a
-            :class:`~flexpipe_dag.core.status.RequestResultStatus` (nothing is written).
+        InputError: a job ``kind`` that is not an :class:`~flexpipe_dag.core.status.InferenceJobKind`, a
+            job update that is not allowed (see :meth:`update_job`), or a result that cannot be stored
+            (see :meth:`write_result`); the field is named and nothing is written.
         KeyError: an update or read of a job id that is not stored.
     """
 
-    def get_or_create_job(self, job_key: str, kind: str = "batch", *, priority: int = 0,
+    def get_or_create_job(self, job_key: str, kind: str = InferenceJobKind.BATCH, *, priority: int = 0,
                           source_path: str | None = None, gear_key: str | None = None,
                           config: dict[str, Any] | None = None) -> int:
-        """The id of job ``job_key``, creating it (status ``queued``) if new; ``config`` relaunches it."""
+        """The id of job ``job_key``, creating it (status ``queued``) if new; ``config`` relaunches it.
+
+        Raises:
+            InputError: ``kind`` is not an :class:`~flexpipe_dag.core.status.InferenceJobKind` (nothing is written).
+        """
+        kind = checked(InferenceJobKind, kind, "inference_jobs", "kind").value
         with self.session() as s:
             job = s.scalar(select(m.InferenceJob).where(m.InferenceJob.job_key == job_key))
             if job is None:
@@ -38,9 +49,29 @@ class InferenceJobs(StoreBase):
             return job.id
 
     def update_job(self, job_id: int, **fields: Any) -> None:
-        """Set columns of a job (status, total_requests, malformed_rows, error, gear_key)."""
+        """Set fields of a job: only those its runs change (:data:`UPDATABLE_JOB_FIELDS`): ``status``,
+        ``total_requests``, ``malformed_rows`` (integers), ``error`` and ``gear_key`` (strings or None).
+
+        Raises:
+            InputError: the field named and nothing of the call written: a field not in
+                :data:`UPDATABLE_JOB_FIELDS` (the id, the job key, a misspelt name), a ``status`` that is not
+                an :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a value of the wrong type.
+            KeyError: ``job_id`` is not stored.
+        """
+        where = "inference_jobs"
+        for name in fields:
+            if name not in UPDATABLE_JOB_FIELDS:
+                raise InputError(where, name, "not a field update_job sets; expected "
+                                 f"{', '.join(UPDATABLE_JOB_FIELDS[:-1])} or {UPDATABLE_JOB_FIELDS[-1]}")
         if "status" in fields:
-            fields["status"] = checked(InferenceJobStatus, fields["status"], "inference_jobs", "status").value
+            fields["status"] = checked(InferenceJobStatus, fields["status"], where, "status").value
+        for name in ("total_requests", "malformed_rows"):
+            if name in fields:
+                fields[name] = checked_int(fields[name], where, name)
+        if "error" in fields and fields["error"] is not None and not isinstance(fields["error"], str):
+            raise InputError(where, "error", f"expected a string or None, got {fields['error']!r}")
+        if "gear_key" in fields:
+            checked_text(fields["gear_key"], where, "gear_key", 200, optional=True)
         with self.session() as s:
             job = s.get(m.InferenceJob, job_id)
             if job is None:
@@ -70,18 +101,60 @@ class InferenceJobs(StoreBase):
                      status: str = "done", gear_key: str | None = None, output_text: str | None = None,
                      ttft_ms: float | None = None, tpot_ms: float | None = None,
                      e2e_ms: float | None = None) -> bool:
-        """Write one request's result idempotently; returns False if it was already stored."""
-        status = checked(RequestResultStatus, status, "request_results", "status").value
+        """Write one request's result idempotently; returns False if it was already stored.
+
+        Only a stored result of the same ``(job_id, request_key)`` (also one a concurrent writer stored
+        first) means "already stored"; every other reason a row cannot be written is refused.
+        ``ttft_ms``, ``tpot_ms`` and ``e2e_ms`` are None when there is no value (``tpot_ms`` of a
+        one-token output); NaN is never one.
+
+        Raises:
+            InputError: the field named and nothing written: ``job_id`` is no stored job; ``request_key``
+                is not a string of at most 200 characters; ``prompt_tokens`` or an output token id is not
+                an integer; a latency is NaN or infinite; ``status`` is not a
+                :class:`~flexpipe_dag.core.status.RequestResultStatus`; ``gear_key`` is not a string of at
+                most 200 characters (or None); or the database refused the row for another reason.
+        """
+        where = "request_results"
+        status = checked(RequestResultStatus, status, where, "status").value
+        checked_int(job_id, where, "job_id")
+        checked_text(request_key, where, "request_key", 200)
+        prompt_tokens = checked_int(prompt_tokens, where, "prompt_tokens")
+        if isinstance(output_token_ids, (str, bytes)) or not isinstance(output_token_ids, Iterable):
+            raise InputError(where, "output_token_ids", f"expected a list of integers, got {output_token_ids!r}")
+        token_ids = [checked_int(t, where, f"output_token_ids[{i}]") for i, t in enumerate(output_token_ids)]
+        checked_text(gear_key, where, "gear_key", 200, optional=True)
+        if output_text is not None and not isinstance(output_text, str):
+            raise InputError(where, "output_text", f"expected a string or None, got {output_text!r}")
+        ttft_ms, tpot_ms, e2e_ms = (checked_finite(v, where, name, optional=True) for name, v in
+                                    (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms), ("e2e_ms", e2e_ms)))
         try:
-            return self._insert_result(job_id, request_key, prompt_tokens, output_token_ids, status, gear_key,
+            return self._insert_result(job_id, request_key, prompt_tokens, token_ids, status, gear_key,
                                        output_text, ttft_ms, tpot_ms, e2e_ms)
-        except IntegrityError:  # a concurrent writer stored the same request first
-            return False
+        except IntegrityError as exc:
+            if self._result_stored(job_id, request_key):
+                return False  # a concurrent writer stored the same request first
+            if not self._job_stored(job_id):  # deleted since the check
+                raise InputError(where, "job_id", f"no inference job with id {job_id}") from None
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
+            raise InputError(where, None, f"not written: {reason}") from None
+
+    def _result_stored(self, job_id: int, request_key: str) -> bool:
+        with self.session() as s:
+            return s.scalar(select(m.RequestResult.id).where(m.RequestResult.job_id == job_id,
+                                                             m.RequestResult.request_key == request_key)) is not None
+
+    def _job_stored(self, job_id: int) -> bool:
+        with self.session() as s:
+            return s.get(m.InferenceJob, job_id) is not None
 
     def _insert_result(self, job_id: int, request_key: str, prompt_tokens: int, output_token_ids: list[int],
                        status: str, gear_key: str | None, output_text: str | None, ttft_ms: float | None,
                        tpot_ms: float | None, e2e_ms: float | None) -> bool:
         with self.session() as s:
+            if s.get(m.InferenceJob, job_id) is None:
+                raise InputError("request_results", "job_id", f"no inference job with id {job_id}; "
+                                 "create it with get_or_create_job first")
             exists = s.scalar(select(m.RequestResult.id).where(m.RequestResult.job_id == job_id,
                                                                m.RequestResult.request_key == request_key))
             if exists is not None:

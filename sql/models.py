@@ -31,6 +31,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from flexpipe_dag.core.status import (
     HealthFailure,
+    InferenceJobKind,
     InferenceJobStatus,
     RequestResultStatus,
     SampleSource,
@@ -234,7 +235,7 @@ class InferenceJob(Base):
     __tablename__ = "inference_jobs"
     id: Mapped[int] = mapped_column(primary_key=True)
     job_key: Mapped[str] = mapped_column(String(200), unique=True)
-    kind: Mapped[str] = mapped_column(String(20), comment="batch | online")
+    kind: Mapped[str] = mapped_column(String(20), comment=column_comment(InferenceJobKind))
     status: Mapped[str] = mapped_column(String(20), comment=column_comment(InferenceJobStatus))
     priority: Mapped[int] = mapped_column(default=0)
     source_path: Mapped[str | None] = mapped_column(Text)

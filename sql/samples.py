@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TypeVar
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 
@@ -11,7 +12,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.core.status import SampleSource, checked
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.session import StoreBase
+from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, checked_text
 
 _T = TypeVar("_T")
 
@@ -28,23 +29,81 @@ def _held(row: m.MetricSampleRow, column: str, value: _T | None) -> _T:
     return value
 
 
+#: Fields of a sample that are always measured: a finite number.
+_FIGURES = ("t_s", "rps", "tokens_per_s", "kv_used_fraction")
+#: Counts of a sample: an integer.
+_COUNTS = ("completed", "queue_length", "running")
+#: Latency percentiles: a finite number, or None when no request finished in the window.
+_PERCENTILES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+#: Counts of a stage sample: an integer.
+_STAGE_COUNTS = ("stage_index", "queue_length", "kv_blocks_used", "kv_blocks_total")
+
+
+def _checked_sample(smp: MetricSample, context: str) -> MetricSample:
+    """``smp`` with every figure checked and made a plain ``float`` / ``int`` (see
+    :meth:`MetricSamples.write_samples` for what each field holds).
+
+    Raises:
+        InputError: ``metric_samples`` and the field named, ``context`` appended to the message.
+    """
+    where = "metric_samples"
+    fields: dict[str, Any] = {"source": checked(SampleSource, smp.source, where, "source").value,
+                              "gear_id": checked_text(smp.gear_id, where, "gear_id", 200)}
+    fields.update({f: checked_finite(getattr(smp, f), where, f, context=context) for f in _FIGURES})
+    fields.update({f: checked_int(getattr(smp, f), where, f, context=context) for f in _COUNTS})
+    fields.update({f: checked_finite(getattr(smp, f), where, f, optional=True, context=context)
+                   for f in _PERCENTILES})
+    stages = []
+    for i, st in enumerate(smp.stages):
+        stage: dict[str, Any] = {f: checked_int(getattr(st, f), where, f"stages[{i}].{f}", context=context)
+                                 for f in _STAGE_COUNTS}
+        stage["busy_fraction"] = checked_finite(st.busy_fraction, where, f"stages[{i}].busy_fraction",
+                                                context=context)
+        stages.append(StageSample(**stage))
+    return replace(smp, **fields, stages=tuple(stages))
+
+
 class MetricSamples(StoreBase):
     """Metric samples of serving runs: one ``pipeline`` row per sample and one ``stage`` row per stage
     under it (table ``metric_samples``).
 
     Raises:
         InputError: :meth:`write_samples` of a sample whose ``source`` is not a
-            :class:`~flexpipe_dag.core.status.SampleSource` (nothing of the batch is written).
+            :class:`~flexpipe_dag.core.status.SampleSource` or whose figures are not finite numbers
+            (see there; nothing of the batch is written).
     """
 
     def write_samples(self, run_key: str, samples: Iterable[MetricSample]) -> int:
-        """Append metric samples (one pipeline row + one row per stage each); return rows written."""
+        """Append metric samples (one pipeline row + one row per stage each); return rows written.
+
+        Every figure is checked before anything is written: NaN and infinities are refused in every field,
+        because none of them can be legitimate here and SQLite would store NaN as NULL, so every later
+        :meth:`read_samples` of the run would fail. Per field:
+
+        * ``t_s``, ``rps``, ``tokens_per_s``, ``kv_used_fraction`` and a stage's ``busy_fraction``: always
+          measured over the window (a window with no arrivals has ``rps`` 0, an empty KV cache 0), so a
+          finite number is required;
+        * ``completed``, ``queue_length``, ``running`` and a stage's ``stage_index``, ``queue_length``,
+          ``kv_blocks_used``, ``kv_blocks_total``: counts, so an integer is required (a float holding a
+          whole number is stored as that integer);
+        * the latency percentiles (``ttft_*``, ``tpot_*``, ``e2e_*``): ``None`` when no request finished in
+          the window (the :class:`~flexpipe_dag.core.metrics.MetricSample` contract); NaN is not a way to
+          say so.
+
+        Raises:
+            InputError: ``metric_samples`` and the field named (``stages[i].<field>`` for a stage sample;
+                the 0-based batch item in the message); nothing of the batch is written: a ``source`` that
+                is not a :class:`~flexpipe_dag.core.status.SampleSource`, a figure as above, or a
+                ``run_key`` or ``gear_id`` that is not a string of at most 200 characters.
+        """
+        where = "metric_samples"
+        checked_text(run_key, where, "run_key", 200)
+        rows = [_checked_sample(smp, f" (batch item {i})") for i, smp in enumerate(samples)]
         written = 0
         with self.session() as s:
-            for smp in samples:
-                source = checked(SampleSource, smp.source, "metric_samples", "source").value
+            for smp in rows:
                 head = m.MetricSampleRow(
-                    run_key=run_key, gear_key=smp.gear_id, source=source, t_s=smp.t_s, scope="pipeline",
+                    run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s, scope="pipeline",
                     rps=smp.rps, completed=smp.completed, tokens_per_s=smp.tokens_per_s,
                     queue_length=smp.queue_length, running=smp.running, kv_used_fraction=smp.kv_used_fraction,
                     ttft_p50_ms=smp.ttft_p50_ms, ttft_p99_ms=smp.ttft_p99_ms, tpot_p50_ms=smp.tpot_p50_ms,
@@ -52,7 +111,7 @@ class MetricSamples(StoreBase):
                 s.add(head)
                 s.flush()
                 s.add_all(m.MetricSampleRow(
-                    run_key=run_key, gear_key=smp.gear_id, source=source, t_s=smp.t_s, scope="stage",
+                    run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s, scope="stage",
                     parent_id=head.id, stage_index=st.stage_index, busy_fraction=st.busy_fraction,
                     queue_length=st.queue_length, kv_blocks_used=st.kv_blocks_used,
                     kv_blocks_total=st.kv_blocks_total) for st in smp.stages)

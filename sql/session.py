@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, overload
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
+
+from flexpipe_dag.core.errors import InputError
 
 
 class StoreBase:
@@ -42,3 +45,67 @@ def finite_or_none(x: float | None) -> float | None:
 def json_ready(doc: dict[str, Any]) -> dict[str, Any]:
     """``doc`` made JSON-safe (values JSON cannot hold become strings), as a fresh dict."""
     return json.loads(json.dumps(doc, default=str))
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error message shows it (a numpy float as the plain float it holds)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return repr(float(value))
+    return repr(value)
+
+
+@overload
+def checked_int(value: Any, where: str, field: str, *, optional: Literal[False] = False,
+                context: str = "") -> int: ...
+@overload
+def checked_int(value: Any, where: str, field: str, *, optional: bool, context: str = "") -> int | None: ...
+def checked_int(value: Any, where: str, field: str, *, optional: bool = False, context: str = "") -> int | None:
+    """``value`` as a plain ``int`` (an ``int``, a numpy integer or a float holding a whole number).
+
+    Raises:
+        InputError: ``where`` and ``field`` named; ``value`` is not a whole number (a bool is not one either),
+            or it is None and not ``optional``; ``context`` is appended to the message.
+    """
+    if value is None and optional:
+        return None
+    if not isinstance(value, bool):
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+            return int(float(value))
+    raise InputError(where, field, f"expected an integer{' or None' if optional else ''}, got {_shown(value)}"
+                     + context)
+
+
+@overload
+def checked_finite(value: Any, where: str, field: str, *, optional: Literal[False] = False,
+                   context: str = "") -> float: ...
+@overload
+def checked_finite(value: Any, where: str, field: str, *, optional: bool, context: str = "") -> float | None: ...
+def checked_finite(value: Any, where: str, field: str, *, optional: bool = False, context: str = "") -> float | None:
+    """``value`` as a plain finite ``float`` (None passes when ``optional``: None, not NaN, says "no value").
+
+    Raises:
+        InputError: ``where`` and ``field`` named; ``value`` is NaN, infinite or not a number (a bool is not
+            one either), or it is None and not ``optional``; ``context`` is appended to the message.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise InputError(where, field, f"expected a finite number{' or None' if optional else ''}, got {_shown(value)}"
+                     + context)
+
+
+def checked_text(value: Any, where: str, field: str, max_length: int, *, optional: bool = False) -> str | None:
+    """``value`` if it is a string of at most ``max_length`` characters (the column's length: PostgreSQL refuses a
+    longer one, SQLite would keep it), or None when ``optional``.
+
+    Raises:
+        InputError: ``where`` and ``field`` named; ``value`` is not such a string.
+    """
+    if (value is None and optional) or (isinstance(value, str) and len(value) <= max_length):
+        return value
+    shown = f"{len(value)} characters" if isinstance(value, str) else _shown(value)
+    raise InputError(where, field, f"expected a string of at most {max_length} characters"
+                     f"{' or None' if optional else ''}, got {shown}")

@@ -8,13 +8,31 @@ serving the pipeline: the job marks an event ``requested``; the serving process 
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 from sqlalchemy import select
 
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import ShiftEventAction, ShiftEventStatus, checked
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.session import StoreBase, finite_or_none, json_ready
+from flexpipe_dag.sql.session import StoreBase, checked_text, json_ready
+
+
+def _unbounded_or_finite(value: Any, field: str) -> float | None:
+    """``value`` as stored: None for None or an infinity (unbounded), else a plain finite float.
+
+    Raises:
+        InputError: ``shift_events`` and ``field`` named; ``value`` is NaN or not a number.
+    """
+    if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isinf(value)):
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value):
+        return float(value)
+    shown = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
+    raise InputError("shift_events", field,
+                     f"expected a number (inf: unbounded, stored as NULL) or None, got {shown!r}")
 
 
 class ShiftEvents(StoreBase):
@@ -23,7 +41,8 @@ class ShiftEvents(StoreBase):
     Raises:
         InputError: a write with an ``action`` that is not a
             :class:`~flexpipe_dag.core.status.ShiftEventAction` or a ``status`` that is not a
-            :class:`~flexpipe_dag.core.status.ShiftEventStatus` (nothing is written).
+            :class:`~flexpipe_dag.core.status.ShiftEventStatus`, or an event field
+            :meth:`record_shift_event` refuses (nothing is written).
         KeyError: an update or read of an event id that is not stored.
     """
 
@@ -31,14 +50,30 @@ class ShiftEvents(StoreBase):
                            to_gear_key: str | None = None, trigger: str | None = None,
                            est_gain: float | None = None, migration_cost_s: float | None = None,
                            run_key: str | None = None, details: dict[str, Any] | None = None) -> int:
-        """Record a controller decision or a shift's outcome; return the event id."""
-        action = checked(ShiftEventAction, action, "shift_events", "action").value
-        status = checked(ShiftEventStatus, status, "shift_events", "status").value
+        """Record a controller decision or a shift's outcome; return the event id.
+
+        ``est_gain`` and ``migration_cost_s`` are None when not estimated and inf when unbounded (both
+        stored as NULL); NaN is neither, and is refused.
+
+        Raises:
+            InputError: ``shift_events`` and the field named, nothing written: an ``action`` or ``status``
+                outside its enum, a ``reason`` that is not a string, a NaN or non-numeric ``est_gain`` or
+                ``migration_cost_s``, or a gear key or run key over 200 characters (``trigger``: 40).
+        """
+        where = "shift_events"
+        action = checked(ShiftEventAction, action, where, "action").value
+        status = checked(ShiftEventStatus, status, where, "status").value
+        if not isinstance(reason, str):
+            raise InputError(where, "reason", f"expected a string, got {reason!r}")
+        for name, value, length in (("from_gear_key", from_gear_key, 200), ("to_gear_key", to_gear_key, 200),
+                                    ("trigger", trigger, 40), ("run_key", run_key, 200)):
+            checked_text(value, where, name, length, optional=True)
         with self.session() as s:
             ev = m.ShiftEvent(action=action, status=status, reason=reason, from_gear_key=from_gear_key,
-                              to_gear_key=to_gear_key, trigger=trigger, est_gain=finite_or_none(est_gain),
-                              migration_cost_s=finite_or_none(migration_cost_s), run_key=run_key,
-                              details=json_ready(details or {}))
+                              to_gear_key=to_gear_key, trigger=trigger,
+                              est_gain=_unbounded_or_finite(est_gain, "est_gain"),
+                              migration_cost_s=_unbounded_or_finite(migration_cost_s, "migration_cost_s"),
+                              run_key=run_key, details=json_ready(details or {}))
             s.add(ev)
             s.flush()
             return ev.id

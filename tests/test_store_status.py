@@ -16,6 +16,7 @@ from flexpipe_dag.core.metrics import MetricSample
 from flexpipe_dag.core.status import (
     TERMINAL_SHIFT_STATUSES,
     HealthFailure,
+    InferenceJobKind,
     InferenceJobStatus,
     RequestResultStatus,
     SampleSource,
@@ -32,6 +33,7 @@ ENUM_COLUMNS = [
     (m.ShiftEvent.__table__.c.action, ShiftEventAction),
     (m.ShiftEvent.__table__.c.status, ShiftEventStatus),
     (m.InferenceJob.__table__.c.status, InferenceJobStatus),
+    (m.InferenceJob.__table__.c.kind, InferenceJobKind),
     (m.RequestResult.__table__.c.status, RequestResultStatus),
     (m.HealthTag.__table__.c.failure, HealthFailure),
     (m.MetricSampleRow.__table__.c.source, SampleSource),
@@ -182,3 +184,13 @@ def test_store_facade_keeps_its_public_methods():
         "write_observations", "read_observations", "observed_runs", "save_calibration", "calibrations",
         "latest_calibration",
     }
+
+
+def test_every_job_kind_round_trips_and_a_bad_kind_writes_nothing(store):
+    for kind in InferenceJobKind:
+        job = store.get_or_create_job(f"j-{kind}", kind)
+        assert [j.id for j in store.jobs(kind=kind)] == [job]
+    assert store.get_or_create_job("j-default") in [j.id for j in store.jobs(kind="batch")]  # the default
+    with _refused(InferenceJobKind, "inference_jobs: kind"):
+        store.get_or_create_job("j-bogus", "bogus")
+    assert "j-bogus" not in {j.job_key for j in store.jobs()}

@@ -40,6 +40,13 @@ TERMINAL_SHIFT_STATUSES: tuple[ShiftEventStatus, ...] = (
     ShiftEventStatus.DONE, ShiftEventStatus.ROLLED_BACK, ShiftEventStatus.FAILED)
 
 
+class InferenceJobKind(StrEnum):
+    """``inference_jobs.kind``: what a job serves."""
+
+    BATCH = "batch"  # offline prompts, admitted by the tide sensor when online load leaves room
+    ONLINE = "online"  # the requests of a serving run
+
+
 class InferenceJobStatus(StrEnum):
     """``inference_jobs.status``.
 

@@ -33,7 +33,7 @@ from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.tide import TideConfig, TideForecaster, TideGate, decide_offline, ema, tide_forecast
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
-from flexpipe_dag.core.status import InferenceJobStatus, ShiftEventStatus
+from flexpipe_dag.core.status import InferenceJobKind, InferenceJobStatus, ShiftEventStatus
 from flexpipe_dag.serving.prompts import TimedRequest
 
 
@@ -117,8 +117,9 @@ class TraceServer:
         """Replay ``online`` at its arrival times; feed ``offline`` in troughs; return the report."""
         s, db = self.settings, self.db
         self._t0 = time.monotonic()
-        online_job = db.get_or_create_job(s.online_job_key, "online", source_path=s.run_key)
-        offline_job = db.get_or_create_job(s.offline_job_key, "batch", priority=-1) if s.offline_job_key else None
+        online_job = db.get_or_create_job(s.online_job_key, InferenceJobKind.ONLINE, source_path=s.run_key)
+        offline_job = (db.get_or_create_job(s.offline_job_key, InferenceJobKind.BATCH, priority=-1)
+                       if s.offline_job_key else None)
         db.update_job(online_job, status=InferenceJobStatus.RUNNING, total_requests=len(online))
         if offline_job is not None:
             db.update_job(offline_job, status=InferenceJobStatus.QUEUED, total_requests=len(offline))

@@ -144,3 +144,24 @@ def gear(ranges, micro_batch_size: int = 8, inflight: int = 2, kv_capacity_token
                 stages=[StagePlan(stage_index=i, layer_start=a, layer_end=b,
                                   device_ids=(device_ids[i] if device_ids else [f"cpu{i}"]))
                         for i, (a, b) in enumerate(ranges)])
+
+
+def test_process_stopped_reads_the_os_state():
+    import signal
+    import subprocess
+    import sys
+
+    from flexpipe_dag.core.host import process_stopped
+    from tests.support import wait_until
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not process_stopped(proc.pid)
+        proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: process_stopped(proc.pid), 10.0, "the child to show as stopped")
+        proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: not process_stopped(proc.pid), 10.0, "the child to run again")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert not process_stopped(proc.pid)  # gone: unknown is not stopped

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from flexpipe_dag.core.dtypes import compute_dtype
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear
-from flexpipe_dag.core.host import free_port, host_memory_bytes
+from flexpipe_dag.core.host import free_port, host_memory_bytes, process_stopped
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
 from flexpipe_dag.runtime.messages import (
     COUNTER_SLOTS,
@@ -585,6 +585,11 @@ class PipelineRuntime:
             if self._stall_mark is None or self._stall_mark[0] != mark:
                 self._stall_mark = (mark, now)
             elif now - self._stall_mark[1] > limit:
+                stopped = next((w for w, p in enumerate(self._procs[1:]) if getattr(p, "pid", None)
+                                and process_stopped(p.pid)), None)
+                if stopped is not None:  # a stopped process holds up its neighbours: name it, not them
+                    self._fail(stopped, f"watchdog: no progress for {now - self._stall_mark[1]:.1f} s; its process "
+                                        f"is stopped (SIGSTOP, a debugger or a frozen cgroup; limit {limit:.0f} s)")
                 oldest = done + 1  # micro-batches are served FIFO by every (non-replicated) stage
                 lay = self._layout
                 steps = [[c[counter_index(lay.rank(s, k), WorkerCounter.STEPS)] for k in range(r)]

@@ -7,10 +7,10 @@ into a :class:`~flexpipe_dag.core.gear.Gear`.
 Gear objectives over the candidate plans (every micro-batch size x a ladder of bottlenecks from the
 least feasible up to memory-only, each built "capacity first" and "speed first", plus replicas):
 
-* ``throughput``: maximise estimated tokens/s (ties: lower idle TPOT);
+* ``throughput``: maximise the analytic SLO envelope ``rps_at_envelope`` (ties: tokens/s, lower idle TPOT);
 * ``latency``: minimise idle TPOT (the decode round trip), ties: higher tokens/s;
-* ``balanced``: maximise Kleinrock's power, tokens/s / TPOT at the envelope (Kleinrock 1979), among
-  plans that differ from the latency and throughput picks and whose tokens/s lies between theirs.
+* ``balanced``: maximise Kleinrock's power, envelope / TPOT at the envelope (Kleinrock 1979), among
+  plans that differ from the latency and throughput picks and whose envelope lies between theirs.
 
 The three operating gears are distinct configurations (stages, devices, micro-batch, in-flight
 count). When the cluster leaves no distinct plan for a kind (e.g. one device and one micro-batch
@@ -117,12 +117,15 @@ def pick(kind: str, scored: list[ScoredPlan], search: PipelineSearch | None = No
     def tie(s: ScoredPlan) -> tuple[int, int, PlanSignature]:
         return (s.plan.num_stages, s.plan.micro_batch_size, s.plan.signature())
 
-    if kind in ("throughput", "uniform", "parameters", "oracle"):
+    if kind == "throughput":
+        return min(scored, key=lambda s: (-round(s.estimate.rps_at_envelope, 6), -round(s.estimate.tokens_per_s, 6),
+                                          s.estimate.tpot_idle_ms, tie(s)))
+    if kind in ("uniform", "parameters", "oracle"):
         return min(scored, key=lambda s: (-round(s.estimate.tokens_per_s, 6), s.estimate.tpot_idle_ms, tie(s)))
     if kind == "latency":
         return pick_latency(search, scored)
     if kind == "balanced":
-        return min(scored, key=lambda s: (-s.estimate.tokens_per_s / s.estimate.tpot_p50_ms, tie(s)))
+        return min(scored, key=lambda s: (-s.estimate.rps_at_envelope / s.estimate.tpot_p50_ms, tie(s)))
     raise InputError(None, "kind", f"unknown gear kind {kind!r}")
 
 
@@ -340,7 +343,7 @@ def choose_operating_plans(search: PipelineSearch,
 
     ``throughput`` and ``latency`` are picked on their own objectives; if they are the same
     configuration, ``latency`` collapses into ``throughput``. ``balanced`` is picked among the
-    remaining configurations whose tokens/s lies strictly between the two (or, when latency collapsed,
+    remaining configurations whose envelope lies strictly between the two (or, when latency collapsed,
     below throughput's); with none, it collapses into the nearer of the two by tokens/s.
 
     Returns:
@@ -354,11 +357,11 @@ def choose_operating_plans(search: PipelineSearch,
         collapsed["latency"] = "throughput"
     else:
         chosen["latency"] = lat
-    lo = lat.estimate.tokens_per_s if "latency" in chosen else -math.inf
-    hi = thr.estimate.tokens_per_s
+    lo = lat.estimate.rps_at_envelope if "latency" in chosen else -math.inf
+    hi = thr.estimate.rps_at_envelope
     taken = {_config_key(search, p) for p in chosen.values()}
     between = [s for s in scored if _config_key(search, s) not in taken
-               and lo * (1 + 1e-6) < s.estimate.tokens_per_s < hi * (1 - 1e-6)]
+               and lo * (1 + 1e-6) < s.estimate.rps_at_envelope < hi * (1 - 1e-6)]
     if between:
         chosen["balanced"] = pick("balanced", between, search)
     else:

@@ -22,6 +22,14 @@ class PlanWorkload:
         min_residence_s: a device whose ``available_until`` is sooner than this is not used.
         micro_batch_size_candidates: micro-batch sizes (sequences per micro-batch) the search may try;
             :meth:`micro_batch_sizes_to_search` caps them at ``concurrency``.
+        slo_ttft_ms / slo_tpot_ms: the SLO the analytic envelope is computed at (a request meets it
+            when TTFT <= slo_ttft_ms and mean TPOT <= slo_tpot_ms); defaults as the simulator's.
+        slo_attainment: share of requests that must meet the SLO at the envelope (as
+            :func:`~flexpipe_dag.planner.envelope.measure_envelope`).
+        prompt_tokens_cv: coefficient of variation of prompt lengths (1.0: exponential-like; the
+            Azure conversation / code traces have 0.9-1.0). Sets the variance of prefill work.
+        arrival_scv: squared coefficient of variation of inter-arrival times (1.0 = Poisson; real
+            traces are burstier). Enters the admission queue by Kingman's formula.
     """
 
     context_p95_tokens: int = 4096
@@ -33,6 +41,11 @@ class PlanWorkload:
     link_utilisation_max: float = 0.7
     min_residence_s: float = 600.0
     micro_batch_size_candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 200.0
+    slo_attainment: float = 0.95
+    prompt_tokens_cv: float = 1.0
+    arrival_scv: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("context_p95_tokens", "concurrency", "prompt_tokens_mean", "output_tokens_mean",
@@ -46,6 +59,16 @@ class PlanWorkload:
             raise InputError("workload", "link_utilisation_max", f"expected (0, 1], got {self.link_utilisation_max}")
         if self.min_residence_s < 0:
             raise InputError("workload", "min_residence_s", f"expected >= 0, got {self.min_residence_s}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise InputError("workload", name, f"expected a positive number of ms, got {value!r}")
+        if not 0.5 <= self.slo_attainment < 1:
+            raise InputError("workload", "slo_attainment", f"expected 0.5 <= share < 1, got {self.slo_attainment}")
+        for name in ("prompt_tokens_cv", "arrival_scv"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 100:
+                raise InputError("workload", name, f"expected 0..100, got {value!r}")
         if not self.micro_batch_size_candidates or any(size < 1 for size in self.micro_batch_size_candidates):
             raise InputError("workload", "micro_batch_size_candidates",
                              f"expected positive sizes, got {self.micro_batch_size_candidates}")

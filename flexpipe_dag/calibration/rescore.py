@@ -176,7 +176,12 @@ def rescore_gears(model: ModelSpec, cluster: ClusterProfile, calibration: Calibr
         mb, ma = _metrics(eb), _metrics(ea)
         sb, sa = stage_decode_ms(s_before, g), stage_decode_ms(s_after, g)
         change = max([_rel(mb[m], ma[m]) for m in METRICS] + [_rel(a, b) for a, b in zip(sb, sa)])
-        ratio = ea.rps_at_envelope / eb.rps_at_envelope if eb.rps_at_envelope > 0 else 1.0
+        # the SLO envelope moves with the estimate; where it is 0 either way (the SLO is out of reach
+        # at the workload's assumptions), the capacity ratio scales the gear's envelope
+        if eb.rps_at_envelope > 0 and ea.rps_at_envelope > 0:
+            ratio = ea.rps_at_envelope / eb.rps_at_envelope
+        else:
+            ratio = ea.throughput_rps / eb.throughput_rps if eb.throughput_rps > 0 else 1.0
         rps_max = g.rps_max * ratio if math.isfinite(g.rps_max) else g.rps_max
         updated = g.model_copy(update={
             "estimate": GearEstimate(**{m: ma[m] for m in METRICS}, bottleneck_stage=ea.bottleneck_stage),

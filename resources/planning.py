@@ -1,26 +1,55 @@
-"""Dagster resource holding what the planner plans for: model, dtype, and the load it must carry."""
+"""Dagster resource holding what the planner plans for: model, dtype, SLO and the load it must carry.
+
+``flexpipe plan`` builds the same resource (:func:`planning_from_env` plus its flags) and calls the
+same :meth:`PlanningSettings.plan`, so the CLI and the ``candidate_gears`` asset plan with one code
+path and one set of defaults (:mod:`flexpipe_dag.planner.operating`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Literal
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from flexpipe_dag.core.settings import INT32_MAX, env_value
+from flexpipe_dag.planner.operating import (
+    DEFAULT_ATTAINMENT,
+    DEFAULT_CONCURRENCY,
+    DEFAULT_MIN_RESIDENCE_S,
+    DEFAULT_REFERENCE_REQUESTS,
+    DEFAULT_REFERENCE_TRACE,
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+)
+
 
 class PlanningSettings(ConfigurableResource):
-    """Planning inputs (environment: ``FLEXPIPE_MODEL``; the rest are run-config / code settings).
+    """Planning inputs (environment: :data:`PLANNING_ENV`; the rest are run-config / code settings).
 
     ``model`` is a built-in name (``SmolLM2-135M``, ``Llama-3-8B``, ...), a Hugging Face
-    ``config.json`` directory, or a GGUF file.
+    ``config.json`` directory, or a GGUF file. Every envelope is measured against ``slo_ttft_ms`` /
+    ``slo_tpot_ms`` at ``attainment`` on ``reference_trace``.
     """
 
     model: str = "SmolLM2-135M"
     dtype: str = "bf16"
-    context_p95_tokens: int = Field(default=2048, ge=1, description="P95 context the KV pool is sized for")
-    concurrency: int = Field(default=32, ge=1, description="sequences in flight the KV pool must hold")
-    min_residence_s: float = Field(default=600.0, ge=0, description="devices leaving sooner are not used")
-    reference_trace: str = Field(default="azure-conv",
+    context_p95_tokens: int | None = Field(default=None, ge=1, description="P95 context the KV pool is sized for "
+                                           "(default: the reference trace's, at most the model's max context)")
+    concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, description="sequences in flight the KV pool must hold")
+    min_residence_s: float = Field(default=DEFAULT_MIN_RESIDENCE_S, ge=0, description="devices leaving sooner are not used")
+    reference_trace: str = Field(default=DEFAULT_REFERENCE_TRACE,
                                  description="workload gears are scored on (bundled name or path)")
-    reference_requests: int = Field(default=1500, ge=50, description="requests of the reference trace to simulate")
-    slo_ttft_ms: float = Field(default=2000.0, gt=0)
-    slo_tpot_ms: float = Field(default=200.0, gt=0)
+    reference_requests: int = Field(default=DEFAULT_REFERENCE_REQUESTS, ge=50,
+                                    description="requests of the reference trace replayed per envelope probe")
+    slo_ttft_ms: float = Field(default=DEFAULT_SLO_TTFT_MS, gt=0, description="TTFT SLO envelopes are measured at, ms")
+    slo_tpot_ms: float = Field(default=DEFAULT_SLO_TPOT_MS, gt=0, description="TPOT SLO envelopes are measured at, ms")
+    attainment: float = Field(default=DEFAULT_ATTAINMENT, gt=0, le=1,
+                              description="share of requests that must meet the SLO for a rate to count as served")
+    load_rps: float | None = Field(default=None, ge=0, description="expected load: the gear for it is marked recommended")
+    objective: Literal["speed", "devices"] = Field(default="speed", description="how the operating gears are chosen")
     max_prompt_tokens: int = Field(default=0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
     max_new_tokens: int = Field(default=0, ge=0, description="cap on generated tokens (0 = none)")
     stage_replicas: bool = Field(default=True,
@@ -44,19 +73,99 @@ class PlanningSettings(ConfigurableResource):
                                 output_tokens=min(r.output_tokens, cap_out or r.output_tokens))
             for r in trace.requests))
 
-    def plan_workload(self):
-        """Planning assumptions from the reference trace: mean prompt / output and P95 context after the caps.
+    def plan_workload(self, model=None, reference=None):
+        """Planning assumptions read off the reference trace (after the caps), P95 context at most ``model``'s.
 
         Raises:
-            InputError: the reference trace cannot be read.
+            InputError: the reference trace cannot be read, or ``context_p95_tokens`` exceeds the
+                model's max context.
         """
-        import numpy as np
+        from flexpipe_dag.planner.operating import workload_from_trace
 
-        from flexpipe_dag.planner.workload import PlanWorkload
+        return workload_from_trace(reference if reference is not None else self.reference_workload(),
+                                   concurrency=self.concurrency, context_p95_tokens=self.context_p95_tokens,
+                                   max_context_tokens=getattr(model, "max_context_tokens", None),
+                                   min_residence_s=self.min_residence_s)
 
-        frame = self.reference_workload().to_frame()
-        prompt = frame["input_tokens"].to_numpy()
-        output = frame["output_tokens"].to_numpy()
-        return PlanWorkload(context_p95_tokens=min(self.context_p95_tokens, int(np.percentile(prompt + output, 95))),
-                            concurrency=self.concurrency, prompt_tokens_mean=max(1, int(prompt.mean())),
-                            output_tokens_mean=max(1, int(output.mean())), min_residence_s=self.min_residence_s)
+    def selection_settings(self):
+        """The SLO, attainment and probe size envelopes are measured with."""
+        from flexpipe_dag.planner.envelope import SelectionSettings
+
+        return SelectionSettings(slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms,
+                                 attainment=self.attainment, num_requests=self.reference_requests)
+
+    def plan(self, cluster, model, *, profile_version: int | None = None, device_overrides=None,
+             progress: Callable[[str], None] | None = None):
+        """The operating gears of ``model`` (a ModelSpec) on ``cluster``, envelopes measured in the simulator.
+
+        Returns:
+            :class:`~flexpipe_dag.planner.operating.OperatingPlan`.
+
+        Raises:
+            InfeasibleError: the model cannot be placed. InputError: a bad setting (named).
+        """
+        from flexpipe_dag.planner.operating import plan_operating_gears
+
+        reference = self.reference_workload()
+        return plan_operating_gears(cluster, model, reference, workload=self.plan_workload(model, reference),
+                                    dtype=self.dtype, settings=self.selection_settings(), objective=self.objective,
+                                    load_rps=self.load_rps, profile_version=profile_version,
+                                    device_overrides=device_overrides, replicas=self.stage_replicas, progress=progress)
+
+
+#: Environment variables that set PlanningSettings fields (unset: the field's default).
+PLANNING_ENV = {"FLEXPIPE_MODEL": "model", "FLEXPIPE_PLAN_DTYPE": "dtype", "FLEXPIPE_SLO_TTFT_MS": "slo_ttft_ms",
+                "FLEXPIPE_SLO_TPOT_MS": "slo_tpot_ms", "FLEXPIPE_SLO_ATTAINMENT": "attainment",
+                "FLEXPIPE_MAX_PROMPT_TOKENS": "max_prompt_tokens",
+                "FLEXPIPE_MAX_NEW_TOKENS": "max_new_tokens", "FLEXPIPE_PLAN_CONCURRENCY": "concurrency",
+                "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests", "FLEXPIPE_STAGE_REPLICAS": "stage_replicas"}
+
+#: The field types :func:`planning_from_env` parses with ``env_value`` (others are taken as stripped strings).
+_SCALAR_KINDS: dict[object, type[int | float | bool]] = {int: int, float: float, bool: bool}
+
+
+def _unit_of(name: str) -> str:
+    """Unit named by a field's suffix, for error messages."""
+    for suffix, unit in (("_ms", "milliseconds"), ("_s", "seconds"), ("_tokens", "tokens")):
+        if name.endswith(suffix):
+            return unit
+    return ""
+
+
+def _bounds_of(field) -> dict:
+    """``ge`` / ``gt`` / ``le`` / ``lt`` of a pydantic field's ``Field(...)`` constraints."""
+    out = {}
+    for constraint in field.metadata:
+        for key in ("ge", "gt", "le", "lt"):
+            value = getattr(constraint, key, None)
+            if value is not None:
+                out[key] = value
+    return out
+
+
+def planning_from_env() -> dict[str, Any]:
+    """PlanningSettings fields set by :data:`PLANNING_ENV` variables, each parsed and range-checked.
+
+    Raises:
+        InputError: a variable is not of its field's type (int / float / bool) or is outside the
+            field's range (named: variable, expected type and range, value given); an unknown dtype.
+    """
+    from flexpipe_dag.core.dtypes import canonical_dtype
+
+    fields = PlanningSettings.model_fields
+    out: dict[str, object] = {}
+    for var, name in PLANNING_ENV.items():
+        kind = _SCALAR_KINDS.get(fields[name].annotation)
+        value: object
+        if kind is not None:
+            bounds = _bounds_of(fields[name])
+            if kind is int:
+                bounds.setdefault("le", INT32_MAX)
+            value = env_value(var, kind, None, unit=_unit_of(name), **bounds)
+        else:
+            value = (os.environ.get(var) or "").strip() or None
+        if value is not None:
+            out[name] = value
+    if "dtype" in out:
+        out["dtype"] = canonical_dtype(str(out["dtype"]), "environment variable FLEXPIPE_PLAN_DTYPE", None)
+    return out

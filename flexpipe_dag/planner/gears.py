@@ -437,7 +437,7 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
                     concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                     workload: PlanWorkload | None = None, profile_version: int | None = None,
                     device_overrides: DeviceOverrides | None = None, max_candidates: int = 6,
-                    compact: bool = True) -> list[Gear]:
+                    compact: bool = True, replicas: bool = True) -> list[Gear]:
     """A shortlist of distinct configurations for scoring in the simulator (``kind="manual"``).
 
     The three analytic picks come first, then, alternating, the best plan by estimated tokens/s for
@@ -458,13 +458,15 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     envelope with that pool (preemptions and rejections included), so a compact gear is picked only
     for the load it actually holds.
 
+    ``replicas=False`` proposes no stage replicas (a runtime without them).
+
     Raises:
         InfeasibleError / InputError: as :func:`plan_gears`.
     """
     workload = workload or PlanWorkload(context_p95_tokens=context_p95_tokens, concurrency=concurrency,
                                         min_residence_s=min_residence_s)
     search = make_search(cluster, model, dtype=dtype, workload=workload, now=now, device_overrides=device_overrides)
-    scored = candidate_plans(search)
+    scored = candidate_plans(search, replicas=replicas)
     if not scored:
         raise InfeasibleError(search.explain_infeasible())
     chosen, _ = choose_operating_plans(search, scored)
@@ -491,14 +493,14 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     if compact:
         out += _compact_candidates(cluster, model, dtype, workload, now, device_overrides, profile_version,
                                    fewest_devices=min(len(g.device_ids) for g in out),
-                                   signatures={sp.plan.signature() for sp in picks})
+                                   signatures={sp.plan.signature() for sp in picks}, replicas=replicas)
     return out
 
 
 def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, workload: PlanWorkload,
                         now: dt.datetime | None, device_overrides: DeviceOverrides | None,
                         profile_version: int | None, *, fewest_devices: int,
-                        signatures: set[PlanSignature]) -> list[Gear]:
+                        signatures: set[PlanSignature], replicas: bool = True) -> list[Gear]:
     """The fewest-device plan for each reduced concurrency (see :func:`candidate_gears`), as candidate gears.
 
     Only plans on fewer devices than ``fewest_devices`` (and than the previous compact one) are
@@ -513,7 +515,7 @@ def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, w
         seen_concurrency.add(concurrency)
         search = make_search(cluster, model, dtype=dtype, workload=dataclasses.replace(workload, concurrency=concurrency),
                              now=now, device_overrides=device_overrides)
-        scored = [s for s in candidate_plans(search) if s.plan.signature() not in signatures]
+        scored = [s for s in candidate_plans(search, replicas=replicas) if s.plan.signature() not in signatures]
         if not scored:
             continue
         best = min(scored, key=lambda s: (sum(len(ds) for ds in s.plan.device_ids), -round(s.estimate.tokens_per_s, 6),

@@ -309,6 +309,43 @@ class Simulator:
             self._emit_until(until_s)
         return self.samples[first_new:]
 
+    def slo_outcome_so_far(self, first_index: int = 0) -> tuple[int, int]:
+        """``(certain_misses, rejected)`` among requests ``first_index..`` at the current simulated time.
+
+        A request is a *certain* miss of the SLO (``config.slo_ttft_ms`` / ``slo_tpot_ms``, the same
+        rule as :func:`~flexpipe_dag.sim.results.build_result`'s ``slo_met``) once nothing simulated
+        later can rescue it: it was rejected; or its TTFT is, or has already grown, past
+        ``slo_ttft_ms`` (first token late, or still none ``slo_ttft_ms`` after arrival); or its TPOT,
+        ``(finish - first) / (out - 1)``, is already past ``slo_tpot_ms`` given that it has not
+        finished by now. Envelope probes use it to stop a simulation whose verdict is already clear
+        (:func:`flexpipe_dag.planner.envelope.probe_gear`). ``rejected`` counts every request, from 0.
+
+        Cost: one pass over the requests (O(n)).
+        """
+        now = self.now_s
+        eps = 1e-9  # only a clear miss counts: the final rule compares in ms, rounded differently
+        ttft_s = self.config.slo_ttft_ms / 1000.0 + eps
+        tpot_s = self.config.slo_tpot_ms / 1000.0
+        arrival = self._arrival_s
+        misses = 0
+        rejected = 0
+        for i, s in enumerate(self._seqs):
+            if s.rejected:
+                rejected += 1
+                misses += i >= first_index
+                continue
+            if i < first_index or i >= self._next_arrival:
+                continue
+            a = arrival[i]
+            if s.first_s < 0.0:
+                misses += now - a > ttft_s
+            elif s.first_s - a > ttft_s:
+                misses += 1
+            elif s.out > 1:
+                end = s.finish_s if s.finish_s >= 0.0 else now
+                misses += end - s.first_s > tpot_s * (s.out - 1) + eps
+        return misses, rejected
+
     def run(self) -> SimResult:
         """Simulate to the end and return the :class:`~flexpipe_dag.sim.results.SimResult`."""
         self.advance(_INF)

@@ -95,26 +95,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(cluster_id: str, model_name: str, dtype: str, gears) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from flexpipe_dag.cli.tables import cli_console, format_number, format_pair, format_range, new_table
 
-    console = Console()
-    summary = Table(title=f"gears for {model_name} ({dtype}) on {cluster_id}")
-    for col in ("gear", "stages", "micro-batch", "in-flight", "tokens/s", "req/s", "TTFT p50/p99 ms",
-                "TPOT p50/p99 ms", "rps envelope", "KV tokens"):
-        summary.add_column(col, justify="right" if col not in ("gear",) else "left")
+    console = cli_console()
+    summary = new_table(f"gears for {model_name} ({dtype}) on {cluster_id}",
+                        ["gear", "stages", "micro-batch", "in-flight", "tokens/s", "req/s", "TTFT p50/p99 ms",
+                         "TPOT p50/p99 ms", "rps envelope", "KV tokens"], ids=["gear"])
     for g in gears:
         e = g.estimate
         summary.add_row(g.gear_id, str(g.num_stages), str(g.micro_batch_size), str(g.max_inflight_micro_batches),
-                        f"{e.tokens_per_s:,.0f}", f"{e.throughput_rps:.2f}",
-                        f"{e.ttft_p50_ms:,.0f} / {e.ttft_p99_ms:,.0f}", f"{e.tpot_p50_ms:.1f} / {e.tpot_p99_ms:.1f}",
-                        f"{g.rps_min:.2f}..{g.rps_max:.2f}", f"{g.kv_capacity_tokens:,}")
+                        format_number(e.tokens_per_s, 0), format_number(e.throughput_rps, 2),
+                        format_pair(e.ttft_p50_ms, e.ttft_p99_ms, 0), format_pair(e.tpot_p50_ms, e.tpot_p99_ms, 1),
+                        format_range(g.rps_min, g.rps_max, 2), format_number(g.kv_capacity_tokens))
     console.print(summary)
     for g in gears:
-        t = Table(title=f"{g.gear_id} stages")
-        for col in ("stage", "layers", "devices", "est ms/step", "weights GiB", "KV tokens"):
-            t.add_column(col)
+        t = new_table(f"{g.gear_id} stages", ["stage", "layers", "devices", "est ms/step", "weights GiB", "KV tokens"],
+                      text=["layers", "devices"])
         for s in g.stages:
             t.add_row(str(s.stage_index), f"{s.layer_start}-{s.layer_end - 1} ({s.num_layers})", ", ".join(s.device_ids),
-                      f"{s.est_stage_ms:.2f}", f"{s.weight_gib:.2f}", f"{s.kv_capacity_tokens:,}")
+                      format_number(s.est_stage_ms, 2), format_number(s.weight_gib, 2),
+                      format_number(s.kv_capacity_tokens))
         console.print(t)

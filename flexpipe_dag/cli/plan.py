@@ -94,10 +94,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(cluster_id: str, model_name: str, dtype: str, gears) -> None:
+def _print_table(cluster_id: str, model_name: str, dtype: str, gears, console=None) -> None:
     from flexpipe_dag.cli.tables import cli_console, format_number, format_pair, format_range, new_table
 
-    console = cli_console()
+    console = console or cli_console()
     summary = new_table(f"gears for {model_name} ({dtype}) on {cluster_id}",
                         ["gear", "stages", "micro-batch", "in-flight", "tokens/s", "req/s", "TTFT p50/p99 ms",
                          "TPOT p50/p99 ms", "rps envelope", "KV tokens"], ids=["gear"])

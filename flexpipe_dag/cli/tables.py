@@ -146,7 +146,7 @@ class IdTable(Table):
             yield head
             grid = Table.grid(padding=(0, 2))
             grid.add_column(overflow="fold")
-            grid.add_column(justify="right", overflow="fold")
+            grid.add_column(overflow="fold")
             for i, column in enumerate(columns):
                 if column not in heads:
                     grid.add_row(Text("  ") + Text(str(column.header)), cells[i][r])

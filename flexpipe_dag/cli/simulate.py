@@ -267,7 +267,8 @@ def summary_renderables(summary: dict[str, Any]) -> list[RenderableType]:
     ]
     tail = [
         f"throughput {n(summary['throughput_rps'], 2)} req/s, {n(summary['tokens_per_s'], 0)} output tokens/s",
-        f"goodput {n(summary['goodput_rps'], 2)} req/s (TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms; "
+        f"goodput {n(summary['goodput_rps'], 2)} req/s (TTFT <= {n(slo['ttft_ms'], 0 if float(slo['ttft_ms']).is_integer() else 2)} ms and "
+        f"TPOT <= {n(slo['tpot_ms'], 0 if float(slo['tpot_ms']).is_integer() else 2)} ms; "
         f"attainment {n(100 * summary['slo_attainment'])} %)",
     ]
     for gid, util in summary["stage_utilisation"].items():

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
     context_p95_tokens(args.context_p95, model)  # an explicit P95 over the model's context is refused by name
-    err = Console(stderr=True)
+    err = Console(stderr=True)  # the spinner; results go to stdout
     with err.status("planning") as status:
         plan = settings.plan(cluster, model, progress=lambda line: status.update(line))
     if args.json:
@@ -165,40 +165,58 @@ def plan_json(plan, cluster_id: str, model_summary: dict) -> dict:
             "notes": plan.notes, "planning_wall_s": round(plan.wall_s, 3), "simulations": plan.probes}
 
 
-def print_plan(plan, cluster_id: str, model_name: str, dtype: str) -> None:
-    """Human tables of the plan: gears with envelopes (recommended marked), then each gear's stages."""
-    from rich.console import Console
-    from rich.table import Table
+def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None) -> None:
+    """Human output of an :class:`~flexpipe_dag.planner.operating.OperatingPlan`: the gear tables, what the
+    envelopes mean, the recommendation for the load, notes and what planning cost."""
+    from flexpipe_dag.cli.tables import cli_console, format_number
 
-    console = Console()
+    console = console or cli_console()
     rec = plan.recommendation
-    summary = Table(title=f"gears for {model_name} ({dtype}) on {cluster_id}",
-                    caption=f"envelope = highest rate served with {plan.basis.describe()}, "
-                            f"{plan.basis.num_requests} requests per probe")
-    summary.add_column("gear", no_wrap=True, overflow="fold")
-    for col in ("devices", "stages", "micro-batch", "envelope req/s", "analytic req/s", "TTFT p50/p99 ms",
-                "TPOT p50/p99 ms", "tokens/s", "KV tokens"):
-        summary.add_column(col, justify="right", overflow="fold")
-    for g in plan.gears:
-        e = g.estimate
-        mark = " (recommended)" if rec and rec.gear_id == g.gear_id else ""
-        summary.add_row(g.gear_id + mark, str(len(g.device_ids)), str(g.num_stages), str(g.micro_batch_size),
-                        f"{g.rps_min:.3g}..{g.rps_max:.3g}", f"{plan.analytic_rps_max.get(g.gear_id, float('nan')):.3g}",
-                        f"{e.ttft_p50_ms:,.0f} / {e.ttft_p99_ms:,.0f}" if e else "-",
-                        f"{e.tpot_p50_ms:.1f} / {e.tpot_p99_ms:.1f}" if e else "-",
-                        f"{e.tokens_per_s:,.0f}" if e else "-", f"{g.kv_capacity_tokens:,}")
-    console.print(summary)
+    _print_table(cluster_id, model_name, dtype, plan.gears, console, analytic=plan.analytic_rps_max,
+                 recommended=rec.gear_id if rec else None,
+                 caption=f"envelope = highest rate served with {plan.basis.describe()}, "
+                         f"{plan.basis.num_requests} requests per probe")
     if rec:
-        console.print(f"load {rec.load_rps:g} req/s: run {rec.gear_id}, headroom {rec.headroom_fraction:.0%}. {rec.reason}")
+        console.print(f"load {format_number(rec.load_rps, 2)} req/s: run {rec.gear_id} "
+                      f"(headroom {rec.headroom_fraction:.0%}). {rec.reason}")
     for note in plan.notes:
         console.print(f"note: {note}")
-    console.print(f"{len(plan.candidate_ids)} candidates, {plan.probes} simulations, {plan.wall_s:.1f} s")
-    for g in plan.gears:
-        t = Table(title=f"{g.gear_id} stages")
-        for col in ("stage", "layers", "devices", "est ms/step", "weights GiB", "KV tokens"):
-            t.add_column(col, overflow="fold")
+    console.print(f"{len(plan.candidate_ids)} candidates measured, {plan.probes} simulations, "
+                  f"{format_number(plan.wall_s, 1)} s")
+
+
+def _print_table(cluster_id: str, model_name: str, dtype: str, gears, console=None, *,
+                 analytic: dict[str, float] | None = None, recommended: str | None = None,
+                 caption: str | None = None) -> None:
+    """The gear summary table (ids never cut, figures apart at any magnitude), then each gear's stages.
+
+    ``analytic``: each gear's analytic envelope, shown beside the measured one; ``recommended``: the
+    gear id marked ``*`` (explained in the caption).
+    """
+    from flexpipe_dag.cli.tables import cli_console, format_number, format_pair, format_range, new_table
+
+    console = console or cli_console()
+    cols = ["gear", "devices", "stages", "micro-batch", "envelope req/s", "analytic req/s", "TTFT p50/p99 ms",
+            "TPOT p50/p99 ms", "tokens/s", "KV tokens"]
+    title = f"gears for {model_name} ({dtype}) on {cluster_id}"
+    summary = new_table(title, cols, ids=["gear"])
+    if caption or recommended:
+        summary.caption = " ".join(x for x in (caption, "* recommended for the load" if recommended else None) if x)
+    for g in gears:
+        e = g.estimate
+        mark = "*" if recommended == g.gear_id else ""
+        summary.add_row(g.gear_id + mark, str(len(g.device_ids)), str(g.num_stages), str(g.micro_batch_size),
+                        format_range(g.rps_min, g.rps_max, 2),
+                        format_number((analytic or {}).get(g.gear_id), 2),
+                        format_pair(e.ttft_p50_ms, e.ttft_p99_ms, 0) if e else "-",
+                        format_pair(e.tpot_p50_ms, e.tpot_p99_ms, 1) if e else "-",
+                        format_number(e.tokens_per_s, 0) if e else "-", format_number(g.kv_capacity_tokens))
+    console.print(summary)
+    for g in gears:
+        t = new_table(f"{g.gear_id} stages", ["stage", "layers", "devices", "est ms/step", "weights GiB", "KV tokens"],
+                      text=["layers", "devices"])
         for st in g.stages:
             t.add_row(str(st.stage_index), f"{st.layer_start}-{st.layer_end - 1} ({st.num_layers})",
-                      ", ".join(st.device_ids), f"{st.est_stage_ms:.2f}", f"{st.weight_gib:.2f}",
-                      f"{st.kv_capacity_tokens:,}")
+                      ", ".join(st.device_ids), format_number(st.est_stage_ms, 2), format_number(st.weight_gib, 2),
+                      format_number(st.kv_capacity_tokens))
         console.print(t)

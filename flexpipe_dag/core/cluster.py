@@ -225,7 +225,7 @@ class _SeedNode(BaseModel):
     generation: str | None = None
     model_name: str | None = None
     host: str | None = None
-    memory_gb: PositiveFloat | None = Field(None, description="datasheet label, GB (e.g. 16 for a T4)")
+    memory_gb: PositiveFloat = Field(description="datasheet label, GB (e.g. 16 for a T4)")
     memory_gib: PositiveFloat | None = Field(None, description="the total the device reports (nvidia-smi), GiB")
     compute_score: PositiveFloat | None = None
     bf16: bool | None = None
@@ -285,8 +285,8 @@ def _seed_device(n: _SeedNode, i: int, source: str, notes: list[str]) -> Device:
     """One seed node as a :class:`Device`: declared figures first, then the catalog, then derivations (noted)."""
     where = f"nodes[{i}]"
     name = n.model_name or n.generation
-    label = n.memory_gb if n.memory_gb is not None else None
-    spec: GpuSpec | None = lookup_gpu(name, label if label is not None else n.memory_gib)
+    label = n.memory_gb
+    spec: GpuSpec | None = lookup_gpu(name, label)
     if n.compute_score is None and spec is None:
         field = f"{where}.generation" if n.generation or not n.model_name else f"{where}.model_name"
         raise InputError(source, field,
@@ -296,15 +296,13 @@ def _seed_device(n: _SeedNode, i: int, source: str, notes: list[str]) -> Device:
     # memory: the reported total if given; else the catalog's driver-visible total for that label; else derived
     if n.memory_gib is not None:
         memory_gib = n.memory_gib
-    elif spec is not None and (label is None or abs(spec.memory_label_gb - label) < 0.5):
+    elif spec is not None and abs(spec.memory_label_gb - label) < 0.5:
         memory_gib = spec.memory_gib
-    elif label is not None:
+    else:
         memory_gib = visible_gib_from_label(label)
         notes.append(f"{where} ({n.node_id}): memory_gb {label:g} taken as {memory_gib:.2f} GiB driver-visible "
                      f"(label x {memory_gib / label:.4f}; the catalog has no {name or 'such'} GPU with that label); "
                      f"give memory_gib (nvidia-smi's total) to use the reported figure")
-    else:
-        raise InputError(source, f"{where}.memory_gb", "expected the datasheet memory (GB) or memory_gib")
     if n.compute_score is not None:
         peak = n.compute_score * REFERENCE_TFLOPS
     else:

@@ -126,8 +126,10 @@ def test_devices_leaving_before_the_minimum_residence_are_not_used():
 def test_gears_on_fragmented_lab_are_valid_deterministic_and_ordered():
     cluster = load_cluster_profile(EXAMPLES / "fragmented_lab.yaml")
     model = load_model_spec("Llama-2-70B")
-    gears = plan_gears(cluster, model)
-    again = plan_gears(cluster, model)
+    # 64 x 4096 tokens of KV no longer fit beside 70B weights once memory is what the cards report
+    # (a T4 shows 15.0 GiB, not 16) less the CUDA context: 48 sequences do.
+    gears = plan_gears(cluster, model, concurrency=48)
+    again = plan_gears(cluster, model, concurrency=48)
     assert [g.kind for g in gears] == ["latency", "balanced", "throughput"]
     assert [g.gear_id for g in gears] == [g.gear_id for g in again]
     throughput = gears[2].estimate.tokens_per_s
@@ -135,6 +137,6 @@ def test_gears_on_fragmented_lab_are_valid_deterministic_and_ordered():
     for g in gears:
         assert g.rps_min <= g.rps_max and g.estimate.ttft_p50_ms <= g.estimate.ttft_p99_ms
         assert g.kv_capacity_tokens == min(s.kv_capacity_tokens for s in g.stages)
-        assert g.kv_capacity_tokens >= 64 * 4096
+        assert g.kv_capacity_tokens >= 48 * 4096
         for s in g.stages:
-            assert s.weight_gib <= cluster.device(s.device_ids[0]).memory_gib * 0.88
+            assert s.weight_gib <= cluster.device(s.device_ids[0]).usable_memory_gib(0.12)

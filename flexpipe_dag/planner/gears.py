@@ -29,12 +29,13 @@ import dataclasses
 import datetime as dt
 import hashlib
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from flexpipe_dag.core.cluster import ClusterProfile
+from flexpipe_dag.core.cluster import ClusterProfile, choose_gear_dtype
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear, GearEstimate, GearKind, StagePlan
 from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
@@ -48,6 +49,8 @@ from flexpipe_dag.planner.partition import (
 )
 from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch, PlanSignature
 from flexpipe_dag.planner.workload import PlanWorkload
+
+log = logging.getLogger(__name__)
 
 ORACLE_MAX_DEVICES = 6
 ORACLE_MAX_LAYERS = 16
@@ -271,9 +274,26 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_m
 def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16",
                 workload: PlanWorkload | None = None, now: dt.datetime | None = None,
                 device_overrides: DeviceOverrides | None = None) -> PipelineSearch:
-    """Cost model + search state for ``model`` on ``cluster``."""
-    cm = CostModel(model, cluster, dtype=dtype, device_overrides=device_overrides)
-    return PipelineSearch(cm, workload or PlanWorkload(), now)
+    """Cost model + search state for ``model`` on ``cluster``.
+
+    The gear's dtype is settled first (:func:`~flexpipe_dag.core.cluster.choose_gear_dtype` over the
+    devices available for the workload's minimum residence): bf16 on a fleet with devices lacking it
+    becomes fp16, or leaves them out, or is refused, by ``workload.bf16_fallback``; what was done is
+    logged as a warning and kept in the search's ``notes``.
+
+    Raises:
+        InputError: bad dtype; bf16 refused (``bf16_fallback="refuse"``) or no device left.
+    """
+    workload = workload or PlanWorkload()
+    at = now or cluster.measured_at
+    usable = [d for d in cluster.devices if d.available_for_s(at) >= workload.min_residence_s]
+    choice = choose_gear_dtype(usable, dtype, workload.bf16_fallback)
+    notes = []
+    if choice.note:
+        notes.append(choice.note)
+        log.warning("plan %s on %s: %s", model.name, cluster.cluster_id, choice.note)
+    cm = CostModel(model, cluster, dtype=choice.dtype, device_overrides=device_overrides)
+    return PipelineSearch(cm, workload, now, exclude_device_ids=choice.excluded_device_ids, notes=notes)
 
 
 def plan_kind(search: PipelineSearch, kind: str, num_stages: int | None = None) -> ScoredPlan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flexpipe_dag.core.cluster import BF16_FALLBACKS, Bf16Fallback
 from flexpipe_dag.core.errors import InputError
 
 
@@ -22,6 +23,9 @@ class PlanWorkload:
         min_residence_s: a device whose ``available_until`` is sooner than this is not used.
         micro_batch_size_candidates: micro-batch sizes (sequences per micro-batch) the search may try;
             :meth:`micro_batch_sizes_to_search` caps them at ``concurrency``.
+        bf16_fallback: a bf16 gear on devices without bf16 (V100, T4): ``"fp16"`` runs the whole gear
+            in fp16, ``"exclude"`` leaves those devices out, ``"refuse"`` raises; see
+            :func:`flexpipe_dag.core.cluster.choose_gear_dtype`.
     """
 
     context_p95_tokens: int = 4096
@@ -33,6 +37,7 @@ class PlanWorkload:
     link_utilisation_max: float = 0.7
     min_residence_s: float = 600.0
     micro_batch_size_candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    bf16_fallback: Bf16Fallback = "fp16"
 
     def __post_init__(self) -> None:
         for name in ("context_p95_tokens", "concurrency", "prompt_tokens_mean", "output_tokens_mean",
@@ -46,6 +51,9 @@ class PlanWorkload:
             raise InputError("workload", "link_utilisation_max", f"expected (0, 1], got {self.link_utilisation_max}")
         if self.min_residence_s < 0:
             raise InputError("workload", "min_residence_s", f"expected >= 0, got {self.min_residence_s}")
+        if self.bf16_fallback not in BF16_FALLBACKS:
+            raise InputError("workload", "bf16_fallback", f"expected one of {', '.join(BF16_FALLBACKS)}, "
+                                                          f"got {self.bf16_fallback!r}")
         if not self.micro_batch_size_candidates or any(size < 1 for size in self.micro_batch_size_candidates):
             raise InputError("workload", "micro_batch_size_candidates",
                              f"expected positive sizes, got {self.micro_batch_size_candidates}")

@@ -83,7 +83,7 @@ def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, 
         "envelopes": table_metadata(envelope_table(plan)),
         "recommended": MetadataValue.json({"gear_id": rec.gear_id, "load_rps": rec.load_rps,
                                            "headroom_fraction": rec.headroom_fraction, "reason": rec.reason}
-                                          if rec else None),
+                                          if rec else {"gear_id": None, "reason": "no load_rps set"}),
         "planning_wall_s": round(plan.wall_s, 2), "simulations": plan.probes,
         **png_metadata(gear_layout_plot(gears), "gear_layout"),
     })

@@ -50,6 +50,9 @@ class PlanningSettings(ConfigurableResource):
                               description="share of requests that must meet the SLO for a rate to count as served")
     load_rps: float | None = Field(default=None, ge=0, description="expected load: the gear for it is marked recommended")
     objective: Literal["speed", "devices"] = Field(default="speed", description="how the operating gears are chosen")
+    bf16_fallback: Literal["fp16", "exclude", "refuse"] = Field(
+        default="fp16", description="bf16 requested on devices without it (V100, T4): run the gear in fp16, "
+                                    "leave those devices out, or refuse")
     max_prompt_tokens: int = Field(default=0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
     max_new_tokens: int = Field(default=0, ge=0, description="cap on generated tokens (0 = none)")
     stage_replicas: bool = Field(default=True,
@@ -80,12 +83,15 @@ class PlanningSettings(ConfigurableResource):
             InputError: the reference trace cannot be read, or ``context_p95_tokens`` exceeds the
                 model's max context.
         """
+        import dataclasses
+
         from flexpipe_dag.planner.operating import workload_from_trace
 
-        return workload_from_trace(reference if reference is not None else self.reference_workload(),
-                                   concurrency=self.concurrency, context_p95_tokens=self.context_p95_tokens,
-                                   max_context_tokens=getattr(model, "max_context_tokens", None),
-                                   min_residence_s=self.min_residence_s)
+        workload = workload_from_trace(reference if reference is not None else self.reference_workload(),
+                                       concurrency=self.concurrency, context_p95_tokens=self.context_p95_tokens,
+                                       max_context_tokens=getattr(model, "max_context_tokens", None),
+                                       min_residence_s=self.min_residence_s)
+        return dataclasses.replace(workload, bf16_fallback=self.bf16_fallback)
 
     def selection_settings(self):
         """The SLO, attainment and probe size envelopes are measured with."""
@@ -118,7 +124,8 @@ PLANNING_ENV = {"FLEXPIPE_MODEL": "model", "FLEXPIPE_PLAN_DTYPE": "dtype", "FLEX
                 "FLEXPIPE_SLO_TPOT_MS": "slo_tpot_ms", "FLEXPIPE_SLO_ATTAINMENT": "attainment",
                 "FLEXPIPE_MAX_PROMPT_TOKENS": "max_prompt_tokens",
                 "FLEXPIPE_MAX_NEW_TOKENS": "max_new_tokens", "FLEXPIPE_PLAN_CONCURRENCY": "concurrency",
-                "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests", "FLEXPIPE_STAGE_REPLICAS": "stage_replicas"}
+                "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests", "FLEXPIPE_STAGE_REPLICAS": "stage_replicas",
+                "FLEXPIPE_BF16_FALLBACK": "bf16_fallback"}
 
 #: The field types :func:`planning_from_env` parses with ``env_value`` (others are taken as stripped strings).
 _SCALAR_KINDS: dict[object, type[int | float | bool]] = {int: int, float: float, bool: bool}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from typing import Any
 
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.dtypes import DTYPE_NAMES, canonical_dtype
@@ -65,6 +66,9 @@ def register(subparsers) -> None:
                    help=f"sequences in flight the KV pool must hold (default {DEFAULT_CONCURRENCY})")
     p.add_argument("--min-residence-s", type=float, default=None,
                    help=f"devices whose available_until is sooner are not used (default {DEFAULT_MIN_RESIDENCE_S:g})")
+    p.add_argument("--bf16-fallback", choices=("fp16", "exclude", "refuse"), default=None,
+                   help="bf16 requested on devices without it (V100, T4): fp16 (default) runs the whole gear in fp16, "
+                        "exclude leaves those devices out, refuse stops; also FLEXPIPE_BF16_FALLBACK")
     p.add_argument("--no-replicas", action="store_true",
                    help="no stage replicas (one device per stage); also FLEXPIPE_STAGE_REPLICAS=0")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -96,7 +100,8 @@ def check_flags(args: argparse.Namespace) -> None:
     Raises:
         InputError: naming the flag and the expected range.
     """
-    checks = (("--concurrency", args.concurrency, {"integer": True, "ge": 1, "le": INT32_MAX, "unit": "sequences"}),
+    checks: tuple[tuple[str, float | None, dict[str, Any]], ...] = (
+              ("--concurrency", args.concurrency, {"integer": True, "ge": 1, "le": INT32_MAX, "unit": "sequences"}),
               ("--min-residence-s", args.min_residence_s, {"ge": 0, "unit": "seconds"}),
               ("--context-p95", args.context_p95, {"integer": True, "ge": 1, "le": INT32_MAX, "unit": "tokens"}),
               ("--slo-ttft-ms", args.slo_ttft_ms, {"gt": 0, "unit": "milliseconds"}),
@@ -113,7 +118,7 @@ def check_flags(args: argparse.Namespace) -> None:
 FLAG_FIELDS = {"dtype": "dtype", "slo_ttft_ms": "slo_ttft_ms", "slo_tpot_ms": "slo_tpot_ms", "attainment": "attainment",
                "load_rps": "load_rps", "trace": "reference_trace", "requests": "reference_requests",
                "objective": "objective", "context_p95": "context_p95_tokens", "concurrency": "concurrency",
-               "min_residence_s": "min_residence_s"}
+               "min_residence_s": "min_residence_s", "bf16_fallback": "bf16_fallback"}
 
 
 def planning_settings(args: argparse.Namespace):
@@ -148,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan_json(plan, cluster.cluster_id, model.summary(settings.dtype)), indent=2))
         return 0
-    print_plan(plan, cluster.cluster_id, model.name, settings.dtype)
+    print_plan(plan, cluster.cluster_id, model.name, plan.gears[0].dtype if plan.gears else settings.dtype)
     return 0
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexpipe_dag.core.cluster import ClusterProfile, choose_gear_dtype
+from flexpipe_dag.core.cluster import ClusterProfile, DtypeChoice, choose_gear_dtype
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear, GearEstimate, GearKind, StagePlan
 from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
@@ -271,6 +271,18 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_m
         profile_version=profile_version)
 
 
+def gear_dtype(cluster: ClusterProfile, dtype: str, workload: PlanWorkload, now: dt.datetime | None = None) -> DtypeChoice:
+    """The dtype gears run in on ``cluster`` when ``dtype`` is requested (devices usable for the
+    workload's minimum residence; rule: :func:`~flexpipe_dag.core.cluster.choose_gear_dtype`).
+
+    Raises:
+        InputError: as :func:`~flexpipe_dag.core.cluster.choose_gear_dtype`.
+    """
+    at = now or cluster.measured_at
+    usable = [d for d in cluster.devices if d.available_for_s(at) >= workload.min_residence_s]
+    return choose_gear_dtype(usable, dtype, workload.bf16_fallback)
+
+
 def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16",
                 workload: PlanWorkload | None = None, now: dt.datetime | None = None,
                 device_overrides: DeviceOverrides | None = None) -> PipelineSearch:
@@ -285,9 +297,7 @@ def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16
         InputError: bad dtype; bf16 refused (``bf16_fallback="refuse"``) or no device left.
     """
     workload = workload or PlanWorkload()
-    at = now or cluster.measured_at
-    usable = [d for d in cluster.devices if d.available_for_s(at) >= workload.min_residence_s]
-    choice = choose_gear_dtype(usable, dtype, workload.bf16_fallback)
+    choice = gear_dtype(cluster, dtype, workload, now)
     notes = []
     if choice.note:
         notes.append(choice.note)

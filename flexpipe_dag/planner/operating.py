@@ -32,7 +32,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import EnvelopeBasis, Gear
 from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
 from flexpipe_dag.planner.envelope import GearEnvelope, SelectionObjective, SelectionSettings, select_operating_gears
-from flexpipe_dag.planner.gears import candidate_gears
+from flexpipe_dag.planner.gears import candidate_gears, gear_dtype
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.workload import PlanWorkload
 from flexpipe_dag.workload.request import Workload
@@ -180,7 +180,8 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
     Args:
         reference: the trace envelopes are measured on (its first ``settings.num_requests`` requests).
         workload: planning assumptions, e.g. :func:`workload_from_trace` of the same trace.
-        dtype: weight / KV dtype.
+        dtype: weight / KV dtype requested; bf16 on devices without it follows ``workload.bf16_fallback``
+            (:func:`~flexpipe_dag.planner.gears.gear_dtype`; the note says what was done).
         settings: SLO, attainment, probe size and tolerances (default :class:`SelectionSettings`).
         objective: ``"speed"`` or ``"devices"`` (:func:`select_operating_gears`).
         load_rps: when given, the gear for this load is recommended (:func:`recommend_gear`).
@@ -199,9 +200,10 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
     settings = settings or SelectionSettings()
     say = progress or (lambda _line: None)
     say(f"proposing candidates for {model.name} on {len(cluster.devices)} device(s)")
+    choice = gear_dtype(cluster, dtype, workload)
     candidates = candidate_gears(cluster, model, dtype=dtype, workload=workload, profile_version=profile_version,
                                  device_overrides=device_overrides, replicas=replicas)
-    cost_model = CostModel(model, cluster, dtype=dtype, device_overrides=device_overrides)
+    cost_model = CostModel(model, cluster, dtype=choice.dtype, device_overrides=device_overrides)
     say(f"measuring {len(candidates)} candidate envelope(s) in the simulator on {reference.name}")
     selection = select_operating_gears(candidates, cost_model, reference, settings, objective)
     basis = EnvelopeBasis(source="simulator", slo_ttft_ms=settings.slo_ttft_ms, slo_tpot_ms=settings.slo_tpot_ms,
@@ -212,6 +214,7 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
     analytic = {g.gear_id: by_suffix.get(g.gear_id.split("-", 1)[1], math.nan) for g in gears}
     recommendation = recommend_gear(gears, load_rps) if load_rps is not None else None
     return OperatingPlan(gears=gears, envelopes=selection.envelopes, candidate_ids=[c.gear_id for c in candidates],
-                         notes=selection.notes, workload=workload, basis=basis, recommendation=recommendation,
+                         notes=([choice.note] if choice.note else []) + selection.notes, workload=workload,
+                         basis=basis, recommendation=recommendation,
                          wall_s=time.perf_counter() - t0, probes=sum(len(e.probes) for e in selection.envelopes),
                          analytic_rps_max=analytic)

@@ -142,7 +142,7 @@ def test_calibration_report_keeps_long_gear_id():
 
 def _gear_file(tmp_path, capsys) -> tuple[Path, dict]:
     assert main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M",
-                 "--concurrency", "8", "--context-p95", "2048", "--json"]) == 0
+                 "--concurrency", "8", "--context-p95", "2048", "--requests", "60", "--json"]) == 0
     gear = json.loads(capsys.readouterr().out)["gears"][-1]
     path = tmp_path / "gear.json"
     path.write_text(json.dumps(gear))
@@ -191,7 +191,7 @@ def test_simulate_help_documents_timing(capsys):
 
 def test_gear_file_prices_like_the_planner_gear(tmp_path, capsys):
     cluster = str(EXAMPLES / "fragmented_lab.yaml")
-    assert main(["plan", "--cluster", cluster, "--model", "Llama-3-8B", "--requests", "200", "--json"]) == 0
+    assert main(["plan", "--cluster", cluster, "--model", "Llama-3-8B", "--requests", "60", "--json"]) == 0
     gear = next(g for g in json.loads(capsys.readouterr().out)["gears"] if g["kind"] == "balanced")
     path = tmp_path / "balanced.json"
     path.write_text(json.dumps(gear))

@@ -63,8 +63,9 @@ def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, 
     info, profile = latest_profile_or_fail(db)
     spec = _model(planning)
     model_id = db.save_model(spec.name, planning.dtype, spec.num_layers, spec.summary(planning.dtype))
-    workload = planning.plan_workload()
+    workload, ctx_report = planning.plan_workload_and_context()
     cluster, overrides, cal = calibrated_inputs(db, info.id, profile, planning, spec.name)
+    context.log.info(f"reference trace {planning.reference_trace}: " + ctx_report.describe(spec.name))
     context.log.info(f"planning for {workload}; "
                      + (f"calibrated cost model ({cal.num_observations} measured steps)" if cal else "profiled cost model"))
     gears = plan_gears(cluster, spec, dtype=planning.dtype, workload=workload, profile_version=info.id,
@@ -76,6 +77,7 @@ def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, 
     return MaterializeResult(metadata={
         "profile_version_id": info.id, "model_id": model_id, "cluster_id": cluster.cluster_id,
         "calibrated": cal is not None,
+        "context": MetadataValue.json(ctx_report.to_dict()),
         "gears": MetadataValue.json([g.gear_id for g in gears]),
         "stages": table_metadata(stage_table(gears)),
         **png_metadata(gear_layout_plot(gears), "gear_layout"),

@@ -10,6 +10,11 @@ Two ways to name the gear and its stage times:
 
 TRACE is a file (Azure CSV, generic CSV / JSONL, length-only CSV) or a bundled name
 (``azure-conv``, ``azure-code``, ``arxiv-summarization``).
+
+Requests whose prompt + output exceed the model's maximum context (``--model``'s, or the gear's
+``model_name`` when it is a built-in model; ``--max-context-tokens`` to set or lower it) are
+rejected and counted (``rejected_context``); with ``--truncate-context`` they are served with the
+prompt cut from the left and counted (``truncated_context``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="replay a request trace through a gear (TTFT, TPOT, goodput, utilisation)",
                               description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", help="cluster profile YAML (with --model and --gear)")
-    p.add_argument("--model", help="model name or config path (with --cluster)")
+    p.add_argument("--model", help="model name or config path (with --cluster; with --gear-file: only its max context)")
     p.add_argument("--gear", help="gear id or kind (latency / balanced / throughput) among the planner's gears")
     p.add_argument("--dtype", default="bf16", help="weight dtype for the planner (default bf16)")
     p.add_argument("--gear-file", help="a Gear as JSON or YAML (instead of --cluster/--model/--gear)")
@@ -63,6 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-size", type=int, help="override the gear's sequences per micro-batch")
     p.add_argument("--max-inflight", type=int, help="override the gear's max in-flight micro-batches")
     p.add_argument("--kv-capacity-tokens", type=int, help="override the gear's KV pool size")
+    p.add_argument("--max-context-tokens", type=int,
+                   help="max context (prompt + output tokens) requests must fit; default the model's own, at most it")
+    p.add_argument("--truncate-context", action="store_true",
+                   help="serve requests over the max context with the prompt cut from the left (default: reject them)")
     p.add_argument("--timeseries-csv", help="write the 2 s metric samples (queue, KV use, stage busy) to this CSV")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -149,12 +159,39 @@ def check_flags(args: argparse.Namespace) -> None:
                         ("--kv-capacity-tokens", args.kv_capacity_tokens)):
         if value is not None:
             check_number(value, None, flag, integer=True, ge=1, le=INT32_MAX)
+    if getattr(args, "max_context_tokens", None) is not None:
+        check_number(args.max_context_tokens, None, "--max-context-tokens", integer=True, ge=2, le=INT32_MAX,
+                     unit="prompt + output tokens")
     if args.timeseries_csv:
         out = Path(args.timeseries_csv)
         if out.is_dir():
             raise InputError(None, "--timeseries-csv", f"{out} is a directory; expected a CSV file path")
         if not out.parent.is_dir():
             raise InputError(None, "--timeseries-csv", f"directory {out.parent} does not exist")
+
+
+def model_context(args: argparse.Namespace, gear: Gear) -> tuple[str, int | None]:
+    """The model's name and the max context (prompt + output tokens) requests are checked against.
+
+    From ``--model`` when given, else from the gear's ``model_name`` when it is a built-in model;
+    ``--max-context-tokens`` sets it (or lowers it: at most the model's own). ``None`` when not known.
+
+    Raises:
+        InputError: ``--max-context-tokens`` above the model's max context, naming both.
+    """
+    from flexpipe_dag.planner.model_spec import builtin_model_names, load_model_spec
+
+    name, known = gear.model_name, None
+    if args.model or gear.model_name in builtin_model_names():
+        spec = load_model_spec(args.model or gear.model_name)
+        name, known = spec.name, spec.max_context_tokens
+    wanted = getattr(args, "max_context_tokens", None)
+    if wanted is None:
+        return name, known
+    if known is not None and wanted > known:
+        raise InputError(None, "--max-context-tokens", f"{wanted} tokens exceeds {name}'s max context of {known} "
+                                                       f"tokens; expected 2..{known}")
+    return name, wanted
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -184,8 +221,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     """The human-readable report of :func:`flexpipe_dag.sim.results.summarize`'s dict."""
     lines = [
         f"gear {summary['gear_id']}" + (f" -> {summary['final_gear_id']}" if summary["final_gear_id"] != summary["gear_id"] else ""),
-        f"requests {summary['requests']}: completed {summary['completed']}, rejected {summary['rejected']}, "
-        f"unfinished {summary['unfinished']}, preemptions {summary['preemptions']}; makespan {summary['makespan_s']:.1f} s",
+        f"requests {summary['requests']}: completed {summary['completed']}, rejected {summary['rejected']}"
+        + (f" ({summary['rejected_context']} over the max context)" if summary.get("rejected_context") else "")
+        + f", unfinished {summary['unfinished']}, preemptions {summary['preemptions']}"
+        + (f", truncated to the max context {summary['truncated_context']}" if summary.get("truncated_context") else "")
+        + f"; makespan {summary['makespan_s']:.1f} s",
         f"{'':8}{'mean':>12}{'P50':>12}{'P95':>12}{'P99':>12}",
     ]
     for key, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("e2e_ms", "e2e ms")):
@@ -211,16 +251,26 @@ def format_summary(summary: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     check_flags(args)
     gear, timing = _gear_and_timing(args)
+    model_name, max_context = model_context(args, gear)
     workload = build_workload(args)
     config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, micro_batch_size=args.micro_batch_size,
-                       max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens)
-    result = Simulator(workload, gear, timing, config).run()
+                       max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens,
+                       max_context_tokens=max_context, context_policy="truncate" if args.truncate_context else "refuse")
+    sim = Simulator(workload, gear, timing, config)
+    result = sim.run()
     if args.timeseries_csv:
         result.timeseries().to_csv(args.timeseries_csv, index=False)
     summary = {"trace": str(args.trace), "workload_requests": len(workload), **result.summary}
+    summary["context"] = {"model": model_name, **(summary.get("context") or {})}
+    context_line = sim.context.describe(model_name, "--truncate-context serves them truncated")
+    if max_context is None:
+        context_line += " (give --model or --max-context-tokens to check them)"
     if args.json:
+        if max_context is None or sim.context.over_context:
+            print(context_line, file=sys.stderr)  # never silent, even when stdout is JSON
         print(json.dumps(summary, indent=2))
     else:
         print(f"trace {args.trace}: {len(workload)} requests over {workload.duration_s:.0f} s")
+        print(context_line)
         print(format_summary(result.summary))
     return 0

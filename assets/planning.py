@@ -78,6 +78,7 @@ def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, 
     return MaterializeResult(metadata={
         "profile_version_id": info.id, "model_id": model_id, "cluster_id": cluster.cluster_id,
         "calibrated": cal is not None, "envelope_basis": plan.basis.describe(),
+        "context": MetadataValue.json(plan.context.to_dict() if plan.context else {}),
         "gears": MetadataValue.json([g.gear_id for g in gears]),
         "stages": table_metadata(stage_table(gears)),
         "envelopes": table_metadata(envelope_table(plan)),

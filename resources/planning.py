@@ -36,8 +36,8 @@ class PlanningSettings(ConfigurableResource):
 
     model: str = "SmolLM2-135M"
     dtype: str = "bf16"
-    context_p95_tokens: int | None = Field(default=None, ge=1, description="P95 context the KV pool is sized for "
-                                           "(default: the reference trace's, at most the model's max context)")
+    context_p95_tokens: int | None = Field(default=None, ge=1, description="P95 context the KV pool is sized for: "
+                                           "the reference trace's, at most this when set")
     concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, description="sequences in flight the KV pool must hold")
     min_residence_s: float = Field(default=DEFAULT_MIN_RESIDENCE_S, ge=0, description="devices leaving sooner are not used")
     reference_trace: str = Field(default=DEFAULT_REFERENCE_TRACE,
@@ -55,13 +55,16 @@ class PlanningSettings(ConfigurableResource):
                                     "leave those devices out, or refuse")
     max_prompt_tokens: int = Field(default=0, ge=0, description="cap on prompt tokens served (0 = none; CPU demos cap)")
     max_new_tokens: int = Field(default=0, ge=0, description="cap on generated tokens (0 = none)")
+    context_policy: str = Field(default="refuse",
+                                description="reference requests over the model's max context (prompt + output "
+                                            "tokens): 'refuse' leaves them out, 'truncate' cuts their prompts")
     stage_replicas: bool = Field(default=True,
                                  description="allow replicas of a hot stage (the runtime runs one worker per replica)")
     replan_margin: float = Field(default=0.10, gt=0, description="a calibration that moves a gear's estimate by more "
                                                                  "than this fraction re-plans the gears")
 
-    def reference_workload(self):
-        """The reference trace with the serving caps applied to its lengths (what gears are scored on)."""
+    def capped_reference_trace(self):
+        """The reference trace with the serving caps (``max_prompt_tokens``, ``max_new_tokens``) applied."""
         import dataclasses
 
         from flexpipe_dag.workload.bundled import load_trace
@@ -76,22 +79,55 @@ class PlanningSettings(ConfigurableResource):
                                 output_tokens=min(r.output_tokens, cap_out or r.output_tokens))
             for r in trace.requests))
 
-    def plan_workload(self, model=None, reference=None):
-        """Planning assumptions read off the reference trace (after the caps), P95 context at most ``model``'s.
+    def max_context_tokens(self) -> int | None:
+        """The model's max context (prompt + output tokens), ``None`` when its description does not say."""
+        from flexpipe_dag.planner.model_spec import load_model_spec
+
+        return load_model_spec(self.model).max_context_tokens
+
+    def checked_context_policy(self):
+        """``context_policy`` checked ('refuse' or 'truncate').
 
         Raises:
-            InputError: the reference trace cannot be read, or ``context_p95_tokens`` exceeds the
-                model's max context.
+            InputError: another value, naming the setting.
+        """
+        from flexpipe_dag.workload.context import check_context_policy
+
+        return check_context_policy(self.context_policy, "PlanningSettings", "context_policy")
+
+    def reference_workload_and_context(self):
+        """``(workload, report)``: the capped reference trace under the model's context rule (requests
+        over the max context left out or truncated, :mod:`flexpipe_dag.workload.context`), and the counts."""
+        from flexpipe_dag.workload.context import apply_context_rule
+
+        rule = apply_context_rule(self.capped_reference_trace(), self.max_context_tokens(), self.checked_context_policy())
+        return rule.workload, rule.report
+
+    def reference_workload(self):
+        """The reference trace with the serving caps and the context rule applied (what gears are scored on)."""
+        return self.reference_workload_and_context()[0]
+
+    def plan_workload_and_context(self):
+        """``(PlanWorkload, ContextReport)``: planning assumptions from the capped reference trace (mean
+        prompt / output, P95 context) with requests over the model's max context left out or truncated
+        (:func:`~flexpipe_dag.planner.workload.plan_workload_from_trace`), and how many were.
+
+        Raises:
+            InputError: the reference trace or the model cannot be read, or a bad ``context_policy``.
         """
         import dataclasses
 
-        from flexpipe_dag.planner.operating import workload_from_trace
+        from flexpipe_dag.planner.workload import plan_workload_from_trace
 
-        workload = workload_from_trace(reference if reference is not None else self.reference_workload(),
-                                       concurrency=self.concurrency, context_p95_tokens=self.context_p95_tokens,
-                                       max_context_tokens=getattr(model, "max_context_tokens", None),
-                                       min_residence_s=self.min_residence_s)
-        return dataclasses.replace(workload, bf16_fallback=self.bf16_fallback)
+        workload, report = plan_workload_from_trace(
+            self.capped_reference_trace(), max_context_tokens=self.max_context_tokens(),
+            context_policy=self.checked_context_policy(), context_p95_cap_tokens=self.context_p95_tokens,
+            concurrency=self.concurrency, min_residence_s=self.min_residence_s)
+        return dataclasses.replace(workload, bf16_fallback=self.bf16_fallback), report
+
+    def plan_workload(self):
+        """The :class:`~flexpipe_dag.planner.workload.PlanWorkload` of :meth:`plan_workload_and_context`."""
+        return self.plan_workload_and_context()[0]
 
     def selection_settings(self):
         """The SLO, attainment and probe size envelopes are measured with."""
@@ -112,8 +148,9 @@ class PlanningSettings(ConfigurableResource):
         """
         from flexpipe_dag.planner.operating import plan_operating_gears
 
-        reference = self.reference_workload()
-        return plan_operating_gears(cluster, model, reference, workload=self.plan_workload(model, reference),
+        reference, report = self.reference_workload_and_context()
+        workload, _ = self.plan_workload_and_context()
+        return plan_operating_gears(cluster, model, reference, workload=workload, context_report=report,
                                     dtype=self.dtype, settings=self.selection_settings(), objective=self.objective,
                                     load_rps=self.load_rps, profile_version=profile_version,
                                     device_overrides=device_overrides, replicas=self.stage_replicas, progress=progress)

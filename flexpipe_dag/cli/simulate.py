@@ -16,12 +16,18 @@ Two ways to name the gear and its stage times:
 
 TRACE is a file (Azure CSV, generic CSV / JSONL, length-only CSV) or a bundled name
 (``azure-conv``, ``azure-code``, ``arxiv-summarization``).
+
+Requests whose prompt + output exceed the model's maximum context (``--model``'s, or the gear's
+``model_name`` when it is a built-in model; ``--max-context-tokens`` to set or lower it) are
+rejected and counted (``rejected_context``); with ``--truncate-context`` they are served with the
+prompt cut from the left and counted (``truncated_context``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="replay a request trace through a gear (TTFT, TPOT, goodput, utilisation)",
                               description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", help="cluster profile YAML (with --model and --gear, or to price --gear-file)")
-    p.add_argument("--model", help="model name or config path (with --cluster; default with --gear-file: the gear's model_name)")
+    p.add_argument("--model", help="model name or config path (with --cluster; default with --gear-file: the gear's "
+                                   "model_name; also gives the max context)")
     p.add_argument("--gear", help="gear id or kind (latency / balanced / throughput) among the planner's gears")
     p.add_argument("--dtype", default=None,
                    help="weight dtype for the cost model (default bf16; with --gear-file the gear's dtype)")
@@ -75,6 +82,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-size", type=int, help="override the gear's sequences per micro-batch")
     p.add_argument("--max-inflight", type=int, help="override the gear's max in-flight micro-batches")
     p.add_argument("--kv-capacity-tokens", type=int, help="override the gear's KV pool size")
+    p.add_argument("--max-context-tokens", type=int,
+                   help="max context (prompt + output tokens) requests must fit; default the model's own, at most it")
+    p.add_argument("--truncate-context", action="store_true",
+                   help="serve requests over the max context with the prompt cut from the left (default: reject them)")
     p.add_argument("--timeseries-csv", help="write the 2 s metric samples (queue, KV use, stage busy) to this CSV")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -209,12 +220,39 @@ def check_flags(args: argparse.Namespace) -> None:
                         ("--kv-capacity-tokens", args.kv_capacity_tokens)):
         if value is not None:
             check_number(value, None, flag, integer=True, ge=1, le=INT32_MAX)
+    if getattr(args, "max_context_tokens", None) is not None:
+        check_number(args.max_context_tokens, None, "--max-context-tokens", integer=True, ge=2, le=INT32_MAX,
+                     unit="prompt + output tokens")
     if args.timeseries_csv:
         out = Path(args.timeseries_csv)
         if out.is_dir():
             raise InputError(None, "--timeseries-csv", f"{out} is a directory; expected a CSV file path")
         if not out.parent.is_dir():
             raise InputError(None, "--timeseries-csv", f"directory {out.parent} does not exist")
+
+
+def model_context(args: argparse.Namespace, gear: Gear) -> tuple[str, int | None]:
+    """The model's name and the max context (prompt + output tokens) requests are checked against.
+
+    From ``--model`` when given, else from the gear's ``model_name`` when it is a built-in model;
+    ``--max-context-tokens`` sets it (or lowers it: at most the model's own). ``None`` when not known.
+
+    Raises:
+        InputError: ``--max-context-tokens`` above the model's max context, naming both.
+    """
+    from flexpipe_dag.planner.model_spec import builtin_model_names, load_model_spec
+
+    name, known = gear.model_name, None
+    if args.model or gear.model_name in builtin_model_names():
+        spec = load_model_spec(args.model or gear.model_name)
+        name, known = spec.name, spec.max_context_tokens
+    wanted = getattr(args, "max_context_tokens", None)
+    if wanted is None:
+        return name, known
+    if known is not None and wanted > known:
+        raise InputError(None, "--max-context-tokens", f"{wanted} tokens exceeds {name}'s max context of {known} "
+                                                       f"tokens; expected 2..{known}")
+    return name, wanted
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -261,9 +299,11 @@ def summary_renderables(summary: dict[str, Any]) -> list[RenderableType]:
     slo, q, kv = summary["slo"], summary["queue_length"], summary["kv_used_fraction"]
     lines = [
         gear,
-        f"requests {n(summary['requests'])}: completed {n(summary['completed'])}, rejected {n(summary['rejected'])}, "
-        f"unfinished {n(summary['unfinished'])}, preemptions {n(summary['preemptions'])}; "
-        f"makespan {n(summary['makespan_s'])} s",
+        f"requests {n(summary['requests'])}: completed {n(summary['completed'])}, rejected {n(summary['rejected'])}"
+        + (f" ({n(summary['rejected_context'])} over the max context)" if summary.get("rejected_context") else "")
+        + f", unfinished {n(summary['unfinished'])}, preemptions {n(summary['preemptions'])}"
+        + (f", truncated to the max context {n(summary['truncated_context'])}" if summary.get("truncated_context") else "")
+        + f"; makespan {n(summary['makespan_s'])} s",
     ]
     tail = [
         f"throughput {n(summary['throughput_rps'], 2)} req/s, {n(summary['tokens_per_s'], 0)} output tokens/s",
@@ -291,19 +331,29 @@ def format_summary(summary: dict[str, Any], width: int = PIPE_WIDTH) -> str:
 def run(args: argparse.Namespace) -> int:
     check_flags(args)
     gear, timing = _gear_and_timing(args)
+    model_name, max_context = model_context(args, gear)
     workload = build_workload(args)
     config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, micro_batch_size=args.micro_batch_size,
-                       max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens)
-    result = Simulator(workload, gear, timing, config).run()
+                       max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens,
+                       max_context_tokens=max_context, context_policy="truncate" if args.truncate_context else "refuse")
+    sim = Simulator(workload, gear, timing, config)
+    result = sim.run()
     if args.timeseries_csv:
         result.timeseries().to_csv(args.timeseries_csv, index=False)
     summary = {"trace": str(args.trace), "workload_requests": len(workload), **result.summary}
+    summary["context"] = {"model": model_name, **(summary.get("context") or {})}
+    context_line = sim.context.describe(model_name, "--truncate-context serves them truncated")
+    if max_context is None:
+        context_line += " (give --model or --max-context-tokens to check them)"
     if args.json:
+        if max_context is None or sim.context.over_context:
+            print(context_line, file=sys.stderr)  # never silent, even when stdout is JSON
         print(json.dumps(summary, indent=2))
     else:
         console = cli_console()
         console.print(Text(f"trace {args.trace}: {format_number(len(workload))} requests over "
                            f"{format_number(workload.duration_s, 0)} s", overflow="fold"))
+        console.print(Text(context_line, overflow="fold"))
         for item in summary_renderables(result.summary):
             console.print(item)
     return 0

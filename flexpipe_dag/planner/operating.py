@@ -4,7 +4,7 @@
 with the defaults below, so the same fleet, model and SLO give the same gears everywhere:
 
 1. the planning workload (mean prompt and output, P95 context) is read off the reference trace
-   (:func:`workload_from_trace`), capped at the model's context;
+   under the model's context rule (:func:`~flexpipe_dag.planner.workload.plan_workload_from_trace`);
 2. :func:`~flexpipe_dag.planner.gears.candidate_gears` proposes a shortlist of distinct
    configurations, ranked by the analytic estimate (:mod:`~flexpipe_dag.planner.estimate`);
 3. each candidate's envelope is *measured* in the simulator at the user's SLO
@@ -25,8 +25,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import EnvelopeBasis, Gear
@@ -35,6 +33,7 @@ from flexpipe_dag.planner.envelope import GearEnvelope, SelectionObjective, Sele
 from flexpipe_dag.planner.gears import candidate_gears, gear_dtype
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.workload import PlanWorkload
+from flexpipe_dag.workload.context import ContextReport
 from flexpipe_dag.workload.request import Workload
 
 #: Sequences in flight each gear's KV pool must hold at the P95 context (CLI and Dagster alike).
@@ -49,40 +48,6 @@ DEFAULT_MIN_RESIDENCE_S = 600.0
 DEFAULT_SLO_TTFT_MS = SelectionSettings.slo_ttft_ms
 DEFAULT_SLO_TPOT_MS = SelectionSettings.slo_tpot_ms
 DEFAULT_ATTAINMENT = SelectionSettings.attainment
-
-
-def workload_from_trace(trace: Workload, *, concurrency: int = DEFAULT_CONCURRENCY,
-                        context_p95_tokens: int | None = None, max_context_tokens: int | None = None,
-                        min_residence_s: float = DEFAULT_MIN_RESIDENCE_S) -> PlanWorkload:
-    """Planning assumptions read off a trace: mean prompt and output tokens, P95 of prompt + output.
-
-    Args:
-        trace: the reference workload (requests over the model's context should already be refused
-            or truncated by the caller's context rule).
-        concurrency: sequences in flight the KV pool must hold.
-        context_p95_tokens: an explicit P95 context (tokens) to size the KV pool for; default the
-            trace's own P95.
-        max_context_tokens: the model's maximum context; the P95 is capped at it.
-        min_residence_s: devices leaving sooner are not used, seconds.
-
-    Raises:
-        InputError: an empty trace, or ``context_p95_tokens`` above ``max_context_tokens`` (both named).
-    """
-    if len(trace) == 0:
-        raise InputError(trace.source or trace.name, None, "the reference trace has no requests")
-    prompt = np.array([r.input_tokens for r in trace.requests], dtype=float)
-    output = np.array([r.output_tokens for r in trace.requests], dtype=float)
-    p95 = int(math.ceil(float(np.percentile(prompt + output, 95))))
-    if context_p95_tokens is not None:
-        if max_context_tokens and context_p95_tokens > max_context_tokens:
-            raise InputError(None, "context_p95_tokens", f"{context_p95_tokens} tokens exceeds the model's max context "
-                             f"of {max_context_tokens} tokens; expected 1..{max_context_tokens}")
-        p95 = context_p95_tokens
-    if max_context_tokens:
-        p95 = min(p95, max_context_tokens)
-    return PlanWorkload(context_p95_tokens=max(1, p95), concurrency=concurrency,
-                        prompt_tokens_mean=max(1, round(float(prompt.mean()))),
-                        output_tokens_mean=max(1, round(float(output.mean()))), min_residence_s=min_residence_s)
 
 
 @dataclass(frozen=True)
@@ -153,6 +118,7 @@ class OperatingPlan:
         workload: the planning assumptions used (from the trace).
         basis: the SLO, attainment and workload every envelope is measured against.
         recommendation: the gear for ``load_rps``, when a load was given.
+        context: what the context rule did to the reference trace, when the caller applied it.
         wall_s: wall time of the whole plan, seconds.
         probes: simulations run (each of ``basis.num_requests`` requests at most).
         analytic_rps_max: each chosen gear's analytic envelope (the estimate's), by gear id, for comparison.
@@ -165,6 +131,7 @@ class OperatingPlan:
     workload: PlanWorkload
     basis: EnvelopeBasis
     recommendation: Recommendation | None = None
+    context: ContextReport | None = None
     wall_s: float = 0.0
     probes: int = 0
     analytic_rps_max: dict[str, float] = field(default_factory=dict)
@@ -174,12 +141,14 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
                          dtype: str = "bf16", settings: SelectionSettings | None = None,
                          objective: SelectionObjective = "speed", load_rps: float | None = None,
                          profile_version: int | None = None, device_overrides: DeviceOverrides | None = None,
-                         replicas: bool = True, progress: Callable[[str], None] | None = None) -> OperatingPlan:
+                         replicas: bool = True, context_report: ContextReport | None = None,
+                         progress: Callable[[str], None] | None = None) -> OperatingPlan:
     """Plan the operating gears of ``model`` on ``cluster`` and measure their envelopes (module doc).
 
     Args:
         reference: the trace envelopes are measured on (its first ``settings.num_requests`` requests).
-        workload: planning assumptions, e.g. :func:`workload_from_trace` of the same trace.
+        workload: planning assumptions, e.g. :func:`~flexpipe_dag.planner.workload.plan_workload_from_trace`
+            of the same trace.
         dtype: weight / KV dtype requested; bf16 on devices without it follows ``workload.bf16_fallback``
             (:func:`~flexpipe_dag.planner.gears.gear_dtype`; the note says what was done).
         settings: SLO, attainment, probe size and tolerances (default :class:`SelectionSettings`).
@@ -187,6 +156,7 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
         load_rps: when given, the gear for this load is recommended (:func:`recommend_gear`).
         device_overrides: per-device calibration factors of the cost model.
         replicas: allow replicas of a hot stage.
+        context_report: what the model's context rule did to ``reference`` (its line joins the notes).
         progress: called with a short line as each step starts (for a spinner or a log).
 
     Returns:
@@ -213,8 +183,11 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
     by_suffix = {c.gear_id.split("-", 1)[1]: c.rps_max for c in candidates}  # ids keep their hash when relabelled
     analytic = {g.gear_id: by_suffix.get(g.gear_id.split("-", 1)[1], math.nan) for g in gears}
     recommendation = recommend_gear(gears, load_rps) if load_rps is not None else None
+    notes = [choice.note] if choice.note else []
+    if context_report is not None and context_report.over_context:
+        notes.append(context_report.describe(model.name))
     return OperatingPlan(gears=gears, envelopes=selection.envelopes, candidate_ids=[c.gear_id for c in candidates],
-                         notes=([choice.note] if choice.note else []) + selection.notes, workload=workload,
-                         basis=basis, recommendation=recommendation,
+                         notes=notes + selection.notes, workload=workload,
+                         basis=basis, recommendation=recommendation, context=context_report,
                          wall_s=time.perf_counter() - t0, probes=sum(len(e.probes) for e in selection.envelopes),
                          analytic_rps_max=analytic)

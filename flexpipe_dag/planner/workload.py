@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from flexpipe_dag.core.cluster import BF16_FALLBACKS, Bf16Fallback
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.workload.context import ContextPolicy, ContextReport, apply_context_rule
+from flexpipe_dag.workload.request import Workload
 
 
 @dataclass(frozen=True)
@@ -66,3 +70,36 @@ class PlanWorkload:
     def micro_batch_sizes_to_search(self) -> list[int]:
         """Micro-batch sizes the search tries: the candidates capped at the concurrency, ascending, unique."""
         return sorted({min(size, self.concurrency) for size in self.micro_batch_size_candidates})
+
+
+def plan_workload_from_trace(trace: Workload, *, max_context_tokens: int | None, context_policy: ContextPolicy = "refuse",
+                             context_p95_cap_tokens: int | None = None, concurrency: int = 64,
+                             min_residence_s: float = 600.0) -> tuple[PlanWorkload, ContextReport]:
+    """Planning assumptions from a request trace, under the context rule the simulator and runtime apply.
+
+    Requests whose prompt + output exceed ``max_context_tokens`` (the model's max context) are left
+    out (``"refuse"``) or truncated (``"truncate"``; :mod:`flexpipe_dag.workload.context`) before
+    the statistics are taken: ``prompt_tokens_mean`` / ``output_tokens_mean`` (tokens per request)
+    and ``context_p95_tokens`` (P95 of prompt + output tokens, at most ``context_p95_cap_tokens``).
+
+    Returns:
+        ``(workload, report)``: the :class:`PlanWorkload` and how many requests were over the context.
+
+    Raises:
+        InputError: the trace is empty, or no request fits the max context.
+    """
+    rule = apply_context_rule(trace, max_context_tokens, context_policy)
+    reqs = rule.workload.requests
+    if not reqs:
+        why = (f"all {len(trace)} requests exceed the max context of {max_context_tokens} tokens; expected some "
+               "that fit (or truncate them)" if len(trace) else "expected at least one request")
+        raise InputError(trace.source or trace.name, None, why)
+    prompt = np.array([r.input_tokens for r in reqs], dtype=np.int64)
+    output = np.array([r.output_tokens for r in reqs], dtype=np.int64)
+    p95 = max(1, int(np.percentile(prompt + output, 95)))
+    if context_p95_cap_tokens is not None:
+        p95 = min(context_p95_cap_tokens, p95)
+    workload = PlanWorkload(context_p95_tokens=p95, concurrency=concurrency,
+                            prompt_tokens_mean=max(1, int(prompt.mean())), output_tokens_mean=max(1, int(output.mean())),
+                            min_residence_s=min_residence_s)
+    return workload, rule.report

@@ -189,18 +189,18 @@ def test_simulate_help_documents_timing(capsys):
     assert "--timing" in out and "decode_per_seq_ms" in out
 
 
-def test_gear_file_prices_like_the_planner_gear(tmp_path, capsys):
+def test_gear_file_prices_like_the_planner_gear(tmp_path, capsys, monkeypatch):
     cluster = str(EXAMPLES / "fragmented_lab.yaml")
     assert main(["plan", "--cluster", cluster, "--model", "Llama-3-8B", "--requests", "60", "--json"]) == 0
-    gear = next(g for g in json.loads(capsys.readouterr().out)["gears"] if g["kind"] == "balanced")
-    path = tmp_path / "balanced.json"
+    gear = json.loads(capsys.readouterr().out)["gears"][-1]
+    path = tmp_path / "throughput.json"
     path.write_text(json.dumps(gear))
     common = ["--cluster", cluster, "--trace", "azure-conv", "--window-s", "0", "30", "--json"]
     assert main(["simulate", "--gear-file", str(path), *common]) == 0
     by_file = json.loads(capsys.readouterr().out)
-    assert main(["simulate", "--gear", "balanced", "--model", "Llama-3-8B", *common]) == 0
+    monkeypatch.setenv("FLEXPIPE_REFERENCE_REQUESTS", "60")  # simulate plans as plan does, same settings
+    assert main(["simulate", "--gear", "throughput", "--model", "Llama-3-8B", *common]) == 0
     by_planner = json.loads(capsys.readouterr().out)
-    if by_planner["gear_id"] != gear["gear_id"]:
-        pytest.skip("simulate's planner defaults proposed a different balanced gear than plan's")
+    assert by_planner["gear_id"] == gear["gear_id"]  # one code path: simulate --gear KIND is plan's gear
     for key in ("makespan_s", "ttft_ms", "tpot_ms", "completed"):
         assert by_file[key] == by_planner[key]

@@ -78,6 +78,7 @@ def test_bad_planning_flags_are_refused_by_name(capsys, flag, value):
 
 
 def test_plan_infeasible_exits_2(capsys):
-    rc = main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "Llama-2-70B", *QUICK])
+    rc = main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "Llama-2-70B",
+               "--concurrency", "512", *QUICK])
     assert rc == 2
     assert "KV pool" in capsys.readouterr().err

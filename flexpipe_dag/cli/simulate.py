@@ -115,21 +115,26 @@ def load_gear_file(path: str | Path) -> Gear:
 
 
 def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
-    """Plan gears for the cluster and model and pick ``--gear`` by id or kind."""
+    """Plan the operating gears as ``flexpipe plan`` does (same settings, this command's SLO) and pick
+    ``--gear`` by id or kind."""
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.cost_model import CostModel
-    from flexpipe_dag.planner.gears import plan_gears
     from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.resources.planning import PlanningSettings, planning_from_env
 
-    dtype = args.dtype or "bf16"
+    values = {**planning_from_env(), "model": args.model, "slo_ttft_ms": args.slo_ttft_ms,
+              "slo_tpot_ms": args.slo_tpot_ms}
+    if args.dtype:
+        values["dtype"] = args.dtype
+    settings = PlanningSettings(**values)
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
-    gears = list(plan_gears(cluster, model, dtype=dtype))
+    gears = settings.plan(cluster, model).gears
     chosen = next((g for g in gears if g.gear_id == args.gear), None) or next((g for g in gears if g.kind == args.gear), None)
     if chosen is None:
         raise InputError(None, "--gear", f"got {args.gear!r}; expected a kind {list(OPERATING_KINDS)} or one of "
                          f"{[g.gear_id for g in gears]}")
-    cost_model = CostModel(model, cluster, dtype=dtype)
+    cost_model = CostModel(model, cluster, dtype=chosen.dtype)
     return chosen, cost_model.timings(chosen)
 
 

@@ -156,7 +156,7 @@ def _v100_fleet() -> ClusterProfile:
 
 def test_bf16_on_a_v100_fleet_is_planned_fp16_with_a_note(caplog):
     cluster, model = _v100_fleet(), load_model_spec("SmolLM2-135M")
-    with caplog.at_level(logging.WARNING, logger="flexpipe_dag.planner.gears"):
+    with caplog.at_level(logging.INFO, logger="flexpipe_dag.planner.gears"):
         search = make_search(cluster, model, dtype="bf16")
         gears = plan_gears(cluster, model, dtype="bf16")
     assert search.cm.dtype == "fp16" and {g.dtype for g in gears} == {"fp16"}

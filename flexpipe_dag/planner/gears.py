@@ -291,7 +291,7 @@ def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16
     The gear's dtype is settled first (:func:`~flexpipe_dag.core.cluster.choose_gear_dtype` over the
     devices available for the workload's minimum residence): bf16 on a fleet with devices lacking it
     becomes fp16, or leaves them out, or is refused, by ``workload.bf16_fallback``; what was done is
-    logged as a warning and kept in the search's ``notes``.
+    logged (INFO) and kept in the search's ``notes``.
 
     Raises:
         InputError: bad dtype; bf16 refused (``bf16_fallback="refuse"``) or no device left.
@@ -301,7 +301,7 @@ def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16
     notes = []
     if choice.note:
         notes.append(choice.note)
-        log.warning("plan %s on %s: %s", model.name, cluster.cluster_id, choice.note)
+        log.info("plan %s on %s: %s", model.name, cluster.cluster_id, choice.note)
     cm = CostModel(model, cluster, dtype=choice.dtype, device_overrides=device_overrides)
     return PipelineSearch(cm, workload, now, exclude_device_ids=choice.excluded_device_ids, notes=notes)
 

@@ -1,7 +1,18 @@
-"""The ``gear_evaluations`` asset: every candidate gear replayed on a real reference trace in the simulator."""
+"""The ``gear_evaluations`` asset: each stored gear's envelope promise checked on held-out requests of its trace."""
+
+import math
 
 import pandas as pd
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import (
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+    asset_check,
+)
 
 from flexpipe_dag.assets.calibration import calibrated_inputs
 from flexpipe_dag.assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
@@ -21,47 +32,63 @@ def evaluation_table(evaluations) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+#: The promise an envelope makes: at this share of its own rps_max a gear keeps at least this SLO attainment.
+PROMISE_LOAD_SHARE = 0.8
+PROMISE_MIN_ATTAINMENT = 0.9
+
+
 @asset(group_name="planning", kinds={"sql"}, deps=["candidate_gears"],
-       description="Each candidate gear replayed on a real reference trace in the simulator: its measured "
-                   "envelope (rps_max within the SLO), TTFT P99 there and estimate replace the planner's.")
+       description="Each stored gear replayed at 80 % of its measured envelope on a stretch of the reference trace "
+                   "the planner did not measure on: the SLO attainment its promise gives there, latency CDFs, "
+                   "stage utilisation.")
 def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings, store: StoreResource) -> MaterializeResult:
     from flexpipe_dag.core.settings import flexpipe_home
     from flexpipe_dag.planner.cost_model import CostModel
-    from flexpipe_dag.planner.envelope import refine_envelopes
+    from flexpipe_dag.planner.envelope import check_promise, holdout_reference
     from flexpipe_dag.planner.model_spec import load_model_spec
-    from flexpipe_dag.sim.config import SimConfig
-    from flexpipe_dag.sim.evaluate import evaluate_gear, plot_evaluation
-    from flexpipe_dag.workload.transform import head, speedup
+    from flexpipe_dag.sim.evaluate import evaluation_from_result, plot_evaluation
 
     db = store.get_store()
     info, profile = latest_profile_or_fail(db)
     spec = load_model_spec(planning.model)
     cluster, overrides, _ = calibrated_inputs(db, info.id, profile, planning, spec.name)
-    gears = db.load_gears(info.id)
+    gears = [g for g in db.load_gears(info.id) if math.isfinite(g.rps_max) and g.rps_max > 0]
     if not gears:
-        raise InfeasibleError(f"no gears stored for profile version {info.id}: materialise candidate_gears first")
-    model_id = db.save_model(spec.name, planning.dtype, spec.num_layers, spec.summary(planning.dtype))
+        raise InfeasibleError(f"no gears with a measured envelope stored for profile version {info.id}: "
+                              "materialise candidate_gears first")
     cost_model = CostModel(spec, cluster, dtype=planning.dtype, device_overrides=overrides)
-    reference = planning.reference_workload()
-    envelopes: list = []
-    refined = refine_envelopes(gears, cost_model, reference, slo_ttft_ms=planning.slo_ttft_ms,
-                               slo_tpot_ms=planning.slo_tpot_ms, num_requests=planning.reference_requests,
-                               report=envelopes)
-    db.save_gears(refined, info.id, model_id)
-    config = SimConfig(slo_ttft_ms=planning.slo_ttft_ms, slo_tpot_ms=planning.slo_tpot_ms)
-    base = head(reference, planning.reference_requests)
-    evaluations = []
-    for g in refined:  # each gear at 80 % of its measured envelope: the latency users see there
-        rate = max(0.8 * g.rps_max, 1e-3)
-        evaluations.append(evaluate_gear(g, cost_model.timings(g), speedup(base, rate / base.mean_rate_rps), config))
-        context.log.info(f"{g.gear_id}: envelope {g.rps_min:.3g}..{g.rps_max:.3g} req/s, TTFT p99 "
-                         f"{g.target_p99_ms:.4g} ms at rps_max (was {next(o for o in gears if o.gear_id == g.gear_id).rps_max:.3g})")
+    holdout = holdout_reference(planning.reference_workload(), planning.reference_requests)
+    checks = []
+    for g in gears:
+        chk = check_promise(g, cost_model.timings(g), holdout, slo_ttft_ms=planning.slo_ttft_ms,
+                            slo_tpot_ms=planning.slo_tpot_ms, load_share=PROMISE_LOAD_SHARE,
+                            min_attainment=PROMISE_MIN_ATTAINMENT)
+        checks.append(chk)
+        context.log.info(f"{g.gear_id}: at {chk.rate_rps:.3g} req/s ({PROMISE_LOAD_SHARE:.0%} of its envelope) on "
+                         f"{chk.workload}: SLO attainment {chk.slo_attainment:.1%}, {chk.lost} lost "
+                         f"({'holds' if chk.passed else 'DOES NOT HOLD'})")
+    evaluations = [evaluation_from_result(c.gear_id, c.workload, c.result) for c in checks]
     png_path = plot_evaluation(evaluations, flexpipe_home() / "plots" / "gear_evaluations.png")
     return MaterializeResult(metadata={
-        "profile_version_id": info.id, "workload": reference.name, "requests": planning.reference_requests,
-        "envelopes": table_metadata(pd.DataFrame([{k: v for k, v in e.to_dict().items() if k != "probes" and k != "estimate"}
-                                                  for e in envelopes])),
+        "profile_version_id": info.id, "workload": holdout.name, "requests": len(holdout),
+        "promises": table_metadata(pd.DataFrame([{"gear": c.gear_id, "rate_rps": c.rate_rps,
+                                                  "slo_attainment": c.slo_attainment, "lost": c.lost,
+                                                  "holds": c.passed} for c in checks])),
+        "promises_kept": sum(c.passed for c in checks), "gears": len(checks),
         "evaluations": table_metadata(evaluation_table(evaluations)),
         **png_metadata(png_path.read_bytes(), "gear_evaluations"),
         "ttft_cdf_ms": MetadataValue.json({ev.gear_id: ev.ttft_cdf_ms[::10] for ev in evaluations}),
     })
+
+
+@asset_check(asset=gear_evaluations, description=f"Every gear keeps SLO attainment >= {PROMISE_MIN_ATTAINMENT:.0%} at "
+                                                 f"{PROMISE_LOAD_SHARE:.0%} of its own envelope on held-out requests.")
+def gear_promises_hold(context: AssetCheckExecutionContext) -> AssetCheckResult:
+    event = context.instance.get_latest_materialization_event(gear_evaluations.key)
+    meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
+    kept, total = meta.get("promises_kept"), meta.get("gears")
+    if kept is None or total is None:
+        return AssetCheckResult(passed=False, severity=AssetCheckSeverity.WARN,
+                                description="gear_evaluations has not recorded promise checks yet")
+    return AssetCheckResult(passed=kept.value == total.value, severity=AssetCheckSeverity.WARN,
+                            metadata={"promises_kept": kept.value, "gears": total.value})

@@ -54,32 +54,47 @@ def model_profile(context: AssetExecutionContext, planning: PlanningSettings, st
 
 
 @asset(group_name="planning", kinds={"sql"}, deps=["gpu_profile", model_profile, "calibration"],
-       description="Latency / balanced / throughput gears for the model on the newest cluster profile "
-                   "(with the newest calibration applied).")
+       description="Latency / balanced / throughput gears for the model on the newest cluster profile (with the "
+                   "newest calibration applied), chosen by envelopes measured in the simulator at the SLO.")
 def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, store: StoreResource) -> MaterializeResult:
-    from flexpipe_dag.planner.gears import plan_gears
-
     db = store.get_store()
     info, profile = latest_profile_or_fail(db)
     spec = _model(planning)
     model_id = db.save_model(spec.name, planning.dtype, spec.num_layers, spec.summary(planning.dtype))
-    workload = planning.plan_workload()
     cluster, overrides, cal = calibrated_inputs(db, info.id, profile, planning, spec.name)
-    context.log.info(f"planning for {workload}; "
-                     + (f"calibrated cost model ({cal.num_observations} measured steps)" if cal else "profiled cost model"))
-    gears = plan_gears(cluster, spec, dtype=planning.dtype, workload=workload, profile_version=info.id,
-                       device_overrides=overrides, replicas=planning.stage_replicas)
+    context.log.info("planning with the " + (f"calibrated cost model ({cal.num_observations} measured steps)"
+                                             if cal else "profiled cost model"))
+    plan = planning.plan(cluster, spec, profile_version=info.id, device_overrides=overrides, progress=context.log.info)
+    gears = plan.gears
     db.save_gears(gears, info.id, model_id)
+    context.log.info(f"planned for {plan.workload}; envelopes: {plan.basis.describe()}; {plan.probes} simulations "
+                     f"in {plan.wall_s:.1f} s")
     for g in gears:
         context.log.info(f"{g.gear_id}: {g.num_stages} stage(s) {g.layer_ranges()}, micro-batch {g.micro_batch_size}, "
-                         f"envelope {g.rps_min:.3g}..{g.rps_max:.3g} req/s")
+                         f"envelope {g.rps_min:.3g}..{g.rps_max:.3g} req/s (analytic {plan.analytic_rps_max[g.gear_id]:.3g})")
+    for note in plan.notes:
+        context.log.info(note)
+    rec = plan.recommendation
     return MaterializeResult(metadata={
         "profile_version_id": info.id, "model_id": model_id, "cluster_id": cluster.cluster_id,
-        "calibrated": cal is not None,
+        "calibrated": cal is not None, "envelope_basis": plan.basis.describe(),
+        "context": MetadataValue.json(plan.context.to_dict() if plan.context else {}),
         "gears": MetadataValue.json([g.gear_id for g in gears]),
         "stages": table_metadata(stage_table(gears)),
+        "envelopes": table_metadata(envelope_table(plan)),
+        "recommended": MetadataValue.json({"gear_id": rec.gear_id, "load_rps": rec.load_rps,
+                                           "headroom_fraction": rec.headroom_fraction, "reason": rec.reason}
+                                          if rec else {"gear_id": None, "reason": "no load_rps set"}),
+        "planning_wall_s": round(plan.wall_s, 2), "simulations": plan.probes,
         **png_metadata(gear_layout_plot(gears), "gear_layout"),
     })
+
+
+def envelope_table(plan) -> pd.DataFrame:
+    """One row per candidate: measured ``rps_max``, probes run and how many stopped early."""
+    return pd.DataFrame([{"candidate": e.gear_id, "rps_max": e.rps_max, "ttft_p99_ms_at_max": e.target_p99_ms,
+                          "probes": len(e.probes), "stopped_early": sum(p.stopped_s is not None for p in e.probes)}
+                         for e in plan.envelopes])
 
 
 @asset_check(asset=candidate_gears, description="Every stored gear fits its devices' memory and its links' bandwidth.")

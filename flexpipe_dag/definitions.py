@@ -22,7 +22,7 @@ from dagster import BetaWarning, Definitions, load_asset_checks_from_modules, lo
 
 from flexpipe_dag.assets import calibration, evaluation, health, planning, profiling
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.settings import INT32_MAX, env_value
+from flexpipe_dag.core.settings import env_value
 from flexpipe_dag.jobs.batch import batch_inference
 from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
 from flexpipe_dag.jobs.profiling import (
@@ -35,7 +35,7 @@ from flexpipe_dag.jobs.replan import replan_sensor
 from flexpipe_dag.jobs.serve import serve_trace
 from flexpipe_dag.jobs.tide import tide_sensor
 from flexpipe_dag.resources.control import ControlSettings
-from flexpipe_dag.resources.planning import PlanningSettings
+from flexpipe_dag.resources.planning import PlanningSettings, planning_from_env
 from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
 from flexpipe_dag.sql.store import check_store_url
@@ -44,64 +44,6 @@ from flexpipe_dag.sql.store import check_store_url
 warnings.filterwarnings("ignore", category=BetaWarning, module=r"dagster\..*")
 
 ASSET_MODULES = [profiling, planning, calibration, evaluation, health]
-
-
-#: Environment variables that set PlanningSettings fields (unset: the field's default).
-PLANNING_ENV = {"FLEXPIPE_MODEL": "model", "FLEXPIPE_PLAN_DTYPE": "dtype", "FLEXPIPE_SLO_TTFT_MS": "slo_ttft_ms",
-                "FLEXPIPE_SLO_TPOT_MS": "slo_tpot_ms", "FLEXPIPE_MAX_PROMPT_TOKENS": "max_prompt_tokens",
-                "FLEXPIPE_MAX_NEW_TOKENS": "max_new_tokens", "FLEXPIPE_PLAN_CONCURRENCY": "concurrency",
-                "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests", "FLEXPIPE_STAGE_REPLICAS": "stage_replicas"}
-
-
-#: The field types :func:`_planning_env` parses with ``env_value`` (others are taken as stripped strings).
-_SCALAR_KINDS: dict[object, type[int | float | bool]] = {int: int, float: float, bool: bool}
-
-
-def _unit_of(name: str) -> str:
-    """Unit named by a field's suffix, for error messages."""
-    for suffix, unit in (("_ms", "milliseconds"), ("_s", "seconds"), ("_tokens", "tokens")):
-        if name.endswith(suffix):
-            return unit
-    return ""
-
-
-def _bounds_of(field) -> dict:
-    """``ge`` / ``gt`` / ``le`` / ``lt`` of a pydantic field's ``Field(...)`` constraints."""
-    out = {}
-    for constraint in field.metadata:
-        for key in ("ge", "gt", "le", "lt"):
-            value = getattr(constraint, key, None)
-            if value is not None:
-                out[key] = value
-    return out
-
-
-def _planning_env() -> dict:
-    """PlanningSettings fields set by :data:`PLANNING_ENV` variables, each parsed and range-checked.
-
-    Raises:
-        InputError: a variable is not of its field's type (int / float / bool) or is outside the
-            field's range (named: variable, expected type and range, value given); an unknown dtype.
-    """
-    from flexpipe_dag.core.dtypes import canonical_dtype
-
-    fields = PlanningSettings.model_fields
-    out: dict[str, object] = {}
-    for var, name in PLANNING_ENV.items():
-        kind = _SCALAR_KINDS.get(fields[name].annotation)
-        value: object
-        if kind is not None:
-            bounds = _bounds_of(fields[name])
-            if kind is int:
-                bounds.setdefault("le", INT32_MAX)
-            value = env_value(var, kind, None, unit=_unit_of(name), **bounds)
-        else:
-            value = (os.environ.get(var) or "").strip() or None
-        if value is not None:
-            out[name] = value
-    if "dtype" in out:
-        out["dtype"] = canonical_dtype(str(out["dtype"]), "environment variable FLEXPIPE_PLAN_DTYPE", None)
-    return out
 
 
 def _profile_refresh_cron() -> str:
@@ -132,7 +74,7 @@ def build_resources() -> dict:
         "store": StoreResource(database_url=database_url),
         "prober": ProberResource(probe=env_value("FLEXPIPE_PROBE", bool, True),
                                  cluster_file=os.environ.get("FLEXPIPE_CLUSTER_FILE", "")),
-        "planning": PlanningSettings(**_planning_env()),
+        "planning": PlanningSettings(**planning_from_env()),
         "control": control,
     }
 

@@ -32,6 +32,9 @@ class BatchInferenceConfig(Config):
     priority: int = 0
     step_timeout_s: float = 120.0
     kv_pool_tokens_max: int = Field(default=8192, ge=256, description="cap on the gear's KV pool for this job")
+    truncate_context: bool = Field(default=False, description="serve a request whose prompt + max_new_tokens exceed "
+                                   "the model's max context with the prompt cut from the left (default: refuse it; "
+                                   "either way the run's metadata counts them)")
     control_address: str = Field(default="", description="HOST:PORT: serve stage workers started on other hosts "
                                  "(`flexpipe worker --head HOST:PORT --stage S` on each) instead of spawning "
                                  "them here (PORT 0: a free port, named in the run's log); empty = every "
@@ -91,10 +94,13 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     for m in malformed[:50]:
         context.log.warning(f"malformed row {m.line}: {m.reason}")
     runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s,
-                                                         control_address=config.control_address or None))
+                                                         control_address=config.control_address or None,
+                                                         truncate_context=config.truncate_context))
     if config.control_address:  # the bound port (PORT 0 picks one)
         context.log.info(f"waiting for {sum(st.replicas for st in gear.stages)} stage workers at {runtime.listen()}")
-    finished = skipped = tokens = steps = 0
+    finished = skipped = tokens = steps = refused_context = 0
+    refused: dict[str, str] = {}
+    truncated: dict[str, str] = {}
     paused = False
     failure = None
     with runtime:
@@ -117,6 +123,11 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
                 steps += db.write_observations(context.run_id, collector.collect(), cluster_key=gear.cluster_id)
             finished += report.finished
             tokens += report.output_tokens
+            refused.update(report.refused)
+            truncated.update(report.truncated)
+            refused_context += report.refused_context
+            for request_id, why in report.refused.items():
+                context.log.warning(f"refused {request_id}: {why}")
             context.log.info(f"{skipped + finished}/{len(rows)} requests done")
             if report.failure:
                 failure = report.failure
@@ -127,11 +138,17 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
                           failure, run_key=context.run_id)
         raise Failure(f"batch job {config.job_key}: {failure}; {skipped + finished} finished results kept",
                       metadata={"finished": skipped + finished})
+    if refused_context or truncated:
+        context.log.warning(f"{refused_context + len(truncated)} requests over {ckpt.name}'s {runtime.max_context_tokens}-token "
+                            f"max context (prompt + max_new_tokens): {refused_context} refused, {len(truncated)} "
+                            "served truncated")
     status = "paused" if paused else "done"
     db.update_job(job_id, status=status)
     context.add_output_metadata({"job_key": config.job_key, "status": status, "finished_now": finished,
                                  "skipped_already_done": skipped, "malformed_rows": len(malformed),
                                  "output_tokens": tokens, "gear": gear.gear_id, "observed_steps": steps,
+                                 "refused": len(refused), "refused_context": refused_context,
+                                 "truncated_context": len(truncated), "max_context_tokens": runtime.max_context_tokens,
                                  "malformed": MetadataValue.md("\n".join(f"- row {m.line}: {m.reason}"
                                                                          for m in malformed[:50]) or "none")})
     return {"job_id": job_id, "status": status}

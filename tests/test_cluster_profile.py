@@ -20,7 +20,7 @@ def test_seed_form_loads_as_is():
     p = load_cluster_profile(EXAMPLES / "seed_example.yaml")
     assert [d.device_id for d in p.devices] == ["gpu_001", "gpu_002", "gpu_003", "gpu_004"]
     t4 = p.device("gpu_003")
-    assert (t4.model_name, t4.memory_gib, t4.max_micro_batch) == ("T4", 16.0, 8)
+    assert (t4.model_name, t4.memory_gib, t4.max_micro_batch) == ("T4", 15.0, 8)  # driver-visible, not the label
     assert t4.peak_tflops == pytest.approx(0.21 * 312)
     assert t4.hbm_bandwidth_gbps == 320.0  # from the datasheet table
     assert p.link("gpu_003", "gpu_004").bandwidth_gbps == 16

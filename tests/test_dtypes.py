@@ -57,7 +57,7 @@ def test_cli_dtype_flags_take_aliases_and_refuse_weight_only_formats_for_the_run
     from tests.support import EXAMPLES
 
     assert main(["plan", "--cluster", str(EXAMPLES / "fragmented_lab.yaml"), "--model", "Llama-3-8B",
-                 "--dtype", "float16", "--json"]) == 0
+                 "--dtype", "float16", "--requests", "60", "--json"]) == 0
     assert '"dtype": "fp16"' in capsys.readouterr().out
     assert main(["run", "--stages", "2", "--num-requests", "1", "--trace", "azure-conv", "--dtype", "int8"]) == 2
     assert "--dtype: dtype 'int8' is a weight-only planning format" in capsys.readouterr().err

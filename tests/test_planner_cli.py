@@ -1,34 +1,84 @@
-"""``flexpipe plan`` end to end (JSON and table output, exit status 2 on infeasible input)."""
+"""``flexpipe plan`` end to end: envelopes measured at the user's SLO, a recommendation for a load,
+JSON and table output, exit status 2 on infeasible input. Probes use few requests to stay quick."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import pytest
 
 from flexpipe_dag.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
+QUICK = ["--requests", "60"]
 
 
-def test_plan_json(capsys):
-    rc = main(["plan", "--cluster", str(EXAMPLES / "alibaba_openb.yaml"), "--model", "Llama-3-8B", "--json"])
-    assert rc == 0
-    out = json.loads(capsys.readouterr().out)
+def _plan(capsys, *args: str) -> dict:
+    assert main(["plan", *args, *QUICK, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_gears_ordered_by_measured_envelope(capsys):
+    out = _plan(capsys, "--cluster", str(EXAMPLES / "alibaba_openb.yaml"), "--model", "Llama-3-8B")
     kinds = [g["kind"] for g in out["gears"]]
-    # gears are picked by the SLO envelope: on openb the latency and throughput plans' envelopes are
-    # within 1 % of each other, so no plan lies strictly between and balanced collapses (noted)
-    assert kinds in (["latency", "balanced", "throughput"], ["latency", "throughput"])
+    assert kinds[-1] == "throughput" and kinds == [k for k in ("latency", "balanced", "throughput") if k in kinds]
+    envelopes = [g["rps_max"] for g in out["gears"]]
+    assert envelopes == sorted(envelopes) and envelopes[-1] > 0  # "throughput" carries the most, by measurement
     assert out["model"]["num_layers"] == 32
+    for g in out["gears"]:
+        assert g["envelope_basis"] == {"source": "simulator", "slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0,
+                                       "attainment": 0.95, "workload": "azure-conv", "num_requests": 60}
+    assert out["recommended"] is None
+    # a kind left out says why
+    assert len(out["notes"]) >= 3 - len(kinds)
 
 
-def test_plan_table(capsys):
+def test_slo_flags_and_environment_set_what_envelopes_are_measured_against(capsys, monkeypatch):
+    seed = ["--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M"]
+    loose = _plan(capsys, *seed)
+    tight = _plan(capsys, *seed, "--slo-ttft-ms", "300", "--slo-tpot-ms", "3", "--attainment", "0.99")
+    assert tight["gears"][0]["envelope_basis"]["slo_tpot_ms"] == 3.0
+    assert tight["gears"][0]["envelope_basis"]["attainment"] == 0.99
+    assert max(g["rps_max"] for g in tight["gears"]) < max(g["rps_max"] for g in loose["gears"])
+    monkeypatch.setenv("FLEXPIPE_SLO_TTFT_MS", "300")
+    by_env = _plan(capsys, *seed)
+    assert by_env["envelope_basis"]["slo_ttft_ms"] == 300.0
+
+
+def test_load_marks_one_gear_recommended_with_its_headroom(capsys):
+    out = _plan(capsys, "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M",
+                "--load-rps", "5")
+    rec = out["recommended"]
+    gear = next(g for g in out["gears"] if g["gear_id"] == rec["gear_id"])
+    assert rec["holds"] and gear["rps_max"] >= 5
+    assert math.isclose(rec["headroom_fraction"], 1 - 5 / gear["rps_max"])
+    holding = [g for g in out["gears"] if g["rps_max"] >= 5]
+    assert sum(len(s["device_ids"]) for s in gear["stages"]) == min(
+        sum(len(s["device_ids"]) for s in g["stages"]) for g in holding)
+
+
+def test_plan_table_names_the_slo_and_the_recommendation(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
     rc = main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M",
-               "--concurrency", "8", "--context-p95", "2048"])
+               "--concurrency", "8", "--context-p95", "2048", "--load-rps", "1", *QUICK])
     assert rc == 0
-    assert "throughput-" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "throughput-" in out and "95% within TTFT 2000 ms / TPOT 200 ms on azure-conv" in out
+    assert "load 1.00 req/s: run" in out
+
+
+@pytest.mark.parametrize("flag,value", [("--slo-ttft-ms", "0"), ("--attainment", "1.5"), ("--load-rps", "-1"),
+                                        ("--requests", "10"), ("--slo-tpot-ms", "nan")])
+def test_bad_planning_flags_are_refused_by_name(capsys, flag, value):
+    rc = main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M", flag, value])
+    assert rc == 2
+    assert flag in capsys.readouterr().err
 
 
 def test_plan_infeasible_exits_2(capsys):
-    rc = main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "Llama-2-70B"])
+    rc = main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "Llama-2-70B",
+               "--concurrency", "512", *QUICK])
     assert rc == 2
     assert "KV pool" in capsys.readouterr().err

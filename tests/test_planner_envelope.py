@@ -13,8 +13,15 @@ import pytest
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import GearEstimate
-from flexpipe_dag.planner.envelope import GearEnvelope, apply_envelopes, measure_envelope, refine_envelopes
-from flexpipe_dag.sim import LinearStageTiming, StageCosts, manual_gear
+from flexpipe_dag.planner.envelope import (
+    GearEnvelope,
+    apply_envelopes,
+    measure_envelope,
+    probe_gear,
+    reference_slice,
+    refine_envelopes,
+)
+from flexpipe_dag.sim import LinearStageTiming, SimConfig, StageCosts, manual_gear
 from flexpipe_dag.workload.request import Request, Workload
 
 SLO_TTFT_MS = 400.0
@@ -91,8 +98,29 @@ def test_probe_counts_a_growing_backlog_after_the_warm_up():
     env = measure_envelope(gear, _timing(100.0), _uniform_trace(), slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0,
                            start_rps=12.0, rel_tol=0.5)
     over = env.probes[0]
-    assert over.rate_rps == 12.0 and not over.passed and over.slo_attainment < 0.5
-    assert math.isfinite(over.ttft_p99_ms) and over.ttft_p99_ms > SLO_TTFT_MS
+    assert over.rate_rps == 12.0 and not over.passed and over.stopped_s is not None
+    # run to the end, the same probe measures the backlog: most requests after the warm-up miss the TTFT SLO
+    config = SimConfig(slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0)
+    ref, native = reference_slice(_uniform_trace(), 1000)
+    full = probe_gear(gear, _timing(100.0), ref, native, 12.0, config=config, early_stop=False)
+    assert not full.passed and full.stopped_s is None and full.slo_attainment < 0.5
+    assert math.isfinite(full.ttft_p99_ms) and full.ttft_p99_ms > SLO_TTFT_MS
+
+
+@pytest.mark.parametrize("rate_rps", [2.0, 9.0, 9.6, 10.4, 12.0, 30.0])
+def test_early_stop_gives_the_verdict_of_the_full_run(rate_rps):
+    """A probe stops only when its failure is certain: its verdict always equals the full simulation's,
+    below, near and above the gear's saturation (~10 req/s here)."""
+    gear = manual_gear([4], gear_id="one", micro_batch_size=1, max_inflight_micro_batches=1)
+    config = SimConfig(slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0)
+    ref, native = reference_slice(_uniform_trace(), 1000)
+    fast = probe_gear(gear, _timing(100.0), ref, native, rate_rps, config=config)
+    full = probe_gear(gear, _timing(100.0), ref, native, rate_rps, config=config, early_stop=False)
+    assert fast.passed == full.passed
+    if fast.stopped_s is not None:
+        assert fast.slo_attainment >= full.slo_attainment  # the best still possible when it stopped
+    else:
+        assert fast.slo_attainment == full.slo_attainment
 
 
 def test_bad_arguments_are_named():

@@ -128,8 +128,9 @@ def test_gears_on_fragmented_lab_are_valid_deterministic_and_ordered():
     model = load_model_spec("Llama-2-70B")
     # Llama-2-70B on this T4 / V100 / A10 fleet decodes a token in ~185 ms even idle and prefills a
     # 2,600-token prompt in ~3.2 s, so no gear meets the default 2 s / 200 ms SLO (envelope 0, the
-    # kinds collapse); the SLO here is one this fleet can hold.
-    workload = PlanWorkload(slo_ttft_ms=10_000.0, slo_tpot_ms=1000.0)
+    # kinds collapse); the SLO here is one this fleet can hold. 64 x 4096 tokens of KV no longer fit
+    # beside 70B weights once memory is what the cards report: 48 sequences do.
+    workload = PlanWorkload(slo_ttft_ms=10_000.0, slo_tpot_ms=1000.0, concurrency=48)
     gears = plan_gears(cluster, model, workload=workload)
     again = plan_gears(cluster, model, workload=workload)
     kinds = [g.kind for g in gears]
@@ -141,6 +142,6 @@ def test_gears_on_fragmented_lab_are_valid_deterministic_and_ordered():
     for g in gears:
         assert g.rps_min <= g.rps_max and g.estimate.ttft_p50_ms <= g.estimate.ttft_p99_ms
         assert g.kv_capacity_tokens == min(s.kv_capacity_tokens for s in g.stages)
-        assert g.kv_capacity_tokens >= 64 * 4096
+        assert g.kv_capacity_tokens >= 48 * 4096
         for s in g.stages:
-            assert s.weight_gib <= cluster.device(s.device_ids[0]).memory_gib * 0.88
+            assert s.weight_gib <= cluster.device(s.device_ids[0]).usable_memory_gib(0.12)

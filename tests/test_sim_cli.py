@@ -8,6 +8,7 @@ import pandas as pd
 
 from flexpipe_dag.cli import main
 from flexpipe_dag.sim import LinearStageTiming, manual_gear
+from flexpipe_dag.workload import load_trace, time_window
 
 
 def _files(tmp_path):
@@ -71,6 +72,10 @@ def test_simulate_with_planner_gear(capsys):
                "--trace", "azure-conv", "--window-s", "0", "60", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["gear_id"].startswith("balanced") and out["completed"] == out["workload_requests"]
+    # Llama-2-7B holds 4,096 tokens: the conversations longer than that are rejected, and counted
+    trace = time_window(load_trace("azure-conv"), 0, 60)
+    over = sum(r.input_tokens + r.output_tokens > 4096 for r in trace)
+    assert over > 0 and out["rejected_context"] == over and out["context"]["over_context"] == over
+    assert out["gear_id"].startswith("balanced") and out["completed"] + over == out["workload_requests"]
     assert main(["simulate", "--cluster", str(cluster), "--model", "Llama-2-7B", "--gear", "turbo", "--trace", "azure-conv"]) == 2
     assert "--gear" in capsys.readouterr().err

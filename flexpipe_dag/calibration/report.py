@@ -82,14 +82,18 @@ def fidelity_rows(observations: Sequence[StageObservation], before: CostModel,
 
 
 def format_report(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A plain-text table of :func:`fidelity_rows` (errors as signed percentages of measured)."""
-    head = f"{'gear':<28} {'metric':<13} {'stage':>5} {'kind':<8} {'n':>5} {'measured ms':>12} " \
+    """A plain-text table of :func:`fidelity_rows` (errors as signed percentages of measured).
+
+    The gear column is as wide as the longest gear id (at least 28): ids are never cut.
+    """
+    gw = max([28, *(len(str(r["gear_id"])) for r in rows)])
+    head = f"{'gear':<{gw}} {'metric':<13} {'stage':>5} {'kind':<8} {'n':>5} {'measured ms':>12} " \
            f"{'before ms':>10} {'err':>7} {'after ms':>10} {'err':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         eb = (r["before_ms"] - r["measured_ms"]) / r["measured_ms"]
         ea = (r["after_ms"] - r["measured_ms"]) / r["measured_ms"]
         stage = "" if r["stage"] is None else str(r["stage"])
-        lines.append(f"{r['gear_id'][:28]:<28} {r['metric']:<13} {stage:>5} {(r['kind'] or ''):<8} {r['count']:>5} "
+        lines.append(f"{r['gear_id']:<{gw}} {r['metric']:<13} {stage:>5} {(r['kind'] or ''):<8} {r['count']:>5} "
                      f"{r['measured_ms']:>12.2f} {r['before_ms']:>10.2f} {eb:>+7.0%} {r['after_ms']:>10.2f} {ea:>+7.0%}")
     return "\n".join(lines)

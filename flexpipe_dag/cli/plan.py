@@ -1,14 +1,25 @@
-"""``flexpipe plan``: print the latency / balanced / throughput gears for a model on a cluster."""
+"""``flexpipe plan``: the latency / balanced / throughput gears for a model on a cluster, envelopes measured at your SLO."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from typing import Any
 
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.dtypes import DTYPE_NAMES, canonical_dtype
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.settings import INT32_MAX, check_number, env_value
+from flexpipe_dag.core.settings import INT32_MAX, check_number
+from flexpipe_dag.planner.operating import (
+    DEFAULT_ATTAINMENT,
+    DEFAULT_CONCURRENCY,
+    DEFAULT_MIN_RESIDENCE_S,
+    DEFAULT_REFERENCE_REQUESTS,
+    DEFAULT_REFERENCE_TRACE,
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+)
 
 #: ``--context-p95`` when not given (capped at the model's own max context).
 DEFAULT_CONTEXT_P95_TOKENS = 4096
@@ -23,22 +34,44 @@ def _dtype(name: str) -> str:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="plan candidate gears for a model on a cluster",
-                              description=__doc__.splitlines()[0].replace("``", ""))
+    p = subparsers.add_parser("plan", help="plan the operating gears for a model on a cluster, envelopes measured at your SLO",
+                              description=__doc__.splitlines()[0].replace("``", ""),
+                              epilog="Every envelope (rps_min..rps_max) is the highest rate of the reference trace the "
+                                     "gear serves with --attainment of requests within --slo-ttft-ms / --slo-tpot-ms, "
+                                     "measured in the simulator. Defaults are the Dagster planning defaults; "
+                                     "FLEXPIPE_SLO_TTFT_MS, FLEXPIPE_SLO_TPOT_MS, FLEXPIPE_SLO_ATTAINMENT, "
+                                     "FLEXPIPE_PLAN_DTYPE, FLEXPIPE_PLAN_CONCURRENCY, FLEXPIPE_REFERENCE_REQUESTS and "
+                                     "FLEXPIPE_STAGE_REPLICAS set them for both.")
     p.add_argument("--cluster", required=True, help="cluster profile file (.yaml / .json; native, seed or fleet form)")
     p.add_argument("--model", required=True,
                    help="built-in model name, a Hugging Face config.json directory, or a .gguf file")
-    p.add_argument("--dtype", default="bf16", type=_dtype, metavar="{" + ",".join(DTYPE_NAMES) + "}",
-                   help="weight dtype (float32 / bfloat16 / float16 also read)")
+    p.add_argument("--dtype", default=None, type=_dtype, metavar="{" + ",".join(DTYPE_NAMES) + "}",
+                   help="weight dtype (float32 / bfloat16 / float16 also read; default bf16)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help=f"TTFT SLO, ms (default {DEFAULT_SLO_TTFT_MS:g})")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help=f"TPOT SLO, ms (default {DEFAULT_SLO_TPOT_MS:g})")
+    p.add_argument("--attainment", type=float, default=None,
+                   help=f"share of requests that must meet the SLO, 0..1 (default {DEFAULT_ATTAINMENT:g})")
+    p.add_argument("--load-rps", type=float, default=None,
+                   help="expected load, req/s: the gear to run for it is marked recommended, with its headroom")
+    p.add_argument("--trace", default=None,
+                   help=f"reference trace envelopes are measured on (bundled name or file; default {DEFAULT_REFERENCE_TRACE})")
+    p.add_argument("--requests", type=int, default=None,
+                   help=f"requests of the trace replayed per envelope probe (default {DEFAULT_REFERENCE_REQUESTS})")
+    p.add_argument("--objective", choices=("speed", "devices"), default=None,
+                   help="speed (default): latency = lowest TPOT at low load; devices: fewest devices for each slot")
     p.add_argument("--context-p95", type=int, default=None,
-                   help=f"P95 context tokens (prompt + output) the KV pool is sized for; at most the model's max "
-                        f"context (default {DEFAULT_CONTEXT_P95_TOKENS}, or the model's max context if smaller)")
-    p.add_argument("--concurrency", type=int, default=64, help="sequences in flight the KV pool must hold")
-    p.add_argument("--min-residence-s", type=float, default=600.0,
-                   help="devices whose available_until is sooner are not used")
+                   help="P95 context tokens (prompt + output) the KV pool is sized for (default: the trace's P95, "
+                        "at most the model's max context)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help=f"sequences in flight the KV pool must hold (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--min-residence-s", type=float, default=None,
+                   help=f"devices whose available_until is sooner are not used (default {DEFAULT_MIN_RESIDENCE_S:g})")
+    p.add_argument("--bf16-fallback", choices=("fp16", "exclude", "refuse"), default=None,
+                   help="bf16 requested on devices without it (V100, T4): fp16 (default) runs the whole gear in fp16, "
+                        "exclude leaves those devices out, refuse stops; also FLEXPIPE_BF16_FALLBACK")
     p.add_argument("--no-replicas", action="store_true",
                    help="no stage replicas (one device per stage); also FLEXPIPE_STAGE_REPLICAS=0")
-    p.add_argument("--json", action="store_true", help="print the gears as JSON")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
 
@@ -62,59 +95,133 @@ def context_p95_tokens(requested: int | None, model) -> int:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Refuse a bad ``--concurrency`` or ``--min-residence-s`` before any file is read.
+    """Refuse a bad numeric flag before any file is read.
 
     Raises:
         InputError: naming the flag and the expected range.
     """
-    check_number(args.concurrency, None, "--concurrency", integer=True, ge=1, le=INT32_MAX, unit="sequences")
-    check_number(args.min_residence_s, None, "--min-residence-s", ge=0, unit="seconds")
-    if args.context_p95 is not None:
-        check_number(args.context_p95, None, "--context-p95", integer=True, ge=1, le=INT32_MAX, unit="tokens")
+    checks: tuple[tuple[str, float | None, dict[str, Any]], ...] = (
+              ("--concurrency", args.concurrency, {"integer": True, "ge": 1, "le": INT32_MAX, "unit": "sequences"}),
+              ("--min-residence-s", args.min_residence_s, {"ge": 0, "unit": "seconds"}),
+              ("--context-p95", args.context_p95, {"integer": True, "ge": 1, "le": INT32_MAX, "unit": "tokens"}),
+              ("--slo-ttft-ms", args.slo_ttft_ms, {"gt": 0, "unit": "milliseconds"}),
+              ("--slo-tpot-ms", args.slo_tpot_ms, {"gt": 0, "unit": "milliseconds"}),
+              ("--attainment", args.attainment, {"gt": 0, "le": 1, "unit": ""}),
+              ("--load-rps", args.load_rps, {"ge": 0, "unit": "req/s"}),
+              ("--requests", args.requests, {"integer": True, "ge": 50, "le": INT32_MAX, "unit": "requests"}))
+    for flag, value, bounds in checks:
+        if value is not None:
+            check_number(value, None, flag, **bounds)
+
+
+#: CLI flag -> PlanningSettings field (flags left unset keep the environment's or the default value).
+FLAG_FIELDS = {"dtype": "dtype", "slo_ttft_ms": "slo_ttft_ms", "slo_tpot_ms": "slo_tpot_ms", "attainment": "attainment",
+               "load_rps": "load_rps", "trace": "reference_trace", "requests": "reference_requests",
+               "objective": "objective", "context_p95": "context_p95_tokens", "concurrency": "concurrency",
+               "min_residence_s": "min_residence_s", "bf16_fallback": "bf16_fallback"}
+
+
+def planning_settings(args: argparse.Namespace):
+    """The Dagster planning resource as these flags and the environment set it (one set of defaults).
+
+    Raises:
+        InputError: a bad environment variable (named) or flag.
+    """
+    from flexpipe_dag.resources.planning import PlanningSettings, planning_from_env
+
+    values = planning_from_env()
+    values.update({name: getattr(args, flag) for flag, name in FLAG_FIELDS.items() if getattr(args, flag) is not None})
+    values["model"] = args.model
+    if args.no_replicas:
+        values["stage_replicas"] = False
+    return PlanningSettings(**values)
 
 
 def run(args: argparse.Namespace) -> int:
-    from flexpipe_dag.planner.gears import plan_gears
+    from rich.console import Console
+
     from flexpipe_dag.planner.model_spec import load_model_spec
-    from flexpipe_dag.planner.workload import PlanWorkload
 
     check_flags(args)
-    replicas_allowed = env_value("FLEXPIPE_STAGE_REPLICAS", bool, True)
-    replicas = bool(replicas_allowed) and not args.no_replicas
+    settings = planning_settings(args)
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
-    workload = PlanWorkload(context_p95_tokens=context_p95_tokens(args.context_p95, model),
-                            concurrency=args.concurrency, min_residence_s=args.min_residence_s)
-    gears = plan_gears(cluster, model, dtype=args.dtype, workload=workload, replicas=replicas)
+    context_p95_tokens(args.context_p95, model)  # an explicit P95 over the model's context is refused by name
+    err = Console(stderr=True)  # the spinner; results go to stdout
+    with err.status("planning") as status:
+        plan = settings.plan(cluster, model, progress=lambda line: status.update(line))
     if args.json:
-        print(json.dumps({"cluster_id": cluster.cluster_id, "model": model.summary(args.dtype),
-                          "gears": [g.model_dump(mode="json") for g in gears]}, indent=2))
+        print(json.dumps(plan_json(plan, cluster.cluster_id, model.summary(settings.dtype)), indent=2))
         return 0
-    _print_table(cluster.cluster_id, model.name, args.dtype, gears)
+    print_plan(plan, cluster.cluster_id, model.name, plan.gears[0].dtype if plan.gears else settings.dtype)
     return 0
 
 
-def _print_table(cluster_id: str, model_name: str, dtype: str, gears) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def plan_json(plan, cluster_id: str, model_summary: dict) -> dict:
+    """The plan as plain JSON: gears (with envelope basis), recommendation, candidates, workload, timing."""
+    rec = plan.recommendation
+    return {"cluster_id": cluster_id, "model": model_summary, "envelope_basis": plan.basis.model_dump(),
+            "workload": dataclasses.asdict(plan.workload),
+            "gears": [g.model_dump(mode="json") for g in plan.gears],
+            "analytic_rps_max": plan.analytic_rps_max,
+            "recommended": dataclasses.asdict(rec) if rec else None,
+            "candidates": [{"gear_id": e.gear_id, "rps_max": e.rps_max, "probes": len(e.probes)}
+                           for e in plan.envelopes],
+            "notes": plan.notes, "planning_wall_s": round(plan.wall_s, 3), "simulations": plan.probes}
 
-    console = Console()
-    summary = Table(title=f"gears for {model_name} ({dtype}) on {cluster_id}")
-    for col in ("gear", "stages", "micro-batch", "in-flight", "tokens/s", "req/s", "TTFT p50/p99 ms",
-                "TPOT p50/p99 ms", "rps envelope", "KV tokens"):
-        summary.add_column(col, justify="right" if col not in ("gear",) else "left")
+
+def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None) -> None:
+    """Human output of an :class:`~flexpipe_dag.planner.operating.OperatingPlan`: the gear tables, what the
+    envelopes mean, the recommendation for the load, notes and what planning cost."""
+    from flexpipe_dag.cli.tables import cli_console, format_number
+
+    console = console or cli_console()
+    rec = plan.recommendation
+    _print_table(cluster_id, model_name, dtype, plan.gears, console, analytic=plan.analytic_rps_max,
+                 recommended=rec.gear_id if rec else None,
+                 caption=f"envelope = highest rate served with {plan.basis.describe()}, "
+                         f"{plan.basis.num_requests} requests per probe")
+    if rec:
+        console.print(f"load {format_number(rec.load_rps, 2)} req/s: run {rec.gear_id} "
+                      f"(headroom {rec.headroom_fraction:.0%}). {rec.reason}")
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    console.print(f"{len(plan.candidate_ids)} candidates measured, {plan.probes} simulations, "
+                  f"{format_number(plan.wall_s, 1)} s")
+
+
+def _print_table(cluster_id: str, model_name: str, dtype: str, gears, console=None, *,
+                 analytic: dict[str, float] | None = None, recommended: str | None = None,
+                 caption: str | None = None) -> None:
+    """The gear summary table (ids never cut, figures apart at any magnitude), then each gear's stages.
+
+    ``analytic``: each gear's analytic envelope, shown beside the measured one; ``recommended``: the
+    gear id marked ``*`` (explained in the caption).
+    """
+    from flexpipe_dag.cli.tables import cli_console, format_number, format_pair, format_range, new_table
+
+    console = console or cli_console()
+    cols = ["gear", "devices", "stages", "micro-batch", "envelope req/s", "analytic req/s", "TTFT p50/p99 ms",
+            "TPOT p50/p99 ms", "tokens/s", "KV tokens"]
+    title = f"gears for {model_name} ({dtype}) on {cluster_id}"
+    summary = new_table(title, cols, ids=["gear"])
+    if caption or recommended:
+        summary.caption = " ".join(x for x in (caption, "* recommended for the load" if recommended else None) if x)
     for g in gears:
         e = g.estimate
-        summary.add_row(g.gear_id, str(g.num_stages), str(g.micro_batch_size), str(g.max_inflight_micro_batches),
-                        f"{e.tokens_per_s:,.0f}", f"{e.throughput_rps:.2f}",
-                        f"{e.ttft_p50_ms:,.0f} / {e.ttft_p99_ms:,.0f}", f"{e.tpot_p50_ms:.1f} / {e.tpot_p99_ms:.1f}",
-                        f"{g.rps_min:.2f}..{g.rps_max:.2f}", f"{g.kv_capacity_tokens:,}")
+        mark = "*" if recommended == g.gear_id else ""
+        summary.add_row(g.gear_id + mark, str(len(g.device_ids)), str(g.num_stages), str(g.micro_batch_size),
+                        format_range(g.rps_min, g.rps_max, 2),
+                        format_number((analytic or {}).get(g.gear_id), 2),
+                        format_pair(e.ttft_p50_ms, e.ttft_p99_ms, 0) if e else "-",
+                        format_pair(e.tpot_p50_ms, e.tpot_p99_ms, 1) if e else "-",
+                        format_number(e.tokens_per_s, 0) if e else "-", format_number(g.kv_capacity_tokens))
     console.print(summary)
     for g in gears:
-        t = Table(title=f"{g.gear_id} stages")
-        for col in ("stage", "layers", "devices", "est ms/step", "weights GiB", "KV tokens"):
-            t.add_column(col)
-        for s in g.stages:
-            t.add_row(str(s.stage_index), f"{s.layer_start}-{s.layer_end - 1} ({s.num_layers})", ", ".join(s.device_ids),
-                      f"{s.est_stage_ms:.2f}", f"{s.weight_gib:.2f}", f"{s.kv_capacity_tokens:,}")
+        t = new_table(f"{g.gear_id} stages", ["stage", "layers", "devices", "est ms/step", "weights GiB", "KV tokens"],
+                      text=["layers", "devices"])
+        for st in g.stages:
+            t.add_row(str(st.stage_index), f"{st.layer_start}-{st.layer_end - 1} ({st.num_layers})",
+                      ", ".join(st.device_ids), format_number(st.est_stage_ms, 2), format_number(st.weight_gib, 2),
+                      format_number(st.kv_capacity_tokens))
         console.print(t)

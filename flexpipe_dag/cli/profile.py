@@ -44,24 +44,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(profile, version) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    from flexpipe_dag.cli.tables import cli_console, format_number, new_table
     from flexpipe_dag.profiling.summary import device_table
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = cli_console()
     title = f"{profile.cluster_id} ({profile.source})"
     if version is not None:
         title += f" stored as version {version.version}"
-    table = Table(title=title)
     frame = device_table(profile)
-    for col in frame.columns:
-        table.add_column(col, justify="right" if frame[col].dtype.kind in "fi" else "left")
+    numeric = [col for col in frame.columns if frame[col].dtype.kind in "fi"]
+    table = new_table(title, list(frame.columns), ids=["device"] if "device" in frame.columns else [],
+                      text=[col for col in frame.columns if col not in numeric and col != "device"])
     for row in frame.itertuples(index=False):
-        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+        table.add_row(*[format_number(v, 2) if isinstance(v, float) or v is None else str(v) for v in row])
     console.print(table)
     console.print(f"{len(profile.links)} links; "
                   + "; ".join(f"{link.src_device_id}->{link.dst_device_id} {link.bandwidth_gbps:.3g} GB/s {link.latency_us:.3g} us"
-                              for link in profile.links[:6]) + (" ..." if len(profile.links) > 6 else ""))
+                              for link in profile.links[:6]) + (" ..." if len(profile.links) > 6 else ""), markup=False)
     for note in profile.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)

@@ -1,5 +1,10 @@
 """``flexpipe run``: serve a prompts file (or a trace slice) through a gear's pipeline into a results file.
 
+A request whose prompt + ``max_new_tokens`` exceed the model's max context
+(``max_position_embeddings``) is refused with its reason, and the run exits 1; with
+``--truncate-context`` it is served with the prompt cut from the left (the latest tokens kept).
+Either way the summary counts them (``refused_context`` / ``truncated_context``).
+
 ``--score`` runs a prefill-only scoring job instead (log-prob of each prompt, or of each row's
 ``continuations`` with the best one as ``choice``) on DeepSpeed's PipelineModule, partitioned
 exactly at the gear's stage boundaries.
@@ -32,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="with --trace: multiply the trace's prompt / output lengths by this before capping")
     p.add_argument("--max-new-tokens", type=int, default=16, help="default / cap of new tokens per request")
+    p.add_argument("--truncate-context", action="store_true",
+                   help="serve a request whose prompt + max_new_tokens exceed the model's max context with the prompt "
+                        "cut from the left (default: refuse it)")
     p.add_argument("--out", type=Path, default=Path("results.jsonl"), help="results JSONL (re-runs skip done ids)")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="with --stages")
@@ -235,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {workers} stage workers (a replica each): "
                                              f"launch {workers + 1} ranks (head + one per worker), got {world}")
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
-                             control_address=control_address, start_timeout_s=args.start_timeout_s)
+                             control_address=control_address, start_timeout_s=args.start_timeout_s,
+                             truncate_context=args.truncate_context)
     runtime = PipelineRuntime(gear, ckpt, options)
     if control_address:  # a launcher stops every rank with SIGTERM when one exits: name the stage, keep results
         import signal
@@ -267,9 +276,16 @@ def run(args: argparse.Namespace) -> int:
                "malformed": len(report.malformed), "refused": len(report.refused),
                "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
                "output_tokens_per_s": round(report.output_tokens_per_s, 2), "out": str(args.out),
-               "failure": report.failure}
+               "failure": report.failure, "max_context_tokens": runtime.max_context_tokens,
+               "over_context": report.over_context, "refused_context": report.refused_context,
+               "truncated_context": len(report.truncated)}
     for request_id, why in list(report.refused.items())[:20]:
         print(f"refused {request_id}: {why}", file=sys.stderr)
+    if report.over_context:
+        done = ("refused (--truncate-context serves them truncated)" if report.refused_context
+                else "served with the prompt truncated from the left")
+        print(f"context: {report.over_context} of {report.submitted} requests over {ckpt.name}'s "
+              f"{runtime.max_context_tokens}-token max context (prompt + max_new_tokens): {done}", file=sys.stderr)
     return _report(summary, report.malformed)
 
 

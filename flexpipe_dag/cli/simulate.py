@@ -5,29 +5,44 @@ Two ways to name the gear and its stage times:
 * ``--cluster FILE --model MODEL --gear GEAR_ID|KIND``: the planner proposes gears for the cluster
   and model; the one with that id (or the first of that kind) is simulated with the planner's cost
   model (``CostModel.timings(gear)``).
-* ``--gear-file GEAR.json|yaml --timing STAGES.csv``: a gear written by hand or exported by
-  ``flexpipe plan``, with measured per-stage linear costs (see ``flexpipe_dag.sim.timing``).
+* ``--gear-file GEAR.json|yaml --cluster FILE [--model MODEL]``: a gear written by hand or exported
+  by ``flexpipe plan --json``, priced with the planner's cost model on that cluster (the model is
+  the gear's ``model_name`` unless ``--model`` is given; the dtype the gear's unless ``--dtype``).
+* ``--gear-file GEAR.json|yaml --timing STAGES.csv``: the same gear with measured stage times:
+  a CSV with one row per stage (in stage order) and the linear-cost columns ``prefill_fixed_ms``,
+  ``prefill_per_token_ms``, ``decode_fixed_ms``, ``decode_per_seq_ms``,
+  ``decode_per_context_token_ms``, ``transfer_fixed_ms``, ``transfer_per_token_ms`` (ms; see
+  ``flexpipe_dag.sim.timing``).
 
 TRACE is a file (Azure CSV, generic CSV / JSONL, length-only CSV) or a bundled name
 (``azure-conv``, ``azure-code``, ``arxiv-summarization``).
+
+Requests whose prompt + output exceed the model's maximum context (``--model``'s, or the gear's
+``model_name`` when it is a built-in model; ``--max-context-tokens`` to set or lower it) are
+rejected and counted (``rejected_context``); with ``--truncate-context`` they are served with the
+prompt cut from the left and counted (``truncated_context``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from rich.console import RenderableType
+from rich.text import Text
 
+from flexpipe_dag.cli.tables import PIPE_WIDTH, IdTable, cli_console, format_number, new_table, render_text
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.core.user_yaml import load_user_yaml
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
+from flexpipe_dag.sim.timing import COST_FIELDS
 from flexpipe_dag.workload import (
     BUNDLED_TRACES,
     Workload,
@@ -44,12 +59,16 @@ from flexpipe_dag.workload import (
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="replay a request trace through a gear (TTFT, TPOT, goodput, utilisation)",
                               description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cluster", help="cluster profile YAML (with --model and --gear)")
-    p.add_argument("--model", help="model name or config path (with --cluster)")
+    p.add_argument("--cluster", help="cluster profile YAML (with --model and --gear, or to price --gear-file)")
+    p.add_argument("--model", help="model name or config path (with --cluster; default with --gear-file: the gear's "
+                                   "model_name; also gives the max context)")
     p.add_argument("--gear", help="gear id or kind (latency / balanced / throughput) among the planner's gears")
-    p.add_argument("--dtype", default="bf16", help="weight dtype for the planner (default bf16)")
-    p.add_argument("--gear-file", help="a Gear as JSON or YAML (instead of --cluster/--model/--gear)")
-    p.add_argument("--timing", help="per-stage linear costs CSV (with --gear-file)")
+    p.add_argument("--dtype", default=None,
+                   help="weight dtype for the cost model (default bf16; with --gear-file the gear's dtype)")
+    p.add_argument("--gear-file", help="a Gear as JSON or YAML (instead of --gear), with --cluster or --timing")
+    p.add_argument("--timing", metavar="STAGES.csv",
+                   help="measured stage times for --gear-file: one row per stage, columns " + ", ".join(COST_FIELDS)
+                        + " (ms); without it --cluster prices the gear with the planner's cost model")
     bundled = ", ".join(n for n in BUNDLED_TRACES if n != "servegen-tide")
     p.add_argument("--trace", required=True, help=f"trace file or bundled name ({bundled})")
     p.add_argument("--speedup", type=float, default=1.0, help="compress arrival times by this factor (default 1)")
@@ -63,6 +82,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-size", type=int, help="override the gear's sequences per micro-batch")
     p.add_argument("--max-inflight", type=int, help="override the gear's max in-flight micro-batches")
     p.add_argument("--kv-capacity-tokens", type=int, help="override the gear's KV pool size")
+    p.add_argument("--max-context-tokens", type=int,
+                   help="max context (prompt + output tokens) requests must fit; default the model's own, at most it")
+    p.add_argument("--truncate-context", action="store_true",
+                   help="serve requests over the max context with the prompt cut from the left (default: reject them)")
     p.add_argument("--timeseries-csv", help="write the 2 s metric samples (queue, KV use, stage busy) to this CSV")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -92,31 +115,83 @@ def load_gear_file(path: str | Path) -> Gear:
 
 
 def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
-    """Plan gears for the cluster and model and pick ``--gear`` by id or kind."""
+    """Plan the operating gears as ``flexpipe plan`` does (same settings, this command's SLO) and pick
+    ``--gear`` by id or kind."""
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.cost_model import CostModel
-    from flexpipe_dag.planner.gears import plan_gears
     from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.resources.planning import PlanningSettings, planning_from_env
 
+    values = {**planning_from_env(), "model": args.model, "slo_ttft_ms": args.slo_ttft_ms,
+              "slo_tpot_ms": args.slo_tpot_ms}
+    if args.dtype:
+        values["dtype"] = args.dtype
+    settings = PlanningSettings(**values)
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
-    gears = list(plan_gears(cluster, model, dtype=args.dtype))
+    gears = settings.plan(cluster, model).gears
     chosen = next((g for g in gears if g.gear_id == args.gear), None) or next((g for g in gears if g.kind == args.gear), None)
     if chosen is None:
         raise InputError(None, "--gear", f"got {args.gear!r}; expected a kind {list(OPERATING_KINDS)} or one of "
                          f"{[g.gear_id for g in gears]}")
-    cost_model = CostModel(model, cluster, dtype=args.dtype)
+    cost_model = CostModel(model, cluster, dtype=chosen.dtype)
     return chosen, cost_model.timings(chosen)
+
+
+def price_gear_file(gear: Gear, gear_path: str, cluster_path: str, model_name: str | None,
+                    dtype: str | None) -> StageTimingModel:
+    """Stage times of a gear read from ``gear_path``, from the planner's cost model on the cluster.
+
+    The model is ``model_name`` (``--model``) or else the gear's ``model_name``; the dtype ``dtype``
+    (``--dtype``) or else the gear's.
+
+    Raises:
+        InputError: the cluster or model cannot be read (naming ``--model`` when the gear's own
+            ``model_name`` is not a model FlexPipe can load), the gear's ``num_layers`` differs from
+            the model's, or a stage's device (or the link between adjacent stages) is not in the cluster.
+    """
+    from flexpipe_dag.core.cluster import load_cluster_profile
+    from flexpipe_dag.planner.cost_model import CostModel
+    from flexpipe_dag.planner.model_spec import load_model_spec
+
+    cluster = load_cluster_profile(cluster_path)
+    if model_name:
+        model = load_model_spec(model_name)
+    else:
+        try:
+            model = load_model_spec(gear.model_name)
+        except InputError as exc:
+            raise InputError(None, "--model", f"the gear's model_name {gear.model_name!r} ({gear_path}) is not a model "
+                             f"FlexPipe can load ({exc}); give --model NAME|CONFIG_DIR|FILE.gguf") from None
+    if gear.num_layers != model.num_layers:
+        raise InputError(gear_path, "num_layers", f"the gear has {gear.num_layers} layers but {model.name} has "
+                         f"{model.num_layers}; expected a gear for {model.name} (or --model naming the gear's model)")
+    cost_model = CostModel(model, cluster, dtype=dtype or gear.dtype)
+    try:
+        return cost_model.timings(gear)
+    except InputError as exc:
+        raise InputError(gear_path, exc.field, f"{exc.problem} ({cluster_path})") from None
 
 
 def _gear_and_timing(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
     if args.gear_file:
-        if not args.timing:
-            raise InputError(None, "--timing", "--gear-file needs --timing STAGES.csv (per-stage linear costs)")
-        return load_gear_file(args.gear_file), LinearStageTiming.from_csv(args.timing)
+        if args.gear:
+            raise InputError(None, "--gear", "give --gear (a planner gear) or --gear-file (a gear from a file), not both")
+        if args.timing and args.cluster:
+            raise InputError(None, "--timing", "give --timing STAGES.csv (measured stage times) or --cluster FILE "
+                             "(the cost model prices the gear), not both")
+        if not args.timing and not args.cluster:
+            raise InputError(None, "--timing", f"--gear-file {args.gear_file} needs stage times: give --cluster "
+                             "CLUSTER.yaml [--model MODEL] to price the gear with the planner's cost model, or --timing "
+                             f"STAGES.csv with one row per stage and columns {', '.join(COST_FIELDS)} (ms)")
+        gear = load_gear_file(args.gear_file)
+        if args.timing:
+            return gear, LinearStageTiming.from_csv(args.timing)
+        return gear, price_gear_file(gear, args.gear_file, args.cluster, args.model, args.dtype)
     missing = [f"--{n}" for n in ("cluster", "model", "gear") if not getattr(args, n)]
     if missing:
-        raise InputError(None, missing[0], "give --cluster, --model and --gear, or --gear-file and --timing")
+        raise InputError(None, missing[0], "give --cluster, --model and --gear; or --gear-file with --cluster "
+                         "(cost model) or --timing STAGES.csv (measured stage times)")
     return _planner_gear(args)
 
 
@@ -131,7 +206,8 @@ def check_flags(args: argparse.Namespace) -> None:
     """
     from flexpipe_dag.core.dtypes import canonical_dtype
 
-    args.dtype = canonical_dtype(args.dtype, None, "--dtype")
+    if args.dtype is not None:
+        args.dtype = canonical_dtype(args.dtype, None, "--dtype")
     check_number(args.speedup, None, "--speedup", gt=0, unit="factor")
     if args.window_s:
         start_s, end_s = args.window_s
@@ -149,12 +225,39 @@ def check_flags(args: argparse.Namespace) -> None:
                         ("--kv-capacity-tokens", args.kv_capacity_tokens)):
         if value is not None:
             check_number(value, None, flag, integer=True, ge=1, le=INT32_MAX)
+    if getattr(args, "max_context_tokens", None) is not None:
+        check_number(args.max_context_tokens, None, "--max-context-tokens", integer=True, ge=2, le=INT32_MAX,
+                     unit="prompt + output tokens")
     if args.timeseries_csv:
         out = Path(args.timeseries_csv)
         if out.is_dir():
             raise InputError(None, "--timeseries-csv", f"{out} is a directory; expected a CSV file path")
         if not out.parent.is_dir():
             raise InputError(None, "--timeseries-csv", f"directory {out.parent} does not exist")
+
+
+def model_context(args: argparse.Namespace, gear: Gear) -> tuple[str, int | None]:
+    """The model's name and the max context (prompt + output tokens) requests are checked against.
+
+    From ``--model`` when given, else from the gear's ``model_name`` when it is a built-in model;
+    ``--max-context-tokens`` sets it (or lowers it: at most the model's own). ``None`` when not known.
+
+    Raises:
+        InputError: ``--max-context-tokens`` above the model's max context, naming both.
+    """
+    from flexpipe_dag.planner.model_spec import builtin_model_names, load_model_spec
+
+    name, known = gear.model_name, None
+    if args.model or gear.model_name in builtin_model_names():
+        spec = load_model_spec(args.model or gear.model_name)
+        name, known = spec.name, spec.max_context_tokens
+    wanted = getattr(args, "max_context_tokens", None)
+    if wanted is None:
+        return name, known
+    if known is not None and wanted > known:
+        raise InputError(None, "--max-context-tokens", f"{wanted} tokens exceeds {name}'s max context of {known} "
+                                                       f"tokens; expected 2..{known}")
+    return name, wanted
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -174,53 +277,88 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return w
 
 
-def _fmt(v: Any, unit: str = "") -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:,.1f}{unit}"
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The human-readable report of :func:`flexpipe_dag.sim.results.summarize`'s dict."""
-    lines = [
-        f"gear {summary['gear_id']}" + (f" -> {summary['final_gear_id']}" if summary["final_gear_id"] != summary["gear_id"] else ""),
-        f"requests {summary['requests']}: completed {summary['completed']}, rejected {summary['rejected']}, "
-        f"unfinished {summary['unfinished']}, preemptions {summary['preemptions']}; makespan {summary['makespan_s']:.1f} s",
-        f"{'':8}{'mean':>12}{'P50':>12}{'P95':>12}{'P99':>12}",
-    ]
+def latency_table(summary: dict[str, Any]) -> IdTable:
+    """TTFT / TPOT / e2e mean and percentiles (ms) of a summary as a table that fits any width."""
+    table = new_table(None, ["latency", "mean", "P50", "P95", "P99"], text=["latency"])
     for key, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("e2e_ms", "e2e ms")):
         d = summary[key]
-        lines.append(f"{label:8}" + "".join(f"{_fmt(d[k]):>12}" for k in ("mean", "p50", "p95", "p99")))
-    slo = summary["slo"]
-    lines += [
-        f"throughput {summary['throughput_rps']:.2f} req/s, {summary['tokens_per_s']:,.0f} output tokens/s",
-        f"goodput {summary['goodput_rps']:.2f} req/s (TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms; "
-        f"attainment {100 * summary['slo_attainment']:.1f} %)",
+        table.add_row(label, *(format_number(d[k]) for k in ("mean", "p50", "p95", "p99")))
+    return table
+
+
+def class_table(summary: dict[str, Any]) -> IdTable:
+    """Per request class (online / offline): completed of requests, TTFT P99 and goodput."""
+    table = new_table(None, ["class", "completed", "requests", "TTFT P99 ms", "goodput req/s"], ids=["class"])
+    for klass, c in summary["by_class"].items():
+        table.add_row(klass, format_number(c["completed"]), format_number(c["requests"]),
+                      format_number(c["ttft_ms"]["p99"]), format_number(c["goodput_rps"], 2))
+    return table
+
+
+def summary_renderables(summary: dict[str, Any]) -> list[RenderableType]:
+    """The human report of :func:`flexpipe_dag.sim.results.summarize`'s dict, as lines and tables to print."""
+    n = format_number
+    gear = f"gear {summary['gear_id']}"
+    if summary["final_gear_id"] != summary["gear_id"]:
+        gear += f" -> {summary['final_gear_id']}"
+    slo, q, kv = summary["slo"], summary["queue_length"], summary["kv_used_fraction"]
+    lines = [
+        gear,
+        f"requests {n(summary['requests'])}: completed {n(summary['completed'])}, rejected {n(summary['rejected'])}"
+        + (f" ({n(summary['rejected_context'])} over the max context)" if summary.get("rejected_context") else "")
+        + f", unfinished {n(summary['unfinished'])}, preemptions {n(summary['preemptions'])}"
+        + (f", truncated to the max context {n(summary['truncated_context'])}" if summary.get("truncated_context") else "")
+        + f"; makespan {n(summary['makespan_s'])} s",
+    ]
+    tail = [
+        f"throughput {n(summary['throughput_rps'], 2)} req/s, {n(summary['tokens_per_s'], 0)} output tokens/s",
+        f"goodput {n(summary['goodput_rps'], 2)} req/s (TTFT <= {n(slo['ttft_ms'], 0 if float(slo['ttft_ms']).is_integer() else 2)} ms and "
+        f"TPOT <= {n(slo['tpot_ms'], 0 if float(slo['tpot_ms']).is_integer() else 2)} ms; "
+        f"attainment {n(100 * summary['slo_attainment'])} %)",
     ]
     for gid, util in summary["stage_utilisation"].items():
-        lines.append(f"stage utilisation [{gid}]: " + "  ".join(f"s{i} {100 * u:.0f}%" for i, u in enumerate(util)))
-    q, kv = summary["queue_length"], summary["kv_used_fraction"]
-    lines.append(f"queue length (requests): mean {q['mean']:.1f}, P95 {q['p95']:.0f}, max {q['max']:.0f}")
-    lines.append(f"KV use: mean {100 * kv['mean']:.1f} %, P95 {100 * kv['p95']:.1f} %, max {100 * kv['max']:.1f} %")
-    for klass, c in summary["by_class"].items():
-        lines.append(f"{klass}: {c['completed']}/{c['requests']} done, TTFT P99 {_fmt(c['ttft_ms']['p99'])} ms, "
-                     f"goodput {c['goodput_rps']:.2f} req/s")
-    return "\n".join(lines)
+        tail.append(f"stage utilisation [{gid}]: " + "  ".join(f"s{i} {n(100 * u, 0)}%" for i, u in enumerate(util)))
+    tail.append(f"queue length (requests): mean {n(q['mean'])}, P95 {n(q['p95'], 0)}, max {n(q['max'], 0)}")
+    tail.append(f"KV use: mean {n(100 * kv['mean'])} %, P95 {n(100 * kv['p95'])} %, max {n(100 * kv['max'])} %")
+    out: list[RenderableType] = [Text(line, overflow="fold") for line in lines]
+    out.append(latency_table(summary))
+    out += [Text(line, overflow="fold") for line in tail]
+    if summary["by_class"]:
+        out.append(class_table(summary))
+    return out
+
+
+def format_summary(summary: dict[str, Any], width: int = PIPE_WIDTH) -> str:
+    """The human-readable report of :func:`flexpipe_dag.sim.results.summarize`'s dict at ``width`` columns."""
+    return render_text(*summary_renderables(summary), width=width)
 
 
 def run(args: argparse.Namespace) -> int:
     check_flags(args)
     gear, timing = _gear_and_timing(args)
+    model_name, max_context = model_context(args, gear)
     workload = build_workload(args)
     config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, micro_batch_size=args.micro_batch_size,
-                       max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens)
-    result = Simulator(workload, gear, timing, config).run()
+                       max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens,
+                       max_context_tokens=max_context, context_policy="truncate" if args.truncate_context else "refuse")
+    sim = Simulator(workload, gear, timing, config)
+    result = sim.run()
     if args.timeseries_csv:
         result.timeseries().to_csv(args.timeseries_csv, index=False)
     summary = {"trace": str(args.trace), "workload_requests": len(workload), **result.summary}
+    summary["context"] = {"model": model_name, **(summary.get("context") or {})}
+    context_line = sim.context.describe(model_name, "--truncate-context serves them truncated")
+    if max_context is None:
+        context_line += " (give --model or --max-context-tokens to check them)"
     if args.json:
+        if max_context is None or sim.context.over_context:
+            print(context_line, file=sys.stderr)  # never silent, even when stdout is JSON
         print(json.dumps(summary, indent=2))
     else:
-        print(f"trace {args.trace}: {len(workload)} requests over {workload.duration_s:.0f} s")
-        print(format_summary(result.summary))
+        console = cli_console()
+        console.print(Text(f"trace {args.trace}: {format_number(len(workload))} requests over "
+                           f"{format_number(workload.duration_s, 0)} s", overflow="fold"))
+        console.print(Text(context_line, overflow="fold"))
+        for item in summary_renderables(result.summary):
+            console.print(item)
     return 0

@@ -7,13 +7,19 @@ Three YAML/JSON forms load into one validated :class:`ClusterProfile`:
 * **seed** (the design's original form; one entry per GPU, peers named by ``to_<id>`` keys)::
 
       nodes:
-        - node_id: gpu_001
+        - node_id: gpu-001
           generation: A100
           memory_gb: 80
-          compute_score: 1.0
+          compute_score: 1.0          # optional: without it, the datasheet's figures for the generation
           max_batch_microbatch: 32
           interconnect:
-            to_gpu_002: {bandwidth_gbps: 300, latency_us: 3}
+            to_gpu_002: {bandwidth_gbps: 300, latency_us: 3}   # names node gpu-002 ('_' for '-')
+
+  ``to_<id>`` names a peer by id; an id written with ``_`` where the node id has ``-`` resolves when
+  exactly one node matches (two candidates are an error naming both). A node without
+  ``compute_score`` takes the catalog's figures for its ``generation`` (or ``model_name``) and
+  ``memory_gb``; one without ``hbm_bandwidth_gbps`` takes the catalog's bandwidth, and only a GPU the
+  catalog does not know gets a bandwidth derived from compute (the profile's notes say so).
 
 * **fleet** (compact: GPU models by host, links derived from datasheets)::
 
@@ -23,7 +29,13 @@ Three YAML/JSON forms load into one validated :class:`ClusterProfile`:
         - {node_id: host-b, gpu_model: T4, count: 2, available_until: 2026-12-01T06:00:00Z}
       inter_node: {bandwidth_gbps: 12.5, latency_us: 25}
 
-Units: ``memory_gib`` in GiB (datasheet "GB" of HBM is binary), ``bandwidth_gbps`` and
+Memory: ``Device.memory_gib`` is the total the device reports (GiB = 2^30 bytes): the NVML total
+when profiled, else the catalog's driver-visible total (a "16 GB" T4 shows 15.0 GiB), not the
+datasheet label. The seed form's ``memory_gb`` is that label; ``memory_gib`` there, when given, is the
+reported total and wins. The planner plans into :meth:`Device.usable_memory_gib`: the reported total
+less :data:`CUDA_CONTEXT_RESERVE_GIB` (GPUs only), less the workload's reserve fraction.
+
+Units: ``memory_gib`` in GiB, ``bandwidth_gbps`` and
 ``hbm_bandwidth_gbps`` in GB/s (10^9 bytes per second, as datasheets quote them), ``latency_us`` in
 microseconds, ``peak_tflops`` in dense half-precision TFLOP/s. ``compute_score`` is ``peak_tflops``
 relative to an A100-SXM-80GB (312 TFLOP/s) = 1.0.
@@ -37,12 +49,22 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from flexpipe_dag.core.catalog import REFERENCE_MODEL, gpu_catalog, lookup_gpu
+from flexpipe_dag.core.catalog import (
+    REFERENCE_MODEL,
+    GpuSpec,
+    gpu_catalog,
+    known_generations,
+    lookup_gpu,
+    visible_gib_from_label,
+)
+from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.user_yaml import load_user_yaml
 
@@ -55,6 +77,17 @@ IntraNodeKind = Literal["nvlink", "pcie"]
 INTRA_NODE_LATENCY_US: dict[IntraNodeKind, float] = {"nvlink": 3.0, "pcie": 10.0}
 REFERENCE_TFLOPS = 312.0
 REFERENCE_HBM_GBPS = 2039.0
+#: Device memory a serving process holds outside its tensors on each GPU, GiB: the CUDA context,
+#: cuBLAS / NCCL workspaces and the allocator's slack. PyTorch: "some context needs to be created on
+#: GPU" (torch.cuda.memory_allocated docs, "Memory management"); nvidia-smi shows ~300-800 MiB in use by
+#: a Python ML process before its first tensor (e.g. pytorch/pytorch#34323: 781 MB). 0.5 GiB is the
+#: typical figure; the workload's 10-15 % reserve fraction covers the rest.
+CUDA_CONTEXT_RESERVE_GIB = 0.5
+#: What planning does when a gear's dtype is bf16 and some usable devices have no bf16 (compute
+#: capability < 8.0): ``fp16`` plans the whole gear in fp16 (vLLM's ``--dtype auto`` does the same and
+#: warns), ``exclude`` leaves those devices out, ``refuse`` raises (vLLM's explicit ``--dtype bfloat16``).
+Bf16Fallback = Literal["fp16", "exclude", "refuse"]
+BF16_FALLBACKS: tuple[str, ...] = ("fp16", "exclude", "refuse")
 
 
 class _Strict(BaseModel):
@@ -69,19 +102,39 @@ class Device(_Strict):
     model_name: str = "unknown"
     generation: str | None = None
     kind: Literal["cuda", "cpu-worker", "declared"] = "declared"
-    memory_gib: PositiveFloat
+    memory_gib: PositiveFloat = Field(
+        description="device memory total the device reports, GiB (NVML when profiled, else the catalog's "
+                    "driver-visible total; not the datasheet label)")
     peak_tflops: PositiveFloat = Field(description="dense half-precision TFLOP/s (datasheet or measured GEMM)")
     hbm_bandwidth_gbps: PositiveFloat = Field(description="device memory bandwidth, GB/s")
     compute_score: PositiveFloat = Field(description="peak_tflops relative to A100-SXM-80GB = 1.0")
     max_micro_batch: Annotated[int, Field(ge=1)] | None = Field(
         None, description="largest micro_batch_size (sequences) the device takes; the search skips larger ones")
     available_until: dt.datetime | None = None
+    bf16: bool | None = Field(
+        None, description="whether the device computes in bfloat16 (compute capability >= 8.0): from the catalog, "
+                          "or torch.cuda.is_bf16_supported() when profiled; None = not known (planned as able)")
     op_timings_ms: dict[str, NonNegFloat] = Field(default_factory=dict)
     facts: dict[str, Any] = Field(default_factory=dict, description="raw probe facts (NVML, torch)")
 
+    @property
+    def context_reserve_gib(self) -> float:
+        """Memory the runtime holds outside tensors, GiB: :data:`CUDA_CONTEXT_RESERVE_GIB` on a GPU, 0 on a CPU worker."""
+        return 0.0 if self.kind == "cpu-worker" else CUDA_CONTEXT_RESERVE_GIB
+
     def usable_memory_gib(self, reserve_fraction: float) -> float:
-        """Memory left after keeping ``reserve_fraction`` (0..1) of it in reserve, GiB."""
-        return self.memory_gib * (1.0 - reserve_fraction)
+        """Memory a plan may fill on this device, GiB: the one rule the planner and its checks use.
+
+        ``(memory_gib - context_reserve_gib) x (1 - reserve_fraction)``, never below 0, with
+        ``memory_gib`` the reported total (NVML when profiled, else the catalog's driver-visible total)
+        and ``reserve_fraction`` (0..1) the workload's headroom.
+        """
+        return max(self.memory_gib - self.context_reserve_gib, 0.0) * (1.0 - reserve_fraction)
+
+    @property
+    def lacks_bf16(self) -> bool:
+        """True only when the device is known to have no bfloat16 math (``bf16 is False``)."""
+        return self.bf16 is False
 
     def available_for_s(self, now: dt.datetime) -> float:
         """Seconds from ``now`` until the device stops being available (``inf`` if it never does)."""
@@ -172,8 +225,10 @@ class _SeedNode(BaseModel):
     generation: str | None = None
     model_name: str | None = None
     host: str | None = None
-    memory_gb: PositiveFloat
-    compute_score: PositiveFloat
+    memory_gb: PositiveFloat = Field(description="datasheet label, GB (e.g. 16 for a T4)")
+    memory_gib: PositiveFloat | None = Field(None, description="the total the device reports (nvidia-smi), GiB")
+    compute_score: PositiveFloat | None = None
+    bf16: bool | None = None
     max_batch_microbatch: Annotated[int, Field(ge=1)] | None = None  # the seed file's name for Device.max_micro_batch
     hbm_bandwidth_gbps: PositiveFloat | None = None
     available_until: dt.datetime | None = None
@@ -206,20 +261,67 @@ class _FleetForm(_Strict):
     notes: list[str] = Field(default_factory=list)
 
 
-def _device_from_spec(device_id: str, node_id: str, generation: str | None, memory_gib: float,
-                      compute_score: float | None, hbm_gbps: float | None, **extra: Any) -> Device:
-    spec = lookup_gpu(extra.get("model_name") or generation, memory_gib)
-    if compute_score is not None:
-        peak = compute_score * REFERENCE_TFLOPS
+def _resolve_peer(key: str, ids: list[str], own: str, source: str, field: str) -> str:
+    """The node id a seed ``to_<id>`` key names (``to_gpu_002`` -> ``gpu-002``); InputError when none or two match."""
+    if not key.startswith("to_"):
+        raise InputError(source, field, "expected a key of the form to_<node_id>")
+    written = key[3:]
+    if written in ids:
+        peer = written
     else:
-        peak = spec.peak_tflops if spec else REFERENCE_TFLOPS
+        candidates = [i for i in ids if i.replace("-", "_") == written.replace("-", "_")]
+        if len(candidates) > 1:
+            raise InputError(source, field, f"{key!r} is ambiguous: it could name node {candidates[0]!r} or node "
+                                            f"{candidates[1]!r} ('_' read as '-'); rename one of them")
+        if not candidates:
+            raise InputError(source, field, f"link to unknown node {written!r}; known: {', '.join(ids)}")
+        peer = candidates[0]
+    if peer == own:
+        raise InputError(source, field, f"self-link on {peer!r}")
+    return peer
+
+
+def _seed_device(n: _SeedNode, i: int, source: str, notes: list[str]) -> Device:
+    """One seed node as a :class:`Device`: declared figures first, then the catalog, then derivations (noted)."""
+    where = f"nodes[{i}]"
+    name = n.model_name or n.generation
+    label = n.memory_gb
+    spec: GpuSpec | None = lookup_gpu(name, label)
+    if n.compute_score is None and spec is None:
+        field = f"{where}.generation" if n.generation or not n.model_name else f"{where}.model_name"
+        raise InputError(source, field,
+                         f"no compute_score and GPU {name!r} is not in the datasheet catalog; give compute_score "
+                         f"(A100-SXM-80GB = 1.0) and hbm_bandwidth_gbps, or a generation it knows: "
+                         f"{', '.join(known_generations())}")
+    # memory: the reported total if given; else the catalog's driver-visible total for that label; else derived
+    if n.memory_gib is not None:
+        memory_gib = n.memory_gib
+    elif spec is not None and abs(spec.memory_label_gb - label) < 0.5:
+        memory_gib = spec.memory_gib
+    else:
+        memory_gib = visible_gib_from_label(label)
+        notes.append(f"{where} ({n.node_id}): memory_gb {label:g} taken as {memory_gib:.2f} GiB driver-visible "
+                     f"(label x {memory_gib / label:.4f}; the catalog has no {name or 'such'} GPU with that label); "
+                     f"give memory_gib (nvidia-smi's total) to use the reported figure")
+    if n.compute_score is not None:
+        peak = n.compute_score * REFERENCE_TFLOPS
+    else:
+        assert spec is not None
+        peak = spec.peak_tflops
     score = peak / REFERENCE_TFLOPS
+    hbm_gbps = n.hbm_bandwidth_gbps
     if hbm_gbps is None:
-        hbm_gbps = spec.hbm_bandwidth_gbps if spec else REFERENCE_HBM_GBPS * score
-    model_name = extra.pop("model_name", None) or (spec.model_name if spec else generation or "unknown")
-    return Device(device_id=device_id, node_id=node_id, generation=generation, memory_gib=memory_gib,
-                  peak_tflops=peak, compute_score=score, hbm_bandwidth_gbps=hbm_gbps,
-                  model_name=model_name, **extra)
+        if spec is not None:
+            hbm_gbps = spec.hbm_bandwidth_gbps
+        else:
+            hbm_gbps = REFERENCE_HBM_GBPS * score
+            notes.append(f"{where} ({n.node_id}): hbm_bandwidth_gbps derived from compute_score as {hbm_gbps:.0f} GB/s "
+                         f"(GPU {name!r} not in the catalog); give hbm_bandwidth_gbps from its datasheet")
+    bf16 = n.bf16 if n.bf16 is not None else (spec.bf16 if spec is not None else None)
+    model_name = n.model_name or (spec.model_name if spec else n.generation or "unknown")
+    return Device(device_id=n.node_id, node_id=n.host or n.node_id, generation=n.generation, memory_gib=memory_gib,
+                  peak_tflops=peak, compute_score=score, hbm_bandwidth_gbps=hbm_gbps, model_name=model_name,
+                  bf16=bf16, max_micro_batch=n.max_batch_microbatch, available_until=n.available_until)
 
 
 def _from_seed(form: _SeedForm, source: str) -> ClusterProfile:
@@ -227,24 +329,16 @@ def _from_seed(form: _SeedForm, source: str) -> ClusterProfile:
     for i, node_id in enumerate(ids):
         if node_id in ids[:i]:
             raise InputError(source, f"nodes[{i}].node_id", f"duplicate id {node_id!r}")
-    devices, links = [], []
+    devices: list[Device] = []
+    links: list[Link] = []
+    notes: list[str] = []
     for i, n in enumerate(form.nodes):
-        devices.append(_device_from_spec(
-            n.node_id, n.host or n.node_id, n.generation, n.memory_gb, n.compute_score,
-            n.hbm_bandwidth_gbps, model_name=n.model_name, max_micro_batch=n.max_batch_microbatch,
-            available_until=n.available_until))
+        devices.append(_seed_device(n, i, source, notes))
         for key, link in n.interconnect.items():
-            field = f"nodes[{i}].interconnect.{key}"
-            if not key.startswith("to_"):
-                raise InputError(source, field, "expected a key of the form to_<node_id>")
-            peer = key[3:]
-            if peer == n.node_id:
-                raise InputError(source, field, f"self-link on {peer!r}")
-            if peer not in ids:
-                raise InputError(source, field, f"link to unknown node {peer!r}; known: {', '.join(ids)}")
+            peer = _resolve_peer(key, ids, n.node_id, source, f"nodes[{i}].interconnect.{key}")
             links.append(Link(src_device_id=n.node_id, dst_device_id=peer, bandwidth_gbps=link.bandwidth_gbps,
                               latency_us=link.latency_us))
-    return ClusterProfile(cluster_id=form.cluster_id, devices=devices, links=links, source="declared")
+    return ClusterProfile(cluster_id=form.cluster_id, devices=devices, links=links, source="declared", notes=notes)
 
 
 def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
@@ -263,9 +357,9 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
         for k in range(node.count):
             devices.append(Device(
                 device_id=f"{node.node_id}-gpu{k}", node_id=node.node_id, model_name=spec.model_name,
-                generation=spec.model_name.split("-")[0], memory_gib=spec.memory_gib,
+                generation=spec.generation, memory_gib=spec.memory_gib,
                 peak_tflops=spec.peak_tflops, compute_score=spec.compute_score,
-                hbm_bandwidth_gbps=spec.hbm_bandwidth_gbps, available_until=node.available_until))
+                hbm_bandwidth_gbps=spec.hbm_bandwidth_gbps, bf16=spec.bf16, available_until=node.available_until))
     node_ids = [n.node_id for n in form.fleet]
     for i, nid in enumerate(node_ids):
         if nid in node_ids[:i]:
@@ -352,3 +446,58 @@ def load_cluster_profile(path: str | Path) -> ClusterProfile:
     else:
         data = load_user_yaml(text, str(path))
     return parse_cluster_profile(data, str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# dtype support
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a gear runs in on a set of devices, and what was done to get there.
+
+    Attributes:
+        dtype: canonical dtype every stage of the gear computes in (a gear runs in one dtype).
+        excluded_device_ids: devices left out because they cannot run the requested dtype.
+        note: one sentence saying what changed and why (``None`` when nothing did).
+    """
+
+    dtype: str
+    excluded_device_ids: tuple[str, ...] = ()
+    note: str | None = None
+
+
+def choose_gear_dtype(devices: Sequence[Device], dtype: str, fallback: str = "fp16",
+                      source: str = "planning") -> DtypeChoice:
+    """Decide the dtype of a gear planned on ``devices`` (the usable ones) when ``dtype`` is requested.
+
+    A gear runs in one dtype. When ``dtype`` is bf16 and some devices are known to lack it
+    (``Device.bf16 is False``: V100, T4, P100, compute capability < 8.0), ``fallback`` decides:
+
+    * ``"fp16"`` (default): the whole gear runs in fp16 (vLLM's ``--dtype auto`` does this and warns);
+    * ``"exclude"``: those devices are left out and the gear stays bf16;
+    * ``"refuse"``: :class:`InputError` (vLLM's explicit ``--dtype bfloat16`` refuses the same way).
+
+    Every outcome other than "no change" carries a note listing the devices.
+
+    Raises:
+        InputError: unknown dtype or ``fallback``; ``"refuse"`` with devices lacking bf16; ``"exclude"``
+            leaving no device.
+    """
+    dtype = canonical_dtype(dtype, source, "dtype")
+    if fallback not in BF16_FALLBACKS:
+        raise InputError(source, "bf16_fallback", f"expected one of {', '.join(BF16_FALLBACKS)}, got {fallback!r}")
+    lacking = [d for d in devices if d.lacks_bf16]
+    if dtype != "bf16" or not lacking:
+        return DtypeChoice(dtype)
+    listed = ", ".join(f"{d.device_id} ({d.model_name})" for d in lacking)
+    if fallback == "refuse":
+        raise InputError(source, "dtype", f"bf16 is not supported on {len(lacking)} device(s): {listed} (compute "
+                                          f"capability < 8.0); plan with dtype fp16, or set bf16_fallback to 'fp16' "
+                                          f"(whole gear in fp16) or 'exclude' (leave those devices out)")
+    if fallback == "exclude":
+        if len(lacking) == len(devices):
+            raise InputError(source, "dtype", f"bf16 is not supported on any usable device ({listed}); plan with "
+                                              f"dtype fp16 or bf16_fallback 'fp16'")
+        return DtypeChoice("bf16", tuple(d.device_id for d in lacking),
+                           f"bf16 requested: left out {len(lacking)} device(s) without bf16: {listed}")
+    return DtypeChoice("fp16", (), f"bf16 requested but {len(lacking)} device(s) have no bf16: {listed}; "
+                                   f"the gear runs in fp16 on every device (bf16_fallback 'fp16')")

@@ -55,6 +55,29 @@ class GearEstimate(_Model):
     bottleneck_stage: int = Field(ge=0)
 
 
+class EnvelopeBasis(_Model):
+    """What a gear's envelope (``rps_min..rps_max``) was measured against: the promise's fine print.
+
+    ``rps_max`` is the highest mean arrival rate of ``workload`` (its first ``num_requests``
+    requests, time-compressed, burstiness and lengths kept) at which at least ``attainment`` of the
+    requests after the warm-up meet TTFT <= ``slo_ttft_ms`` and TPOT <= ``slo_tpot_ms`` and none is
+    lost, as measured by ``source``: ``"simulator"`` (the discrete-event simulator, the planner's
+    default) or ``"analytic"`` (the closed-form estimate only).
+    """
+
+    source: Literal["simulator", "analytic"]
+    slo_ttft_ms: float = Field(gt=0)
+    slo_tpot_ms: float = Field(gt=0)
+    attainment: float = Field(gt=0, le=1)
+    workload: str = Field(min_length=1, description="trace name or path the rate was measured on")
+    num_requests: int = Field(ge=2)
+
+    def describe(self) -> str:
+        """One line for tables and logs, e.g. ``95 % within TTFT 2000 ms / TPOT 200 ms on azure-conv (simulator)``."""
+        return (f"{self.attainment:.0%} within TTFT {self.slo_ttft_ms:g} ms / TPOT {self.slo_tpot_ms:g} ms "
+                f"on {self.workload} ({self.source})")
+
+
 class Gear(_Model):
     """A complete pipeline configuration plus its operating envelope.
 
@@ -79,6 +102,7 @@ class Gear(_Model):
     estimate: GearEstimate | None = None
     cluster_id: str | None = None
     profile_version: int | None = None
+    envelope_basis: EnvelopeBasis | None = Field(None, description="the SLO and workload rps_min..rps_max hold for")
 
     @model_validator(mode="before")
     @classmethod

@@ -48,8 +48,9 @@ from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.sim.engine import Simulator
 from flexpipe_dag.sim.evaluate import estimate_from_result
+from flexpipe_dag.sim.results import SimResult
 from flexpipe_dag.workload.request import Workload
-from flexpipe_dag.workload.transform import head, speedup
+from flexpipe_dag.workload.transform import head, slice_requests, speedup
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -90,6 +91,8 @@ class SelectionSettings:
         num_requests: requests of the reference trace replayed per probe.
         rel_tol: bisection tolerance of an envelope (relative); candidates this close tie.
         low_load_share: the low load at which latency is compared, as a share of the best ``rps_max``.
+        low_load_requests: requests replayed for that comparison (well below capacity the TPOT P50
+            settles within a few hundred requests).
         overlap_fraction: ``rps_min`` of a gear = this x the next-smaller gear's ``rps_max``.
         sim_config: other simulator settings (KV overrides, prefill budget, ...).
     """
@@ -98,8 +101,9 @@ class SelectionSettings:
     slo_tpot_ms: float = 200.0
     attainment: float = 0.95
     num_requests: int = 1000
-    rel_tol: float = 0.03
+    rel_tol: float = 0.05
     low_load_share: float = 0.25
+    low_load_requests: int = 300
     overlap_fraction: float = 0.7
     sim_config: SimConfig | None = None
 
@@ -124,6 +128,9 @@ class EnvelopeProbe:
         lost: requests rejected or unfinished.
         ttft_p99_ms / tpot_p99_ms: P99 over the measured requests, ms (NaN if none finished).
         passed: ``slo_attainment >= attainment`` and ``lost == 0``.
+        stopped_s: simulated second at which the probe stopped because it had certainly failed
+            (``slo_attainment`` is then the best still possible, ``lost`` the rejections so far); None
+            when it ran to the end.
     """
 
     rate_rps: float
@@ -133,6 +140,7 @@ class EnvelopeProbe:
     tpot_p99_ms: float
     passed: bool
     estimate: GearEstimate = field(repr=False, compare=False)
+    stopped_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,7 @@ class GearEnvelope:
         return {"gear_id": self.gear_id, "rps_max": self.rps_max, "target_p99_ms": self.target_p99_ms,
                 "estimate": self.estimate.model_dump() if self.estimate else None,
                 "probes": [{"rate_rps": p.rate_rps, "slo_attainment": p.slo_attainment, "lost": p.lost,
-                            "ttft_p99_ms": p.ttft_p99_ms, "tpot_p99_ms": p.tpot_p99_ms, "passed": p.passed}
+                            "ttft_p99_ms": p.ttft_p99_ms, "tpot_p99_ms": p.tpot_p99_ms, "passed": p.passed, "stopped_s": p.stopped_s}
                            for p in self.probes]}
 
 
@@ -179,29 +187,63 @@ def reference_slice(reference: Workload, num_requests: int) -> tuple[Workload, f
 
 
 def probe_gear(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps: float, rate_rps: float, *,
-               config: SimConfig, attainment: float = 0.95, warmup_fraction: float = 0.25) -> EnvelopeProbe:
+               config: SimConfig, attainment: float = 0.95, warmup_fraction: float = 0.25,
+               early_stop: bool = True) -> EnvelopeProbe:
     """Simulate ``gear`` on ``reference`` compressed to ``rate_rps`` and grade it (criterion in the module doc).
+
+    With ``early_stop`` (default) the simulation is checked every 1/16 of the trace's duration and
+    stopped as soon as the verdict is certain: a request was rejected, or more measured requests
+    are certain SLO misses (:meth:`~flexpipe_dag.sim.engine.Simulator.slo_outcome_so_far`) than
+    ``1 - attainment`` allows. Overloaded probes, whose queues make them the slowest to simulate,
+    stop early; the verdict is the one the full run would give. A stopped probe reports the best
+    attainment still possible and the latencies of the requests finished so far.
 
     Args:
         reference: the (already sliced) reference workload; ``native_rps`` its mean arrival rate.
         rate_rps: offered mean rate, req/s (> 0).
     """
+    return _probe(gear, timing, reference, native_rps, rate_rps, config=config, attainment=attainment,
+                  warmup_fraction=warmup_fraction, early_stop=early_stop)[0]
+
+
+def _probe(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps: float, rate_rps: float, *,
+           config: SimConfig, attainment: float, warmup_fraction: float,
+           early_stop: bool) -> tuple[EnvelopeProbe, SimResult]:
+    """:func:`probe_gear` and the simulation result it graded."""
     w = speedup(reference, rate_rps / native_rps)
-    result = Simulator(w, gear, timing, config).run()
+    sim = Simulator(w, gear, timing, config)
+    n = len(w)
+    skip = int(n * warmup_fraction)
+    first = skip if n - skip > 0 else 0
+    allowed = (n - first) * (1.0 - attainment) + 1e-9
+    stopped_s: float | None = None
+    if early_stop:
+        step_s = max(w.duration_s / 16.0, 1e-3)
+        while not sim.finished:
+            sim.advance(sim.now_s + step_s)
+            misses, rejected = sim.slo_outcome_so_far(first)
+            if rejected or misses > allowed:
+                stopped_s = sim.now_s
+                break
+    result = sim.result() if early_stop else sim.run()
     df = result.requests
-    skip = int(len(df) * warmup_fraction)
-    measured = df.iloc[skip:] if len(df) - skip > 0 else df
-    lost = int(df["finish_s"].isna().sum())
-    share = float(measured["slo_met"].mean()) if len(measured) else 0.0
+    measured = df.iloc[first:]
+    if stopped_s is None:
+        lost = int(df["finish_s"].isna().sum())
+        share = float(measured["slo_met"].mean()) if len(measured) else 0.0
+    else:
+        misses, lost = sim.slo_outcome_so_far(first)
+        share = 1.0 - misses / max(1, len(measured))
 
     def p99(col: str) -> float:
         v = measured[col].to_numpy(dtype=float)
         v = v[~np.isnan(v)]
         return float(np.percentile(v, 99)) if v.size else math.nan
 
-    return EnvelopeProbe(rate_rps=rate_rps, slo_attainment=share, lost=lost, ttft_p99_ms=p99("ttft_ms"),
-                         tpot_p99_ms=p99("tpot_ms"), passed=share >= attainment and lost == 0,
-                         estimate=estimate_from_result(result))
+    probe = EnvelopeProbe(rate_rps=rate_rps, slo_attainment=share, lost=lost, ttft_p99_ms=p99("ttft_ms"),
+                          tpot_p99_ms=p99("tpot_ms"), passed=stopped_s is None and share >= attainment and lost == 0,
+                          estimate=estimate_from_result(result), stopped_s=stopped_s)
+    return probe, result
 
 
 def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, *, slo_ttft_ms: float = 2000.0,
@@ -384,8 +426,9 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
     * ``throughput``: the highest ``rps_max`` (ties: lower TPOT P50 at the low load);
     * ``latency``: among the others serving the low load ``q_low = low_load_share x`` that
       ``rps_max``, the lowest TPOT P50 there, then the lowest TTFT P50;
-    * ``balanced``: among the rest with ``rps_max`` strictly between the two, the highest power
-      ``rps_max / TPOT P50 at q_low`` (Kleinrock 1979).
+    * ``balanced``: among the rest with ``rps_max`` strictly between the two, the most envelope per
+      device, ``rps_max / devices`` (ties: the highest power ``rps_max / TPOT P50 at q_low``,
+      Kleinrock 1979).
 
     With ``objective="devices"`` the same slots are filled by SLO goodput per device, the figure
     DistServe (OSDI'24) scores serving by (a gear's devices are its ``device_ids``, replicas included):
@@ -429,7 +472,7 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
     q_low = settings.low_load_share * best_max
     base = settings.sim_config or SimConfig()
     config = dataclasses.replace(base, slo_ttft_ms=settings.slo_ttft_ms, slo_tpot_ms=settings.slo_tpot_ms)
-    ref, native = reference_slice(reference_workload, settings.num_requests)
+    ref, native = reference_slice(reference_workload, min(settings.num_requests, settings.low_load_requests))
     low: dict[str, tuple[float, float]] = {}
     for g in candidates:
         if q_low > 0 and envs[g.gear_id].rps_max >= q_low:
@@ -465,10 +508,7 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
     mid = [g for g in others if g.gear_id not in {c.gear_id for c in chosen.values()}
            and lo < envs[g.gear_id].rps_max < hi]
     if mid:
-        if by_devices:
-            chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].rps_max / devices(g), power(g), g.gear_id))
-        else:
-            chosen["balanced"] = max(mid, key=lambda g: (power(g), g.gear_id))
+        chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].rps_max / devices(g), power(g), g.gear_id))
     notes: list[str] = []
     for kind in ("latency", "balanced"):
         if kind not in chosen:
@@ -484,3 +524,68 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
     renamed = [dataclasses.replace(e, gear_id=g.gear_id) for e, g in zip(picked_envs, relabelled)]
     return OperatingSelection(gears=apply_envelopes(relabelled, renamed, overlap_fraction=settings.overlap_fraction),
                               envelopes=list(envs.values()), notes=notes)
+
+
+def holdout_reference(reference: Workload, num_requests: int) -> Workload:
+    """The requests that follow the first ``num_requests`` (those envelopes are measured on), up to
+    ``num_requests`` of them, rebased to start at 0 s: a stretch of the same trace the planner never saw.
+
+    Raises:
+        InputError: fewer than 2 requests follow.
+    """
+    if len(reference) - num_requests < 2:
+        raise InputError(reference.source or reference.name, "num_requests",
+                         f"the trace has {len(reference)} requests; a held-out check needs at least 2 after the first "
+                         f"{num_requests}")
+    return slice_requests(reference, num_requests, min(len(reference), 2 * num_requests))
+
+
+@dataclass(frozen=True)
+class PromiseCheck:
+    """A gear replayed at a share of its own ``rps_max``: does the promise hold?
+
+    Attributes:
+        gear_id: the gear checked. workload: the trace stretch replayed.
+        rate_rps: offered mean rate, req/s (``load_share x rps_max``).
+        slo_attainment: share of requests after the warm-up meeting the SLO there.
+        lost: requests rejected or unfinished.
+        passed: ``slo_attainment >= min_attainment`` and nothing lost.
+        estimate: what the gear did there (throughput, TTFT / TPOT percentiles).
+        result: the simulation itself (per-request rows, samples).
+    """
+
+    gear_id: str
+    workload: str
+    rate_rps: float
+    slo_attainment: float
+    lost: int
+    passed: bool
+    estimate: GearEstimate = field(repr=False, compare=False)
+    result: SimResult = field(repr=False, compare=False)
+
+
+def check_promise(gear: Gear, timing: StageTimingModel, workload: Workload, *, slo_ttft_ms: float, slo_tpot_ms: float,
+                  load_share: float = 0.8, min_attainment: float = 0.9,
+                  sim_config: SimConfig | None = None) -> PromiseCheck:
+    """Replay ``workload`` (e.g. :func:`holdout_reference`) through ``gear`` at ``load_share x rps_max``.
+
+    The issue-13 acceptance test of an envelope: at 80 % of its own ``rps_max`` a gear keeps SLO
+    attainment >= 0.9 on requests it was not measured on.
+
+    Raises:
+        InputError: ``load_share`` not in (0, 1], ``min_attainment`` not in (0, 1], a gear without a
+            finite ``rps_max`` > 0, or a degenerate workload.
+    """
+    if not 0 < load_share <= 1:
+        raise InputError(gear.gear_id, "load_share", f"got {load_share}; expected 0 < share <= 1")
+    if not 0 < min_attainment <= 1:
+        raise InputError(gear.gear_id, "min_attainment", f"got {min_attainment}; expected 0 < attainment <= 1")
+    if not (math.isfinite(gear.rps_max) and gear.rps_max > 0):
+        raise InputError(gear.gear_id, "rps_max", f"got {gear.rps_max}; a promise check needs a finite envelope > 0")
+    ref, native = reference_slice(workload, len(workload))
+    config = dataclasses.replace(sim_config or SimConfig(), slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+    rate = load_share * gear.rps_max
+    p, result = _probe(gear, timing, ref, native, rate, config=config, attainment=min_attainment,
+                       warmup_fraction=0.25, early_stop=False)
+    return PromiseCheck(gear_id=gear.gear_id, workload=ref.name, rate_rps=rate, slo_attainment=p.slo_attainment,
+                        lost=p.lost, passed=p.passed, estimate=p.estimate, result=result)

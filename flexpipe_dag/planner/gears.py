@@ -29,12 +29,13 @@ import dataclasses
 import datetime as dt
 import hashlib
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from flexpipe_dag.core.cluster import ClusterProfile
+from flexpipe_dag.core.cluster import ClusterProfile, DtypeChoice, choose_gear_dtype
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear, GearEstimate, GearKind, StagePlan
 from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
@@ -48,6 +49,8 @@ from flexpipe_dag.planner.partition import (
 )
 from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch, PlanSignature
 from flexpipe_dag.planner.workload import PlanWorkload
+
+log = logging.getLogger(__name__)
 
 ORACLE_MAX_DEVICES = 6
 ORACLE_MAX_LAYERS = 16
@@ -271,12 +274,39 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_m
         profile_version=profile_version)
 
 
+def gear_dtype(cluster: ClusterProfile, dtype: str, workload: PlanWorkload, now: dt.datetime | None = None) -> DtypeChoice:
+    """The dtype gears run in on ``cluster`` when ``dtype`` is requested (devices usable for the
+    workload's minimum residence; rule: :func:`~flexpipe_dag.core.cluster.choose_gear_dtype`).
+
+    Raises:
+        InputError: as :func:`~flexpipe_dag.core.cluster.choose_gear_dtype`.
+    """
+    at = now or cluster.measured_at
+    usable = [d for d in cluster.devices if d.available_for_s(at) >= workload.min_residence_s]
+    return choose_gear_dtype(usable, dtype, workload.bf16_fallback)
+
+
 def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16",
                 workload: PlanWorkload | None = None, now: dt.datetime | None = None,
                 device_overrides: DeviceOverrides | None = None) -> PipelineSearch:
-    """Cost model + search state for ``model`` on ``cluster``."""
-    cm = CostModel(model, cluster, dtype=dtype, device_overrides=device_overrides)
-    return PipelineSearch(cm, workload or PlanWorkload(), now)
+    """Cost model + search state for ``model`` on ``cluster``.
+
+    The gear's dtype is settled first (:func:`~flexpipe_dag.core.cluster.choose_gear_dtype` over the
+    devices available for the workload's minimum residence): bf16 on a fleet with devices lacking it
+    becomes fp16, or leaves them out, or is refused, by ``workload.bf16_fallback``; what was done is
+    logged (INFO) and kept in the search's ``notes``.
+
+    Raises:
+        InputError: bad dtype; bf16 refused (``bf16_fallback="refuse"``) or no device left.
+    """
+    workload = workload or PlanWorkload()
+    choice = gear_dtype(cluster, dtype, workload, now)
+    notes = []
+    if choice.note:
+        notes.append(choice.note)
+        log.info("plan %s on %s: %s", model.name, cluster.cluster_id, choice.note)
+    cm = CostModel(model, cluster, dtype=choice.dtype, device_overrides=device_overrides)
+    return PipelineSearch(cm, workload, now, exclude_device_ids=choice.excluded_device_ids, notes=notes)
 
 
 def plan_kind(search: PipelineSearch, kind: str, num_stages: int | None = None) -> ScoredPlan:
@@ -440,7 +470,7 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
                     concurrency: int = 64, now: dt.datetime | None = None, min_residence_s: float = 600.0,
                     workload: PlanWorkload | None = None, profile_version: int | None = None,
                     device_overrides: DeviceOverrides | None = None, max_candidates: int = 6,
-                    compact: bool = True) -> list[Gear]:
+                    compact: bool = True, replicas: bool = True) -> list[Gear]:
     """A shortlist of distinct configurations for scoring in the simulator (``kind="manual"``).
 
     The three analytic picks come first, then, alternating, the best plan by estimated tokens/s for
@@ -461,13 +491,15 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     envelope with that pool (preemptions and rejections included), so a compact gear is picked only
     for the load it actually holds.
 
+    ``replicas=False`` proposes no stage replicas (a runtime without them).
+
     Raises:
         InfeasibleError / InputError: as :func:`plan_gears`.
     """
     workload = workload or PlanWorkload(context_p95_tokens=context_p95_tokens, concurrency=concurrency,
                                         min_residence_s=min_residence_s)
     search = make_search(cluster, model, dtype=dtype, workload=workload, now=now, device_overrides=device_overrides)
-    scored = candidate_plans(search)
+    scored = candidate_plans(search, replicas=replicas)
     if not scored:
         raise InfeasibleError(search.explain_infeasible())
     chosen, _ = choose_operating_plans(search, scored)
@@ -494,14 +526,14 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     if compact:
         out += _compact_candidates(cluster, model, dtype, workload, now, device_overrides, profile_version,
                                    fewest_devices=min(len(g.device_ids) for g in out),
-                                   signatures={sp.plan.signature() for sp in picks})
+                                   signatures={sp.plan.signature() for sp in picks}, replicas=replicas)
     return out
 
 
 def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, workload: PlanWorkload,
                         now: dt.datetime | None, device_overrides: DeviceOverrides | None,
                         profile_version: int | None, *, fewest_devices: int,
-                        signatures: set[PlanSignature]) -> list[Gear]:
+                        signatures: set[PlanSignature], replicas: bool = True) -> list[Gear]:
     """The fewest-device plan for each reduced concurrency (see :func:`candidate_gears`), as candidate gears.
 
     Only plans on fewer devices than ``fewest_devices`` (and than the previous compact one) are
@@ -516,7 +548,7 @@ def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, w
         seen_concurrency.add(concurrency)
         search = make_search(cluster, model, dtype=dtype, workload=dataclasses.replace(workload, concurrency=concurrency),
                              now=now, device_overrides=device_overrides)
-        scored = [s for s in candidate_plans(search) if s.plan.signature() not in signatures]
+        scored = [s for s in candidate_plans(search, replicas=replicas) if s.plan.signature() not in signatures]
         if not scored:
             continue
         best = min(scored, key=lambda s: (sum(len(ds) for ds in s.plan.device_ids), -round(s.estimate.tokens_per_s, 6),

@@ -46,7 +46,7 @@ from flexpipe_dag.planner.workload import PlanWorkload
 
 MIDDLE, FIRST, LAST, SINGLE = 0, 1, 2, 3
 ROLE_FLAGS = {MIDDLE: (False, False), FIRST: (True, False), LAST: (False, True), SINGLE: (True, True)}
-#: Devices with equal profiles are interchangeable: (cost-model key, memory GiB, largest micro-batch or None).
+#: Devices with equal profiles are interchangeable: (cost-model key, usable memory GiB, largest micro-batch or None).
 DeviceProfile = tuple[DeviceKey, float, int | None]
 #: What makes two plans the same: (micro-batch size, device ids per stage, layers per stage).
 PlanSignature = tuple[int, tuple[tuple[str, ...], ...], tuple[int, ...]]
@@ -95,31 +95,42 @@ class PipelinePlan:
 class PipelineSearch:
     """Search state for one model on one cluster under one workload.
 
+    Memory: a stage fits a device when its bytes are at most :meth:`Device.usable_memory_gib` at the
+    workload's ``reserve_fraction`` (reported total less the CUDA context reserve, less the fraction).
+
     Args:
         cost_model: prices stages and links.
         workload: planning assumptions.
         now: the time availability windows are measured from (default: the profile's ``measured_at``).
+        exclude_device_ids: devices left out for another reason (a dtype they cannot run), with
+            ``notes`` saying why.
+        notes: what planning changed on the way (dtype fallback, devices left out), for the user.
 
     Raises:
         InfeasibleError: no device stays available for ``min_residence_s``.
     """
 
-    def __init__(self, cost_model: CostModel, workload: PlanWorkload, now: dt.datetime | None = None):
+    def __init__(self, cost_model: CostModel, workload: PlanWorkload, now: dt.datetime | None = None,
+                 exclude_device_ids: tuple[str, ...] = (), notes: list[str] | None = None):
         self.cm = cost_model
         self.model = cost_model.model
         self.workload = workload
         self.num_layers = self.model.num_layers
+        self.notes: list[str] = list(notes or [])
         cluster = cost_model.cluster
         now = now or cluster.measured_at
         self.excluded = [d.device_id for d in cluster.devices if d.available_for_s(now) < workload.min_residence_s]
-        self.pool: list[Device] = [d for d in cluster.devices if d.device_id not in self.excluded]
+        self.excluded_for_dtype = [i for i in exclude_device_ids if i not in self.excluded]
+        self.pool: list[Device] = [d for d in cluster.devices
+                                   if d.device_id not in self.excluded and d.device_id not in self.excluded_for_dtype]
         if not self.pool:
             raise InfeasibleError(
                 f"all {len(cluster.devices)} devices become unavailable within the minimum residence of "
                 f"{workload.min_residence_s:.0f} s (available_until)")
         self._profile_of: dict[str, DeviceProfile] = {}
         for d in self.pool:
-            self._profile_of[d.device_id] = (cost_model.device_key(d.device_id), d.memory_gib, d.max_micro_batch)
+            self._profile_of[d.device_id] = (cost_model.device_key(d.device_id),
+                                             d.usable_memory_gib(workload.reserve_fraction), d.max_micro_batch)
         self.profiles = sorted(set(self._profile_of.values()), key=repr)
         self._profile_index = np.array([self.profiles.index(self._profile_of[d.device_id]) for d in self.pool])
         self._rep = {p: next(d.device_id for d in self.pool if self._profile_of[d.device_id] == p) for p in self.profiles}
@@ -154,7 +165,7 @@ class PipelineSearch:
         emb_dec, emb_pf = cm.first_extra_ms(dev, micro_batch_size), cm.first_extra_ms(dev, w.prompt_tokens_mean)
         head_dec, head_pf = cm.last_extra_ms(dev, micro_batch_size), cm.last_extra_ms(dev, 1)
         kv_seqs = math.ceil(w.concurrency / replicas)
-        usable = self.cm.device(dev).memory_gib * GIB * (1 - w.reserve_fraction)
+        usable = self.cm.device(dev).usable_memory_gib(w.reserve_fraction) * GIB
         ws = max(micro_batch_size, w.prefill_chunk_tokens) * self._ws_token
         over_device_max_micro_batch = prof[2] is not None and micro_batch_size > prof[2]
         busy = np.empty((4, L + 1))
@@ -398,18 +409,20 @@ class PipelineSearch:
     def explain_infeasible(self) -> str:
         """The binding constraint when no plan exists, in words with numbers."""
         w, L = self.workload, self.num_layers
-        usable = sum(d.memory_gib * (1 - w.reserve_fraction) for d in self.pool)
+        usable = sum(d.usable_memory_gib(w.reserve_fraction) for d in self.pool)
         weights = self.model.weight_bytes(self.cm.dtype) / GIB
         excl = f" ({len(self.excluded)} device(s) excluded by available_until)" if self.excluded else ""
+        if self.excluded_for_dtype:
+            excl += f" ({len(self.excluded_for_dtype)} device(s) left out: no {self.cm.dtype})"
         if weights > usable:
             return (f"model needs {weights:.1f} GiB of weights ({self.cm.dtype}), cluster has {usable:.1f} GiB usable "
-                    f"after the {w.reserve_fraction:.0%} reserve on {len(self.pool)} device(s){excl}")
+                    f"after the CUDA context and the {w.reserve_fraction:.0%} reserve on {len(self.pool)} device(s){excl}")
         kv = L * w.concurrency * w.context_p95_tokens * self._kv_layer_token / GIB
         if weights + kv > usable:
             return (f"weights {weights:.1f} GiB + KV pool {kv:.1f} GiB (concurrency {w.concurrency} x P95 context "
                     f"{w.context_p95_tokens} tokens) exceed the {usable:.1f} GiB usable on {len(self.pool)} device(s){excl}")
         one_layer = max((self._layer_w + w.concurrency * w.context_p95_tokens * self._kv_layer_token) / GIB, 0)
-        biggest = max(d.memory_gib * (1 - w.reserve_fraction) for d in self.pool)
+        biggest = max(d.usable_memory_gib(w.reserve_fraction) for d in self.pool)
         if one_layer > biggest:
             return (f"one layer's weights + KV pool need {one_layer:.2f} GiB, the largest device has {biggest:.1f} GiB usable")
         extra = max(self._first_w, self._last_w) / GIB

@@ -20,7 +20,8 @@ def gear_problems(gear: Gear, cluster: ClusterProfile, model: ModelSpec, *, rese
 
     Memory, per replica device of each stage: weights (``weight_gib``) + its share of the stage's KV
     pool (``kv_capacity_tokens / replicas`` x per-layer KV bytes per token x layers) must not exceed
-    ``memory_gib x (1 - reserve_fraction)``. Links: every replica of stage ``i`` needs a link to every
+    ``Device.usable_memory_gib(reserve_fraction)`` (reported total less the CUDA context reserve, less
+    the fraction). Links: every replica of stage ``i`` needs a link to every
     replica of stage ``i + 1``, and the estimated traffic (tokens/s x activation bytes per token) must
     stay within ``link_utilisation_max`` of its bandwidth.
     """
@@ -35,7 +36,7 @@ def gear_problems(gear: Gear, cluster: ClusterProfile, model: ModelSpec, *, rese
         weight_bytes = (st.weight_gib or 0.0) * GIB
         kv_bytes = (st.kv_capacity_tokens or 0) / st.replicas * kv_layer_token * st.num_layers
         for dev_id in st.device_ids:
-            usable = cluster.device(dev_id).memory_gib * (1 - reserve_fraction) * GIB
+            usable = cluster.device(dev_id).usable_memory_gib(reserve_fraction) * GIB
             if weight_bytes + kv_bytes > usable * (1 + 1e-9):
                 problems.append(f"{gear.gear_id} stage {st.stage_index} on {dev_id}: weights {weight_bytes / GIB:.2f} GiB"
                                 f" + KV {kv_bytes / GIB:.2f} GiB exceed {usable / GIB:.2f} GiB usable")

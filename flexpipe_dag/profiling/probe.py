@@ -136,6 +136,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, settings: dict[str, 
     shape = LayerShape(**s.layer)
     t0 = time.perf_counter()
     result: dict[str, Any] = {"rank": rank, "dtype": str(dtype).removeprefix("torch.")}
+    result["bf16"] = bool(torch.cuda.is_bf16_supported()) if use_cuda else True
     result["gemm_tflops"] = gemm_tflops(device, dtype, s.gemm_n_cuda if use_cuda else s.gemm_n_cpu)
     result["memory_bandwidth_gbps"] = memory_bandwidth_gbps(device, s.copy_bytes_cuda if use_cuda else s.copy_bytes_cpu)
     result["op_timings_ms"] = layer_times_ms(device, dtype, shape, s.token_counts)
@@ -191,16 +192,19 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
     for r in ranks:
         facts = {k: r[k] for k in ("dtype", "gemm_tflops", "memory_bandwidth_gbps", "peak_memory_gib",
                                    "max_micro_batch_method", "microbench_s")}
+        memory_gib = r["memory_gib"]
         if use_cuda:
             nv = nvml.devices[r["rank"]] if r["rank"] < len(nvml.devices) else {}
             facts["nvml"] = nv
+            facts["cuda_memory_total_gib"] = memory_gib
+            memory_gib = nv.get("memory_total_gib") or memory_gib  # the NVML total, as the catalog's figures
             name = nv.get("name") or torch.cuda.get_device_name(r["rank"])
             dev_id, kind = f"{host}-cuda{r['rank']}", "cuda"
         else:
             name, dev_id, kind = f"cpu-worker ({_cpu_name()})", f"{host}-cpu{r['rank']}", "cpu-worker"
         devices.append(Device(
             device_id=dev_id, node_id=host, model_name=name, generation=None, kind=kind,
-            memory_gib=r["memory_gib"], peak_tflops=r["gemm_tflops"],
+            memory_gib=memory_gib, peak_tflops=r["gemm_tflops"], bf16=r["bf16"],
             compute_score=r["gemm_tflops"] / REFERENCE_TFLOPS, hbm_bandwidth_gbps=r["memory_bandwidth_gbps"],
             max_micro_batch=max(1, r["max_micro_batch"]), op_timings_ms=r["op_timings_ms"], facts=facts))
     for r in ranks:
@@ -216,8 +220,10 @@ def merge_profiles(declared: ClusterProfile, measured: ClusterProfile) -> Cluste
     """Merge a declared inventory with measurements.
 
     A device in both (same id) takes the measured compute, memory bandwidth, op timings, largest
-    micro-batch and facts, keeping the declared name, memory and ``available_until``; devices only
-    declared stay as declared; devices only measured are added. Measured links replace declared ones.
+    micro-batch, bf16 support and facts, and, when measured on a GPU (``kind == "cuda"``), its memory
+    (the total the device reports beats the declared or catalog figure); it keeps the declared name
+    and ``available_until``. Devices only declared stay as declared; devices only measured are added.
+    Measured links replace declared ones.
     """
     measured_by_id = {d.device_id: d for d in measured.devices}
     devices = []
@@ -226,10 +232,15 @@ def merge_profiles(declared: ClusterProfile, measured: ClusterProfile) -> Cluste
         if m is None:
             devices.append(d)
             continue
-        devices.append(d.model_copy(update={
+        update = {
             "peak_tflops": m.peak_tflops, "compute_score": m.compute_score,
             "hbm_bandwidth_gbps": m.hbm_bandwidth_gbps, "op_timings_ms": m.op_timings_ms,
-            "max_micro_batch": m.max_micro_batch, "facts": m.facts, "kind": m.kind}))
+            "max_micro_batch": m.max_micro_batch, "facts": m.facts, "kind": m.kind}
+        if m.kind == "cuda":
+            update["memory_gib"] = m.memory_gib
+        if m.bf16 is not None:
+            update["bf16"] = m.bf16
+        devices.append(d.model_copy(update=update))
     devices.extend(measured_by_id.values())
     links = {(link.src_device_id, link.dst_device_id): link for link in declared.links}
     links.update({(link.src_device_id, link.dst_device_id): link for link in measured.links})

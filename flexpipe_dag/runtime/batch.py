@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX
-from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
+from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL, PRIORITY_OFFLINE, Request, RequestOutput
 
 #: Longest request id a prompts file may use (the store's ``request_results.request_key`` is 200 chars).
 MAX_REQUEST_ID_CHARS = 200
@@ -300,7 +300,12 @@ def result_record(out: RequestOutput, gear_id: str, tokenizer=None) -> dict[str,
 
 @dataclass
 class BatchReport:
-    """What a batch job did. ``failure`` is the StageFailedError message when the run broke off."""
+    """What a batch job did. ``failure`` is the StageFailedError message when the run broke off.
+
+    ``refused``: request id -> why it was not served (larger than the KV pool, or prompt +
+    ``max_new_tokens`` over the model's max context); ``truncated``: request id -> how it was cut to
+    the max context (``RuntimeOptions.truncate_context``).
+    """
 
     rows: int
     malformed: list[MalformedRow]
@@ -312,10 +317,21 @@ class BatchReport:
     elapsed_s: float = 0.0
     failure: str | None = None
     stage_info: list[dict] = field(default_factory=list)
+    truncated: dict[str, str] = field(default_factory=dict)
 
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def refused_context(self) -> int:
+        """Requests refused because prompt + ``max_new_tokens`` exceed the model's max context."""
+        return sum(CONTEXT_REFUSAL in why for why in self.refused.values())
+
+    @property
+    def over_context(self) -> int:
+        """Requests over the model's max context: refused or truncated."""
+        return self.refused_context + len(self.truncated)
 
 
 def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...],
@@ -374,5 +390,7 @@ def run_batch_job(runtime, rows: list[PromptRow], sink: ResultSink, *, malformed
     except StageFailedError as exc:
         report.failure = str(exc)
     report.elapsed_s = time.monotonic() - t0
-    report.refused = runtime.refused
+    ids = {r.request_id for r in reqs}  # a runtime serving several jobs remembers the earlier ones' requests
+    report.refused = {k: v for k, v in runtime.refused.items() if k in ids}
+    report.truncated = {k: v for k, v in getattr(runtime, "truncated", {}).items() if k in ids}
     return report

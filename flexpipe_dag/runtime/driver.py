@@ -85,7 +85,8 @@ class Driver:
         self.scheduler = Scheduler(BlockAllocator(self.layout.num_blocks, spec.block_size_tokens, self.layout.num_lanes),
                                    micro_batch_size=config.micro_batch_size,
                                    max_inflight_micro_batches=config.max_inflight_micro_batches,
-                                   max_tokens_per_micro_batch=config.max_tokens_per_micro_batch)
+                                   max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+                                   max_context_tokens=config.max_context_tokens)
         self.metrics = LiveMetrics(gear_id, time.monotonic())
         self.inbox: queue.Queue = queue.Queue()  # (MessageKind, payload) from the last stage, or an exception
         self.next_sample = time.monotonic() + metrics_period_s
@@ -95,7 +96,8 @@ class Driver:
         self.stopping = False
         self.sent = 0  # micro-batches sent into the pipeline
         self.in_transport = False
-        self._refusals = (KVCapacityError, ValueError)  # what add_request raises for a request it will not serve
+        # what add_request raises for a request it will not serve (ValueError covers ContextLengthError, InputError)
+        self._refusals = (KVCapacityError, ValueError)
         self._handlers: dict[type, Callable[[Any], None]] = {
             AddRequests: self.on_add, Reconfigure: self.on_reconfigure, FlushMetrics: self.on_flush,
             StopPipeline: self.on_stop}

@@ -103,6 +103,7 @@ class SchedulerConfig:
         micro_batch_size: most sequences in one micro-batch (the gear's ``micro_batch_size``).
         max_inflight_micro_batches: most micro-batches in the pipeline at once, per lane.
         max_tokens_per_micro_batch: token budget of one micro-batch (prefill tokens + 1 per decode).
+        max_context_tokens: the model's max context (prompt + generated tokens); ``None``: not checked.
 
     Raises:
         ValueError: a value below 1.
@@ -111,10 +112,11 @@ class SchedulerConfig:
     micro_batch_size: int
     max_inflight_micro_batches: int
     max_tokens_per_micro_batch: int = 2048
+    max_context_tokens: int | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
+            if getattr(self, f.name) is not None and getattr(self, f.name) < 1:
                 raise ValueError(f"SchedulerConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
 
 

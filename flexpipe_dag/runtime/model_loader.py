@@ -98,6 +98,12 @@ class Checkpoint:
     def num_layers(self) -> int:
         return int(self.config.num_hidden_layers)
 
+    @property
+    def max_context_tokens(self) -> int | None:
+        """The model's max context, prompt + generated tokens (``max_position_embeddings``; ``None`` if absent)."""
+        value = getattr(self.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
     @cached_property
     def fingerprint(self) -> str:
         """What identifies the model's weights wherever the directory lives (sha256, hex, 16 chars):

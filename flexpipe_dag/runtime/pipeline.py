@@ -104,6 +104,12 @@ class RuntimeOptions:
     Forkserver children inherit the environment the server started with (at this process's first
     pipeline), not the caller's current one: use ``"spawn"`` when a pipeline needs its own
     environment variables (e.g. ``CUDA_VISIBLE_DEVICES``).
+    ``max_context_tokens``: the longest prompt + ``max_new_tokens`` a request may have (default:
+    the checkpoint's ``max_position_embeddings``; at most it, like vLLM's ``max_model_len``); a
+    longer request is refused with a per-request reason (:attr:`PipelineRuntime.refused`), or with
+    ``truncate_context`` served with its prompt cut from the left, the most recent tokens kept, and
+    ``max_new_tokens`` capped only when it alone leaves no room
+    (:func:`flexpipe_dag.workload.context.fit_to_context`; listed in :attr:`PipelineRuntime.truncated`).
     ``control_address``: ``"HOST:PORT"`` to serve stage workers started elsewhere (other hosts:
     ``flexpipe worker --head HOST:PORT --stage S``, or ``flexpipe run --launched`` under a
     launcher; :mod:`~flexpipe_dag.runtime.remote`); only the driver is spawned here and the head
@@ -126,6 +132,8 @@ class RuntimeOptions:
     start_method: str = "forkserver"
     control_address: str | None = None
     heartbeat_timeout_s: float = 15.0
+    max_context_tokens: int | None = None
+    truncate_context: bool = False
 
 
 #: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
@@ -270,6 +278,7 @@ class PipelineRuntime:
         self._finished: list[RequestOutput] = []
         self._metrics: list[MetricSample] = []
         self._refused: dict[str, str] = {}
+        self._truncated: dict[str, str] = {}
         self._stall_mark: tuple[tuple[float, float], float] | None = None  # ((sent, done), since when)
         self._on_result: Callable[[RequestOutput], None] | None = None
         self._started = False
@@ -317,7 +326,8 @@ class PipelineRuntime:
         self._counters = ctx.RawArray("d", COUNTER_SLOTS * spec.world_size)
         sched_cfg = SchedulerConfig(micro_batch_size=self.gear.micro_batch_size,
                                     max_inflight_micro_batches=self.gear.max_inflight_micro_batches,
-                                    max_tokens_per_micro_batch=self.options.max_tokens_per_micro_batch)
+                                    max_tokens_per_micro_batch=self.options.max_tokens_per_micro_batch,
+                                    max_context_tokens=self.max_context_tokens)
         self._procs = [ctx.Process(target=driver_main, name="flexpipe-driver", daemon=True,
                                    args=(spec, self.gear.gear_id, sched_cfg, self._cmds, self._events,
                                          self._counters, self.options.metrics_period_s))]
@@ -428,9 +438,52 @@ class PipelineRuntime:
         self.shutdown()
 
     # -- serving ----------------------------------------------------------------------------------
+    @property
+    def max_context_tokens(self) -> int | None:
+        """Prompt + ``max_new_tokens`` a request may have: ``RuntimeOptions.max_context_tokens``, else the
+        checkpoint's ``max_position_embeddings`` (``None``: not known, not checked).
+
+        Raises:
+            InputError: the option is below 2 or above the checkpoint's max context, naming both.
+        """
+        from flexpipe_dag.workload.context import check_max_context_tokens
+
+        model_max = self.ckpt.max_context_tokens
+        wanted = check_max_context_tokens(self.options.max_context_tokens, "RuntimeOptions")
+        if wanted is None:
+            return model_max
+        if model_max is not None and wanted > model_max:
+            raise InputError("RuntimeOptions", "max_context_tokens",
+                             f"{wanted} tokens exceeds {self.ckpt.name}'s max context of {model_max} tokens "
+                             f"(max_position_embeddings); expected 2..{model_max}")
+        return wanted
+
+    def _fit_context(self, reqs: list[Request]) -> list[Request]:
+        """With ``truncate_context``: requests over the max context cut to it (recorded in :attr:`truncated`)."""
+        import dataclasses
+
+        from flexpipe_dag.workload.context import fit_to_context
+
+        limit = self.max_context_tokens if self.options.truncate_context else None
+        if limit is None:
+            return reqs
+        out = []
+        for r in reqs:
+            n = len(r.prompt_token_ids)
+            keep, new = fit_to_context(n, r.max_new_tokens, limit)
+            if (keep, new) != (n, r.max_new_tokens):
+                self._truncated[r.request_id] = (f"prompt {n} -> {keep} tokens (the last ones kept)"
+                                                 + (f", max_new_tokens {r.max_new_tokens} -> {new}"
+                                                    if new != r.max_new_tokens else "")
+                                                 + f"; max context {limit} tokens")
+                r = dataclasses.replace(r, prompt_token_ids=list(r.prompt_token_ids[n - keep:]), max_new_tokens=new)
+            out.append(r)
+        return out
+
     def submit(self, requests: Iterable[Request]) -> list[str]:
-        """Queue requests (non-blocking); returns their ids."""
-        reqs = list(requests)
+        """Queue requests (non-blocking); returns their ids. One over the max context is refused by the
+        scheduler (:attr:`refused`), or with ``truncate_context`` cut to it first (:attr:`truncated`)."""
+        reqs = self._fit_context(list(requests))
         ids = [r.request_id for r in reqs]
         self._outstanding.update(ids)
         self._cmds.put(AddRequests(tuple(reqs)))
@@ -501,8 +554,13 @@ class PipelineRuntime:
 
     @property
     def refused(self) -> dict[str, str]:
-        """Request id -> why the scheduler refused it (e.g. larger than the KV pool)."""
+        """Request id -> why the scheduler refused it (e.g. larger than the KV pool, or over the max context)."""
         return dict(self._refused)
+
+    @property
+    def truncated(self) -> dict[str, str]:
+        """Request id -> how it was cut to the max context (``RuntimeOptions.truncate_context``)."""
+        return dict(self._truncated)
 
     @property
     def metric_samples(self) -> list[MetricSample]:

@@ -16,7 +16,8 @@ Policy:
 * a micro-batch takes running sequences not in flight (decode, 1 token each) in priority order,
   then newly admitted ones (whole-prompt prefill) while ``max_tokens_per_micro_batch`` allows
   (a lone prefill larger than the budget still runs alone);
-* a request that could never fit the pool is refused at :meth:`Scheduler.add_request`.
+* a request that could never fit the pool, or whose prompt + ``max_new_tokens`` exceed the
+  model's max context (:class:`ContextLengthError`), is refused at :meth:`Scheduler.add_request`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from dataclasses import dataclass, field
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
+
+
+class ContextLengthError(ValueError):
+    """A request's prompt + ``max_new_tokens`` exceed the model's max context (the message says by how much)."""
+
+
+#: Words every context refusal's message holds (how a report tells them from other refusals).
+CONTEXT_REFUSAL = "exceed the model's max context"
 
 #: Priority of online (latency-critical) requests; offline batch work uses larger numbers.
 PRIORITY_ONLINE = 0
@@ -148,11 +157,15 @@ class Scheduler:
         max_inflight_micro_batches: most micro-batches in the pipeline at once, per lane.
         max_tokens_per_micro_batch: token budget of one micro-batch (prefill tokens + 1 per decode).
         clock: seconds, monotonic (injectable for tests).
+        max_context_tokens: the model's max context (prompt + generated tokens; the checkpoint's
+            ``max_position_embeddings``); ``None``: not checked.
     """
 
     def __init__(self, allocator: BlockAllocator, micro_batch_size: int, max_inflight_micro_batches: int,
-                 max_tokens_per_micro_batch: int = 2048, clock: Callable[[], float] = time.monotonic):
+                 max_tokens_per_micro_batch: int = 2048, clock: Callable[[], float] = time.monotonic,
+                 max_context_tokens: int | None = None):
         self.allocator = allocator
+        self.max_context_tokens = max_context_tokens
         self.micro_batch_size = micro_batch_size
         self.max_inflight_micro_batches = max_inflight_micro_batches
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
@@ -172,12 +185,19 @@ class Scheduler:
         """Queue a request.
 
         Raises:
+            ContextLengthError: prompt + max_new_tokens exceed the model's max context.
             KVCapacityError: prompt + max_new_tokens exceed the whole KV pool.
             InputError: the request id is already queued or running.
         """
         if req.request_id in self._request_ids:
             raise InputError(None, "request_id", f"{req.request_id!r} is already queued or running")
         need = len(req.prompt_token_ids) + req.max_new_tokens
+        limit = self.max_context_tokens
+        if limit is not None and need > limit:
+            raise ContextLengthError(
+                f"request {req.request_id!r}: prompt {len(req.prompt_token_ids)} + max_new_tokens "
+                f"{req.max_new_tokens} = {need} tokens {CONTEXT_REFUSAL} of {limit} tokens; expected at most "
+                f"{limit} (shorten the prompt or max_new_tokens, or truncate: --truncate-context)")
         if not self.allocator.fits_ever(need):
             raise KVCapacityError(f"request {req.request_id!r} needs {need} KV tokens; the pool holds "
                                   f"{self.allocator.capacity_tokens}")

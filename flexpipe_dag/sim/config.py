@@ -1,4 +1,5 @@
-"""Simulator settings: sampling period, SLOs, and optional overrides of a gear's batching / KV limits."""
+"""Simulator settings: sampling period, SLOs, the model's context rule, and optional overrides of a gear's
+batching / KV limits."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S
+from flexpipe_dag.workload.context import ContextPolicy, check_context_policy, check_max_context_tokens
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,11 @@ class SimConfig:
             tokens and linearly interpolated (exact for costs linear in context; 0 = no memo).
         preempt_offline_for_online: an online request that cannot get KV blocks may preempt
             offline sequences of the micro-batch being scheduled (recompute later).
+        max_context_tokens: the model's maximum context (prompt + output tokens;
+            ``ModelSpec.max_context_tokens``); ``None`` = not known, nothing checked.
+        context_policy: what happens to a request over ``max_context_tokens``
+            (:mod:`flexpipe_dag.workload.context`): ``"refuse"`` (rejected at arrival, reason
+            ``"context"``) or ``"truncate"`` (served with its prompt cut from the left).
     """
 
     sample_period_s: float = SAMPLE_PERIOD_S
@@ -38,6 +45,8 @@ class SimConfig:
     prefill_token_budget: int | None = None
     preempt_offline_for_online: bool = True
     decode_context_quantum_tokens: int = 64
+    max_context_tokens: int | None = None
+    context_policy: ContextPolicy = "refuse"
 
     def __post_init__(self) -> None:
         checks = {
@@ -53,3 +62,5 @@ class SimConfig:
         for name, ok in checks.items():
             if not ok:
                 raise InputError("SimConfig", name, f"got {getattr(self, name)!r}; expected a positive value")
+        check_max_context_tokens(self.max_context_tokens, "SimConfig")
+        check_context_policy(self.context_policy, "SimConfig")

@@ -20,7 +20,11 @@ Model (one gear = one pipeline):
   the lowest-priority sequence of its micro-batch is preempted by *recompute*: its blocks are
   freed and it re-queues (keeping its arrival order) to prefill ``input + generated`` tokens later.
   A request whose ``input + output`` tokens exceed the whole pool is *rejected* at admission (it
-  could never finish); nothing is ever dropped silently.
+  could never finish; reason ``"kv_capacity"``); nothing is ever dropped silently.
+* **Context.** With ``SimConfig.max_context_tokens`` (the model's max context) a request whose
+  ``input + output`` tokens exceed it is rejected at arrival (reason ``"context"``), or with
+  ``context_policy="truncate"`` served with its prompt cut from the left
+  (:mod:`flexpipe_dag.workload.context`, the rule the planner and the runtime apply too).
 * **Priority.** The waiting queue is ordered by (online before offline, larger ``priority`` first,
   arrival, id). Optionally an online request preempts offline sequences to get KV blocks.
 * **Gear shift with drain.** :meth:`Simulator.shift_gear` makes a new pipeline the one that
@@ -46,6 +50,7 @@ from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.sim.results import RunRecord, ShiftEvent, SimResult, build_result
+from flexpipe_dag.workload.context import CONTEXT_REASON, apply_context_rule
 from flexpipe_dag.workload.request import Workload
 
 _ARRIVE, _DONE, _SWITCH = 0, 1, 2
@@ -56,7 +61,8 @@ _SeqKey = tuple[int, int, float, int]
 
 
 class _Seq:
-    __slots__ = ("idx", "key", "online", "inp", "out", "gen", "blocks", "first_s", "finish_s", "preempt", "rejected", "gear_id", "pf")
+    __slots__ = ("idx", "key", "online", "inp", "out", "gen", "blocks", "first_s", "finish_s", "preempt", "rejected",
+                 "reason", "gear_id", "pf")
 
     def __init__(self, idx: int, key: _SeqKey, online: bool, inp: int, out: int):
         self.idx = idx
@@ -70,6 +76,7 @@ class _Seq:
         self.finish_s = -1.0
         self.preempt = 0
         self.rejected = False
+        self.reason = ""  # why it was rejected: "context" (over the model's max context) or "kv_capacity"
         self.gear_id = ""
         self.pf = False  # prefill (of input + generated tokens) due in the next iteration
 
@@ -243,18 +250,32 @@ class Simulator:
 
     or simply ``Simulator(...).run()``. Deterministic: no randomness, ties broken by request order.
 
+    Requests over ``config.max_context_tokens`` are rejected at arrival (or, with
+    ``context_policy="truncate"``, simulated truncated; :attr:`workload` then holds the truncated
+    lengths); :attr:`context` counts them.
+
     Raises:
         InputError: the timing model's stage count differs from the gear's.
     """
 
     def __init__(self, workload: Workload, gear: Gear, timing: StageTimingModel, config: SimConfig | None = None):
         self.config = config or SimConfig()
+        rule = apply_context_rule(workload, self.config.max_context_tokens, self.config.context_policy)
+        self.context = rule.report
+        if rule.truncated_ids:
+            workload = rule.workload  # same requests, same order, long prompts cut
         self.workload = workload
         reqs = workload.requests
         self._seqs = [
             _Seq(i, (0 if r.klass == "online" else 1, -r.priority, r.arrival_s, i), r.klass == "online", r.input_tokens, r.output_tokens)
             for i, r in enumerate(reqs)
         ]
+        refused = set(rule.report.refused_ids)
+        if refused:
+            for s, r in zip(self._seqs, reqs):
+                if r.request_id in refused:
+                    s.rejected, s.reason = True, CONTEXT_REASON
+        self._truncated = [r.request_id in rule.truncated_ids for r in reqs]
         self._arrival_s = [r.arrival_s for r in reqs]
         self._next_arrival = 0
         self._heap: list[_Event] = []
@@ -309,6 +330,43 @@ class Simulator:
             self._emit_until(until_s)
         return self.samples[first_new:]
 
+    def slo_outcome_so_far(self, first_index: int = 0) -> tuple[int, int]:
+        """``(certain_misses, rejected)`` among requests ``first_index..`` at the current simulated time.
+
+        A request is a *certain* miss of the SLO (``config.slo_ttft_ms`` / ``slo_tpot_ms``, the same
+        rule as :func:`~flexpipe_dag.sim.results.build_result`'s ``slo_met``) once nothing simulated
+        later can rescue it: it was rejected; or its TTFT is, or has already grown, past
+        ``slo_ttft_ms`` (first token late, or still none ``slo_ttft_ms`` after arrival); or its TPOT,
+        ``(finish - first) / (out - 1)``, is already past ``slo_tpot_ms`` given that it has not
+        finished by now. Envelope probes use it to stop a simulation whose verdict is already clear
+        (:func:`flexpipe_dag.planner.envelope.probe_gear`). ``rejected`` counts every request, from 0.
+
+        Cost: one pass over the requests (O(n)).
+        """
+        now = self.now_s
+        eps = 1e-9  # only a clear miss counts: the final rule compares in ms, rounded differently
+        ttft_s = self.config.slo_ttft_ms / 1000.0 + eps
+        tpot_s = self.config.slo_tpot_ms / 1000.0
+        arrival = self._arrival_s
+        misses = 0
+        rejected = 0
+        for i, s in enumerate(self._seqs):
+            if s.rejected:
+                rejected += 1
+                misses += i >= first_index
+                continue
+            if i < first_index or i >= self._next_arrival:
+                continue
+            a = arrival[i]
+            if s.first_s < 0.0:
+                misses += now - a > ttft_s
+            elif s.first_s - a > ttft_s:
+                misses += 1
+            elif s.out > 1:
+                end = s.finish_s if s.finish_s >= 0.0 else now
+                misses += end - s.first_s > tpot_s * (s.out - 1) + eps
+        return misses, rejected
+
     def run(self) -> SimResult:
         """Simulate to the end and return the :class:`~flexpipe_dag.sim.results.SimResult`."""
         self.advance(_INF)
@@ -329,7 +387,8 @@ class Simulator:
             first_token_s=[s.first_s for s in seqs], finish_s=[s.finish_s for s in seqs],
             preemptions=[s.preempt for s in seqs], rejected=[s.rejected for s in seqs],
             gear_ids=[s.gear_id for s in seqs], stage_busy_s=stage_busy, samples=self.samples,
-            shifts=self.shift_events(), first_gear_id=self._pipes[0].gear_id, final_gear_id=self.gear_id))
+            shifts=self.shift_events(), first_gear_id=self._pipes[0].gear_id, final_gear_id=self.gear_id,
+            reject_reasons=[s.reason for s in seqs], context_truncated=self._truncated, context=self.context))
 
     # ------------------------------------------------------------------ event loop
     def _push(self, t: float, kind: int, pipe: _Pipeline, payload: _MicroBatch | float) -> None:
@@ -358,7 +417,10 @@ class Simulator:
                 w = self._window(t)
                 while self._next_arrival < n and arr[self._next_arrival] == t:
                     s = seqs[self._next_arrival]
-                    heapq.heappush(waiting, (s.key, s))
+                    if s.rejected:  # over the model's max context: refused at arrival
+                        s.gear_id = self._active.gear_id
+                    else:
+                        heapq.heappush(waiting, (s.key, s))
                     self._next_arrival += 1
                     w.arrivals += 1
                 self._wake(self._active, t)
@@ -502,7 +564,7 @@ class Simulator:
                 s = waiting[0][1]
                 if bounded and pipe.blocks_for(s.inp + s.out) > pipe.total_blocks:
                     heapq.heappop(waiting)  # could never finish on this gear's KV pool
-                    s.rejected = True
+                    s.rejected, s.reason = True, "kv_capacity"
                     s.gear_id = pipe.gear_id
                     continue
                 tokens = s.inp + s.gen

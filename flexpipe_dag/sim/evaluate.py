@@ -63,9 +63,13 @@ def _cdf(values: np.ndarray) -> list[float]:
 
 def evaluate_gear(gear: Gear, timing: StageTimingModel, workload: Workload, config: SimConfig | None = None) -> GearEvaluation:
     """Simulate ``workload`` on ``gear`` and summarise it (see module docstring)."""
-    result = Simulator(workload, gear, timing, config).run()
+    return evaluation_from_result(gear.gear_id, workload.name, Simulator(workload, gear, timing, config).run())
+
+
+def evaluation_from_result(gear_id: str, workload_name: str, result: SimResult) -> GearEvaluation:
+    """A :class:`GearEvaluation` of a finished simulation of ``gear_id`` on ``workload_name``."""
     df = result.requests
-    return GearEvaluation(gear.gear_id, workload.name, estimate_from_result(result),
+    return GearEvaluation(gear_id, workload_name, estimate_from_result(result),
                           _cdf(df["ttft_ms"].to_numpy()), _cdf(df["e2e_ms"].to_numpy()), result)
 
 

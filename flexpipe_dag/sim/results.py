@@ -11,6 +11,7 @@ import pandas as pd
 
 from flexpipe_dag.core.metrics import MetricSample
 from flexpipe_dag.sim.config import SimConfig
+from flexpipe_dag.workload.context import CONTEXT_REASON, ContextReport
 from flexpipe_dag.workload.request import Workload
 
 PERCENTILES = (50, 95, 99)
@@ -44,6 +45,9 @@ class RunRecord:
         samples: the metric samples emitted.
         shifts: the gear shifts.
         first_gear_id / final_gear_id: the gear at the start and the one admitting at the end.
+        reject_reasons: per request, why it was rejected (``"context"``, ``"kv_capacity"``) or ``""``.
+        context_truncated: per request, whether its prompt was cut to the model's max context.
+        context: what the context rule did (``None``: not applied).
     """
 
     workload: Workload
@@ -59,6 +63,9 @@ class RunRecord:
     shifts: list[ShiftEvent]
     first_gear_id: str
     final_gear_id: str
+    reject_reasons: Sequence[str] = ()
+    context_truncated: Sequence[bool] = ()
+    context: ContextReport | None = None
 
 
 @dataclass
@@ -67,8 +74,11 @@ class SimResult:
 
     Attributes:
         requests: one row per request: ``request_id, class, priority, arrival_s, first_token_s,
-            finish_s, input_tokens, output_tokens, preemptions, rejected, gear_id, ttft_ms, tpot_ms,
-            e2e_ms, slo_met`` (times NaN where not reached; ``tpot_ms`` NaN for one-token outputs).
+            finish_s, input_tokens, output_tokens, preemptions, rejected, reject_reason,
+            context_truncated, gear_id, ttft_ms, tpot_ms, e2e_ms, slo_met`` (times NaN where not
+            reached; ``tpot_ms`` NaN for one-token outputs; ``reject_reason`` ``"context"`` (over the
+            model's max context) / ``"kv_capacity"`` (larger than the KV pool) / ``""``; token counts
+            as simulated, i.e. after truncation).
         samples: the metric samples, one per ``sample_period_s``.
         shifts: gear shifts with their switch and drain times.
         summary: see :func:`summarize`.
@@ -120,7 +130,9 @@ def summarize(frame: pd.DataFrame, samples: list[MetricSample], stage_busy: dict
     """The summary: TTFT / TPOT / end-to-end (mean, P50, P95, P99, ms), throughput (req/s, output
     tokens/s), SLO goodput (requests meeting both SLOs per second) and attainment, per-stage
     utilisation per gear, queue length and KV use over time (mean / P95 / max of the samples),
-    per-class breakdown, preemptions, rejected and unfinished ("lost") counts.
+    per-class breakdown, preemptions, rejected and unfinished ("lost") counts; of the rejected,
+    ``rejected_context`` were over the model's max context; ``truncated_context`` were served with
+    their prompt cut to it (0 when the frame has no such columns).
 
     ``makespan_s`` = last finish - first arrival; rates are over it.
     """
@@ -143,6 +155,8 @@ def summarize(frame: pd.DataFrame, samples: list[MetricSample], stage_busy: dict
         "requests": int(len(frame)),
         "completed": int(len(done)),
         "rejected": int(frame["rejected"].sum()),
+        "rejected_context": int((frame["reject_reason"] == CONTEXT_REASON).sum()) if "reject_reason" in frame else 0,
+        "truncated_context": int(frame["context_truncated"].sum()) if "context_truncated" in frame else 0,
         "unfinished": int(len(frame) - len(done) - frame["rejected"].sum()),
         "preemptions": int(frame["preemptions"].sum()),
         "makespan_s": makespan,
@@ -188,6 +202,8 @@ def build_result(run: RunRecord) -> SimResult:
         "output_tokens": out,
         "preemptions": list(run.preemptions),
         "rejected": list(run.rejected),
+        "reject_reason": list(run.reject_reasons) if run.reject_reasons else [""] * len(reqs),
+        "context_truncated": list(run.context_truncated) if run.context_truncated else [False] * len(reqs),
         "gear_id": list(run.gear_ids),
         "ttft_ms": ttft_ms,
         "tpot_ms": tpot_ms,
@@ -197,4 +213,5 @@ def build_result(run: RunRecord) -> SimResult:
     summary = summarize(frame, list(run.samples), run.stage_busy_s, cfg.slo_ttft_ms, cfg.slo_tpot_ms, len(run.shifts))
     summary["gear_id"] = run.first_gear_id
     summary["final_gear_id"] = run.final_gear_id
+    summary["context"] = run.context.to_dict() if run.context is not None else None
     return SimResult(requests=frame, samples=list(run.samples), shifts=run.shifts, summary=summary)

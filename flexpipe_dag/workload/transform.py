@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.workload.request import Request, Workload
 
@@ -35,6 +37,21 @@ def head(workload: Workload, n: int) -> Workload:
     if n < 1:
         raise InputError(workload.source or workload.name, "n", f"got {n}; expected >= 1")
     return Workload(name=f"{workload.name}[:{n}]", requests=workload.requests[:n], source=workload.source, meta=dict(workload.meta))
+
+
+def slice_requests(workload: Workload, start: int, stop: int) -> Workload:
+    """Requests ``start..stop-1`` by arrival, their arrival times shifted so the first arrives at 0 s.
+
+    Raises:
+        InputError: ``start`` < 0 or ``stop`` <= ``start`` (an empty slice).
+    """
+    if start < 0 or stop <= start:
+        raise InputError(workload.source or workload.name, "start/stop", f"got {start}..{stop}; expected 0 <= start < stop")
+    reqs = workload.requests[start:stop]
+    t0 = reqs[0].arrival_s if reqs else 0.0
+    shifted = tuple(dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in reqs)
+    return Workload(name=f"{workload.name}[{start}:{start + len(shifted)}]", requests=shifted, source=workload.source,
+                    meta=dict(workload.meta))
 
 
 def as_class(workload: Workload, klass: str, *, priority: int | None = None, arrival_s: float | None = None) -> Workload:

@@ -1,0 +1,116 @@
+"""Plan fidelity: does each gear's promised envelope hold when the simulator replays requests it never saw?
+
+For each fleet x model, the gears are planned exactly as ``flexpipe plan`` and the Dagster
+``candidate_gears`` asset plan them (``PlanningSettings().plan``, defaults: azure-conv, its first
+1,000 requests per probe, SLO TTFT 2 s / TPOT 200 ms at 95 % attainment). Then, on the *next* 1,000
+requests of the trace (held out: the planner never simulated them), each gear's envelope is measured
+again at the same SLO, and the gear is replayed at 80 % of its promise.
+
+Printed per gear: promised ``rps_max``, the held-out one and their ratio (goal: within 15 %); the
+analytic estimate's ratio to the held-out one (the planner's old promise, the baseline of this run);
+SLO attainment at 80 % of the promise (goal >= 0.90). Per fleet: whether the held-out envelopes keep
+the order throughput >= balanced >= latency, and the planning wall time (goal < 60 s on a 2-core host).
+
+Fleets: the bundled ``fragmented_lab`` (7 GPUs), ``alibaba_openb`` and the seed-form
+``seed_example``, x Llama-3-8B and Llama-2-70B (infeasible pairs are reported and skipped), and
+SmolLM2-135M (fp32) on this host's probed CPU workers (``--no-cpu`` skips the probe).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/plan_fidelity.py [--quick] [--no-cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from flexpipe_dag.core.cluster import load_cluster_profile
+from flexpipe_dag.core.errors import InfeasibleError
+from flexpipe_dag.planner.cost_model import CostModel
+from flexpipe_dag.planner.envelope import check_promise, holdout_reference, measure_envelope
+from flexpipe_dag.planner.model_spec import load_model_spec
+from flexpipe_dag.resources.planning import PlanningSettings
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
+FLEETS = ("fragmented_lab", "alibaba_openb", "seed_example")
+MODELS = ("Llama-3-8B", "Llama-2-70B")
+TOLERANCE = 0.15
+PROMISE_SHARE, PROMISE_ATTAINMENT = 0.8, 0.9
+
+
+def bench_case(label: str, cluster, settings: PlanningSettings) -> dict | None:
+    """Plan, then check every gear on held-out requests; print one row per gear; return the figures."""
+    spec = load_model_spec(settings.model)
+    t0 = time.perf_counter()
+    try:
+        plan = settings.plan(cluster, spec)
+    except InfeasibleError as exc:
+        print(f"{label:38s} infeasible: {str(exc)[:90]}")
+        return None
+    wall_s = time.perf_counter() - t0
+    holdout = holdout_reference(settings.reference_workload(), settings.reference_requests)
+    sel = settings.selection_settings()
+    rows = []
+    for g in plan.gears:
+        timing = CostModel(spec, cluster, dtype=g.dtype).timings(g)
+        held = measure_envelope(g, timing, holdout, slo_ttft_ms=sel.slo_ttft_ms, slo_tpot_ms=sel.slo_tpot_ms,
+                                attainment=sel.attainment, num_requests=len(holdout), rel_tol=sel.rel_tol,
+                                start_rps=g.rps_max if g.rps_max > 0 else None).rps_max
+        promise = check_promise(g, timing, holdout, slo_ttft_ms=sel.slo_ttft_ms, slo_tpot_ms=sel.slo_tpot_ms,
+                                load_share=PROMISE_SHARE, min_attainment=PROMISE_ATTAINMENT) if g.rps_max > 0 else None
+        ratio = g.rps_max / held if held > 0 else math.inf
+        analytic = plan.analytic_rps_max.get(g.gear_id, math.nan)
+        rows.append({"kind": g.kind, "promised": g.rps_max, "held": held, "ratio": ratio,
+                     "analytic_ratio": analytic / held if held > 0 else math.inf,
+                     "attainment": promise.slo_attainment if promise else math.nan})
+        ok = "ok" if abs(ratio - 1) <= TOLERANCE else "OFF"
+        print(f"{label:38s} {g.kind:10s} {len(g.device_ids):3d} dev  promised {g.rps_max:8.3f}  held-out {held:8.3f}  "
+              f"ratio {ratio:5.2f} {ok}  analytic/held {rows[-1]['analytic_ratio']:5.2f}  "
+              f"attainment@80% {rows[-1]['attainment']:.3f}")
+    held_by_kind = {r["kind"]: r["held"] for r in rows}
+    order = [held_by_kind[k] for k in ("latency", "balanced", "throughput") if k in held_by_kind]
+    ordered = all(a <= b * (1 + TOLERANCE) for a, b in zip(order, order[1:]))
+    print(f"{label:38s} planned in {wall_s:5.1f} s ({plan.probes} simulations, {len(plan.candidate_ids)} candidates); "
+          f"held-out order latency <= balanced <= throughput: {'yes' if ordered else 'NO'}")
+    return {"rows": rows, "wall_s": wall_s, "ordered": ordered}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="300 requests per probe, lab fleet and CPU host only")
+    parser.add_argument("--no-cpu", action="store_true", help="skip SmolLM2 on this host's probed CPU workers")
+    args = parser.parse_args()
+    requests = 300 if args.quick else PlanningSettings().reference_requests
+    cases = []
+    for fleet in FLEETS[:1] if args.quick else FLEETS:
+        cluster = load_cluster_profile(EXAMPLES / f"{fleet}.yaml")
+        for model in MODELS[:1] if args.quick else MODELS:
+            cases.append(bench_case(f"{fleet} x {model}", cluster,
+                                    PlanningSettings(model=model, reference_requests=requests)))
+    if not args.no_cpu:
+        from flexpipe_dag.profiling.probe import probe_host
+
+        host = probe_host("cpu-host")
+        cases.append(bench_case(f"cpu-host ({len(host.devices)} workers) x SmolLM2", host,
+                                PlanningSettings(model="SmolLM2-135M", dtype="fp32", reference_requests=requests)))
+    done = [c for c in cases if c]
+    rows = [r for c in done for r in c["rows"]]
+    within = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in rows)
+    analytic_within = sum(abs(r["analytic_ratio"] - 1) <= TOLERANCE for r in rows)
+    kept = sum(r["attainment"] >= PROMISE_ATTAINMENT for r in rows)
+    print(f"\npromised vs held-out envelope within {TOLERANCE:.0%}: {within}/{len(rows)} gears "
+          f"(analytic estimate, the old promise: {analytic_within}/{len(rows)}); "
+          f"goal all: {'MET' if within == len(rows) else 'MISSED'}")
+    print(f"SLO attainment >= {PROMISE_ATTAINMENT} at {PROMISE_SHARE:.0%} of the promise: {kept}/{len(rows)} gears")
+    print(f"held-out order latency <= balanced <= throughput: {sum(c['ordered'] for c in done)}/{len(done)} fleets")
+    walls = [c["wall_s"] for c in done]
+    print(f"planning wall time with defaults: max {max(walls):.1f} s, median {sorted(walls)[len(walls) // 2]:.1f} s "
+          f"(goal < 60 s): {'MET' if max(walls) < 60 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -126,18 +126,15 @@ def test_devices_leaving_before_the_minimum_residence_are_not_used():
 def test_gears_on_fragmented_lab_are_valid_deterministic_and_ordered():
     cluster = load_cluster_profile(EXAMPLES / "fragmented_lab.yaml")
     model = load_model_spec("Llama-2-70B")
-    # Llama-2-70B on this T4 / V100 / A10 fleet decodes a token in ~185 ms even idle and prefills a
-    # 2,600-token prompt in ~3.2 s, so no gear meets the default 2 s / 200 ms SLO (envelope 0, the
-    # kinds collapse); the SLO here is one this fleet can hold. 64 x 4096 tokens of KV no longer fit
-    # beside 70B weights once memory is what the cards report: 48 sequences do.
-    workload = PlanWorkload(slo_ttft_ms=10_000.0, slo_tpot_ms=1000.0, concurrency=48)
+    # 64 x 4096 tokens of KV no longer fit beside 70B weights once memory is what the cards report
+    # (a T4 shows 15.0 GiB, not 16) less the CUDA context: 48 sequences do.
+    # Llama-2-70B here decodes a token in ~185 ms even idle and prefills a 2,600-token prompt in ~3.2 s:
+    # no envelope meets the default 2 s / 200 ms SLO, so the analytic promise is made at 10 s / 1 s.
+    workload = PlanWorkload(concurrency=48, slo_ttft_ms=10_000.0, slo_tpot_ms=1000.0)
     gears = plan_gears(cluster, model, workload=workload)
     again = plan_gears(cluster, model, workload=workload)
-    kinds = [g.kind for g in gears]
-    assert kinds[-1] == "throughput" and kinds == [k for k in ("latency", "balanced", "throughput") if k in kinds]
-    assert len(gears) >= 2
+    assert [g.kind for g in gears] == ["latency", "balanced", "throughput"]
     assert [g.gear_id for g in gears] == [g.gear_id for g in again]
-    assert all(a.rps_max <= b.rps_max for a, b in zip(gears, gears[1:]))   # throughput gear: largest envelope
     assert gears[-1].rps_max > 0
     for g in gears:
         assert g.rps_min <= g.rps_max and g.estimate.ttft_p50_ms <= g.estimate.ttft_p99_ms

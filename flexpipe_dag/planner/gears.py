@@ -7,10 +7,10 @@ into a :class:`~flexpipe_dag.core.gear.Gear`.
 Gear objectives over the candidate plans (every micro-batch size x a ladder of bottlenecks from the
 least feasible up to memory-only, each built "capacity first" and "speed first", plus replicas):
 
-* ``throughput``: maximise the analytic SLO envelope ``rps_at_envelope`` (ties: tokens/s, lower idle TPOT);
+* ``throughput``: maximise estimated tokens/s (ties: lower idle TPOT);
 * ``latency``: minimise idle TPOT (the decode round trip), ties: higher tokens/s;
-* ``balanced``: maximise Kleinrock's power, envelope / TPOT at the envelope (Kleinrock 1979), among
-  plans that differ from the latency and throughput picks and whose envelope lies between theirs.
+* ``balanced``: maximise Kleinrock's power, tokens/s / TPOT at the envelope (Kleinrock 1979), among
+  plans that differ from the latency and throughput picks and whose tokens/s lies between theirs.
 
 The three operating gears are distinct configurations (stages, devices, micro-batch, in-flight
 count). When the cluster leaves no distinct plan for a kind (e.g. one device and one micro-batch
@@ -39,6 +39,7 @@ from flexpipe_dag.core.cluster import ClusterProfile, DtypeChoice, choose_gear_d
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear, GearEstimate, GearKind, StagePlan
 from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
+from flexpipe_dag.planner.envelope_model import estimate_envelope
 from flexpipe_dag.planner.estimate import PlanEstimate, estimate_plan, inflight_micro_batches
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
 from flexpipe_dag.planner.partition import (
@@ -120,15 +121,12 @@ def pick(kind: str, scored: list[ScoredPlan], search: PipelineSearch | None = No
     def tie(s: ScoredPlan) -> tuple[int, int, PlanSignature]:
         return (s.plan.num_stages, s.plan.micro_batch_size, s.plan.signature())
 
-    if kind == "throughput":
-        return min(scored, key=lambda s: (-round(s.estimate.rps_at_envelope, 6), -round(s.estimate.tokens_per_s, 6),
-                                          s.estimate.tpot_idle_ms, tie(s)))
-    if kind in ("uniform", "parameters", "oracle"):
+    if kind in ("throughput", "uniform", "parameters", "oracle"):
         return min(scored, key=lambda s: (-round(s.estimate.tokens_per_s, 6), s.estimate.tpot_idle_ms, tie(s)))
     if kind == "latency":
         return pick_latency(search, scored)
     if kind == "balanced":
-        return min(scored, key=lambda s: (-s.estimate.rps_at_envelope / s.estimate.tpot_p50_ms, tie(s)))
+        return min(scored, key=lambda s: (-s.estimate.tokens_per_s / s.estimate.tpot_p50_ms, tie(s)))
     raise InputError(None, "kind", f"unknown gear kind {kind!r}")
 
 
@@ -242,7 +240,8 @@ def _gear_id(kind: str, model: ModelSpec, dtype: str, plan: PipelinePlan, cluste
 def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_min: float = 0.0,
             profile_version: int | None = None) -> Gear:
     """Turn a scored plan into a validated :class:`Gear` (stage times, weight GiB, KV token capacity)."""
-    plan, est = scored.plan, scored.estimate
+    plan = scored.plan
+    est = estimate_envelope(search, plan)  # the fixed-point SLO envelope: what the gear promises before simulation
     w, cm, model = search.workload, search.cm, search.model
     S = plan.num_stages
     roles = [SINGLE] if S == 1 else [FIRST] + [MIDDLE] * (S - 2) + [LAST]
@@ -373,7 +372,7 @@ def choose_operating_plans(search: PipelineSearch,
 
     ``throughput`` and ``latency`` are picked on their own objectives; if they are the same
     configuration, ``latency`` collapses into ``throughput``. ``balanced`` is picked among the
-    remaining configurations whose envelope lies strictly between the two (or, when latency collapsed,
+    remaining configurations whose tokens/s lies strictly between the two (or, when latency collapsed,
     below throughput's); with none, it collapses into the nearer of the two by tokens/s.
 
     Returns:
@@ -387,11 +386,11 @@ def choose_operating_plans(search: PipelineSearch,
         collapsed["latency"] = "throughput"
     else:
         chosen["latency"] = lat
-    lo = lat.estimate.rps_at_envelope if "latency" in chosen else -math.inf
-    hi = thr.estimate.rps_at_envelope
+    lo = lat.estimate.tokens_per_s if "latency" in chosen else -math.inf
+    hi = thr.estimate.tokens_per_s
     taken = {_config_key(search, p) for p in chosen.values()}
     between = [s for s in scored if _config_key(search, s) not in taken
-               and lo * (1 + 1e-6) < s.estimate.rps_at_envelope < hi * (1 - 1e-6)]
+               and lo * (1 + 1e-6) < s.estimate.tokens_per_s < hi * (1 - 1e-6)]
     if between:
         chosen["balanced"] = pick("balanced", between, search)
     else:
@@ -420,13 +419,12 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
     if not scored:
         raise InfeasibleError(search.explain_infeasible())
     chosen, collapsed = choose_operating_plans(search, scored)
-    by_capacity = sorted(chosen, key=lambda k: (chosen[k].estimate.rps_at_envelope, k))
-    gears: dict[str, Gear] = {}
+    gears: dict[str, Gear] = {k: to_gear(search, k, chosen[k], profile_version=profile_version) for k in chosen}
     prev_max = None
-    for kind in by_capacity:
-        rps_min = 0.0 if prev_max is None else 0.7 * prev_max
-        gears[kind] = to_gear(search, kind, chosen[kind], rps_min=rps_min, profile_version=profile_version)
-        prev_max = chosen[kind].estimate.rps_at_envelope
+    for kind in sorted(gears, key=lambda k: (gears[k].rps_max, k)):
+        if prev_max is not None:
+            gears[kind] = gears[kind].model_copy(update={"rps_min": min(0.7 * prev_max, gears[kind].rps_max)})
+        prev_max = gears[kind].rps_max
     notes = [f"{kind} collapses into {into} ({gears[into].gear_id}): no distinct configuration of its own on "
              f"{len(search.pool)} usable device(s) for micro-batches {workload.micro_batch_sizes_to_search()}"
              for kind, into in collapsed.items()]

@@ -251,3 +251,17 @@ def test_analytic_envelope_of_lab_throughput_gear_is_within_a_factor_of_the_simu
                                start_rps=analytic)
         assert env.rps_max > 0
         assert 1 / 1.6 <= analytic / env.rps_max <= 1.6, (gear.gear_id, analytic, env.rps_max)
+
+
+def test_a_gear_that_misses_the_slo_even_idle_gets_no_envelope_without_simulating():
+    """Prefill alone (250 + 250 ms through two stages) is over the 400 ms TTFT SLO: no rate can meet it,
+    and the bound needs no probe. Just under the SLO, the gear is probed as usual."""
+    from flexpipe_dag.planner.envelope import zero_load_misses
+
+    gear = manual_gear([2, 2], gear_id="slow", micro_batch_size=1, max_inflight_micro_batches=2)
+    slow = _timing(250.0, 250.0)
+    assert zero_load_misses(gear, slow, _uniform_trace(), slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0) == 600
+    env = _measure(gear, slow)
+    assert env.rps_max == 0.0 and env.probes == ()
+    fits = _measure(gear, _timing(150.0, 150.0))
+    assert fits.rps_max > 0 and fits.probes

@@ -16,8 +16,10 @@ Method, per gear:
    request, so the later requests miss the TTFT SLO. The resolution this gives is about
    ``slo_ttft_s x mu / n`` above the saturation rate ``mu`` (2 % for 1,000 requests at 10 req/s
    with a 2 s SLO).
-3. ``rps_max`` is the highest passing rate: from a start rate (the gear's analytic throughput, else
-   the trace's own rate) the rate doubles until a probe fails or halves until one passes, then
+3. A gear on which more requests than the attainment allows miss the SLO even at zero load
+   (:func:`zero_load_misses`, no simulation) gets ``rps_max = 0`` at once. Otherwise ``rps_max`` is
+   the highest passing rate: from a start rate (the gear's analytic envelope, else its analytic
+   throughput, else the trace's own rate) the rate doubles until a probe fails or halves until one passes, then
    bisects until ``(fail - pass) / fail <= rel_tol``. A gear failing even at
    ``start / 2**max_halvings`` gets ``rps_max = 0``.
 4. ``target_p99_ms`` is the TTFT P99 (ms) measured at ``rps_max`` and ``estimate`` the
@@ -246,6 +248,31 @@ def _probe(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps
     return probe, result
 
 
+def zero_load_misses(gear: Gear, timing: StageTimingModel, reference: Workload, *, slo_ttft_ms: float,
+                     slo_tpot_ms: float, first_index: int = 0) -> int:
+    """Requests ``first_index..`` of ``reference`` that miss the SLO on ``gear`` even with nothing else running.
+
+    A lower bound needing no simulation: a request's TTFT is at least its prompt's prefill through
+    every stage and link, and its TPOT at least one decode step of one sequence at its prompt's
+    context through every stage and link (queueing and batch-mates only add; the timing model is
+    non-decreasing in tokens, sequences and context). A gear with more such requests than the
+    attainment allows meets the SLO at no rate.
+    """
+    last = timing.num_stages - 1
+    misses = 0
+    for r in reference.requests[first_index:]:
+        ttft = sum(timing.prefill_ms(s, r.input_tokens) + (timing.transfer_ms(s, r.input_tokens) if s < last else 0.0)
+                   for s in range(timing.num_stages))
+        if ttft > slo_ttft_ms:
+            misses += 1
+            continue
+        if r.output_tokens > 1:
+            step = sum(timing.decode_ms(s, 1, r.input_tokens) + (timing.transfer_ms(s, 1) if s < last else 0.0)
+                       for s in range(timing.num_stages))
+            misses += step > slo_tpot_ms
+    return misses
+
+
 def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, *, slo_ttft_ms: float = 2000.0,
                      slo_tpot_ms: float = 200.0, attainment: float = 0.95, num_requests: int = 1000,
                      warmup_fraction: float = 0.25, rel_tol: float = 0.03, start_rps: float | None = None,
@@ -275,8 +302,14 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
     base = sim_config or SimConfig()
     config = dataclasses.replace(base, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     ref, native = reference_slice(reference, num_requests)
+    skip = int(len(ref) * warmup_fraction)
+    measured = len(ref) - skip if len(ref) - skip > 0 else len(ref)
+    if zero_load_misses(gear, timing, ref, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                        first_index=len(ref) - measured) > measured * (1.0 - attainment) + 1e-9:
+        return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, None, ())  # no rate can meet the SLO
     if start_rps is None:
-        est = gear.estimate.throughput_rps if gear.estimate is not None else 0.0
+        promised = gear.rps_max if math.isfinite(gear.rps_max) and gear.rps_max > 0 else 0.0
+        est = promised or (gear.estimate.throughput_rps if gear.estimate is not None else 0.0)
         start_rps = est if est > 0 and math.isfinite(est) else native
     if not (start_rps > 0 and math.isfinite(start_rps)):
         raise InputError("refine_envelopes", "start_rps", f"got {start_rps}; expected a rate > 0 req/s")
@@ -510,6 +543,10 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
     if mid:
         chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].rps_max / devices(g), power(g), g.gear_id))
     notes: list[str] = []
+    if best_max <= 0:
+        notes.append(f"no candidate meets the SLO (TTFT <= {settings.slo_ttft_ms:g} ms, TPOT <= {settings.slo_tpot_ms:g} "
+                     f"ms for {settings.attainment:.0%} of requests) at any load: relax the SLO, shorten the prompts "
+                     "or plan on faster devices")
     for kind in ("latency", "balanced"):
         if kind not in chosen:
             notes.append(f"no {kind} gear distinct from the others: among {len(candidates)} candidates none "

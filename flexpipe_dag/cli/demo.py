@@ -51,18 +51,23 @@ DEMO_ENV = {"FLEXPIPE_MODEL": "SmolLM2-135M", "FLEXPIPE_PLAN_DTYPE": "fp32", "FL
 
 
 def fleet_preview(path: str) -> None:
-    """Print the gears the planner proposes for Llama-3-8B on a fragmented fleet (nothing stored)."""
+    """Print the gears ``flexpipe plan`` proposes for Llama-3-8B on a fragmented fleet, with the envelopes
+    the simulator measured for them at the default SLO (nothing stored)."""
     from flexpipe_dag.core.cluster import load_cluster_profile
-    from flexpipe_dag.planner.gears import plan_gears
     from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.resources.planning import PlanningSettings
 
     cluster = load_cluster_profile(path)
     kinds = ", ".join(f"{d.model_name}" for d in cluster.devices)
     print(f"== fleet preview: {cluster.cluster_id} ({len(cluster.devices)} GPUs: {kinds})")
-    for g in plan_gears(cluster, load_model_spec("Llama-3-8B"), concurrency=32, context_p95_tokens=2048):
+    plan = PlanningSettings(model="Llama-3-8B").plan(cluster, load_model_spec("Llama-3-8B"))
+    print(f"   envelopes: {plan.basis.describe()} ({plan.probes} simulations, {plan.wall_s:.0f} s)")
+    for g in plan.gears:
         stages = "; ".join(f"L{st.layer_start}-{st.layer_end - 1}@{'+'.join(st.device_ids)}" for st in g.stages)
-        print(f"   {g.gear_id:24s} {stages}  micro-batch {g.micro_batch_size}, "
-              f"~{g.estimate.tokens_per_s:.0f} tok/s" if g.estimate else "")
+        print(f"   {g.gear_id:24s} {stages}  micro-batch {g.micro_batch_size}, {g.dtype}, "
+              f"envelope {g.rps_min:.2f}..{g.rps_max:.2f} req/s")
+    for note in plan.notes:
+        print(f"   note: {note}")
 
 
 def dagster_home() -> Path:

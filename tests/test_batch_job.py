@@ -35,7 +35,8 @@ def test_batch_job_stores_results_resumes_and_feeds_calibration(tmp_path):
                                         stage_replicas=False)}
     assert materialize([gpu_profile, model_profile, candidate_gears], resources=res).success
     db = res["store"].get_store()
-    gear = next(g for g in db.load_gears() if all(s.replicas == 1 for s in g.stages))
+    gear = max((g for g in db.load_gears() if all(s.replicas == 1 for s in g.stages)),
+               key=lambda g: (g.num_stages, g.gear_id))  # the deepest: every stage's steps are measured
     run_config = {"ops": {"run_batch": {"config": {
         "job_key": "job-1", "trace": "azure-conv", "num_requests": 6, "max_prompt_tokens": 48, "max_new_tokens": 6,
         "gear_id": gear.gear_id, "step_timeout_s": 120.0}}}}

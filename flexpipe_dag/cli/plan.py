@@ -180,7 +180,7 @@ def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None)
     _print_table(cluster_id, model_name, dtype, plan.gears, console, analytic=plan.analytic_rps_max,
                  recommended=rec.gear_id if rec else None,
                  caption=f"envelope = highest rate served with {plan.basis.describe()}, "
-                         f"up to {plan.basis.num_requests} requests per probe")
+                         f"{plan.basis.num_requests} requests per probe")
     if rec:
         console.print(f"load {format_number(rec.load_rps, 2)} req/s: run {rec.gear_id} "
                       f"(headroom {rec.headroom_fraction:.0%}). {rec.reason}")

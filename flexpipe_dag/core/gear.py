@@ -70,7 +70,7 @@ class EnvelopeBasis(_Model):
     slo_tpot_ms: float = Field(gt=0)
     attainment: float = Field(gt=0, le=1)
     workload: str = Field(min_length=1, description="trace name or path the rate was measured on")
-    num_requests: int = Field(ge=2, description="requests replayed per probe, at most (slow gears need fewer)")
+    num_requests: int = Field(ge=2, description="requests of the trace replayed per probe")
 
     def describe(self) -> str:
         """One line for tables and logs, e.g. ``95 % within TTFT 2000 ms / TPOT 200 ms on azure-conv (simulator)``."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, env_value
 from flexpipe_dag.planner.operating import (
     DEFAULT_ATTAINMENT,
@@ -211,6 +212,11 @@ def planning_from_env() -> dict[str, Any]:
             value = (os.environ.get(var) or "").strip() or None
         if value is not None:
             out[name] = value
+    for var, name in PLANNING_ENV.items():
+        allowed = get_args(fields[name].annotation) if get_origin(fields[name].annotation) is Literal else ()
+        if name in out and allowed and out[name] not in allowed:
+            raise InputError(f"environment variable {var}", None,
+                             f"expected one of {', '.join(allowed)}, got {out[name]!r}")
     if "dtype" in out:
         out["dtype"] = canonical_dtype(str(out["dtype"]), "environment variable FLEXPIPE_PLAN_DTYPE", None)
     return out

@@ -82,3 +82,33 @@ def test_plan_infeasible_exits_2(capsys):
                "--concurrency", "512", *QUICK])
     assert rc == 2
     assert "KV pool" in capsys.readouterr().err
+
+
+def test_a_bad_fallback_in_the_environment_is_one_named_line(capsys, monkeypatch):
+    monkeypatch.setenv("FLEXPIPE_BF16_FALLBACK", "xyz")
+    assert main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M"]) == 2
+    err = capsys.readouterr().err
+    assert "FLEXPIPE_BF16_FALLBACK" in err and "fp16, exclude, refuse" in err and "Traceback" not in err
+
+
+def test_short_probes_and_loads_beyond_every_envelope_are_said(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    rc = main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M",
+               "--load-rps", "1e300", *QUICK])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "no gear holds 1e+300 req/s" in out and "headroom" not in out.split("load 1.0e+300")[-1].split("\n")[0]
+    assert "too short to show a backlog" in out and "at least" in out
+
+
+def test_simulate_scores_a_saved_gear_at_the_slo_its_envelope_promises(tmp_path, capsys):
+    out = _plan(capsys, "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M",
+                "--slo-ttft-ms", "1500", "--slo-tpot-ms", "150")
+    path = tmp_path / "gear.json"
+    path.write_text(json.dumps(out["gears"][-1]))
+    common = ["--gear-file", str(path), "--cluster", str(EXAMPLES / "seed_example.yaml"), "--trace", "azure-conv",
+              "--window-s", "0", "20", "--json"]
+    assert main(["simulate", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["slo"] == {"ttft_ms": 1500.0, "tpot_ms": 150.0}
+    assert main(["simulate", *common[:-1], "--window-s", "99999", "100000"]) == 2
+    assert "--window-s" in capsys.readouterr().err

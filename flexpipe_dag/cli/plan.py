@@ -7,6 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
+from pydantic import ValidationError
+
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.dtypes import DTYPE_NAMES, canonical_dtype
 from flexpipe_dag.core.errors import InputError
@@ -134,7 +136,13 @@ def planning_settings(args: argparse.Namespace):
     values["model"] = args.model
     if args.no_replicas:
         values["stage_replicas"] = False
-    return PlanningSettings(**values)
+    try:
+        return PlanningSettings(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else None
+        flag = next((f"--{f.replace('_', '-')}" for f, n in FLAG_FIELDS.items() if n == field), field)
+        raise InputError(None, flag, f"{err['msg']}, got {err.get('input')!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,6 +178,10 @@ def plan_json(plan, cluster_id: str, model_summary: dict) -> dict:
             "notes": plan.notes, "planning_wall_s": round(plan.wall_s, 3), "simulations": plan.probes}
 
 
+#: Headroom below which ``plan`` warns: envelopes are promised to hold at 80 % of ``rps_max``.
+RECOMMENDED_HEADROOM = 0.2
+
+
 def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None) -> None:
     """Human output of an :class:`~flexpipe_dag.planner.operating.OperatingPlan`: the gear tables, what the
     envelopes mean, the recommendation for the load, notes and what planning cost."""
@@ -181,9 +193,14 @@ def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None)
                  recommended=rec.gear_id if rec else None,
                  caption=f"envelope = highest rate served with {plan.basis.describe()}, "
                          f"{plan.basis.num_requests} requests per probe")
-    if rec:
+    if rec and rec.holds:
         console.print(f"load {format_number(rec.load_rps, 2)} req/s: run {rec.gear_id} "
                       f"(headroom {rec.headroom_fraction:.0%}). {rec.reason}")
+        if rec.headroom_fraction < RECOMMENDED_HEADROOM:
+            console.print(f"warning: {rec.headroom_fraction:.0%} headroom is under the {RECOMMENDED_HEADROOM:.0%} the "
+                          "envelope's promise is checked at (attainment >= 0.9 at 80 % of rps_max)")
+    elif rec:
+        console.print(f"load {format_number(rec.load_rps, 2)} req/s: {rec.reason}")
     for note in plan.notes:
         console.print(f"note: {note}")
     console.print(f"{len(plan.candidate_ids)} candidates measured, {plan.probes} simulations, "

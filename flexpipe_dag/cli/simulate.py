@@ -77,8 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="shape the trace by the bundled ServeGen daily tide, this many tide seconds per trace second")
     p.add_argument("--offline", help="also queue this length-only / request file as an offline backlog at 0 s")
     p.add_argument("--offline-limit", type=int, help="use only the first N offline jobs")
-    p.add_argument("--slo-ttft-ms", type=float, default=SimConfig.slo_ttft_ms)
-    p.add_argument("--slo-tpot-ms", type=float, default=SimConfig.slo_tpot_ms)
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help=f"TTFT SLO, ms (default: the gear's envelope_basis, else {SimConfig.slo_ttft_ms:g})")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help=f"TPOT SLO, ms (default: the gear's envelope_basis, else {SimConfig.slo_tpot_ms:g})")
     p.add_argument("--micro-batch-size", type=int, help="override the gear's sequences per micro-batch")
     p.add_argument("--max-inflight", type=int, help="override the gear's max in-flight micro-batches")
     p.add_argument("--kv-capacity-tokens", type=int, help="override the gear's KV pool size")
@@ -122,8 +124,9 @@ def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.resources.planning import PlanningSettings, planning_from_env
 
-    values = {**planning_from_env(), "model": args.model, "slo_ttft_ms": args.slo_ttft_ms,
-              "slo_tpot_ms": args.slo_tpot_ms}
+    values = {**planning_from_env(), "model": args.model}
+    values.update({k: v for k, v in (("slo_ttft_ms", args.slo_ttft_ms), ("slo_tpot_ms", args.slo_tpot_ms))
+                   if v is not None})
     if args.dtype:
         values["dtype"] = args.dtype
     settings = PlanningSettings(**values)
@@ -219,8 +222,9 @@ def check_flags(args: argparse.Namespace) -> None:
         if not args.offline:
             raise InputError(None, "--offline-limit", "needs --offline FILE (the backlog it limits)")
         check_number(args.offline_limit, None, "--offline-limit", integer=True, ge=1, le=INT32_MAX, unit="jobs")
-    check_number(args.slo_ttft_ms, None, "--slo-ttft-ms", gt=0, unit="ms")
-    check_number(args.slo_tpot_ms, None, "--slo-tpot-ms", gt=0, unit="ms")
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if value is not None:
+            check_number(value, None, flag, gt=0, unit="ms")
     for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--max-inflight", args.max_inflight),
                         ("--kv-capacity-tokens", args.kv_capacity_tokens)):
         if value is not None:
@@ -264,7 +268,11 @@ def build_workload(args: argparse.Namespace) -> Workload:
     """The trace after the windowing, tide shaping, speedup and offline mixing the flags ask for."""
     w = load_trace(args.trace)
     if args.window_s:
+        span_s = w.duration_s
         w = time_window(w, args.window_s[0], args.window_s[1])
+        if len(w) == 0:
+            raise InputError(str(args.trace), "--window-s", f"no request arrives in {args.window_s[0]:g}..{args.window_s[1]:g} s; "
+                             f"the trace spans 0..{span_s:.0f} s")
     if args.tide_compression is not None:
         w = shape_by_tide(w, load_tide_trace(), compression=args.tide_compression)
     if args.speedup != 1.0:
@@ -338,7 +346,10 @@ def run(args: argparse.Namespace) -> int:
     gear, timing = _gear_and_timing(args)
     model_name, max_context = model_context(args, gear)
     workload = build_workload(args)
-    config = SimConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, micro_batch_size=args.micro_batch_size,
+    basis = gear.envelope_basis  # the SLO the gear's envelope promises, unless the flags say otherwise
+    slo_ttft_ms = args.slo_ttft_ms or (basis.slo_ttft_ms if basis else SimConfig.slo_ttft_ms)
+    slo_tpot_ms = args.slo_tpot_ms or (basis.slo_tpot_ms if basis else SimConfig.slo_tpot_ms)
+    config = SimConfig(slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, micro_batch_size=args.micro_batch_size,
                        max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens,
                        max_context_tokens=max_context, context_policy="truncate" if args.truncate_context else "refuse")
     sim = Simulator(workload, gear, timing, config)

@@ -105,6 +105,28 @@ def recommend_gear(gears: Sequence[Gear], load_rps: float) -> Recommendation:
     return Recommendation(best.gear_id, load_rps, headroom(best), False, reason)
 
 
+#: Overstatement of an envelope the planner warns about (the fidelity bench's goal is within 15 %).
+OVERSTATEMENT_TOLERANCE = 0.15
+
+
+def short_probe_note(gears: Sequence[Gear], basis: EnvelopeBasis, tolerance: float = OVERSTATEMENT_TOLERANCE) -> str | None:
+    """A warning when the probes were too short to show a backlog at the envelopes they measured, else None.
+
+    Above a gear's saturation rate ``mu``, at ``(1 + e) mu`` the queue grows by about ``e`` requests
+    per arrival; it pushes TTFT past the SLO only after ``slo_ttft_s x mu / e`` arrivals. A probe of
+    fewer requests than that for ``e = tolerance`` passes rates the gear cannot hold for long: its
+    envelope may be overstated by more than ``tolerance``.
+    """
+    need = max((math.ceil(basis.slo_ttft_ms / 1000.0 * g.rps_max / tolerance) for g in gears
+                if math.isfinite(g.rps_max) and g.rps_max > 0), default=0)
+    if basis.num_requests >= need:
+        return None
+    return (f"probes of {basis.num_requests} requests are too short to show a backlog at these envelopes (up to "
+            f"{max(g.rps_max for g in gears):.3g} req/s with a {basis.slo_ttft_ms:g} ms TTFT SLO needs about {need}): "
+            f"the envelopes may be overstated by more than {OVERSTATEMENT_TOLERANCE:.0%}; plan with at least {need} "
+            "requests per probe (--requests / FLEXPIPE_REFERENCE_REQUESTS)")
+
+
 @dataclass(frozen=True)
 class OperatingPlan:
     """What :func:`plan_operating_gears` produced.
@@ -184,6 +206,9 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
     analytic = {g.gear_id: by_suffix.get(g.gear_id.split("-", 1)[1], math.nan) for g in gears}
     recommendation = recommend_gear(gears, load_rps) if load_rps is not None else None
     notes = [choice.note] if choice.note else []
+    short = short_probe_note(gears, basis)
+    if short:
+        notes.append(short)
     if context_report is not None and context_report.over_context:
         notes.append(context_report.describe(model.name))
     return OperatingPlan(gears=gears, envelopes=selection.envelopes, candidate_ids=[c.gear_id for c in candidates],

@@ -99,6 +99,7 @@ class DeviceRow(Base):
     compute_score: Mapped[float] = mapped_column(Float)
     max_micro_batch: Mapped[int | None]
     available_until: Mapped[dt.datetime | None]
+    bf16: Mapped[bool | None] = mapped_column(comment="runs bf16 (compute capability >= 8.0); NULL: unknown")
     op_timings_ms: Mapped[dict[str, Any]] = mapped_column(default=dict)
     facts: Mapped[dict[str, Any]] = mapped_column(default=dict)
 

@@ -48,7 +48,7 @@ class Profiles(StoreBase):
                             generation=d.generation, kind=d.kind, memory_gib=d.memory_gib,
                             peak_tflops=d.peak_tflops, hbm_bandwidth_gbps=d.hbm_bandwidth_gbps,
                             compute_score=d.compute_score, max_micro_batch=d.max_micro_batch,
-                            available_until=d.available_until, op_timings_ms=dict(d.op_timings_ms),
+                            available_until=d.available_until, bf16=d.bf16, op_timings_ms=dict(d.op_timings_ms),
                             facts=json_ready(d.facts))
                 for d in profile.devices
             ]
@@ -84,7 +84,8 @@ class Profiles(StoreBase):
                                 generation=d.generation, kind=d.kind, memory_gib=d.memory_gib,
                                 peak_tflops=d.peak_tflops, hbm_bandwidth_gbps=d.hbm_bandwidth_gbps,
                                 compute_score=d.compute_score, max_micro_batch=d.max_micro_batch,
-                                available_until=d.available_until, op_timings_ms=d.op_timings_ms, facts=d.facts)
+                                available_until=d.available_until, bf16=d.bf16, op_timings_ms=d.op_timings_ms,
+                                facts=d.facts)
                          for d in pv.devices],
                 links=[Link(src_device_id=link.src_device_key, dst_device_id=link.dst_device_key,
                             bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us, kind=link.kind)

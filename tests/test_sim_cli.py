@@ -59,7 +59,7 @@ def test_simulate_bad_inputs_exit_2(tmp_path, capsys):
     assert "--cluster" in capsys.readouterr().err
 
 
-def test_simulate_with_planner_gear(capsys):
+def test_simulate_with_planner_gear(capsys, monkeypatch):
     import importlib.util
     from pathlib import Path
 
@@ -68,7 +68,8 @@ def test_simulate_with_planner_gear(capsys):
     if importlib.util.find_spec("flexpipe_dag.planner.gears") is None:
         pytest.skip("planner not in this checkout")
     cluster = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "fragmented_lab.yaml"
-    rc = main(["simulate", "--cluster", str(cluster), "--model", "Llama-2-7B", "--gear", "balanced",
+    monkeypatch.setenv("FLEXPIPE_REFERENCE_REQUESTS", "60")  # simulate plans as `plan` does; a quick plan
+    rc = main(["simulate", "--cluster", str(cluster), "--model", "Llama-2-7B", "--gear", "throughput",
                "--trace", "azure-conv", "--window-s", "0", "60", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -76,6 +77,6 @@ def test_simulate_with_planner_gear(capsys):
     trace = time_window(load_trace("azure-conv"), 0, 60)
     over = sum(r.input_tokens + r.output_tokens > 4096 for r in trace)
     assert over > 0 and out["rejected_context"] == over and out["context"]["over_context"] == over
-    assert out["gear_id"].startswith("balanced") and out["completed"] + over == out["workload_requests"]
+    assert out["gear_id"].startswith("throughput") and out["completed"] + over == out["workload_requests"]
     assert main(["simulate", "--cluster", str(cluster), "--model", "Llama-2-7B", "--gear", "turbo", "--trace", "azure-conv"]) == 2
     assert "--gear" in capsys.readouterr().err

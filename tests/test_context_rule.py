@@ -118,13 +118,14 @@ def test_sim_config_refuses_a_bad_context_setting():
         SimConfig(context_policy="cut")  # type: ignore[arg-type]
 
 
-def test_simulate_cli_llama3_on_azure_conv_rejects_then_truncates(capsys):
+def test_simulate_cli_llama3_on_azure_conv_rejects_then_truncates(capsys, monkeypatch):
+    monkeypatch.setenv("FLEXPIPE_REFERENCE_REQUESTS", "60")  # simulate --gear KIND plans as `plan` does: quickly
     """What was seen: ``simulate`` completed Azure conversations longer than Llama-3-8B's 8,192 tokens (the
     bundled slice of the trace holds one, at 1,109 s)."""
     trace = time_window(load_trace("azure-conv"), 1080, 1140)
     over = sum(r.input_tokens + r.output_tokens > LLAMA3_CONTEXT for r in trace)
     assert over > 0
-    args = ["simulate", "--cluster", str(EXAMPLES / "fragmented_lab.yaml"), "--model", "Llama-3-8B", "--gear", "balanced",
+    args = ["simulate", "--cluster", str(EXAMPLES / "fragmented_lab.yaml"), "--model", "Llama-3-8B", "--gear", "throughput",
             "--trace", "azure-conv", "--window-s", "1080", "1140", "--json"]
     assert main(args) == 0
     captured = capsys.readouterr()

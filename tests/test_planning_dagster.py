@@ -65,3 +65,21 @@ def test_fit_check_catches_a_gear_that_does_not_fit():
     assert any("exceed" in p for p in gear_problems(too_big, cluster, spec))
     moved = gear.model_copy(update={"stages": [st.model_copy(update={"device_ids": ["nope"]})] + gear.stages[1:]})
     assert any("unknown device" in p for p in gear_problems(moved, cluster, spec))
+
+
+def test_cli_and_dagster_plan_the_same_gears_for_the_same_fleet(tmp_path, capsys):
+    """One code path, one set of defaults: `flexpipe plan` prints the gears the asset stores."""
+    import json
+
+    from flexpipe_dag.cli import main
+
+    res = {**_resources(tmp_path, model="Llama-3-8B", cluster="alibaba_openb.yaml"),
+           "planning": PlanningSettings(model="Llama-3-8B", reference_requests=60)}
+    assert materialize([gpu_profile, model_profile, candidate_gears], resources=res).success
+    stored = res["store"].get_store().load_gears()
+    assert main(["plan", "--cluster", str(EXAMPLES / "alibaba_openb.yaml"), "--model", "Llama-3-8B",
+                 "--requests", "60", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["gears"]
+    assert [g.gear_id for g in stored] == [g["gear_id"] for g in printed]
+    assert [g.rps_max for g in stored] == [g["rps_max"] for g in printed]
+    assert all(g.envelope_basis is not None and g.envelope_basis.num_requests == 60 for g in stored)

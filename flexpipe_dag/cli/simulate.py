@@ -349,6 +349,10 @@ def run(args: argparse.Namespace) -> int:
     basis = gear.envelope_basis  # the SLO the gear's envelope promises, unless the flags say otherwise
     slo_ttft_ms = args.slo_ttft_ms or (basis.slo_ttft_ms if basis else SimConfig.slo_ttft_ms)
     slo_tpot_ms = args.slo_tpot_ms or (basis.slo_tpot_ms if basis else SimConfig.slo_tpot_ms)
+    if args.gear_file and basis is None:
+        print(f"note: {args.gear_file} has no envelope_basis: its rps_min..rps_max ({gear.rps_min:g}..{gear.rps_max:g} "
+              f"req/s) was not measured by `flexpipe plan`; scored at TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms",
+              file=sys.stderr)
     config = SimConfig(slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, micro_batch_size=args.micro_batch_size,
                        max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens,
                        max_context_tokens=max_context, context_policy="truncate" if args.truncate_context else "refuse")

@@ -96,22 +96,25 @@ class PlanningSettings(ConfigurableResource):
 
         return check_context_policy(self.context_policy, "PlanningSettings", "context_policy")
 
-    def reference_workload_and_context(self):
-        """``(workload, report)``: the capped reference trace under the model's context rule (requests
-        over the max context left out or truncated, :mod:`flexpipe_dag.workload.context`), and the counts."""
+    def reference_workload_and_context(self, trace=None):
+        """``(workload, report)``: the capped reference trace (``trace``, when already loaded) under the
+        model's context rule (requests over the max context left out or truncated,
+        :mod:`flexpipe_dag.workload.context`), and the counts."""
         from flexpipe_dag.workload.context import apply_context_rule
 
-        rule = apply_context_rule(self.capped_reference_trace(), self.max_context_tokens(), self.checked_context_policy())
+        rule = apply_context_rule(self.capped_reference_trace() if trace is None else trace, self.max_context_tokens(),
+                                  self.checked_context_policy())
         return rule.workload, rule.report
 
     def reference_workload(self):
         """The reference trace with the serving caps and the context rule applied (what gears are scored on)."""
         return self.reference_workload_and_context()[0]
 
-    def plan_workload_and_context(self):
-        """``(PlanWorkload, ContextReport)``: planning assumptions from the capped reference trace (mean
-        prompt / output, P95 context) with requests over the model's max context left out or truncated
-        (:func:`~flexpipe_dag.planner.workload.plan_workload_from_trace`), and how many were.
+    def plan_workload_and_context(self, trace=None):
+        """``(PlanWorkload, ContextReport)``: planning assumptions (mean prompt / output, P95 context) from
+        the capped reference trace (``trace``, when already loaded) with requests over the model's max
+        context left out or truncated (:func:`~flexpipe_dag.planner.workload.plan_workload_from_trace`),
+        and how many were.
 
         Raises:
             InputError: the reference trace or the model cannot be read, or a bad ``context_policy``.
@@ -121,7 +124,7 @@ class PlanningSettings(ConfigurableResource):
         from flexpipe_dag.planner.workload import plan_workload_from_trace
 
         workload, report = plan_workload_from_trace(
-            self.capped_reference_trace(), max_context_tokens=self.max_context_tokens(),
+            self.capped_reference_trace() if trace is None else trace, max_context_tokens=self.max_context_tokens(),
             context_policy=self.checked_context_policy(), context_p95_cap_tokens=self.context_p95_tokens,
             concurrency=self.concurrency, min_residence_s=self.min_residence_s)
         return dataclasses.replace(workload, bf16_fallback=self.bf16_fallback, slo_ttft_ms=self.slo_ttft_ms,
@@ -150,8 +153,9 @@ class PlanningSettings(ConfigurableResource):
         """
         from flexpipe_dag.planner.operating import plan_operating_gears
 
-        reference, report = self.reference_workload_and_context()
-        workload, _ = self.plan_workload_and_context()
+        trace = self.capped_reference_trace()  # read once; both views below apply the same context rule
+        reference, report = self.reference_workload_and_context(trace)
+        workload, _ = self.plan_workload_and_context(trace)
         return plan_operating_gears(cluster, model, reference, workload=workload, context_report=report,
                                     dtype=self.dtype, settings=self.selection_settings(), objective=self.objective,
                                     load_rps=self.load_rps, profile_version=profile_version,
@@ -220,3 +224,26 @@ def planning_from_env() -> dict[str, Any]:
     if "dtype" in out:
         out["dtype"] = canonical_dtype(str(out["dtype"]), "environment variable FLEXPIPE_PLAN_DTYPE", None)
     return out
+
+
+def settings_from_env(overrides: dict[str, Any], names: dict[str, str] | None = None) -> PlanningSettings:
+    """The planning resource the environment (:func:`planning_from_env`) sets, with ``overrides`` on top:
+    what ``flexpipe plan`` and ``flexpipe simulate --gear KIND`` plan with, as the Dagster code location does.
+
+    Args:
+        overrides: field -> value (``None`` values are ignored: the environment or the default stands).
+        names: field -> the name the user gave it (a CLI flag), for error messages.
+
+    Raises:
+        InputError: a bad environment variable, or a value outside its field's range (named).
+    """
+    from pydantic import ValidationError
+
+    values = planning_from_env()
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return PlanningSettings(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else None
+        raise InputError(None, (names or {}).get(field or "", field), f"{err['msg']}, got {err.get('input')!r}") from None

@@ -7,8 +7,6 @@ import dataclasses
 import json
 from typing import Any
 
-from pydantic import ValidationError
-
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.dtypes import DTYPE_NAMES, canonical_dtype
 from flexpipe_dag.core.errors import InputError
@@ -127,22 +125,15 @@ def planning_settings(args: argparse.Namespace):
     """The Dagster planning resource as these flags and the environment set it (one set of defaults).
 
     Raises:
-        InputError: a bad environment variable (named) or flag.
+        InputError: a bad environment variable or flag (named).
     """
-    from flexpipe_dag.resources.planning import PlanningSettings, planning_from_env
+    from flexpipe_dag.resources.planning import settings_from_env
 
-    values = planning_from_env()
-    values.update({name: getattr(args, flag) for flag, name in FLAG_FIELDS.items() if getattr(args, flag) is not None})
-    values["model"] = args.model
+    overrides = {name: getattr(args, flag) for flag, name in FLAG_FIELDS.items()}
+    overrides["model"] = args.model
     if args.no_replicas:
-        values["stage_replicas"] = False
-    try:
-        return PlanningSettings(**values)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = str(err["loc"][0]) if err.get("loc") else None
-        flag = next((f"--{f.replace('_', '-')}" for f, n in FLAG_FIELDS.items() if n == field), field)
-        raise InputError(None, flag, f"{err['msg']}, got {err.get('input')!r}") from None
+        overrides["stage_replicas"] = False
+    return settings_from_env(overrides, names={name: f"--{flag.replace('_', '-')}" for flag, name in FLAG_FIELDS.items()})
 
 
 def run(args: argparse.Namespace) -> int:

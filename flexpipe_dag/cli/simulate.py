@@ -122,14 +122,11 @@ def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.cost_model import CostModel
     from flexpipe_dag.planner.model_spec import load_model_spec
-    from flexpipe_dag.resources.planning import PlanningSettings, planning_from_env
+    from flexpipe_dag.resources.planning import settings_from_env
 
-    values = {**planning_from_env(), "model": args.model}
-    values.update({k: v for k, v in (("slo_ttft_ms", args.slo_ttft_ms), ("slo_tpot_ms", args.slo_tpot_ms))
-                   if v is not None})
-    if args.dtype:
-        values["dtype"] = args.dtype
-    settings = PlanningSettings(**values)
+    settings = settings_from_env({"model": args.model, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+                                  "dtype": args.dtype or None},
+                                 names={"slo_ttft_ms": "--slo-ttft-ms", "slo_tpot_ms": "--slo-tpot-ms", "dtype": "--dtype"})
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
     gears = settings.plan(cluster, model).gears

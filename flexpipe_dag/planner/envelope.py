@@ -214,11 +214,9 @@ def _probe(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps
     """:func:`probe_gear` and the simulation result it graded."""
     w = speedup(reference, rate_rps / native_rps)
     sim = Simulator(w, gear, timing, config)
-    n = len(w)
-    skip = int(n * warmup_fraction)
-    first = skip if n - skip > 0 else 0
-    allowed = (n - first) * (1.0 - attainment) + 1e-9
+    first, allowed = _measured_window(len(w), warmup_fraction, attainment)
     stopped_s: float | None = None
+    misses = rejected = 0
     if early_stop:
         step_s = max(w.duration_s / 16.0, 1e-3)
         while not sim.finished:
@@ -234,7 +232,7 @@ def _probe(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps
         lost = int(df["finish_s"].isna().sum())
         share = float(measured["slo_met"].mean()) if len(measured) else 0.0
     else:
-        misses, lost = sim.slo_outcome_so_far(first)
+        lost = rejected
         share = 1.0 - misses / max(1, len(measured))
 
     def p99(col: str) -> float:
@@ -246,6 +244,14 @@ def _probe(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps
                           tpot_p99_ms=p99("tpot_ms"), passed=stopped_s is None and share >= attainment and lost == 0,
                           estimate=estimate_from_result(result), stopped_s=stopped_s)
     return probe, result
+
+
+def _measured_window(n: int, warmup_fraction: float, attainment: float) -> tuple[int, float]:
+    """``(first, allowed)``: the first request graded (after the warm-up; all of them when the warm-up
+    would leave none) and how many graded requests may miss the SLO for a rate to pass."""
+    skip = int(n * warmup_fraction)
+    first = skip if n - skip > 0 else 0
+    return first, (n - first) * (1.0 - attainment) + 1e-9
 
 
 def zero_load_misses(gear: Gear, timing: StageTimingModel, reference: Workload, *, slo_ttft_ms: float,
@@ -307,10 +313,9 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
     base = sim_config or SimConfig()
     config = dataclasses.replace(base, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     ref, native = reference_slice(reference, num_requests)
-    skip = int(len(ref) * warmup_fraction)
-    measured = len(ref) - skip if len(ref) - skip > 0 else len(ref)
+    graded_from, allowed = _measured_window(len(ref), warmup_fraction, attainment)
     if zero_load_misses(gear, timing, ref, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-                        first_index=len(ref) - measured) > measured * (1.0 - attainment) + 1e-9:
+                        first_index=graded_from) > allowed:
         return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, None, ())  # no rate can meet the SLO
     if start_rps is None:
         promised = gear.rps_max if math.isfinite(gear.rps_max) and gear.rps_max > 0 else 0.0
@@ -431,10 +436,14 @@ def refine_envelopes(gears: Sequence[Gear], cost_model: TimingProvider | TimingS
     return apply_envelopes(gears, envs, overlap_fraction=overlap_fraction)
 
 
+def gear_id_suffix(gear_id: str) -> str:
+    """What a gear id keeps when the gear is relabelled: everything after the kind prefix."""
+    return gear_id.split("-", 1)[1] if "-" in gear_id else gear_id
+
+
 def _relabel(gear: Gear, kind: str) -> Gear:
     """``gear`` as ``kind``: the id's kind prefix is swapped, the hash suffix kept."""
-    suffix = gear.gear_id.split("-", 1)[1] if "-" in gear.gear_id else gear.gear_id
-    return gear.model_copy(update={"kind": kind, "gear_id": f"{kind}-{suffix}"})
+    return gear.model_copy(update={"kind": kind, "gear_id": f"{kind}-{gear_id_suffix(gear.gear_id)}"})
 
 
 @dataclass(frozen=True)

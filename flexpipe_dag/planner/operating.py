@@ -29,7 +29,13 @@ from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import EnvelopeBasis, Gear
 from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
-from flexpipe_dag.planner.envelope import GearEnvelope, SelectionObjective, SelectionSettings, select_operating_gears
+from flexpipe_dag.planner.envelope import (
+    GearEnvelope,
+    SelectionObjective,
+    SelectionSettings,
+    gear_id_suffix,
+    select_operating_gears,
+)
 from flexpipe_dag.planner.gears import candidate_gears, gear_dtype
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.workload import PlanWorkload
@@ -202,8 +208,8 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
                           attainment=settings.attainment, workload=reference.name,
                           num_requests=min(settings.num_requests, len(reference)))
     gears = [g.model_copy(update={"envelope_basis": basis}) for g in selection.gears]
-    by_suffix = {c.gear_id.split("-", 1)[1]: c.rps_max for c in candidates}  # ids keep their hash when relabelled
-    analytic = {g.gear_id: by_suffix.get(g.gear_id.split("-", 1)[1], math.nan) for g in gears}
+    by_suffix = {gear_id_suffix(c.gear_id): c.rps_max for c in candidates}  # ids keep their hash when relabelled
+    analytic = {g.gear_id: by_suffix.get(gear_id_suffix(g.gear_id), math.nan) for g in gears}
     recommendation = recommend_gear(gears, load_rps) if load_rps is not None else None
     notes = [choice.note] if choice.note else []
     short = short_probe_note(gears, basis)

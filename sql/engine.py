@@ -15,6 +15,8 @@ number) never races another writer and never fails with a stale snapshot.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,29 @@ def shown_url(url: Any) -> str:
     return masked_url(url.strip())
 
 
+@contextmanager
+def opening_errors(shown: str) -> Iterator[None]:
+    """Turn a missing driver or a failed connection raised inside into the one-line :class:`InputError`
+    naming the store (``shown``: the URL as :func:`shown_url` shows it); any URL in the driver's message is
+    masked too.
+
+    Raises:
+        InputError: ``FLEXPIPE_DATABASE_URL`` named; no driver for the URL's dialect, or the database cannot
+            be reached or opened.
+    """
+    from sqlalchemy.exc import DBAPIError, NoSuchModuleError
+
+    try:
+        yield
+    except (NoSuchModuleError, ModuleNotFoundError) as exc:
+        raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {masked_url(str(exc))}; "
+                         "use sqlite:/// or postgresql+psycopg2:// (pip install -e .[postgres])") from None
+    except DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
+        raise InputError("FLEXPIPE_DATABASE_URL", None,
+                         f"cannot open the store at {shown}: {masked_url(reason)}") from None
+
+
 def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
     """Check a store URL without connecting; return it for messages (password hidden, see :func:`shown_url`).
 
@@ -96,8 +121,9 @@ def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
     vanish on exit.
 
     Raises:
-        InputError: ``source`` named; the URL does not parse (bad port too), or it names an in-memory
-            database. The message shows the URL with its password masked.
+        InputError: ``source`` named; the URL does not parse (bad port too), holds an unescaped ``@`` in its
+            password (the driver would show the rest as a host name), or names an in-memory database. The
+            message shows the URL with its password masked.
     """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
@@ -109,6 +135,10 @@ def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
         raise InputError(source, None,
                          f"{shown!r} is not a database URL ({masked_url(str(exc))}); expected e.g. "
                          "sqlite:///path/flexpipe.db or postgresql+psycopg2://user@host:5432/db") from None
+    if "@" in (parsed.host or ""):
+        raise InputError(source, None,
+                         f"{shown!r} holds an unescaped '@' in its user name or password; expected it "
+                         "percent-encoded as %40 (e.g. postgresql+psycopg2://user:p%40ss@host:5432/db)")
     if parsed.get_backend_name() == "sqlite":
         database = (parsed.database or "").strip()
         mode = parsed.query.get("mode")

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.session import StoreBase, finite_or_none, get_or_insert, next_number
+from flexpipe_dag.sql.session import StoreBase, finite_or_none, next_number
 
 
 def spec_hash(spec: dict[str, Any]) -> str:

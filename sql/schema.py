@@ -24,6 +24,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, func, inspect, select, table, text
 
@@ -137,7 +138,7 @@ def _alembic(engine: Engine, conn: Connection, fn: Callable[[Config, str], None]
     cfg.attributes["connection"] = conn
     try:
         fn(cfg, revision)
-    except CommandError as exc:
+    except (CommandError, RevisionError) as exc:
         raise InputError(shown_url(engine.url), "schema revision",
                          f"{exc}; expected one of this FlexPipe's revisions (base .. {', '.join(head_revisions())}): "
                          "a store migrated by a newer FlexPipe needs that FlexPipe") from None
@@ -183,7 +184,7 @@ def require_current(engine: Engine) -> None:
 def _known(rev: str) -> bool:
     try:
         return _script().get_revision(rev) is not None
-    except CommandError:
+    except (CommandError, RevisionError):
         return False
 
 
@@ -199,8 +200,8 @@ def downgrade_losses(conn: Connection, revision: str) -> list[str]:
         return []
     try:
         steps = list(_script().iterate_revisions(current, revision))
-    except CommandError as exc:
-        raise InputError("downgrade", "revision", f"{exc}; expected 'base' or a revision below the store's "
+    except (CommandError, RevisionError) as exc:
+        raise InputError(shown_url(conn.engine.url), "downgrade revision", f"{exc}; expected 'base' or a revision below the store's "
                          f"{current}") from None
     losses = []
     for step in steps:

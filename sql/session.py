@@ -136,10 +136,9 @@ def get_or_insert(s: Session, model: type[Any], **key: Any) -> Any:
     The insert is ``ON CONFLICT DO NOTHING`` (SQLite and PostgreSQL), so two writers creating the same
     row at once both get it instead of one failing on the unique constraint.
     """
-    if s.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    insert: Any = postgresql.insert if s.get_bind().dialect.name == "postgresql" else sqlite.insert
     row = s.scalar(select(model).filter_by(**key))
     if row is None:
         s.execute(insert(model).values(**key).on_conflict_do_nothing(index_elements=list(key)))

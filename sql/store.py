@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from sqlalchemy import Engine
 
-from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import database_url
-from flexpipe_dag.sql.engine import alembic_config, check_store_url, make_engine, masked_url, shown_url
+from flexpipe_dag.sql.engine import alembic_config, check_store_url, make_engine, opening_errors, shown_url
 from flexpipe_dag.sql.gears import Gears, spec_hash
 from flexpipe_dag.sql.health import HealthTags
 from flexpipe_dag.sql.jobs import InferenceJobs
@@ -76,16 +75,7 @@ class Store(Profiles, Gears, HealthTags, MetricSamples, ShiftEvents, InferenceJo
             InputError: the URL does not parse, names an in-memory SQLite database, its driver is not
                 installed, or the database cannot be reached or opened (the URL is named, its password hidden).
         """
-        from sqlalchemy.exc import DBAPIError, NoSuchModuleError
-
         url = url or database_url()
         shown = check_store_url(url)
-        try:
+        with opening_errors(shown):
             return cls(make_engine(url), auto_migrate=auto_migrate)
-        except (NoSuchModuleError, ModuleNotFoundError) as exc:
-            raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {exc}; "
-                             "use sqlite:/// or postgresql+psycopg2:// (pip install -e .[postgres])") from None
-        except DBAPIError as exc:
-            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
-            reason = masked_url(reason)
-            raise InputError("FLEXPIPE_DATABASE_URL", None, f"cannot open the store at {shown}: {reason}") from None

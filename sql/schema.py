@@ -15,6 +15,7 @@ store as it is now (:func:`downgrade_losses` asks every step between the current
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -40,9 +41,15 @@ REPAIR_COMMAND = "flexpipe store repair --force"
 MIGRATION_LOCK_TIMEOUT_S = 600.0
 
 
+@functools.lru_cache(maxsize=1)
+def _script() -> ScriptDirectory:
+    """The packaged migration scripts (read once per process)."""
+    return ScriptDirectory.from_config(alembic_config())
+
+
 def head_revisions() -> tuple[str, ...]:
     """The head revision(s) of the packaged migrations (one, unless two branches were left unmerged)."""
-    return tuple(ScriptDirectory.from_config(alembic_config()).get_heads())
+    return tuple(_script().get_heads())
 
 
 def current_revision(engine: Engine) -> str | None:
@@ -65,7 +72,7 @@ def _lock_file(engine: Engine) -> Path | None:
 
 
 @contextmanager
-def _migration_transaction(engine: Engine) -> Iterator[Connection]:
+def migration_transaction(engine: Engine) -> Iterator[Connection]:
     """One connection in one transaction that holds the store's cross-process migration lock.
 
     On SQLite foreign keys are switched off meanwhile: a batch ALTER recreates a table, and with
@@ -95,10 +102,6 @@ def _migration_transaction(engine: Engine) -> Iterator[Connection]:
         raise InputError(shown_url(engine.url), None,
                          f"another process has held the migration lock {path} for {MIGRATION_LOCK_TIMEOUT_S:g} s; "
                          "expected its migration to finish (is one stuck?)") from None
-
-
-def _script() -> ScriptDirectory:
-    return ScriptDirectory.from_config(alembic_config())
 
 
 def _unversioned_tables(conn: Connection) -> dict[str, int]:
@@ -156,7 +159,7 @@ def migrate(engine: Engine, revision: str = "head", *, drop_unversioned: bool = 
     """
     if revision == "head" and not drop_unversioned and current_revision(engine) in head_revisions():
         return  # the common case: no lock, no transaction
-    with _migration_transaction(engine) as conn:
+    with migration_transaction(engine) as conn:
         _drop_unversioned(conn, engine, force=drop_unversioned)
         _alembic(engine, conn, command.upgrade, revision)
 
@@ -198,6 +201,11 @@ def downgrade_losses(conn: Connection, revision: str) -> list[str]:
     current = MigrationContext.configure(conn).get_current_revision()
     if current is None or revision == current:
         return []
+    if revision.startswith("-") and revision[1:].isdigit():  # relative, as `alembic downgrade -1` gives it
+        target: str | None = current
+        for _ in range(int(revision[1:])):
+            target = _script().get_revision(target).down_revision if target else None  # type: ignore[assignment]
+        revision = target or "base"
     try:
         steps = list(_script().iterate_revisions(current, revision))
     except (CommandError, RevisionError) as exc:
@@ -220,7 +228,7 @@ def downgrade(engine: Engine, revision: str, *, force: bool = False) -> list[str
         InputError: the downgrade would drop data and not ``force`` (every loss named, with the command
             that forces it); ``revision`` is unknown or not below the current revision.
     """
-    with _migration_transaction(engine) as conn:
+    with migration_transaction(engine) as conn:
         losses = downgrade_losses(conn, revision)
         if losses and not force:
             raise InputError(shown_url(engine.url), f"downgrade to {revision}",
@@ -238,7 +246,7 @@ def repair(engine: Engine, *, force: bool = False) -> dict[str, int]:
     Raises:
         InputError: those tables hold rows and not ``force``.
     """
-    with _migration_transaction(engine) as conn:
+    with migration_transaction(engine) as conn:
         found = _unversioned_tables(conn)
         _drop_unversioned(conn, engine, force=force)
         _alembic(engine, conn, command.upgrade, "head")

@@ -255,6 +255,22 @@ def test_cli_downgrade_refuses_then_forces(tmp_path, monkeypatch, capsys, lab_pr
     assert f"schema revision {head_revisions()[0]}" in capsys.readouterr().out
 
 
+def test_alembic_command_line_downgrade_refuses_without_force(tmp_path, lab_profile):
+    url = f"sqlite:///{tmp_path / 'alembic.db'}"
+    engine = make_engine(url)
+    Store(engine).save_profile(lab_profile)
+    alembic = [os.path.join(os.path.dirname(sys.executable), "alembic"), "-c", str(REPO / "sql" / "alembic.ini")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FLEXPIPE_DATABASE_URL": url}
+    run = subprocess.run([*alembic, "downgrade", "-1"], env=env, capture_output=True, text=True, timeout=120)
+    said = run.stdout + run.stderr  # alembic prints FAILED: ... on stdout
+    assert run.returncode != 0 and "downgrade to -1 would drop data: 0007 -> 0006: devices.bf16" in said, said
+    assert current_revision(engine) == head_revisions()[0]
+    run = subprocess.run([*alembic, "-x", "force=1", "downgrade", "-1"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert current_revision(engine) == "0006"
+
+
 def test_old_store_opened_without_migrating_names_the_upgrade_command(sqlite_engine):
     Store(sqlite_engine)
     downgrade(sqlite_engine, "0003")

@@ -31,7 +31,7 @@ class Gears(StoreBase):
     def save_model(self, name: str, dtype: str, num_layers: int, spec: dict[str, Any]) -> int:
         """Store a model profile once per (name, dtype, spec); return its id."""
         digest = spec_hash(spec)
-        with self.session(immediate=True) as s:
+        with self.session() as s:
             row = s.scalar(select(m.ModelRow).where(m.ModelRow.name == name, m.ModelRow.dtype == dtype,
                                                     m.ModelRow.spec_hash == digest))
             if row is None:
@@ -54,7 +54,7 @@ class Gears(StoreBase):
         profile version each get their own plan version.
         """
         ids = []
-        with self.session(immediate=True) as s:
+        with self.session() as s:
             parent = s.get(m.ProfileVersion, profile_version_id)
             plan_version = next_number(s, m.GearRow.plan_version, parent, m.GearRow.profile_version_id == profile_version_id,
                                        m.GearRow.model_id == model_id) if parent is not None else 1

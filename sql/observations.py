@@ -74,7 +74,7 @@ class Observations(StoreBase):
         Raises:
             KeyError: no such profile version.
         """
-        with self.session(immediate=True) as s:
+        with self.session() as s:
             parent = s.get(m.ProfileVersion, profile_version_id)
             if parent is None:
                 raise KeyError(profile_version_id)

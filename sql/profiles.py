@@ -37,7 +37,7 @@ class Profiles(StoreBase):
 
         Concurrent writers (threads or processes) each get their own version number.
         """
-        with self.session(immediate=True) as s:
+        with self.session() as s:
             cluster = get_or_insert(s, m.Cluster, cluster_key=profile.cluster_id)
             version = next_number(s, m.ProfileVersion.version, cluster, m.ProfileVersion.cluster_id == cluster.id)
             pv = m.ProfileVersion(cluster_id=cluster.id, version=version, source=profile.source,

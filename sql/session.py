@@ -29,27 +29,28 @@ class StoreBase:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._sessions = sessionmaker(engine, expire_on_commit=False)
-        self._write_sessions = sessionmaker(engine.execution_options(**IMMEDIATE), expire_on_commit=False)
+        # BEGIN IMMEDIATE on SQLite: a session that reads, then writes, never meets a write committed in
+        # between (which SQLite would refuse at once with "database is locked", whatever the busy timeout)
+        self._sessions = sessionmaker(engine.execution_options(**IMMEDIATE), expire_on_commit=False)
 
     @contextmanager
-    def session(self, *, immediate: bool = False) -> Iterator[Session]:
+    def session(self) -> Iterator[Session]:
         """A session in one transaction: committed on success, rolled back on any error.
 
-        ``immediate``: the transaction takes SQLite's write lock when it begins (``BEGIN IMMEDIATE``; other
-        writers wait, up to the busy timeout), for a write that reads first, e.g. the next version number
-        (see :func:`next_number`). No effect on PostgreSQL, where :func:`next_number` locks a row instead.
+        On SQLite the transaction takes the write lock when it begins (``BEGIN IMMEDIATE``; other sessions
+        wait, up to the busy timeout, and plain readers are not blocked in WAL mode), so a write that reads
+        first, e.g. the next version number (:func:`next_number`), is race-free across threads and processes.
         """
-        with (self._write_sessions if immediate else self._sessions).begin() as s:
+        with self._sessions.begin() as s:
             yield s
 
 
 def next_number(s: Session, column: InstrumentedAttribute[int], parent: Any, *criteria: Any) -> int:
     """The next version number: 1 + the largest ``column`` among rows matching ``criteria`` (1 when none).
 
-    Race-free when ``s`` is a :meth:`StoreBase.session` with ``immediate=True``: on SQLite that holds the
-    write lock; on PostgreSQL the ``parent`` row (the ORM object the versions belong to, e.g. the cluster)
-    is locked ``FOR UPDATE`` first, so concurrent writers of the same parent take turns.
+    Race-free in a :meth:`StoreBase.session`: on SQLite that holds the write lock; on PostgreSQL the
+    ``parent`` row (the ORM object the versions belong to, e.g. the cluster) is locked ``FOR UPDATE``
+    first, so concurrent writers of the same parent take turns.
     """
     if s.get_bind().dialect.name != "sqlite":
         s.refresh(parent, with_for_update=True)

@@ -193,7 +193,7 @@ def _known(rev: str) -> bool:
 
 def downgrade_losses(conn: Connection, revision: str) -> list[str]:
     """What downgrading the store on ``conn`` to ``revision`` would destroy, one entry per loss, e.g.
-    ``"0003 -> 0002: stage_observations (12 rows)"``; [] when nothing holding data is dropped.
+    ``"0003 -> 0002: table stage_observations (12 rows)"``; [] when nothing holding data is dropped.
 
     Raises:
         InputError: ``revision`` is unknown or not below the store's current revision.

@@ -10,7 +10,9 @@ bad value (``FLEXPIPE_DWELL_S=abc``, ``FLEXPIPE_PLAN_CONCURRENCY=0``, ``FLEXPIPE
 loading the code location fail with one :class:`~flexpipe_dag.core.errors.InputError` naming the
 variable, the expected type and range, and the value given. So do an unknown
 ``FLEXPIPE_PLAN_DTYPE``, an invalid ``FLEXPIPE_PROFILE_REFRESH_CRON`` and a
-``FLEXPIPE_DATABASE_URL`` that does not parse or names an in-memory SQLite database.
+``FLEXPIPE_DATABASE_URL`` that does not parse or names an in-memory SQLite database (its password
+masked in the message). The store resource reads ``FLEXPIPE_DATABASE_URL`` as a ``dagster.EnvVar``, so
+no run snapshot, UI page or log holds the URL's password.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from dagster import BetaWarning, Definitions, load_asset_checks_from_modules, load_assets_from_modules
+from dagster import BetaWarning, Definitions, EnvVar, load_asset_checks_from_modules, load_assets_from_modules
 
 from flexpipe_dag.assets import calibration, evaluation, health, planning, profiling
 from flexpipe_dag.core.errors import InputError
@@ -71,7 +73,8 @@ def build_resources() -> dict:
                               dwell_s=env_value("FLEXPIPE_DWELL_S", float, None, ge=0, unit="seconds"))
     control.resolved()  # read and validated once, here: a bad control file fails the load, not the first tick
     return {
-        "store": StoreResource(database_url=database_url),
+        # by name, never the value: Dagster keeps a literal (and its password) in every run's job snapshot
+        "store": StoreResource(database_url=EnvVar("FLEXPIPE_DATABASE_URL") if database_url else ""),
         "prober": ProberResource(probe=env_value("FLEXPIPE_PROBE", bool, True),
                                  cluster_file=os.environ.get("FLEXPIPE_CLUSTER_FILE", "")),
         "planning": PlanningSettings(**planning_from_env()),

@@ -1,19 +1,26 @@
-"""Engines and schema migrations of the FlexPipe store.
+"""Engines of the FlexPipe store, and store URLs as messages show them.
 
 SQLite (WAL mode, foreign keys on) under ``FLEXPIPE_HOME`` by default; PostgreSQL when
-``FLEXPIPE_DATABASE_URL`` is set. Migrations are the Alembic scripts packaged in ``sql/migrations``.
+``FLEXPIPE_DATABASE_URL`` is set. Schema migrations (upgrade, guarded downgrade, repair) live in
+:mod:`flexpipe_dag.sql.schema`.
+
+On SQLite, SQLAlchemy (not pysqlite) begins every transaction, so DDL is transactional: pysqlite's
+legacy mode would run each ``CREATE TABLE`` outside any transaction and a killed first migration
+would leave tables without a schema version. A connection (or an engine made with
+``engine.execution_options(**IMMEDIATE)``) carrying :data:`IMMEDIATE` begins with ``BEGIN IMMEDIATE``:
+it takes SQLite's write lock first, so a read-then-write transaction (allocating the next version
+number) never races another writer and never fails with a stale snapshot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 
 from flexpipe_dag.core.errors import InputError
@@ -21,9 +28,16 @@ from flexpipe_dag.core.settings import database_url
 
 _SQL_DIR = Path(__file__).resolve().parent
 
+#: Execution options of a transaction that takes SQLite's write lock when it begins (no-op on PostgreSQL).
+IMMEDIATE: dict[str, Any] = {"flexpipe_sqlite_begin": "IMMEDIATE"}
+
+#: How long a SQLite connection waits for another writer's lock before failing, in milliseconds.
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+
 
 def make_engine(url: str | None = None, **engine_kwargs: Any) -> Engine:
-    """Create an engine for ``url`` (default: :func:`database_url`), with SQLite set up for WAL.
+    """Create an engine for ``url`` (default: :func:`database_url`), with SQLite set up for WAL and
+    transactional DDL (see the module docstring).
 
     ``engine_kwargs`` go to :func:`sqlalchemy.create_engine` (e.g. ``connect_args``).
     """
@@ -32,11 +46,17 @@ def make_engine(url: str | None = None, **engine_kwargs: Any) -> Engine:
     if engine.dialect.name == "sqlite":
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # pragma: no cover - exercised by every SQLite test
+            dbapi_conn.isolation_level = None  # pysqlite issues no BEGIN of its own; _sqlite_begin does
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
             cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn):  # pragma: no cover - exercised by every SQLite test
+            mode = conn.get_execution_options().get("flexpipe_sqlite_begin", "DEFERRED")
+            conn.exec_driver_sql(f"BEGIN {mode}")
     return engine
 
 
@@ -49,51 +69,51 @@ def alembic_config(engine: Engine | None = None) -> Config:
     return cfg
 
 
-def _run_alembic(engine: Engine, fn: Callable[[Config, str], None], revision: str) -> None:
-    """Run an Alembic command on one connection.
+#: ``scheme://`` then the user-info part up to the *last* ``@`` (a password may hold an unescaped ``@``).
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/\s]*):(?P<password>\S*)@")
 
-    On SQLite, foreign keys are switched off for the migration: a batch ALTER recreates the table,
-    and with ``ON DELETE CASCADE`` enforced, dropping the old copy would delete its child rows.
+
+def masked_url(text: str) -> str:
+    """``text`` (a database URL, parsable or not, or a message holding one) with every password shown as ``***``.
+
+    Masks from the first ``:`` after the user name up to the last ``@`` of the URL, so a password holding
+    an unescaped ``@`` or ``/`` is hidden whole (a path holding ``@`` may be over-masked; never under-).
     """
-    cfg = alembic_config(engine)
-    with engine.connect() as conn:
-        sqlite = conn.dialect.name == "sqlite"
-        if sqlite:
-            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
-            conn.commit()
-        try:
-            with conn.begin():
-                cfg.attributes["connection"] = conn
-                fn(cfg, revision)
-        finally:
-            if sqlite:
-                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
-                conn.commit()
+    return _USERINFO.sub(lambda mt: f"{mt['scheme']}{mt['user']}:***@", text)
 
 
-def migrate(engine: Engine, revision: str = "head") -> None:
-    """Upgrade the database behind ``engine`` to ``revision`` (idempotent)."""
-    _run_alembic(engine, command.upgrade, revision)
+def shown_url(url: Any) -> str:
+    """A store URL (string or :class:`sqlalchemy.engine.URL`) for messages and logs: password hidden."""
+    if not isinstance(url, str):
+        url = url.render_as_string(hide_password=True)
+    return masked_url(url.strip())
 
 
-def downgrade(engine: Engine, revision: str) -> None:
-    """Downgrade the database behind ``engine`` to ``revision`` (``"base"`` drops everything)."""
-    _run_alembic(engine, command.downgrade, revision)
+@contextmanager
+def opening_errors(shown: str) -> Iterator[None]:
+    """Turn a missing driver or a failed connection raised inside into the one-line :class:`InputError`
+    naming the store (``shown``: the URL as :func:`shown_url` shows it); any URL in the driver's message is
+    masked too.
 
+    Raises:
+        InputError: ``FLEXPIPE_DATABASE_URL`` named; no driver for the URL's dialect, or the database cannot
+            be reached or opened.
+    """
+    from sqlalchemy.exc import DBAPIError, NoSuchModuleError
 
-def current_revision(engine: Engine) -> str | None:
-    """The Alembic revision the database behind ``engine`` is at (``None``: no schema yet)."""
-    with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
-
-
-def head_revisions() -> tuple[str, ...]:
-    """The head revision(s) of the packaged migrations (one, unless two branches were left unmerged)."""
-    return tuple(ScriptDirectory.from_config(alembic_config()).get_heads())
+    try:
+        yield
+    except (NoSuchModuleError, ModuleNotFoundError) as exc:
+        raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {masked_url(str(exc))}; "
+                         "use sqlite:/// or postgresql+psycopg2:// (pip install -e .[postgres])") from None
+    except DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
+        raise InputError("FLEXPIPE_DATABASE_URL", None,
+                         f"cannot open the store at {shown}: {masked_url(reason)}") from None
 
 
 def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
-    """Check a store URL without connecting; return it for messages (password hidden).
+    """Check a store URL without connecting; return it for messages (password hidden, see :func:`shown_url`).
 
     An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``file::memory:`` or
     ``mode=memory`` URIs) is refused: every process and every pooled connection would get its own
@@ -101,18 +121,24 @@ def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
     vanish on exit.
 
     Raises:
-        InputError: ``source`` named; the URL does not parse, or it names an in-memory database.
+        InputError: ``source`` named; the URL does not parse (bad port too), holds an unescaped ``@`` in its
+            password (the driver would show the rest as a host name), or names an in-memory database. The
+            message shows the URL with its password masked.
     """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    shown = shown_url(url)
     try:
-        parsed = make_url(url)
-    except ArgumentError:
+        parsed = make_url(url.strip())
+    except (ArgumentError, ValueError) as exc:
         raise InputError(source, None,
-                         f"{url!r} is not a database URL; expected e.g. sqlite:///path/flexpipe.db or "
-                         "postgresql+psycopg2://user@host:5432/db") from None
-    shown = parsed.render_as_string(hide_password=True)
+                         f"{shown!r} is not a database URL ({masked_url(str(exc))}); expected e.g. "
+                         "sqlite:///path/flexpipe.db or postgresql+psycopg2://user@host:5432/db") from None
+    if "@" in (parsed.host or ""):
+        raise InputError(source, None,
+                         f"{shown!r} holds an unescaped '@' in its user name or password; expected it "
+                         "percent-encoded as %40 (e.g. postgresql+psycopg2://user:p%40ss@host:5432/db)")
     if parsed.get_backend_name() == "sqlite":
         database = (parsed.database or "").strip()
         mode = parsed.query.get("mode")
@@ -120,7 +146,7 @@ def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
         if database in ("", ":memory:") or database.startswith("file::memory:") or "memory" in modes \
                 or "mode=memory" in database:
             raise InputError(source, None,
-                             f"{url.strip()!r} is an in-memory SQLite database: every process and connection would get "
+                             f"{shown!r} is an in-memory SQLite database: every process and connection would get "
                              "its own empty store and results would vanish; expected a file, e.g. "
                              "sqlite:////abs/path/flexpipe.db (or leave FLEXPIPE_DATABASE_URL unset for "
                              "$FLEXPIPE_HOME/flexpipe.db)")

@@ -7,11 +7,11 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.session import StoreBase, finite_or_none
+from flexpipe_dag.sql.session import StoreBase, finite_or_none, next_number
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
@@ -50,13 +50,14 @@ class Gears(StoreBase):
 
         The newest plan version is the current candidate set (:meth:`load_gears`); earlier gears stay
         loadable by key (:meth:`load_gear`), e.g. the one still serving. Re-planning a gear with the
-        same key moves it into the new plan version. Returns the row ids.
+        same key moves it into the new plan version. Returns the row ids. Concurrent planners of the same
+        profile version each get their own plan version.
         """
         ids = []
         with self.session() as s:
-            last = s.scalar(select(func.max(m.GearRow.plan_version)).where(
-                m.GearRow.profile_version_id == profile_version_id, m.GearRow.model_id == model_id))
-            plan_version = (last or 0) + 1
+            parent = s.get(m.ProfileVersion, profile_version_id)
+            plan_version = next_number(s, m.GearRow.plan_version, parent, m.GearRow.profile_version_id == profile_version_id,
+                                       m.GearRow.model_id == model_id) if parent is not None else 1
             for gear in gears:
                 old = s.scalar(select(m.GearRow).where(m.GearRow.gear_key == gear.gear_id,
                                                        m.GearRow.profile_version_id == profile_version_id,

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.session import StoreBase, json_ready
+from flexpipe_dag.sql.session import StoreBase, json_ready, next_number
 
 
 class Observations(StoreBase):
@@ -75,11 +75,12 @@ class Observations(StoreBase):
             KeyError: no such profile version.
         """
         with self.session() as s:
-            if s.get(m.ProfileVersion, profile_version_id) is None:
+            parent = s.get(m.ProfileVersion, profile_version_id)
+            if parent is None:
                 raise KeyError(profile_version_id)
-            last = s.scalar(select(func.max(m.CalibrationRow.version))
-                            .where(m.CalibrationRow.profile_version_id == profile_version_id))
-            row = m.CalibrationRow(profile_version_id=profile_version_id, version=(last or 0) + 1,
+            version = next_number(s, m.CalibrationRow.version, parent,
+                                  m.CalibrationRow.profile_version_id == profile_version_id)
+            row = m.CalibrationRow(profile_version_id=profile_version_id, version=version,
                                    model_name=calibration.model_name, dtype=calibration.dtype,
                                    num_observations=calibration.num_observations, run_keys=list(run_keys),
                                    changed_devices=calibration.changed_devices(), summary=calibration.summary_lines(),

@@ -5,12 +5,12 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
 from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.session import StoreBase, json_ready
+from flexpipe_dag.sql.session import StoreBase, get_or_insert, json_ready, next_number
 
 
 @dataclass(frozen=True)
@@ -33,15 +33,14 @@ class Profiles(StoreBase):
     """
 
     def save_profile(self, profile: ClusterProfile) -> ProfileVersionInfo:
-        """Store ``profile`` as the next version of its cluster (all rows in one transaction)."""
+        """Store ``profile`` as the next version of its cluster (all rows in one transaction).
+
+        Concurrent writers (threads or processes) each get their own version number.
+        """
         with self.session() as s:
-            cluster = s.scalar(select(m.Cluster).where(m.Cluster.cluster_key == profile.cluster_id))
-            if cluster is None:
-                cluster = m.Cluster(cluster_key=profile.cluster_id)
-                s.add(cluster)
-                s.flush()
-            last = s.scalar(select(func.max(m.ProfileVersion.version)).where(m.ProfileVersion.cluster_id == cluster.id))
-            pv = m.ProfileVersion(cluster_id=cluster.id, version=(last or 0) + 1, source=profile.source,
+            cluster = get_or_insert(s, m.Cluster, cluster_key=profile.cluster_id)
+            version = next_number(s, m.ProfileVersion.version, cluster, m.ProfileVersion.cluster_id == cluster.id)
+            pv = m.ProfileVersion(cluster_id=cluster.id, version=version, source=profile.source,
                                   measured_at=profile.measured_at, notes=list(profile.notes))
             pv.devices = [
                 m.DeviceRow(device_key=d.device_id, node_key=d.node_id, model_name=d.model_name,

@@ -9,10 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, overload
 
-from sqlalchemy import Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Engine, func, select
+from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.sql.engine import IMMEDIATE
 
 
 class StoreBase:
@@ -28,13 +29,32 @@ class StoreBase:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        # BEGIN IMMEDIATE on SQLite: a session that reads, then writes, never meets a write committed in
+        # between (which SQLite would refuse at once with "database is locked", whatever the busy timeout)
+        self._sessions = sessionmaker(engine.execution_options(**IMMEDIATE), expire_on_commit=False)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
-        """A session in one transaction: committed on success, rolled back on any error."""
+        """A session in one transaction: committed on success, rolled back on any error.
+
+        On SQLite the transaction takes the write lock when it begins (``BEGIN IMMEDIATE``; other sessions
+        wait, up to the busy timeout, and plain readers are not blocked in WAL mode), so a write that reads
+        first, e.g. the next version number (:func:`next_number`), is race-free across threads and processes.
+        """
         with self._sessions.begin() as s:
             yield s
+
+
+def next_number(s: Session, column: InstrumentedAttribute[int], parent: Any, *criteria: Any) -> int:
+    """The next version number: 1 + the largest ``column`` among rows matching ``criteria`` (1 when none).
+
+    Race-free in a :meth:`StoreBase.session`: on SQLite that holds the write lock; on PostgreSQL the
+    ``parent`` row (the ORM object the versions belong to, e.g. the cluster) is locked ``FOR UPDATE``
+    first, so concurrent writers of the same parent take turns.
+    """
+    if s.get_bind().dialect.name != "sqlite":
+        s.refresh(parent, with_for_update=True)
+    return int(s.scalar(select(func.max(column)).where(*criteria)) or 0) + 1
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -109,3 +129,19 @@ def checked_text(value: Any, where: str, field: str, max_length: int, *, optiona
     shown = f"{len(value)} characters" if isinstance(value, str) else _shown(value)
     raise InputError(where, field, f"expected a string of at most {max_length} characters"
                      f"{' or None' if optional else ''}, got {shown}")
+
+
+def get_or_insert(s: Session, model: type[Any], **key: Any) -> Any:
+    """The row of ``model`` with these unique ``key`` values, inserted first when absent.
+
+    The insert is ``ON CONFLICT DO NOTHING`` (SQLite and PostgreSQL), so two writers creating the same
+    row at once both get it instead of one failing on the unique constraint.
+    """
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    insert: Any = postgresql.insert if s.get_bind().dialect.name == "postgresql" else sqlite.insert
+    row = s.scalar(select(model).filter_by(**key))
+    if row is None:
+        s.execute(insert(model).values(**key).on_conflict_do_nothing(index_elements=list(key)))
+        row = s.scalar(select(model).filter_by(**key))
+    return row

@@ -8,8 +8,9 @@ input never leaves partial rows behind.
 shared session helper (:mod:`sql.session`):
 
 =====================  ===========================================================================
-:mod:`sql.engine`      engines, migrations (:func:`make_engine`, :func:`migrate`, :func:`downgrade`,
-                       :func:`current_revision`, :func:`head_revisions`, :func:`check_store_url`)
+:mod:`sql.engine`      engines and store URLs (:func:`make_engine`, :func:`check_store_url`, :func:`shown_url`)
+:mod:`sql.schema`      migrations (:func:`migrate`, :func:`downgrade`, :func:`repair`, :func:`require_current`,
+                       :func:`current_revision`, :func:`head_revisions`)
 :mod:`sql.profiles`    cluster profiles (:class:`~sql.profiles.Profiles`)
 :mod:`sql.gears`       model profiles and planned gears (:class:`~sql.gears.Gears`)
 :mod:`sql.health`      health tags (:class:`~sql.health.HealthTags`)
@@ -25,27 +26,19 @@ from __future__ import annotations
 
 from sqlalchemy import Engine
 
-from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import database_url
-from flexpipe_dag.sql.engine import (
-    alembic_config,
-    check_store_url,
-    current_revision,
-    downgrade,
-    head_revisions,
-    make_engine,
-    migrate,
-)
+from flexpipe_dag.sql.engine import alembic_config, check_store_url, make_engine, opening_errors, shown_url
 from flexpipe_dag.sql.gears import Gears, spec_hash
 from flexpipe_dag.sql.health import HealthTags
 from flexpipe_dag.sql.jobs import InferenceJobs
 from flexpipe_dag.sql.observations import Observations
 from flexpipe_dag.sql.profiles import Profiles, ProfileVersionInfo
 from flexpipe_dag.sql.samples import MetricSamples
+from flexpipe_dag.sql.schema import current_revision, downgrade, head_revisions, migrate, repair, require_current
 from flexpipe_dag.sql.shift_events import ShiftEvents
 
 __all__ = ["ProfileVersionInfo", "Store", "alembic_config", "check_store_url", "current_revision", "downgrade",
-           "head_revisions", "make_engine", "migrate", "spec_hash"]
+           "head_revisions", "make_engine", "migrate", "repair", "require_current", "shown_url", "spec_hash"]
 
 
 class Store(Profiles, Gears, HealthTags, MetricSamples, ShiftEvents, InferenceJobs, Observations):
@@ -59,12 +52,19 @@ class Store(Profiles, Gears, HealthTags, MetricSamples, ShiftEvents, InferenceJo
 
     Args:
         engine: an SQLAlchemy engine (see :func:`make_engine`).
-        auto_migrate: upgrade the schema to head on construction (default True).
+        auto_migrate: upgrade the schema to head on construction (default True; atomic, one process at a
+            time, see :mod:`flexpipe_dag.sql.schema`); False checks the schema is at head instead.
+
+    Raises:
+        InputError: with ``auto_migrate``, the store is half-migrated and holds rows; without it, the
+            schema is not at head (the message names ``flexpipe store upgrade``).
     """
 
     def __init__(self, engine: Engine, auto_migrate: bool = True):
         if auto_migrate:
             migrate(engine)
+        else:
+            require_current(engine)
         super().__init__(engine)
 
     @classmethod
@@ -75,15 +75,7 @@ class Store(Profiles, Gears, HealthTags, MetricSamples, ShiftEvents, InferenceJo
             InputError: the URL does not parse, names an in-memory SQLite database, its driver is not
                 installed, or the database cannot be reached or opened (the URL is named, its password hidden).
         """
-        from sqlalchemy.exc import DBAPIError, NoSuchModuleError
-
         url = url or database_url()
         shown = check_store_url(url)
-        try:
+        with opening_errors(shown):
             return cls(make_engine(url), auto_migrate=auto_migrate)
-        except (NoSuchModuleError, ModuleNotFoundError) as exc:
-            raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {exc}; "
-                             "use sqlite:/// or postgresql+psycopg2:// (pip install -e .[postgres])") from None
-        except DBAPIError as exc:
-            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
-            raise InputError("FLEXPIPE_DATABASE_URL", None, f"cannot open the store at {shown}: {reason}") from None

@@ -21,7 +21,7 @@ def test_upgrade_downgrade_upgrade_with_data(engine, lab_profile):
     store.save_profile(lab_profile)
     migrate(engine)  # idempotent at head
     assert len(store.list_profile_versions()) == 1
-    downgrade(engine, "base")
+    downgrade(engine, "base", force=True)  # drops the stored profile (tests/test_security_store.py: refused unforced)
     assert current_revision(engine) is None
     assert "profile_versions" not in inspect(engine).get_table_names()
     migrate(engine)
@@ -46,7 +46,7 @@ def test_step_down_and_up_keeps_rows(engine, lab_profile):
     job = store.get_or_create_job("j1", config={"trace": "azure-conv"})
     store.write_result(job, "r1", prompt_tokens=3, output_token_ids=[1, 2])
     (head,) = head_revisions()
-    downgrade(engine, "0001")
+    assert "0002 -> 0001: inference_jobs.config, the run configs of 1 jobs" in downgrade(engine, "0001", force=True)
     assert current_revision(engine) != head
     migrate(engine)
     store = Store(engine)

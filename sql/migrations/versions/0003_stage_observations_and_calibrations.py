@@ -70,6 +70,14 @@ def upgrade() -> None:
 
 
 
+def data_lost_by_downgrade(conn) -> list[str]:
+    """What :func:`downgrade` would destroy in the store on ``conn`` (read by ``flexpipe_dag.sql.schema``)."""
+    from flexpipe_dag.sql.schema import row_count
+
+    counts = {name: row_count(conn, name) for name in ("stage_observations", "calibrations")}
+    return [f"table {name} ({rows} rows)" for name, rows in counts.items() if rows]
+
+
 def downgrade() -> None:
     op.drop_index(op.f('ix_calibrations_profile_version_id'), table_name='calibrations')
     op.drop_table('calibrations')

@@ -19,6 +19,14 @@ def upgrade() -> None:
                                    comment="runs bf16 (compute capability >= 8.0); NULL: unknown"))
 
 
+def data_lost_by_downgrade(conn) -> list[str]:
+    """What :func:`downgrade` would destroy in the store on ``conn`` (read by ``flexpipe_dag.sql.schema``)."""
+    from flexpipe_dag.sql.schema import row_count
+
+    known = row_count(conn, "devices", "bf16 IS NOT NULL")
+    return [f"devices.bf16, the bf16 support measured for {known} devices"] if known else []
+
+
 def downgrade() -> None:
     with op.batch_alter_table("devices") as batch:
         batch.drop_column("bf16")

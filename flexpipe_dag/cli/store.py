@@ -1,0 +1,54 @@
+"""``flexpipe store``: the store's schema: show its revision, upgrade, downgrade (refused when it would drop data
+unless --force) and repair a half-migrated store. The store is FLEXPIPE_DATABASE_URL or SQLite under FLEXPIPE_HOME."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("store", help="show, upgrade, downgrade or repair the store's schema",
+                       description=__doc__.replace("``", ""))
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser("status", help="print the store (password hidden) and its schema revision")
+    actions.add_parser("upgrade", help="upgrade the schema to this FlexPipe's head")
+    down = actions.add_parser("downgrade", help="downgrade the schema to REVISION (refused if it drops data)")
+    down.add_argument("revision", help="target revision, e.g. 0006, or 'base' (drops every table)")
+    down.add_argument("--force", action="store_true", help="downgrade even though it drops the data it names")
+    rep = actions.add_parser("repair", help="drop the tables of a half-migrated store (no schema version) and "
+                                            "create the schema afresh")
+    rep.add_argument("--force", action="store_true", help="drop them even though they hold rows")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from flexpipe_dag.core.settings import database_url
+    from flexpipe_dag.sql.engine import opening_errors
+    from flexpipe_dag.sql.store import (
+        check_store_url,
+        current_revision,
+        downgrade,
+        head_revisions,
+        make_engine,
+        migrate,
+        repair,
+    )
+
+    url = database_url()
+    shown = check_store_url(url)
+    with opening_errors(shown):
+        engine = make_engine(url)
+        try:
+            if args.action == "upgrade":
+                migrate(engine)
+            elif args.action == "downgrade":
+                for loss in downgrade(engine, args.revision, force=args.force):
+                    print(f"dropped {loss}")
+            elif args.action == "repair":
+                for name, rows in repair(engine, force=args.force).items():
+                    print(f"dropped unversioned table {name} ({rows} rows)")
+            print(f"store {shown}: schema revision {current_revision(engine) or 'none'} "
+                  f"(this FlexPipe's head: {', '.join(head_revisions())})")
+        finally:
+            engine.dispose()
+    return 0

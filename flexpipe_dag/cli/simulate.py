@@ -54,6 +54,7 @@ from flexpipe_dag.workload import (
     speedup,
     time_window,
 )
+from flexpipe_dag.workload.transform import MAX_SPEEDUP, MIN_SPEEDUP
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -209,6 +210,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.dtype is not None:
         args.dtype = canonical_dtype(args.dtype, None, "--dtype")
     check_number(args.speedup, None, "--speedup", gt=0, unit="factor")
+    check_number(args.speedup, None, "--speedup", ge=MIN_SPEEDUP, le=MAX_SPEEDUP, unit="factor")
     if args.window_s:
         start_s, end_s = args.window_s
         check_number(start_s, None, "--window-s START", ge=0, unit="trace seconds")

@@ -40,7 +40,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
-from flexpipe_dag.core.user_yaml import load_user_yaml
+from flexpipe_dag.core.user_yaml import load_user_document
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
 from flexpipe_dag.sim.timing import COST_FIELDS
 from flexpipe_dag.workload import (
@@ -101,20 +101,17 @@ def load_gear_file(path: str | Path) -> Gear:
         InputError: missing file, unparsable, or a field that fails validation (named by path).
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise InputError(str(path), None, "file not found; expected a gear as JSON or YAML")
-    try:
-        text = path.read_text()
-        data = json.loads(text) if path.suffix.lower() == ".json" else load_user_yaml(text, str(path))
-    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise InputError(str(path), None, f"cannot parse: {exc}") from exc
+    data = load_user_document(path, "gear")
     if isinstance(data, dict) and data.get("rps_max", 0) is None:
         data = {k: v for k, v in data.items() if k != "rps_max"}  # Gear.model_dump_json writes an unbounded envelope as null
     try:
         return Gear.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise InputError(str(path), ".".join(str(x) for x in err["loc"]) or None, err["msg"]) from exc
+        raise InputError(str(path), ".".join(str(x) for x in err["loc"]) or None,
+                         err["msg"].removeprefix("Value error, ")) from None
 
 
 def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:

@@ -73,8 +73,7 @@ from flexpipe_dag.core.catalog import (
 from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InputError, shown
 from flexpipe_dag.core.ids import MAX_ID_CHARS, Identifier
-from flexpipe_dag.core.user_files import MAX_JSON_BYTES, MAX_YAML_BYTES, decode_user_text, read_user_bytes
-from flexpipe_dag.core.user_yaml import load_user_json, load_user_yaml
+from flexpipe_dag.core.user_yaml import load_user_document
 
 #: Most memory one device may declare, GiB (16 TiB: above any accelerator, and a large host's RAM for a CPU worker).
 MAX_MEMORY_GIB = 16384.0
@@ -469,11 +468,7 @@ def load_cluster_profile(path: str | Path) -> ClusterProfile:
             :data:`~flexpipe_dag.core.user_files.MAX_YAML_BYTES`), not UTF-8, unparsable, or fails
             validation (file + field named).
     """
-    path = Path(path)
-    is_json = path.suffix.lower() == ".json"
-    raw = read_user_bytes(path, MAX_JSON_BYTES if is_json else MAX_YAML_BYTES, what="cluster profile (YAML or JSON)")
-    text = decode_user_text(raw, str(path), what="YAML or JSON")
-    data = load_user_json(text, str(path)) if is_json else load_user_yaml(text, str(path))
+    data = load_user_document(path, "cluster profile")
     return parse_cluster_profile(data, str(path))
 
 

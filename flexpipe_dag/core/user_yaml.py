@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -29,6 +30,7 @@ from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, Node
 
 from flexpipe_dag.core.errors import InputError, one_line, shown
+from flexpipe_dag.core.user_files import MAX_JSON_BYTES, MAX_YAML_BYTES, read_user_text
 
 #: Deepest nesting of mappings / lists a user file may have (real files use a handful of levels).
 MAX_NESTING_DEPTH = 64
@@ -143,3 +145,25 @@ def load_user_json(text: str, source: str) -> Any:
         raise InputError(source, None, "nested too deeply or too large to read; expected a few levels of objects") from None
     except ValueError as exc:
         raise InputError(source, None, f"not valid JSON: {one_line(str(exc), 300)}") from None
+
+
+def load_user_document(path: str | Path, what: str) -> Any:
+    """Read and parse the user file ``path``: JSON when it ends in ``.json``, else YAML.
+
+    The file is read with a size cap (:data:`~flexpipe_dag.core.user_files.MAX_JSON_BYTES` for JSON,
+    :data:`~flexpipe_dag.core.user_files.MAX_YAML_BYTES` for YAML) and parsed by :func:`load_user_json`
+    or :func:`load_user_yaml`.
+
+    Args:
+        path: the file.
+        what: what it should hold, for messages (``"cluster profile"``).
+
+    Raises:
+        InputError: missing, not a regular file, over the cap, not UTF-8, or not valid JSON / YAML
+            (file named).
+    """
+    path = Path(path)
+    is_json = path.suffix.lower() == ".json"
+    what = f"{what} ({'JSON' if is_json else 'YAML or JSON'})"
+    text = read_user_text(path, MAX_JSON_BYTES if is_json else MAX_YAML_BYTES, what=what)
+    return load_user_json(text, str(path)) if is_json else load_user_yaml(text, str(path))

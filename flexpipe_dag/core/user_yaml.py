@@ -127,8 +127,12 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows; expected a finite number")
 
 
-def load_user_json(text: str, source: str) -> Any:
+def load_user_json(text: str, source: str, *, constants: bool = False) -> Any:
     """Parse ``text`` as JSON from the user file ``source``: duplicate keys, ``NaN`` / ``Infinity`` refused.
+
+    Args:
+        constants: accept ``NaN`` / ``Infinity`` (for callers that check every number themselves and
+            name the field, as the prompts reader does).
 
     Returns:
         The document.
@@ -138,6 +142,8 @@ def load_user_json(text: str, source: str) -> Any:
             nesting deeper than the parser's recursion allows (``source`` named).
     """
     try:
+        if constants:
+            return json.loads(text, object_pairs_hook=_refuse_duplicates)
         return json.loads(text, object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         raise InputError(source, None, f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None

@@ -58,8 +58,11 @@ def read_user_frame(path: Path, what: str, **read_kwargs: Any) -> pd.DataFrame:
     text = decode_user_text(raw, source, what=what)
     form = "JSONL" if is_jsonl(path) else "CSV"
     try:
+        frame: pd.DataFrame
         if form == "JSONL":
-            return pd.read_json(io.StringIO(text), lines=True, dtype=False, precise_float=True)
-        return pd.read_csv(io.StringIO(text), **read_kwargs)
+            frame = pd.read_json(io.StringIO(text), lines=True, dtype=False, precise_float=True)
+        else:
+            frame = pd.read_csv(io.StringIO(text), **read_kwargs)
+        return frame
     except (ValueError, pd.errors.ParserError, RecursionError, MemoryError, OverflowError) as exc:
         raise InputError(source, None, f"cannot parse as {form}: {one_line(str(exc) or type(exc).__name__, 300)}") from None

@@ -381,3 +381,18 @@ def test_the_simulator_refuses_an_endless_workload_itself():
     workload = Workload("w", (Request("a", 0.0, 10, 5), Request("b", 1e15, 10, 5)), source="w.csv")
     with pytest.raises(InputError, match=r"w\.csv: request 'b'\.arrival_s: got 1e\+15 s"):
         Simulator(workload, gear, timing)
+
+
+@pytest.mark.parametrize("figure, value, needle", [
+    ("dwell_s", "yes", "expected a number, got the boolean True"),
+    ("dwell_s", "1e300", "1e+300 is beyond 1e+09"),
+    ("hysteresis_samples", "1" + "0" * 400, "(401 characters) is beyond 1e+09"),
+])
+def test_control_figures_are_plain_numbers_of_sane_size(tmp_path, figure, value, needle):
+    from flexpipe_dag.control.settings import resolve_control_settings
+
+    control = tmp_path / "control.yaml"
+    control.write_text(f"controller:\n  {figure}: {value}\n")
+    with pytest.raises(InputError) as err:
+        resolve_control_settings(str(control))
+    assert err.value.field == f"controller.{figure}" and needle in err.value.problem and len(str(err.value)) < 400

@@ -396,3 +396,11 @@ def test_control_figures_are_plain_numbers_of_sane_size(tmp_path, figure, value,
     with pytest.raises(InputError) as err:
         resolve_control_settings(str(control))
     assert err.value.field == f"controller.{figure}" and needle in err.value.problem and len(str(err.value)) < 400
+
+
+def test_a_timing_table_that_is_a_device_is_refused(tmp_path):
+    from tests.test_sim_cli import _files
+
+    gear, _ = _files(tmp_path)
+    _refused(tmp_path, "simulate", "--gear-file", str(gear), "--timing", "/dev/zero", "--trace", "azure-conv",
+             needles=("/dev/zero: is a device; expected a regular file holding a stage timing table",))

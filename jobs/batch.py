@@ -78,6 +78,11 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.sql.result_sink import StoreResultSink
 
+    from flexpipe_dag.core.ids import check_id
+
+    check_id(config.job_key, "batch_inference config", "job_key")  # before the store or a model is touched
+    if config.gear_id:
+        check_id(config.gear_id, "batch_inference config", "gear_id")
     if config.control_address:
         from flexpipe_dag.runtime.remote import parse_address
 

@@ -404,3 +404,16 @@ def test_a_timing_table_that_is_a_device_is_refused(tmp_path):
     gear, _ = _files(tmp_path)
     _refused(tmp_path, "simulate", "--gear-file", str(gear), "--timing", "/dev/zero", "--trace", "azure-conv",
              needles=("/dev/zero: is a device; expected a regular file holding a stage timing table",))
+
+
+def test_the_batch_job_refuses_an_unprintable_job_key_before_the_store(tmp_path):
+    from flexpipe_dag.jobs.batch import batch_inference
+    from flexpipe_dag.resources.store_resource import StoreResource
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    store = StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}")
+    with pytest.raises(InputError, match=r"job_key: 'job\\x1b\[2J' holds '\\x1b'"):
+        batch_inference.execute_in_process(run_config={"ops": {"run_batch": {"config": {
+            "job_key": "job\x1b[2J", "prompts_path": str(prompts), "stages": 1}}}}, resources={"store": store})
+    _assert_store_empty(tmp_path / "fp.db")

@@ -417,3 +417,14 @@ def test_the_batch_job_refuses_an_unprintable_job_key_before_the_store(tmp_path)
         batch_inference.execute_in_process(run_config={"ops": {"run_batch": {"config": {
             "job_key": "job\x1b[2J", "prompts_path": str(prompts), "stages": 1}}}}, resources={"store": store})
     _assert_store_empty(tmp_path / "fp.db")
+
+
+def test_every_input_error_is_one_bounded_escaped_line():
+    from flexpipe_dag.core.errors import MAX_MESSAGE_CHARS, shown
+
+    err = InputError("a\nb.yaml", "f\x1b[0m", "bad value " + shown("x\u202e\n" * 10_000) + "\r\n" + "y" * 5000)
+    text = str(err)
+    assert text.isprintable() and "\n" not in text
+    assert text.startswith(r"a\nb.yaml: f\x1b[0m: bad value 'x\u202e\nx\u202e")
+    assert len(text) < MAX_MESSAGE_CHARS + 200 and "characters, cut)" in text
+    assert shown(list(range(10**6))) == "a list of 1000000 items"

@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from flexpipe_dag.core.dtypes import DTYPES, lookup_dtype
-from flexpipe_dag.core.errors import InputError, one_line
+from flexpipe_dag.core.errors import InputError, one_line, shown
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.user_files import MAX_JSON_BYTES, read_user_bytes, read_user_text
 from flexpipe_dag.core.user_yaml import load_user_json
@@ -113,15 +113,15 @@ def _optional_config_value(config: dict[str, Any], key: str, kind: str, source: 
         return float(value)
     if kind == "bool":
         if not isinstance(value, bool):
-            raise InputError(source, key, f"expected true or false, got {value!r}")
+            raise InputError(source, key, f"expected true or false, got {shown(value)}")
         return value
     if kind == "str":
         if not isinstance(value, str):
-            raise InputError(source, key, f"expected a string, got {value!r}")
+            raise InputError(source, key, f"expected a string, got {shown(value)}")
         return value
     if kind == "str_list":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise InputError(source, key, f"expected a list of strings, e.g. [\"LlamaForCausalLM\"], got {value!r}")
+            raise InputError(source, key, f"expected a list of strings, e.g. [\"LlamaForCausalLM\"], got {shown(value)}")
         return value
     raise ValueError(f"unknown config kind {kind!r}")  # pragma: no cover - programming error
 
@@ -179,7 +179,7 @@ class ModelSpec:
                      "intermediate_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise InputError(self.source, name, f"expected a positive integer, got {value!r}")
+                raise InputError(self.source, name, f"expected a positive integer, got {shown(value)}")
         if self.num_heads % self.num_kv_heads:
             raise InputError(self.source, "num_kv_heads",
                              f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
@@ -426,7 +426,7 @@ class ModelSpec:
         table = _builtin_table()
         key = {k.lower(): k for k in table}.get(name.lower())
         if key is None:
-            raise InputError("--model", None, f"unknown model {name!r}; expected a config.json directory, "
+            raise InputError("--model", None, f"unknown model {shown(name)}; expected a config.json directory, "
                              f"a .gguf file, or one of {', '.join(table)}")
         row = dict(table[key])
         source = row.pop("source", "builtin")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, shown
 from flexpipe_dag.workload.files import read_user_header
 from flexpipe_dag.workload.loaders import load_azure_trace, load_length_file, load_request_file
 from flexpipe_dag.workload.request import Workload
@@ -37,7 +37,7 @@ def bundled_path(name: str) -> Path:
         InputError: unknown name (the message lists the known ones).
     """
     if name not in BUNDLED_TRACES:
-        raise InputError(None, "trace", f"unknown bundled trace {name!r}; expected one of {sorted(BUNDLED_TRACES)} or a file path")
+        raise InputError(None, "trace", f"unknown bundled trace {shown(name)}; expected one of {sorted(BUNDLED_TRACES)} or a file path")
     return traces_dir() / BUNDLED_TRACES[name][0]
 
 

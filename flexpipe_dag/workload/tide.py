@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, shown
 from flexpipe_dag.workload.files import read_user_frame
 from flexpipe_dag.workload.request import Request, Workload
 
@@ -110,7 +110,7 @@ def aggregate_servegen_rates(paths: Iterable[str | Path]) -> pd.DataFrame:
             bad = v.isna() | (v < 0)
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
-                raise InputError(str(f), f"row {i + 1}.{col}", f"got {d[col].iloc[i]!r}; expected a number >= 0")
+                raise InputError(str(f), f"row {i + 1}.{col}", f"got {shown(d[col].iloc[i])}; expected a number >= 0")
             d[col] = v
         parts.append(d)
     total = pd.concat(parts).groupby("timestamp_s", sort=True)["rate_req_per_s"].sum()

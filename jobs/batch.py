@@ -72,12 +72,16 @@ def _rows(config: BatchInferenceConfig, ckpt):
 @op(description="Run the job's missing requests through the pipeline, storing each result as it finishes.",
     tags={"kind": "inference"})
 def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: StoreResource) -> dict:
+    from flexpipe_dag.core.ids import check_id
     from flexpipe_dag.runtime.batch import run_batch_job
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.observations import ObservationCollector
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.sql.result_sink import StoreResultSink
 
+    check_id(config.job_key, "batch_inference config", "job_key")  # before the store or a model is touched
+    if config.gear_id:
+        check_id(config.gear_id, "batch_inference config", "gear_id")
     if config.control_address:
         from flexpipe_dag.runtime.remote import parse_address
 

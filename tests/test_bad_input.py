@@ -187,7 +187,7 @@ _CONFIG = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, 
     ({"attention_bias": 1}, "attention_bias", "expected true or false"),
     ({"architectures": "LlamaForCausalLM"}, "architectures", "expected a list of strings"),
     ({"hidden_size": 66}, "head_dim", "not divisible by num_attention_heads"),
-    ({"vocab_size": 10**30}, "vocab_size", "<= 2147483647"),
+    ({"vocab_size": 10**30}, "vocab_size", "<= 4194304"),  # MODEL_COUNT_LIMITS, before anything allocates
 ])
 def test_model_config_bad_fields_are_named(tmp_path, extra, field, needle):
     from flexpipe_dag.planner.model_spec import load_model_spec

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from flexpipe_dag.core.errors import FlexPipeError
+from flexpipe_dag.core.errors import FlexPipeError, one_line
 
 #: Sub-command modules, in the order ``flexpipe --help`` lists them.
 SUBCOMMAND_MODULES = ("profile", "plan", "simulate", "run", "worker", "shift", "calibrate", "store", "demo")
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except FlexPipeError as exc:
-        print(f"flexpipe {args.command}: error: {exc}", file=sys.stderr)
+        print(f"flexpipe {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
 
 

@@ -40,7 +40,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
-from flexpipe_dag.core.user_yaml import load_user_yaml
+from flexpipe_dag.core.user_yaml import load_user_document
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
 from flexpipe_dag.sim.timing import COST_FIELDS
 from flexpipe_dag.workload import (
@@ -54,6 +54,7 @@ from flexpipe_dag.workload import (
     speedup,
     time_window,
 )
+from flexpipe_dag.workload.transform import MAX_SPEEDUP, MIN_SPEEDUP
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -100,20 +101,17 @@ def load_gear_file(path: str | Path) -> Gear:
         InputError: missing file, unparsable, or a field that fails validation (named by path).
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise InputError(str(path), None, "file not found; expected a gear as JSON or YAML")
-    try:
-        text = path.read_text()
-        data = json.loads(text) if path.suffix.lower() == ".json" else load_user_yaml(text, str(path))
-    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise InputError(str(path), None, f"cannot parse: {exc}") from exc
+    data = load_user_document(path, "gear")
     if isinstance(data, dict) and data.get("rps_max", 0) is None:
         data = {k: v for k, v in data.items() if k != "rps_max"}  # Gear.model_dump_json writes an unbounded envelope as null
     try:
         return Gear.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise InputError(str(path), ".".join(str(x) for x in err["loc"]) or None, err["msg"]) from exc
+        raise InputError(str(path), ".".join(str(x) for x in err["loc"]) or None,
+                         err["msg"].removeprefix("Value error, ")) from None
 
 
 def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
@@ -209,6 +207,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.dtype is not None:
         args.dtype = canonical_dtype(args.dtype, None, "--dtype")
     check_number(args.speedup, None, "--speedup", gt=0, unit="factor")
+    check_number(args.speedup, None, "--speedup", ge=MIN_SPEEDUP, le=MAX_SPEEDUP, unit="factor")
     if args.window_s:
         start_s, end_s = args.window_s
         check_number(start_s, None, "--window-s START", ge=0, unit="trace seconds")

@@ -33,6 +33,7 @@ from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flexpipe_dag.core.errors import shown
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S
 
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
@@ -46,8 +47,14 @@ NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 LatencyMetric = Literal["ttft_p99_ms", "tpot_p99_ms", "e2e_p99_ms"]
 
 
+#: Largest magnitude any control figure may take: every seed figure is within 0..1e4, and a dwell,
+#: window or timeout of a billion seconds (31 years) is a typo, not a setting.
+MAX_FIGURE = 1e9
+
+
 class Figures(BaseModel):
-    """Base of the control figure models: frozen, unknown keys refused, and no booleans where numbers belong."""
+    """Base of the control figure models: frozen, unknown keys refused, no booleans where numbers belong,
+    and no number beyond :data:`MAX_FIGURE`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -56,6 +63,8 @@ class Figures(BaseModel):
     def _no_booleans(cls, value: object) -> object:
         if isinstance(value, bool):  # YAML's yes / on / true would otherwise read as 1
             raise ValueError(f"expected a number, got the boolean {value}")
+        if isinstance(value, (int, float)) and abs(value) > MAX_FIGURE:
+            raise ValueError(f"{shown(value, 40)} is beyond {MAX_FIGURE:g}; expected a figure of a sane size")
         return value
 
 

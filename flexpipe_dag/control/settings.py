@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.tide import TideConfig
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.user_files import MAX_YAML_BYTES, read_user_text
 from flexpipe_dag.core.user_yaml import load_user_yaml
 
 #: The sections a control file may hold.
@@ -51,7 +52,8 @@ def read_control_file(config_file: str) -> dict[str, dict[str, Any]]:
         empty in the YAML reads as ``{}``); the figures are not validated here.
 
     Raises:
-        InputError: the file cannot be read ("cannot read controller config") or is not YAML (a
+        InputError: the file cannot be read ("cannot read controller config": missing, not a regular file, holds more than
+            :data:`~flexpipe_dag.core.user_files.MAX_YAML_BYTES`, not UTF-8), or is not YAML (a
             duplicate key or an alias counts as not YAML: :func:`~flexpipe_dag.core.user_yaml.load_user_yaml`), is not
             a mapping of those sections, or a section is not a mapping of figures (file and
             section named).
@@ -60,9 +62,9 @@ def read_control_file(config_file: str) -> dict[str, dict[str, Any]]:
         return {}
     path = Path(config_file)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(path), None, f"cannot read controller config: {str(exc).splitlines()[0]}") from None
+        text = read_user_text(path, MAX_YAML_BYTES, what="controller config (YAML)")
+    except InputError as exc:
+        raise InputError(str(path), None, f"cannot read controller config: {exc.problem}") from None
     data = load_user_yaml(text, str(path))
     if data is None:
         data = {}
@@ -117,4 +119,4 @@ def validated(model: type[_Model], values: dict[str, Any], source: str, section:
         errors = err.errors()
         where = [".".join(str(p) for p in (section, *e["loc"])) for e in errors]
         more = "".join(f"; also {w}: {e['msg']}" for w, e in zip(where[1:], errors[1:]))
-        raise InputError(source or "control settings", where[0], errors[0]["msg"] + more) from None
+        raise InputError(source or "control settings", where[0], errors[0]["msg"].removeprefix("Value error, ") + more) from None

@@ -25,12 +25,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexpipe_dag.control.config import Figures
+from flexpipe_dag.core.errors import shown
 from flexpipe_dag.workload.tide import Tide
 
 
@@ -50,6 +52,18 @@ class TideConfig(Figures):
     history_file: str = Field("", description="the online tide history the forecasts read: a CSV of "
                                              "window_start_s,total_rate_req_per_s rows over whole days (UTC); empty "
                                              "= the bundled ServeGen 14-day tide")
+
+    @field_validator("history_file")
+    @classmethod
+    def _history_exists(cls, value: str) -> str:
+        """A history file is checked when the settings load, not when the first forecast reads it."""
+        from flexpipe_dag.workload.bundled import BUNDLED_TRACES
+
+        if value and value not in BUNDLED_TRACES and not Path(value).is_file():
+            what = "not a regular file" if Path(value).exists() else "no such file"
+            raise ValueError(f"{what}: {shown(value)}; expected a tide CSV (window_start_s,total_rate_req_per_s) "
+                             f"or a bundled tide name ({', '.join(n for n, v in BUNDLED_TRACES.items() if v[1] == 'tide')})")
+        return value
 
     @model_validator(mode="after")
     def _ordered(self) -> TideConfig:

@@ -42,19 +42,25 @@ relative to an A100-SXM-80GB (312 TFLOP/s) = 1.0.
 
 Every loader raises :class:`~flexpipe_dag.core.errors.InputError` naming the file, the field path
 (``nodes[2].memory_gb``) and what was expected; nothing is written on bad input.
+
+Bounds (what a real fleet stays far inside; anything beyond is a typo or an attack): numbers are
+numbers (``memory_gb: yes`` is refused, not read as 1), finite, and at most :data:`MAX_MEMORY_GIB`
+GiB of memory per device, :data:`MAX_TFLOPS` TFLOP/s, :data:`MAX_BANDWIDTH_GBPS` GB/s (links and
+HBM), :data:`MAX_LATENCY_US` us of link latency; at most :data:`MAX_DEVICES` devices; ids (cluster,
+device, host) are :data:`~flexpipe_dag.core.ids.Identifier` s: letters, digits and ``. _ : / @ + -``,
+at most 200 characters. Files are read with a size cap (:mod:`flexpipe_dag.core.user_files`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from flexpipe_dag.core.catalog import (
     REFERENCE_MODEL,
@@ -65,11 +71,34 @@ from flexpipe_dag.core.catalog import (
     visible_gib_from_label,
 )
 from flexpipe_dag.core.dtypes import canonical_dtype
-from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.user_yaml import load_user_yaml
+from flexpipe_dag.core.errors import InputError, shown
+from flexpipe_dag.core.ids import MAX_ID_CHARS, Identifier
+from flexpipe_dag.core.user_yaml import load_user_document
 
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+#: Most memory one device may declare, GiB (16 TiB: above any accelerator, and a large host's RAM for a CPU worker).
+MAX_MEMORY_GIB = 16384.0
+#: Highest dense half-precision TFLOP/s one device may declare (a B200 is about 2,250).
+MAX_TFLOPS = 100_000.0
+#: Highest bandwidth a link or a device's memory may declare, GB/s (a B200's HBM is 8,000).
+MAX_BANDWIDTH_GBPS = 100_000.0
+#: Highest link latency, microseconds (10 s).
+MAX_LATENCY_US = 1e7
+#: Most devices one cluster profile may hold (a fleet form derives n x (n - 1) links from them).
+MAX_DEVICES = 512
+#: Largest micro-batch a device may declare, sequences.
+MAX_MICRO_BATCH = 65536
+
+# Strict: a boolean (YAML's yes / on) or a string is refused where a number belongs, not converted.
+PositiveFloat = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+MemoryGib = Annotated[float, Strict(), Field(gt=0, le=MAX_MEMORY_GIB, allow_inf_nan=False)]
+Tflops = Annotated[float, Strict(), Field(gt=0, le=MAX_TFLOPS, allow_inf_nan=False)]
+Gbps = Annotated[float, Strict(), Field(gt=0, le=MAX_BANDWIDTH_GBPS, allow_inf_nan=False)]
+LatencyUs = Annotated[float, Strict(), Field(ge=0, le=MAX_LATENCY_US, allow_inf_nan=False)]
+Score = Annotated[float, Strict(), Field(gt=0, le=MAX_TFLOPS / 312.0, allow_inf_nan=False)]
+MicroBatch = Annotated[int, Strict(), Field(ge=1, le=MAX_MICRO_BATCH)]
+#: A fleet node's id leaves room for the ``-gpu<k>`` suffix its device ids take.
+FleetNodeId = Annotated[Identifier, Field(max_length=MAX_ID_CHARS - 8)]
 
 #: How the GPUs of one node talk to each other.
 IntraNodeKind = Literal["nvlink", "pcie"]
@@ -97,18 +126,18 @@ class _Strict(BaseModel):
 class Device(_Strict):
     """One accelerator (or, on a CPU-only host, one worker process standing in for one)."""
 
-    device_id: str = Field(min_length=1)
-    node_id: str = Field(min_length=1, description="host that holds the device")
-    model_name: str = "unknown"
-    generation: str | None = None
+    device_id: Identifier
+    node_id: Identifier = Field(description="host that holds the device")
+    model_name: str = Field("unknown", max_length=MAX_ID_CHARS)
+    generation: str | None = Field(None, max_length=100)
     kind: Literal["cuda", "cpu-worker", "declared"] = "declared"
-    memory_gib: PositiveFloat = Field(
+    memory_gib: MemoryGib = Field(
         description="device memory total the device reports, GiB (NVML when profiled, else the catalog's "
                     "driver-visible total; not the datasheet label)")
-    peak_tflops: PositiveFloat = Field(description="dense half-precision TFLOP/s (datasheet or measured GEMM)")
-    hbm_bandwidth_gbps: PositiveFloat = Field(description="device memory bandwidth, GB/s")
-    compute_score: PositiveFloat = Field(description="peak_tflops relative to A100-SXM-80GB = 1.0")
-    max_micro_batch: Annotated[int, Field(ge=1)] | None = Field(
+    peak_tflops: Tflops = Field(description="dense half-precision TFLOP/s (datasheet or measured GEMM)")
+    hbm_bandwidth_gbps: Gbps = Field(description="device memory bandwidth, GB/s")
+    compute_score: Score = Field(description="peak_tflops relative to A100-SXM-80GB = 1.0")
+    max_micro_batch: MicroBatch | None = Field(
         None, description="largest micro_batch_size (sequences) the device takes; the search skips larger ones")
     available_until: dt.datetime | None = None
     bf16: bool | None = Field(
@@ -151,11 +180,11 @@ class Device(_Strict):
 class Link(_Strict):
     """A measured (or declared) directed path between two devices."""
 
-    src_device_id: str
-    dst_device_id: str
-    bandwidth_gbps: PositiveFloat = Field(description="GB/s, one direction")
-    latency_us: NonNegFloat
-    kind: str = "declared"
+    src_device_id: Identifier
+    dst_device_id: Identifier
+    bandwidth_gbps: Gbps = Field(description="GB/s, one direction")
+    latency_us: LatencyUs
+    kind: str = Field("declared", max_length=40)
 
     def transfer_ms(self, num_bytes: float) -> float:
         """Time to move ``num_bytes`` over this link, ms: latency + bytes / bandwidth."""
@@ -165,11 +194,11 @@ class Link(_Strict):
 class ClusterProfile(_Strict):
     """Devices + directed links + provenance. Validated on construction (see module docstring)."""
 
-    cluster_id: str = Field(min_length=1)
-    devices: list[Device] = Field(min_length=1)
-    links: list[Link] = Field(default_factory=list)
+    cluster_id: Identifier
+    devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)
+    links: list[Link] = Field(default_factory=list, max_length=MAX_DEVICES * (MAX_DEVICES - 1))
     measured_at: dt.datetime = Field(default_factory=lambda: dt.datetime.now(dt.UTC))
-    source: str = "declared"
+    source: str = Field("declared", max_length=40)
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -215,48 +244,48 @@ class ClusterProfile(_Strict):
 # ---------------------------------------------------------------------------------------------
 # seed form
 class _SeedLink(_Strict):
-    bandwidth_gbps: PositiveFloat
-    latency_us: NonNegFloat
+    bandwidth_gbps: Gbps
+    latency_us: LatencyUs
 
 
 class _SeedNode(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    node_id: str = Field(min_length=1)
-    generation: str | None = None
-    model_name: str | None = None
-    host: str | None = None
-    memory_gb: PositiveFloat = Field(description="datasheet label, GB (e.g. 16 for a T4)")
-    memory_gib: PositiveFloat | None = Field(None, description="the total the device reports (nvidia-smi), GiB")
-    compute_score: PositiveFloat | None = None
+    node_id: Identifier
+    generation: str | None = Field(None, max_length=100)
+    model_name: str | None = Field(None, max_length=MAX_ID_CHARS)
+    host: Identifier | None = None
+    memory_gb: MemoryGib = Field(description="datasheet label, GB (e.g. 16 for a T4)")
+    memory_gib: MemoryGib | None = Field(None, description="the total the device reports (nvidia-smi), GiB")
+    compute_score: Score | None = None
     bf16: bool | None = None
-    max_batch_microbatch: Annotated[int, Field(ge=1)] | None = None  # the seed file's name for Device.max_micro_batch
-    hbm_bandwidth_gbps: PositiveFloat | None = None
+    max_batch_microbatch: MicroBatch | None = None  # the seed file's name for Device.max_micro_batch
+    hbm_bandwidth_gbps: Gbps | None = None
     available_until: dt.datetime | None = None
     interconnect: dict[str, _SeedLink] = Field(default_factory=dict)
 
 
 class _SeedForm(_Strict):
-    cluster_id: str = "seed-cluster"
-    nodes: list[_SeedNode] = Field(min_length=1)
+    cluster_id: Identifier = "seed-cluster"
+    nodes: list[_SeedNode] = Field(min_length=1, max_length=MAX_DEVICES)
 
 
 # fleet form
 class _FleetLink(_Strict):
-    bandwidth_gbps: PositiveFloat
-    latency_us: NonNegFloat
+    bandwidth_gbps: Gbps
+    latency_us: LatencyUs
 
 
 class _FleetNode(_Strict):
-    node_id: str = Field(min_length=1)
-    gpu_model: str
-    count: Annotated[int, Field(ge=1, le=64)] = 1
+    node_id: FleetNodeId
+    gpu_model: str = Field(max_length=MAX_ID_CHARS)
+    count: Annotated[int, Strict(), Field(ge=1, le=64)] = 1
     intra_node: IntraNodeKind | None = None
     available_until: dt.datetime | None = None
 
 
 class _FleetForm(_Strict):
-    cluster_id: str = Field(min_length=1)
-    fleet: list[_FleetNode] = Field(min_length=1)
+    cluster_id: Identifier
+    fleet: list[_FleetNode] = Field(min_length=1, max_length=MAX_DEVICES)
     inter_node: _FleetLink = _FleetLink(bandwidth_gbps=12.5, latency_us=25.0)
     notes: list[str] = Field(default_factory=list)
 
@@ -264,17 +293,17 @@ class _FleetForm(_Strict):
 def _resolve_peer(key: str, ids: list[str], own: str, source: str, field: str) -> str:
     """The node id a seed ``to_<id>`` key names (``to_gpu_002`` -> ``gpu-002``); InputError when none or two match."""
     if not key.startswith("to_"):
-        raise InputError(source, field, "expected a key of the form to_<node_id>")
+        raise InputError(source, field, f"expected a key of the form to_<node_id>, got {shown(key)}")
     written = key[3:]
     if written in ids:
         peer = written
     else:
         candidates = [i for i in ids if i.replace("-", "_") == written.replace("-", "_")]
         if len(candidates) > 1:
-            raise InputError(source, field, f"{key!r} is ambiguous: it could name node {candidates[0]!r} or node "
+            raise InputError(source, field, f"{shown(key)} is ambiguous: it could name node {candidates[0]!r} or node "
                                             f"{candidates[1]!r} ('_' read as '-'); rename one of them")
         if not candidates:
-            raise InputError(source, field, f"link to unknown node {written!r}; known: {', '.join(ids)}")
+            raise InputError(source, field, f"link to unknown node {shown(written)}; known: {', '.join(ids)}")
         peer = candidates[0]
     if peer == own:
         raise InputError(source, field, f"self-link on {peer!r}")
@@ -342,6 +371,9 @@ def _from_seed(form: _SeedForm, source: str) -> ClusterProfile:
 
 
 def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
+    total = sum(node.count for node in form.fleet)
+    if total > MAX_DEVICES:
+        raise InputError(source, "fleet", f"{total} devices; expected at most {MAX_DEVICES} in one cluster profile")
     catalog = gpu_catalog()
     devices: list[Device] = []
     intra: dict[str, tuple[IntraNodeKind, float]] = {}
@@ -349,7 +381,7 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
         spec = catalog.get(node.gpu_model)
         if spec is None:
             raise InputError(source, f"fleet[{i}].gpu_model",
-                             f"unknown GPU model {node.gpu_model!r}; expected one of {', '.join(catalog)}")
+                             f"unknown GPU model {shown(node.gpu_model)}; expected one of {', '.join(catalog)}")
         kind: IntraNodeKind = node.intra_node or ("nvlink" if spec.nvlink_gbps else "pcie")
         if kind == "nvlink" and not spec.nvlink_gbps:
             raise InputError(source, f"fleet[{i}].intra_node", f"{spec.model_name} has no NVLink")
@@ -391,11 +423,13 @@ def _loc(loc: tuple[Any, ...]) -> str:
 def _input_error(source: str, err: ValidationError) -> InputError:
     first = err.errors()[0]
     field = _loc(first["loc"])
-    msg = first["msg"]
-    if "input" in first and first["type"] != "missing" and not isinstance(first["input"], dict):
-        msg += f" (got {first['input']!r})"
-    if first["type"] == "value_error" and ": " in msg:  # our model validators embed the path
-        path, _, problem = msg.removeprefix("Value error, ").partition(": ")
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] in ("too_long", "too_short") and isinstance(first.get("input"), list):
+        msg = msg.replace("List", "list")  # says how many items; the items are not echoed
+    elif "input" in first and first["type"] not in ("missing", "value_error") and not isinstance(first["input"], dict):
+        msg += f" (got {shown(first['input'])})"
+    if first["type"] == "value_error" and not first["loc"] and ": " in msg:  # our model validators embed the path
+        path, _, problem = msg.partition(": ")
         return InputError(source, path, problem)
     more = len(err.errors()) - 1
     return InputError(source, field or None, msg + (f" (and {more} more problem(s))" if more else ""))
@@ -429,22 +463,12 @@ def load_cluster_profile(path: str | Path) -> ClusterProfile:
     """Read and validate a cluster profile file (``.yaml``, ``.yml`` or ``.json``).
 
     Raises:
-        InputError: the file is missing, unparsable, or fails validation (file + field named).
+        InputError: the file is missing, not a regular file, over its size cap (JSON
+            :data:`~flexpipe_dag.core.user_files.MAX_JSON_BYTES`, YAML
+            :data:`~flexpipe_dag.core.user_files.MAX_YAML_BYTES`), not UTF-8, unparsable, or fails
+            validation (file + field named).
     """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(str(path), None, f"cannot read file: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(str(path), None, f"not UTF-8 text ({exc.reason} at byte {exc.start}); expected YAML or JSON") from None
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise InputError(str(path), None, f"not valid YAML/JSON: {exc}") from None
-    else:
-        data = load_user_yaml(text, str(path))
+    data = load_user_document(path, "cluster profile")
     return parse_cluster_profile(data, str(path))
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, shown
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def lookup_dtype(name: str, source: str | None = None, field: str | None = "dtyp
     try:
         return _BY_NAME[name]
     except (KeyError, TypeError):
-        raise InputError(source, field, f"unknown dtype {name!r}; expected one of {_accepted(DTYPES)}") from None
+        raise InputError(source, field, f"unknown dtype {shown(name)}; expected one of {_accepted(DTYPES)}") from None
 
 
 def canonical_dtype(name: str, source: str | None = None, field: str | None = "dtype") -> str:
@@ -98,6 +98,6 @@ def compute_dtype(name: str, source: str | None = None, field: str | None = "dty
     dtype = lookup_dtype(name, source, field)
     if dtype.torch_name is None:
         computable = tuple(d for d in DTYPES if d.torch_name is not None)
-        raise InputError(source, field, f"dtype {name!r} is a weight-only planning format the runtime does not "
+        raise InputError(source, field, f"dtype {shown(name)} is a weight-only planning format the runtime does not "
                                         f"compute in; expected one of {_accepted(computable)}")
     return dtype

@@ -6,6 +6,39 @@ fix the input without reading code.
 
 from __future__ import annotations
 
+#: Most characters of one user-supplied value an error message quotes (:func:`shown`).
+MAX_SHOWN_CHARS = 200
+#: Longest message (problem, file or field) an :class:`InputError` carries; longer text is cut, with a note.
+MAX_MESSAGE_CHARS = 1000
+
+
+def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` made safe to print on one terminal line: at most ``limit`` characters of it.
+
+    Every character Python does not count as printable (line breaks, tabs, ESC and other control
+    characters, NUL, the bidirectional overrides U+202A-U+202E / U+2066-U+2069, other format
+    characters) is written as its escape (``\\x1b``, ``\\u202e``), as ``repr`` writes it; text over
+    ``limit`` characters is cut and says how long it was.
+    """
+    head = text[:limit]
+    out = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in head)
+    return out if len(text) <= limit else f"{out}... ({len(text)} characters, cut)"
+
+
+def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """A user's value quoted for an error message: ``repr``-style, at most ``limit`` characters of it.
+
+    A string longer than ``limit`` shows its first ``limit`` characters and its length; control and
+    bidirectional characters come out escaped (``'a\\x1b[31m'``), so nothing a user wrote can move the
+    cursor, recolour the terminal or reorder the line.
+    """
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    if isinstance(value, (list, tuple, dict, set)) and len(value) > 20:  # repr of a huge container is itself huge
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
 
 class FlexPipeError(Exception):
     """Base class of every error FlexPipe raises on purpose."""
@@ -14,6 +47,10 @@ class FlexPipeError(Exception):
 class InputError(FlexPipeError, ValueError):
     """Bad user input: a file or a field does not hold what was expected.
 
+    The message is one line of bounded length whatever it quotes: :func:`one_line` escapes control
+    and bidirectional characters and cuts ``source`` / ``field`` at 300 characters and ``problem`` at
+    :data:`MAX_MESSAGE_CHARS`.
+
     Attributes:
         source: the file (or other source) the bad value came from, e.g. ``cluster.yaml``.
         field: dotted path of the bad field inside that source, e.g. ``nodes[2].memory_gb``.
@@ -21,9 +58,10 @@ class InputError(FlexPipeError, ValueError):
     """
 
     def __init__(self, source: str | None, field: str | None, problem: str):
-        self.source = source
-        self.field = field
-        self.problem = problem
+        self.source = None if source is None else one_line(source, MAX_SHOWN_CHARS + 100)
+        self.field = None if field is None else one_line(field, MAX_SHOWN_CHARS + 100)
+        self.problem = one_line(problem)
+        source, field, problem = self.source, self.field, self.problem
         where = ": ".join(p for p in (source, field) if p)
         super().__init__(f"{where}: {problem}" if where else problem)
 

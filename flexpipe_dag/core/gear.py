@@ -13,6 +13,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_serialize
 
 from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.ids import MAX_ID_CHARS, Identifier
 
 GearKind = Literal["latency", "balanced", "throughput", "uniform", "parameters", "oracle", "manual"]
 #: The three operating gears the planner proposes (baselines use the other kinds).
@@ -29,7 +30,7 @@ class StagePlan(_Model):
     stage_index: Annotated[int, Field(ge=0)]
     layer_start: Annotated[int, Field(ge=0)]
     layer_end: Annotated[int, Field(ge=1)] = Field(description="exclusive")
-    device_ids: list[str] = Field(min_length=1, description="one per replica")
+    device_ids: list[Identifier] = Field(min_length=1, max_length=4096, description="one per replica")
     est_stage_ms: float | None = Field(None, description="estimated time per micro-batch step, ms")
     weight_gib: float | None = None
     kv_capacity_tokens: int | None = None
@@ -85,12 +86,12 @@ class Gear(_Model):
     and no device serves two stages.
     """
 
-    gear_id: str = Field(min_length=1)
+    gear_id: Identifier
     kind: GearKind
-    model_name: str
+    model_name: str = Field(max_length=MAX_ID_CHARS)
     dtype: str = "bf16"
     num_layers: Annotated[int, Field(ge=1)]
-    stages: list[StagePlan] = Field(min_length=1)
+    stages: list[StagePlan] = Field(min_length=1, max_length=4096)
     micro_batch_size: Annotated[int, Field(ge=1)] = 1
     max_inflight_micro_batches: Annotated[int, Field(ge=1)] = 1
     kv_block_size_tokens: Annotated[int, Field(ge=1)] = 16
@@ -100,7 +101,7 @@ class Gear(_Model):
     rps_max: float = Field(float("inf"), ge=0, allow_inf_nan=True, validation_alias=AliasChoices("rps_max", "qps_max"))
     target_p99_ms: float = Field(1000.0, gt=0)
     estimate: GearEstimate | None = None
-    cluster_id: str | None = None
+    cluster_id: Identifier | None = None
     profile_version: int | None = None
     envelope_basis: EnvelopeBasis | None = Field(None, description="the SLO and workload rps_min..rps_max hold for")
 

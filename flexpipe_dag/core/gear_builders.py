@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear, StagePlan
+from flexpipe_dag.core.user_files import MAX_JSON_BYTES, read_user_text
 
 
 def even_layer_counts(num_layers: int, num_stages: int) -> list[int]:
@@ -85,16 +86,17 @@ def load_gear(path: Path) -> Gear:
     """The gear saved as JSON in ``path``.
 
     Raises:
-        InputError: the file is missing or unreadable, or a field is invalid (named by its JSON path).
+        InputError: the file is missing or unreadable, not a regular file, over
+            :data:`~flexpipe_dag.core.user_files.MAX_JSON_BYTES`, not UTF-8, or a field is invalid (named by
+            its JSON path).
     """
     from pydantic import ValidationError
 
+    if not path.exists():
+        raise InputError(str(path), None, "gear file not found")
+    text = read_user_text(path, MAX_JSON_BYTES, what="gear (JSON)")
     try:
-        return Gear.model_validate_json(path.read_text())
-    except FileNotFoundError:
-        raise InputError(str(path), None, "gear file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(path), None, f"cannot read the gear file: {exc}") from None
+        return Gear.model_validate_json(text)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise InputError(str(path), ".".join(str(x) for x in err["loc"]), err["msg"]) from None
+        raise InputError(str(path), ".".join(str(x) for x in err["loc"]), err["msg"].removeprefix("Value error, ")) from None

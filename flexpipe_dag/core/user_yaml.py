@@ -1,13 +1,27 @@
-"""YAML that users hand in (cluster profiles, control files, gears): read strictly.
+"""YAML and JSON that users hand in (cluster profiles, control files, gears, model configs): read strictly.
 
 PyYAML's ``safe_load`` takes the last of two equal keys without a word and expands aliases, so a
 few hundred bytes of nested aliases (a "billion laughs" file) can take minutes and gigabytes to
-read. User files need neither: a duplicate key and an alias are refused with the line they are
-on, and nesting too deep for the parser is refused instead of crashing it.
+read. User files need neither. :func:`load_user_yaml` refuses, with the line they are on:
+
+* any alias (``*name``): a user file writes its values out;
+* a duplicate mapping key (the later value would silently win);
+* nesting deeper than :data:`MAX_NESTING_DEPTH` levels (before the parser's recursion runs out).
+
+Numbers follow YAML 1.2 as well as 1.1: ``1e9`` and ``-2.5E-3`` are floats (PyYAML alone reads
+``1e9`` as a string); YAML 1.1's ``yes`` / ``on`` are still booleans, and the pydantic models that
+take the document refuse a boolean where a number belongs.
+
+:func:`load_user_json` does the same for JSON: duplicate keys and ``NaN`` / ``Infinity`` are
+refused, and nesting too deep for the parser is an error, not a crash. Every failure (including a
+``MemoryError`` or ``RecursionError`` inside the parser) is one :class:`~flexpipe_dag.core.errors.InputError` naming the file.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -15,29 +29,63 @@ from yaml.constructor import ConstructorError
 from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, Node
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, one_line, shown
+from flexpipe_dag.core.user_files import MAX_JSON_BYTES, MAX_YAML_BYTES, read_user_text
+
+#: Deepest nesting of mappings / lists a user file may have (real files use a handful of levels).
+MAX_NESTING_DEPTH = 64
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+# YAML 1.2 core-schema floats, plus YAML 1.1's forms PyYAML already knows (1_000.5, .inf, .nan, 60:30.5)
+_FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                          |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                          |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+                          |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+                          |[-+]?\.(?:inf|Inf|INF)
+                          |\.(?:nan|NaN|NAN))$""", re.X)
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses aliases and duplicate mapping keys."""
+    """SafeLoader that refuses aliases, duplicate mapping keys and nesting deeper than :data:`MAX_NESTING_DEPTH`."""
+
+    _depth = 0
 
     def compose_node(self, parent: Node | None, index: int) -> Node | None:
         if self.check_event(AliasEvent):
             event = self.peek_event()  # type: ignore[no-untyped-call]  # PyYAML's stubs leave it untyped
             raise yaml.composer.ComposerError(
-                None, None, f"aliases (*{event.anchor}) are not accepted in this file; write the value out",
+                None, None, f"aliases (*{one_line(event.anchor, 40)}) are not accepted in this file; write the value "
+                            "out", event.start_mark)
+        if self._depth >= MAX_NESTING_DEPTH:
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_NESTING_DEPTH} levels; expected a few levels of mappings",
                 event.start_mark)
-        return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise ConstructorError(None, None, f"duplicate key {key!r}; each figure may appear once",
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key (a list or mapping used as a key): PyYAML says so below
+                continue
+            if duplicate:
+                raise ConstructorError(None, None, f"duplicate key {shown(key, 80)}; each figure may appear once",
                                        key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# resolvers are per class: keep SafeLoader's, with the float pattern widened to YAML 1.2's
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
 
 
 def load_user_yaml(text: str, source: str) -> Any:
@@ -47,8 +95,8 @@ def load_user_yaml(text: str, source: str) -> Any:
         The document (``None`` for an empty one).
 
     Raises:
-        InputError: not YAML, a duplicate key, an alias, or nesting too deep (``source`` named, with
-            the line where the parser stopped).
+        InputError: not YAML, a duplicate key, an alias, or nesting deeper than
+            :data:`MAX_NESTING_DEPTH` (``source`` named, with the line where the parser stopped).
     """
     try:
         return yaml.load(text, Loader=_StrictLoader)
@@ -56,8 +104,72 @@ def load_user_yaml(text: str, source: str) -> Any:
         mark = exc.problem_mark or exc.context_mark
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = " ".join(filter(None, (exc.context, exc.problem))) or "cannot parse"
-        raise InputError(source, None, f"not valid YAML/JSON: {problem}{where}") from None
+        raise InputError(source, None, f"not valid YAML/JSON: {one_line(problem, 300)}{where}") from None
     except yaml.YAMLError as exc:
-        raise InputError(source, None, f"not valid YAML/JSON: {' '.join(str(exc).split())}") from None
-    except RecursionError:
-        raise InputError(source, None, "nested too deeply to read; expected a few levels of mappings") from None
+        raise InputError(source, None, f"not valid YAML/JSON: {one_line(' '.join(str(exc).split()), 300)}") from None
+    except (RecursionError, MemoryError):
+        raise InputError(source, None, "nested too deeply or too large to read; expected a few levels of "
+                                       "mappings") from None
+    except ValueError as exc:  # e.g. an integer beyond Python's digit limit for int()
+        raise InputError(source, None, f"not valid YAML/JSON: {one_line(str(exc), 200)}") from None
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {shown(key, 80)}; each figure may appear once")
+        out[key] = value
+    return out
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows; expected a finite number")
+
+
+def load_user_json(text: str, source: str, *, constants: bool = False) -> Any:
+    """Parse ``text`` as JSON from the user file ``source``: duplicate keys, ``NaN`` / ``Infinity`` refused.
+
+    Args:
+        constants: accept ``NaN`` / ``Infinity`` (for callers that check every number themselves and
+            name the field, as the prompts reader does).
+
+    Returns:
+        The document.
+
+    Raises:
+        InputError: not JSON (with the line and column), a duplicate key, a non-finite constant, or
+            nesting deeper than the parser's recursion allows (``source`` named).
+    """
+    try:
+        if constants:
+            return json.loads(text, object_pairs_hook=_refuse_duplicates)
+        return json.loads(text, object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise InputError(source, None, f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except (RecursionError, MemoryError):
+        raise InputError(source, None, "nested too deeply or too large to read; expected a few levels of objects") from None
+    except ValueError as exc:
+        raise InputError(source, None, f"not valid JSON: {one_line(str(exc), 300)}") from None
+
+
+def load_user_document(path: str | Path, what: str) -> Any:
+    """Read and parse the user file ``path``: JSON when it ends in ``.json``, else YAML.
+
+    The file is read with a size cap (:data:`~flexpipe_dag.core.user_files.MAX_JSON_BYTES` for JSON,
+    :data:`~flexpipe_dag.core.user_files.MAX_YAML_BYTES` for YAML) and parsed by :func:`load_user_json`
+    or :func:`load_user_yaml`.
+
+    Args:
+        path: the file.
+        what: what it should hold, for messages (``"cluster profile"``).
+
+    Raises:
+        InputError: missing, not a regular file, over the cap, not UTF-8, or not valid JSON / YAML
+            (file named).
+    """
+    path = Path(path)
+    is_json = path.suffix.lower() == ".json"
+    what = f"{what} ({'JSON' if is_json else 'YAML or JSON'})"
+    text = read_user_text(path, MAX_JSON_BYTES if is_json else MAX_YAML_BYTES, what=what)
+    return load_user_json(text, str(path)) if is_json else load_user_yaml(text, str(path))

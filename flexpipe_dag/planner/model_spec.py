@@ -43,7 +43,6 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import importlib.util
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,8 +50,10 @@ from typing import Any
 import yaml
 
 from flexpipe_dag.core.dtypes import DTYPES, lookup_dtype
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, one_line, shown
 from flexpipe_dag.core.settings import INT32_MAX, check_number
+from flexpipe_dag.core.user_files import MAX_JSON_BYTES, read_user_bytes, read_user_text
+from flexpipe_dag.core.user_yaml import load_user_json
 
 #: Bytes per weight parameter by canonical dtype name (a view of :data:`flexpipe_dag.core.dtypes.DTYPES`).
 DTYPE_BYTES: dict[str, float] = {d.name: d.bytes_per_element for d in DTYPES}
@@ -69,6 +70,21 @@ def kv_dtype_bytes(dtype: str) -> float:
     """Bytes per KV-cache element: 4 for fp32 weights, else 2 (quantised weights keep a 16-bit KV cache)."""
     return lookup_dtype(dtype, "dtype", "dtype").activation_bytes
 
+
+#: Largest value each architecture count may take (``config.json`` key; GGUF keys map onto them).
+#: Far above any published model (Llama-3.1-405B: 126 layers, hidden 16384, vocab 128256; Gemma: vocab
+#: 256000; 10M-token contexts), and small enough that nothing sized from them can allocate without end:
+#: a config beyond them is refused before anything is built from it.
+MODEL_COUNT_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1024, "hidden_size": 131072, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+    "head_dim": 4096, "intermediate_size": 1048576, "vocab_size": 4194304, "max_position_embeddings": 1 << 24,
+}
+#: The ``config.json`` key each GGUF ``<arch>.*`` metadata key stands for (its limit in :data:`MODEL_COUNT_LIMITS`).
+GGUF_COUNT_KEYS: dict[str, str] = {
+    "block_count": "num_hidden_layers", "embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads", "rope.dimension_count": "head_dim",
+    "feed_forward_length": "intermediate_size", "vocab_size": "vocab_size", "context_length": "max_position_embeddings",
+}
 
 #: Optional ``config.json`` keys the spec reads or that the runtime's model loader relies on, with
 #: the kind each must hold when present and not ``null``: ``"count"`` a positive integer,
@@ -90,24 +106,50 @@ def _optional_config_value(config: dict[str, Any], key: str, kind: str, source: 
     if value is None:
         return None
     if kind == "count":
-        check_number(value, source, key, integer=True, ge=1, le=INT32_MAX)
+        check_number(value, source, key, integer=True, ge=1, le=MODEL_COUNT_LIMITS.get(key, INT32_MAX))
         return int(value)
     if kind == "positive":
         check_number(value, source, key, gt=0)
         return float(value)
     if kind == "bool":
         if not isinstance(value, bool):
-            raise InputError(source, key, f"expected true or false, got {value!r}")
+            raise InputError(source, key, f"expected true or false, got {shown(value)}")
         return value
     if kind == "str":
         if not isinstance(value, str):
-            raise InputError(source, key, f"expected a string, got {value!r}")
+            raise InputError(source, key, f"expected a string, got {shown(value)}")
         return value
     if kind == "str_list":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise InputError(source, key, f"expected a list of strings, e.g. [\"LlamaForCausalLM\"], got {value!r}")
+            raise InputError(source, key, f"expected a list of strings, e.g. [\"LlamaForCausalLM\"], got {shown(value)}")
         return value
     raise ValueError(f"unknown config kind {kind!r}")  # pragma: no cover - programming error
+
+
+#: Largest GGUF file :func:`open_gguf` opens, bytes (1 TiB: memory-mapped, so the size costs no memory).
+MAX_GGUF_BYTES = 1 << 40
+
+
+def open_gguf(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``path``, any failure to parse it turned into one :class:`InputError`.
+
+    The file must be a regular file (not a FIFO or a device); GGUFReader memory-maps it, so a truncated
+    or corrupt file shows up as an index, struct or value error inside the parser, reported here as
+    "not a complete GGUF file".
+
+    Raises:
+        InputError: missing, not a regular file, or not a complete GGUF file (file named).
+    """
+    import struct
+
+    from gguf import GGUFReader  # optional dependency, imported on use
+
+    read_user_bytes(path, MAX_GGUF_BYTES, what="GGUF model file", head_bytes=4)
+    try:
+        return GGUFReader(str(path))
+    except (OSError, ValueError, IndexError, KeyError, EOFError, OverflowError, MemoryError, struct.error) as exc:
+        reason = one_line(str(exc) or type(exc).__name__, 200)
+        raise InputError(str(path), None, f"cannot read GGUF file: not a complete GGUF file ({reason})") from None
 
 
 @dataclass(frozen=True)
@@ -137,7 +179,7 @@ class ModelSpec:
                      "intermediate_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise InputError(self.source, name, f"expected a positive integer, got {value!r}")
+                raise InputError(self.source, name, f"expected a positive integer, got {shown(value)}")
         if self.num_heads % self.num_kv_heads:
             raise InputError(self.source, "num_kv_heads",
                              f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
@@ -290,7 +332,7 @@ class ModelSpec:
         def req(key: str) -> int:
             if key not in config:
                 raise InputError(source, key, "missing; expected a positive integer")
-            check_number(config[key], source, key, integer=True, ge=1, le=INT32_MAX)
+            check_number(config[key], source, key, integer=True, ge=1, le=MODEL_COUNT_LIMITS.get(key, INT32_MAX))
             return int(config[key])
 
         opt = {key: _optional_config_value(config, key, kind, source) for key, kind in OPTIONAL_CONFIG_KEYS.items()}
@@ -315,15 +357,16 @@ class ModelSpec:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelSpec:
-        """Read ``<path>/config.json`` (or ``path`` itself when it is the file)."""
+        """Read ``<path>/config.json`` (or ``path`` itself when it is the file).
+
+        Raises:
+            InputError: the file is missing, not a regular file, over
+                :data:`~flexpipe_dag.core.user_files.MAX_JSON_BYTES`, not UTF-8 or not JSON (duplicate
+                keys refused), or a key fails :meth:`from_hf_config`'s checks.
+        """
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        try:
-            config = json.loads(file.read_text())
-        except OSError as exc:
-            raise InputError(str(file), None, f"cannot read file: {exc.strerror or exc}") from None
-        except json.JSONDecodeError as exc:
-            raise InputError(str(file), None, f"not valid JSON: {exc}") from None
+        config = load_user_json(read_user_text(file, MAX_JSON_BYTES, what="model config (JSON)"), str(file))
         if not isinstance(config, dict):
             raise InputError(str(file), None, "expected a JSON object")
         name = path.name if path.is_dir() else path.parent.name
@@ -337,13 +380,8 @@ class ModelSpec:
             InputError: unreadable file, a missing ``<arch>.*`` key, or a count that is not one
                 positive integer (named by key).
         """
-        from gguf import GGUFReader  # optional dependency, imported on use
-
         path = Path(path)
-        try:
-            reader = GGUFReader(str(path))
-        except (OSError, ValueError) as exc:
-            raise InputError(str(path), None, f"cannot read GGUF file: {exc}") from None
+        reader = open_gguf(path)
         fields = reader.fields
 
         def get(key: str, default: Any = None) -> Any:
@@ -352,14 +390,18 @@ class ModelSpec:
                 if default is not None:
                     return default
                 raise InputError(str(path), key, "missing from GGUF metadata")
-            return f.contents()
+            try:
+                return f.contents()
+            except (ValueError, IndexError, KeyError, UnicodeDecodeError) as exc:
+                raise InputError(str(path), key, f"unreadable GGUF metadata ({one_line(str(exc), 200)})") from None
 
         def count(key: str, default: int | None = None) -> int:
             value = get(key, default)
             if isinstance(value, (list, tuple)):
                 raise InputError(str(path), key, f"per-layer values {list(value)[:4]}... are not supported; "
                                  "expected one positive integer")
-            check_number(value, str(path), key, integer=True, ge=0 if default == 0 else 1, le=INT32_MAX)
+            limit = MODEL_COUNT_LIMITS.get(GGUF_COUNT_KEYS.get(key.split(".", 1)[-1], ""), INT32_MAX)
+            check_number(value, str(path), key, integer=True, ge=0 if default == 0 else 1, le=limit)
             return int(value)
 
         arch = get("general.architecture")
@@ -384,7 +426,7 @@ class ModelSpec:
         table = _builtin_table()
         key = {k.lower(): k for k in table}.get(name.lower())
         if key is None:
-            raise InputError("--model", None, f"unknown model {name!r}; expected a config.json directory, "
+            raise InputError("--model", None, f"unknown model {shown(name)}; expected a config.json directory, "
                              f"a .gguf file, or one of {', '.join(table)}")
         row = dict(table[key])
         source = row.pop("source", "builtin")

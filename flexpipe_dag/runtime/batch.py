@@ -5,9 +5,11 @@ characters), ``prompt`` (text) or ``token_ids`` (list of ints), ``max_new_tokens
 job default), ``priority`` (int, optional: :data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`),
 ``continuations`` (optional, scoring jobs only: a list of strings or token-id lists, each scored given
 the prompt). Integers are bounded by :data:`~flexpipe_dag.core.settings.INT32_MAX` (what the store's
-integer columns and torch index tensors hold). A malformed row (bad JSON, missing, duplicate or
-over-long id, no prompt, bad or out-of-range numbers) is counted and reported with its line and
-reason, never fatal.
+integer columns and torch index tensors hold). A malformed row (bad JSON, missing, duplicate,
+unprintable or over-long id, no prompt, a prompt over :data:`MAX_PROMPT_BYTES` bytes or
+:data:`MAX_PROMPT_TOKENS` token ids, bad or out-of-range numbers) is counted and reported with its line
+and reason, never fatal. The file itself must be a regular file of at most
+:data:`~flexpipe_dag.core.user_files.MAX_PROMPTS_BYTES` bytes.
 
 Sink protocol (:class:`ResultSink`): ``done_ids() -> set[str]`` and ``write(result: dict)``. Results are
 written as each request finishes, keyed by request id; a re-run skips ids the sink already holds,
@@ -26,12 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, one_line, shown
 from flexpipe_dag.core.settings import INT32_MAX
+from flexpipe_dag.core.user_files import MAX_PROMPTS_BYTES, read_user_bytes, read_user_text
+from flexpipe_dag.core.user_yaml import load_user_json
 from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL, PRIORITY_OFFLINE, Request, RequestOutput
+from flexpipe_dag.workload.files import read_user_frame
 
 #: Longest request id a prompts file may use (the store's ``request_results.request_key`` is 200 chars).
 MAX_REQUEST_ID_CHARS = 200
+#: Longest prompt text a row may hold, UTF-8 bytes (1 MiB, checked before tokenising: a tokenizer
+#: makes at most one token per byte, and no served model's context comes near a million tokens).
+MAX_PROMPT_BYTES = 1 << 20
+#: Longest ``token_ids`` list a row may hold.
+MAX_PROMPT_TOKENS = 1 << 20
 
 #: The bundled public-domain text that trace-driven prompts are cut from.
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "data" / "corpus" / "pride_and_prejudice_ch1.txt"
@@ -139,9 +149,18 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
     rid = str(rid)
     if len(rid) > MAX_REQUEST_ID_CHARS:
         return MalformedRow(where, f"field 'id': {len(rid)} characters; expected at most {MAX_REQUEST_ID_CHARS}")
+    if not rid.isprintable():
+        return MalformedRow(where, f"field 'id': got {shown(rid)}; expected printable text (no control or "
+                                   "bidirectional characters)")
     if rid in seen:
-        return MalformedRow(where, f"duplicate id {rid!r}")
+        return MalformedRow(where, f"duplicate id {shown(rid)}")
     prompt, token_ids = raw.get("prompt"), raw.get("token_ids")
+    if isinstance(prompt, str) and (len(prompt) > MAX_PROMPT_BYTES
+                                    or len(prompt.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES):
+        return MalformedRow(where, f"field 'prompt': {len(prompt)} characters; expected at most {MAX_PROMPT_BYTES} "
+                                   "bytes of UTF-8 (checked before tokenising)")
+    if isinstance(token_ids, list) and len(token_ids) > MAX_PROMPT_TOKENS:
+        return MalformedRow(where, f"field 'token_ids': {len(token_ids)} ids; expected at most {MAX_PROMPT_TOKENS}")
     if token_ids is not None and not (isinstance(token_ids, float) and math.isnan(token_ids)):
         try:
             if isinstance(token_ids, str):
@@ -200,26 +219,25 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
         ``(rows, malformed)``.
 
     Raises:
-        InputError: the file is missing, has another extension, or Parquet lacks an ``id`` column.
+        InputError: the file is missing, not a regular file, over
+            :data:`~flexpipe_dag.core.user_files.MAX_PROMPTS_BYTES`, not UTF-8, has another extension, or
+            Parquet lacks an ``id`` column.
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise InputError(str(p), None, "prompts file not found")
     seen: set[str] = set()
     rows: list[PromptRow] = []
     bad: list[MalformedRow] = []
     if p.suffix in (".jsonl", ".json", ".ndjson"):
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise InputError(str(p), None, f"not UTF-8 text ({exc.reason} at byte {exc.start}); expected JSON lines") from None
+        text = read_user_text(p, MAX_PROMPTS_BYTES, what="prompts file (JSON lines)")
         for i, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as exc:
-                bad.append(MalformedRow(i, f"invalid JSON: {exc.msg}"))
+                raw = load_user_json(line, str(p), constants=True)  # _parse_row names a non-finite field
+            except InputError as exc:
+                bad.append(MalformedRow(i, f"invalid JSON: {exc.problem.removeprefix('not valid JSON: ')}"))
                 continue
             r = _parse_row(raw, i, default_max_new_tokens, seen)
             if isinstance(r, PromptRow):
@@ -229,7 +247,11 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
     elif p.suffix == ".parquet":
         import pandas as pd
 
-        df = pd.read_parquet(p)
+        read_user_bytes(p, MAX_PROMPTS_BYTES, what="prompts file (Parquet)", head_bytes=4)  # a regular file, capped
+        try:
+            df = pd.read_parquet(p)
+        except (OSError, ValueError, MemoryError) as exc:
+            raise InputError(str(p), None, f"cannot read as Parquet: {one_line(str(exc), 200)}") from None
         if "id" not in df.columns:
             raise InputError(str(p), "id", f"expected an 'id' column, found {list(df.columns)}")
         for i, raw in enumerate(df.to_dict(orient="records"), start=1):
@@ -260,9 +282,7 @@ def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests:
     Raises:
         InputError: the trace lacks the columns or has fewer rows than asked.
     """
-    import pandas as pd
-
-    df = pd.read_csv(trace_csv, comment="#")
+    df = read_user_frame(Path(trace_csv), "Azure LLM trace (CSV)", comment="#")
     for col in ("ContextTokens", "GeneratedTokens"):
         if col not in df.columns:
             raise InputError(str(trace_csv), col, f"expected an Azure LLM trace column {col!r}")

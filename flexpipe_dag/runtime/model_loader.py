@@ -234,13 +234,18 @@ def resolve_checkpoint(source: str | os.PathLike | None = None, cache_dir: str |
             ``FLEXPIPE_MODEL_CACHE`` or ``FLEXPIPE_HOME/models``).
 
     Raises:
-        InputError: the source does not exist or is not a Llama-family checkpoint.
+        InputError: the source does not exist or is not a Llama-family checkpoint; its ``config.json`` or
+            GGUF metadata is unreadable, truncated, or holds a count beyond
+            :data:`~flexpipe_dag.planner.model_spec.MODEL_COUNT_LIMITS` (checked before anything is allocated).
     """
     path = default_model_source() if source is None else Path(source).expanduser()
     if not path.exists():
         raise InputError(str(path), None, "model source does not exist (expected an HF directory or a .gguf file)")
+    from flexpipe_dag.planner.model_spec import ModelSpec
+
     gguf = _find_gguf(path)
     if gguf is None and path.is_dir() and any(path.glob("*.safetensors")) and (path / "config.json").is_file():
+        ModelSpec.from_hf_dir(path)  # config.json sane (counts bounded) before torch sizes anything from it
         return Checkpoint(path=path, name=path.name)
     if gguf is None and not (path.is_dir() and (path / "config.json").is_file()):
         raise InputError(str(path), None, "expected an HF directory (config.json + weights) or a .gguf file")
@@ -249,6 +254,8 @@ def resolve_checkpoint(source: str | os.PathLike | None = None, cache_dir: str |
     root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
     final = root / f"{name}-{_source_key(key_path)}"
     if not (final / "config.json").is_file():
+        # a truncated GGUF or an absurd count is one InputError here, before transformers allocates
+        ModelSpec.from_gguf(gguf) if gguf else ModelSpec.from_hf_dir(path)
         if gguf:
             _convert(gguf.parent, gguf.name, final, name)
         else:

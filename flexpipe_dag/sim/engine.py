@@ -255,7 +255,8 @@ class Simulator:
     lengths); :attr:`context` counts them.
 
     Raises:
-        InputError: the timing model's stage count differs from the gear's.
+        InputError: the timing model's stage count differs from the gear's; an arrival is not finite or
+            is later than :data:`~flexpipe_dag.workload.request.MAX_ARRIVAL_S` (the request named).
     """
 
     def __init__(self, workload: Workload, gear: Gear, timing: StageTimingModel, config: SimConfig | None = None):
@@ -264,6 +265,7 @@ class Simulator:
         self.context = rule.report
         if rule.truncated_ids:
             workload = rule.workload  # same requests, same order, long prompts cut
+        workload.check_horizon()
         self.workload = workload
         reqs = workload.requests
         self._seqs = [

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, shown
+from flexpipe_dag.workload.files import read_user_frame
 
 
 @dataclass(frozen=True)
@@ -100,18 +101,24 @@ class LinearStageTiming:
                 if c in frame.columns:
                     v = pd.to_numeric(pd.Series([row[c]]), errors="coerce").iloc[0]
                     if pd.isna(v):
-                        raise InputError(source, f"row {i + 1}.{c}", f"got {row[c]!r}; expected a number of ms")
+                        raise InputError(source, f"row {i + 1}.{c}", f"got {shown(row[c])}; expected a number of ms")
                     vals[c] = float(v)
             rows.append(StageCosts(**vals))
         return cls(rows, source=source)
 
     @classmethod
     def from_csv(cls, path: str | Path) -> LinearStageTiming:
-        """Read a measured table (CSV, one row per stage); see :meth:`from_frame`."""
+        """Read a measured table (CSV, one row per stage); see :meth:`from_frame`.
+
+        Raises:
+            InputError: missing, not a regular file, over the trace size cap, empty, not UTF-8 or not
+                CSV (:func:`~flexpipe_dag.workload.files.read_user_frame`), or a bad row (named).
+        """
         path = Path(path)
-        if not path.is_file() or path.stat().st_size == 0:
+        if not path.exists():
             raise InputError(str(path), None, f"missing or empty; expected a CSV with columns {list(COST_FIELDS)}")
-        return cls.from_frame(pd.read_csv(path), source=str(path))
+        return cls.from_frame(read_user_frame(path, f"stage timing table (CSV with columns {', '.join(COST_FIELDS)})"),
+                              source=str(path))
 
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame([{"stage_index": i, **asdict(s)} for i, s in enumerate(self.stages)])

@@ -10,7 +10,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, shown
+from flexpipe_dag.workload.files import read_user_header
 from flexpipe_dag.workload.loaders import load_azure_trace, load_length_file, load_request_file
 from flexpipe_dag.workload.request import Workload
 from flexpipe_dag.workload.tide import Tide, load_tide
@@ -36,15 +37,14 @@ def bundled_path(name: str) -> Path:
         InputError: unknown name (the message lists the known ones).
     """
     if name not in BUNDLED_TRACES:
-        raise InputError(None, "trace", f"unknown bundled trace {name!r}; expected one of {sorted(BUNDLED_TRACES)} or a file path")
+        raise InputError(None, "trace", f"unknown bundled trace {shown(name)}; expected one of {sorted(BUNDLED_TRACES)} or a file path")
     return traces_dir() / BUNDLED_TRACES[name][0]
 
 
 def _detect_format(path: Path) -> str:
     if path.suffix.lower() in (".jsonl", ".ndjson"):
         return "generic"
-    with path.open("r", encoding="utf-8-sig") as fh:
-        header = fh.readline().strip().split(",")
+    header = read_user_header(path, "request trace (CSV or JSONL)")
     if "TIMESTAMP" in header:
         return "azure"
     if "num_prefill_tokens" in header:
@@ -65,9 +65,9 @@ def load_trace(name_or_path: str | Path) -> Workload:
     """
     key = str(name_or_path)
     path = bundled_path(key) if key in BUNDLED_TRACES else Path(key)
-    if not path.is_file():
+    if not path.exists():
         raise InputError(str(path), None, f"file not found; expected a trace path or one of {sorted(BUNDLED_TRACES)}")
-    fmt = _detect_format(path) if path.stat().st_size else "generic"
+    fmt = _detect_format(path)
     if fmt == "azure":
         return load_azure_trace(path, name=key if key in BUNDLED_TRACES else None)
     if fmt == "lengths":

@@ -12,7 +12,10 @@ Formats:
   ``num_prefill_tokens,num_decode_tokens,...``): offline batch jobs with no timestamps, all queued
   at one arrival time (a backlog).
 
-Rules: an empty file, a missing column, an unparsable timestamp / arrival, a token count that is not
+Rules: a path that is not a regular file or holds more than
+:data:`~flexpipe_dag.core.user_files.MAX_TRACE_BYTES` bytes, text that is not UTF-8, an empty file, a
+missing column, an unparsable timestamp / arrival (or one later than
+:data:`~flexpipe_dag.workload.request.MAX_ARRIVAL_S`, 31 days, after the start), a token count that is not
 an integer in ``1..INT32_MAX``, a priority outside ``-INT32_MAX..INT32_MAX`` or a request id longer
 than :data:`MAX_REQUEST_ID_CHARS` raise :class:`~flexpipe_dag.core.errors.InputError` with ``source`` =
 the file and ``field`` = ``row N.column`` (N counts data rows from 1); unsorted arrivals are sorted
@@ -29,9 +32,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, shown
 from flexpipe_dag.core.settings import INT32_MAX, check_number
-from flexpipe_dag.workload.request import GENERIC_COLUMNS, REQUEST_CLASSES, Workload
+from flexpipe_dag.workload.files import read_user_frame
+from flexpipe_dag.workload.request import GENERIC_COLUMNS, MAX_ARRIVAL_S, REQUEST_CLASSES, Workload
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 LENGTH_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
@@ -44,19 +48,9 @@ class UnsortedTraceWarning(UserWarning):
 
 
 def _read_table(path: Path) -> pd.DataFrame:
-    """Read CSV or JSONL into a DataFrame; empty files raise InputError."""
-    if not path.is_file():
-        raise InputError(str(path), None, "file not found; expected a trace file (CSV or JSONL)")
-    if path.stat().st_size == 0:
-        raise InputError(str(path), None, "file is empty; expected a header row and at least one request")
-    try:
-        if path.suffix.lower() in (".jsonl", ".ndjson"):
-            frame = pd.read_json(path, lines=True, dtype=False, precise_float=True)
-        else:
-            frame = pd.read_csv(path, skipinitialspace=True)
-    except (ValueError, pd.errors.ParserError) as exc:
-        form = "JSONL" if path.suffix.lower() in (".jsonl", ".ndjson") else "CSV"
-        raise InputError(str(path), None, f"cannot parse as {form}: {exc}") from exc
+    """Read CSV or JSONL into a DataFrame (size-capped, :func:`~flexpipe_dag.workload.files.read_user_frame`);
+    empty files raise InputError."""
+    frame = read_user_frame(path, "request trace (CSV or JSONL)", skipinitialspace=True)
     if frame.empty:
         raise InputError(str(path), None, "no requests (only a header); expected at least one data row")
     return frame
@@ -79,7 +73,7 @@ def _token_column(frame: pd.DataFrame, column: str, source: str) -> np.ndarray:
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
         raise InputError(source, _row_field(i, column),
-                         f"got {frame[column].iloc[i]!r}; expected an integer token count >= 1 and <= {INT32_MAX}")
+                         f"got {shown(frame[column].iloc[i])}; expected an integer token count >= 1 and <= {INT32_MAX}")
     return values.to_numpy(dtype=np.int64)
 
 
@@ -99,7 +93,7 @@ def _finish(frame: pd.DataFrame, name: str, source: str, meta: dict[str, Any], r
         frame["arrival_s"] = frame["arrival_s"] - float(frame["arrival_s"].iloc[0])
     if frame["request_id"].duplicated().any():
         i = int(np.flatnonzero(frame["request_id"].duplicated().to_numpy())[0])
-        raise InputError(source, _row_field(i, "request_id"), f"duplicate id {frame['request_id'].iloc[i]!r}; expected unique ids")
+        raise InputError(source, _row_field(i, "request_id"), f"duplicate id {shown(frame['request_id'].iloc[i])}; expected unique ids")
     return Workload.from_frame(frame[list(GENERIC_COLUMNS)], name=name, source=source, meta=meta)
 
 
@@ -120,8 +114,13 @@ def load_azure_trace(path: str | Path, *, name: str | None = None, id_prefix: st
     if ts.isna().any():
         i = int(np.flatnonzero(ts.isna().to_numpy())[0])
         raise InputError(source, _row_field(i, "TIMESTAMP"),
-                         f"got {frame['TIMESTAMP'].iloc[i]!r}; expected a timestamp like '2023-11-16 18:15:46.6805900'")
+                         f"got {shown(frame['TIMESTAMP'].iloc[i])}; expected a timestamp like '2023-11-16 18:15:46.6805900'")
     ns = ts.astype("datetime64[ns]").astype("int64").to_numpy()
+    late = (ns - ns.min()) / 1e9 > MAX_ARRIVAL_S
+    if late.any():
+        i = int(np.flatnonzero(late)[0])
+        raise InputError(source, _row_field(i, "TIMESTAMP"), f"got {shown(frame['TIMESTAMP'].iloc[i])}, more than "
+                                                             f"{MAX_ARRIVAL_S:.0f} s (31 days) after the first request")
     prefix = id_prefix or path.stem
     out = pd.DataFrame({
         "request_id": [f"{prefix}-{i:06d}" for i in range(len(frame))],
@@ -151,22 +150,23 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
     frame = _read_table(path)
     _require_columns(frame, ("arrival_s", "input_tokens", "output_tokens"), source)
     arrival = pd.to_numeric(frame["arrival_s"], errors="coerce")
-    bad = arrival.isna() | ~np.isfinite(arrival.fillna(0)) | (arrival < 0)
+    bad = arrival.isna() | ~np.isfinite(arrival.fillna(0)) | (arrival < 0) | (arrival > MAX_ARRIVAL_S)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise InputError(source, _row_field(i, "arrival_s"), f"got {frame['arrival_s'].iloc[i]!r}; expected seconds >= 0")
+        raise InputError(source, _row_field(i, "arrival_s"), f"got {shown(frame['arrival_s'].iloc[i])}; expected "
+                                                             f"seconds 0..{MAX_ARRIVAL_S:.0f} (31 days)")
     klass = frame["class"].astype(str).str.strip().str.lower() if "class" in frame.columns else pd.Series("online", index=frame.index)
     bad = ~klass.isin(REQUEST_CLASSES)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise InputError(source, _row_field(i, "class"), f"got {frame['class'].iloc[i]!r}; expected one of {list(REQUEST_CLASSES)}")
+        raise InputError(source, _row_field(i, "class"), f"got {shown(frame['class'].iloc[i])}; expected one of {list(REQUEST_CLASSES)}")
     if "priority" in frame.columns:
         prio = pd.to_numeric(frame["priority"], errors="coerce")
         bad = prio.isna() | (prio != np.floor(prio.fillna(0))) | (prio.abs() > INT32_MAX)
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
             raise InputError(source, _row_field(i, "priority"),
-                             f"got {frame['priority'].iloc[i]!r}; expected an integer -{INT32_MAX}..{INT32_MAX}")
+                             f"got {shown(frame['priority'].iloc[i])}; expected an integer -{INT32_MAX}..{INT32_MAX}")
         prio = prio.astype(np.int64)
     else:
         prio = pd.Series(0, index=frame.index, dtype=np.int64)
@@ -177,6 +177,11 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
         i = int(np.flatnonzero(too_long.to_numpy())[0])
         raise InputError(source, _row_field(i, "request_id"),
                          f"{len(ids.iloc[i])} characters; expected at most {MAX_REQUEST_ID_CHARS}")
+    unprintable = ~ids.map(str.isprintable).astype(bool)
+    if unprintable.any():
+        i = int(np.flatnonzero(unprintable.to_numpy())[0])
+        raise InputError(source, _row_field(i, "request_id"),
+                         f"got {shown(ids.iloc[i])}; expected printable text (no control or bidirectional characters)")
     out = pd.DataFrame({
         "request_id": ids.to_numpy(),
         "arrival_s": arrival.to_numpy(dtype=float),

@@ -20,6 +20,10 @@ RequestClass = Literal["online", "offline"]
 REQUEST_CLASSES: tuple[str, ...] = ("online", "offline")
 
 #: Columns of the generic request form (CSV header / JSONL keys), in order.
+#: Latest arrival a trace may hold, seconds after its start (31 days; after any --speedup): the
+#: simulator steps through every metric sample up to the last arrival, so a trace that runs for years
+#: would run (and grow) for hours. Longer studies split the trace.
+MAX_ARRIVAL_S = 31 * 86400.0
 GENERIC_COLUMNS: tuple[str, ...] = ("request_id", "arrival_s", "input_tokens", "output_tokens", "class", "priority")
 
 
@@ -87,6 +91,22 @@ class Workload:
         """Arrivals per second over :attr:`duration_s` (0 when the span is 0)."""
         d = self.duration_s
         return (len(self.requests) - 1) / d if d > 0 else 0.0
+
+    def check_horizon(self) -> None:
+        """Refuse an arrival that is not finite or is later than :data:`MAX_ARRIVAL_S`.
+
+        Raises:
+            InputError: naming the workload's source and the first such request (``request <id>.arrival_s``).
+        """
+        import math
+
+        from flexpipe_dag.core.errors import InputError, shown
+
+        for r in self.requests:
+            if not (math.isfinite(r.arrival_s) and 0 <= r.arrival_s <= MAX_ARRIVAL_S):
+                raise InputError(self.source or self.name, f"request {shown(r.request_id, 80)}.arrival_s",
+                                 f"got {r.arrival_s:g} s; expected 0..{MAX_ARRIVAL_S:.0f} s (31 days, after any "
+                                 f"speedup); split a longer trace")
 
     def count_by_class(self) -> dict[str, int]:
         out = {k: 0 for k in REQUEST_CLASSES}

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, shown
+from flexpipe_dag.workload.files import read_user_frame
 from flexpipe_dag.workload.request import Request, Workload
 
 SERVEGEN_COLUMNS = ("timestamp_s", "rate_req_per_s", "cv", "arrival_dist", "param1", "param2")
@@ -102,15 +103,14 @@ def aggregate_servegen_rates(paths: Iterable[str | Path]) -> pd.DataFrame:
         raise InputError(None, "paths", "no ServeGen chunk files given; expected chunk-N-trace.csv files")
     parts = []
     for f in files:
-        if not f.is_file() or f.stat().st_size == 0:
-            raise InputError(str(f), None, "missing or empty; expected rows timestamp_s,rate_req_per_s,cv,arrival_dist,param1,param2")
-        d = pd.read_csv(f, header=None, names=list(SERVEGEN_COLUMNS), usecols=[0, 1])
+        d = read_user_frame(f, "ServeGen chunk (rows timestamp_s,rate_req_per_s,cv,arrival_dist,param1,param2)",
+                            header=None, names=list(SERVEGEN_COLUMNS), usecols=[0, 1])
         for col in ("timestamp_s", "rate_req_per_s"):
             v = pd.to_numeric(d[col], errors="coerce")
             bad = v.isna() | (v < 0)
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
-                raise InputError(str(f), f"row {i + 1}.{col}", f"got {d[col].iloc[i]!r}; expected a number >= 0")
+                raise InputError(str(f), f"row {i + 1}.{col}", f"got {shown(d[col].iloc[i])}; expected a number >= 0")
             d[col] = v
         parts.append(d)
     total = pd.concat(parts).groupby("timestamp_s", sort=True)["rate_req_per_s"].sum()
@@ -143,9 +143,7 @@ def tide_from_frame(frame: pd.DataFrame, source: str = "") -> Tide:
 def load_tide(path: str | Path) -> Tide:
     """Load a pre-aggregated tide CSV (``window_start_s,total_rate_req_per_s``)."""
     path = Path(path)
-    if not path.is_file() or path.stat().st_size == 0:
-        raise InputError(str(path), None, "missing or empty; expected a CSV window_start_s,total_rate_req_per_s")
-    return tide_from_frame(pd.read_csv(path), source=str(path))
+    return tide_from_frame(read_user_frame(path, "tide CSV (window_start_s,total_rate_req_per_s)"), source=str(path))
 
 
 def _cumulative(tide: Tide, compression: float, start_s: float, duration_s: float) -> tuple[np.ndarray, np.ndarray]:

@@ -7,19 +7,27 @@ import dataclasses
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.workload.request import Request, Workload
 
+#: Range of a speedup factor: from a thousand times slower to a million times faster than written.
+MIN_SPEEDUP = 1e-3
+MAX_SPEEDUP = 1e6
+
 
 def speedup(workload: Workload, factor: float) -> Workload:
     """Compress time by ``factor``: arrival ``a`` becomes ``a / factor`` (the rate grows ``factor`` x).
 
     Raises:
-        InputError: ``factor`` <= 0.
+        InputError: ``factor`` outside :data:`MIN_SPEEDUP`..:data:`MAX_SPEEDUP` (or not a number), or an
+            arrival lands beyond :data:`~flexpipe_dag.workload.request.MAX_ARRIVAL_S` (the request named).
     """
-    if not factor > 0:
-        raise InputError(workload.source or workload.name, "speedup", f"got {factor}; expected a factor > 0")
+    if not MIN_SPEEDUP <= factor <= MAX_SPEEDUP:
+        raise InputError(workload.source or workload.name, "speedup",
+                         f"got {factor:g}; expected a factor {MIN_SPEEDUP:g}..{MAX_SPEEDUP:g}")
     reqs = tuple(Request(r.request_id, r.arrival_s / factor, r.input_tokens, r.output_tokens, r.klass, r.priority)
                  for r in workload.requests)
-    return Workload(name=workload.name if factor == 1 else f"{workload.name}x{factor:g}", requests=reqs,
-                    source=workload.source, meta={**workload.meta, "speedup": factor})
+    out = Workload(name=workload.name if factor == 1 else f"{workload.name}x{factor:g}", requests=reqs,
+                   source=workload.source, meta={**workload.meta, "speedup": factor})
+    out.check_horizon()
+    return out
 
 
 def time_window(workload: Workload, start_s: float, end_s: float, *, rebase: bool = True) -> Workload:

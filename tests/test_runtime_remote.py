@@ -216,7 +216,8 @@ def test_run_launched_under_a_launcher(tmp_path, launcher):
         cmd += ["run", "--launched", "--control-port", str(unused_port()), "--stages", "2", "--prompts", str(prompts),
                 "--out", str(out), "--max-new-tokens", "64"]
         try:
-            proc = subprocess.run(cmd, env=dict(_env(), FLEXPIPE_RUN_SECRET=SECRET), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+            proc = subprocess.run(cmd, env=dict(_env(), FLEXPIPE_RUN_SECRET=SECRET), capture_output=True, text=True,
+                                  timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             raise AssertionError(f"timed out after {LAUNCH_TIMEOUT_S} s waiting for {launcher} to finish; stderr: "
                                  f"{(exc.stderr or b'')[-3000:]!r}") from None

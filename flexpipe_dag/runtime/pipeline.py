@@ -13,7 +13,9 @@ holds the oldest in-flight micro-batch) longer than ``step_timeout_s`` fails the
 to ``on_result`` and are kept on the error.
 
 One host (default): the driver and stage workers are children of the caller (their event queue and
-shared step counters are ``multiprocessing`` objects). Several hosts (``RuntimeOptions.control_address``):
+shared step counters are ``multiprocessing`` objects); they rendezvous through an authenticated
+control store of the run's own (:mod:`~flexpipe_dag.runtime.control_store`) bound to 127.0.0.1 on a
+port the kernel picks, the run secret in their spawn arguments. Several hosts (``RuntimeOptions.control_address``):
 the caller spawns only the driver and serves a control store that stage workers started on other
 hosts join (:mod:`~flexpipe_dag.runtime.remote`); their reports and step counters arrive through it
 into the same queue and counter array, so everything below works unchanged. ``deploy/MULTIHOST.md``
@@ -306,7 +308,7 @@ class PipelineRuntime:
                           ranges=self.gear.layer_ranges(), num_blocks=kv_num_blocks(self.gear),
                           block_size_tokens=self.gear.kv_block_size_tokens, dtype=o.dtype, device=o.device,
                           backend=backend, control_address=self._store_address(),
-                          control_secret=self.secret,
+                          control_secret=self.secret, loopback_only=self._control is None,
                           threads_per_rank=o.threads_per_rank, fault=dict(o.fault),
                           replicas=[st.replicas for st in self.gear.stages],
                           checkpoint_fingerprint=self.ckpt.fingerprint if self._control else "")

@@ -71,6 +71,8 @@ class WorkerSpec:
     #: the run secret (:mod:`~flexpipe_dag.runtime.control_auth`): in the spawn arguments of local
     #: children, never in the spec the head publishes (remote workers set their own)
     control_secret: str = ""
+    #: every rank on this host: the backend's data connections stay on the loopback interface too
+    loopback_only: bool = False
     threads_per_rank: int = 1
     fault: dict = field(default_factory=dict)  # test hook: {"stage": s, "raise_after_steps": n}
     #: replicas per stage (None: one each); worker w serves layout().locate(w)
@@ -116,6 +118,11 @@ def setup_process(spec: WorkerSpec, rank: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(spec.threads_per_rank)
+    if spec.loopback_only:  # gloo / NCCL listen on the interface of this host's name otherwise
+        lo = next((name for _i, name in socket.if_nameindex() if name.startswith("lo")), None)
+        if lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
     if not spec.control_address:
         raise ValueError("WorkerSpec.control_address: expected the head's control store HOST:PORT")
     from flexpipe_dag.runtime.rendezvous import parse_address, process_group_store

@@ -314,15 +314,22 @@ class ControlServer:
                                         name="flexpipe-control-pump", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop mirroring after one last pass, then close the store."""
+    def close(self, abort_grace_s: float = 4 * HEARTBEAT_PERIOD_S) -> None:
+        """Stop mirroring after one last pass, then close the store; after :meth:`abort`, first give
+        live workers up to ``abort_grace_s`` to read it (their next heartbeat) and report their exit."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
-            try:
-                self.poll(*self._sinks)
-            except Exception:
-                pass
+            deadline = time.monotonic() + (abort_grace_s if self._main.check(["abort"]) else 0.0)
+            while True:
+                try:
+                    self.poll(*self._sinks)
+                except Exception:
+                    break
+                if time.monotonic() >= deadline or not any(st.last_beat is not None and st.is_alive()
+                                                           for st in self.workers):
+                    break
+                time.sleep(HEARTBEAT_PERIOD_S / 4)
         self.server.close()
 
     def _pump(self, events, counters) -> None:

@@ -412,3 +412,20 @@ def test_a_live_run_under_attack_produces_its_results(tmp_path):
     assert codes == [0, 0]
     assert outcomes.get("refused", 0) >= 1 and outcomes.get("abort refused", 0) >= 1, outcomes
     assert refusals.get("wrong secret", 0) >= 1 and refusals.get("protocol violation", 0) >= 1, refusals
+
+
+def test_run_flags_for_the_secret_are_checked(monkeypatch, capsys):
+    from flexpipe_dag.cli import main
+
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET", raising=False)
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET_FILE", raising=False)
+    assert main(["run", "--stages", "2", "--trace", "azure-conv", "--secret-file", "run.secret"]) == 2
+    assert "--secret-file: only with --listen or --launched" in capsys.readouterr().err
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--launched", "--stages", "2", "--trace", "azure-conv"]) == 2  # a stage rank without it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--secret-file: --launched needs the run secret on every rank" in err[0]
+    monkeypatch.setenv("FLEXPIPE_RUN_SECRET", "short")
+    assert main(["run", "--launched", "--stages", "2", "--trace", "azure-conv"]) == 2
+    assert "FLEXPIPE_RUN_SECRET: expected a run secret of at least 32" in capsys.readouterr().err

@@ -39,6 +39,10 @@ class BatchInferenceConfig(Config):
                                  "(`flexpipe worker --head HOST:PORT --stage S` on each) instead of spawning "
                                  "them here (PORT 0: a free port, named in the run's log); empty = every "
                                  "stage on this host")
+    secret_file: str = Field(default="", description="with control_address: the run secret workers must prove "
+                             "(`flexpipe worker --secret-file`); read if the file exists, else written there 0600; "
+                             "empty = FLEXPIPE_RUN_SECRET_FILE / FLEXPIPE_RUN_SECRET, else a new temporary file "
+                             "named in the run's log")
 
 
 def _gear(config: BatchInferenceConfig, db, ckpt):
@@ -97,11 +101,17 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     sink = StoreResultSink(db, job_id)
     for m in malformed[:50]:
         context.log.warning(f"malformed row {m.line}: {m.reason}")
+    secret, secret_path = None, None
+    if config.control_address:
+        from flexpipe_dag.runtime.control_auth import head_secret
+
+        secret, secret_path = head_secret(config.secret_file or None)
     runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s,
                                                          control_address=config.control_address or None,
-                                                         truncate_context=config.truncate_context))
+                                                         truncate_context=config.truncate_context, secret=secret))
     if config.control_address:  # the bound port (PORT 0 picks one)
-        context.log.info(f"waiting for {sum(st.replicas for st in gear.stages)} stage workers at {runtime.listen()}")
+        context.log.info(f"waiting for {sum(st.replicas for st in gear.stages)} stage workers at {runtime.listen()} "
+                         f"(run secret in {secret_path or '$FLEXPIPE_RUN_SECRET'}: `flexpipe worker --secret-file`)")
     finished = skipped = tokens = steps = refused_context = 0
     refused: dict[str, str] = {}
     truncated: dict[str, str] = {}

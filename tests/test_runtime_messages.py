@@ -71,22 +71,24 @@ def test_kinds_counters_and_config():
         SchedulerConfig(micro_batch_size=0, max_inflight_micro_batches=1)
 
 
-def test_control_store_refuses_a_malformed_event():
+def test_control_store_drops_a_malformed_event_and_goes_on():
+    """A malformed event, or one naming another worker slot, is dropped and counted; the pump goes on."""
     pytest.importorskip("torch")
     from flexpipe_dag.runtime.remote import ControlServer, connect
 
     server = ControlServer(0, 2)
     try:
-        store = connect("127.0.0.1", server.port, 10)
-        store.queue_push("events", to_json(StageReady(0, INFO)))
+        store = connect("127.0.0.1", server.port, 10, server.secret)
+        store.claim(0)
+        store.queue_push("events/0", to_json(StageReady(0, INFO)))
         events: queue.Queue = queue.Queue()
-        server.poll(store, events, [0.0] * 12)
+        server.poll(events, [0.0] * 12)
         assert events.get_nowait() == StageReady(0, INFO) and server.workers[0].pid == 42
-        store.queue_push("events", b'{"type":"StageReady","value":{"worker":9}}')
-        with pytest.raises(MessageError, match="StageReady from a remote worker: missing field"):
-            server.poll(store, events, [0.0] * 12)
-        store.queue_push("events", to_json(StageReady(9, INFO)))
-        with pytest.raises(MessageError, match="worker 9; this pipeline has 2"):
-            server.poll(store, events, [0.0] * 12)
+        store.queue_push("events/0", b'{"type":"StageReady","value":{"worker":9}}')
+        store.queue_push("events/0", to_json(StageReady(1, INFO)))  # slot 0 speaking for slot 1
+        store.queue_push("events/0", to_json(ProcessFailed(0, "boom", False)))
+        server.poll(events, [0.0] * 12)
+        assert events.get_nowait() == ProcessFailed(0, "boom", False) and events.empty()
+        assert server.ignored == {(0, "event"): 2}
     finally:
         server.close()

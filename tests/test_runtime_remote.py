@@ -50,11 +50,18 @@ def _env() -> dict:
     return env
 
 
-def _workers(address: str, stages: int, replicas: list[int] | None = None) -> list[subprocess.Popen]:
-    """One ``flexpipe worker`` process per stage replica, in its own session (not a child of the runtime)."""
+#: A run secret for tests that hand one to the head themselves.
+SECRET = "test-secret-" + "0123456789abcdef" * 3
+
+
+def _workers(address: str, stages: int, replicas: list[int] | None = None,
+             secret: str | None = None) -> list[subprocess.Popen]:
+    """One ``flexpipe worker`` process per stage replica, in its own session (not a child of the runtime),
+    holding the run ``secret`` (in FLEXPIPE_RUN_SECRET; ``None``: this process's environment)."""
+    env = _env() if secret is None else dict(_env(), FLEXPIPE_RUN_SECRET=secret)
     return [subprocess.Popen([sys.executable, "-m", "flexpipe_dag.cli", "worker", "--head", address, "--stage", str(s),
                               "--replica", str(k)],
-                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             for s, r in enumerate(replicas or [1] * stages) for k in range(r)]
 
 
@@ -75,7 +82,7 @@ def test_remote_stage_workers_match_hf_generate_and_exit_cleanly():
     reqs = requests(8, prefix="remote-")
     rt = PipelineRuntime(gear(UNEVEN3, micro_batch_size=4), checkpoint(),
                          RuntimeOptions(control_address=ANY_PORT, start_timeout_s=240))
-    procs = _workers(rt.listen(), 3)
+    procs = _workers(rt.listen(), 3, secret=rt.secret)
     try:
         with rt:
             assert [(i["layer_start"], i["layer_end"]) for i in rt.stage_info] == UNEVEN3
@@ -109,7 +116,7 @@ def test_remote_replicated_stage_matches_hf_generate():
     reqs = requests(8, prefix="remote-rep-")
     g = gear([(0, 12), (12, 30)], micro_batch_size=2, device_ids=[["a"], ["b", "c"]])
     rt = PipelineRuntime(g, checkpoint(), RuntimeOptions(control_address=ANY_PORT, start_timeout_s=240))
-    procs = _workers(rt.listen(), 2, replicas=[1, 2])
+    procs = _workers(rt.listen(), 2, replicas=[1, 2], secret=rt.secret)
     try:
         with rt:
             assert [(i["stage_index"], i["replica_index"]) for i in rt.stage_info] == [(0, 0), (1, 0), (1, 1)]
@@ -125,7 +132,7 @@ def test_remote_replicated_stage_matches_hf_generate():
 def test_killed_remote_stage_is_named_and_finished_outputs_kept():
     rt = PipelineRuntime(gear([(0, 15), (15, 30)], micro_batch_size=2), checkpoint(),
                          RuntimeOptions(control_address=ANY_PORT, start_timeout_s=240))
-    procs = _workers(rt.listen(), 2)
+    procs = _workers(rt.listen(), 2, secret=rt.secret)
     finished: list = []
     try:
         with rt:
@@ -161,15 +168,15 @@ def test_control_store_refuses_a_second_worker_and_a_stage_outside_the_gear():
     try:
         server.publish(WorkerSpec(str(checkpoint().path), checkpoint().name, [(0, 15), (15, 30)], 8, 16,
                                   replicas=[1, 2]))
-        connect("127.0.0.1", server.port, 10).add("claim/2", 1)  # stage 1 replica 1 already has a worker
+        connect("127.0.0.1", server.port, 10, server.secret).claim(2)  # stage 1 replica 1 already has a worker
         with pytest.raises(InputError, match="stage 1 replica 1 already has a worker"):
-            serve_stage(address, 1, replica=1, connect_timeout_s=10)
+            serve_stage(address, 1, replica=1, connect_timeout_s=10, secret=server.secret)
         with pytest.raises(InputError, match="2 stages"):
-            serve_stage(address, 5, connect_timeout_s=10)
+            serve_stage(address, 5, connect_timeout_s=10, secret=server.secret)
         with pytest.raises(InputError, match="stage 1 has 2 replica"):
-            serve_stage(address, 1, replica=2, connect_timeout_s=10)
+            serve_stage(address, 1, replica=2, connect_timeout_s=10, secret=server.secret)
         with pytest.raises(InputError, match="launch 4 ranks"):
-            serve_stage(address, worker=3, connect_timeout_s=10)
+            serve_stage(address, worker=3, connect_timeout_s=10, secret=server.secret)
         assert server.claimed() == [2]  # a refused worker claims nothing and tells the head nothing
     finally:
         server.close()
@@ -177,7 +184,7 @@ def test_control_store_refuses_a_second_worker_and_a_stage_outside_the_gear():
 
 def test_worker_without_a_head_says_so():
     with hold_unused_port() as port, pytest.raises(InputError, match="no FlexPipe head answered"):
-        serve_stage(f"127.0.0.1:{port}", 0, connect_timeout_s=2)
+        serve_stage(f"127.0.0.1:{port}", 0, connect_timeout_s=2, secret=SECRET)
 
 
 @pytest.mark.parametrize("text", ["nohost", "host:", ":29500", "host:99999", "host:abc", "127.0.0.1:29500:5", "::1:29500"])
@@ -209,7 +216,8 @@ def test_run_launched_under_a_launcher(tmp_path, launcher):
         cmd += ["run", "--launched", "--control-port", str(unused_port()), "--stages", "2", "--prompts", str(prompts),
                 "--out", str(out), "--max-new-tokens", "64"]
         try:
-            proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+            proc = subprocess.run(cmd, env=dict(_env(), FLEXPIPE_RUN_SECRET=SECRET), capture_output=True, text=True,
+                                  timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             raise AssertionError(f"timed out after {LAUNCH_TIMEOUT_S} s waiting for {launcher} to finish; stderr: "
                                  f"{(exc.stderr or b'')[-3000:]!r}") from None
@@ -232,6 +240,7 @@ def test_batch_inference_job_serves_stage_workers_started_elsewhere(tmp_path, mo
     from flexpipe_dag.jobs.batch import batch_inference
     from flexpipe_dag.resources.store_resource import StoreResource
 
+    monkeypatch.setenv("FLEXPIPE_RUN_SECRET", SECRET)  # the head takes it, the workers inherit it
     listening: list[str] = []  # the address the job's head bound, as its run log names it
     listen = PipelineRuntime.listen
     monkeypatch.setattr(PipelineRuntime, "listen", lambda self: listening.append(listen(self)) or listening[-1])
@@ -271,7 +280,7 @@ def test_a_refused_worker_claims_nothing_and_leaves_the_head_alone(tmp_path):
     try:
         server.publish(WorkerSpec(str(ck.path), ck.name, [(0, 15), (15, 30)], 8, 16, checkpoint_fingerprint=ck.fingerprint))
         with pytest.raises(InputError, match="--device"):
-            serve_stage(address, 1, device="cuda", connect_timeout_s=10)
+            serve_stage(address, 1, device="cuda", connect_timeout_s=10, secret=server.secret)
         other = tmp_path / ck.path.name  # same name, other weights: a changed config
         other.mkdir()
         for f in ck.path.iterdir():
@@ -281,11 +290,11 @@ def test_a_refused_worker_claims_nothing_and_leaves_the_head_alone(tmp_path):
         cfg["rope_theta"] = cfg.get("rope_theta", 10000.0) * 2
         (other / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(InputError, match="other weights"):
-            serve_stage(address, 1, model=str(other), connect_timeout_s=10)
+            serve_stage(address, 1, model=str(other), connect_timeout_s=10, secret=server.secret)
         import queue
 
         events: queue.Queue = queue.Queue()
-        server.poll(connect("127.0.0.1", server.port, 10), events, [0.0] * 12)
+        server.poll(events, [0.0] * 12)
         assert server.claimed() == [] and events.empty()
     finally:
         server.close()
@@ -313,7 +322,7 @@ def test_worker_at_a_port_that_is_not_a_head_gives_up_in_time():
     t0 = time.monotonic()
     try:
         with pytest.raises(InputError, match="no FlexPipe head answered"):
-            serve_stage(f"127.0.0.1:{srv.getsockname()[1]}", 0, connect_timeout_s=2)
+            serve_stage(f"127.0.0.1:{srv.getsockname()[1]}", 0, connect_timeout_s=2, secret=SECRET)
     finally:
         srv.close()
     assert time.monotonic() - t0 < 10

@@ -67,6 +67,10 @@ def register(subparsers) -> None:
                             "worker slot w (stages in order, replicas together); the control store listens on "
                             "MASTER_ADDR:MASTER_PORT+1 (or --control-port)")
     p.add_argument("--control-port", type=int, default=None, help="with --launched: the head's control port")
+    p.add_argument("--secret-file", type=Path, default=None,
+                   help="with --listen / --launched: the run secret every worker must prove (with --listen: read "
+                        "if the file exists, else written there 0600; default: FLEXPIPE_RUN_SECRET_FILE / "
+                        "FLEXPIPE_RUN_SECRET, else a new temporary file the startup message names)")
     p.add_argument("--start-timeout-s", type=float, default=300.0,
                    help="how long to wait for every stage to load (with --listen / --launched: to join and load)")
     p.set_defaults(func=run)
@@ -183,21 +187,30 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts, run_batch_job
+    from flexpipe_dag.runtime.control_auth import SECRET_ENV, SECRET_FILE_ENV, head_secret, resolve_secret
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
     control_address = args.listen
+    secret, secret_path = None, None
     if args.control_port is not None and not args.launched:
         raise InputError(None, "--control-port", "only with --launched (with --listen the port is part of HOST:PORT)")
+    if args.secret_file is not None and not (args.launched or args.listen):
+        raise InputError(None, "--secret-file", "only with --listen or --launched (a one-host run makes its own)")
     if args.launched:
         rank, world, control_address = launched_head(args)
+        secret = resolve_secret(args.secret_file)
+        if secret is None:
+            raise InputError(None, "--secret-file", f"--launched needs the run secret on every rank: --secret-file "
+                                                    f"FILE, or {SECRET_FILE_ENV} / {SECRET_ENV} in the environment "
+                                                    f"the launcher forwards")
         if rank > 0:  # a stage rank: everything else comes from the head
             from flexpipe_dag.core.settings import env_value
             from flexpipe_dag.runtime.remote import serve_stage
 
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             return serve_stage(control_address, worker=rank - 1, model=args.model, device=args.device,
-                               local_rank=env_value("LOCAL_RANK", int, 0))
+                               local_rank=env_value("LOCAL_RANK", int, 0), secret=secret)
     elif control_address is not None:
         from flexpipe_dag.runtime.remote import parse_address
 
@@ -242,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
     if args.launched and world != workers + 1:
         raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {workers} stage workers (a replica each): "
                                              f"launch {workers + 1} ranks (head + one per worker), got {world}")
+    if args.listen:
+        secret, secret_path = head_secret(args.secret_file)
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
                              control_address=control_address, start_timeout_s=args.start_timeout_s,
-                             truncate_context=args.truncate_context)
+                             truncate_context=args.truncate_context, secret=secret)
     runtime = PipelineRuntime(gear, ckpt, options)
     if control_address:  # a launcher stops every rank with SIGTERM when one exits: name the stage, keep results
         import signal
@@ -255,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     where = (f"waiting for {workers} stage workers at {runtime.listen()}" if control_address  # the bound port
              else "starting workers")
+    if args.listen:
+        where += (f" (run secret in {secret_path}: give each worker a copy, mode 0600, with --secret-file)"
+                  if secret_path else f" (run secret from ${SECRET_ENV})")
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
           f"{gear.max_inflight_micro_batches} in flight; {where}...", file=sys.stderr)
     with runtime:

@@ -13,7 +13,9 @@ holds the oldest in-flight micro-batch) longer than ``step_timeout_s`` fails the
 to ``on_result`` and are kept on the error.
 
 One host (default): the driver and stage workers are children of the caller (their event queue and
-shared step counters are ``multiprocessing`` objects). Several hosts (``RuntimeOptions.control_address``):
+shared step counters are ``multiprocessing`` objects); they rendezvous through an authenticated
+control store of the run's own (:mod:`~flexpipe_dag.runtime.control_store`) bound to 127.0.0.1 on a
+port the kernel picks, the run secret in their spawn arguments. Several hosts (``RuntimeOptions.control_address``):
 the caller spawns only the driver and serves a control store that stage workers started on other
 hosts join (:mod:`~flexpipe_dag.runtime.remote`); their reports and step counters arrive through it
 into the same queue and counter array, so everything below works unchanged. ``deploy/MULTIHOST.md``
@@ -35,8 +37,9 @@ from typing import TYPE_CHECKING
 from flexpipe_dag.core.dtypes import compute_dtype
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear
-from flexpipe_dag.core.host import free_port, host_memory_bytes, process_stopped
+from flexpipe_dag.core.host import host_memory_bytes, process_stopped
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
+from flexpipe_dag.runtime.control_auth import new_secret
 from flexpipe_dag.runtime.messages import (
     COUNTER_SLOTS,
     AddRequests,
@@ -63,6 +66,7 @@ from flexpipe_dag.runtime.scheduler import Request, RequestOutput
 from flexpipe_dag.runtime.worker import WorkerSpec
 
 if TYPE_CHECKING:
+    from flexpipe_dag.runtime.control_store import ControlStoreServer
     from flexpipe_dag.runtime.remote import ControlServer
 
 #: Default backend on GPUs: NCCL carries activations between stages, gloo the driver's small messages.
@@ -116,7 +120,11 @@ class RuntimeOptions:
     listens on ``PORT`` (``HOST`` names this host in messages); ``PORT`` 0 picks a free port, which
     :meth:`PipelineRuntime.listen` returns before the workers are started. ``None`` (default):
     every stage is a child of this process. ``heartbeat_timeout_s``: a remote stage silent this
-    long is lost.
+    long is lost. ``secret``: the run secret every process must prove to the control store
+    (:mod:`~flexpipe_dag.runtime.control_auth`; ``None``: a fresh one, :attr:`PipelineRuntime.secret`,
+    handed to local children in their spawn arguments; remote workers need it from a file or the
+    environment). Either way the control store binds exactly ``HOST`` (127.0.0.1 for a one-host run,
+    on a port the kernel picks).
     """
 
     dtype: str = "fp32"
@@ -134,6 +142,7 @@ class RuntimeOptions:
     heartbeat_timeout_s: float = 15.0
     max_context_tokens: int | None = None
     truncate_context: bool = False
+    secret: str | None = None
 
 
 #: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
@@ -283,6 +292,9 @@ class PipelineRuntime:
         self._on_result: Callable[[RequestOutput], None] | None = None
         self._started = False
         self._control: ControlServer | None = None  # when the stages are remote
+        self._local_store: ControlStoreServer | None = None  # the rendezvous of a one-host run
+        #: the run secret (RuntimeOptions.secret, or a fresh one)
+        self.secret = self.options.secret or new_secret()
         self._abort_reason: str | None = None
         self._layout = gear_lane_layout(gear)
 
@@ -295,11 +307,22 @@ class PipelineRuntime:
         return WorkerSpec(checkpoint_path=str(self.ckpt.path), checkpoint_name=self.ckpt.name,
                           ranges=self.gear.layer_ranges(), num_blocks=kv_num_blocks(self.gear),
                           block_size_tokens=self.gear.kv_block_size_tokens, dtype=o.dtype, device=o.device,
-                          backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                          control_address=f"127.0.0.1:{self._control.port}" if self._control else None,
+                          backend=backend, control_address=self._store_address(),
+                          control_secret=self.secret, loopback_only=self._control is None,
                           threads_per_rank=o.threads_per_rank, fault=dict(o.fault),
                           replicas=[st.replicas for st in self.gear.stages],
                           checkpoint_fingerprint=self.ckpt.fingerprint if self._control else "")
+
+    def _store_address(self) -> str:
+        """``HOST:PORT`` of the control store the ranks rendezvous through: the remote head's, or a
+        store of this run's own on 127.0.0.1 (the kernel picks the port: no free-port race)."""
+        if self._control is not None:
+            return self._control.local_address
+        if self._local_store is None:
+            from flexpipe_dag.runtime.control_store import ControlStoreServer
+
+            self._local_store = ControlStoreServer("127.0.0.1", 0, self.secret)
+        return f"127.0.0.1:{self._local_store.port}"
 
     @property
     def stage_info(self) -> list[dict]:
@@ -380,7 +403,8 @@ class PipelineRuntime:
             from flexpipe_dag.runtime.remote import ControlServer, parse_address
 
             host, port = parse_address(self.options.control_address, "control_address")
-            self._control = ControlServer(port, self._layout.num_workers, self.options.heartbeat_timeout_s, host=host)
+            self._control = ControlServer(port, self._layout.num_workers, self.options.heartbeat_timeout_s, host=host,
+                                          secret=self.secret)
         return self._control.address
 
     @property
@@ -429,6 +453,9 @@ class PipelineRuntime:
             self._control.abort("the pipeline stopped")
             self._control.close()
             self._control = None
+        if self._local_store is not None:
+            self._local_store.close()
+            self._local_store = None
 
     def __enter__(self) -> PipelineRuntime:
         self.start()

@@ -6,18 +6,22 @@ the scheduler and the results) spawns only the driver and *waits for stage worke
 elsewhere*: ``flexpipe worker --head HOST:PORT --stage S`` on each stage's host, or every rank of
 ``flexpipe run --launched`` under DeepSpeed's launcher (hostfile) or ``torch.distributed.run``.
 
-Everything between head and workers goes through one ``torch.distributed.TCPStore`` that the head
-serves on ``PORT`` (the only port to open besides the backend's own data connections):
+Everything between head and workers goes through the head's control store
+(:mod:`~flexpipe_dag.runtime.control_store`), served on ``PORT`` of exactly the interface ``HOST``
+names (the only port to open besides the backend's own data connections). Every process proves
+the run secret (``--secret-file`` / :data:`~flexpipe_dag.runtime.control_auth.SECRET_FILE_ENV`,
+:mod:`~flexpipe_dag.runtime.control_auth`) before it may read or write anything, every request is
+MAC'd and sequenced, and a worker writes only the keys of the slot it claimed:
 
 * ``claim/<w>``: a worker claims worker slot ``w`` (stage ``s`` without replicas; a second
-  claimant is refused);
+  claimant is refused); its connections are then bound to ``w``;
 * ``spec``: the :class:`~flexpipe_dag.runtime.worker.WorkerSpec` as JSON (layer ranges, KV pool,
   dtype, backend), published by the head; every worker loads *its own* copy of the model (same
   model name required, path may differ per host);
 * ``pg/...``: the ``torch.distributed`` rendezvous of driver + stages (gloo on CPU, NCCL on GPU);
-* ``events`` (a store queue): :class:`~flexpipe_dag.runtime.messages.StageReady` /
-  :class:`~flexpipe_dag.runtime.messages.ProcessFailed` reports as JSON, the events local workers
-  put on their ``multiprocessing`` queue;
+* ``events/<w>`` (a store queue): :class:`~flexpipe_dag.runtime.messages.StageReady` /
+  :class:`~flexpipe_dag.runtime.messages.ProcessFailed` reports of worker ``w`` as JSON, the
+  events local workers put on their ``multiprocessing`` queue (one naming another worker is dropped);
 * ``hb/<w>``: a heartbeat every :data:`HEARTBEAT_PERIOD_S` carrying the stage's step counters
   (steps, busy seconds, age of the running step), mirrored by the head into the same counter
   array local workers write, so the watchdog and live metrics work unchanged;
@@ -33,12 +37,14 @@ left holding a GPU.
 Nothing read from the store is unpickled: the spec and the events are JSON checked field by field
 on receipt (:func:`~flexpipe_dag.runtime.messages.from_json`, a
 :class:`~flexpipe_dag.runtime.messages.MessageError` names what is wrong), heartbeats and
-observation rows fixed ``struct`` / ``float64`` layouts.
+observation rows fixed ``struct`` / ``float64`` layouts whose sizes are checked. A malformed
+report is dropped and logged once per worker and kind; the run goes on.
 """
 
 from __future__ import annotations
 
 import array
+import logging
 import os
 import queue
 import signal
@@ -47,10 +53,11 @@ import struct
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.control_auth import SECRET_FILE_ENV, SecretRefused, new_secret
+from flexpipe_dag.runtime.control_store import ClaimRefused, ControlStoreServer, StoreLimits
 from flexpipe_dag.runtime.messages import (
     COUNTER_SLOTS,
     MessageError,
@@ -67,6 +74,8 @@ from flexpipe_dag.runtime.worker import WorkerSpec
 if TYPE_CHECKING:
     from flexpipe_dag.runtime.observations import RingReader
 
+log = logging.getLogger(__name__)
+
 __all__ = ["ControlServer", "HeartbeatCounters", "RemoteStage", "StoreEvents", "connect", "fetch_spec",
            "parse_address", "serve_stage"]
 
@@ -76,18 +85,19 @@ HEARTBEAT_PERIOD_S = 0.2
 DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
 #: A remote stage silent this long when a run fails is taken as the failure's cause.
 SILENT_AT_FAILURE_S = 3 * HEARTBEAT_PERIOD_S + 0.2
-_EVENTS = "events"
 _HB = struct.Struct(f"<qd{COUNTER_SLOTS}d")  # sequence, sender's monotonic clock, the worker's counter row
 _OBS = struct.Struct("<dq")  # sender's monotonic clock, rows dropped so far; then float64 ring rows
+#: Most observation rows in one pushed item (keeps each under the store's value limit).
+_OBS_ROWS_PER_ITEM = 1024
 
 
 class StoreEvents:
     """Worker side of the event channel: ``put(event)`` pushes a :class:`StageReady` or
-    :class:`ProcessFailed` as JSON onto the store queue. ``on_ready(info)`` is called with the
-    stage's :class:`~flexpipe_dag.runtime.messages.StageInfo` (its observation ring's path)."""
+    :class:`ProcessFailed` as JSON onto worker ``worker``'s store queue. ``on_ready(info)`` is called
+    with the stage's :class:`~flexpipe_dag.runtime.messages.StageInfo` (its observation ring's path)."""
 
-    def __init__(self, store, on_ready=None, name: str = "worker"):
-        self._store = store
+    def __init__(self, store, worker: int, on_ready=None, name: str = "worker"):
+        self._store, self._queue = store, f"events/{worker}"
         self._lock = threading.Lock()
         self._on_ready = on_ready
         self.name = name
@@ -101,7 +111,7 @@ class StoreEvents:
             print(f"flexpipe worker ({self.name}): {event.message.strip().splitlines()[0]}", file=sys.stderr, flush=True)
         try:
             with self._lock:
-                self._store.queue_push(_EVENTS, to_json(event))
+                self._store.queue_push(self._queue, to_json(event))
         except Exception:
             pass
 
@@ -173,9 +183,9 @@ class HeartbeatCounters:
         if ring is None:
             return
         rows = ring.read_new()
-        if len(rows):
+        for i in range(0, len(rows), _OBS_ROWS_PER_ITEM):
             header = _OBS.pack(time.monotonic(), ring.dropped)
-            self._store.queue_push(f"obs/{self.worker}", header + rows.astype("<f8").tobytes())
+            self._store.queue_push(f"obs/{self.worker}", header + rows[i:i + _OBS_ROWS_PER_ITEM].astype("<f8").tobytes())
 
 
 class RemoteStage:
@@ -236,33 +246,36 @@ class ControlServer:
     """The head's control store and the thread that mirrors remote workers into the local runtime.
 
     Args:
-        port: TCP port to serve on (all interfaces); 0 picks a free one (see :attr:`port`).
+        port: TCP port to serve on; 0 lets the kernel pick one (see :attr:`port`).
         num_workers: stage workers the pipeline needs (one per stage replica).
         heartbeat_timeout_s: silence after which a stage is reported lost.
+        host: the interface to bind, exactly (``0.0.0.0`` / ``::``: every interface, on request only).
+        secret: the run secret workers must prove (``None``: a fresh one, :attr:`secret`).
+        limits: the store's quotas (:class:`~flexpipe_dag.runtime.control_store.StoreLimits`).
 
     Raises:
-        InputError: the port cannot be bound.
+        InputError: the address cannot be bound.
     """
 
     def __init__(self, port: int, num_workers: int, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 host: str = ""):
-        import torch.distributed as dist
-
-        try:  # torch's TCPStore listens on every interface, whatever host it is given
-            self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=30))
-        except Exception as exc:
+                 host: str = "127.0.0.1", secret: str | None = None, limits: StoreLimits | None = None):
+        #: the run secret every worker must hold
+        self.secret = secret or new_secret()
+        try:
+            self.server = ControlStoreServer(host, port, self.secret, num_workers, limits)
+        except OSError as exc:
             raise InputError(None, "control address (--listen / control_address)",
-                             f"cannot serve the control store on port {port}: {_first_line(exc)}") from None
-        self.port = self._store.port
+                             f"cannot serve the control store on {host}:{port}: {exc}") from None
+        self.port = self.server.port
         self._host = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.workers = [RemoteStage(self, w) for w in range(num_workers)]
-        # Store.clone is a method of torch's c10d Store at runtime, missing from torch/_C/_distributed_c10d.pyi
-        self._main = self._store.clone()  # type: ignore[attr-defined]
+        self._main = self.server.local
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: (worker, what) -> reports dropped as malformed (logged once each)
+        self.ignored: dict[tuple[int, str], int] = {}
 
     @property
     def address(self) -> str:
@@ -270,96 +283,136 @@ class ControlServer:
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"{host}:{self.port}"
 
+    @property
+    def local_address(self) -> str:
+        """``host:port`` a process on this host (the driver) reaches the store at."""
+        host = self.server.connect_host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
     def publish(self, spec: WorkerSpec) -> None:
-        """Hand the pipeline spec to the workers (they block on it after claiming their stage)."""
-        with self._lock:
-            self._main.set("spec", to_json(spec))
+        """Hand the pipeline spec to the workers (they block on it after claiming their stage); the
+        secret is left out (every worker holds it already)."""
+        import dataclasses
+
+        self._main.set("spec", to_json(dataclasses.replace(spec, control_secret="")))
 
     def claimed(self) -> list[int]:
         """Worker slots claimed so far."""
-        with self._lock:
-            return [w for w in range(len(self.workers)) if self._main.check([f"claim/{w}"])]
+        return [w for w in range(len(self.workers)) if self._main.claimed(w)]
 
     def abort(self, reason: str) -> None:
-        """Tell every remote worker to exit (idempotent; best effort once the store is gone)."""
+        """Tell every remote worker to exit (idempotent)."""
         try:
-            with self._lock:
-                self._main.set("abort", reason)
+            self._main.set("abort", reason)
         except Exception:
             pass
 
     def start(self, events: queue.Queue, counters) -> None:
         """Start mirroring: remote events onto ``events``, heartbeats into ``counters``."""
         self._sinks = (events, counters)
-        store = self._store.clone()  # type: ignore[attr-defined]  # in torch, not in its stub (see __init__)
-        self._thread = threading.Thread(target=self._pump, args=(store, events, counters),
+        self._thread = threading.Thread(target=self._pump, args=(events, counters),
                                         name="flexpipe-control-pump", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop mirroring after one last pass (the store itself closes with this object)."""
+    def close(self, abort_grace_s: float = 4 * HEARTBEAT_PERIOD_S) -> None:
+        """Stop mirroring after one last pass, then close the store; after :meth:`abort`, first give
+        live workers up to ``abort_grace_s`` to read it (their next heartbeat) and report their exit."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
-            try:
-                with self._lock:
-                    self.poll(self._main, *self._sinks)
-            except Exception:
-                pass
+            deadline = time.monotonic() + (abort_grace_s if self._main.check(["abort"]) else 0.0)
+            while True:
+                try:
+                    self.poll(*self._sinks)
+                except Exception:
+                    break
+                if time.monotonic() >= deadline or not any(st.last_beat is not None and st.is_alive()
+                                                           for st in self.workers):
+                    break
+                time.sleep(HEARTBEAT_PERIOD_S / 4)
+        self.server.close()
 
-    def _pump(self, store, events, counters) -> None:
+    def _pump(self, events, counters) -> None:
         try:
             while not self._stop.is_set():
-                self.poll(store, events, counters)
+                self.poll(events, counters)
                 self._stop.wait(HEARTBEAT_PERIOD_S / 4)
         except Exception as exc:
             if not self._stop.is_set():
                 events.put(ProcessFailed("driver", f"control store failed: {type(exc).__name__}: {exc}", True))
 
-    def poll(self, store, events, counters) -> None:
-        """One pass: drain the event queue, mirror heartbeats and exit codes (public for tests).
+    def _ignore(self, worker: int, what: str, why: object) -> None:
+        key = (worker, what)
+        self.ignored[key] = self.ignored.get(key, 0) + 1
+        if self.ignored[key] == 1:
+            log.warning("control store: dropped a malformed %s from worker slot %d: %s (further ones counted)",
+                        what, worker, why)
 
-        Raises:
-            MessageError: a worker sent an event that is not a valid :class:`StageReady` /
-                :class:`ProcessFailed`, or one for a worker slot this pipeline does not have.
-        """
-        while store.queue_len(_EVENTS) > 0:
-            ev = from_json((StageReady, ProcessFailed), store.queue_pop(_EVENTS, False), "a remote worker")
-            w = ev.worker if isinstance(ev, StageReady) else ev.source
-            if isinstance(w, int) and not 0 <= w < len(self.workers):
-                raise MessageError(f"a remote worker reported as worker {w}; this pipeline has "
-                                   f"{len(self.workers)} (0..{len(self.workers) - 1})")
+    def poll(self, events, counters) -> None:
+        """One pass (public for tests): drain every worker's event queue, mirror heartbeats, exit codes
+        and observation rows. A malformed report (not a valid :class:`StageReady` /
+        :class:`ProcessFailed`, one naming another worker, a heartbeat or observation item of the
+        wrong size, an exit status that is not an integer) is dropped and counted in :attr:`ignored`."""
+        with self._lock:
+            now = time.monotonic()
+            for st in self.workers:
+                self._receive_events(st, events)
+                self._receive_observations(st, now)
+                self._receive_status(st, counters, now)
+
+    def _receive_events(self, st: RemoteStage, events) -> None:
+        store, w = self._main, st.worker
+        while store.queue_len(f"events/{w}") > 0:
+            try:
+                ev = from_json((StageReady, ProcessFailed), store.queue_pop(f"events/{w}"), f"worker slot {w}")
+            except MessageError as exc:
+                self._ignore(w, "event", exc)
+                continue
+            sender = ev.worker if isinstance(ev, StageReady) else ev.source
+            if sender != w:
+                self._ignore(w, "event", f"it names worker {sender!r}")
+                continue
             if isinstance(ev, StageReady):
-                st = self.workers[ev.worker]
                 st.pid, st.host = ev.info.pid, ev.info.host
             events.put(ev)
-        now = time.monotonic()
-        for st in self.workers:
-            w = st.worker
-            self._receive_observations(store, st, now)
-            if st.exitcode is None and store.check([f"exit/{w}"]):
-                st.exitcode = int(store.get(f"exit/{w}"))
-            if not store.check([f"hb/{w}"]):
-                continue
-            seq, sent_at, *fields = _HB.unpack(store.get(f"hb/{w}"))
-            if seq == st._seq:
-                continue
-            st._seq, st.last_beat = seq, now
-            base = counter_index(w + 1, 0)
-            for i, v in enumerate(fields):
-                if i == WorkerCounter.STEP_STARTED and v:
-                    v = now - (sent_at - v)  # the worker's clock -> ours, via the step's age
-                counters[base + i] = v
 
-    @staticmethod
-    def _receive_observations(store, st: RemoteStage, now: float) -> None:
+    def _receive_status(self, st: RemoteStage, counters, now: float) -> None:
+        store, w = self._main, st.worker
+        if st.exitcode is None and store.check([f"exit/{w}"]):
+            try:
+                st.exitcode = int(store.get(f"exit/{w}"))
+            except ValueError as exc:
+                self._ignore(w, "exit status", exc)
+                store.delete_key(f"exit/{w}")
+        if not store.check([f"hb/{w}"]):
+            return
+        blob = store.get(f"hb/{w}")
+        if len(blob) != _HB.size:
+            self._ignore(w, "heartbeat", f"{len(blob)} bytes, expected {_HB.size}")
+            store.delete_key(f"hb/{w}")
+            return
+        seq, sent_at, *fields = _HB.unpack(blob)
+        if seq == st._seq:
+            return
+        st._seq, st.last_beat = seq, now
+        base = counter_index(w + 1, 0)
+        for i, v in enumerate(fields):
+            if i == WorkerCounter.STEP_STARTED and v:
+                v = now - (sent_at - v)  # the worker's clock -> ours, via the step's age
+            counters[base + i] = v
+
+    def _receive_observations(self, st: RemoteStage, now: float) -> None:
         import numpy as np
 
         from flexpipe_dag.runtime.observations import COLUMNS, NUM_COLUMNS
 
         t_end = COLUMNS.index("t_end_s")
-        while store.queue_len(f"obs/{st.worker}") > 0:
-            blob = store.queue_pop(f"obs/{st.worker}", False)
+        store, key = self._main, f"obs/{st.worker}"
+        while store.queue_len(key) > 0:
+            blob = store.queue_pop(key)
+            if len(blob) < _OBS.size or (len(blob) - _OBS.size) % (8 * NUM_COLUMNS):
+                self._ignore(st.worker, "observation item", f"{len(blob)} bytes is not a header + whole rows")
+                continue
             sent_at, st.dropped = _OBS.unpack_from(blob)
             rows = np.frombuffer(blob, dtype="<f8", offset=_OBS.size).reshape(-1, NUM_COLUMNS).copy()
             rows[:, t_end] = now - (sent_at - rows[:, t_end])  # the worker's clock -> ours
@@ -372,20 +425,25 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def fetch_spec(host: str, port: int, timeout_s: float):
-    """Connect to a head's control store and read its spec, in at most ``timeout_s``: ``(store, spec)``.
+#: The flag a worker names when its secret is missing or wrong.
+SECRET_FLAG = f"--secret-file (or {SECRET_FILE_ENV})"
 
-    Runs on a helper thread, because a TCPStore client that reached something other than a
-    FlexPipe head can wait forever.
+
+def fetch_spec(host: str, port: int, timeout_s: float, secret: str):
+    """Connect to a head's control store with the run ``secret`` and read its spec, in at most
+    ``timeout_s``: ``(store, spec)``.
+
+    Runs on a helper thread, so a port that accepts but never answers cannot hold the worker.
 
     Raises:
-        InputError: no head answered in time (naming ``--head``).
+        InputError: the head refused the secret (naming ``--secret-file``), or no head answered in
+            time (naming ``--head``).
     """
     box: dict = {}
 
     def attempt() -> None:
         try:
-            store = connect(host, port, timeout_s)
+            store = connect(host, port, timeout_s, secret)
             box["value"] = (store, store.get("spec"))
         except Exception as exc:
             box["error"] = exc
@@ -400,13 +458,16 @@ def fetch_spec(host: str, port: int, timeout_s: float):
         except MessageError as exc:
             raise InputError(None, "--head", f"the head at {host}:{port} sent a pipeline spec this worker cannot "
                                              f"read (another FlexPipe version?): {exc}") from None
+    if isinstance(box.get("error"), SecretRefused):
+        raise InputError(None, SECRET_FLAG, f"the head at {host}:{port} refused this worker's run secret "
+                                            f"({box['error']}); expected the secret file that head wrote") from None
     why = _first_line(box["error"]) if "error" in box else "no answer (is that port a FlexPipe head?)"
     raise InputError(None, "--head", f"no FlexPipe head answered at {host}:{port} within {timeout_s:.0f} s: {why}")
 
 
 def serve_stage(head: str, stage: int | None = None, model=None, device: str | None = None, local_rank: int = 0,
                 connect_timeout_s: float = 600.0, threads: int | None = None, replica: int = 0,
-                worker: int | None = None) -> int:
+                worker: int | None = None, secret: str | None = None) -> int:
     """Run one replica of one stage of the pipeline whose head serves ``head`` (``HOST:PORT``) until it stops.
 
     Waits for the head's spec, claims ``(stage, replica)`` (or worker index ``worker``, rank - 1
@@ -414,23 +475,30 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
     directory, GGUF file, or ``None`` for SmolLM2; it must be the model the head serves), joins
     the process group and serves. On a CUDA pipeline the stage runs on ``cuda:<local_rank mod this
     host's GPU count>``; ``device`` (``"cpu"`` / ``"cuda"``), when given, must match the head's.
+    ``secret`` is the run secret (the file the head wrote; ``None``: read from
+    :data:`~flexpipe_dag.runtime.control_auth.SECRET_FILE_ENV` / ``FLEXPIPE_RUN_SECRET``).
     Returns the exit status (0 after a clean stop).
 
     Raises:
-        InputError: a bad address, no head, a stage / replica outside the gear or already served,
-            another model or device.
+        InputError: no secret or a wrong one, a bad address, no head, a stage / replica outside the
+            gear or already served, another model or device.
     """
+    from flexpipe_dag.runtime.control_auth import secret_from_env
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.worker import worker_main
 
     host, port = parse_address(head, "--head")
+    secret = secret or secret_from_env()
+    if secret is None:
+        raise InputError(None, SECRET_FLAG, "expected the run's secret: the file the head wrote (its startup "
+                                            "message names it), or FLEXPIPE_RUN_SECRET")
     if stage is None and worker is None:
         raise InputError(None, "--stage", "expected a stage index")
     for flag, value in (("--stage", stage), ("--replica", replica), ("RANK", worker)):
         if value is not None and value < 0:
             raise InputError(None, flag, f"expected an index >= 0, got {value}")
     ckpt = resolve_checkpoint(model)
-    store, spec = fetch_spec(host, port, connect_timeout_s)
+    store, spec = fetch_spec(host, port, connect_timeout_s, secret)
     layout = spec.layout()
     if worker is None:
         if stage >= spec.num_stages:
@@ -451,10 +519,13 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
     if spec.checkpoint_fingerprint and ckpt.fingerprint != spec.checkpoint_fingerprint:
         raise InputError(None, "--model", f"the head serves {spec.checkpoint_name!r} (weights {spec.checkpoint_fingerprint}); "
                                           f"{ckpt.path} holds other weights ({ckpt.fingerprint})")
-    if store.add(f"claim/{worker}", 1) != 1:
-        raise InputError(None, "--stage", f"{name} already has a worker at {host}:{port}")
+    try:
+        store.claim(worker)
+    except ClaimRefused:
+        raise InputError(None, "--stage", f"{name} already has a worker at {host}:{port}") from None
     spec.checkpoint_path = str(ckpt.path)
     spec.control_address = f"{host}:{port}"
+    spec.control_secret = secret
     if spec.device == "cuda":  # modulo: the head's host also gives the head a local rank (it takes no GPU)
         import torch
 
@@ -462,7 +533,7 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
     if threads:
         spec.threads_per_rank = threads
     counters = HeartbeatCounters(store, worker, spec.world_size, name=name)
-    events = StoreEvents(store, on_ready=counters.watch_ring, name=name)
+    events = StoreEvents(store, worker, on_ready=counters.watch_ring, name=name)
     result: dict = {"code": 0}
 
     def serve() -> None:

@@ -1,12 +1,10 @@
-"""Reaching the head's control store: ``HOST:PORT`` parsing and a store client.
+"""Reaching the head's control store: ``HOST:PORT`` parsing and an authenticated store client.
 
 Both the head (:mod:`~flexpipe_dag.runtime.remote`) and every rank's process-group set-up
 (:func:`~flexpipe_dag.runtime.worker.setup_process`) use these, so they live apart from both.
 """
 
 from __future__ import annotations
-
-from datetime import timedelta
 
 from flexpipe_dag.core.errors import InputError
 
@@ -25,9 +23,34 @@ def parse_address(text: str, field: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def connect(host: str, port: int, timeout_s: float):
-    """A ``torch.distributed.TCPStore`` client of the head's control store (retries until the head
-    is up or ``timeout_s`` seconds pass)."""
+def connect(host: str, port: int, timeout_s: float, secret: str):
+    """An authenticated client (:class:`~flexpipe_dag.runtime.control_store.ControlStoreClient`, a
+    ``torch.distributed.Store``) of the head's control store; retries until the head is up or
+    ``timeout_s`` seconds pass.
+
+    Raises:
+        SecretRefused: the head refused ``secret`` (or could not prove it holds it).
+        ConnectionError: nothing listened within ``timeout_s``.
+    """
+    from flexpipe_dag.runtime.control_store import ControlStoreClient
+
+    return ControlStoreClient(host, port, secret, timeout_s)
+
+
+#: Clients behind the process-group stores this process made: torch's C++ PrefixStore holds only the
+#: C++ half of a Python ``Store`` subclass, whose Python methods vanish once the object is collected.
+_PG_CLIENTS: list = []
+
+
+def process_group_store(host: str, port: int, timeout_s: float, secret: str):
+    """The ``torch.distributed`` store for ``init_process_group(store=...)``: the head's control store
+    under the ``pg/`` prefix, kept alive for this process's lifetime.
+
+    Raises:
+        As :func:`connect`.
+    """
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    client = connect(host, port, timeout_s, secret)
+    _PG_CLIENTS.append(client)
+    return dist.PrefixStore("pg", client)

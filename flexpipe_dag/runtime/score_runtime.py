@@ -9,7 +9,9 @@ and hands back each unit's scored tokens.
 Two ways to start the ranks, one rank body (:func:`run_score_rank`):
 
 * :func:`run_score_job` (``flexpipe run --score``): this host, one process per stage,
-  results written to a sink as rows complete, a watchdog naming a failed stage;
+  results written to a sink as rows complete, a watchdog naming a failed stage; the ranks
+  rendezvous through an authenticated control store of the job's own on 127.0.0.1, port picked by
+  the kernel (:mod:`~flexpipe_dag.runtime.control_store`), not a TCPStore on every interface;
 * ``python -m flexpipe_dag.runtime.score_launch`` under DeepSpeed's launcher with a hostfile, or
   ``torch.distributed.run``: ranks on several hosts, rendezvous from ``MASTER_ADDR`` /
   ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` (see ``deploy/MULTIHOST.md``).
@@ -35,7 +37,6 @@ from datetime import timedelta
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
-from flexpipe_dag.core.host import free_port
 from flexpipe_dag.runtime.batch import MalformedRow, PromptRow, ResultSink
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint
 from flexpipe_dag.runtime.scoring import (
@@ -121,10 +122,12 @@ class ScoreReport:
         return self.forward_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-def run_score_rank(spec: ScoreSpec, emit: Callable[[tuple], None], counters=None) -> None:
+def run_score_rank(spec: ScoreSpec, emit: Callable[[tuple], None], counters=None, store=None) -> None:
     """Body of one rank. Rank, world size and rendezvous come from the environment (``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as set by DeepSpeed's
-    launcher, ``torch.distributed.run``, or :func:`score_rank_main`.
+    launcher, ``torch.distributed.run``, or :func:`score_rank_main`; with ``store`` (a
+    ``torch.distributed.Store``) the process group rendezvous through it instead, and DeepSpeed
+    takes that group over.
 
     Emits ``("ready", stage, info)``, then on the last stage ``("scores", [(unit_index, [logprob, ...]), ...])``
     after each batch, and ``("done", stage)`` on every stage.
@@ -148,6 +151,11 @@ def run_score_rank(spec: ScoreSpec, emit: Callable[[tuple], None], counters=None
     torch.set_num_threads(spec.threads_per_rank)
     if spec.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if store is not None:
+        import torch.distributed as dist
+
+        dist.init_process_group(spec.backend, store=store, rank=int(os.environ["RANK"]), world_size=world,
+                                timeout=timedelta(days=1))
     deepspeed.init_distributed(dist_backend=spec.backend, auto_mpi_discovery=False, verbose=False,
                                timeout=timedelta(days=1))
     stage = int(os.environ["RANK"])
@@ -183,14 +191,18 @@ def run_score_rank(spec: ScoreSpec, emit: Callable[[tuple], None], counters=None
     emit(("done", stage))
 
 
-def score_rank_main(rank: int, spec: ScoreSpec, master_port: int, events, counters) -> None:
-    """Entry point of a spawned rank on this host: sets the rendezvous environment, runs
+def score_rank_main(rank: int, spec: ScoreSpec, store_port: int, secret: str, events, counters) -> None:
+    """Entry point of a spawned rank on this host: sets the rank's environment, joins the process
+    group through the job's control store (``127.0.0.1:store_port``, proving ``secret``), runs
     :func:`run_score_rank`, reports ``("error", stage, message)`` and exits non-zero on failure."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.num_stages),
-                       "LOCAL_SIZE": str(spec.num_stages), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": str(spec.threads_per_rank)})
+                       "LOCAL_SIZE": str(spec.num_stages), "MASTER_ADDR": "127.0.0.1",  # names DeepSpeed's shm only
+                       "MASTER_PORT": str(store_port), "OMP_NUM_THREADS": str(spec.threads_per_rank)})
     try:
-        run_score_rank(spec, events.put, counters)
+        from flexpipe_dag.runtime.rendezvous import process_group_store
+
+        store = process_group_store("127.0.0.1", store_port, 300.0, secret)
+        run_score_rank(spec, events.put, counters, store=store)
     except BaseException as exc:  # report, then die: the parent names this stage
         events.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
         raise SystemExit(1) from None
@@ -273,9 +285,13 @@ def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
     ctx = process_context(opts.start_method)
     events = ctx.Queue()
     counters = ctx.RawArray("d", _FIELDS * spec.num_stages)
-    port = free_port()
+    from flexpipe_dag.runtime.control_auth import new_secret
+    from flexpipe_dag.runtime.control_store import ControlStoreServer
+
+    secret = new_secret()
+    control = ControlStoreServer("127.0.0.1", 0, secret)  # loopback only, the kernel's port: no race
     procs = [ctx.Process(target=score_rank_main, name=f"flexpipe-score-{s}", daemon=True,
-                         args=(s, spec, port, events, counters)) for s in range(spec.num_stages)]
+                         args=(s, spec, control.port, secret, events, counters)) for s in range(spec.num_stages)]
     t_launch = time.monotonic()
     for p in procs:
         p.start()
@@ -334,6 +350,7 @@ def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        control.close()
     report.finished, report.scored_tokens = collector.finished, collector.scored_tokens
     report.forward_tokens = collector.forward_tokens
     report.stage_info = [info[s] for s in sorted(info)]

@@ -5,7 +5,8 @@ dims), then the payload as a ``uint8`` tensor (JSON of the kind's dataclass,
 :data:`~flexpipe_dag.runtime.messages.PAYLOAD_TYPES`; checked on receipt, never unpickled), then
 the tensor itself. Shapes travel
 ahead of data, so the receiver allocates exactly and sequence lengths may change every step
-(gloo aborts on a size mismatch otherwise). The header and metadata always travel in host memory
+(gloo aborts on a size mismatch otherwise); what a header claims is checked against
+:data:`MAX_PAYLOAD_BYTES` and :data:`MAX_TENSOR_BYTES` before anything is allocated. The header and metadata always travel in host memory
 (gloo), the tensor on ``device``: host memory under gloo, the rank's GPU under the
 ``cpu:gloo,cuda:nccl`` backend (NCCL). Because headers are gloo messages, a rank that is fed by
 several others (stage replicas) can take the next header from whichever sender is ready
@@ -32,6 +33,10 @@ from flexpipe_dag.runtime.messages import (
 _HEADER_LEN = 8
 _NO_PAYLOAD = b"null"  # a kind without payload still sends a (non-empty) one
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
+#: Largest JSON payload a header may announce, bytes (a micro-batch's metadata is kilobytes).
+MAX_PAYLOAD_BYTES = 64 << 20
+#: Largest tensor a header may announce, bytes (a micro-batch's activations are megabytes).
+MAX_TENSOR_BYTES = 4 << 30
 
 
 class TransportError(RuntimeError):
@@ -97,8 +102,17 @@ def recv_message_any(device: torch.device | str = "cpu") -> tuple[int, MessageKi
 def _rest(src: int, header: torch.Tensor, device) -> tuple[MessageKind, Any, torch.Tensor | None]:
     h = header.tolist()
     nbytes, ndim = h[1], h[2]
-    if h[0] not in MessageKind._value2member_map_ or nbytes < 0 or ndim > 4 or not -1 <= h[3] < len(_DTYPES):
+    if (h[0] not in MessageKind._value2member_map_ or not 0 <= nbytes <= MAX_PAYLOAD_BYTES or not -1 <= ndim <= 4
+            or not -1 <= h[3] < len(_DTYPES) or (ndim >= 0 and h[3] < 0)
+            or any(d < 0 for d in h[4:4 + max(ndim, 0)])):
         raise TransportError(f"malformed header from rank {src}: {h}")
+    if ndim >= 0:
+        elements = 1
+        for d in h[4:4 + ndim]:
+            elements *= d
+        if elements * _DTYPES[h[3]].itemsize > MAX_TENSOR_BYTES:
+            raise TransportError(f"header from rank {src} announces a tensor of {h[4:4 + ndim]} {_DTYPES[h[3]]} "
+                                 f"over the {MAX_TENSOR_BYTES}-byte limit")
     kind = MessageKind(h[0])
     buf = torch.empty(nbytes, dtype=torch.uint8)
     dist.recv(buf, src)

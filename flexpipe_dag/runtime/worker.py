@@ -65,9 +65,14 @@ class WorkerSpec:
     dtype: str = "fp32"
     device: str = "cpu"
     backend: str = "gloo"
-    init_method: str = "tcp://127.0.0.1:29500"
-    #: ``HOST:PORT`` of the head's control store (remote workers); the rendezvous then goes through it
+    #: ``HOST:PORT`` of the head's control store (:mod:`~flexpipe_dag.runtime.control_store`); every
+    #: rank's process-group rendezvous goes through it
     control_address: str | None = None
+    #: the run secret (:mod:`~flexpipe_dag.runtime.control_auth`): in the spawn arguments of local
+    #: children, never in the spec the head publishes (remote workers set their own)
+    control_secret: str = ""
+    #: every rank on this host: the backend's data connections stay on the loopback interface too
+    loopback_only: bool = False
     threads_per_rank: int = 1
     fault: dict = field(default_factory=dict)  # test hook: {"stage": s, "raise_after_steps": n}
     #: replicas per stage (None: one each); worker w serves layout().locate(w)
@@ -101,22 +106,30 @@ class WorkerSpec:
 
 def setup_process(spec: WorkerSpec, rank: int) -> None:
     """Thread limits and ``torch.distributed`` init for one rank (long timeout: the parent's watchdog
-    decides when a step hangs, an idle pipeline must not time out)."""
+    decides when a step hangs, an idle pipeline must not time out). The rendezvous goes through the
+    head's authenticated control store (``spec.control_address``, keys ``pg/...``).
+
+    Raises:
+        ValueError: the spec names no control store.
+    """
     os.environ["OMP_NUM_THREADS"] = str(spec.threads_per_rank)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(spec.threads_per_rank)
-    if spec.control_address:  # stages on other hosts: rendezvous through the head's control store
-        from flexpipe_dag.runtime.rendezvous import connect, parse_address
+    if spec.loopback_only:  # gloo / NCCL listen on the interface of this host's name otherwise
+        lo = next((name for _i, name in socket.if_nameindex() if name.startswith("lo")), None)
+        if lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+    if not spec.control_address:
+        raise ValueError("WorkerSpec.control_address: expected the head's control store HOST:PORT")
+    from flexpipe_dag.runtime.rendezvous import parse_address, process_group_store
 
-        host, port = parse_address(spec.control_address, "control_address")
-        store = dist.PrefixStore("pg", connect(host, port, timeout_s=300.0))
-        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
-                                timeout=timedelta(days=1))
-        return
-    dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
+    host, port = parse_address(spec.control_address, "control_address")
+    store = process_group_store(host, port, 300.0, spec.control_secret)
+    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
                             timeout=timedelta(days=1))
 
 

@@ -1,0 +1,431 @@
+"""Attacks on the control plane (issue #15, scope 1), all on this host: the head's control store
+refuses unauthenticated clients, tampered and replayed frames, oversize messages and connection
+floods with bounded memory, keeps a worker to its own slot, binds exactly the interface named,
+and a live run attacked meanwhile still produces transformers' tokens."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import stat
+import struct
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("torch")
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.control_auth import (
+    SecretRefused,
+    client_handshake,
+    head_secret,
+    read_secret_file,
+    write_secret_file,
+)
+from flexpipe_dag.runtime.control_store import ControlStoreError, ControlStoreServer, StoreLimits
+from flexpipe_dag.runtime.messages import ProcessFailed, StageReady, to_json
+from flexpipe_dag.runtime.remote import ControlServer, connect, serve_stage
+from flexpipe_dag.runtime.worker import WorkerSpec
+from tests.support import wait_until
+from tests.test_runtime_helpers import checkpoint, gear, hf_reference, requests
+
+SECRET = "s3cret-" + "fedcba9876543210" * 3
+WRONG = "wrong-" + "0123456789abcdef" * 3
+MIB = 1 << 20
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _raw_session(port: int, secret: str = SECRET):
+    """A correct handshake on a raw socket: ``(socket, channel)`` for hand-made frames."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return sock, client_handshake(sock, secret)
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """The server closed the connection (EOF or reset) within 5 s."""
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def _non_loopback_ip() -> str | None:
+    """An address of this host that is not loopback (what another machine would connect to)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: only picks the outgoing interface
+        ip = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.fixture
+def head():
+    server = ControlServer(0, 2, secret=SECRET)
+    server.publish(WorkerSpec(str(checkpoint().path), "smol", [(0, 15), (15, 30)], 8, 16,
+                              control_secret=SECRET))
+    yield server
+    server.close()
+
+
+# -- authentication --------------------------------------------------------------------------------
+def test_a_client_without_the_secret_reads_and_writes_nothing(head):
+    for secret in (WRONG, ""):
+        with pytest.raises(SecretRefused):
+            connect("127.0.0.1", head.port, 5, secret or "x" * 32)
+    import torch.distributed as dist
+
+    with pytest.raises(RuntimeError):  # torch's DistError; the old attack tool: a TCPStore client gets nothing, not even the spec
+        dist.TCPStore("127.0.0.1", head.port, is_master=False, timeout=timedelta(seconds=3)).get("spec")
+    raw = socket.create_connection(("127.0.0.1", head.port), timeout=5)  # plain bytes, no handshake
+    raw.recv(36)
+    raw.sendall(b"GET spec\n" + b"\0" * 59)
+    assert _dropped(raw)
+    raw = socket.create_connection(("127.0.0.1", head.port), timeout=5)  # the protocol, a guessed proof
+    raw.recv(36)
+    raw.sendall(b"FPC1" + os.urandom(64))
+    assert raw.recv(16) == b"DENY" and _dropped(raw)
+    main = head.server.local
+    assert head.claimed() == [] and not main.check(["abort"]) and main.queue_len("events/0") == 0
+    assert not main.check(["hb/0"]) and not main.check(["exit/0"])
+    assert head.server.refusals["wrong secret"] >= 3
+
+
+def test_spec_is_published_without_the_secret(head):
+    store = connect("127.0.0.1", head.port, 5, SECRET)
+    assert SECRET.encode() not in store.get("spec")
+
+
+def test_a_worker_writes_only_its_own_slot_and_never_spec_or_abort(head):
+    unclaimed = connect("127.0.0.1", head.port, 5, SECRET)
+    for write in (lambda s: s.set("abort", "stop"), lambda s: s.set("spec", "{}"), lambda s: s.set("hb/0", b"x"),
+                  lambda s: s.set("exit/0", "0"), lambda s: s.queue_push("events/0", to_json(ProcessFailed(0, "x", False))),
+                  lambda s: s.set("claim/0", "1"), lambda s: s.add("claim/1", 1)):
+        with pytest.raises(ControlStoreError, match="may not write"):
+            write(unclaimed)
+    w0 = connect("127.0.0.1", head.port, 5, SECRET)
+    w0.claim(0)
+    w0.set("hb/0", b"\0" * 48)
+    beat = w0.clone()  # a second connection of the same worker (its heartbeat thread) keeps the claim
+    beat.set("exit/0", "0")
+    for write in (lambda s: s.set("hb/1", b"x"), lambda s: s.queue_push("events/1", b"{}"),
+                  lambda s: s.set("abort", "stop"), lambda s: s.set("exit/1", "1")):
+        with pytest.raises(ControlStoreError, match="worker slot 0 may not write"):
+            write(beat)
+    with pytest.raises(ControlStoreError, match="already claimed"):
+        unclaimed.claim(0)
+    with pytest.raises(ControlStoreError, match="outside this pipeline"):
+        unclaimed.claim(7)
+    main = head.server.local
+    assert head.claimed() == [0] and not main.check(["abort"]) and not main.check(["hb/1"])
+
+
+def test_forged_events_and_malformed_reports_are_dropped_and_the_pump_goes_on(head):
+    w0 = connect("127.0.0.1", head.port, 5, SECRET)
+    w0.claim(0)
+    info = {"stage_index": 1, "replica_index": 0, "layer_start": 15, "layer_end": 30, "param_bytes": 1,
+            "kv_pool_bytes": 1, "kv_capacity_tokens": 1, "pid": 1, "host": "h", "observations_path": None}
+    from flexpipe_dag.runtime.messages import StageInfo
+
+    w0.queue_push("events/0", to_json(StageReady(1, StageInfo(**info))))  # slot 0 posing as slot 1
+    w0.queue_push("events/0", to_json(ProcessFailed(1, "stage failed", False)))
+    w0.queue_push("events/0", b"\x80not json")
+    w0.set("hb/0", b"short")
+    w0.queue_push("obs/0", b"\0" * 13)
+    w0.set("exit/0", "not a number")
+    events: queue.Queue = queue.Queue()
+    counters = [0.0] * 12
+    head.start(events, counters)
+    try:
+        wait_until(lambda: len(head.ignored) == 4, 5, "the pump to look at every report")
+        w0.set("hb/0", struct.pack("<qd4d", 1, time.monotonic(), 3.0, 0.5, 0.0, 0.0))
+        wait_until(lambda: counters[4] == 3.0, 5, "a good heartbeat after the bad ones")
+    finally:
+        head.close()
+    assert events.empty()  # no forged StageReady / failure reached the runtime, no "control store failed"
+    assert head.workers[0].exitcode is None and head.workers[1].pid is None
+    assert set(head.ignored) == {(0, "event"), (0, "heartbeat"), (0, "observation item"), (0, "exit status")}
+
+
+# -- tampering and replays -------------------------------------------------------------------------
+def test_tampered_and_replayed_frames_drop_the_connection_and_nothing_else(head):
+    good = connect("127.0.0.1", head.port, 5, SECRET)
+    sock, chan = _raw_session(head.port)
+    body = struct.pack(">BH", 1, 6) + b"pg/key" + b"value"  # SET pg/key
+    captured: list[bytes] = []
+
+    class Recorder:  # the channel's socket, recording what it sends
+        def sendall(self, data: bytes) -> None:
+            captured.append(bytes(data))
+            sock.sendall(data)
+
+        def recv_into(self, buf) -> int:
+            return sock.recv_into(buf)
+
+    chan.sock = Recorder()  # type: ignore[assignment]
+    chan.send(body)
+    assert chan.recv()[:1] == b"\0"
+    sock.sendall(captured[0])  # the same frame again: a replay
+    assert _dropped(sock)
+    sock, chan = _raw_session(head.port)
+    frame = bytearray(struct.pack(">I", 8 + len(body) + 32) + struct.pack(">Q", 0) + body + b"\0" * 32)
+    sock.sendall(bytes(frame))  # a frame whose MAC does not match (tampered body or forged MAC)
+    assert _dropped(sock)
+    assert head.server.refusals["protocol violation"] == 2
+    assert good.get("pg/key") == b"value" and good.check(["pg/key"])  # the honest client is unaffected
+
+
+# -- size and connection limits, bounded memory ---------------------------------------------------
+def test_oversize_messages_are_refused_before_allocating_and_memory_stays_bounded():
+    server = ControlStoreServer("127.0.0.1", 0, SECRET, 1)
+    junk = b"\xab" * (8 * MIB)
+    try:
+        ok = connect("127.0.0.1", server.port, 5, SECRET)
+        ok.set("pg/warm", b"x")  # warm the code paths before measuring
+        rss0 = _rss_bytes()
+        t0 = time.monotonic()
+        for _ in range(25):  # unauthenticated: 8 MiB of junk instead of a handshake
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            try:
+                s.sendall(junk)
+            except OSError:
+                pass
+            s.close()
+        for _ in range(25):  # authenticated: a frame header announcing 8 MiB, then the 8 MiB
+            s, _chan = _raw_session(server.port)
+            try:
+                s.sendall(struct.pack(">I", 8 * MIB) + junk)
+            except OSError:
+                pass
+            assert _dropped(s)
+        for i in range(25):  # authenticated, through the client: an 8 MiB value
+            with pytest.raises(Exception, match="frame limit|exceeds"):
+                ok.set(f"pg/big{i}", junk)
+        grown = _rss_bytes() - rss0
+        elapsed = time.monotonic() - t0
+        print(f"75 x 8 MiB attempts: head RSS {rss0 / MIB:.1f} MiB -> +{grown / MIB:.1f} MiB in {elapsed:.1f} s")
+        assert grown < 40 * MIB, f"head memory grew by {grown / MIB:.0f} MiB"
+        assert ok.get("pg/warm") == b"x" and not ok.check(["pg/big0"])
+        assert server.refusals["wrong secret"] + server.refusals["protocol violation"] >= 25
+    finally:
+        server.close()
+
+
+def test_quotas_bound_what_an_authenticated_client_can_store():
+    server = ControlStoreServer("127.0.0.1", 0, SECRET, 1, StoreLimits(max_value_bytes=1024, max_keys=8,
+                                                                        max_total_bytes=3500, max_queue_len=3))
+    try:
+        c = connect("127.0.0.1", server.port, 5, SECRET)
+        with pytest.raises(ControlStoreError, match="1024-byte limit"):
+            c.set("pg/a", b"x" * 1025)
+        for i in range(3):
+            c.set(f"pg/{i}", b"x" * 1024)
+        with pytest.raises(ControlStoreError, match="3500-byte limit"):
+            c.set("pg/3", b"x" * 1024)
+        c.claim(0)
+        for _ in range(3):
+            c.queue_push("obs/0", b"r")
+        with pytest.raises(ControlStoreError, match="3 items"):
+            c.queue_push("obs/0", b"r")
+        for i in range(3):
+            c.set(f"pg/k{i}", b"")
+        with pytest.raises(ControlStoreError, match="8 keys"):
+            c.set("pg/one-too-many", b"")
+        assert c.get("pg/0") == b"x" * 1024  # the connection survives refusals
+    finally:
+        server.close()
+
+
+def test_connection_flood_is_capped_and_idle_handshakes_time_out():
+    limits = StoreLimits(max_connections=8, handshake_timeout_s=0.5)
+    server = ControlStoreServer("127.0.0.1", 0, SECRET, 1, limits)
+    flood = []
+    try:
+        for _ in range(40):
+            flood.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        time.sleep(0.2)
+        assert server.connections <= 8 and server.refusals["connection over the limit"] >= 30
+        wait_until(lambda: server.connections == 0, 5, "idle half-open connections to be dropped")
+        assert server.refusals["slow handshake"] >= 1
+        ok = connect("127.0.0.1", server.port, 5, SECRET)  # once the flood is gone, a worker gets in
+        ok.set("pg/x", b"1")
+    finally:
+        for s in flood:
+            s.close()
+        server.close()
+
+
+def test_transport_header_claims_are_bounded_before_allocating():
+    import torch
+
+    from flexpipe_dag.runtime import transport as tp
+
+    for header in ([1, 1 << 40, -1, 0, 0, 0, 0, 0], [1, 10, 2, 0, 1 << 20, 1 << 20, 0, 0],
+                   [1, 10, 1, 0, -5, 0, 0, 0], [1, 10, 1, -1, 5, 0, 0, 0]):
+        with pytest.raises(tp.TransportError, match="malformed header|limit"):
+            tp._rest(1, torch.tensor(header, dtype=torch.int64), "cpu")
+
+
+# -- binding ---------------------------------------------------------------------------------------
+def test_listen_on_loopback_is_not_reachable_on_another_interface():
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+
+    rt = PipelineRuntime(gear([(0, 15), (15, 30)]), checkpoint(), RuntimeOptions(control_address="127.0.0.1:0"))
+    address = rt.listen()
+    port = int(address.rsplit(":", 1)[1])
+    try:
+        assert rt._control is not None and rt._control.server._sock.getsockname() == ("127.0.0.1", port)
+        ip = _non_loopback_ip()
+        if ip is not None:
+            with pytest.raises(OSError):
+                socket.create_connection((ip, port), timeout=2).close()
+    finally:
+        rt.shutdown()
+    every = ControlStoreServer("0.0.0.0", 0, SECRET)  # every interface: only when asked for
+    try:
+        assert every._sock.getsockname()[0] == "0.0.0.0"
+    finally:
+        every.close()
+
+
+def test_local_runs_bind_loopback_only():
+    """A one-host pipeline's rendezvous store, and its ranks' gloo connections, listen on 127.0.0.1
+    only (the store on a port the kernel picked), and the run matches transformers."""
+    import psutil
+
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+
+    ref = hf_reference()
+    reqs = requests(2, prefix="loop-")
+    rt = PipelineRuntime(gear([(0, 15), (15, 30)], micro_batch_size=2), checkpoint(), RuntimeOptions())
+    with rt:
+        listening = [c.laddr for p in [psutil.Process(), *psutil.Process().children(recursive=True)]
+                     for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        outs = rt.generate(reqs)
+    assert rt._local_store is None  # closed with the run
+    assert len(listening) >= 4 and all(a.ip == "127.0.0.1" for a in listening), listening  # store + 3 ranks
+    assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id.split("-")[-1]]
+                                                                 for r in reqs}
+
+
+# -- the secret ------------------------------------------------------------------------------------
+def test_secret_files_are_private_and_checked(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET", raising=False)
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET_FILE", raising=False)
+    secret, path = head_secret(tmp_path / "run.secret")
+    assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert read_secret_file(path) == secret and head_secret(path) == (secret, path)  # reused when it exists
+    secret2, tmp = head_secret(None)
+    assert tmp is not None and secret2 != secret and stat.S_IMODE(os.stat(tmp).st_mode) == 0o600
+    tmp.unlink()
+    short = tmp_path / "short.secret"
+    short.write_text("abc\n")
+    with pytest.raises(InputError, match=r"short.secret: --secret-file: expected a run secret of at least 32"):
+        read_secret_file(short)
+    with pytest.raises(InputError, match="--secret-file: cannot create"):
+        write_secret_file(secret, path)  # never overwritten
+
+
+def test_worker_without_or_with_a_wrong_secret_gets_one_line_naming_the_flag(head, monkeypatch, capsys):
+    from flexpipe_dag.cli import main
+
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET", raising=False)
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET_FILE", raising=False)
+    address = f"127.0.0.1:{head.port}"
+    with pytest.raises(InputError, match=r"--secret-file \(or FLEXPIPE_RUN_SECRET_FILE\): the head at .* refused"):
+        serve_stage(address, 0, connect_timeout_s=5, secret=WRONG)
+    assert main(["worker", "--head", address, "--stage", "0", "--connect-timeout-s", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--secret-file" in err[0] and "expected the run's secret" in err[0]
+    assert head.claimed() == []
+
+
+# -- a live run under attack -----------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_live_run_under_attack_produces_its_results(tmp_path):
+    """Workers started by hand with --secret-file; meanwhile an attacker without the secret tries to
+    read the spec, claim a stage, post a failure and abort, and replays / tampers a real frame; an
+    authenticated but unclaimed client tries to abort. The run finishes with transformers' tokens."""
+    import subprocess
+    import sys
+
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+    from tests.test_runtime_remote import _env, _reap
+
+    ref = hf_reference()
+    reqs = requests(6, prefix="attack-")
+    secret_file = tmp_path / "run.secret"
+    secret, _ = head_secret(secret_file)
+    rt = PipelineRuntime(gear([(0, 15), (15, 30)], micro_batch_size=2), checkpoint(),
+                         RuntimeOptions(control_address="127.0.0.1:0", start_timeout_s=240, secret=secret))
+    address = rt.listen()
+    port = int(address.rsplit(":", 1)[1])
+    procs = [subprocess.Popen([sys.executable, "-m", "flexpipe_dag.cli", "worker", "--head", address, "--stage", str(s),
+                               "--secret-file", str(secret_file)], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True) for s in range(2)]
+    stop = threading.Event()
+    outcomes: dict[str, int] = {}
+
+    def attack() -> None:
+        while not stop.is_set():
+            try:
+                connect("127.0.0.1", port, 2, WRONG)
+            except SecretRefused:
+                outcomes["refused"] = outcomes.get("refused", 0) + 1
+            try:
+                sock, chan = _raw_session(port, secret)  # an insider without a claim: replay + abort
+                chan.send(struct.pack(">BH", 1, 5) + b"abort" + b"stop")
+                outcomes["abort refused"] = outcomes.get("abort refused", 0) + (chan.recv()[:1] == b"\x02")
+                sock.sendall(struct.pack(">I", 8 + 40) + struct.pack(">Q", 0) + b"\0" * 40)
+                _dropped(sock)
+                sock.close()
+            except OSError:
+                pass
+            stop.wait(0.2)
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    try:
+        with rt:
+            outs = rt.generate(reqs)
+            server = rt._control.server if rt._control is not None else None
+            refusals = dict(server.refusals) if server is not None else {}
+    finally:
+        stop.set()
+        attacker.join(timeout=10)
+        rt.shutdown()
+        codes = _reap(procs)
+    assert {o.request_id: o.output_token_ids for o in outs} == {r.request_id: ref[r.request_id.split("-")[-1]]
+                                                                 for r in reqs}
+    assert codes == [0, 0]
+    assert outcomes.get("refused", 0) >= 1 and outcomes.get("abort refused", 0) >= 1, outcomes
+    assert refusals.get("wrong secret", 0) >= 1 and refusals.get("protocol violation", 0) >= 1, refusals
+
+
+def test_run_flags_for_the_secret_are_checked(monkeypatch, capsys):
+    from flexpipe_dag.cli import main
+
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET", raising=False)
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET_FILE", raising=False)
+    assert main(["run", "--stages", "2", "--trace", "azure-conv", "--secret-file", "run.secret"]) == 2
+    assert "--secret-file: only with --listen or --launched" in capsys.readouterr().err
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--launched", "--stages", "2", "--trace", "azure-conv"]) == 2  # a stage rank without it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--secret-file: --launched needs the run secret on every rank" in err[0]
+    monkeypatch.setenv("FLEXPIPE_RUN_SECRET", "short")
+    assert main(["run", "--launched", "--stages", "2", "--trace", "azure-conv"]) == 2
+    assert "FLEXPIPE_RUN_SECRET: expected a run secret of at least 32" in capsys.readouterr().err

@@ -3,15 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a torch.distributed rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]  # (host, port) for AF_INET
-        return port
 
 
 def host_memory_bytes() -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
-from flexpipe_dag.core.host import free_port, host_memory_bytes
+from flexpipe_dag.core.host import host_memory_bytes
 from flexpipe_dag.profiling.microbench import (
     DEFAULT_LAYER,
     LayerShape,
@@ -117,10 +117,14 @@ def _measure_links(rank: int, world: int, device: torch.device, nbytes: int,
     return out
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, settings: dict[str, Any], use_cuda: bool) -> None:
-    """Body of one probe process: microbenchmarks on its device, then link measurements."""
+def _worker(rank: int, world: int, port: int, secret: str, out_dir: str, settings: dict[str, Any],
+            use_cuda: bool) -> None:
+    """Body of one probe process: microbenchmarks on its device, then link measurements (the ranks
+    rendezvous through the parent's authenticated control store on 127.0.0.1:``port``)."""
     import torch
     import torch.distributed as dist
+
+    from flexpipe_dag.runtime.rendezvous import keep_backend_on_loopback, process_group_store
 
     s = ProbeSettings(**settings)
     if use_cuda:
@@ -155,8 +159,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, settings: dict[str, 
 
         result["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
     result["microbench_s"] = time.perf_counter() - t0
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=dt.timedelta(seconds=120))
+    keep_backend_on_loopback()  # every probe rank runs on this host
+    store = process_group_store("127.0.0.1", port, 120.0, secret)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=120))
     try:
         result["links"] = _measure_links(rank, world, device, s.link_bytes_cuda if use_cuda else s.link_bytes_cpu,
                                          s.link_repeats)
@@ -183,11 +188,20 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
     if not use_cuda:
         notes.append(f"no CUDA device: measured {world} CPU worker processes as devices "
                      f"({max(1, (os.cpu_count() or 1) // world)} threads each, fp32)")
-    with tempfile.TemporaryDirectory(prefix="flexpipe-probe-") as out_dir:
-        mp.start_processes(  # type: ignore[no-untyped-call]  # torch leaves start_processes unannotated
-            _worker, args=(world, free_port(), out_dir, asdict(settings), use_cuda), nprocs=world, join=True,
-            start_method="spawn")
-        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    from flexpipe_dag.runtime.control_auth import new_secret
+    from flexpipe_dag.runtime.control_store import ControlStoreServer
+
+    secret = new_secret()
+    # loopback only, on the kernel's port (no race), and only ranks holding the secret join
+    control = ControlStoreServer("127.0.0.1", 0, secret)
+    try:
+        with tempfile.TemporaryDirectory(prefix="flexpipe-probe-") as out_dir:
+            mp.start_processes(  # type: ignore[no-untyped-call]  # torch leaves start_processes unannotated
+                _worker, args=(world, control.port, secret, out_dir, asdict(settings), use_cuda), nprocs=world,
+                join=True, start_method="spawn")
+            ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    finally:
+        control.close()
     devices, links = [], []
     for r in ranks:
         facts = {k: r[k] for k in ("dtype", "gemm_tflops", "memory_bandwidth_gbps", "peak_memory_gib",

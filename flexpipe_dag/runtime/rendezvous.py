@@ -6,6 +6,9 @@ Both the head (:mod:`~flexpipe_dag.runtime.remote`) and every rank's process-gro
 
 from __future__ import annotations
 
+import os
+import socket
+
 from flexpipe_dag.core.errors import InputError
 
 
@@ -54,3 +57,13 @@ def process_group_store(host: str, port: int, timeout_s: float, secret: str):
     client = connect(host, port, timeout_s, secret)
     _PG_CLIENTS.append(client)
     return dist.PrefixStore("pg", client)
+
+
+def keep_backend_on_loopback() -> None:
+    """Keep this process's gloo / NCCL data connections on the loopback interface (both otherwise
+    listen on the interface of this host's name): for ranks that all run on this host. A value the
+    user already set in ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` is kept."""
+    lo = next((name for _i, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)

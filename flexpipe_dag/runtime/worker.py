@@ -118,14 +118,12 @@ def setup_process(spec: WorkerSpec, rank: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(spec.threads_per_rank)
-    if spec.loopback_only:  # gloo / NCCL listen on the interface of this host's name otherwise
-        lo = next((name for _i, name in socket.if_nameindex() if name.startswith("lo")), None)
-        if lo is not None:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+    from flexpipe_dag.runtime.rendezvous import keep_backend_on_loopback, parse_address, process_group_store
+
+    if spec.loopback_only:
+        keep_backend_on_loopback()
     if not spec.control_address:
         raise ValueError("WorkerSpec.control_address: expected the head's control store HOST:PORT")
-    from flexpipe_dag.runtime.rendezvous import parse_address, process_group_store
 
     host, port = parse_address(spec.control_address, "control_address")
     store = process_group_store(host, port, 300.0, spec.control_secret)

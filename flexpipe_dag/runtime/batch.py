@@ -18,6 +18,7 @@ the SQL store implements the same protocol.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -29,6 +30,8 @@ from typing import Any, Protocol, runtime_checkable
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX
 from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL, PRIORITY_OFFLINE, Request, RequestOutput
+
+_log = logging.getLogger(__name__)
 
 #: Longest request id a prompts file may use (the store's ``request_results.request_key`` is 200 chars).
 MAX_REQUEST_ID_CHARS = 200
@@ -69,18 +72,30 @@ class ResultSink(Protocol):
 class JsonlSink:
     """Append-only JSONL results file: one object per line, flushed and fsynced per write.
 
-    ``done_ids`` ignores a torn last line (a crash mid-write) so that request simply runs again;
-    a later duplicate of an id is skipped by ``write``.
+    A crash (SIGKILL, power loss) can cut the last write short, leaving a line with no trailing
+    newline. Opening the file repairs that tail before anything is appended
+    (:func:`repair_torn_tail`): the fragment is truncated away, so its request runs again, and
+    ``on_note`` (default: a logged warning) names the file and the bytes dropped. A later duplicate
+    of an id is skipped by ``write``.
+
+    Args:
+        path: the results file (created on the first write).
+        on_note: called with one line when the tail was repaired.
+
+    Raises:
+        OSError: the file cannot be read or truncated; UnicodeDecodeError: it is not UTF-8 text.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, on_note: Callable[[str], None] | None = None):
         self.path = Path(path)
+        #: bytes of a torn last line removed when the file was opened (0: the tail was whole)
+        self.repaired_bytes = repair_torn_tail(self.path, on_note or _log.warning)
         self._done = self._read_ids()
 
     def _read_ids(self) -> set[str]:
         ids: set[str] = set()
         if self.path.is_file():
-            for line in self.path.read_text().splitlines():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
                 try:
                     ids.add(str(json.loads(line)["id"]))
                 except (ValueError, KeyError, TypeError):
@@ -99,6 +114,53 @@ class JsonlSink:
             fh.flush()
             os.fsync(fh.fileno())
         self._done.add(result["id"])
+
+
+def repair_torn_tail(path: str | os.PathLike, on_note: Callable[[str], None] | None = None) -> int:
+    """Make an append-only JSONL file end at a line boundary before anything is appended to it.
+
+    A last line without its newline is a write a crash cut short: appending after it would glue the
+    next record onto the fragment, losing both for good. The fragment is truncated away (and the
+    truncation fsynced); its request is then not in the file, so a resumed job runs it again. A
+    missing or empty file, or one ending in a newline, is left alone.
+
+    Args:
+        path: the JSONL file.
+        on_note: called with one line naming the file and the bytes dropped, when it repaired.
+
+    Returns:
+        The number of bytes dropped (0 when the tail was whole).
+
+    Raises:
+        OSError: the file cannot be opened for writing or truncated.
+    """
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    with open(p, "r+b") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        fh.seek(size - 1)
+        if fh.read(1) == b"\n":
+            return 0
+        keep, end = 0, size
+        while end > 0:  # the last newline, read backwards in blocks (results lines can be long)
+            begin = max(0, end - 65536)
+            fh.seek(begin)
+            cut = fh.read(end - begin).rfind(b"\n")
+            if cut >= 0:
+                keep = begin + cut + 1
+                break
+            end = begin
+        fh.truncate(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    dropped = size - keep
+    if on_note is not None:
+        on_note(f"results file {p}: dropped a torn last line ({dropped} bytes after byte {keep}, no trailing "
+                f"newline: a write cut short by a crash); its request runs again")
+    return dropped
 
 
 def _as_token_id(t: Any) -> int:

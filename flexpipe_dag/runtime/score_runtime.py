@@ -37,6 +37,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.host import free_port
 from flexpipe_dag.runtime.batch import MalformedRow, PromptRow, ResultSink
+from flexpipe_dag.runtime.lifeline import follow_parent
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint
 from flexpipe_dag.runtime.scoring import (
     FILLER,
@@ -186,6 +187,7 @@ def run_score_rank(spec: ScoreSpec, emit: Callable[[tuple], None], counters=None
 def score_rank_main(rank: int, spec: ScoreSpec, master_port: int, events, counters) -> None:
     """Entry point of a spawned rank on this host: sets the rendezvous environment, runs
     :func:`run_score_rank`, reports ``("error", stage, message)`` and exits non-zero on failure."""
+    follow_parent()  # leave with the head, however it ends; Ctrl-C is the head's to handle
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.num_stages),
                        "LOCAL_SIZE": str(spec.num_stages), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": str(spec.threads_per_rank)})
@@ -327,6 +329,9 @@ def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
                               f"the fewest batches ({int(done_batches[laggard])}) (limit {opts.step_timeout_s:.0f} s)")
     except StageFailedError as exc:
         report.failure = str(exc)
+    except BaseException:  # interrupted (a stop signal, flexpipe_dag.runtime.stop): end the ranks now
+        report.failure = "interrupted"
+        raise
     finally:
         for p in procs:
             p.join(timeout=10 if report.failure is None else 0.5)

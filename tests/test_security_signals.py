@@ -96,6 +96,17 @@ def test_repair_torn_tail_cases(tmp_path):
     assert repair_torn_tail(path) == 10 and path.read_bytes() == b""
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00", b"#!/bin/sh\necho hi", b'{"id": "a"}\nnot json\n{"id": "b'],
+                         ids=["binary", "script", "garbage-line-before"])
+def test_repair_refuses_a_file_that_is_not_json_lines(tmp_path, content):
+    """``--out`` pointing at the wrong file: refused with the reason, not a byte cut."""
+    path = tmp_path / "not-results.txt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="not a torn JSON record"):
+        repair_torn_tail(path)
+    assert path.read_bytes() == content
+
+
 def test_sink_repairs_the_tail_before_appending(tmp_path):
     """Appending after a torn line would glue the next record onto it: both lost for good."""
     path = tmp_path / "r.jsonl"

@@ -160,7 +160,7 @@ def open_sink(path: Path):
 
     try:  # a torn last line (a crash mid-write) is truncated away, and said so on stderr
         return JsonlSink(path, on_note=lambda note: print(f"flexpipe run: {note}", file=sys.stderr))
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or an unterminated tail that is no torn record
         raise InputError(str(path), "--out", f"cannot use it as the results file: {exc}") from None
 
 

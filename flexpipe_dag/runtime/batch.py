@@ -83,7 +83,8 @@ class JsonlSink:
         on_note: called with one line when the tail was repaired.
 
     Raises:
-        OSError: the file cannot be read or truncated; UnicodeDecodeError: it is not UTF-8 text.
+        OSError: the file cannot be read or truncated; ValueError: it is not UTF-8 text
+            (UnicodeDecodeError), or ends in an unterminated line that is not a torn JSON record.
     """
 
     def __init__(self, path: str | os.PathLike, on_note: Callable[[str], None] | None = None):
@@ -122,7 +123,9 @@ def repair_torn_tail(path: str | os.PathLike, on_note: Callable[[str], None] | N
     A last line without its newline is a write a crash cut short: appending after it would glue the
     next record onto the fragment, losing both for good. The fragment is truncated away (and the
     truncation fsynced); its request is then not in the file, so a resumed job runs it again. A
-    missing or empty file, or one ending in a newline, is left alone.
+    missing or empty file, or one ending in a newline, is left alone. Nothing is cut from a file
+    that does not look like JSON lines (the fragment must start a JSON object, and the line before
+    it, if any, must be one): a ``--out`` pointing at the wrong file is refused, not truncated.
 
     Args:
         path: the JSONL file.
@@ -133,6 +136,7 @@ def repair_torn_tail(path: str | os.PathLike, on_note: Callable[[str], None] | N
 
     Raises:
         OSError: the file cannot be opened for writing or truncated.
+        ValueError: the unterminated tail is not a torn JSON record (the file is left as it was).
     """
     p = Path(path)
     if not p.is_file():
@@ -144,15 +148,11 @@ def repair_torn_tail(path: str | os.PathLike, on_note: Callable[[str], None] | N
         fh.seek(size - 1)
         if fh.read(1) == b"\n":
             return 0
-        keep, end = 0, size
-        while end > 0:  # the last newline, read backwards in blocks (results lines can be long)
-            begin = max(0, end - 65536)
-            fh.seek(begin)
-            cut = fh.read(end - begin).rfind(b"\n")
-            if cut >= 0:
-                keep = begin + cut + 1
-                break
-            end = begin
+        keep = _line_start(fh, size)
+        fh.seek(keep)
+        if fh.read(1) != b"{" or not _ends_with_json_line(fh, keep):
+            raise ValueError(f"its last line ends without a newline at byte {size} and is not a torn JSON "
+                             f"record; expected a JSON-lines results file (left unchanged)")
         fh.truncate(keep)
         fh.flush()
         os.fsync(fh.fileno())
@@ -161,6 +161,32 @@ def repair_torn_tail(path: str | os.PathLike, on_note: Callable[[str], None] | N
         on_note(f"results file {p}: dropped a torn last line ({dropped} bytes after byte {keep}, no trailing "
                 f"newline: a write cut short by a crash); its request runs again")
     return dropped
+
+
+def _line_start(fh, end: int) -> int:
+    """Offset in binary file ``fh`` just after the last newline before byte ``end`` (0: none), read
+    backwards in blocks (results lines can be long)."""
+    while end > 0:
+        begin = max(0, end - 65536)
+        fh.seek(begin)
+        cut = fh.read(end - begin).rfind(b"\n")
+        if cut >= 0:
+            return begin + cut + 1
+        end = begin
+    return 0
+
+
+def _ends_with_json_line(fh, end: int) -> bool:
+    """Whether the line of binary file ``fh`` that ends at byte ``end`` (its newline at ``end - 1``)
+    is a JSON object; true when ``end`` is 0 (no line before)."""
+    if end == 0:
+        return True
+    begin = _line_start(fh, end - 1)
+    fh.seek(begin)
+    try:
+        return isinstance(json.loads(fh.read(end - begin).decode("utf-8")), dict)
+    except ValueError:
+        return False
 
 
 def _as_token_id(t: Any) -> int:

@@ -61,7 +61,7 @@ def _prompts(path: Path, n: int = NUM_REQUESTS) -> list[str]:
 
 def _command(prompts: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "flexpipe_dag.cli", "run", "--stages", "3", "--prompts", str(prompts),
-            "--out", str(out), "--micro-batch-size", "2", "--max-new-tokens", "64", "--step-timeout-s", "120"]
+            "--out", str(out), "--micro-batch-size", "1", "--max-new-tokens", "64", "--step-timeout-s", "120"]
 
 
 def _lines(out: Path) -> list[dict]:

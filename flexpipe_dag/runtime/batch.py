@@ -11,8 +11,9 @@ reason, never fatal.
 
 Sink protocol (:class:`ResultSink`): ``done_ids() -> set[str]`` and ``write(result: dict)``. Results are
 written as each request finishes, keyed by request id; a re-run skips ids the sink already holds,
-so a job killed half-way finishes only the missing requests. :class:`JsonlSink` is the file sink;
-the SQL store implements the same protocol.
+so a job killed half-way finishes only the missing requests. :class:`JsonlSink` is the file sink
+(it cuts a last line a crash tore before appending: :func:`repair_torn_tail`); the SQL store
+implements the same protocol.
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.gear_builders import even_gear, load_gear
 
 
@@ -153,12 +155,16 @@ def resolve_trace(trace) -> Path:
 
 
 def open_sink(path: Path):
-    """The JSONL results sink, opened before any worker starts (a bad file fails fast, losing nothing)."""
+    """The JSONL results sink, opened before any worker starts (a bad file fails fast, losing nothing).
+
+    Raises:
+        InputError: naming ``--out`` when the file cannot be read, repaired or decoded.
+    """
     from flexpipe_dag.runtime.batch import JsonlSink
 
-    try:
-        return JsonlSink(path)
-    except (OSError, UnicodeDecodeError) as exc:
+    try:  # a torn last line (a crash mid-write) is truncated away, and said so on stderr
+        return JsonlSink(path, on_note=lambda note: print(f"flexpipe run: {note}", file=sys.stderr))
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or an unterminated tail that is no torn record
         raise InputError(str(path), "--out", f"cannot use it as the results file: {exc}") from None
 
 
@@ -183,11 +189,79 @@ def launched_head(args: argparse.Namespace) -> tuple[int, int, str]:
     return rank, world, f"{addr}:{control}"
 
 
+def launched_secret(args: argparse.Namespace) -> str:
+    """The run secret of a launched rank (``--secret-file``, else the environment the launcher forwards).
+
+    Raises:
+        InputError: none given, or the file / variable holds no valid secret.
+    """
+    from flexpipe_dag.runtime.control_auth import SECRET_ENV, SECRET_FILE_ENV, resolve_secret
+
+    secret = resolve_secret(args.secret_file)
+    if secret is None:
+        raise InputError(None, "--secret-file", f"--launched needs the run secret on every rank: --secret-file "
+                                                f"FILE, or {SECRET_FILE_ENV} / {SECRET_ENV} in the environment "
+                                                f"the launcher forwards")
+    return secret
+
+
 def run(args: argparse.Namespace) -> int:
+    """``flexpipe run``; returns the exit status. On the head, SIGINT / SIGTERM stop the run: what
+    finished is in ``--out``, every child process is ended, and the last stderr line says so
+    (:func:`stop_line`); the status is then ``128 + signal`` (130, 143)."""
+    from flexpipe_dag.runtime.stop import RunStopped, StopSignals
+
+    if args.launched:
+        rank, world, control_address = launched_head(args)
+        if rank > 0:  # a stage rank: everything else comes from the head
+            from flexpipe_dag.core.settings import env_value
+            from flexpipe_dag.runtime.remote import serve_stage
+
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            return serve_stage(control_address, worker=rank - 1, model=args.model, device=args.device,
+                               local_rank=env_value("LOCAL_RANK", int, 0), secret=launched_secret(args))
+    state = HeadState()
+    with StopSignals() as stop:
+        try:
+            code = _run_head(args, stop, state)
+        except (FlexPipeError, RunStopped):
+            if not stop.stopped:
+                raise
+            code = stop.exit_status
+    if stop.stopped:
+        print(stop_line(stop.reason, args.out, state), file=sys.stderr)
+        return stop.exit_status
+    return code
+
+
+@dataclass
+class HeadState:
+    """What the head got to, for the stop line: the results sink once open, the request ids once
+    read, and how many finished in this run."""
+
+    sink: Any = None
+    request_ids: set[str] | None = None
+    finished: int = 0
+
+
+def stop_line(reason: str, out: Path, state: HeadState) -> str:
+    """The one line a stopped run ends with, e.g. ``flexpipe run: stopped by SIGTERM after 41 of 120
+    requests (12 in this run); 41 results in out.jsonl; re-run the same command to resume``."""
+    if state.sink is None or state.request_ids is None:
+        return f"flexpipe run: {reason} before serving any request; {out} unchanged; re-run the same command to start"
+    total = len(state.request_ids)
+    done = len(state.sink.done_ids() & state.request_ids)
+    tail = "re-run the same command to resume" if done < total else "every request is done"
+    return (f"flexpipe run: {reason} after {done} of {total} requests ({state.finished} in this run); "
+            f"{done} results in {out}; {tail}")
+
+
+def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
+    """The head of a run (everything but a launched stage rank), with ``stop`` routing stop signals."""
     from tqdm import tqdm
 
     from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts, run_batch_job
-    from flexpipe_dag.runtime.control_auth import SECRET_ENV, SECRET_FILE_ENV, head_secret, resolve_secret
+    from flexpipe_dag.runtime.control_auth import SECRET_ENV, head_secret
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
@@ -198,19 +272,8 @@ def run(args: argparse.Namespace) -> int:
     if args.secret_file is not None and not (args.launched or args.listen):
         raise InputError(None, "--secret-file", "only with --listen or --launched (a one-host run makes its own)")
     if args.launched:
-        rank, world, control_address = launched_head(args)
-        secret = resolve_secret(args.secret_file)
-        if secret is None:
-            raise InputError(None, "--secret-file", f"--launched needs the run secret on every rank: --secret-file "
-                                                    f"FILE, or {SECRET_FILE_ENV} / {SECRET_ENV} in the environment "
-                                                    f"the launcher forwards")
-        if rank > 0:  # a stage rank: everything else comes from the head
-            from flexpipe_dag.core.settings import env_value
-            from flexpipe_dag.runtime.remote import serve_stage
-
-            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-            return serve_stage(control_address, worker=rank - 1, model=args.model, device=args.device,
-                               local_rank=env_value("LOCAL_RANK", int, 0), secret=secret)
+        _rank, world, control_address = launched_head(args)
+        secret = launched_secret(args)
     elif control_address is not None:
         from flexpipe_dag.runtime.remote import parse_address
 
@@ -221,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     if args.trace is not None:
         args.trace = resolve_trace(args.trace)
-    sink = open_sink(args.out)
+    sink = state.sink = open_sink(args.out)
     ckpt = resolve_checkpoint(args.model)
     if args.gear:
         if args.stage_replicas:
@@ -241,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
                                              length_scale=args.length_scale), []
     else:  # the parser requires one of the two
         raise InputError(None, "--prompts", "expected --prompts FILE or --trace FILE|NAME")
+    state.request_ids = {r.request_id for r in rows}
     if not rows:
         for m in malformed[:20]:
             print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
@@ -250,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         from flexpipe_dag.runtime.pipeline import check_gear_supported
 
         check_gear_supported(gear)  # before any banner: scoring has one rank per stage
-        return _score(args, gear, ckpt, rows, malformed, sink)
+        return _score(args, gear, ckpt, rows, malformed, sink, state)
     workers = sum(st.replicas for st in gear.stages)
     if args.launched and world != workers + 1:
         raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {workers} stage workers (a replica each): "
@@ -261,10 +325,9 @@ def run(args: argparse.Namespace) -> int:
                              control_address=control_address, start_timeout_s=args.start_timeout_s,
                              truncate_context=args.truncate_context, secret=secret)
     runtime = PipelineRuntime(gear, ckpt, options)
-    if control_address:  # a launcher stops every rank with SIGTERM when one exits: name the stage, keep results
-        import signal
-
-        signal.signal(signal.SIGTERM, lambda signum, _f: runtime.abort(f"stopped by signal {signum}"))
+    # SIGINT / SIGTERM (a launcher stops every rank with SIGTERM when one exits) end the run at the
+    # watchdog's next tick: results finished by then are kept, a remote stage that went silent is named
+    stop.attach(runtime)
     if not control_address and args.device == "cpu" and workers > (os.cpu_count() or 1):
         print(f"warning: {workers} stage workers on {os.cpu_count()} CPU cores: they will compete for the cores",
               file=sys.stderr)
@@ -286,10 +349,12 @@ def run(args: argparse.Namespace) -> int:
         bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
 
         def progress(done: int, total: int) -> None:
+            state.finished = done
             bar.update(1)
 
         report = run_batch_job(runtime, rows, sink, malformed=malformed, on_progress=progress)
         bar.close()
+    stop.detach()
     summary = {"rows": report.rows, "finished": report.finished, "skipped_done": report.skipped_done,
                "malformed": len(report.malformed), "refused": len(report.refused),
                "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
@@ -316,7 +381,7 @@ def _report(summary: dict, malformed) -> int:
     return 1 if summary["failure"] or summary.get("refused") else 0
 
 
-def _score(args: argparse.Namespace, gear, ckpt, rows, malformed, sink) -> int:
+def _score(args: argparse.Namespace, gear, ckpt, rows, malformed, sink, state: HeadState) -> int:
     from tqdm import tqdm
 
     from flexpipe_dag.runtime.score_runtime import ScoreOptions, run_score_job
@@ -331,6 +396,7 @@ def _score(args: argparse.Namespace, gear, ckpt, rows, malformed, sink) -> int:
     bar.update(len(sink.done_ids() & {r.request_id for r in rows}))
 
     def progress(done: int, total: int) -> None:
+        state.finished = done
         bar.update(1)
 
     report = run_score_job(gear, rows, sink, model=ckpt, options=options, malformed=malformed, on_progress=progress)

@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from flexpipe_dag.runtime.lifeline import follow_parent
 from flexpipe_dag.runtime.messages import (
     AddRequests,
     DriverCounter,
@@ -306,6 +307,7 @@ def driver_main(spec: WorkerSpec, gear_id: str, config: SchedulerConfig, cmd_q, 
                 metrics_period_s: float) -> None:
     """Entry point of the driver process (rank 0): run a :class:`Driver` until it stops; on any
     failure report :class:`ProcessFailed` ``("driver", ...)`` and exit non-zero."""
+    follow_parent()  # leave with the head, however it ends; Ctrl-C is the head's to handle
     driver: Driver | None = None
     try:
         setup_process(spec, 0)

@@ -461,7 +461,15 @@ class PipelineRuntime:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Drain and stop (:meth:`shutdown`); when the block was interrupted (a ``BaseException``
+        that is not an ``Exception``: ``KeyboardInterrupt``, ``SystemExit``, Dagster's
+        ``DagsterExecutionInterruptedError`` when a run is terminated) kill every process at once
+        instead: nobody is left to take the drained results."""
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            self._started = False
+            self._kill_all(grace_s=0.0)
+            return
         self.shutdown()
 
     # -- serving ----------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from datetime import timedelta
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.runtime.batch import MalformedRow, PromptRow, ResultSink
+from flexpipe_dag.runtime.lifeline import follow_parent
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint
 from flexpipe_dag.runtime.scoring import (
     FILLER,
@@ -195,6 +196,7 @@ def score_rank_main(rank: int, spec: ScoreSpec, store_port: int, secret: str, ev
     """Entry point of a spawned rank on this host: sets the rank's environment, joins the process
     group through the job's control store (``127.0.0.1:store_port``, proving ``secret``), runs
     :func:`run_score_rank`, reports ``("error", stage, message)`` and exits non-zero on failure."""
+    follow_parent()  # leave with the head, however it ends; Ctrl-C is the head's to handle
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.num_stages),
                        "LOCAL_SIZE": str(spec.num_stages), "MASTER_ADDR": "127.0.0.1",  # names DeepSpeed's shm only
                        "MASTER_PORT": str(store_port), "OMP_NUM_THREADS": str(spec.threads_per_rank)})
@@ -343,6 +345,9 @@ def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
                               f"the fewest batches ({int(done_batches[laggard])}) (limit {opts.step_timeout_s:.0f} s)")
     except StageFailedError as exc:
         report.failure = str(exc)
+    except BaseException:  # interrupted (a stop signal, flexpipe_dag.runtime.stop): end the ranks now
+        report.failure = "interrupted"
+        raise
     finally:
         for p in procs:
             p.join(timeout=10 if report.failure is None else 0.5)

@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flexpipe_dag.runtime.lifeline import follow_parent
 from flexpipe_dag.runtime.messages import (
     MessageKind,
     ProcessFailed,
@@ -204,6 +205,7 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
     """Entry point of worker ``worker`` (rank ``worker + 1``; stage and replica from the spec's lane
     layout). Reports :class:`~flexpipe_dag.runtime.messages.StageReady` and, on failure,
     :class:`~flexpipe_dag.runtime.messages.ProcessFailed` on ``events``, then exits non-zero."""
+    follow_parent()  # leave with the head, however it ends; Ctrl-C is the head's to handle
     rank = worker + 1
     in_transport = False
     recorder = None

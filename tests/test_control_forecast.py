@@ -115,8 +115,14 @@ def test_tide_history_file_feeds_the_forecasts(tmp_path):
     tide = load_history(TideConfig(history_file=str(path)))
     assert tide.daily_profile()[0] == 1.0 and tide.daily_profile()[100] == 5.0
     assert load_history(TideConfig()).source.endswith("servegen_tide_14d.csv")
-    with pytest.raises(InputError, match="missing.csv"):
-        load_history(TideConfig(history_file=str(tmp_path / "missing.csv")))
+    with pytest.raises(ValueError, match="missing.csv"):  # refused when the settings load
+        TideConfig(history_file=str(tmp_path / "missing.csv"))
+    gone = tmp_path / "gone.csv"
+    gone.write_text(path.read_text())
+    config = TideConfig(history_file=str(gone))
+    gone.unlink()  # removed after the settings loaded: named when the forecast reads it
+    with pytest.raises(InputError, match="gone.csv"):
+        load_history(config)
 
 
 def test_old_cursors_read_and_newer_ones_are_named():

@@ -303,6 +303,8 @@ class JsonlSink:
         try:
             if self._scan is not None:
                 self._repair(fd, self._scan)
+                if result["id"] in self._done:  # the rescan found it written since the scan
+                    return
             data = (json.dumps(result) + "\n").encode("utf-8")
             while data:
                 data = data[os.write(fd, data):]

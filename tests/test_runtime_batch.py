@@ -50,8 +50,8 @@ def test_bad_prompts_file_names_the_file(tmp_path):
 def test_jsonl_sink_is_idempotent_and_survives_a_torn_line(tmp_path):
     path = tmp_path / "r.jsonl"
     s = JsonlSink(path)
-    s.write({"id": "1", "x": 1})
-    s.write({"id": "1", "x": 2})
+    s.write({"id": "1", "gear_id": "g", "x": 1})
+    s.write({"id": "1", "gear_id": "g", "x": 2})
     with open(path, "a") as fh:
         fh.write('{"id": "2", "x"')  # crash mid-write
     s2 = JsonlSink(path)

@@ -133,7 +133,7 @@ def test_cli_score_refuses_a_replicated_gear_and_skips_done_rows(tmp_path, capsy
     assert main(argv) == 2
     assert "stage 1 has 2 replicas" in capsys.readouterr().err
     gear_path.write_text(gear([(0, 4), (4, 30)]).model_dump_json())
-    out.write_text(json.dumps({"id": "a", "logprob": -1.0}) + "\n")  # already scored: nothing launches
+    out.write_text(json.dumps({"id": "a", "gear_id": "earlier", "logprob": -1.0}) + "\n")  # already scored: nothing launches
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["skipped_done"] == 1 and summary["finished"] == 0 and summary["failure"] is None

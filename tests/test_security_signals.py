@@ -1,8 +1,8 @@
 """Attacks on a run's results file and on its shutdown (issue #15, results files and shutdown).
 
-* a results file whose last line a crash tore (no trailing newline) is repaired before anything is
-  appended: the fragment is truncated away, a note names the file and the bytes, and the request
-  it held runs again, so every request ends with exactly one valid line;
+* a results file whose last line a crash tore (no trailing newline) is repaired at the first append:
+  the fragment is truncated away, a note names the file and the bytes, and the request it held runs
+  again, so every request ends with exactly one valid line (more cases in test_security_results.py);
 * ``kill -TERM`` of a 3-stage local run's head, and a Ctrl-C (SIGINT to the run's whole process
   group, as a terminal sends it), while requests are in flight: every process of the run (the
   forkserver, the resource tracker, the driver, the stage workers) is gone within 10 s, the head
@@ -83,26 +83,28 @@ def test_repair_torn_tail_cases(tmp_path):
     assert repair_torn_tail(path) == 0  # missing: nothing to do
     path.write_bytes(b"")
     assert repair_torn_tail(path) == 0
-    whole = b'{"id": "a"}\n{"id": "b"}\n'
+    whole = b'{"id": "a", "gear_id": "g"}\n{"id": "b", "gear_id": "g"}\n'
     path.write_bytes(whole)
     assert repair_torn_tail(path) == 0 and path.read_bytes() == whole
-    long_line = json.dumps({"id": "c", "pad": "x" * 200_000}).encode()  # a fragment longer than a read block
+    long_line = json.dumps({"id": "c", "gear_id": "g", "pad": "x" * 200_000}).encode()  # a fragment longer than a read block
     path.write_bytes(whole + long_line[:150_000])
     notes: list[str] = []
     assert repair_torn_tail(path, notes.append) == 150_000
     assert path.read_bytes() == whole
     assert len(notes) == 1 and str(path) in notes[0] and "150000 bytes" in notes[0]
-    path.write_bytes(b'{"id": "on')  # only a fragment: the file becomes empty
-    assert repair_torn_tail(path) == 10 and path.read_bytes() == b""
+    path.write_bytes(b'{"id": "on')  # only a fragment: nothing shows it is a results file, so nothing is cut
+    with pytest.raises(ValueError, match="no whole record comes before it"):
+        repair_torn_tail(path)
+    assert path.read_bytes() == b'{"id": "on'
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00", b"#!/bin/sh\necho hi", b'{"id": "a"}\nnot json\n{"id": "b'],
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00", b"#!/bin/sh\necho hi", b'{"id": "a", "gear_id": "g"}\nnot json\n{"id": "b'],
                          ids=["binary", "script", "garbage-line-before"])
 def test_repair_refuses_a_file_that_is_not_json_lines(tmp_path, content):
     """``--out`` pointing at the wrong file: refused with the reason, not a byte cut."""
     path = tmp_path / "not-results.txt"
     path.write_bytes(content)
-    with pytest.raises(ValueError, match="not a torn JSON record"):
+    with pytest.raises(ValueError, match="not a flexpipe results file"):
         repair_torn_tail(path)
     assert path.read_bytes() == content
 
@@ -110,12 +112,14 @@ def test_repair_refuses_a_file_that_is_not_json_lines(tmp_path, content):
 def test_sink_repairs_the_tail_before_appending(tmp_path):
     """Appending after a torn line would glue the next record onto it: both lost for good."""
     path = tmp_path / "r.jsonl"
-    path.write_text('{"id": "1", "x": 1}\n{"id": "2", "x"', encoding="utf-8")  # a crash cut the second write
+    first, second = {"id": "1", "gear_id": "g", "x": 1}, {"id": "2", "gear_id": "g", "x": 2}
+    path.write_text(json.dumps(first) + '\n{"id": "2", "x"', encoding="utf-8")  # a crash cut the second write
     notes: list[str] = []
     sink = JsonlSink(path, on_note=notes.append)
-    assert sink.done_ids() == {"1"} and sink.repaired_bytes == len('{"id": "2", "x"')
-    sink.write({"id": "2", "x": 2})
-    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"id": "1", "x": 1}, {"id": "2", "x": 2}]
+    assert sink.done_ids() == {"1"} and sink.torn_tail_bytes == len('{"id": "2", "x"') and notes == []
+    sink.write(second)
+    assert sink.repaired_bytes == len('{"id": "2", "x"')
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [first, second]
     assert len(notes) == 1 and f"results file {path}" in notes[0]
 
 
@@ -243,7 +247,7 @@ def test_killed_head_takes_its_processes_with_it(tmp_path):
     tracker follow; the re-run repairs a torn tail if the kill cut a write, and resumes."""
     run = _signal_mid_run(tmp_path, signal.SIGKILL)
     assert run["code"] == -signal.SIGKILL
-    JsonlSink(run["out"])  # what the re-run does first: a torn last line is cut away
+    repair_torn_tail(run["out"])  # what the re-run does at its first append: a torn last line is cut away
     kept = _lines(run["out"])
     assert 1 <= len(kept) < NUM_REQUESTS
     _resume(run, len(kept))

@@ -157,15 +157,22 @@ def resolve_trace(trace) -> Path:
 def open_sink(path: Path):
     """The JSONL results sink, opened before any worker starts (a bad file fails fast, losing nothing).
 
-    Raises:
-        InputError: naming ``--out`` when the file cannot be read, repaired or decoded.
-    """
-    from flexpipe_dag.runtime.batch import JsonlSink
+    Opening only reads ``path``; a torn or unterminated last line is repaired at the first append,
+    so a command refused for any other reason (prompts, gear, model) leaves ``--out`` as it was.
 
-    try:  # a torn last line (a crash mid-write) is truncated away, and said so on stderr
+    Raises:
+        InputError: naming ``--out`` (and the line) when the file is a link, not a regular file,
+            unreadable, or not a results file (:func:`~flexpipe_dag.runtime.results_file.scan_results`).
+    """
+    from flexpipe_dag.runtime.results_file import JsonlSink
+
+    try:  # a torn last line (a crash mid-write) is cut at the first append, and said so on stderr
         return JsonlSink(path, on_note=lambda note: print(f"flexpipe run: {note}", file=sys.stderr))
-    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or an unterminated tail that is no torn record
-        raise InputError(str(path), "--out", f"cannot use it as the results file: {exc}") from None
+    except InputError as exc:
+        where = f"{exc.field}: " if exc.field else ""
+        raise InputError(str(path), "--out", f"cannot use it as the results file: {where}{exc.problem}") from None
+    except OSError as exc:
+        raise InputError(str(path), "--out", f"cannot use it as the results file: {exc.strerror or exc}") from None
 
 
 def launched_head(args: argparse.Namespace) -> tuple[int, int, str]:

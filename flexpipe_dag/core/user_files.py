@@ -41,6 +41,20 @@ def _size_text(num_bytes: int) -> str:
     return f"{num_bytes / MIB:.0f} MiB" if num_bytes >= MIB else f"{num_bytes} bytes"
 
 
+def file_kind(st_mode: int) -> str:
+    """What a file that is not a regular file is, for messages: ``"a directory"``, ``"a FIFO (named
+    pipe)"``, ``"a device"``, ``"a symbolic link"`` or ``"not a plain file"`` (a socket)."""
+    if stat.S_ISDIR(st_mode):
+        return "a directory"
+    if stat.S_ISFIFO(st_mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(st_mode) or stat.S_ISBLK(st_mode):
+        return "a device"
+    if stat.S_ISLNK(st_mode):
+        return "a symbolic link"
+    return "not a plain file"
+
+
 def read_user_bytes(path: str | Path, cap_bytes: int, *, what: str = "file", head_bytes: int | None = None,
                     source: str | None = None) -> bytes:
     """The bytes of the user's file ``path``, at most ``cap_bytes`` of them.
@@ -69,9 +83,7 @@ def read_user_bytes(path: str | Path, cap_bytes: int, *, what: str = "file", hea
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(info.st_mode)
-                    else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a plain file")
-            raise InputError(name, None, f"is {kind}; expected a regular file holding a {what}")
+            raise InputError(name, None, f"is {file_kind(info.st_mode)}; expected a regular file holding a {what}")
         if info.st_size > cap_bytes:
             raise InputError(name, None, f"{_size_text(info.st_size)} is over the {_size_text(cap_bytes)} limit "
                                          f"for a {what}")

@@ -14,13 +14,13 @@ and reason, never fatal. The file itself must be a regular file of at most
 Sink protocol (:class:`ResultSink`): ``done_ids() -> set[str]`` and ``write(result: dict)``. Results are
 written as each request finishes, keyed by request id; a re-run skips ids the sink already holds,
 so a job killed half-way finishes only the missing requests. :class:`JsonlSink` is the file sink
-(it cuts a last line a crash tore before appending: :func:`repair_torn_tail`); the SQL store
-implements the same protocol.
+(:mod:`flexpipe_dag.runtime.results_file`: it refuses a file that is not a results file, and cuts a
+last line a crash tore at its first append: :func:`repair_torn_tail`); the SQL store implements the
+same protocol.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -34,6 +34,8 @@ from flexpipe_dag.core.errors import InputError, one_line, shown
 from flexpipe_dag.core.settings import INT32_MAX
 from flexpipe_dag.core.user_files import MAX_PROMPTS_BYTES, read_user_bytes, read_user_text
 from flexpipe_dag.core.user_yaml import load_user_json
+from flexpipe_dag.runtime.results_file import JsonlSink as JsonlSink  # re-exported: the file sink
+from flexpipe_dag.runtime.results_file import repair_torn_tail as repair_torn_tail
 from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL, PRIORITY_OFFLINE, Request, RequestOutput
 from flexpipe_dag.workload.files import read_user_frame
 
@@ -78,126 +80,6 @@ class ResultSink(Protocol):
     def done_ids(self) -> set[str]: ...
 
     def write(self, result: dict[str, Any]) -> None: ...
-
-
-class JsonlSink:
-    """Append-only JSONL results file: one object per line, flushed and fsynced per write.
-
-    A crash (SIGKILL, power loss) can cut the last write short, leaving a line with no trailing
-    newline. Opening the file repairs that tail before anything is appended
-    (:func:`repair_torn_tail`): the fragment is truncated away, so its request runs again, and
-    ``on_note`` (default: a logged warning) names the file and the bytes dropped. A later duplicate
-    of an id is skipped by ``write``.
-
-    Args:
-        path: the results file (created on the first write).
-        on_note: called with one line when the tail was repaired.
-
-    Raises:
-        OSError: the file cannot be read or truncated; ValueError: it is not UTF-8 text
-            (UnicodeDecodeError), or ends in an unterminated line that is not a torn JSON record.
-    """
-
-    def __init__(self, path: str | os.PathLike, on_note: Callable[[str], None] | None = None):
-        self.path = Path(path)
-        #: bytes of a torn last line removed when the file was opened (0: the tail was whole)
-        self.repaired_bytes = repair_torn_tail(self.path, on_note or _log.warning)
-        self._done = self._read_ids()
-
-    def _read_ids(self) -> set[str]:
-        ids: set[str] = set()
-        if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    ids.add(str(json.loads(line)["id"]))
-                except (ValueError, KeyError, TypeError):
-                    continue
-        return ids
-
-    def done_ids(self) -> set[str]:
-        return set(self._done)
-
-    def write(self, result: dict[str, Any]) -> None:
-        if result["id"] in self._done:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(result) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        self._done.add(result["id"])
-
-
-def repair_torn_tail(path: str | os.PathLike, on_note: Callable[[str], None] | None = None) -> int:
-    """Make an append-only JSONL file end at a line boundary before anything is appended to it.
-
-    A last line without its newline is a write a crash cut short: appending after it would glue the
-    next record onto the fragment, losing both for good. The fragment is truncated away (and the
-    truncation fsynced); its request is then not in the file, so a resumed job runs it again. A
-    missing or empty file, or one ending in a newline, is left alone. Nothing is cut from a file
-    that does not look like JSON lines (the fragment must start a JSON object, and the line before
-    it, if any, must be one): a ``--out`` pointing at the wrong file is refused, not truncated.
-
-    Args:
-        path: the JSONL file.
-        on_note: called with one line naming the file and the bytes dropped, when it repaired.
-
-    Returns:
-        The number of bytes dropped (0 when the tail was whole).
-
-    Raises:
-        OSError: the file cannot be opened for writing or truncated.
-        ValueError: the unterminated tail is not a torn JSON record (the file is left as it was).
-    """
-    p = Path(path)
-    if not p.is_file():
-        return 0
-    with open(p, "r+b") as fh:
-        size = fh.seek(0, os.SEEK_END)
-        if size == 0:
-            return 0
-        fh.seek(size - 1)
-        if fh.read(1) == b"\n":
-            return 0
-        keep = _line_start(fh, size)
-        fh.seek(keep)
-        if fh.read(1) != b"{" or not _ends_with_json_line(fh, keep):
-            raise ValueError(f"its last line ends without a newline at byte {size} and is not a torn JSON "
-                             f"record; expected a JSON-lines results file (left unchanged)")
-        fh.truncate(keep)
-        fh.flush()
-        os.fsync(fh.fileno())
-    dropped = size - keep
-    if on_note is not None:
-        on_note(f"results file {p}: dropped a torn last line ({dropped} bytes after byte {keep}, no trailing "
-                f"newline: a write cut short by a crash); its request runs again")
-    return dropped
-
-
-def _line_start(fh, end: int) -> int:
-    """Offset in binary file ``fh`` just after the last newline before byte ``end`` (0: none), read
-    backwards in blocks (results lines can be long)."""
-    while end > 0:
-        begin = max(0, end - 65536)
-        fh.seek(begin)
-        cut = fh.read(end - begin).rfind(b"\n")
-        if cut >= 0:
-            return begin + cut + 1
-        end = begin
-    return 0
-
-
-def _ends_with_json_line(fh, end: int) -> bool:
-    """Whether the line of binary file ``fh`` that ends at byte ``end`` (its newline at ``end - 1``)
-    is a JSON object; true when ``end`` is 0 (no line before)."""
-    if end == 0:
-        return True
-    begin = _line_start(fh, end - 1)
-    fh.seek(begin)
-    try:
-        return isinstance(json.loads(fh.read(end - begin).decode("utf-8")), dict)
-    except ValueError:
-        return False
 
 
 def _as_token_id(t: Any) -> int:

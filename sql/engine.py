@@ -138,7 +138,7 @@ def url_secrets(url: str) -> list[str]:
         for key, value in parsed.query.items():
             if _SECRET_KEY.search(key.strip()):
                 found.update((value,) if isinstance(value, str) else value)
-    except Exception:  # noqa: BLE001 - an unparsable URL: the regular expressions above found what there is
+    except Exception:  # an unparsable URL: the regular expressions above found what there is
         pass
     found |= {unquote_plus(s) for s in found} | {unquote(s) for s in found}
     return sorted((s for s in found if s and s != MASK), key=len, reverse=True)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, unquote_plus
 
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
@@ -69,31 +70,101 @@ def alembic_config(engine: Engine | None = None) -> Config:
     return cfg
 
 
-#: ``scheme://`` then the user-info part up to the *last* ``@`` (a password may hold an unescaped ``@``).
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/\s]*):(?P<password>\S*)@")
+#: ``scheme://`` then the user-info part up to the *last* ``@`` of the text: a password may hold an unescaped
+#: ``@``, ``/``, spaces, tabs or line breaks, and SQLAlchemy lets a user name hold ``@`` (``[^:/]*``).
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:/]*):(?P<password>.*)@", re.S)
+#: ``key=`` of a URL query or a libpq DSN (a secret's value runs to its closing quote when ``'quoted'`` (DSN),
+#: else to the next ``&``, so a value holding spaces or line breaks is hidden whole; a DSN's later pairs go too).
+_PARAM_KEY = re.compile(r"(?<![\w%.+\-])(?P<key>[\w%.+\-]+)\s*=\s*")
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'?", re.S)
+#: A parameter whose name (percent-decoded, any case) ends like this holds a secret: ``password``,
+#: ``sslpassword``, ``PassWord``, ``pass%77ord``, ``passwd``, ``pwd``. (``passfile`` names a file: not a secret.)
+_SECRET_KEY = re.compile(r"(?:pass(?:word|wd)?|pwd)$", re.I)
+MASK = "***"
+
+
+def _secret_params(text: str) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of the value of every secret parameter (:data:`_SECRET_KEY`) in ``text``."""
+    pos = 0
+    while (mt := _PARAM_KEY.search(text, pos)) is not None:
+        pos = mt.end()
+        if _SECRET_KEY.search(unquote_plus(mt["key"]).strip()):
+            quoted = _QUOTED.match(text, pos)
+            end = quoted.end() if quoted else (text.find("&", pos) % (len(text) + 1))
+            yield pos, end
+            pos = end
+
+
+def _mask_params(text: str) -> str:
+    out, last = [], 0
+    for start, end in _secret_params(text):
+        out += [text[last:start], MASK]
+        last = end
+    return "".join(out) + text[last:]
 
 
 def masked_url(text: str) -> str:
     """``text`` (a database URL, parsable or not, or a message holding one) with every password shown as ``***``.
 
-    Masks from the first ``:`` after the user name up to the last ``@`` of the URL, so a password holding
-    an unescaped ``@`` or ``/`` is hidden whole (a path holding ``@`` may be over-masked; never under-).
+    Hides (never under-masks; a later ``@`` or ``&`` in the text may widen what is hidden):
+
+    * the user-info password: from the first ``:`` after the user name up to the last ``@`` of the text, so
+      a password holding an unescaped ``@``, ``/``, space, tab or line break is hidden whole;
+    * every ``password=`` / ``sslpassword=`` / ``passwd=`` / ``pwd=`` parameter (any case, percent-encoded
+      names too) of a query string (``?user=a&password=...``, ``///db?host=h&password=...``) or of a
+      libpq DSN a driver echoes (``password='...'``): up to the next ``&`` or the closing quote.
     """
-    return _USERINFO.sub(lambda mt: f"{mt['scheme']}{mt['user']}:***@", text)
+    text = _USERINFO.sub(lambda mt: f"{mt['scheme']}{mt['user']}:{MASK}@", text)
+    return _mask_params(text)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The passwords ``url`` carries (user-info and query parameters, raw and percent-decoded), longest first.
+
+    For scrubbing a driver's message, which may echo a password in a form :func:`masked_url` does not
+    recognise (a DSN fragment, a quoted value). Empty when there are none.
+    """
+    found: set[str] = set()
+    mt = _USERINFO.search(url)
+    if mt:
+        found.add(mt["password"])
+    for start, end in _secret_params(url):
+        found.add(url[start:end].strip("'"))
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url.strip())
+        found.add(str(parsed.password or ""))
+        for key, value in parsed.query.items():
+            if _SECRET_KEY.search(key.strip()):
+                found.update((value,) if isinstance(value, str) else value)
+    except Exception:  # an unparsable URL: the regular expressions above found what there is
+        pass
+    found |= {unquote_plus(s) for s in found} | {unquote(s) for s in found}
+    return sorted((s for s in found if s and s != MASK), key=len, reverse=True)
+
+
+def scrubbed(text: str, url: str | None) -> str:
+    """``text`` (a driver's message) with the passwords of ``url`` (:func:`url_secrets`) and any URL or DSN
+    password in it (:func:`masked_url`) shown as ``***``."""
+    for secret in url_secrets(url) if url else ():
+        text = text.replace(secret, MASK)
+    return masked_url(text)
 
 
 def shown_url(url: Any) -> str:
-    """A store URL (string or :class:`sqlalchemy.engine.URL`) for messages and logs: password hidden."""
+    """A store URL (string or :class:`sqlalchemy.engine.URL`) for messages and logs: passwords hidden (user-info
+    and query parameters, see :func:`masked_url`)."""
     if not isinstance(url, str):
         url = url.render_as_string(hide_password=True)
     return masked_url(url.strip())
 
 
 @contextmanager
-def opening_errors(shown: str) -> Iterator[None]:
+def opening_errors(shown: str, url: str | None = None) -> Iterator[None]:
     """Turn a missing driver or a failed connection raised inside into the one-line :class:`InputError`
-    naming the store (``shown``: the URL as :func:`shown_url` shows it); any URL in the driver's message is
-    masked too.
+    naming the store (``shown``: the URL as :func:`shown_url` shows it); the driver's message is scrubbed of
+    ``url``'s passwords and of any URL or DSN password (:func:`scrubbed`) before it is cut to its first line.
 
     Raises:
         InputError: ``FLEXPIPE_DATABASE_URL`` named; no driver for the URL's dialect, or the database cannot
@@ -104,12 +175,12 @@ def opening_errors(shown: str) -> Iterator[None]:
     try:
         yield
     except (NoSuchModuleError, ModuleNotFoundError) as exc:
-        raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {masked_url(str(exc))}; "
+        raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {scrubbed(str(exc), url)}; "
                          "use sqlite:/// or postgresql+psycopg2:// (pip install -e .[postgres])") from None
     except DBAPIError as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
-        raise InputError("FLEXPIPE_DATABASE_URL", None,
-                         f"cannot open the store at {shown}: {masked_url(reason)}") from None
+        reason = scrubbed(str(exc.orig) if exc.orig else str(exc), url).strip()
+        reason = reason.splitlines()[0] if reason else type(exc).__name__
+        raise InputError("FLEXPIPE_DATABASE_URL", None, f"cannot open the store at {shown}: {reason}") from None
 
 
 def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
@@ -133,7 +204,7 @@ def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
         parsed = make_url(url.strip())
     except (ArgumentError, ValueError) as exc:
         raise InputError(source, None,
-                         f"{shown!r} is not a database URL ({masked_url(str(exc))}); expected e.g. "
+                         f"{shown!r} is not a database URL ({scrubbed(str(exc), url)}); expected e.g. "
                          "sqlite:///path/flexpipe.db or postgresql+psycopg2://user@host:5432/db") from None
     if "@" in (parsed.host or ""):
         raise InputError(source, None,

@@ -77,5 +77,5 @@ class Store(Profiles, Gears, HealthTags, MetricSamples, ShiftEvents, InferenceJo
         """
         url = url or database_url()
         shown = check_store_url(url)
-        with opening_errors(shown):
+        with opening_errors(shown, url):
             return cls(make_engine(url), auto_migrate=auto_migrate)

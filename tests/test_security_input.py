@@ -428,3 +428,81 @@ def test_every_input_error_is_one_bounded_escaped_line():
     assert text.startswith(r"a\nb.yaml: f\x1b[0m: bad value 'x\u202e\nx\u202e")
     assert len(text) < MAX_MESSAGE_CHARS + 200 and "characters, cut)" in text
     assert shown(list(range(10**6))) == "a list of 1000000 items"
+
+
+# -- attack review follow-up (issue #15): gears, YAML tags, prompt lines, CPU memory share --------------
+def test_gear_json_is_strict_and_its_figures_bounded(tmp_path):
+    from flexpipe_dag.core.gear_builders import load_gear
+    from tests.test_sim_cli import _files
+
+    gear, _ = _files(tmp_path)
+    good = gear.read_text()
+    assert load_gear(gear).gear_id == "hand-2"
+    gear.write_text(good.replace('{"gear_id":"hand-2",', '{"gear_id":"hand-2","gear_id":"other",'))
+    with pytest.raises(InputError, match=r"duplicate key 'gear_id'"):
+        load_gear(gear)
+    for field, value, needle in [("micro_batch_size", 10**18, "65536"), ("max_inflight_micro_batches", 10**18, "4096"),
+                                 ("kv_block_size_tokens", 10**23, "65536"), ("stages.0.est_stage_ms", -1.0, "0")]:
+        doc = json.loads(good)
+        head, _, leaf = field.rpartition(".")
+        (doc["stages"][0] if head else doc)[leaf] = value
+        gear.write_text(json.dumps(doc))
+        with pytest.raises(InputError, match=rf"^{gear}: {field}: .*{needle}") as err:
+            load_gear(gear)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text, tag", [("a: !!binary aGVsbG8=", "'binary'"), ("a: !!set {x}", "'set'"),
+                                       ("a: !!timestamp 2024-01-01", "'timestamp'"), ("a: !local 1", "'!local'"),
+                                       ("a: !!omap [{b: 1}]", "'omap'")])
+def test_yaml_refuses_tags_outside_the_core_schema(tmp_path, text, tag):
+    from flexpipe_dag.core.user_yaml import load_user_yaml
+
+    with pytest.raises(InputError, match=rf"^c\.yaml: not valid YAML/JSON: tag {tag} is not accepted .*\(line 1,"):
+        load_user_yaml(text, "c.yaml")
+    assert load_user_yaml("a: !!str 5\nb: 2024-01-01\nc: !!int '7'\n", "c.yaml") == {"a": "5", "b": "2024-01-01", "c": 7}
+
+
+def test_prompt_lines_split_at_newlines_only(tmp_path):
+    from flexpipe_dag.runtime.batch import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": f"r{i}", "prompt": f"a{sep}b"} for i, sep in enumerate(("\u2028", "\u2029", "\u0085", "\x0c"))]
+    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n", encoding="utf-8")
+    got, bad = read_prompts(path)
+    assert bad == [] and [(r.request_id, r.prompt, r.line) for r in got] == [
+        (r["id"], r["prompt"], i) for i, r in enumerate(rows, start=1)]
+
+
+def test_out_of_vocabulary_ids_name_their_row(tmp_path):
+    from flexpipe_dag.runtime.batch import read_prompts, to_requests
+
+    class Tokenizer:  # to_requests reads only the vocabulary size when rows carry token ids
+        def __len__(self) -> int:
+            return 100
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (
+        {"id": "ok", "token_ids": [1, 2]}, {"id": "x", "prompt": ""}, {"id": "oov", "token_ids": [5, 100]})))
+    rows, bad = read_prompts(path)
+    reqs = to_requests(rows, Tokenizer(), (0,), bad)
+    assert [r.request_id for r in reqs] == ["ok"]
+    assert [b.line for b in bad] == [2, 3] and "id 100 is outside the model's vocabulary (0..99)" in bad[1].reason
+
+
+def test_cpu_memory_share_counts_every_replica(monkeypatch):
+    from flexpipe_dag.core.errors import InfeasibleError
+    from flexpipe_dag.core.gear_builders import even_gear
+    from flexpipe_dag.runtime import pipeline
+
+    monkeypatch.setattr(pipeline, "host_memory_bytes", lambda: 100 * 2**30)
+    monkeypatch.setattr(pipeline, "stage_memory_bytes", lambda gear, ckpt, dtype: [
+        {"stage_index": st.stage_index, "device_ids": st.device_ids, "total_bytes": 30 * 2**30,
+         "param_bytes": 20 * 2**30, "kv_pool_bytes": 10 * 2**30} for st in gear.stages])
+    options = pipeline.RuntimeOptions()
+    pipeline.check_gear_fits(even_gear(30, 2, "m", 1, None, 1000), None, options)  # 2 workers: 50 GiB each
+    replicated = even_gear(30, 2, "m", 1, None, 1000, replicas=[3, 1])  # 4 workers: 25 GiB each
+    with pytest.raises(InfeasibleError, match=r"needs 30\.00 GiB .* but the device has 25\.00 GiB"):
+        pipeline.check_gear_fits(replicated, None, options)
+    # a device with its own figure does not take a share of the host
+    pipeline.check_gear_fits(replicated, None, pipeline.RuntimeOptions(device_memory_bytes={"worker0.0": 40 * 2**30}))

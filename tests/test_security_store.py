@@ -360,12 +360,79 @@ def test_cli_error_masks_the_password(url, command, monkeypatch, capsys):
     assert PASSWORD not in err + captured.out and "ss" + PASSWORD not in err
 
 
-def test_dagster_validate_masks_a_malformed_url():
-    env = {**os.environ, "PYTHONPATH": str(REPO),
-           "FLEXPIPE_DATABASE_URL": f"postgresql+psycopg2://fp:{PASSWORD}@db:notaport/fp"}
+@pytest.mark.parametrize("url, shown", [
+    (f"postgresql+psycopg2://fp:{PASSWORD}@db:notaport/fp", "postgresql+psycopg2://fp:***@db:notaport/fp"),
+    (f"postgresql+psycopg2://fp@db:notaport/fp?sslmode=require&password={PASSWORD}",
+     "postgresql+psycopg2://fp@db:notaport/fp?sslmode=require&password=***"),
+])
+def test_dagster_validate_masks_a_malformed_url(url, shown):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FLEXPIPE_DATABASE_URL": url}
     dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
     run = subprocess.run([dagster, "definitions", "validate", "-m", "flexpipe_dag.definitions"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=180)
     assert run.returncode != 0
-    assert "postgresql+psycopg2://fp:***@db:notaport/fp" in run.stdout + run.stderr
+    assert shown in run.stdout + run.stderr
     assert PASSWORD not in run.stdout + run.stderr
+
+
+# every URL form psycopg2 takes a password in (issue #15 attack review): user-info with spaces or a tab,
+# query parameters in any case or percent-encoded, a URL without a host
+@pytest.mark.parametrize("url, shown", [
+    (f"postgresql+psycopg2://alice@127.0.0.1:1/db?password={PASSWORD}", "alice@127.0.0.1:1/db?password=***"),
+    (f"postgresql+psycopg2://127.0.0.1:1/db?user=alice&password={PASSWORD}&connect_timeout=5",
+     "127.0.0.1:1/db?user=alice&password=***&connect_timeout=5"),
+    (f"postgresql+psycopg2:///db?host=127.0.0.1&port=1&password={PASSWORD}", "///db?host=127.0.0.1&port=1&password=***"),
+    (f"postgresql+psycopg2:///db?host=127.0.0.1&port=1&PassWord={PASSWORD}", "&PassWord=***"),
+    (f"postgresql+psycopg2:///db?host=127.0.0.1&port=1&pass%77ord={PASSWORD}", "&pass%77ord=***"),
+    (f"postgresql+psycopg2:///db?host=127.0.0.1&port=1&sslpassword={PASSWORD}&passfile=/tmp/pgpass",
+     "&sslpassword=***&passfile=/tmp/pgpass"),
+    (f"postgresql+psycopg2://alice:pa ss {PASSWORD}@127.0.0.1:1/db", "//alice:***@127.0.0.1:1/db"),
+    (f"postgresql+psycopg2://alice:pa\t{PASSWORD}@127.0.0.1:1/db", "//alice:***@127.0.0.1:1/db"),
+    (f"postgresql+psycopg2://al ice:{PASSWORD}@127.0.0.1:1/db", "//al ice:***@127.0.0.1:1/db"),
+    (f"postgresql+psycopg2://127.0.0.1:1/db?user=alice&password={PASSWORD}&bogus=1", "&password=***&bogus=1"),
+])
+def test_cli_masks_every_password_form(url, shown, monkeypatch, capsys):
+    monkeypatch.setenv("FLEXPIPE_DATABASE_URL", url)
+    assert cli_main(["store", "status"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.count("\n") == 1 and "FLEXPIPE_DATABASE_URL" in err and shown in err, err
+    assert PASSWORD not in err + captured.out and PASSWORD[:-1] not in err, err
+
+
+def test_shown_url_masks_query_passwords_of_an_engine_url():
+    """Messages built from ``engine.url`` (schema errors, logs) hide a query-string password too."""
+    from sqlalchemy.engine import make_url
+
+    from flexpipe_dag.sql.engine import shown_url
+
+    url = make_url(f"postgresql+psycopg2://fp:{PASSWORD}@db/fp?sslpassword={PASSWORD}x&application_name=fp")
+    assert shown_url(url) == "postgresql+psycopg2://fp:***@db/fp?application_name=fp&sslpassword=***"  # keys sorted
+
+
+@pytest.mark.parametrize("driver_text", [
+    f'invalid dsn: missing "=" after "{PASSWORD}" in connection info string',  # a bare fragment of the DSN
+    f"could not connect: user=fp password='{PASSWORD}' host=db",  # the DSN itself, quoted
+    f"could not connect: user=fp password={PASSWORD} host=db",
+    f"could not connect to postgresql://fp:{PASSWORD}@db/fp",
+    f"could not connect: {PASSWORD.replace('-', '%2D')}",  # percent-encoded as it was written
+])
+def test_driver_messages_are_scrubbed_of_the_password(driver_text):
+    from sqlalchemy.exc import OperationalError
+
+    from flexpipe_dag.sql.engine import opening_errors
+
+    url = f"postgresql+psycopg2://fp@db/fp?password={PASSWORD.replace('-', '%2D')}"
+    with pytest.raises(InputError) as err, opening_errors("shown", url):
+        raise OperationalError("connect", {}, Exception(driver_text + "\nsecond line"))
+    message = str(err.value)
+    assert message.startswith("FLEXPIPE_DATABASE_URL: cannot open the store at shown: ") and "***" in message
+    assert PASSWORD not in message and "5" + PASSWORD[-1] not in message and "\n" not in message, message
+
+
+def test_a_password_holding_a_line_break_is_masked_whole():
+    from flexpipe_dag.sql.engine import masked_url, url_secrets
+
+    url = f"postgresql+psycopg2://fp:{PASSWORD[:4]}\n{PASSWORD[4:]}@db/fp"
+    assert masked_url(url) == "postgresql+psycopg2://fp:***@db/fp"
+    assert f"{PASSWORD[:4]}\n{PASSWORD[4:]}" in url_secrets(url)

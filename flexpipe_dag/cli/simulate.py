@@ -31,16 +31,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 from rich.console import RenderableType
 from rich.text import Text
 
 from flexpipe_dag.cli.tables import PIPE_WIDTH, IdTable, cli_console, format_number, new_table, render_text
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear
+from flexpipe_dag.core.gear_builders import load_gear
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
-from flexpipe_dag.core.user_yaml import load_user_document
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
 from flexpipe_dag.sim.timing import COST_FIELDS
 from flexpipe_dag.workload import (
@@ -95,23 +94,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def load_gear_file(path: str | Path) -> Gear:
-    """Read a :class:`Gear` from JSON or YAML.
+    """Read a :class:`Gear` from JSON or YAML (:func:`~flexpipe_dag.core.gear_builders.load_gear`).
 
     Raises:
         InputError: missing file, unparsable, or a field that fails validation (named by path).
     """
-    path = Path(path)
-    if not path.exists():
-        raise InputError(str(path), None, "file not found; expected a gear as JSON or YAML")
-    data = load_user_document(path, "gear")
-    if isinstance(data, dict) and data.get("rps_max", 0) is None:
-        data = {k: v for k, v in data.items() if k != "rps_max"}  # Gear.model_dump_json writes an unbounded envelope as null
-    try:
-        return Gear.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise InputError(str(path), ".".join(str(x) for x in err["loc"]) or None,
-                         err["msg"].removeprefix("Value error, ")) from None
+    return load_gear(path)
 
 
 def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:

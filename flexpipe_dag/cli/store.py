@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     url = database_url()
     shown = check_store_url(url)
-    with opening_errors(shown):
+    with opening_errors(shown, url):
         engine = make_engine(url)
         try:
             if args.action == "upgrade":

@@ -20,6 +20,17 @@ GearKind = Literal["latency", "balanced", "throughput", "uniform", "parameters",
 OPERATING_KINDS: tuple[GearKind, ...] = ("latency", "balanced", "throughput")
 
 
+#: Ceilings of a gear's figures (documented limits; far above any real gear, low enough that a typo or a
+#: hostile file cannot size a buffer of 1e18 entries).
+MAX_MICRO_BATCH_SIZE = 65536
+MAX_INFLIGHT_MICRO_BATCHES = 4096
+MAX_KV_BLOCK_SIZE_TOKENS = 65536
+#: Most decoder layers (and so stages' layer indices) a gear may name.
+MAX_GEAR_LAYERS = 65536
+#: Most KV tokens a gear or stage may reserve (2**40, about 1.1e12).
+MAX_KV_CAPACITY_TOKENS = 2**40
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -27,13 +38,13 @@ class _Model(BaseModel):
 class StagePlan(_Model):
     """One pipeline stage: a contiguous layer range on one device (or on several replicas)."""
 
-    stage_index: Annotated[int, Field(ge=0)]
-    layer_start: Annotated[int, Field(ge=0)]
-    layer_end: Annotated[int, Field(ge=1)] = Field(description="exclusive")
+    stage_index: Annotated[int, Field(ge=0, le=MAX_GEAR_LAYERS)]
+    layer_start: Annotated[int, Field(ge=0, le=MAX_GEAR_LAYERS)]
+    layer_end: Annotated[int, Field(ge=1, le=MAX_GEAR_LAYERS)] = Field(description="exclusive")
     device_ids: list[Identifier] = Field(min_length=1, max_length=4096, description="one per replica")
-    est_stage_ms: float | None = Field(None, description="estimated time per micro-batch step, ms")
-    weight_gib: float | None = None
-    kv_capacity_tokens: int | None = None
+    est_stage_ms: float | None = Field(None, ge=0, description="estimated time per micro-batch step, ms (finite)")
+    weight_gib: float | None = Field(None, ge=0, description="weights held, GiB (finite)")
+    kv_capacity_tokens: int | None = Field(None, ge=0, le=MAX_KV_CAPACITY_TOKENS)
 
     @property
     def num_layers(self) -> int:
@@ -82,6 +93,11 @@ class EnvelopeBasis(_Model):
 class Gear(_Model):
     """A complete pipeline configuration plus its operating envelope.
 
+    Bounds: ``micro_batch_size`` 1..:data:`MAX_MICRO_BATCH_SIZE`, ``max_inflight_micro_batches``
+    1..:data:`MAX_INFLIGHT_MICRO_BATCHES`, ``kv_block_size_tokens`` 1..:data:`MAX_KV_BLOCK_SIZE_TOKENS`,
+    ``num_layers`` 1..:data:`MAX_GEAR_LAYERS`, KV capacities 0..:data:`MAX_KV_CAPACITY_TOKENS` tokens; every
+    estimate (ms, GiB, rps) finite and >= 0 (only ``rps_max`` may be unbounded).
+
     Validation: stages are numbered 0..n-1, cover ``[0, num_layers)`` contiguously, none is empty,
     and no device serves two stages.
     """
@@ -90,12 +106,12 @@ class Gear(_Model):
     kind: GearKind
     model_name: str = Field(max_length=MAX_ID_CHARS)
     dtype: str = "bf16"
-    num_layers: Annotated[int, Field(ge=1)]
+    num_layers: Annotated[int, Field(ge=1, le=MAX_GEAR_LAYERS)]
     stages: list[StagePlan] = Field(min_length=1, max_length=4096)
-    micro_batch_size: Annotated[int, Field(ge=1)] = 1
-    max_inflight_micro_batches: Annotated[int, Field(ge=1)] = 1
-    kv_block_size_tokens: Annotated[int, Field(ge=1)] = 16
-    kv_capacity_tokens: Annotated[int, Field(ge=0)] = 0
+    micro_batch_size: Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH_SIZE)] = 1
+    max_inflight_micro_batches: Annotated[int, Field(ge=1, le=MAX_INFLIGHT_MICRO_BATCHES)] = 1
+    kv_block_size_tokens: Annotated[int, Field(ge=1, le=MAX_KV_BLOCK_SIZE_TOKENS)] = 16
+    kv_capacity_tokens: Annotated[int, Field(ge=0, le=MAX_KV_CAPACITY_TOKENS)] = 0
     # Gears saved before the request rate was named rps_* spell it qps_*: both read.
     rps_min: float = Field(0.0, ge=0, validation_alias=AliasChoices("rps_min", "qps_min"))
     rps_max: float = Field(float("inf"), ge=0, allow_inf_nan=True, validation_alias=AliasChoices("rps_max", "qps_max"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear, StagePlan
-from flexpipe_dag.core.user_files import MAX_JSON_BYTES, read_user_text
+from flexpipe_dag.core.user_yaml import load_user_document
 
 
 def even_layer_counts(num_layers: int, num_stages: int) -> list[int]:
@@ -82,21 +82,28 @@ def even_gear(num_layers: int, num_stages: int, model_name: str, micro_batch_siz
                 kv_capacity_tokens=kv_capacity_tokens)
 
 
-def load_gear(path: Path) -> Gear:
-    """The gear saved as JSON in ``path``.
+def load_gear(path: str | Path) -> Gear:
+    """The gear saved in ``path``: strict JSON when the name ends in ``.json``, else strict YAML (or JSON).
+
+    Read through the capped reader and parsed strictly (:func:`~flexpipe_dag.core.user_yaml.load_user_document`):
+    a duplicate key (two ``gear_id``), ``NaN`` / ``Infinity``, an alias or a non-standard YAML tag is refused,
+    and every figure is checked against the bounds of :class:`Gear` (e.g. ``micro_batch_size`` 1..65536).
 
     Raises:
         InputError: the file is missing or unreadable, not a regular file, over
-            :data:`~flexpipe_dag.core.user_files.MAX_JSON_BYTES`, not UTF-8, or a field is invalid (named by
-            its JSON path).
+            :data:`~flexpipe_dag.core.user_files.MAX_JSON_BYTES` (JSON) or
+            :data:`~flexpipe_dag.core.user_files.MAX_YAML_BYTES` (YAML), not UTF-8, not strict JSON / YAML,
+            or a field is invalid (named by its path, e.g. ``stages.0.est_stage_ms``).
     """
     from pydantic import ValidationError
 
+    path = Path(path)
     if not path.exists():
-        raise InputError(str(path), None, "gear file not found")
-    text = read_user_text(path, MAX_JSON_BYTES, what="gear (JSON)")
+        raise InputError(str(path), None, "file not found; expected a gear as JSON or YAML")
+    data = load_user_document(path, "gear")
     try:
-        return Gear.model_validate_json(text)
+        return Gear.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise InputError(str(path), ".".join(str(x) for x in err["loc"]), err["msg"].removeprefix("Value error, ")) from None
+        raise InputError(str(path), ".".join(str(x) for x in err["loc"]) or None,
+                         err["msg"].removeprefix("Value error, ")) from None

@@ -6,7 +6,10 @@ read. User files need neither. :func:`load_user_yaml` refuses, with the line the
 
 * any alias (``*name``): a user file writes its values out;
 * a duplicate mapping key (the later value would silently win);
-* nesting deeper than :data:`MAX_NESTING_DEPTH` levels (before the parser's recursion runs out).
+* nesting deeper than :data:`MAX_NESTING_DEPTH` levels (before the parser's recursion runs out);
+* any tag but the YAML 1.2 core schema's (``!!str``, ``!!int``, ``!!float``, ``!!bool``, ``!!null``,
+  ``!!map``, ``!!seq``): ``!!binary``, ``!!timestamp``, ``!!set``, ``!!omap``, ``!!pairs``, merge keys
+  (``<<``) and local ``!tags`` are refused. An unquoted date (``2024-01-01``) reads as a string.
 
 Numbers follow YAML 1.2 as well as 1.1: ``1e9`` and ``-2.5E-3`` are floats (PyYAML alone reads
 ``1e9`` as a string); YAML 1.1's ``yes`` / ``on`` are still booleans, and the pydantic models that
@@ -35,6 +38,8 @@ from flexpipe_dag.core.user_files import MAX_JSON_BYTES, MAX_YAML_BYTES, read_us
 #: Deepest nesting of mappings / lists a user file may have (real files use a handful of levels).
 MAX_NESTING_DEPTH = 64
 _FLOAT_TAG = "tag:yaml.org,2002:float"
+#: The tags a user file may hold, written or implied: YAML 1.2's core schema.
+CORE_TAGS = frozenset(f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "map", "seq"))
 # YAML 1.2 core-schema floats, plus YAML 1.1's forms PyYAML already knows (1_000.5, .inf, .nan, 60:30.5)
 _FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                           |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
@@ -66,6 +71,14 @@ class _StrictLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        if node.tag not in CORE_TAGS:
+            tag = node.tag.removeprefix("tag:yaml.org,2002:")
+            raise ConstructorError(None, None, f"tag {shown(tag, 80)} is not accepted in this file; expected plain "
+                                               "strings, numbers, booleans, null, mappings and lists",
+                                   node.start_mark)
+        return super().construct_object(node, deep=deep)
+
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
@@ -81,9 +94,10 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-# resolvers are per class: keep SafeLoader's, with the float pattern widened to YAML 1.2's
+# resolvers are per class: keep SafeLoader's core-schema ones (no timestamp, merge or value), with the float
+# pattern widened to YAML 1.2's
 _StrictLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG and tag in CORE_TAGS]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _StrictLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
 

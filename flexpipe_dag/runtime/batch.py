@@ -63,6 +63,7 @@ class PromptRow:
     max_new_tokens: int = 16
     priority: int = PRIORITY_OFFLINE
     continuations: list[str | list[int]] | None = None  # scoring jobs: score each given the prompt
+    line: int = 0  # 1-based line (JSONL) or row number (Parquet, trace) it came from; 0: not from a file
 
 
 @dataclass
@@ -174,7 +175,7 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
                                        f"or lists of token ids 0..{INT32_MAX}")
         conts = list(conts)
     seen.add(rid)
-    return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio, conts)
+    return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio, conts, line=where)
 
 
 def _short(value: Any) -> str:
@@ -202,7 +203,9 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
     bad: list[MalformedRow] = []
     if p.suffix in (".jsonl", ".json", ".ndjson"):
         text = read_user_text(p, MAX_PROMPTS_BYTES, what="prompts file (JSON lines)")
-        for i, line in enumerate(text.splitlines(), start=1):
+        # "\n" only: str.splitlines() also splits at U+2028 / U+2029 / U+0085, legal inside a JSON string
+        for i, line in enumerate(text.split("\n"), start=1):
+            line = line.removesuffix("\r")
             if not line.strip():
                 continue
             try:
@@ -272,7 +275,7 @@ def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests:
             offset = 0
         rows.append(PromptRow(f"trace-{i:05d}", None, corpus[offset:offset + n],
                               max(1, min(math.ceil(int(generated_tokens) * length_scale), max_new_tokens)),
-                              priority))
+                              priority, line=i + 1))
         offset += n
     return rows
 
@@ -334,11 +337,11 @@ def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...]
         ids = r.token_ids if r.token_ids is not None else tokenizer(r.prompt, add_special_tokens=False)["input_ids"]
         if not ids:
             if malformed is not None:
-                malformed.append(MalformedRow(-1, f"id {r.request_id!r}: prompt tokenises to nothing"))
+                malformed.append(MalformedRow(r.line, f"id {r.request_id!r}: prompt tokenises to nothing"))
             continue
         if vocab_size is not None and max(ids) >= vocab_size:
             if malformed is not None:
-                malformed.append(MalformedRow(-1, f"id {r.request_id!r}: field 'token_ids': id {max(ids)} is "
+                malformed.append(MalformedRow(r.line, f"id {r.request_id!r}: field 'token_ids': id {max(ids)} is "
                                                   f"outside the model's vocabulary (0..{vocab_size - 1})"))
             continue
         reqs.append(Request(r.request_id, list(ids), r.max_new_tokens, priority=r.priority, eos_token_ids=eos_token_ids))

@@ -246,12 +246,17 @@ def gear_lane_layout(gear: Gear):
 def check_gear_fits(gear: Gear, ckpt: Checkpoint, options: RuntimeOptions) -> list[dict]:
     """Refuse, before launch, a gear whose stages do not fit their devices.
 
+    A device without a figure in ``options.device_memory_bytes`` (a CPU worker) gets an equal share of
+    this host's memory: the host's bytes divided by the number of such stage workers, replicas included.
+
     Raises:
         InfeasibleError: naming the first stage whose weights + KV pool exceed its device memory.
     """
     rows = stage_memory_bytes(gear, ckpt, options.dtype)
     mem = options.device_memory_bytes
-    host_share = host_memory_bytes() // max(1, gear.num_stages)
+    # every stage worker (replicas each count) without a figure of its own shares this host's memory
+    host_workers = sum(1 for st in gear.stages for dev in st.device_ids if not mem or dev not in mem)
+    host_share = host_memory_bytes() // max(1, host_workers)
     for row in rows:
         for dev in row["device_ids"]:
             cap = mem.get(dev, host_share) if mem else host_share

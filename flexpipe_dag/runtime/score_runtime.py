@@ -234,7 +234,7 @@ def score_units(rows: list[PromptRow], tokenizer, malformed: list[MalformedRow] 
             row_units = build_units(r.request_id, ids, conts)
         except ValueError as exc:
             if malformed is not None:
-                malformed.append(MalformedRow(-1, f"id {r.request_id!r}: {exc}"))
+                malformed.append(MalformedRow(r.line, f"id {r.request_id!r}: {exc}"))
             continue
         units += row_units
         state[r.request_id] = RowScores(r.request_id, len(ids), len(row_units))

@@ -26,6 +26,41 @@ def parse_address(text: str, field: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def listen_host_problem(host: str) -> str | None:
+    """Why ``host`` is refused as an address to listen on, or ``None``: the numeric shorthands
+    ``inet_aton`` accepts but nobody means to write (``0`` is every interface, ``127.1``,
+    ``0x7f000001``, ``2130706433``) are refused; a dotted address, an IPv6 address or a name is fine."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if ip.is_unspecified and host not in ("0.0.0.0", "::"):
+            return f"{host!r} means every interface; write 0.0.0.0 (or ::) to listen on all of them"
+        return None
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return None  # a host name
+    return (f"{host!r} is a numeric shorthand for an IPv4 address (it reads as {socket.inet_ntoa(socket.inet_aton(host))}); "
+            f"write a dotted address (e.g. 127.0.0.1, or 0.0.0.0 for every interface) or a host name")
+
+
+def parse_listen_address(text: str, field: str) -> tuple[str, int]:
+    """:func:`parse_address` for an address to listen on, refusing what :func:`listen_host_problem` does.
+
+    Raises:
+        InputError: naming ``field``: not ``HOST:PORT``, or an ambiguous numeric host.
+    """
+    host, port = parse_address(text, field)
+    problem = listen_host_problem(host)
+    if problem:
+        raise InputError(None, field, problem)
+    return host, port
+
+
 def connect(host: str, port: int, timeout_s: float, secret: str):
     """An authenticated client (:class:`~flexpipe_dag.runtime.control_store.ControlStoreClient`, a
     ``torch.distributed.Store``) of the head's control store; retries until the head is up or

@@ -30,7 +30,6 @@ replay) is dropped, counted and logged the same way.
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
 import re
 import secrets
@@ -52,7 +51,7 @@ from flexpipe_dag.runtime.control_auth import (
     client_handshake,
     server_handshake,
 )
-from flexpipe_dag.runtime.rendezvous import listen_host_problem
+from flexpipe_dag.runtime.listen_address import resolve_bind_host
 
 log = logging.getLogger(__name__)
 
@@ -100,31 +99,6 @@ class StoreLimits:
     max_connections: int = 128
     max_pending_connections: int = 16
     handshake_timeout_s: float = 5.0
-
-
-def resolve_bind_host(host: str) -> tuple[socket.AddressFamily, str]:
-    """``(family, address)`` to bind for ``host``: an IP as given, a host name resolved to its
-    first address (IPv4 preferred), ``""`` -> loopback. Every interface only when spelled
-    ``0.0.0.0`` or ``::``.
-
-    Raises:
-        OSError: the name does not resolve; a numeric shorthand (``0``, ``127.1``, ``0x7f000001``:
-            :func:`~flexpipe_dag.runtime.rendezvous.listen_host_problem`); another spelling or a
-            name that means every interface.
-    """
-    if host in ("", "localhost"):
-        return socket.AF_INET, "127.0.0.1"
-    problem = listen_host_problem(host)
-    if problem:
-        raise OSError(problem)
-    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    infos.sort(key=lambda i: i[0] != socket.AF_INET)
-    family, *_rest, sockaddr = infos[0]
-    address = str(sockaddr[0])
-    if ipaddress.ip_address(address.split("%")[0]).is_unspecified and host not in ("0.0.0.0", "::"):
-        raise OSError(f"{host!r} means every interface; write 0.0.0.0 (or ::) to listen on all of them, "
-                      f"or the address of one interface")
-    return family, address
 
 
 class _Conn:

@@ -10,6 +10,7 @@ import os
 import socket
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.listen_address import listen_host_problem
 
 
 def parse_address(text: str, field: str) -> tuple[str, int]:
@@ -24,28 +25,6 @@ def parse_address(text: str, field: str) -> tuple[str, int]:
             or (":" in host and not bracketed)):
         raise InputError(None, field, f"expected HOST:PORT (e.g. gpu-a100-0:29501, [::1]:29501 for IPv6), got {text!r}")
     return host.strip("[]"), int(port)
-
-
-def listen_host_problem(host: str) -> str | None:
-    """Why ``host`` is refused as an address to listen on, or ``None``: the numeric shorthands
-    ``inet_aton`` accepts but nobody means to write (``0`` is every interface, ``127.1``,
-    ``0x7f000001``, ``2130706433``) are refused; a dotted address, an IPv6 address or a name is fine."""
-    import ipaddress
-
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        ip = None
-    if ip is not None:
-        if ip.is_unspecified and host not in ("0.0.0.0", "::"):
-            return f"{host!r} means every interface; write 0.0.0.0 (or ::) to listen on all of them"
-        return None
-    try:
-        socket.inet_aton(host)
-    except OSError:
-        return None  # a host name
-    return (f"{host!r} is a numeric shorthand for an IPv4 address (it reads as {socket.inet_ntoa(socket.inet_aton(host))}); "
-            f"write a dotted address (e.g. 127.0.0.1, or 0.0.0.0 for every interface) or a host name")
 
 
 def parse_listen_address(text: str, field: str) -> tuple[str, int]:

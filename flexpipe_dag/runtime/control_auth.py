@@ -62,6 +62,10 @@ class PeerClosed(ChannelError):
     """The peer closed the connection (EOF): a store that is full or restarting closes this way."""
 
 
+class NotAdmitted(ChannelError):
+    """The server closed a connection whose proof was right (its ``admit`` check said no: a full store)."""
+
+
 class SecretRefused(ChannelError):
     """The peer does not hold this run's secret (either direction of the handshake failed)."""
 
@@ -334,8 +338,8 @@ def server_handshake(sock: socket.socket, secret: str, timeout_s: float | None =
     Raises:
         SecretRefused: the client's proof is wrong.
         TimeoutError: the handshake took longer than ``timeout_s``.
-        ChannelError: the client does not speak this protocol (or closed the connection), or
-            ``admit`` refused it.
+        NotAdmitted: ``admit`` refused it.
+        ChannelError: the client does not speak this protocol (or closed the connection).
     """
     key = secret.encode()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -353,7 +357,7 @@ def server_handshake(sock: socket.socket, secret: str, timeout_s: float | None =
             pass
         raise SecretRefused("the client's proof of the run secret is wrong")
     if admit is not None and not admit():
-        raise ChannelError("not admitted")
+        raise NotAdmitted("not admitted (the store is full)")
     _until(sock, deadline)
     sock.sendall(b"OKAY" + _mac(key, b"server", nonce_s, nonce_c))
     return Channel(sock, _mac(key, b"session", nonce_s, nonce_c), is_server=True)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from flexpipe_dag.runtime.control_auth import (
     Channel,
     ChannelError,
+    NotAdmitted,
     PeerClosed,
     SecretRefused,
     client_handshake,
@@ -230,8 +231,10 @@ class ControlStoreServer:
             self._refuse("wrong secret", conn.peer, str(exc))
         except TimeoutError:
             self._refuse("slow handshake", conn.peer, f"over {self.limits.handshake_timeout_s:.0f} s")
+        except NotAdmitted:
+            pass  # counted by _admit
         except ChannelError as exc:
-            if "closed by the peer" not in str(exc) and not conn.evicted and str(exc) != "not admitted":
+            if not isinstance(exc, PeerClosed) and not conn.evicted:
                 self._refuse("protocol violation", conn.peer, str(exc))
         except OSError:
             pass

@@ -249,14 +249,14 @@ def test_quotas_bound_what_an_authenticated_client_can_store():
 
 
 def test_connection_flood_is_capped_and_idle_handshakes_time_out():
-    limits = StoreLimits(max_connections=8, handshake_timeout_s=0.5)
+    limits = StoreLimits(max_pending_connections=8, handshake_timeout_s=0.5)
     server = ControlStoreServer("127.0.0.1", 0, SECRET, 1, limits)
     flood = []
     try:
         for _ in range(40):
             flood.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
-        time.sleep(0.2)
-        assert server.connections <= 8 and server.refusals["connection over the limit"] >= 30
+        wait_until(lambda: server.refusals["unauthenticated connection over the limit"] >= 30
+                   and server.connections <= 8, 5, "the oldest unauthenticated connections to be closed")
         wait_until(lambda: server.connections == 0, 5, "idle half-open connections to be dropped")
         assert server.refusals["slow handshake"] >= 1
         ok = connect("127.0.0.1", server.port, 5, SECRET)  # once the flood is gone, a worker gets in
@@ -265,6 +265,62 @@ def test_connection_flood_is_capped_and_idle_handshakes_time_out():
         for s in flood:
             s.close()
         server.close()
+
+
+def test_a_dribbling_handshake_flood_cannot_keep_a_worker_out():
+    """Issue #15 review, 1: sockets that send one byte now and then are dropped when the whole
+    handshake's deadline passes (not per read); a flood of them, however many, takes only the
+    unauthenticated slots (oldest closed first), so workers still get in; a store full of
+    authenticated connections makes a client retry within its connect timeout instead of failing."""
+    limits = StoreLimits(max_connections=3, max_pending_connections=4, handshake_timeout_s=1.0)
+    server = ControlStoreServer("127.0.0.1", 0, SECRET, 1, limits)
+    flood: list[socket.socket] = []
+    clients = []
+    try:
+        dribbler = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        dribbler.recv(36)
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            for _ in range(20):  # one byte every 0.3 s: each read is in time, the handshake is not
+                dribbler.sendall(b"F")
+                time.sleep(0.3)
+                if _dropped_now(dribbler):
+                    raise OSError("dropped")
+        assert time.monotonic() - t0 < 2.5 and server.refusals["slow handshake"] >= 1
+        for _ in range(40):  # idle sockets, left open: more than the unauthenticated cap
+            flood.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        wait_until(lambda: server.refusals["unauthenticated connection over the limit"] >= 36
+                   and server.connections <= 4, 5, "the oldest unauthenticated connections to be closed")
+        t0 = time.monotonic()
+        for _ in range(3):  # the workers get in while the flood is still open
+            clients.append(connect("127.0.0.1", server.port, 5, SECRET))
+        assert time.monotonic() - t0 < 3 and server.authenticated_connections == 3
+        with pytest.raises(ConnectionError, match="closed every connection"):
+            connect("127.0.0.1", server.port, 1, SECRET)  # full of authenticated ones: retried, then named
+        assert server.refusals["connection over the limit"] >= 1
+        threading.Timer(0.5, clients.pop().close).start()
+        late = connect("127.0.0.1", server.port, 5, SECRET)  # retries until a place frees up
+        late.set("pg/late", b"1")
+        clients.append(late)
+    finally:
+        for s in flood:
+            s.close()
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def _dropped_now(sock: socket.socket) -> bool:
+    """The server has closed ``sock`` (checked without waiting)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
 
 
 def test_transport_header_claims_are_bounded_before_allocating():
@@ -429,3 +485,156 @@ def test_run_flags_for_the_secret_are_checked(monkeypatch, capsys):
     monkeypatch.setenv("FLEXPIPE_RUN_SECRET", "short")
     assert main(["run", "--launched", "--stages", "2", "--trace", "azure-conv"]) == 2
     assert "FLEXPIPE_RUN_SECRET: expected a run secret of at least 32" in capsys.readouterr().err
+
+
+# -- crafted requests of an authenticated peer (issue #15 review, 6 and 7) ---------------------------
+def _request(chan, op: int, key: bytes, value: bytes = b"") -> bytes:
+    chan.send(struct.pack(">BH", op, len(key)) + key + value)
+    return chan.recv()
+
+
+def test_keys_are_capped_and_counted_in_the_byte_quota():
+    server = ControlStoreServer("127.0.0.1", 0, SECRET, 1, StoreLimits(max_total_bytes=900))
+    try:
+        c = connect("127.0.0.1", server.port, 5, SECRET)
+        with pytest.raises(ControlStoreError, match="key of 257 bytes exceeds the 256-byte limit"):
+            c.set("pg/" + "k" * 254, b"")
+        with pytest.raises(ControlStoreError, match="ASCII printable"):
+            c.set("pg/\x00key", b"")
+        sock, chan = _raw_session(server.port)
+        assert _request(chan, 1, "pg/é".encode(), b"v")[:1] == b"\x02"  # UTF-8 but not ASCII: refused
+        assert _request(chan, 1, b"pg/" + b"k" * 65000, b"")[:1] == b"\x02"  # the review's 64 KiB keys
+        for i in range(3):  # empty values: only the 250-byte keys count
+            c.set(f"pg/{i}" + "k" * 246, b"")
+        assert server._bytes == 750
+        with pytest.raises(ControlStoreError, match="900-byte limit"):
+            c.set("pg/3" + "k" * 246, b"")
+        assert c.delete_key("pg/0" + "k" * 246) and server._bytes == 500
+        assert not _dropped_now(sock) and server.refusals["request"] >= 4
+        sock.close()
+    finally:
+        server.close()
+
+
+def test_crafted_requests_are_refused_counted_and_logged_on_one_line(caplog):
+    server = ControlStoreServer("127.0.0.1", 0, SECRET, 2)
+    try:
+        sock, chan = _raw_session(server.port)
+        with caplog.at_level("WARNING", logger="flexpipe_dag.runtime.control_store"):
+            for key in ("²", "١", "9" * 5000, "", "-1", "٠"):  # not ASCII digits, too long, empty, negative
+                assert _request(chan, 11, key.encode())[:1] == b"\x02", key
+            assert _request(chan, 12, b"0", "é".encode())[:1] == b"\x02"  # a token with non-ASCII: no TypeError
+            assert _request(chan, 12, b"0", b"\xff" * 32)[:1] == b"\x02"
+            assert _request(chan, 1, b"pg/x", b"9223372036854775807")[:1] == b"\x00"
+            assert _request(chan, 3, b"pg/x", struct.pack(">q", 1))[:1] == b"\x02"  # past int64: refused ...
+            assert server.local.get("pg/x") == b"9223372036854775807"  # ... before anything is stored
+            assert _request(chan, 1, b"pg/y", b"1" * 4000)[:1] == b"\x00"
+            assert _request(chan, 3, b"pg/y", struct.pack(">q", 1))[:1] == b"\x02"
+            assert _request(chan, 3, b"pg/z", b"short")[:1] == b"\x02"
+            assert _request(chan, 3, b"pg/x", struct.pack(">q", -5))[1:] == struct.pack(">q", (1 << 63) - 6)
+        assert not _dropped_now(sock)  # the connection survives every refusal
+        assert not server.local.claimed(1) and not server.local.claimed(0)  # "١" is not slot 1
+        assert sum(server.refusals.values()) == 11, server.refusals  # every bad request counted
+        for record in caplog.records:
+            assert record.exc_info is None and "\n" not in record.getMessage(), record.getMessage()
+        assert len(caplog.records) == len(server.refusals)  # once per reason
+        assert _request(chan, 11, b"1")[:1] == b"\x00" and server.local.claimed(1)  # a real claim still works
+        sock.close()
+    finally:
+        server.close()
+
+
+# -- --listen spellings (issue #15 review, 8) ------------------------------------------------------
+def test_ambiguous_listen_addresses_are_refused_with_one_line(monkeypatch, capsys):
+    from flexpipe_dag.cli import main
+    from flexpipe_dag.runtime.rendezvous import parse_listen_address
+
+    for text in ("0:29500", "127.1:29500", "0x7f000001:29500", "2130706433:0", "[0:0:0:0:0:0:0:0]:0"):
+        with pytest.raises(InputError, match=r"^--listen: .*(numeric shorthand|means every interface)"):
+            parse_listen_address(text, "--listen")
+    assert parse_listen_address("0.0.0.0:0", "--listen") == ("0.0.0.0", 0)
+    assert parse_listen_address("[::]:0", "--listen") == ("::", 0)
+    assert parse_listen_address("localhost:29500", "--listen") == ("localhost", 29500)
+    with pytest.raises(OSError, match="numeric shorthand"):
+        ControlStoreServer("0", 0, SECRET)  # the Dagster path (control_address) refuses it too
+    assert main(["run", "--stages", "2", "--trace", "azure-conv", "--listen", "0:0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--listen" in err[0] and "0.0.0.0" in err[0], err
+
+
+# -- secret files (issue #15 review, 5 and 9) ------------------------------------------------------
+def test_secret_files_are_read_capped_and_warned_about(tmp_path, capsys):
+    from flexpipe_dag.runtime.control_auth import MAX_SECRET_FILE_BYTES
+
+    fifo = tmp_path / "fifo.secret"
+    os.mkfifo(fifo)
+    sparse = tmp_path / "sparse.secret"
+    with open(sparse, "wb") as f:
+        f.truncate(3 << 30)
+    t0 = time.monotonic()
+    for path, why in ((fifo, "FIFO"), ("/dev/zero", "device"), (sparse, f"over the {MAX_SECRET_FILE_BYTES} bytes"),
+                      (tmp_path, "directory"), (tmp_path / "missing", "not found")):
+        with pytest.raises(InputError, match=f"--secret-file: .*{why}") as err:
+            read_secret_file(path)
+        assert "\n" not in str(err.value)
+    assert time.monotonic() - t0 < 2  # nothing hangs or reads gigabytes
+    shared = tmp_path / "shared.secret"
+    shared.write_text(SECRET + "\n")
+    os.chmod(shared, 0o644)
+    assert read_secret_file(shared) == SECRET
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and "readable by other users" in err_lines[0] and "0644" in err_lines[0]
+    os.chmod(shared, 0o600)
+    assert read_secret_file(shared) == SECRET and capsys.readouterr().err == ""
+
+
+def test_a_generated_secret_file_is_written_after_the_bind_and_removed_after_the_run(tmp_path, monkeypatch):
+    import tempfile
+
+    from flexpipe_dag.runtime.control_auth import HeadSecret
+
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET", raising=False)
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET_FILE", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    generated = HeadSecret.resolve(None)
+    assert generated.path is None and list(tmp_path.iterdir()) == []  # nothing written before the bind
+    path = generated.publish()
+    assert path is not None and path.parent == tmp_path and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert read_secret_file(path) == generated.secret and generated.publish() == path
+    generated.discard()
+    assert not path.exists()
+    named = HeadSecret.resolve(tmp_path / "run.secret")
+    assert not (tmp_path / "run.secret").exists()
+    named.publish()
+    named.discard()
+    assert read_secret_file(tmp_path / "run.secret") == named.secret  # the user's file is kept
+    existing = HeadSecret.resolve(tmp_path / "run.secret")
+    existing.publish()
+    existing.discard()
+    assert existing.secret == named.secret and (tmp_path / "run.secret").exists()
+
+
+def test_a_refused_listen_run_writes_no_secret_file(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from flexpipe_dag.cli import main
+
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET", raising=False)
+    monkeypatch.delenv("FLEXPIPE_RUN_SECRET_FILE", raising=False)
+    secrets_dir = tmp_path / "tmp"
+    secrets_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(secrets_dir))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        for extra in ([], ["--secret-file", str(tmp_path / "named.secret")]):
+            assert main(["run", "--stages", "2", "--prompts", str(prompts), "--out", str(tmp_path / "r.jsonl"),
+                         "--model", str(checkpoint().path), "--listen", f"127.0.0.1:{port}", *extra]) == 2
+            assert "cannot serve the control store" in capsys.readouterr().err
+    finally:
+        busy.close()
+    assert list(secrets_dir.iterdir()) == [] and not (tmp_path / "named.secret").exists()

@@ -265,15 +265,14 @@ def stop_line(reason: str, out: Path, state: HeadState) -> str:
 
 def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
     """The head of a run (everything but a launched stage rank), with ``stop`` routing stop signals."""
-    from tqdm import tqdm
 
-    from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts, run_batch_job
-    from flexpipe_dag.runtime.control_auth import SECRET_ENV, head_secret
+    from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts
+    from flexpipe_dag.runtime.control_auth import HeadSecret
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
 
     control_address = args.listen
-    secret, secret_path = None, None
+    secret, head_secret = None, None
     if args.control_port is not None and not args.launched:
         raise InputError(None, "--control-port", "only with --launched (with --listen the port is part of HOST:PORT)")
     if args.secret_file is not None and not (args.launched or args.listen):
@@ -282,9 +281,9 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
         _rank, world, control_address = launched_head(args)
         secret = launched_secret(args)
     elif control_address is not None:
-        from flexpipe_dag.runtime.remote import parse_address
+        from flexpipe_dag.runtime.rendezvous import parse_listen_address
 
-        parse_address(control_address, "--listen")
+        parse_listen_address(control_address, "--listen")
     if args.score and control_address:
         raise InputError(None, "--score", "scoring across hosts runs under the launcher as "
                                           "`python -m flexpipe_dag.runtime.score_launch` (deploy/MULTIHOST.md)")
@@ -326,12 +325,29 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
     if args.launched and world != workers + 1:
         raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {workers} stage workers (a replica each): "
                                              f"launch {workers + 1} ranks (head + one per worker), got {world}")
-    if args.listen:
-        secret, secret_path = head_secret(args.secret_file)
+    if args.listen:  # the file is written once the port is bound, and a generated one removed at the end
+        head_secret = HeadSecret.resolve(args.secret_file)
+        secret = head_secret.secret
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
                              control_address=control_address, start_timeout_s=args.start_timeout_s,
                              truncate_context=args.truncate_context, secret=secret)
     runtime = PipelineRuntime(gear, ckpt, options)
+    try:
+        return _serve_run(args, runtime, gear, ckpt, rows, malformed, sink, state, stop, control_address, head_secret)
+    finally:
+        if head_secret is not None:
+            head_secret.discard()
+
+
+def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, sink, state: HeadState, stop,
+               control_address: str | None, head_secret) -> int:
+    """Serve ``rows`` on ``runtime`` (the control port bound first, then ``head_secret`` published)."""
+    from tqdm import tqdm
+
+    from flexpipe_dag.runtime.batch import run_batch_job
+    from flexpipe_dag.runtime.control_auth import SECRET_ENV
+
+    workers = sum(st.replicas for st in gear.stages)
     # SIGINT / SIGTERM (a launcher stops every rank with SIGTERM when one exits) end the run at the
     # watchdog's next tick: results finished by then are kept, a remote stage that went silent is named
     stop.attach(runtime)
@@ -340,7 +356,8 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
               file=sys.stderr)
     where = (f"waiting for {workers} stage workers at {runtime.listen()}" if control_address  # the bound port
              else "starting workers")
-    if args.listen:
+    if head_secret is not None:
+        secret_path = head_secret.publish()  # after the bind: a refused address leaves no file behind
         where += (f" (run secret in {secret_path}: give each worker a copy, mode 0600, with --secret-file)"
                   if secret_path else f" (run secret from ${SECRET_ENV})")
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "

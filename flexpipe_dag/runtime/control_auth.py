@@ -27,10 +27,15 @@ import hmac
 import os
 import secrets
 import socket
+import stat
 import struct
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.user_files import read_user_bytes
 
 #: Environment variable naming a file that holds the run secret (launchers forward it to every rank).
 SECRET_FILE_ENV = "FLEXPIPE_RUN_SECRET_FILE"
@@ -40,6 +45,8 @@ SECRET_ENV = "FLEXPIPE_RUN_SECRET"
 MIN_SECRET_CHARS = 32
 #: Largest frame (sequence number + body + MAC) either side accepts, bytes.
 MAX_FRAME_BYTES = (1 << 20) + (64 << 10)
+#: Largest run secret file read, bytes (a FIFO, a device or a huge file is refused, not read).
+MAX_SECRET_FILE_BYTES = 4096
 MAGIC = b"FPC1"  # protocol version 1
 _NONCE_BYTES = 32
 _MAC_BYTES = 32
@@ -49,6 +56,14 @@ _SEQ = struct.Struct(">Q")
 
 class ChannelError(ConnectionError):
     """The peer broke the protocol: bad handshake, oversize frame, bad MAC, replayed frame, or EOF."""
+
+
+class PeerClosed(ChannelError):
+    """The peer closed the connection (EOF): a store that is full or restarting closes this way."""
+
+
+class NotAdmitted(ChannelError):
+    """The server closed a connection whose proof was right (its ``admit`` check said no: a full store)."""
 
 
 class SecretRefused(ChannelError):
@@ -74,16 +89,31 @@ def check_secret(text: str, source: str | None, field: str) -> str:
 
 
 def read_secret_file(path: str | os.PathLike, field: str = "--secret-file") -> str:
-    """The secret held in ``path``.
+    """The secret held in ``path`` (a regular file of at most :data:`MAX_SECRET_FILE_BYTES` bytes, read
+    with the capped user-file reader: a FIFO, a device or a huge file is refused at once). A file
+    other users may read gets a one-line warning on stderr.
 
     Raises:
-        InputError: the file cannot be read or holds no usable secret (naming the file and ``field``).
+        InputError: the file cannot be read, is not a small regular ASCII file, or holds no usable
+            secret (naming the file and ``field``).
     """
     try:
-        text = Path(path).read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(path), field, f"cannot read the run secret: {exc}") from None
-    return check_secret(text, str(path), field)
+        data = read_user_bytes(os.fspath(path), MAX_SECRET_FILE_BYTES, what="run secret (the file `flexpipe run --listen` writes)")
+    except InputError as exc:
+        raise InputError(exc.source, field, exc.problem) from None
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise InputError(str(path), field, f"not ASCII text (byte {exc.start}); expected a run secret") from None
+    secret = check_secret(text, str(path), field)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0
+    if mode & 0o044:
+        print(f"warning: {path}: the run secret file is readable by other users (mode {mode:04o}); "
+              f"`chmod 600` it", file=sys.stderr)
+    return secret
 
 
 def write_secret_file(secret: str, path: str | os.PathLike | None = None) -> Path:
@@ -126,39 +156,97 @@ def resolve_secret(secret_file: str | os.PathLike | None) -> str | None:
     return read_secret_file(secret_file) if secret_file else secret_from_env()
 
 
-def head_secret(secret_file: str | os.PathLike | None = None) -> tuple[str, Path | None]:
-    """The secret a head listening for remote workers uses, and the file workers read it from.
+class HeadSecret:
+    """The run secret of a head listening for remote workers, and the file workers read it from.
 
-    ``secret_file`` given: read it if it exists, else write a fresh secret there (0600). Not given:
-    the environment's (:func:`secret_from_env`; then no file is named, the workers have the same
-    environment), else a fresh secret in a new temporary file (0600).
+    Build it with :meth:`resolve` (writes nothing), :meth:`publish` the file once the control port is
+    bound (so a run refused before that leaves no file behind), and :meth:`discard` it when the run
+    ends: only a file this object wrote to a fresh temporary path is removed; one the user named
+    (``--secret-file``) or that existed before is kept.
+
+    Attributes:
+        secret: the run secret.
+        path: the file workers read it from (``None``: from the environment, or not published yet).
+    """
+
+    def __init__(self, secret: str, path: Path | None, write_to: Path | None, temporary: bool):
+        self.secret, self.path = secret, path
+        self._write_to, self._temporary = write_to, temporary
+        self._written: Path | None = None
+
+    @classmethod
+    def resolve(cls, secret_file: str | os.PathLike | None = None) -> HeadSecret:
+        """``secret_file`` given: read it if it exists, else plan a fresh secret there. Not given: the
+        environment's (:func:`secret_from_env`; no file, the workers have the same environment), else
+        a fresh secret for a new temporary file. Nothing is written yet.
+
+        Raises:
+            InputError: the file or variable holds no usable secret (naming it).
+        """
+        if secret_file is not None:
+            if os.path.lexists(secret_file):
+                return cls(read_secret_file(secret_file), Path(secret_file), None, False)
+            return cls(new_secret(), None, Path(secret_file), False)
+        from_env = secret_from_env()
+        if from_env is not None:
+            env_file = os.environ.get(SECRET_FILE_ENV)
+            return cls(from_env, Path(env_file) if env_file else None, None, False)
+        return cls(new_secret(), None, None, True)
+
+    def publish(self) -> Path | None:
+        """Write the secret file if this head generated the secret (mode 0600, a new file); the path
+        workers read (``None``: the environment holds it). Idempotent.
+
+        Raises:
+            InputError: the file cannot be created (naming it).
+        """
+        if self.path is None and (self._temporary or self._write_to is not None):
+            self.path = self._written = write_secret_file(self.secret, self._write_to)
+        return self.path
+
+    def discard(self) -> None:
+        """Remove the file :meth:`publish` wrote to a temporary path (a named file is kept)."""
+        if self._written is not None and self._temporary:
+            try:
+                self._written.unlink()
+            except OSError:
+                pass
+            self._written = None
+
+
+def head_secret(secret_file: str | os.PathLike | None = None) -> tuple[str, Path | None]:
+    """The secret a head listening for remote workers uses, and the file workers read it from,
+    written at once (:meth:`HeadSecret.resolve` then :meth:`HeadSecret.publish`; a head that can
+    bind first should use those itself, and :meth:`HeadSecret.discard` at the end).
 
     Raises:
         InputError: the file cannot be read or written, or holds no usable secret.
     """
-    if secret_file is not None:
-        if Path(secret_file).exists():
-            return read_secret_file(secret_file), Path(secret_file)
-        secret = new_secret()
-        return secret, write_secret_file(secret, secret_file)
-    from_env = secret_from_env()
-    if from_env is not None:
-        return from_env, Path(os.environ[SECRET_FILE_ENV]) if os.environ.get(SECRET_FILE_ENV) else None
-    secret = new_secret()
-    return secret, write_secret_file(secret)
+    hs = HeadSecret.resolve(secret_file)
+    return hs.secret, hs.publish()
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """Give ``sock`` the time left before ``deadline`` (``time.monotonic``) for its next call."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("handshake deadline passed")
+        sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        _until(sock, deadline)  # one deadline for the whole handshake, not per read
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ChannelError("connection closed by the peer")
+            raise PeerClosed("connection closed by the peer")
         got += k
     return bytes(buf)
 
@@ -237,17 +325,28 @@ def client_handshake(sock: socket.socket, secret: str) -> Channel:
     return Channel(sock, _mac(key, b"session", nonce_s, nonce_c), is_server=False)
 
 
-def server_handshake(sock: socket.socket, secret: str) -> Channel:
+def server_handshake(sock: socket.socket, secret: str, timeout_s: float | None = None,
+                     admit: Callable[[], bool] | None = None) -> Channel:
     """Challenge the client at the other end of ``sock``; reply ``DENY`` unless it proves ``secret``.
+
+    Args:
+        timeout_s: seconds the whole handshake may take (one monotonic deadline across every read
+            and write; ``None``: the socket's own timeout per call).
+        admit: called once the client's proof checked out, before the server answers; ``False``
+            closes the connection without ``OKAY`` (the client sees a closed connection and retries).
 
     Raises:
         SecretRefused: the client's proof is wrong.
+        TimeoutError: the handshake took longer than ``timeout_s``.
+        NotAdmitted: ``admit`` refused it.
         ChannelError: the client does not speak this protocol (or closed the connection).
     """
     key = secret.encode()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     nonce_s = secrets.token_bytes(_NONCE_BYTES)
+    _until(sock, deadline)
     sock.sendall(MAGIC + nonce_s)
-    reply = _recv_exact(sock, len(MAGIC) + _NONCE_BYTES + _MAC_BYTES)
+    reply = _recv_exact(sock, len(MAGIC) + _NONCE_BYTES + _MAC_BYTES, deadline)
     if reply[:len(MAGIC)] != MAGIC:
         raise ChannelError("the client does not speak the FlexPipe control protocol")
     nonce_c, proof = reply[len(MAGIC):len(MAGIC) + _NONCE_BYTES], reply[len(MAGIC) + _NONCE_BYTES:]
@@ -257,5 +356,8 @@ def server_handshake(sock: socket.socket, secret: str) -> Channel:
         except OSError:
             pass
         raise SecretRefused("the client's proof of the run secret is wrong")
+    if admit is not None and not admit():
+        raise NotAdmitted("not admitted (the store is full)")
+    _until(sock, deadline)
     sock.sendall(b"OKAY" + _mac(key, b"server", nonce_s, nonce_c))
     return Channel(sock, _mac(key, b"session", nonce_s, nonce_c), is_server=True)

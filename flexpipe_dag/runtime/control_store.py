@@ -17,16 +17,21 @@ with no restriction):
   connection bound to slot ``w``; queues are popped only by the head;
 * ``spec``, ``abort`` and anything else: read-only for clients (only the head publishes them).
 
-Limits (:class:`StoreLimits`): bytes per value, number of keys, total bytes held, queue length,
-concurrent connections, and seconds to finish the handshake. A request over a quota is refused
-with a reason (the client raises :class:`ControlStoreError`); a connection that breaks the
-protocol (bad secret, oversize frame, bad MAC, replay) is dropped and logged once per reason.
+Limits (:class:`StoreLimits`): bytes per value, key length (ASCII printable only), number of keys,
+total bytes held (keys and values), queue length, authenticated connections, connections still in
+their handshake (a separate, smaller cap: the oldest is closed for a new one, so unauthenticated
+sockets never keep a worker out), and seconds for the whole handshake. A request over a quota or
+malformed (a bad slot, token, key or integer) is refused with a reason (the client raises
+:class:`ControlStoreError`), counted in :attr:`ControlStoreServer.refusals` and logged on one line,
+once per reason; a connection that breaks the protocol (bad secret, oversize frame, bad MAC,
+replay) is dropped, counted and logged the same way.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import re
 import secrets
 import socket
 import struct
@@ -41,10 +46,13 @@ import torch.distributed as dist
 from flexpipe_dag.runtime.control_auth import (
     Channel,
     ChannelError,
+    NotAdmitted,
+    PeerClosed,
     SecretRefused,
     client_handshake,
     server_handshake,
 )
+from flexpipe_dag.runtime.listen_address import resolve_bind_host
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,9 @@ _REQ = struct.Struct(">BH")
 _I64 = struct.Struct(">q")
 _WORKER_KEYS = ("hb", "exit")  # values a bound worker writes
 _WORKER_QUEUES = ("events", "obs")  # queues a bound worker pushes to
+_MAX_SLOT_DIGITS = 6
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INTEGER = re.compile(rb"-?[0-9]{1,19}")
 
 
 class ControlStoreError(RuntimeError):
@@ -70,34 +81,25 @@ class StoreLimits:
 
     Attributes:
         max_value_bytes: largest value or queue item, bytes.
+        max_key_bytes: longest key, bytes (ASCII printable characters only).
         max_keys: keys + queues held at once.
-        max_total_bytes: bytes of values and queue items held at once.
+        max_total_bytes: bytes of keys, values and queue items held at once.
         max_queue_len: items per queue.
-        max_connections: connections open at once (authenticated or not); more are closed on accept.
-        handshake_timeout_s: seconds a new connection has to prove the secret.
+        max_connections: authenticated connections open at once; a client over it is closed before
+            the handshake's answer (and retries within its connect timeout).
+        max_pending_connections: connections still in their handshake; a new one over it closes the
+            oldest (unauthenticated connections never count toward ``max_connections``).
+        handshake_timeout_s: seconds a new connection has for the whole handshake (one deadline).
     """
 
     max_value_bytes: int = 1 << 20
+    max_key_bytes: int = 256
     max_keys: int = 4096
     max_total_bytes: int = 64 << 20
     max_queue_len: int = 4096
     max_connections: int = 128
+    max_pending_connections: int = 16
     handshake_timeout_s: float = 5.0
-
-
-def resolve_bind_host(host: str) -> tuple[socket.AddressFamily, str]:
-    """``(family, address)`` to bind for ``host``: an IP as given, a host name resolved to its
-    first address (IPv4 preferred), ``""`` -> loopback.
-
-    Raises:
-        OSError: the name does not resolve.
-    """
-    if host in ("", "localhost"):
-        return socket.AF_INET, "127.0.0.1"
-    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    infos.sort(key=lambda i: i[0] != socket.AF_INET)
-    family, *_rest, sockaddr = infos[0]
-    return family, str(sockaddr[0])
 
 
 class _Conn:
@@ -106,6 +108,9 @@ class _Conn:
     def __init__(self, sock: socket.socket, peer: str):
         self.sock, self.peer = sock, peer
         self.worker: int | None = None  # the slot this connection may write for
+        self.authenticated = False
+        self.evicted = False  # closed to make room for a newer unauthenticated connection
+        self.opened_s = time.monotonic()
 
 
 class ControlStoreServer:
@@ -160,9 +165,15 @@ class ControlStoreServer:
 
     @property
     def connections(self) -> int:
-        """Connections open now."""
+        """Connections open now (authenticated or still in their handshake)."""
         with self._lock:
             return len(self._conns)
+
+    @property
+    def authenticated_connections(self) -> int:
+        """Connections open now that proved the secret."""
+        with self._lock:
+            return sum(c.authenticated for c in self._conns)
 
     def close(self) -> None:
         """Stop listening and drop every connection."""
@@ -194,21 +205,24 @@ class ControlStoreServer:
                 return
             peer = f"{addr[0]}:{addr[1]}"
             conn = _Conn(sock, peer)
-            with self._lock:
-                full = len(self._conns) >= self.limits.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                _close_socket(sock)
-                self._refuse("connection over the limit", peer, f"{self.limits.max_connections} open")
-                continue
+            with self._lock:  # a full handshake queue drops its oldest: an idle flood cannot keep a worker out
+                pending = [c for c in self._conns if not c.authenticated and not c.evicted]
+                oldest = (min(pending, key=lambda c: c.opened_s)
+                          if len(pending) >= self.limits.max_pending_connections else None)
+                if oldest is not None:
+                    oldest.evicted = True
+                self._conns.add(conn)
+            if oldest is not None:
+                _close_socket(oldest.sock)
+                self._refuse("unauthenticated connection over the limit", oldest.peer,
+                             f"{self.limits.max_pending_connections} in their handshake; the oldest closed")
             threading.Thread(target=self._serve, args=(conn,), name=f"flexpipe-control-{peer}", daemon=True).start()
 
     def _serve(self, conn: _Conn) -> None:
         chan: Channel | None = None
         try:
-            conn.sock.settimeout(self.limits.handshake_timeout_s)
-            chan = server_handshake(conn.sock, self._secret)
+            chan = server_handshake(conn.sock, self._secret, self.limits.handshake_timeout_s,
+                                    admit=lambda: self._admit(conn))
             conn.sock.settimeout(None)
             while not self._closed.is_set():
                 body = chan.recv()
@@ -217,30 +231,51 @@ class ControlStoreServer:
             self._refuse("wrong secret", conn.peer, str(exc))
         except TimeoutError:
             self._refuse("slow handshake", conn.peer, f"over {self.limits.handshake_timeout_s:.0f} s")
+        except NotAdmitted:
+            pass  # counted by _admit
         except ChannelError as exc:
-            if "closed by the peer" not in str(exc):
+            if not isinstance(exc, PeerClosed) and not conn.evicted:
                 self._refuse("protocol violation", conn.peer, str(exc))
         except OSError:
             pass
+        except Exception as exc:  # a bug must not print a traceback per request an attacker crafts
+            self._refuse("internal error", conn.peer, f"{type(exc).__name__}: {exc}")
         finally:
             _close_socket(conn.sock)
             with self._lock:
                 self._conns.discard(conn)
 
+    def _admit(self, conn: _Conn) -> bool:
+        """Mark ``conn`` authenticated unless it was evicted or the authenticated cap is reached."""
+        with self._lock:
+            if conn.evicted:
+                return False
+            if sum(c.authenticated for c in self._conns) >= self.limits.max_connections:
+                full = True
+            else:
+                conn.authenticated, full = True, False
+        if full:
+            self._refuse("connection over the limit", conn.peer, f"{self.limits.max_connections} authenticated open")
+        return not full
+
     def _handle(self, conn: _Conn, body: bytes) -> bytes:
         if len(body) < _REQ.size:
             raise ChannelError("request shorter than its header")
         op, klen = _REQ.unpack_from(body)
-        try:
-            key = body[_REQ.size:_REQ.size + klen].decode()
-        except UnicodeDecodeError:
-            raise ChannelError("request key is not UTF-8") from None
+        raw_key = body[_REQ.size:_REQ.size + klen]
         value = body[_REQ.size + klen:]
         try:
-            return self._apply(conn, op, key, value)
+            if klen > self.limits.max_key_bytes:
+                raise ControlStoreError(f"key of {klen} bytes exceeds the {self.limits.max_key_bytes}-byte limit")
+            if len(raw_key) != klen or not all(0x20 <= b < 0x7F for b in raw_key):
+                raise ControlStoreError("a key must be ASCII printable characters")
+            return self._apply(conn, op, raw_key.decode("ascii"), value)
         except ControlStoreError as exc:
             self._refuse(type(exc).__name__ if isinstance(exc, ClaimRefused) else "request", conn.peer, str(exc))
             return bytes([_REFUSED]) + str(exc).encode()
+        except (ValueError, TypeError, OverflowError, struct.error) as exc:  # malformed: refused, never a traceback
+            self._refuse("malformed request", conn.peer, f"{type(exc).__name__}: {exc}")
+            return bytes([_REFUSED]) + b"malformed request"
 
     def _apply(self, conn: _Conn, op: int, key: str, value: bytes) -> bytes:  # one case per request kind
         if op in (_GET, _CHECK, _QLEN, _NUM_KEYS):  # reads: any authenticated process
@@ -254,13 +289,14 @@ class ControlStoreServer:
                     return bytes([_OK]) + _I64.pack(len(self._queues.get(key, ())))
                 return bytes([_OK]) + _I64.pack(len(self._values) + len(self._queues))
         if op == _CLAIM:
-            token = self.claim(_slot(key, self.num_workers))
-            conn.worker = int(key)
+            w = _slot(key, self.num_workers)
+            token = self.claim(w)
+            conn.worker = w
             return bytes([_OK]) + token.encode()
         if op == _BIND:
             w = _slot(key, self.num_workers)
             with self._lock:
-                ok = secrets.compare_digest(self._claims.get(w, ""), value.decode(errors="replace"))
+                ok = secrets.compare_digest(self._claims.get(w, "").encode(), bytes(value))  # bytes: any input
             if not ok:
                 raise ControlStoreError(f"no claim of worker slot {w} with that token")
             conn.worker = w
@@ -316,7 +352,7 @@ class ControlStoreServer:
         if len(value) > lim.max_value_bytes:
             raise ControlStoreError(f"value of {len(value)} bytes for {key!r} exceeds the {lim.max_value_bytes}-byte limit")
         old = self._values.get(key)
-        grow = len(value) - (len(old) if old is not None else 0)
+        grow = len(value) - (len(old) if old is not None else -len(key.encode()))  # a new key's bytes count too
         if old is None and len(self._values) + len(self._queues) >= lim.max_keys:
             raise ControlStoreError(f"the store holds {lim.max_keys} keys (its limit)")
         if self._bytes + grow > lim.max_total_bytes:
@@ -327,7 +363,9 @@ class ControlStoreServer:
 
 
 def _slot(key: str, num_workers: int) -> int:
-    if not key.isdigit() or not 0 <= int(key) < num_workers:
+    """Slot number ``key``: ASCII digits only (not "²" or "١"), at most :data:`_MAX_SLOT_DIGITS` of them."""
+    if (not key or len(key) > _MAX_SLOT_DIGITS or not key.isascii() or not key.isdigit()
+            or not 0 <= int(key) < num_workers):
         raise ClaimRefused(f"worker slot {key!r} is outside this pipeline (0..{num_workers - 1})")
     return int(key)
 
@@ -367,10 +405,11 @@ class _LocalView:
         s = self._s
         with s._lock:
             old = s._values.get(key, b"0")
-            try:
-                new = int(old) + amount
-            except ValueError:
-                raise ControlStoreError(f"{key!r} does not hold an integer") from None
+            if not _INTEGER.fullmatch(old):
+                raise ControlStoreError(f"{key!r} does not hold a 64-bit integer")
+            new = int(old) + amount
+            if not _INT64_MIN <= new <= _INT64_MAX:  # checked before anything is stored
+                raise ControlStoreError(f"adding {amount} to {key!r} passes the 64-bit integer range")
             s._put(key, str(new).encode())
             return new
 
@@ -388,7 +427,7 @@ class _LocalView:
         with s._lock:
             old = s._values.pop(key, None)
             if old is not None:
-                s._bytes -= len(old)
+                s._bytes -= len(old) + len(key.encode())
             return old is not None
 
     def queue_push(self, key: str, value: bytes) -> None:
@@ -403,11 +442,12 @@ class _LocalView:
                 raise ControlStoreError(f"the store holds {lim.max_keys} keys (its limit)")
             if q is not None and len(q) >= lim.max_queue_len:
                 raise ControlStoreError(f"queue {key!r} holds {lim.max_queue_len} items (its limit)")
-            if s._bytes + len(value) > lim.max_total_bytes:
+            grow = len(value) + (len(key.encode()) if q is None else 0)  # a new queue's key counts too
+            if s._bytes + grow > lim.max_total_bytes:
                 raise ControlStoreError(f"the store holds {s._bytes} bytes; queue {key!r} would pass its "
                                         f"{lim.max_total_bytes}-byte limit")
             s._queues.setdefault(key, collections.deque()).append(bytes(value))
-            s._bytes += len(value)
+            s._bytes += grow
 
     def queue_len(self, key: str) -> int:
         with self._s._lock:
@@ -467,6 +507,13 @@ class ControlStoreClient(dist.Store):
                 continue
             try:
                 chan = client_handshake(sock, self._secret)
+            except (PeerClosed, ConnectionResetError, BrokenPipeError, TimeoutError) as exc:
+                _close_socket(sock)  # closed or reset mid-handshake (a full or busy store): retry
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"the control store at {self._addr[0]}:{self._addr[1]} closed every "
+                                          f"connection for {timeout_s:.0f} s: {exc}") from None
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                continue
             except BaseException:
                 _close_socket(sock)
                 raise

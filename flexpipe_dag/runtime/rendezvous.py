@@ -10,6 +10,7 @@ import os
 import socket
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.listen_address import listen_host_problem
 
 
 def parse_address(text: str, field: str) -> tuple[str, int]:
@@ -24,6 +25,19 @@ def parse_address(text: str, field: str) -> tuple[str, int]:
             or (":" in host and not bracketed)):
         raise InputError(None, field, f"expected HOST:PORT (e.g. gpu-a100-0:29501, [::1]:29501 for IPv6), got {text!r}")
     return host.strip("[]"), int(port)
+
+
+def parse_listen_address(text: str, field: str) -> tuple[str, int]:
+    """:func:`parse_address` for an address to listen on, refusing what :func:`listen_host_problem` does.
+
+    Raises:
+        InputError: naming ``field``: not ``HOST:PORT``, or an ambiguous numeric host.
+    """
+    host, port = parse_address(text, field)
+    problem = listen_host_problem(host)
+    if problem:
+        raise InputError(None, field, problem)
+    return host, port
 
 
 def connect(host: str, port: int, timeout_s: float, secret: str):

@@ -77,9 +77,7 @@ def _rows(config: BatchInferenceConfig, ckpt):
     tags={"kind": "inference"})
 def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: StoreResource) -> dict:
     from flexpipe_dag.core.ids import check_id
-    from flexpipe_dag.runtime.batch import run_batch_job
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
-    from flexpipe_dag.runtime.observations import ObservationCollector
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.sql.result_sink import StoreResultSink
 
@@ -101,16 +99,32 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     sink = StoreResultSink(db, job_id)
     for m in malformed[:50]:
         context.log.warning(f"malformed row {m.line}: {m.reason}")
-    secret, secret_path = None, None
+    head_secret = None
     if config.control_address:
-        from flexpipe_dag.runtime.control_auth import head_secret
+        from flexpipe_dag.runtime.control_auth import HeadSecret
 
-        secret, secret_path = head_secret(config.secret_file or None)
+        head_secret = HeadSecret.resolve(config.secret_file or None)  # written once the port is bound
     runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s,
                                                          control_address=config.control_address or None,
-                                                         truncate_context=config.truncate_context, secret=secret))
-    if config.control_address:  # the bound port (PORT 0 picks one)
-        context.log.info(f"waiting for {sum(st.replicas for st in gear.stages)} stage workers at {runtime.listen()} "
+                                                         truncate_context=config.truncate_context,
+                                                         secret=head_secret.secret if head_secret else None))
+    try:
+        return _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret)
+    finally:
+        if head_secret is not None:  # a secret file this run generated goes with it
+            head_secret.discard()
+
+
+def _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret) -> dict:
+    """The serving part of :func:`run_batch`: waits for remote workers (publishing the run secret once
+    the port is bound), then serves the rows in chunks, pausing when the tide sensor says so."""
+    from flexpipe_dag.runtime.batch import run_batch_job
+    from flexpipe_dag.runtime.observations import ObservationCollector
+
+    if head_secret is not None:  # the bound port (PORT 0 picks one)
+        address = runtime.listen()
+        secret_path = head_secret.publish()
+        context.log.info(f"waiting for {sum(st.replicas for st in gear.stages)} stage workers at {address} "
                          f"(run secret in {secret_path or '$FLEXPIPE_RUN_SECRET'}: `flexpipe worker --secret-file`)")
     finished = skipped = tokens = steps = refused_context = 0
     refused: dict[str, str] = {}

@@ -29,7 +29,7 @@ from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, func, inspect, select, table, text
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, shown
 from flexpipe_dag.sql.engine import IMMEDIATE, alembic_config, shown_url
 from flexpipe_dag.sql.models import Base
 
@@ -143,8 +143,9 @@ def _alembic(engine: Engine, conn: Connection, fn: Callable[[Config, str], None]
         fn(cfg, revision)
     except (CommandError, RevisionError) as exc:
         raise InputError(shown_url(engine.url), "schema revision",
-                         f"{exc}; expected one of this FlexPipe's revisions (base .. {', '.join(head_revisions())}): "
-                         "a store migrated by a newer FlexPipe needs that FlexPipe") from None
+                         f"{shown(str(exc).strip() or type(exc).__name__)} (asked for {shown(revision, 64)}); expected "
+                         f"one of this FlexPipe's revisions (base .. {', '.join(head_revisions())}): a store migrated "
+                         "by a newer FlexPipe needs that FlexPipe") from None
 
 
 def migrate(engine: Engine, revision: str = "head", *, drop_unversioned: bool = False) -> None:
@@ -199,6 +200,10 @@ def downgrade_losses(conn: Connection, revision: str) -> list[str]:
         InputError: ``revision`` is unknown or not below the store's current revision.
     """
     current = MigrationContext.configure(conn).get_current_revision()
+    if not (isinstance(revision, str) and 0 < len(revision) <= 64 and revision.isascii() and revision.isprintable()):
+        raise InputError(shown_url(conn.engine.url), "downgrade revision",
+                         f"expected 'base', -N or a revision below the store's {current or '(none: an empty store)'}, "
+                         f"got {shown(revision)}")
     if current is None or revision == current:
         return []
     if revision.startswith("-") and revision[1:].isdigit():  # relative, as `alembic downgrade -1` gives it
@@ -209,8 +214,9 @@ def downgrade_losses(conn: Connection, revision: str) -> list[str]:
     try:
         steps = list(_script().iterate_revisions(current, revision))
     except (CommandError, RevisionError) as exc:
-        raise InputError(shown_url(conn.engine.url), "downgrade revision", f"{exc}; expected 'base' or a revision below the store's "
-                         f"{current}") from None
+        why = shown(str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        raise InputError(shown_url(conn.engine.url), "downgrade revision",
+                         f"{why}; expected 'base' or a revision below the store's {current}") from None
     losses = []
     for step in steps:
         check: Any = getattr(step.module, "data_lost_by_downgrade", None)

@@ -549,12 +549,17 @@ def test_ambiguous_listen_addresses_are_refused_with_one_line(monkeypatch, capsy
     from flexpipe_dag.cli import main
     from flexpipe_dag.runtime.rendezvous import parse_listen_address
 
-    for text in ("0:29500", "127.1:29500", "0x7f000001:29500", "2130706433:0", "[0:0:0:0:0:0:0:0]:0"):
+    for text in ("0:29500", "127.1:29500", "0x7f000001:29500", "2130706433:0", "[0:0:0:0:0:0:0:0]:0",
+                 "[::ffff:0.0.0.0]:0", "[::ffff:0:0]:0"):  # IPv4-mapped "every interface" too
         with pytest.raises(InputError, match=r"^--listen: .*(numeric shorthand|means every interface)"):
             parse_listen_address(text, "--listen")
     assert parse_listen_address("0.0.0.0:0", "--listen") == ("0.0.0.0", 0)
     assert parse_listen_address("[::]:0", "--listen") == ("::", 0)
     assert parse_listen_address("localhost:29500", "--listen") == ("localhost", 29500)
+    with pytest.raises(InputError, match="expected HOST:PORT"):
+        parse_listen_address("127.0.0.1:\u0668\u0660", "--listen")  # Arabic-Indic digits are no port
+    with pytest.raises(OSError, match="every interface"):
+        ControlStoreServer("::ffff:0.0.0.0", 0, SECRET)
     with pytest.raises(OSError, match="numeric shorthand"):
         ControlStoreServer("0", 0, SECRET)  # the Dagster path (control_address) refuses it too
     assert main(["run", "--stages", "2", "--trace", "azure-conv", "--listen", "0:0"]) == 2

@@ -255,6 +255,19 @@ def test_cli_downgrade_refuses_then_forces(tmp_path, monkeypatch, capsys, lab_pr
     assert f"schema revision {head_revisions()[0]}" in capsys.readouterr().out
 
 
+def test_cli_downgrade_to_an_empty_or_huge_revision_is_one_short_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLEXPIPE_DATABASE_URL", f"sqlite:///{tmp_path / 'odd.db'}")
+    assert cli_main(["store", "upgrade"]) == 0
+    capsys.readouterr()
+    for revision in ("", "x" * 5000, "zzz", "a\x1b[31m"):
+        assert cli_main(["store", "downgrade", revision]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and len(err) < 600, err[:700]
+        assert err.isprintable() or err[:-1].isprintable(), err
+    assert cli_main(["store", "status"]) == 0
+    assert f"schema revision {head_revisions()[0]}" in capsys.readouterr().out  # nothing changed
+
+
 def test_alembic_command_line_downgrade_refuses_without_force(tmp_path, lab_profile):
     url = f"sqlite:///{tmp_path / 'alembic.db'}"
     engine = make_engine(url)

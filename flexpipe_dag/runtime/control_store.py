@@ -510,8 +510,10 @@ class ControlStoreClient(dist.Store):
             except (PeerClosed, ConnectionResetError, BrokenPipeError, TimeoutError) as exc:
                 _close_socket(sock)  # closed or reset mid-handshake (a full or busy store): retry
                 if time.monotonic() >= deadline:
-                    raise ConnectionError(f"the control store at {self._addr[0]}:{self._addr[1]} closed every "
-                                          f"connection for {timeout_s:.0f} s: {exc}") from None
+                    why = ("accepted but never finished the handshake: a busy FlexPipe head, or not a FlexPipe head"
+                           if isinstance(exc, TimeoutError) else "closed every connection during the handshake")
+                    raise ConnectionError(f"{self._addr[0]}:{self._addr[1]} {why} for {timeout_s:.0f} s "
+                                          f"({type(exc).__name__})") from None
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
                 continue
             except BaseException:

@@ -8,6 +8,13 @@ import ipaddress
 import socket
 
 
+def _every_interface(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """``ip`` listens on every interface: the unspecified address, or IPv6's IPv4-mapped form of it
+    (``::ffff:0.0.0.0`` binds every IPv4 interface on a dual-stack socket)."""
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
+
+
 def listen_host_problem(host: str) -> str | None:
     """Why ``host`` is refused as an address to listen on, or ``None``: the numeric shorthands
     ``inet_aton`` accepts but nobody means to write (``0`` is every interface, ``127.1``,
@@ -17,7 +24,7 @@ def listen_host_problem(host: str) -> str | None:
     except ValueError:
         ip = None
     if ip is not None:
-        if ip.is_unspecified and host not in ("0.0.0.0", "::"):
+        if _every_interface(ip) and host not in ("0.0.0.0", "::"):
             return f"{host!r} means every interface; write 0.0.0.0 (or ::) to listen on all of them"
         return None
     try:
@@ -46,7 +53,7 @@ def resolve_bind_host(host: str) -> tuple[socket.AddressFamily, str]:
     infos.sort(key=lambda i: i[0] != socket.AF_INET)
     family, *_rest, sockaddr = infos[0]
     address = str(sockaddr[0])
-    if ipaddress.ip_address(address.split("%")[0]).is_unspecified and host not in ("0.0.0.0", "::"):
+    if _every_interface(ipaddress.ip_address(address.split("%")[0])) and host not in ("0.0.0.0", "::"):
         raise OSError(f"{host!r} means every interface; write 0.0.0.0 (or ::) to listen on all of them, "
                       f"or the address of one interface")
     return family, address

@@ -497,8 +497,8 @@ def serve_stage(head: str, stage: int | None = None, model=None, device: str | N
     for flag, value in (("--stage", stage), ("--replica", replica), ("RANK", worker)):
         if value is not None and value < 0:
             raise InputError(None, flag, f"expected an index >= 0, got {value}")
+    store, spec = fetch_spec(host, port, connect_timeout_s, secret)  # the head first: no model loaded for a wrong port
     ckpt = resolve_checkpoint(model)
-    store, spec = fetch_spec(host, port, connect_timeout_s, secret)
     layout = spec.layout()
     if worker is None:
         if stage >= spec.num_stages:

@@ -21,7 +21,7 @@ def parse_address(text: str, field: str) -> tuple[str, int]:
     """
     host, sep, port = str(text).rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
-    if (not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535
+    if (not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535
             or (":" in host and not bracketed)):
         raise InputError(None, field, f"expected HOST:PORT (e.g. gpu-a100-0:29501, [::1]:29501 for IPv6), got {text!r}")
     return host.strip("[]"), int(port)

@@ -204,6 +204,10 @@ def downgrade_losses(conn: Connection, revision: str) -> list[str]:
         raise InputError(shown_url(conn.engine.url), "downgrade revision",
                          f"expected 'base', -N or a revision below the store's {current or '(none: an empty store)'}, "
                          f"got {shown(revision)}")
+    if current is None and revision != "base":
+        raise InputError(shown_url(conn.engine.url), "downgrade revision",
+                         f"the store has no schema revision yet (an empty or never-migrated store): nothing to "
+                         f"downgrade to {shown(revision, 64)}; `flexpipe store upgrade` creates the schema")
     if current is None or revision == current:
         return []
     if revision.startswith("-") and revision[1:].isdigit():  # relative, as `alembic downgrade -1` gives it

@@ -273,3 +273,16 @@ def test_interrupted_runtime_block_kills_its_processes_at_once():
     left = _alive(run)
     assert len(run) == 3 and not left, f"alive after the interrupted block: {left}"
     assert time.monotonic() - t0 < 3.0
+
+
+def test_stop_line_names_a_results_file_not_yet_created_and_the_workers_to_restart(tmp_path):
+    from flexpipe_dag.cli.run import HeadState, stop_line
+    from flexpipe_dag.runtime.results_file import JsonlSink
+
+    out = tmp_path / "out.jsonl"
+    state = HeadState(sink=JsonlSink(out), request_ids={"a", "b"})
+    line = stop_line("stopped by SIGINT", out, state, remote=True)
+    assert "no results yet" in line and "not created" in line and "start its workers again to resume" in line, line
+    assert "results in" not in line and not out.exists()
+    assert "start its workers" not in stop_line("stopped by SIGINT", out, state)
+    assert "unchanged" in stop_line("stopped by SIGTERM", out, HeadState())

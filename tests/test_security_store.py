@@ -257,6 +257,9 @@ def test_cli_downgrade_refuses_then_forces(tmp_path, monkeypatch, capsys, lab_pr
 
 def test_cli_downgrade_to_an_empty_or_huge_revision_is_one_short_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLEXPIPE_DATABASE_URL", f"sqlite:///{tmp_path / 'odd.db'}")
+    assert cli_main(["store", "downgrade", "0006"]) == 2  # a store with no schema yet: said so, not "a newer FlexPipe"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no schema revision yet" in err and "store upgrade" in err, err
     assert cli_main(["store", "upgrade"]) == 0
     capsys.readouterr()
     for revision in ("", "x" * 5000, "zzz", "a\x1b[31m"):

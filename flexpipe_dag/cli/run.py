@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
                 raise
             code = stop.exit_status
     if stop.stopped:
-        print(stop_line(stop.reason, args.out, state), file=sys.stderr)
+        print(stop_line(stop.reason, args.out, state, remote=bool(args.listen)), file=sys.stderr)
         return stop.exit_status
     return code
 
@@ -251,16 +251,18 @@ class HeadState:
     finished: int = 0
 
 
-def stop_line(reason: str, out: Path, state: HeadState) -> str:
+def stop_line(reason: str, out: Path, state: HeadState, remote: bool = False) -> str:
     """The one line a stopped run ends with, e.g. ``flexpipe run: stopped by SIGTERM after 41 of 120
-    requests (12 in this run); 41 results in out.jsonl; re-run the same command to resume``."""
+    requests (12 in this run); 41 results in out.jsonl; re-run the same command to resume``
+    (``remote``: a ``--listen`` head, whose workers must be started again too)."""
+    again = "re-run the same command" + (" and start its workers again" if remote else "")
     if state.sink is None or state.request_ids is None:
-        return f"flexpipe run: {reason} before serving any request; {out} unchanged; re-run the same command to start"
+        return f"flexpipe run: {reason} before serving any request; {out} unchanged; {again} to start"
     total = len(state.request_ids)
     done = len(state.sink.done_ids() & state.request_ids)
-    tail = "re-run the same command to resume" if done < total else "every request is done"
-    return (f"flexpipe run: {reason} after {done} of {total} requests ({state.finished} in this run); "
-            f"{done} results in {out}; {tail}")
+    tail = f"{again} to resume" if done < total else "every request is done"
+    where = f"{done} results in {out}" if done or Path(out).exists() else f"no results yet ({out} not created)"
+    return f"flexpipe run: {reason} after {done} of {total} requests ({state.finished} in this run); {where}; {tail}"
 
 
 def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:

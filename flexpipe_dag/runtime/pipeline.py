@@ -384,7 +384,8 @@ class PipelineRuntime:
                     stage, replica = layout.locate(culprit)
                     which = f"--stage {stage}" + (f" --replica {replica}" if layout.replicas[stage] > 1 else "")
                     why = (f"no worker joined within {self.options.start_timeout_s:.0f} s; start one with "
-                           f"`flexpipe worker --head {control.address} {which}`")
+                           f"`flexpipe worker --head {control.address} {which} --secret-file FILE` (FILE: a copy "
+                           f"of the run secret this head named when it started)")
                 self._fail(culprit, why)
             ev = self._next_event(0.2)
             if isinstance(ev, StageReady):

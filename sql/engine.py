@@ -24,7 +24,7 @@ from urllib.parse import unquote, unquote_plus
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, first_line
 from flexpipe_dag.core.settings import database_url
 
 _SQL_DIR = Path(__file__).resolve().parent
@@ -178,8 +178,7 @@ def opening_errors(shown: str, url: str | None = None) -> Iterator[None]:
         raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {scrubbed(str(exc), url)}; "
                          "use sqlite:/// or postgresql+psycopg2:// (pip install -e .[postgres])") from None
     except DBAPIError as exc:
-        reason = scrubbed(str(exc.orig) if exc.orig else str(exc), url).strip()
-        reason = reason.splitlines()[0] if reason else type(exc).__name__
+        reason = first_line(exc, scrubbed(str(exc.orig) if exc.orig else str(exc), url))
         raise InputError("FLEXPIPE_DATABASE_URL", None, f"cannot open the store at {shown}: {reason}") from None
 
 

@@ -29,7 +29,7 @@ from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, func, inspect, select, table, text
 
-from flexpipe_dag.core.errors import InputError, shown
+from flexpipe_dag.core.errors import InputError, first_line, shown
 from flexpipe_dag.sql.engine import IMMEDIATE, alembic_config, shown_url
 from flexpipe_dag.sql.models import Base
 
@@ -218,7 +218,7 @@ def downgrade_losses(conn: Connection, revision: str) -> list[str]:
     try:
         steps = list(_script().iterate_revisions(current, revision))
     except (CommandError, RevisionError) as exc:
-        why = shown(str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        why = shown(first_line(exc))
         raise InputError(shown_url(conn.engine.url), "downgrade revision",
                          f"{why}; expected 'base' or a revision below the store's {current}") from None
     losses = []

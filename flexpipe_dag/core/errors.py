@@ -25,6 +25,14 @@ def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return out if len(text) <= limit else f"{out}... ({len(text)} characters, cut)"
 
 
+def first_line(exc: BaseException, text: str | None = None) -> str:
+    """The first non-blank line of ``text`` (default ``str(exc)``), else the exception's type name:
+    the gist of an error whose text runs on (torch's C++ errors append dozens of stack frames, drivers
+    and Alembic add context lines)."""
+    body = (str(exc) if text is None else text).strip()
+    return body.splitlines()[0] if body else type(exc).__name__
+
+
 def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
     """A user's value quoted for an error message: ``repr``-style, at most ``limit`` characters of it.
 

@@ -55,7 +55,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, first_line
 from flexpipe_dag.runtime.control_auth import SECRET_FILE_ENV, SecretRefused, new_secret
 from flexpipe_dag.runtime.control_store import ClaimRefused, ControlStoreServer, StoreLimits
 from flexpipe_dag.runtime.messages import (
@@ -419,12 +419,6 @@ class ControlServer:
             st._rows.append(rows)
 
 
-def _first_line(exc: BaseException) -> str:
-    """An exception's first line (torch's C++ errors append dozens of stack frames)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 #: The flag a worker names when its secret is missing or wrong.
 SECRET_FLAG = f"--secret-file (or {SECRET_FILE_ENV})"
 
@@ -461,7 +455,7 @@ def fetch_spec(host: str, port: int, timeout_s: float, secret: str):
     if isinstance(box.get("error"), SecretRefused):
         raise InputError(None, SECRET_FLAG, f"the head at {host}:{port} refused this worker's run secret "
                                             f"({box['error']}); expected the secret file that head wrote") from None
-    why = _first_line(box["error"]) if "error" in box else "no answer (is that port a FlexPipe head?)"
+    why = first_line(box["error"]) if "error" in box else "no answer (is that port a FlexPipe head?)"
     raise InputError(None, "--head", f"no FlexPipe head answered at {host}:{port} within {timeout_s:.0f} s: {why}")
 
 

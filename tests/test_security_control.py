@@ -20,9 +20,9 @@ pytest.importorskip("torch")
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.runtime.control_auth import (
+    HeadSecret,
     SecretRefused,
     client_handshake,
-    head_secret,
     read_secret_file,
     write_secret_file,
 )
@@ -377,13 +377,19 @@ def test_local_runs_bind_loopback_only():
 
 
 # -- the secret ------------------------------------------------------------------------------------
+def _published(secret_file):
+    """``(secret, file)`` of a head that resolved ``secret_file`` and published it (as ``run --listen`` does)."""
+    head = HeadSecret.resolve(secret_file)
+    return head.secret, head.publish()
+
+
 def test_secret_files_are_private_and_checked(tmp_path, monkeypatch):
     monkeypatch.delenv("FLEXPIPE_RUN_SECRET", raising=False)
     monkeypatch.delenv("FLEXPIPE_RUN_SECRET_FILE", raising=False)
-    secret, path = head_secret(tmp_path / "run.secret")
+    secret, path = _published(tmp_path / "run.secret")
     assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert read_secret_file(path) == secret and head_secret(path) == (secret, path)  # reused when it exists
-    secret2, tmp = head_secret(None)
+    assert read_secret_file(path) == secret and _published(path) == (secret, path)  # reused when it exists
+    secret2, tmp = _published(None)
     assert tmp is not None and secret2 != secret and stat.S_IMODE(os.stat(tmp).st_mode) == 0o600
     tmp.unlink()
     short = tmp_path / "short.secret"
@@ -423,7 +429,7 @@ def test_a_live_run_under_attack_produces_its_results(tmp_path):
     ref = hf_reference()
     reqs = requests(6, prefix="attack-")
     secret_file = tmp_path / "run.secret"
-    secret, _ = head_secret(secret_file)
+    secret, _ = _published(secret_file)
     rt = PipelineRuntime(gear([(0, 15), (15, 30)], micro_batch_size=2), checkpoint(),
                          RuntimeOptions(control_address="127.0.0.1:0", start_timeout_s=240, secret=secret))
     address = rt.listen()
@@ -595,8 +601,6 @@ def test_secret_files_are_read_capped_and_warned_about(tmp_path, capsys):
 
 def test_a_generated_secret_file_is_written_after_the_bind_and_removed_after_the_run(tmp_path, monkeypatch):
     import tempfile
-
-    from flexpipe_dag.runtime.control_auth import HeadSecret
 
     monkeypatch.delenv("FLEXPIPE_RUN_SECRET", raising=False)
     monkeypatch.delenv("FLEXPIPE_RUN_SECRET_FILE", raising=False)

@@ -214,18 +214,6 @@ class HeadSecret:
             self._written = None
 
 
-def head_secret(secret_file: str | os.PathLike | None = None) -> tuple[str, Path | None]:
-    """The secret a head listening for remote workers uses, and the file workers read it from,
-    written at once (:meth:`HeadSecret.resolve` then :meth:`HeadSecret.publish`; a head that can
-    bind first should use those itself, and :meth:`HeadSecret.discard` at the end).
-
-    Raises:
-        InputError: the file cannot be read or written, or holds no usable secret.
-    """
-    hs = HeadSecret.resolve(secret_file)
-    return hs.secret, hs.publish()
-
-
 def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 

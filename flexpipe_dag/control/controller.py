@@ -74,8 +74,10 @@ from flexpipe_dag.control.payback import (
     calibrated_p99_ms,
     capacity_rps,
     estimated_gain_fraction,
+    figure,
     fits_envelope,
     pays_back,
+    payback_arithmetic,
 )
 from flexpipe_dag.control.state import DISCRETIONARY_TRIGGERS, TRIGGER_PRIORITY, ControllerState, Decision
 from flexpipe_dag.core.errors import InputError
@@ -96,6 +98,10 @@ _DIRECTION: dict[str, int] = {"rps_above_envelope": +1, "forecast_above_envelope
 #: roomiest helps most; an unhealthy gear must be left regardless). The others need a fitting gear.
 _RISING = frozenset({"rps_above_envelope", "forecast_above_envelope"})
 _BEST_EFFORT_TRIGGERS = frozenset({"rps_above_envelope", "forecast_above_envelope", "current_unhealthy"})
+#: The SLO field of a gear's envelope basis for each latency metric, and how a reason names it.
+_SLO_FIELDS = {"ttft_p99_ms": ("slo_ttft_ms", "TTFT"), "tpot_p99_ms": ("slo_tpot_ms", "TPOT")}
+#: Gears a "no gear holds this load" reason lists by name; more are counted.
+_LISTED_ENVELOPES = 6
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class _Candidate:
     gain_fraction: float
     migration_cost_s: float
     residence_s: float
+    cost_estimated: bool  # migration_cost_s came from the caller's cost function, not the config's default
 
     @property
     def net_s(self) -> float:
@@ -150,8 +157,29 @@ class Controller:
                    cfg.hysteresis_samples + state.escalation_steps * cfg.dwell_escalation_samples)
 
     def target_p99_ms(self, gear: Gear) -> float:
-        """The latency SLO, ms: the configured one, else the serving gear's ``target_p99_ms``."""
-        return self.config.target_p99_ms if self.config.target_p99_ms is not None else gear.target_p99_ms
+        """The latency target the triggers and the gain compare P99 with, ms (see :meth:`target_text`)."""
+        return self._target(gear)[0]
+
+    def target_text(self, gear: Gear) -> str:
+        """The latency target as a reason quotes it: ``SLO TTFT 4000 ms``, ``target 1000 ms`` or ``gear target 1000 ms``.
+
+        The target is, first, ``controller.target_p99_ms`` when set (``target``); else the SLO the
+        gear's envelope was measured at (``Gear.envelope_basis``: ``slo_ttft_ms`` for ``ttft_p99_ms``,
+        ``slo_tpot_ms`` for ``tpot_p99_ms``; the planning SLO the user set, e.g.
+        ``FLEXPIPE_SLO_TTFT_MS``) (``SLO``); else the gear's own ``target_p99_ms`` (``gear target``:
+        a gear planned without an SLO, or ``e2e_p99_ms``, which has none).
+        """
+        return self._target(gear)[1]
+
+    def _target(self, gear: Gear) -> tuple[float, str]:
+        cfg = self.config
+        if cfg.target_p99_ms is not None:
+            return cfg.target_p99_ms, f"target {cfg.target_p99_ms:.0f} ms"
+        slo = _SLO_FIELDS.get(cfg.latency_metric)
+        if slo is not None and gear.envelope_basis is not None:
+            ms = float(getattr(gear.envelope_basis, slo[0]))
+            return ms, f"SLO {slo[1]} {ms:.0f} ms"
+        return gear.target_p99_ms, f"gear target {gear.target_p99_ms:.0f} ms"
 
     @staticmethod
     def backlogged(state: ControllerState) -> bool:
@@ -197,7 +225,7 @@ class Controller:
         st = (state or ControllerState()).model_copy(deep=True)
         by_id = self._index(gears)
         unhealthy = frozenset(unhealthy)
-        cost_fn = migration_cost_s or (lambda _a, _b: cfg.default_migration_cost_s)
+        cost_fn = migration_cost_s  # None: the config's default_migration_cost_s, said "not estimated" in reasons
 
         raised_by: str | None = None
         for sample in sorted(samples, key=lambda s: s.t_s):
@@ -229,7 +257,7 @@ class Controller:
         return by_id
 
     def _observe(self, st: ControllerState, s: MetricSample, by_id: dict[str, Gear],
-                 unhealthy: frozenset[str], cost_fn: MigrationCostFn, forecast: ForecastFn | None) -> str | None:
+                 unhealthy: frozenset[str], cost_fn: MigrationCostFn | None, forecast: ForecastFn | None) -> str | None:
         """Fold one sample into ``st`` (in place). Returns the trigger that raised the threshold, if one did."""
         cfg = self.config
         t_s = float(s.t_s)  # the state holds floats only, so its JSON form reads back identical
@@ -411,7 +439,7 @@ class Controller:
         return rps
 
     def _rank_candidates(self, st: ControllerState, current: Gear, trigger: str, by_id: dict[str, Gear],
-                         unhealthy: frozenset[str], cost_fn: MigrationCostFn) -> list[_Candidate]:
+                         unhealthy: frozenset[str], cost_fn: MigrationCostFn | None) -> list[_Candidate]:
         """Healthy gears the trigger may move to, best first.
 
         A candidate's envelope must hold the smoothed request rate (narrowed by the margin), except for the
@@ -452,11 +480,11 @@ class Controller:
                                            target_p99_ms=target, config=cfg,
                                            current_max_stage_busy=max(st.ema_stage_busy, default=None),
                                            current_completed_rps=st.ema_completed_rps, backlogged=backlogged)
-            cost = float(cost_fn(current, g))
+            cost = cfg.default_migration_cost_s if cost_fn is None else float(cost_fn(current, g))
             if not (cost >= 0 and math.isfinite(cost)):
                 raise InputError("migration_cost_s", f"{current.gear_id}->{g.gear_id}",
                                  f"expected finite seconds >= 0, got {cost!r}")
-            out.append(_Candidate(g, fits, meets, pref, gain, cost, residence_s))
+            out.append(_Candidate(g, fits, meets, pref, gain, cost, residence_s, cost_fn is not None))
         out.sort(key=lambda c: (not c.fits, not c.meets, c.preference, -c.net_s, c.gear.gear_id))
         return out
 
@@ -468,15 +496,14 @@ class Controller:
             ahead = "" if st.forecast_rps is None else f" (forecast {st.forecast_rps:.3g}/s)"
             parts.append(f"rps {st.ema_rps:.3g}/s{ahead} in envelope [{gear.rps_min:.3g}, {hi}]")
         if st.ema_p99_ms is not None:
-            parts.append(f"{cfg.latency_metric.removesuffix('_ms')} {st.ema_p99_ms:.0f} ms vs target "
-                         f"{self.target_p99_ms(gear):.0f} ms")
+            parts.append(f"{cfg.latency_metric.removesuffix('_ms')} {st.ema_p99_ms:.0f} ms vs {self.target_text(gear)}")
         if len(st.ema_stage_busy) >= 2:
             parts.append(f"stage utilisation {min(st.ema_stage_busy):.2f}..{max(st.ema_stage_busy):.2f}")
         return "; ".join(parts) if parts else "no metrics yet"
 
     def _trigger_text(self, st: ControllerState, gear: Gear, trigger: str) -> str:
         cfg = self.config
-        target = self.target_p99_ms(gear)
+        target = self.target_text(gear)
         metric = cfg.latency_metric.removesuffix("_ms")
         n = st.counts.get(trigger, 0)
         if trigger == "current_unhealthy":
@@ -489,21 +516,21 @@ class Controller:
         elif trigger == "rps_below_envelope":
             what = f"rps {st.ema_rps:.3g}/s below envelope min {gear.rps_min:.3g}"
         elif trigger == "latency_over":
-            what = f"{metric} {st.ema_p99_ms:.0f} ms > {cfg.latency_over_factor:g} x target {target:.0f} ms"
+            what = f"{metric} {st.ema_p99_ms:.0f} ms > {cfg.latency_over_factor:g} x {target}"
         elif trigger == "latency_under":
-            what = f"{metric} {st.ema_p99_ms:.0f} ms < {cfg.latency_under_factor:g} x target {target:.0f} ms"
+            what = f"{metric} {st.ema_p99_ms:.0f} ms < {cfg.latency_under_factor:g} x {target}"
         else:
             what = (f"stage utilisation max {max(st.ema_stage_busy):.2f} > {cfg.imbalance_max_util:g} "
                     f"while min {min(st.ema_stage_busy):.2f} < {cfg.imbalance_min_util:g}")
         return f"{trigger} ({what}, {n} samples)"
 
     def _decide_now(self, st: ControllerState, now_s: float, by_id: dict[str, Gear], unhealthy: frozenset[str],
-                    cost_fn: MigrationCostFn, raised_by: str | None) -> Decision:
+                    cost_fn: MigrationCostFn | None, raised_by: str | None) -> Decision:
         cfg = self.config
         need = self.required_samples(st)
         base = dict(t_s=now_s, from_gear_id=st.gear_id, required_samples=need)
         if st.gear_id is None:
-            return Decision(action="hold", reason="hold: no metric samples yet", **base)
+            return Decision(action="hold", reason="hold: no metric samples yet", reason_kind="no_samples", **base)
         gear = by_id[st.gear_id]
 
         if st.pending_to_gear_id is not None:
@@ -511,7 +538,7 @@ class Controller:
             if waited < cfg.shift_timeout_s:
                 return Decision(action="hold", to_gear_id=st.pending_to_gear_id,
                                 reason=f"hold: shift {st.gear_id} -> {st.pending_to_gear_id} in progress "
-                                       f"(requested {waited:.0f} s ago)", **base)
+                                       f"(requested {waited:.0f} s ago)", reason_kind="in_progress", **base)
             note = (f"shift to {st.pending_to_gear_id} not seen serving after {waited:.0f} s "
                     f"(failed or rolled back); ")
             st.pending_to_gear_id = st.pending_since_s = None
@@ -527,8 +554,9 @@ class Controller:
                 t = counting[0]
                 reason = (f"hold: {self._trigger_text(st, gear, t)} of {need} needed; "
                           + self._describe(st, gear))
-                return Decision(action="hold", trigger=t, reason=note + reason, **base)
-            return Decision(action="hold", reason=note + f"hold: no trigger ({self._describe(st, gear)})", **base)
+                return Decision(action="hold", trigger=t, reason=note + reason, reason_kind="counting", **base)
+            return Decision(action="hold", reason=note + f"hold: no trigger ({self._describe(st, gear)})",
+                            reason_kind="no_trigger", **base)
 
         trigger = firing[0]
         why = self._trigger_text(st, gear, trigger)
@@ -540,8 +568,12 @@ class Controller:
                 if alt:
                     trigger, why, ranked = t, self._trigger_text(st, gear, t), alt
                     break
+        nothing_holds = self._no_gear_holds_text(st, trigger, by_id, unhealthy)
         if not ranked:
-            return Decision(action="hold", trigger=trigger, declined=True,
+            if nothing_holds is not None:
+                return Decision(action="hold", trigger=trigger, declined=True, reason_kind="no_gear_holds",
+                                reason=note + f"declined: {why}; {nothing_holds}", **base)
+            return Decision(action="hold", trigger=trigger, declined=True, reason_kind="no_candidate",
                             reason=note + self._nowhere_text(st, gear, trigger, why, unhealthy, by_id), **base)
 
         if not forced and self.in_dwell(st, now_s):
@@ -553,7 +585,7 @@ class Controller:
                             reason=note + f"declined: {why}; inside dwell ({_fmt_min(since)} of "
                                           f"{_fmt_min(cfg.dwell_s)} min), {raised}",
                             estimated_gain_fraction=best.gain_fraction, migration_cost_s=best.migration_cost_s,
-                            expected_residence_s=best.residence_s, **base)
+                            expected_residence_s=best.residence_s, reason_kind="dwell", **base)
 
         chosen = None
         for c in ranked:
@@ -563,22 +595,21 @@ class Controller:
                 break
         if chosen is None:
             best = ranked[0]
-            return Decision(
-                action="hold", to_gear_id=best.gear.gear_id, trigger=trigger, declined=True,
-                reason=note + (f"declined: {why}; shift to {best.gear.gear_id} does not pay back: gain "
-                               f"{best.gain_fraction:.3f} x residence {best.residence_s:.0f} s = "
-                               f"{best.gain_fraction * best.residence_s:.1f} s <= migration cost "
-                               f"{best.migration_cost_s:.1f} s"
-                               + (f" (or gain below {cfg.min_gain_fraction:g})"
-                                  if best.gain_fraction < cfg.min_gain_fraction else "")
-                               + (f"; none of the {len(ranked) - 1} other candidate(s) pays back either"
-                                  if len(ranked) > 1 else "")),
-                estimated_gain_fraction=best.gain_fraction, migration_cost_s=best.migration_cost_s,
-                expected_residence_s=best.residence_s, **base)
+            others = (f"; none of the {len(ranked) - 1} other candidate(s) pays back either" if len(ranked) > 1 else "")
+            if nothing_holds is not None:  # best effort only: no candidate fits (those that fit rank first)
+                text, kind = (f"{nothing_holds}; the best effort, {best.gear.gear_id}, does not pay back: "
+                              f"{self._payback_text(best)}{others}"), "no_gear_holds"
+            else:
+                text, kind = (f"shift to {best.gear.gear_id} does not pay back: {self._payback_text(best)}{others}",
+                              "payback")
+            return Decision(action="hold", to_gear_id=best.gear.gear_id, trigger=trigger, declined=True,
+                            reason=note + f"declined: {why}; {text}", reason_kind=kind,
+                            estimated_gain_fraction=best.gain_fraction, migration_cost_s=best.migration_cost_s,
+                            expected_residence_s=best.residence_s, **base)
 
-        payback = ("forced: serving gear is unhealthy" if forced else
-                   f"gain {chosen.gain_fraction:.3f} x residence {chosen.residence_s:.0f} s = "
-                   f"{chosen.gain_fraction * chosen.residence_s:.1f} s > migration cost {chosen.migration_cost_s:.1f} s")
+        payback = "forced: serving gear is unhealthy" if forced else self._payback_text(chosen)
+        if not chosen.fits and nothing_holds is not None:
+            payback += f" (best effort: no gear holds rps {figure(self._planning_rps(st, trigger))}/s)"
         reason = (f"shift {gear.gear_id} ({gear.kind}) -> {chosen.gear.gear_id} ({chosen.gear.kind}): {why}; "
                   f"{payback}")
         st.last_shift_s = now_s
@@ -589,4 +620,30 @@ class Controller:
         st.shifts += 1
         return Decision(action="shift", to_gear_id=chosen.gear.gear_id, trigger=trigger, reason=note + reason,
                         estimated_gain_fraction=chosen.gain_fraction, migration_cost_s=chosen.migration_cost_s,
-                        expected_residence_s=chosen.residence_s, **base)
+                        expected_residence_s=chosen.residence_s, reason_kind="shift", **base)
+
+    def _payback_text(self, c: _Candidate) -> str:
+        """The payback arithmetic of candidate ``c``, and the minimum gain when ``c`` falls short of it."""
+        text = payback_arithmetic(c.gain_fraction, c.residence_s, c.migration_cost_s, cost_estimated=c.cost_estimated)
+        if c.gain_fraction < self.config.min_gain_fraction:
+            joint = "but" if pays_back(c.gain_fraction, c.residence_s, c.migration_cost_s) else "and"
+            text += f", {joint} the gain is below min_gain_fraction {self.config.min_gain_fraction:g}"
+        return text
+
+    def _no_gear_holds_text(self, st: ControllerState, trigger: str, by_id: dict[str, Gear],
+                            unhealthy: frozenset[str]) -> str | None:
+        """``no gear holds this load: ...`` when no healthy gear's envelope (the serving one's included), narrowed by
+        the margin, holds the load the trigger plans for; None when one does."""
+        m = self.config.envelope_margin_fraction
+        rps = self._planning_rps(st, trigger)
+        healthy = sorted((g for g in by_id.values() if g.gear_id not in unhealthy),
+                         key=lambda g: (g.rps_max, g.gear_id))
+        if any(fits_envelope(g, rps, m) for g in healthy):
+            return None
+        load = f"{'forecast ' if trigger == 'forecast_above_envelope' else ''}rps {figure(rps)}/s"
+        listed = ", ".join(f"{g.gear_id} [{figure(g.rps_min)}, {figure(g.rps_max)}]"
+                           for g in healthy[-_LISTED_ENVELOPES:])
+        more = f" and {len(healthy) - _LISTED_ENVELOPES} smaller" if len(healthy) > _LISTED_ENVELOPES else ""
+        envelopes = f" ({listed}{more})" if healthy else ""
+        return (f"no gear holds this load: {load} is outside every healthy gear's envelope{envelopes} narrowed by "
+                f"the {m * 100:g} % margin ({len(unhealthy & set(by_id))} of {len(by_id)} gears unhealthy)")

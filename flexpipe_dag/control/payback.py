@@ -172,3 +172,54 @@ def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, rps
 def pays_back(gain_fraction: float, expected_residence_s: float, migration_cost_s: float) -> bool:
     """Design payback test: ``gain_fraction x expected_residence_s > migration_cost_s``."""
     return gain_fraction * expected_residence_s > migration_cost_s
+
+
+def figure(value: float, digits: int = 3) -> str:
+    """``value`` in plain decimals to ``digits`` significant figures, trailing zeros dropped.
+
+    ``0.000412 -> "0.000412"``, ``0.72 -> "0.72"``, ``56.25 -> "56.2"``, ``1800 -> "1800"``, ``0 -> "0"``:
+    no exponent, so a small gain reads as what it is rather than ``0.000``.
+    """
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _distinct(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` as :func:`figure` writes them, with more digits (up to 9) when 3 would show two different
+    numbers alike."""
+    for digits in range(3, 10):
+        fa, fb = figure(a, digits), figure(b, digits)
+        if fa != fb or a == b:
+            break
+    return fa, fb
+
+
+def payback_arithmetic(gain_fraction: float, expected_residence_s: float, migration_cost_s: float, *,
+                       cost_estimated: bool = True) -> str:
+    """The payback test as an operator reads it, its comparison sign taken from the test itself.
+
+    ``"gain 0.0412 x residence 1800 s = 74.2 s > migration cost 12.3 s"``; ``<=`` when it does not pay back.
+    A cost that was not estimated says so: ``cost_estimated=False`` (the controller's
+    ``default_migration_cost_s`` stood in) adds ``(default, not estimated)``, and a cost of 0 s
+    ``(none estimated: no weights move, no drain counted)``.
+
+    Args:
+        gain_fraction: estimated gain, fraction of full service (:func:`estimated_gain_fraction`).
+        expected_residence_s: seconds the target gear is expected to serve.
+        migration_cost_s: seconds the shift costs.
+        cost_estimated: whether ``migration_cost_s`` came from a cost estimate (else a default).
+    """
+    bought_s = gain_fraction * expected_residence_s
+    sign = ">" if pays_back(gain_fraction, expected_residence_s, migration_cost_s) else "<="
+    bought, cost = _distinct(bought_s, migration_cost_s)
+    if not cost_estimated:
+        cost += " s (default, not estimated)"
+    elif migration_cost_s == 0:
+        cost += " s (none estimated: no weights move, no drain counted)"
+    else:
+        cost += " s"
+    return (f"gain {figure(gain_fraction)} x residence {expected_residence_s:.0f} s = {bought} s {sign} "
+            f"migration cost {cost}")

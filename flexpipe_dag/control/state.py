@@ -123,6 +123,16 @@ class ControllerState(BaseModel):
         return state.model_copy(update={"version": STATE_VERSION})
 
 
+#: What kind of decision a reason explains (README, "How to read a decision"): a hold with nothing to do
+#: (``no_samples``, ``no_trigger``), a trigger still counting its samples (``counting``), a shift under way
+#: (``in_progress``), a shift (``shift``), or a decline: inside the dwell (``dwell``), the shift does not pay
+#: back (``payback``), no healthy gear's envelope holds the load (``no_gear_holds``), or gears hold it
+#: but the trigger's rules leave none to move to (``no_candidate``).
+ReasonKind = Literal["no_samples", "no_trigger", "counting", "in_progress", "shift", "dwell", "payback",
+                     "no_gear_holds", "no_candidate"]
+DECLINE_KINDS: tuple[ReasonKind, ...] = ("dwell", "payback", "no_gear_holds", "no_candidate")
+
+
 class Decision(BaseModel):
     """One controller decision, taken or declined, with the reason an operator reads.
 
@@ -130,7 +140,8 @@ class Decision(BaseModel):
     ``"hold"`` with ``declined=True``, the trigger, the target it considered (if any) and why not.
     ``estimated_gain_fraction`` is the goodput-equivalent fraction of full service the target is
     expected to add (see :mod:`flexpipe_dag.control.payback`); gain x ``expected_residence_s`` is
-    compared with ``migration_cost_s``.
+    compared with ``migration_cost_s``. ``reason_kind`` names the kind of reason (:data:`ReasonKind`;
+    None only on decisions stored before it existed).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -146,3 +157,4 @@ class Decision(BaseModel):
     estimated_gain_fraction: float | None = None
     migration_cost_s: float | None = None
     expected_residence_s: float | None = None
+    reason_kind: ReasonKind | None = None

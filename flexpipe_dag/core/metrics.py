@@ -13,6 +13,10 @@ from typing import Any
 #: Default sampling period of both emitters, seconds (design seed figure).
 SAMPLE_PERIOD_S = 2.0
 
+#: What ``MetricSample.rps`` means, for the simulator, the live runtime and every reader alike.
+RPS_DEFINITION = ("online requests that arrived in the window per second (refused ones included); offline batch "
+                  "work and shift probes excluded")
+
 
 @dataclass(frozen=True)
 class StageSample:
@@ -36,7 +40,7 @@ class MetricSample:
     t_s: float
     gear_id: str
     source: str  # "sim" or "live"
-    rps: float  # arrivals per second in the window
+    rps: float  # online arrivals per second in the window (RPS_DEFINITION)
     completed: int  # requests finished in the window
     tokens_per_s: float  # output tokens per second in the window
     queue_length: int  # requests waiting for admission at t_s

@@ -167,9 +167,9 @@ class Driver:
     def on_add(self, cmd: AddRequests) -> None:
         """Queue each request; a refused one is reported as :class:`RequestRefused`."""
         for req in cmd.requests:
+            self.metrics.record_arrivals(1, req.priority)  # refused ones too: rps is the online load offered
             try:
                 self.scheduler.add_request(req)
-                self.metrics.record_arrivals(1)
             except self._refusals as exc:
                 self.evt_q.put(RequestRefused(req.request_id, str(exc)))
 

@@ -6,6 +6,12 @@ counters; the sample covers ``(t_s - period, t_s]``, the same schema the simulat
 (``source="live"``). Stage busy fraction = busy seconds in the window / window length; stage queue
 length = micro-batches that reached the stage (done by the previous stage, or sent by the driver
 for stage 0) minus those it finished.
+
+``rps`` is the online request rate, one definition for every reader (the controller, the
+``tide_sensor``, the serve loop's offline admission, the simulator's samples): online requests that
+arrived in the window per second, refused ones included; offline (batch) work and the shift
+executor's verification probes are not counted, so admitting offline work in a trough does not
+read as a rise in the load (:data:`flexpipe_dag.core.metrics.RPS_DEFINITION`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexpipe_dag.core.metrics import MetricSample, StageSample
+from flexpipe_dag.runtime.scheduler import PRIORITY_ONLINE
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,10 @@ class LiveMetrics:
         self._e2e: list[float] = []
         self._prev: list[StageCounters] | None = None
 
-    def record_arrivals(self, n: int) -> None:
-        self._arrivals += n
+    def record_arrivals(self, n: int, priority: int = PRIORITY_ONLINE) -> None:
+        """``n`` requests of ``priority`` arrived; only online ones (``PRIORITY_ONLINE``) count toward ``rps``."""
+        if priority == PRIORITY_ONLINE:
+            self._arrivals += n
 
     def record_tokens(self, n: int) -> None:
         """Output tokens produced (every sampled token, finished request or not)."""

@@ -212,7 +212,7 @@ _Event = tuple[float, int, int, _Pipeline, _MicroBatch | float]
 
 
 class _Window:
-    """What happened in one sample window: arrivals, completions, tokens and latencies (seconds)."""
+    """What happened in one sample window: online arrivals, completions, tokens and latencies (seconds)."""
 
     __slots__ = ("arrivals", "completed", "e2e_s", "tokens", "tpot_s", "ttft_s")
 
@@ -424,7 +424,8 @@ class Simulator:
                     else:
                         heapq.heappush(waiting, (s.key, s))
                     self._next_arrival += 1
-                    w.arrivals += 1
+                    if s.online:  # rps counts online arrivals only (core.metrics.RPS_DEFINITION)
+                        w.arrivals += 1
                 self._wake(self._active, t)
                 continue
             _, _, kind, pipe, payload = heapq.heappop(heap)

@@ -115,7 +115,7 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
         holder["server"] = server
         report = server.serve(online, offline)
     summary = summarize(report.results, report.submitted_online + report.submitted_offline, report.elapsed_s,
-                        report.shifts)
+                        report.shifts, report.declines)
     summary["offline_admissions"] = report.tide_decisions
     summary["offline_not_admitted"] = len(offline) - report.submitted_offline
     path = write_html_report(flexpipe_home() / "reports" / f"{run_key}.html", f"FlexPipe serve run {run_key}", summary,
@@ -128,7 +128,9 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     (flexpipe_home() / "reports" / "latest_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     context.add_output_metadata({
         "report": MetadataValue.path(str(path)), "served": summary["served"], "lost": summary["lost"],
-        "shifts": len(report.shifts), "output_tokens_per_s": summary["output_tokens_per_s"],
+        "shifts": len(report.shifts), "declined_episodes": len(summary["declines"]),
+        "last_decline": summary["declines"][-1]["reason"] if summary["declines"] else "none",
+        "output_tokens_per_s": summary["output_tokens_per_s"],
         "summary": MetadataValue.json(json.loads(json.dumps(summary, default=str)))})
     if summary["lost"] or summary["duplicates"]:
         raise RuntimeError(f"{summary['lost']} request(s) lost, {summary['duplicates']} duplicated; see {path}")

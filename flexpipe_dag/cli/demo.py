@@ -162,6 +162,8 @@ def print_summary(summary: dict, report: str) -> None:
     for sh in summary["shifts"]:
         print(f"   shift at {sh['t_s']:.0f} s: {sh['from_gear']} -> {sh['to_gear']} [{sh['status']}, "
               f"{sh.get('timings_s', {}).get('total', 0):.0f} s]: {sh['reason']}")
+    for d in summary.get("declines", []):
+        print(f"   declined {d['count']}x at {d['first_t_s']:.0f}..{d['last_t_s']:.0f} s [{d['kind']}]: {d['reason']}")
     for d in summary.get("offline_admissions", []):
         print(f"   offline at {d['t_s']:.0f} s: {d['reason']}")
     print(f"   report: {report}")

@@ -1,9 +1,11 @@
 """The serve run's summary and its HTML report (load vs gear over time, stage utilisation, latency CDF).
 
 Inputs are plain data: metric samples (the live runtime's 2-second schema), per-request results
-(``klass``, ``ttft_ms``, ``tpot_ms``, ``e2e_ms``, ``output_tokens``) and shift records (``t_s``,
-``from_gear``, ``to_gear``, ``trigger``, ``status``, ``reason``). Figures are PNGs embedded in one
-self-contained HTML file.
+(``klass``, ``ttft_ms``, ``tpot_ms``, ``e2e_ms``, ``output_tokens``), shift records (``t_s``,
+``from_gear``, ``to_gear``, ``trigger``, ``status``, ``reason``) and declined decisions (``t_s``,
+``from_gear``, ``to_gear``, ``trigger``, ``kind``, ``reason``; the controller declines again at every
+evaluation while the cause lasts, so the report folds a run of alike declines into one episode, see
+:func:`decline_episodes`). Figures are PNGs embedded in one self-contained HTML file.
 """
 
 from __future__ import annotations
@@ -26,18 +28,39 @@ def _pct(values: Sequence[float | None], q: float) -> float | None:
     return float(np.percentile(v, q)) if v.size else None
 
 
-def summarize(results: Sequence[dict[str, Any]], submitted: int, elapsed_s: float,
-              shifts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Requests served / lost, output tokens/s and TTFT / TPOT P50 / P99 per class, and the shifts.
+def decline_episodes(declines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive declines of the same trigger, kind and considered target folded into one episode each.
 
-    ``lost`` = submitted requests without exactly one result; ``duplicates`` = extra results for an id.
+    Returns:
+        ``{"first_t_s", "last_t_s", "count", "from_gear", "to_gear", "trigger", "kind", "reason"}`` per
+        episode, in time order; ``reason`` is the episode's last (its figures are the newest).
+    """
+    episodes: list[dict[str, Any]] = []
+    for d in sorted(declines, key=lambda x: x["t_s"]):
+        key = (d.get("from_gear"), d.get("to_gear"), d.get("trigger"), d.get("kind"))
+        last = episodes[-1] if episodes else None
+        if last is not None and (last["from_gear"], last["to_gear"], last["trigger"], last["kind"]) == key:
+            last.update(last_t_s=d["t_s"], count=last["count"] + 1, reason=d["reason"])
+        else:
+            episodes.append({"first_t_s": d["t_s"], "last_t_s": d["t_s"], "count": 1, "from_gear": key[0],
+                             "to_gear": key[1], "trigger": key[2], "kind": key[3], "reason": d["reason"]})
+    return episodes
+
+
+def summarize(results: Sequence[dict[str, Any]], submitted: int, elapsed_s: float,
+              shifts: Sequence[dict[str, Any]], declines: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Requests served / lost, output tokens/s and TTFT / TPOT P50 / P99 per class, the shifts and the declines.
+
+    ``lost`` = submitted requests without exactly one result; ``duplicates`` = extra results for an id;
+    ``declines`` = :func:`decline_episodes` of the declined decisions.
     """
     ids = [r["id"] for r in results]
     unique = set(ids)
     out: dict[str, Any] = {"submitted": submitted, "served": len(unique), "lost": submitted - len(unique),
                            "duplicates": len(ids) - len(unique), "elapsed_s": round(elapsed_s, 1),
                            "output_tokens_per_s": round(sum(r["output_tokens"] for r in results) / elapsed_s, 2)
-                           if elapsed_s > 0 else 0.0, "shifts": list(shifts), "by_class": {}}
+                           if elapsed_s > 0 else 0.0, "shifts": list(shifts),
+                           "declines": decline_episodes(declines), "by_class": {}}
     for klass in sorted({r.get("klass", "online") for r in results}):
         rs = [r for r in results if r.get("klass", "online") == klass]
         out["by_class"][klass] = {
@@ -67,12 +90,12 @@ def load_vs_gear_png(samples: Sequence[MetricSample], shifts: Sequence[dict[str,
 
     fig, ax = plt.subplots(figsize=(12, 3.6), dpi=100)
     t = [s.t_s for s in samples]
-    (raw,) = ax.plot(t, [s.rps for s in samples], label="arrivals (req/s)", color="k", lw=0.6, alpha=0.5)
+    (raw,) = ax.plot(t, [s.rps for s in samples], label="online arrivals (req/s)", color="k", lw=0.6, alpha=0.5)
     smoothed, level = [], None
     for s in samples:  # the EMA the controller acts on (design seed alpha 0.3)
         level = s.rps if level is None else 0.3 * s.rps + 0.7 * level
         smoothed.append(level)
-    (ema,) = ax.plot(t, smoothed, label="arrivals, EMA (req/s)", color="k", lw=1.8)
+    (ema,) = ax.plot(t, smoothed, label="online arrivals, EMA (req/s)", color="k", lw=1.8)
     ax2 = ax.twinx()
     ax2.plot(t, [s.tokens_per_s for s in samples], label="output tokens/s", color="tab:green", alpha=0.6)
     ax2.set_ylabel("output tokens/s")
@@ -154,6 +177,10 @@ def write_html_report(path: str | Path, title: str, summary: dict[str, Any], sam
         f"<tr><td>{sh['t_s']:.1f}</td><td>{html.escape(str(sh.get('from_gear')))}</td><td>{html.escape(sh['to_gear'])}</td>"
         f"<td>{html.escape(str(sh.get('trigger')))}</td><td>{html.escape(sh['status'])}</td>"
         f"<td>{html.escape(sh['reason'])}</td></tr>" for sh in summary["shifts"])
+    declines = "".join(
+        f"<tr><td>{d['first_t_s']:.1f}</td><td>{d['last_t_s']:.1f}</td><td>{d['count']}</td>"
+        + "".join(f"<td>{html.escape(str(d.get(k) or '-'))}</td>" for k in ("from_gear", "to_gear", "trigger", "kind"))
+        + f"<td>{html.escape(d['reason'])}</td></tr>" for d in summary.get("declines", ()))
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}img{{max-width:100%}}</style></head><body>
@@ -163,6 +190,10 @@ duplicates {summary['duplicates']}, {summary['output_tokens_per_s']} output toke
 <table><tr><th>class</th><th>served</th><th>TTFT p50</th><th>TTFT p99</th><th>TPOT p50</th><th>TPOT p99</th>
 <th>e2e p50</th><th>e2e p99</th></tr>{rows}</table>
 <h2>Shifts</h2><table><tr><th>t (s)</th><th>from</th><th>to</th><th>trigger</th><th>status</th><th>reason</th></tr>{shifts}</table>
+<h2>Declined shifts</h2><p>{len(summary.get('declines', ()))} episode(s): a trigger fired and the controller held;
+each row folds consecutive alike declines (kinds: dwell, payback, no_gear_holds, no_candidate) and shows the last reason.</p>
+<table><tr><th>first t (s)</th><th>last t (s)</th><th>times</th><th>from</th><th>considered</th><th>trigger</th>
+<th>kind</th><th>reason</th></tr>{declines}</table>
 {img(load_vs_gear_png(samples, summary['shifts']), 'load vs gear')}
 {img(stage_utilisation_png(samples), 'stage utilisation')}
 {img(latency_cdf_png(results), 'latency CDF')}

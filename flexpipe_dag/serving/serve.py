@@ -55,11 +55,17 @@ class ServeSettings:
 
 @dataclass
 class ServeReport:
-    """What a serve run did: results per request, samples, shifts, offline admission decisions."""
+    """What a serve run did: results per request, samples, shifts, declined shifts, offline admission decisions.
+
+    ``declines``: every declined decision of the loop's controller (``t_s``, ``from_gear``, ``to_gear``,
+    ``trigger``, ``kind`` = ``Decision.reason_kind``, ``reason``), as :func:`~flexpipe_dag.serving.report.summarize`
+    reads them.
+    """
 
     results: list[dict[str, Any]] = field(default_factory=list)
     samples: list[MetricSample] = field(default_factory=list)
     shifts: list[dict[str, Any]] = field(default_factory=list)
+    declines: list[dict[str, Any]] = field(default_factory=list)
     tide_decisions: list[dict[str, Any]] = field(default_factory=list)
     submitted_online: int = 0
     submitted_offline: int = 0
@@ -238,6 +244,9 @@ class TraceServer:
         self._cursor = ev.cursor
         d = ev.decision
         now = time.monotonic()
+        if d is not None and d.declined:
+            self.report.declines.append({"t_s": round(d.t_s, 1), "from_gear": d.from_gear_id, "to_gear": d.to_gear_id,
+                                         "trigger": d.trigger, "kind": d.reason_kind, "reason": d.reason})
         if d is not None and d.declined and now - self._declined_logged.get(d.trigger, -1e9) >= 30.0:
             self._declined_logged[d.trigger] = now  # every decision is stored; the log shows one per 30 s
             self.log(f"controller: {d.reason}")

@@ -187,14 +187,14 @@ def figure(value: float, digits: int = 3) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
-def _distinct(a: float, b: float) -> tuple[str, str]:
-    """``a`` and ``b`` as :func:`figure` writes them, with more digits (up to 9) when 3 would show two different
-    numbers alike."""
+def _distinct(a: float, b: float) -> tuple[str, str, int]:
+    """``a`` and ``b`` as :func:`figure` writes them, and the significant digits used: 3, more (up to 9) when 3
+    would show two different numbers alike."""
     for digits in range(3, 10):
         fa, fb = figure(a, digits), figure(b, digits)
         if fa != fb or a == b:
             break
-    return fa, fb
+    return fa, fb, digits
 
 
 def payback_arithmetic(gain_fraction: float, expected_residence_s: float, migration_cost_s: float, *,
@@ -214,12 +214,17 @@ def payback_arithmetic(gain_fraction: float, expected_residence_s: float, migrat
     """
     bought_s = gain_fraction * expected_residence_s
     sign = ">" if pays_back(gain_fraction, expected_residence_s, migration_cost_s) else "<="
-    bought, cost = _distinct(bought_s, migration_cost_s)
+    bought, cost, shown_digits = _distinct(bought_s, migration_cost_s)
+    residence = f"{expected_residence_s:.0f}"
+    for digits in range(3, 6):  # digits of the gain enough for the product shown to follow from the figures shown
+        gain = figure(gain_fraction, digits)
+        if figure(float(gain) * float(residence), shown_digits) == bought:
+            break
     if not cost_estimated:
         cost += " s (default, not estimated)"
     elif migration_cost_s == 0:
         cost += " s (none estimated: no weights move, no drain counted)"
     else:
         cost += " s"
-    return (f"gain {figure(gain_fraction)} x residence {expected_residence_s:.0f} s = {bought} s {sign} "
+    return (f"gain {gain} x residence {residence} s = {bought} s {sign} "
             f"migration cost {cost}")

@@ -33,7 +33,7 @@ class ControlSettings(ConfigurableResource):
     """
 
     config_file: str = ""
-    target_p99_ms: float = Field(default=0.0, ge=0, description="0 = each gear's own target")
+    target_p99_ms: float = Field(default=0.0, ge=0, description="0 = the SLO each gear was planned at")
     dwell_s: float | None = Field(default=None, description="None = the config file's or the seed's 600 s")
 
     def resolved(self) -> ResolvedControlSettings:

@@ -37,6 +37,10 @@ def test_latency_reasons_quote_the_slo_the_user_set_not_the_gears_own_target():
                             "stage utilisation 0.70..0.70)")
     assert ds[0].reason_kind == "no_trigger"
     assert "266913" not in ds[0].reason
+    _, ds = feed(ctrl, None, PLANNED, [sample(2, "lat", rps=8.0, p99_ms=3100.0)])
+    assert ds[0].reason == ("hold: rps_above_envelope (rps 8/s above envelope max 5, 1 samples) of 3 needed; "
+                            "rps 8/s above envelope [0, 5]; ttft_p99 3100 ms vs SLO TTFT 4000 ms; "
+                            "stage utilisation 0.70..0.70")
 
 
 def test_the_slo_is_the_latency_target_the_triggers_use():

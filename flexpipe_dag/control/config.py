@@ -92,7 +92,9 @@ class ControllerConfig(Figures):
     imbalance_min_util: Fraction = 0.6
     latency_metric: LatencyMetric = "ttft_p99_ms"
     target_p99_ms: PositiveFloat | None = Field(
-        None, description="service latency SLO; None = use the serving gear's target_p99_ms")
+        None, description="service latency SLO; None = the SLO the serving gear's envelope was measured at "
+                          "(envelope_basis: slo_ttft_ms for ttft_p99_ms, slo_tpot_ms for tpot_p99_ms), else the gear's "
+                          "own target_p99_ms")
     latency_over_factor: PositiveFloat = 1.2
     latency_under_factor: PositiveFloat = 0.7
     envelope_margin_fraction: Fraction = Field(

@@ -60,7 +60,13 @@ Outside a failing gear, at most one shift happens per ``dwell_s``: with the seed
 
 Every decision, taken or declined, carries a one-sentence ``reason`` naming the trigger, the
 smoothed figures against their thresholds, and the payback arithmetic or why the shift was
-declined (dwell, payback, no fitting healthy gear, shift in progress).
+declined, and a ``reason_kind`` (:data:`~flexpipe_dag.control.state.ReasonKind`): ``dwell``,
+``payback`` (the arithmetic, to three significant figures, with its sign taken from the test; a gain
+under ``min_gain_fraction`` and a migration cost that was not estimated are said so),
+``no_gear_holds`` (no healthy gear's envelope holds the load: the envelopes are listed, instead of a
+best-effort move's payback alone) or ``no_candidate`` (gears hold the load but the trigger's rules
+leave none). The latency target ``T`` is the SLO the user set, in the user's units: ``SLO TTFT 4000 ms``
+(see :meth:`Controller.target_text`), not the P99 the planner measured at a gear's ``rps_max``.
 """
 
 from __future__ import annotations
@@ -494,7 +500,8 @@ class Controller:
         if st.ema_rps is not None:
             hi = "inf" if math.isinf(gear.rps_max) else f"{gear.rps_max:.3g}"
             ahead = "" if st.forecast_rps is None else f" (forecast {st.forecast_rps:.3g}/s)"
-            parts.append(f"rps {st.ema_rps:.3g}/s{ahead} in envelope [{gear.rps_min:.3g}, {hi}]")
+            where = ("above" if st.ema_rps > gear.rps_max else "below" if st.ema_rps < gear.rps_min else "in")
+            parts.append(f"rps {st.ema_rps:.3g}/s{ahead} {where} envelope [{gear.rps_min:.3g}, {hi}]")
         if st.ema_p99_ms is not None:
             parts.append(f"{cfg.latency_metric.removesuffix('_ms')} {st.ema_p99_ms:.0f} ms vs {self.target_text(gear)}")
         if len(st.ema_stage_busy) >= 2:

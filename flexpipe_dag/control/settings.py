@@ -83,7 +83,7 @@ def resolve_control_settings(config_file: str = "", *, target_p99_ms: float = 0.
     Args:
         config_file: the YAML control file ("" = the seed figures).
         target_p99_ms: > 0 sets the service latency target (milliseconds) for every gear, over the
-            file's ``controller.target_p99_ms``; 0 keeps the file's (or each gear's own target).
+            file's ``controller.target_p99_ms``; 0 keeps the file's (or the SLO each gear was planned at).
         dwell_s: the minimum dwell after a shift (seconds), over the file's ``controller.dwell_s``;
             None keeps the file's (or the seed's 600 s).
 

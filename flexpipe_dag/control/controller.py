@@ -82,8 +82,8 @@ from flexpipe_dag.control.payback import (
     estimated_gain_fraction,
     figure,
     fits_envelope,
-    pays_back,
     payback_arithmetic,
+    pays_back,
 )
 from flexpipe_dag.control.state import DISCRETIONARY_TRIGGERS, TRIGGER_PRIORITY, ControllerState, Decision
 from flexpipe_dag.core.errors import InputError
@@ -227,7 +227,6 @@ class Controller:
                 forecast that raises or returns anything but a finite rate >= 0 does not stop the
                 controller: it decides without the forecast and says so in the reason.
         """
-        cfg = self.config
         st = (state or ControllerState()).model_copy(deep=True)
         by_id = self._index(gears)
         unhealthy = frozenset(unhealthy)

@@ -2,7 +2,8 @@
 
 Prompts file: JSONL or Parquet with columns ``id`` (str, at most :data:`MAX_REQUEST_ID_CHARS`
 characters), ``prompt`` (text) or ``token_ids`` (list of ints), ``max_new_tokens`` (int, optional: the
-job's ``max_new_tokens``, which also caps a larger value), ``priority`` (int, optional: :data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`),
+job's ``max_new_tokens``, which also caps a larger value), ``priority`` (int, optional:
+:data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`),
 ``continuations`` (optional, scoring jobs only: a list of strings or token-id lists, each scored given
 the prompt). Integers are bounded by :data:`~flexpipe_dag.core.settings.INT32_MAX` (what the store's
 integer columns and torch index tensors hold). A malformed row (bad JSON, missing, duplicate,

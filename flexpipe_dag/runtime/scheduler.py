@@ -12,8 +12,8 @@ Policy:
 * admission in priority order (``priority`` 0 = online first, larger = offline), then arrival;
   a request is admitted when its lane of the KV pool can reserve :func:`kv_tokens_needed` tokens
   (``prompt + max_new_tokens - 1``: the last sampled token is returned, never fed back, so its K/V
-  is never written) and the running set is below ``micro_batch_size x max_inflight_micro_batches``; the head of the queue is
-  never overtaken, so a large online request is not starved;
+  is never written) and the running set is below ``micro_batch_size x max_inflight_micro_batches``;
+  the head of the queue is never overtaken, so a large online request is not starved;
 * a micro-batch takes running sequences not in flight (decode, 1 token each) in priority order,
   then newly admitted ones (whole-prompt prefill) while ``max_tokens_per_micro_batch`` allows
   (a lone prefill larger than the budget still runs alone);
@@ -41,6 +41,7 @@ class ContextLengthError(ValueError):
 
 #: Words every context refusal's message holds (how a report tells them from other refusals).
 CONTEXT_REFUSAL = "exceed the model's max context"
+
 
 def kv_tokens_needed(prompt_tokens: int, max_new_tokens: int) -> int:
     """KV-cache tokens a request can ever hold: ``prompt_tokens + max_new_tokens - 1``.

@@ -128,6 +128,23 @@ def test_serve_trace_refuses_caps_over_the_models_context():
                               "tiny's max context of 64 tokens; expected at most 64")
 
 
+def test_scoring_rows_over_the_max_context_are_reported_with_their_reason():
+    pytest.importorskip("torch")
+    from flexpipe_dag.runtime.batch import PromptRow
+    from flexpipe_dag.runtime.score_runtime import score_units
+
+    rows = [PromptRow("fits", token_ids=[1] * 64, line=1), PromptRow("long", token_ids=[1] * 65, line=2),
+            PromptRow("choice", token_ids=[1] * 60, continuations=[[2] * 4, [3] * 5], line=3)]
+    malformed: list = []
+    units, state = score_units(rows, None, malformed, max_context_tokens=64)
+    assert list(state) == ["fits"] and [len(u.token_ids) for u in units] == [64]
+    assert [(m.line, m.reason) for m in malformed] == [
+        (2, "id 'long': prompt: 65 tokens exceed the model's max context of 64 tokens; expected at most 64"),
+        (3, "id 'choice': prompt + continuation 1: 65 tokens exceed the model's max context of 64 tokens; "
+            "expected at most 64")]
+    assert len(score_units(rows, None, [], max_context_tokens=None)[0]) == 4  # not known: not checked
+
+
 # -- max_new_tokens caps ----------------------------------------------------------------------------
 def _prompts(tmp_path: Path) -> Path:
     p = tmp_path / "prompts.jsonl"

@@ -35,6 +35,13 @@ def _run_to_completion(sched: Scheduler, token: int = 5) -> tuple[list, int]:
     return done, most
 
 
+def _run_to_completion_after(sched: Scheduler, mb) -> tuple[list, int]:
+    """:func:`_run_to_completion` after handing back the already scheduled micro-batch ``mb``."""
+    done = sched.update_from_output(mb.mb_id, [5] * len(mb.seqs))
+    more, most = _run_to_completion(sched)
+    return done + more, most
+
+
 # -- KV need: prompt + max_new_tokens - 1 -----------------------------------------------------------
 def test_kv_need_is_prompt_plus_new_tokens_minus_one():
     assert kv_tokens_needed(100, 45) == 144
@@ -67,12 +74,6 @@ def test_admission_reserves_the_same_need_two_exact_requests_share_the_pool():
     assert sched.allocator.num_reserved_blocks == 8
     done, most = _run_to_completion_after(sched, mb)
     assert sorted(o.request_id for o in done) == ["a", "b"] and most == 64
-
-
-def _run_to_completion_after(sched: Scheduler, mb) -> tuple[list, int]:
-    done = sched.update_from_output(mb.mb_id, [5] * len(mb.seqs))
-    more, most = _run_to_completion(sched)
-    return done + more, most
 
 
 # -- the binding limit, named -----------------------------------------------------------------------

@@ -24,7 +24,7 @@ class BatchInferenceConfig(Config):
     trace: str = ""
     num_requests: int = 64
     max_prompt_tokens: int = 256
-    max_new_tokens: int = 16
+    max_new_tokens: int = Field(default=16, ge=1, description="new tokens per request: default and cap (rows asking for more get it)")
     gear_id: str = Field(default="", description="a stored gear; empty = even split over `stages` CPU workers")
     stages: int = 2
     micro_batch_size: int = 8

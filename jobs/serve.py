@@ -28,8 +28,8 @@ class ServeTraceConfig(Config):
     mean_rps: float = Field(default=0.0, ge=0, description="mean online arrival rate; 0 = 1.5 x the first gear's "
                                                            "rps_max (the tide's peak then overloads it, its trough "
                                                            "does not)")
-    max_prompt_tokens: int = 96
-    max_new_tokens: int = 12
+    max_prompt_tokens: int = Field(default=96, ge=1, description="cap on replayed prompt lengths")
+    max_new_tokens: int = Field(default=12, ge=1, description="cap on replayed output lengths")
     offline_trace: str = "arxiv-summarization"
     offline_requests: int = 24
     initial_gear_kind: str = "latency"
@@ -44,6 +44,26 @@ class ServeTraceConfig(Config):
 def _runnable(gears, kv_pool_tokens_max: int):
     """The gears with their KV pools capped for this host (replicated stages run one worker per replica)."""
     return [g.with_kv_pool_capped(kv_pool_tokens_max) for g in gears]
+
+
+def check_context(config: ServeTraceConfig, max_context_tokens: int | None, model_name: str) -> None:
+    """Refuse caps under which a request could exceed the model's max context (``None``: not known).
+
+    Every replayed request is cut to ``max_prompt_tokens`` and ``max_new_tokens``; the scheduler would
+    refuse one whose prompt + ``max_new_tokens`` exceed the max context, so the caps are checked here,
+    before anything launches, instead of such requests ending up refused mid-replay.
+
+    Raises:
+        InputError: naming both caps, their sum and the model's max context.
+    """
+    from flexpipe_dag.core.errors import InputError
+    from flexpipe_dag.workload.context import over_context
+
+    if over_context(config.max_prompt_tokens, config.max_new_tokens, max_context_tokens):
+        raise InputError("serve_trace config", "max_prompt_tokens + max_new_tokens",
+                         f"{config.max_prompt_tokens} + {config.max_new_tokens} = "
+                         f"{config.max_prompt_tokens + config.max_new_tokens} tokens exceed {model_name}'s max "
+                         f"context of {max_context_tokens} tokens; expected at most {max_context_tokens}")
 
 
 def build_workloads(config: ServeTraceConfig, mean_rps: float):
@@ -90,6 +110,7 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     mean_rps = config.mean_rps or 1.5 * first.rps_max
     online_wl, offline_wl, compression = build_workloads(config, mean_rps)
     ckpt = resolve_checkpoint(None if planning.model == "SmolLM2-135M" else planning.model)
+    check_context(config, ckpt.max_context_tokens, ckpt.name)
     tok = ckpt.tokenizer()
     online = timed_requests(online_wl, tok, ckpt.eos_token_ids(), max_prompt_tokens=config.max_prompt_tokens,
                             max_new_tokens=config.max_new_tokens)

@@ -23,7 +23,7 @@ def test_jsonl_prompts_count_malformed_rows(tmp_path):
         json.dumps({"id": "d", "prompt": "x", "max_new_tokens": -2}),
         json.dumps({"id": "e", "token_ids": ["x"]}),
     ]) + "\n")
-    rows, bad = read_prompts(p, default_max_new_tokens=7)
+    rows, bad = read_prompts(p, max_new_tokens=7)
     assert [r.request_id for r in rows] == ["a", "b"]
     assert rows[1].max_new_tokens == 7 and rows[0].priority == 0
     assert [m.line for m in bad] == [2, 3, 5, 6, 7, 8]

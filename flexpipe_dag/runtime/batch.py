@@ -2,7 +2,8 @@
 
 Prompts file: JSONL or Parquet with columns ``id`` (str, at most :data:`MAX_REQUEST_ID_CHARS`
 characters), ``prompt`` (text) or ``token_ids`` (list of ints), ``max_new_tokens`` (int, optional: the
-job default), ``priority`` (int, optional: :data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`),
+job's ``max_new_tokens``, which also caps a larger value), ``priority`` (int, optional:
+:data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`),
 ``continuations`` (optional, scoring jobs only: a list of strings or token-id lists, each scored given
 the prompt). Integers are bounded by :data:`~flexpipe_dag.core.settings.INT32_MAX` (what the store's
 integer columns and torch index tensors hold). A malformed row (bad JSON, missing, duplicate,
@@ -112,7 +113,7 @@ def _bounded_int(value: Any, low: int) -> int:
     return value
 
 
-def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]) -> PromptRow | MalformedRow:
+def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> PromptRow | MalformedRow:
     if not isinstance(raw, dict):
         return MalformedRow(where, "expected a JSON object")
     rid = raw.get("id")
@@ -147,11 +148,11 @@ def _parse_row(raw: Any, where: int, default_max_new_tokens: int, seen: set[str]
     if token_ids is None:
         if not isinstance(prompt, str) or not prompt:
             return MalformedRow(where, "expected a non-empty 'prompt' string or a 'token_ids' list")
-    mnt = raw.get("max_new_tokens", default_max_new_tokens)
+    mnt = raw.get("max_new_tokens", max_new_tokens)
     prio = raw.get("priority", PRIORITY_OFFLINE)
     try:
-        mnt = default_max_new_tokens if mnt is None or (isinstance(mnt, float) and math.isnan(mnt)) else mnt
-        mnt = _bounded_int(mnt, 1)
+        mnt = max_new_tokens if mnt is None or (isinstance(mnt, float) and math.isnan(mnt)) else mnt
+        mnt = min(_bounded_int(mnt, 1), max_new_tokens)  # the job's figure is the default and the cap
     except (TypeError, ValueError, OverflowError):
         return MalformedRow(where, f"field 'max_new_tokens': expected an integer 1..{INT32_MAX}, "
                                    f"got {_short(raw.get('max_new_tokens'))}")
@@ -184,8 +185,14 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> tuple[list[PromptRow], list[MalformedRow]]:
+def read_prompts(path: str | os.PathLike, max_new_tokens: int = 16) -> tuple[list[PromptRow], list[MalformedRow]]:
     """Read a JSONL (``.jsonl`` / ``.json``) or Parquet (``.parquet``) prompts file.
+
+    Args:
+        path: the prompts file.
+        max_new_tokens: new tokens per request, default and cap: a row without ``max_new_tokens``
+            gets it, a row asking for more is cut to it (``flexpipe run --max-new-tokens``, the
+            ``batch_inference`` job's ``max_new_tokens``).
 
     Returns:
         ``(rows, malformed)``.
@@ -213,7 +220,7 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
             except InputError as exc:
                 bad.append(MalformedRow(i, f"invalid JSON: {exc.problem.removeprefix('not valid JSON: ')}"))
                 continue
-            r = _parse_row(raw, i, default_max_new_tokens, seen)
+            r = _parse_row(raw, i, max_new_tokens, seen)
             if isinstance(r, PromptRow):
                 rows.append(r)
             else:
@@ -231,7 +238,7 @@ def read_prompts(path: str | os.PathLike, default_max_new_tokens: int = 16) -> t
         for i, raw in enumerate(df.to_dict(orient="records"), start=1):
             if raw.get("token_ids") is not None and hasattr(raw["token_ids"], "tolist"):
                 raw["token_ids"] = raw["token_ids"].tolist()
-            r = _parse_row(raw, i, default_max_new_tokens, seen)
+            r = _parse_row(raw, i, max_new_tokens, seen)
             if isinstance(r, PromptRow):
                 rows.append(r)
             else:

@@ -87,7 +87,8 @@ class Driver:
                                    micro_batch_size=config.micro_batch_size,
                                    max_inflight_micro_batches=config.max_inflight_micro_batches,
                                    max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                                   max_context_tokens=config.max_context_tokens)
+                                   max_context_tokens=config.max_context_tokens,
+                                   stage_replicas=self.layout.replicas)
         self.metrics = LiveMetrics(gear_id, time.monotonic())
         self.inbox: queue.Queue = queue.Queue()  # (MessageKind, payload) from the last stage, or an exception
         self.next_sample = time.monotonic() + metrics_period_s

@@ -19,6 +19,7 @@ order, replicas consecutive.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -124,3 +125,38 @@ class LaneLayout:
 def gear_layout(gear, total_blocks: int) -> LaneLayout:
     """The :class:`LaneLayout` of a :class:`~flexpipe_dag.core.gear.Gear` (``replicas`` per stage)."""
     return LaneLayout(tuple(st.replicas for st in gear.stages), total_blocks)
+
+
+def lane_limit_text(num_lanes: int, lane_tokens: int, replicas: Sequence[int] = ()) -> str:
+    """The binding KV limit of one sequence, for a refusal: its lane's share, and which stage sets it.
+
+    A sequence's KV stays in the lane it was admitted to, so one lane's share (``lane_tokens``) is what
+    it may use, not the whole pool. The share is set by the stage with the fewest replicas: each of
+    its replicas splits its pool over ``num_lanes / replicas`` lanes; it is named with the replica
+    serving lane 0.
+
+    Args:
+        num_lanes: lanes of the pool (1: no stage replicas).
+        lane_tokens: KV tokens one lane holds.
+        replicas: replicas per stage (``lcm`` must equal ``num_lanes`` to be used); empty: not known.
+
+    Returns:
+        e.g. ``"the KV pool holds 256 tokens"`` or ``"a sequence's KV stays in one lane, and lane 0
+        holds 128 tokens (stage 0, replica 0 of 1, splits its 256-token pool over 2 lanes)"``.
+
+    Raises:
+        ValueError: ``replicas`` holds a count below 1.
+    """
+    if replicas and min(replicas) < 1:
+        raise ValueError(f"replicas per stage must be >= 1, got {list(replicas)}")
+    if num_lanes <= 1:
+        return f"the KV pool holds {lane_tokens} tokens"
+    text = f"a sequence's KV stays in one lane, and lane 0 holds {lane_tokens} tokens"
+    if replicas and math.lcm(*replicas) == num_lanes:
+        stage = min(range(len(replicas)), key=lambda s: (replicas[s], s))
+        per_replica = num_lanes // replicas[stage]
+        if per_replica == 1:  # every stage replicated alike: the replica's pool is the lane's
+            return text + f" (the pool of stage {stage}, replica 0 of {replicas[stage]})"
+        return (text + f" (stage {stage}, replica 0 of {replicas[stage]}, splits its {per_replica * lane_tokens}"
+                f"-token pool over {per_replica} lanes)")
+    return text + f" (the pool's {num_lanes * lane_tokens} tokens split over {num_lanes} lanes)"

@@ -22,11 +22,18 @@ class LocalPipeline:
     Args:
         stages: first has the embedding, last the norm + head.
         num_blocks, block_size_tokens: KV pool geometry.
+
+    Attributes:
+        max_context_tokens: the model's max context (its config's ``max_position_embeddings``;
+            ``None`` if absent): :meth:`generate` refuses a request whose prompt + ``max_new_tokens``
+            exceed it, as the pipeline's scheduler does.
     """
 
     def __init__(self, stages: list[StageModule], num_blocks: int, block_size_tokens: int):
         self.stages = stages
         self.num_blocks, self.block_size_tokens = num_blocks, block_size_tokens
+        value = getattr(stages[0].config, "max_position_embeddings", None) if stages else None
+        self.max_context_tokens: int | None = int(value) if value else None
         self.pools = [st.new_kv_pool(num_blocks, block_size_tokens) for st in stages]
 
     @classmethod
@@ -47,8 +54,14 @@ class LocalPipeline:
 
     def generate(self, requests: Iterable[Request], micro_batch_size: int = 8,
                  on_result: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
-        """Serve ``requests`` to completion with continuous batching; results in finishing order."""
-        sched = Scheduler(BlockAllocator(self.num_blocks, self.block_size_tokens), micro_batch_size, 1)
+        """Serve ``requests`` to completion with continuous batching; results in finishing order.
+
+        Raises:
+            ContextLengthError: a request's prompt + ``max_new_tokens`` exceed :attr:`max_context_tokens`.
+            KVCapacityError: a request's KV need (prompt + ``max_new_tokens`` - 1) exceeds the pool.
+        """
+        sched = Scheduler(BlockAllocator(self.num_blocks, self.block_size_tokens), micro_batch_size, 1,
+                          max_context_tokens=self.max_context_tokens)
         sched.add_requests(requests)
         done: list[RequestOutput] = []
         while sched.has_unfinished():

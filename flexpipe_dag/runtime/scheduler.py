@@ -10,14 +10,17 @@ its next token depends on the previous one.
 Policy:
 
 * admission in priority order (``priority`` 0 = online first, larger = offline), then arrival;
-  a request is admitted when the KV pool can reserve ``prompt + max_new_tokens`` tokens and the
-  running set is below ``micro_batch_size x max_inflight_micro_batches``; the head of the queue is
-  never overtaken, so a large online request is not starved;
+  a request is admitted when its lane of the KV pool can reserve :func:`kv_tokens_needed` tokens
+  (``prompt + max_new_tokens - 1``: the last sampled token is returned, never fed back, so its K/V
+  is never written) and the running set is below ``micro_batch_size x max_inflight_micro_batches``;
+  the head of the queue is never overtaken, so a large online request is not starved;
 * a micro-batch takes running sequences not in flight (decode, 1 token each) in priority order,
   then newly admitted ones (whole-prompt prefill) while ``max_tokens_per_micro_batch`` allows
   (a lone prefill larger than the budget still runs alone);
-* a request that could never fit the pool, or whose prompt + ``max_new_tokens`` exceed the
-  model's max context (:class:`ContextLengthError`), is refused at :meth:`Scheduler.add_request`.
+* a request whose prompt + ``max_new_tokens`` exceed the model's max context
+  (:class:`ContextLengthError`), or whose :func:`kv_tokens_needed` could never fit one lane of the
+  pool (:class:`~flexpipe_dag.runtime.kv_blocks.KVCapacityError`, naming the binding lane, stage and
+  replica), is refused at :meth:`Scheduler.add_request`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
+from flexpipe_dag.runtime.lanes import lane_limit_text
 
 
 class ContextLengthError(ValueError):
@@ -37,6 +41,21 @@ class ContextLengthError(ValueError):
 
 #: Words every context refusal's message holds (how a report tells them from other refusals).
 CONTEXT_REFUSAL = "exceed the model's max context"
+
+
+def kv_tokens_needed(prompt_tokens: int, max_new_tokens: int) -> int:
+    """KV-cache tokens a request can ever hold: ``prompt_tokens + max_new_tokens - 1``.
+
+    The prompt's tokens and every generated token but the last are fed through the model (their keys
+    and values written to the pool); the last sampled token is returned and the sequence ends, so it
+    is never written. Reservation, admission and refusal all use this one figure.
+
+    Args:
+        prompt_tokens: the prompt's length, >= 1.
+        max_new_tokens: the most tokens the request generates, >= 1.
+    """
+    return prompt_tokens + max_new_tokens - 1
+
 
 #: Priority of online (latency-critical) requests; offline batch work uses larger numbers.
 PRIORITY_ONLINE = 0
@@ -66,6 +85,11 @@ class Request:
         if self.max_new_tokens < 1:
             raise InputError(None, f"request {self.request_id}.max_new_tokens",
                              f"expected >= 1, got {self.max_new_tokens}")
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV-cache tokens this request can ever hold (:func:`kv_tokens_needed`)."""
+        return kv_tokens_needed(len(self.prompt_token_ids), self.max_new_tokens)
 
 
 @dataclass
@@ -159,13 +183,16 @@ class Scheduler:
         clock: seconds, monotonic (injectable for tests).
         max_context_tokens: the model's max context (prompt + generated tokens; the checkpoint's
             ``max_position_embeddings``); ``None``: not checked.
+        stage_replicas: replicas per stage of the gear the allocator's lanes come from (names the
+            binding stage and replica in a KV refusal); empty: not known (one lane: not needed).
     """
 
     def __init__(self, allocator: BlockAllocator, micro_batch_size: int, max_inflight_micro_batches: int,
                  max_tokens_per_micro_batch: int = 2048, clock: Callable[[], float] = time.monotonic,
-                 max_context_tokens: int | None = None):
+                 max_context_tokens: int | None = None, stage_replicas: tuple[int, ...] = ()):
         self.allocator = allocator
         self.max_context_tokens = max_context_tokens
+        self.stage_replicas = tuple(stage_replicas)
         self.micro_batch_size = micro_batch_size
         self.max_inflight_micro_batches = max_inflight_micro_batches
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
@@ -186,21 +213,29 @@ class Scheduler:
 
         Raises:
             ContextLengthError: prompt + max_new_tokens exceed the model's max context.
-            KVCapacityError: prompt + max_new_tokens exceed the whole KV pool.
+            KVCapacityError: the request's :func:`kv_tokens_needed` exceed one lane of the KV pool
+                (the whole pool without stage replicas); the message names the binding limit.
             InputError: the request id is already queued or running.
         """
         if req.request_id in self._request_ids:
             raise InputError(None, "request_id", f"{req.request_id!r} is already queued or running")
-        need = len(req.prompt_token_ids) + req.max_new_tokens
+        prompt = len(req.prompt_token_ids)
+        context = prompt + req.max_new_tokens
         limit = self.max_context_tokens
-        if limit is not None and need > limit:
+        if limit is not None and context > limit:
             raise ContextLengthError(
-                f"request {req.request_id!r}: prompt {len(req.prompt_token_ids)} + max_new_tokens "
-                f"{req.max_new_tokens} = {need} tokens {CONTEXT_REFUSAL} of {limit} tokens; expected at most "
+                f"request {req.request_id!r}: prompt {prompt} + max_new_tokens "
+                f"{req.max_new_tokens} = {context} tokens {CONTEXT_REFUSAL} of {limit} tokens; expected at most "
                 f"{limit} (shorten the prompt or max_new_tokens, or truncate: --truncate-context)")
+        need = req.kv_tokens
         if not self.allocator.fits_ever(need):
-            raise KVCapacityError(f"request {req.request_id!r} needs {need} KV tokens; the pool holds "
-                                  f"{self.allocator.capacity_tokens}")
+            alloc = self.allocator
+            lane_tokens = alloc.blocks_per_lane * alloc.block_size_tokens
+            raise KVCapacityError(
+                f"request {req.request_id!r} needs {need} KV tokens (prompt {prompt} + max_new_tokens "
+                f"{req.max_new_tokens} - 1: the last token is never cached); "
+                f"{lane_limit_text(alloc.num_lanes, lane_tokens, self.stage_replicas)}; expected at most "
+                f"{lane_tokens} (shorten the prompt or max_new_tokens, or raise the gear's kv_capacity_tokens)")
         seq_id = next(self._ids)
         self._request_ids.add(req.request_id)
         self._waiting.append(_Seq(seq_id, req, seq_id, self.clock() if arrival_s is None else arrival_s))
@@ -236,7 +271,7 @@ class Scheduler:
         limit = self.micro_batch_size * self.max_inflight_micro_batches * lanes
         while self._waiting and not self.admission_paused and len(self._running) < limit:
             head = self._waiting[0]
-            need = len(head.req.prompt_token_ids) + head.req.max_new_tokens
+            need = head.req.kv_tokens
             load = [0] * lanes
             for s in self._running.values():
                 load[s.lane] += 1

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     check_gear_supported(gear)
     ckpt = resolve_checkpoint(args.model)
     rows, malformed = read_prompts(args.prompts)
-    units, state = score_units(rows, ckpt.tokenizer(), malformed)
+    units, state = score_units(rows, ckpt.tokenizer(), malformed, ckpt.max_context_tokens)
     rank = int(os.environ.get("RANK", "0"))
     pad = ckpt.config.pad_token_id if ckpt.config.pad_token_id is not None else 0
     spec = ScoreSpec(str(ckpt.path), ckpt.name, gear.layer_ranges(), units,

@@ -40,6 +40,7 @@ from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.runtime.batch import MalformedRow, PromptRow, ResultSink
 from flexpipe_dag.runtime.lifeline import follow_parent
 from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint
+from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL
 from flexpipe_dag.runtime.scoring import (
     FILLER,
     RowScores,
@@ -218,10 +219,12 @@ def score_rank_main(rank: int, spec: ScoreSpec, store_port: int, secret: str, ev
             pass
 
 
-def score_units(rows: list[PromptRow], tokenizer, malformed: list[MalformedRow] | None = None
-                ) -> tuple[list[ScoreUnit], dict[str, RowScores]]:
+def score_units(rows: list[PromptRow], tokenizer, malformed: list[MalformedRow] | None = None,
+                max_context_tokens: int | None = None) -> tuple[list[ScoreUnit], dict[str, RowScores]]:
     """Tokenise rows (plain text, no chat template; continuations tokenised on their own and
-    appended) into units; a row with nothing to score goes to ``malformed``."""
+    appended) into units; a row with nothing to score, or with a unit longer than
+    ``max_context_tokens`` (the model's ``max_position_embeddings``; ``None``: not checked), goes to
+    ``malformed`` with its reason."""
     units: list[ScoreUnit] = []
     state: dict[str, RowScores] = {}
     for r in rows:
@@ -232,6 +235,7 @@ def score_units(rows: list[PromptRow], tokenizer, malformed: list[MalformedRow] 
                      for c in r.continuations]
         try:
             row_units = build_units(r.request_id, ids, conts)
+            check_unit_context(row_units, max_context_tokens)
         except ValueError as exc:
             if malformed is not None:
                 malformed.append(MalformedRow(r.line, f"id {r.request_id!r}: {exc}"))
@@ -239,6 +243,21 @@ def score_units(rows: list[PromptRow], tokenizer, malformed: list[MalformedRow] 
         units += row_units
         state[r.request_id] = RowScores(r.request_id, len(ids), len(row_units))
     return units, state
+
+
+def check_unit_context(units: list[ScoreUnit], max_context_tokens: int | None) -> None:
+    """Refuse a row whose longest unit exceeds the model's max context (``None``: not checked).
+
+    Raises:
+        ValueError: naming the unit (prompt, or prompt + continuation ``i``), its length and the limit.
+    """
+    if max_context_tokens is None:
+        return
+    for u in units:
+        if len(u.token_ids) > max_context_tokens:
+            what = "prompt" if u.choice is None else f"prompt + continuation {u.choice}"
+            raise ValueError(f"{what}: {len(u.token_ids)} tokens {CONTEXT_REFUSAL} of {max_context_tokens} "
+                             f"tokens; expected at most {max_context_tokens}")
 
 
 def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
@@ -273,7 +292,7 @@ def run_score_job(gear: Gear, rows: list[PromptRow], sink: ResultSink, *,
     done = sink.done_ids()
     todo = [r for r in rows if r.request_id not in done]
     tok = ckpt.tokenizer()
-    units, state = score_units(todo, tok, malformed)
+    units, state = score_units(todo, tok, malformed, ckpt.max_context_tokens)
     report = ScoreReport(rows=len(rows), malformed=malformed, skipped_done=len(rows) - len(todo),
                          submitted=len(state), units=len(units))
     if not units:

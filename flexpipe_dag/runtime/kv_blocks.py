@@ -5,7 +5,7 @@ of blocks (:mod:`flexpipe_dag.runtime.kv_cache`), so one block table addresses t
 every stage (vLLM's design: the scheduler's KV manager decides, workers only read/write slots).
 
 Admission reserves the worst case of a sequence (prompt + max new tokens - 1: the last sampled
-token is never written; :func:`~flexpipe_dag.runtime.scheduler.kv_tokens_needed`) so a running
+token is never written; :func:`~flexpipe_dag.core.kv.kv_tokens_needed`) so a running
 sequence never needs preemption; physical blocks are taken from that reservation as tokens are appended
 and all of them return to the free list when the sequence finishes.
 """

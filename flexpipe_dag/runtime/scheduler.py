@@ -10,7 +10,7 @@ its next token depends on the previous one.
 Policy:
 
 * admission in priority order (``priority`` 0 = online first, larger = offline), then arrival;
-  a request is admitted when its lane of the KV pool can reserve :func:`kv_tokens_needed` tokens
+  a request is admitted when its lane of the KV pool can reserve :func:`~flexpipe_dag.core.kv.kv_tokens_needed` tokens
   (``prompt + max_new_tokens - 1``: the last sampled token is returned, never fed back, so its K/V
   is never written) and the running set is below ``micro_batch_size x max_inflight_micro_batches``;
   the head of the queue is never overtaken, so a large online request is not starved;
@@ -18,7 +18,7 @@ Policy:
   then newly admitted ones (whole-prompt prefill) while ``max_tokens_per_micro_batch`` allows
   (a lone prefill larger than the budget still runs alone);
 * a request whose prompt + ``max_new_tokens`` exceed the model's max context
-  (:class:`ContextLengthError`), or whose :func:`kv_tokens_needed` could never fit one lane of the
+  (:class:`ContextLengthError`), or whose :func:`~flexpipe_dag.core.kv.kv_tokens_needed` could never fit one lane of the
   pool (:class:`~flexpipe_dag.runtime.kv_blocks.KVCapacityError`, naming the binding lane, stage and
   replica), is refused at :meth:`Scheduler.add_request`.
 """
@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.kv import kv_tokens_needed
 from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
 from flexpipe_dag.runtime.lanes import lane_limit_text
 
@@ -41,20 +42,6 @@ class ContextLengthError(ValueError):
 
 #: Words every context refusal's message holds (how a report tells them from other refusals).
 CONTEXT_REFUSAL = "exceed the model's max context"
-
-
-def kv_tokens_needed(prompt_tokens: int, max_new_tokens: int) -> int:
-    """KV-cache tokens a request can ever hold: ``prompt_tokens + max_new_tokens - 1``.
-
-    The prompt's tokens and every generated token but the last are fed through the model (their keys
-    and values written to the pool); the last sampled token is returned and the sequence ends, so it
-    is never written. Reservation, admission and refusal all use this one figure.
-
-    Args:
-        prompt_tokens: the prompt's length, >= 1.
-        max_new_tokens: the most tokens the request generates, >= 1.
-    """
-    return prompt_tokens + max_new_tokens - 1
 
 
 #: Priority of online (latency-critical) requests; offline batch work uses larger numbers.
@@ -88,7 +75,7 @@ class Request:
 
     @property
     def kv_tokens(self) -> int:
-        """KV-cache tokens this request can ever hold (:func:`kv_tokens_needed`)."""
+        """KV-cache tokens this request can ever hold (:func:`~flexpipe_dag.core.kv.kv_tokens_needed`)."""
         return kv_tokens_needed(len(self.prompt_token_ids), self.max_new_tokens)
 
 
@@ -213,7 +200,7 @@ class Scheduler:
 
         Raises:
             ContextLengthError: prompt + max_new_tokens exceed the model's max context.
-            KVCapacityError: the request's :func:`kv_tokens_needed` exceed one lane of the KV pool
+            KVCapacityError: the request's :func:`~flexpipe_dag.core.kv.kv_tokens_needed` exceed one lane of the KV pool
                 (the whole pool without stage replicas); the message names the binding limit.
             InputError: the request id is already queued or running.
         """

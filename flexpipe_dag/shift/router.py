@@ -49,7 +49,7 @@ class ServingRouter:
     Args:
         on_result: ``RequestOutput -> None``, called once per caller request (in a pump thread).
         on_refused: ``(request_id, reason) -> None`` for requests no pipeline will serve (e.g.
-            prompt + ``max_new_tokens`` larger than the KV pool).
+            prompt + ``max_new_tokens`` - 1 KV tokens more than one lane of the KV pool holds).
         on_metrics: ``MetricSample -> None``, every live pipeline's samples (``gear_id`` tells which).
 
     Attributes:

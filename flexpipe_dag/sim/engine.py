@@ -45,6 +45,7 @@ from typing import TypedDict, cast
 import numpy as np
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.kv import kv_tokens_needed
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.core.timing import StageTimingModel
@@ -565,7 +566,7 @@ class Simulator:
             admitted = False
             while waiting and len(seqs) < pipe.micro_batch_size:
                 s = waiting[0][1]
-                if bounded and pipe.blocks_for(s.inp + s.out) > pipe.total_blocks:
+                if bounded and pipe.blocks_for(kv_tokens_needed(s.inp, s.out)) > pipe.total_blocks:
                     heapq.heappop(waiting)  # could never finish on this gear's KV pool
                     s.rejected, s.reason = True, "kv_capacity"
                     s.gear_id = pipe.gear_id

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.kv import kv_tokens_needed
 from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
 from flexpipe_dag.runtime.lanes import lane_limit_text
-from flexpipe_dag.core.kv import kv_tokens_needed
 from flexpipe_dag.runtime.scheduler import ContextLengthError, Request, Scheduler
 
 

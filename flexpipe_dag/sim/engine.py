@@ -45,8 +45,8 @@ from typing import TypedDict, cast
 import numpy as np
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.kv import kv_tokens_needed
 from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.kv import kv_tokens_needed
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig

@@ -22,6 +22,7 @@ from flexpipe_dag.core.status import (
     SampleSource,
     ShiftEventAction,
     ShiftEventStatus,
+    PipelineRunKind,
     checked,
     column_comment,
 )
@@ -37,6 +38,7 @@ ENUM_COLUMNS = [
     (m.RequestResult.__table__.c.status, RequestResultStatus),
     (m.HealthTag.__table__.c.failure, HealthFailure),
     (m.MetricSampleRow.__table__.c.source, SampleSource),
+    (m.PipelineRun.__table__.c.kind, PipelineRunKind),
 ]
 
 
@@ -164,7 +166,8 @@ def test_terminal_shift_statuses_come_from_the_enum():
     from flexpipe_dag.jobs.gear_shift import TERMINAL_SHIFT_STATUSES as job_terminal
 
     assert job_terminal is TERMINAL_SHIFT_STATUSES
-    assert set(job_terminal) == {ShiftEventStatus.DONE, ShiftEventStatus.ROLLED_BACK, ShiftEventStatus.FAILED}
+    assert set(job_terminal) == {ShiftEventStatus.DONE, ShiftEventStatus.ROLLED_BACK, ShiftEventStatus.FAILED,
+                                 ShiftEventStatus.EXPIRED}
     assert "rolled_back" in job_terminal and "requested" not in job_terminal  # plain strings compare equal
 
 

@@ -150,7 +150,7 @@ class MetricSamples(StoreBase):
             if not heads:
                 return []
             stage_rows = s.execute(select(*table).where(table.scope == "stage", table.parent_id >= heads[0].id,
-                                                        table.parent_id <= heads[-1].id).order_by(table.id))
+                                                        table.parent_id <= heads[-1].id).order_by(table.id)).all()
             wanted = {h.id for h in heads}
             stages: dict[int, list[StageSample]] = {}
             for r in stage_rows:

@@ -183,8 +183,7 @@ class ShiftEvents(StoreBase):
                 q = q.where(m.ShiftEvent.id == event_id)
             expired = []
             for ev in s.scalars(q):
-                deadline = as_utc(ev.expires_at)
-                if deadline > now:
+                if ev.expires_at is None or (deadline := as_utc(ev.expires_at)) > now:
                     continue
                 ev.status = ShiftEventStatus.EXPIRED.value
                 ev.details = {**ev.details, "error": f"no live serving run took the shift by its deadline "

@@ -151,8 +151,9 @@ def test_migrated_comments_name_every_value(engine):
 
     def comments():
         insp = inspect(engine)
+        tables = set(insp.get_table_names())  # a downgrade drops the tables later revisions made
         return {(c.table.name, c.name): next(col["comment"] for col in insp.get_columns(c.table.name)
-                                             if col["name"] == c.name) for c, _ in ENUM_COLUMNS}
+                                             if col["name"] == c.name) for c, _ in ENUM_COLUMNS if c.table.name in tables}
 
     assert comments() == {(c.table.name, c.name): column_comment(enum) for c, enum in ENUM_COLUMNS}
     downgrade(engine, "0005")

@@ -9,7 +9,7 @@ tide sensor pauses a running job by setting its status to ``paused``: the job st
 from dagster import Config, Failure, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
-from flexpipe_dag.core.status import HealthFailure, InferenceJobKind, InferenceJobStatus
+from flexpipe_dag.core.status import HealthFailure, InferenceJobKind, InferenceJobStatus, PipelineRunKind
 from flexpipe_dag.resources.store_resource import StoreResource
 
 #: Requests submitted per chunk; a pause takes effect between chunks.
@@ -108,9 +108,12 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
                                                          control_address=config.control_address or None,
                                                          truncate_context=config.truncate_context,
                                                          secret=head_secret.secret if head_secret else None))
+    # its samples go under its run id: registered as a batch job, they never trigger a gear shift
+    db.heartbeat_pipeline_run(context.run_id, PipelineRunKind.BATCH, gear.gear_id)
     try:
         return _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret)
     finally:
+        db.end_pipeline_run(context.run_id)
         if head_secret is not None:  # a secret file this run generated goes with it
             head_secret.discard()
 

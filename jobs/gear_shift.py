@@ -4,9 +4,11 @@ The live pipeline and Dagster meet in the SQL store. The pipeline writes metric 
 (or the serve loop, calling the same service itself) runs
 :func:`flexpipe_dag.control.service.evaluate_gear_shift`, which asks the pure controller and records
 every decision taken or declined with its reason as a shift event; the sensor launches a
-``gear_shift`` run for a shift. That run marks the event ``requested``; the process serving the
-pipeline applies it (warm-up, drain, switch, rollback) and marks it ``done``, ``rolled_back`` or
-``failed``; the run waits for that.
+``gear_shift`` run for a shift. That run marks the event ``requested``, addressed to the serving run
+the decision was taken on and with a pickup deadline; that serving run takes it (``applying``),
+applies it (warm-up, drain, switch, rollback) and marks it ``done``, ``rolled_back`` or ``failed``;
+the run waits for that. A request no serving run took in time ``expired``. A re-executed or retried
+run of an event already finished changes nothing and says so.
 """
 
 import time
@@ -23,9 +25,10 @@ from dagster import (
     op,
     sensor,
 )
+from pydantic import Field
 
 from flexpipe_dag.control.service import evaluate_gear_shift
-from flexpipe_dag.core.status import TERMINAL_SHIFT_STATUSES
+from flexpipe_dag.core.status import TERMINAL_SHIFT_STATUSES, ShiftEventAction, ShiftEventStatus
 from flexpipe_dag.jobs.sensor_settings import SENSOR_INTERVAL_S
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
@@ -40,32 +43,77 @@ class GearShiftConfig(Config):
     trigger: str = "manual"
     event_id: int = 0
     timeout_s: float = 600.0
+    pickup_deadline_s: float = Field(
+        default=120.0, gt=0, description="the serving run must take the request within this many seconds, else it "
+                                         "expires (a later serving run never applies it)")
+    run_key: str = Field(default="", description="the serving run to shift; \"\" = the live serving run that wrote "
+                                                 "the newest metric sample (a shift by hand)")
 
 
-@op(description="Ask the live pipeline to shift gears and wait until it has (done, rolled back or failed).",
+def _event_for(context: OpExecutionContext, config: GearShiftConfig, db) -> int:
+    """The shift event this run applies: the sensor's (``event_id``), else one recorded for a shift by hand, keyed
+    by the run's root run id so a re-execution finds the same event.
+
+    Raises:
+        Failure: a shift by hand with no live serving run to address it to.
+    """
+    if config.event_id:
+        return config.event_id
+    target = config.run_key or db.latest_shiftable_run_key()
+    if target is None:
+        raise Failure("no live serving run to shift: no run that has not ended writes metric samples (start a "
+                      "serve run, or name one with run_key)")
+    root_run_id = context.run.root_run_id or context.run_id
+    return db.record_shift_event("shift", ShiftEventStatus.DECIDED, config.reason,
+                                 from_gear_key=config.from_gear_id or None, to_gear_key=config.to_gear_id,
+                                 trigger=config.trigger, run_key=target, decision_key=f"manual:{root_run_id}")
+
+
+@op(description="Ask the live pipeline to shift gears and wait until it has (done, rolled back, failed or expired).",
     tags={"kind": "control"})
 def apply_gear_shift(context: OpExecutionContext, config: GearShiftConfig, store: StoreResource) -> dict:
+    """Request the shift from the serving run it is addressed to, then wait for the outcome.
+
+    Idempotent: an event that is already terminal (a re-executed run, a retried one) is left as it is,
+    its stored ``dagster_run_id`` included, and the run succeeds saying so; one that another run already
+    requested is waited for, not requested again.
+    """
     db = store.get_store()
-    event_id = config.event_id or db.record_shift_event(
-        "shift", "decided", config.reason, from_gear_key=config.from_gear_id or None,
-        to_gear_key=config.to_gear_id, trigger=config.trigger)
-    db.update_shift_event(event_id, "requested", {"dagster_run_id": context.run_id})
-    context.log.info(f"shift event {event_id}: requested {config.from_gear_id or '?'} -> {config.to_gear_id} "
-                     f"({config.reason})")
+    event_id = _event_for(context, config, db)
+    ev = db.get_shift_event(event_id)
+    if ev.action != ShiftEventAction.SHIFT:
+        raise Failure(f"shift event {event_id} is a {ev.status} {ev.action}, not a shift to apply")
+    if ev.status in TERMINAL_SHIFT_STATUSES:
+        note = (f"shift event {event_id} is already {ev.status} (requested by run "
+                f"{ev.details.get('dagster_run_id') or '?'}): nothing to do, the event is left as it is")
+        context.log.info(note)
+        context.add_output_metadata({"event_id": event_id, "status": ev.status, "noop": True, "note": note})
+        return {"event_id": event_id, "status": ev.status, "noop": True, "note": note}
+    if ev.status == ShiftEventStatus.DECIDED:
+        target = ev.run_key or config.run_key or db.latest_shiftable_run_key()
+        if target is None:
+            db.update_shift_event(event_id, ShiftEventStatus.FAILED, {"error": "no live serving run to address it to"})
+            raise Failure(f"shift event {event_id}: no live serving run to shift")
+        _, ev = db.request_shift(event_id, target, config.pickup_deadline_s, {"dagster_run_id": context.run_id})
+        context.log.info(f"shift event {event_id}: requested {ev.from_gear_key or '?'} -> {ev.to_gear_key} of serving "
+                         f"run {ev.run_key}, to be taken within {config.pickup_deadline_s:.0f} s ({ev.reason})")
+    else:
+        context.log.info(f"shift event {event_id} is already {ev.status} (run {ev.details.get('dagster_run_id') or '?'}"
+                         "): waiting for its outcome without asking again")
     deadline = time.monotonic() + config.timeout_s
-    while time.monotonic() < deadline:
+    while True:
+        db.expire_shift_requests(event_id)
         ev = db.get_shift_event(event_id)
         if ev.status in TERMINAL_SHIFT_STATUSES:
             break
+        if time.monotonic() >= deadline:
+            raise Failure(f"shift event {event_id}: still {ev.status} after {config.timeout_s:.0f} s (is a serve run "
+                          f"or `flexpipe serve` running against this store as run {ev.run_key}?)")
         time.sleep(1.0)
-    else:
-        db.update_shift_event(event_id, "failed", {"error": f"no live pipeline applied it within {config.timeout_s:.0f} s"})
-        raise Failure(f"shift event {event_id}: no live pipeline applied the shift within {config.timeout_s:.0f} s "
-                      "(is a serve run or `flexpipe serve` running against this store?)")
-    context.log.info(f"shift event {event_id}: {ev.status}: {ev.details.get('outcome', '')}")
-    if ev.status != "done":
-        raise Failure(f"shift event {event_id} {ev.status}: {ev.details.get('outcome') or ev.details.get('error')}",
-                      metadata={"event_id": event_id})
+    outcome = ev.details.get("outcome") or ev.details.get("error") or ""
+    context.log.info(f"shift event {event_id}: {ev.status}: {outcome}")
+    if ev.status != ShiftEventStatus.DONE:
+        raise Failure(f"shift event {event_id} {ev.status}: {outcome}", metadata={"event_id": event_id})
     return {"event_id": event_id, "status": ev.status}
 
 
@@ -80,7 +128,10 @@ def gear_shift():
 def gear_shift_sensor(context: SensorEvaluationContext, store: StoreResource, control: ControlSettings):
     """A ``gear_shift`` run request for a shift (deterministic run key, so a retried tick launches one run), else a
     skip with the controller's reason."""
-    ev = evaluate_gear_shift(store.get_store(), context.cursor, control.resolved())
+    db = store.get_store()
+    for event_id in db.expire_shift_requests():  # requests of runs that died waiting
+        context.log.info(f"shift event {event_id} expired: no live serving run took it by its deadline")
+    ev = evaluate_gear_shift(db, context.cursor, control.resolved())
     context.update_cursor(ev.cursor)
     if ev.run_key is None:
         return SkipReason(ev.summary)

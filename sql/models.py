@@ -6,7 +6,8 @@ convention so Alembic migrations are stable on both. ``*_key`` columns hold the 
 columns hold the values of the enums in :mod:`flexpipe_dag.core.status`; their comments list them.
 
 Tables: clusters, profile_versions, devices, links, models, gears, gear_stages, health_tags,
-metric_samples, shift_events, inference_jobs, request_results, stage_observations, calibrations.
+metric_samples, pipeline_runs, shift_events, inference_jobs, request_results, stage_observations,
+calibrations.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flexpipe_dag.core.status import (
     HealthFailure,
     InferenceJobKind,
     InferenceJobStatus,
+    PipelineRunKind,
     RequestResultStatus,
     SampleSource,
     ShiftEventAction,
@@ -51,6 +53,11 @@ NAMING_CONVENTION = {
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def as_utc(when: dt.datetime) -> dt.datetime:
+    """``when`` with its time zone: a naive datetime (SQLite gives ``DateTime(timezone=True)`` back naive) is UTC."""
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
 class Base(DeclarativeBase):
@@ -230,6 +237,24 @@ class ShiftEvent(Base):
     migration_cost_s: Mapped[float | None] = mapped_column(Float)
     run_key: Mapped[str | None] = mapped_column(String(200))
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    decision_key: Mapped[str | None] = mapped_column(
+        String(200), unique=True, comment="the decision's deterministic key (a shift's gear_shift run key): one "
+                                          "decision, one row, whatever the retries; NULL: an event without one")
+    expires_at: Mapped[dt.datetime | None] = mapped_column(
+        comment="a requested shift that no live serving run took by then expires; NULL: no deadline")
+
+
+class PipelineRun(Base):
+    """A run that writes metric samples (serving run or batch job): whether it is live, and since when."""
+
+    __tablename__ = "pipeline_runs"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_key: Mapped[str] = mapped_column(String(200), unique=True, comment="metric_samples.run_key of its samples")
+    kind: Mapped[str] = mapped_column(String(20), comment=column_comment(PipelineRunKind))
+    gear_key: Mapped[str | None] = mapped_column(String(200), comment="the gear serving at the last heartbeat")
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(comment="NULL while the run is live")
 
 
 class InferenceJob(Base):

@@ -17,9 +17,10 @@ from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, che
 _T = TypeVar("_T")
 
 
-def _held(row: m.MetricSampleRow, column: str, value: _T | None) -> _T:
-    """``value`` of a column every row of ``row``'s scope holds (:meth:`MetricSamples.write_samples` always sets
-    it; the columns are nullable only because the other scope leaves them empty).
+def _held(row: Any, column: str, value: _T | None) -> _T:
+    """``value`` of a column every row of ``row``'s scope holds (``row``: a ``metric_samples`` row, with its ``id``
+    and ``scope``; :meth:`MetricSamples.write_samples` always sets the column; it is nullable only because the
+    other scope leaves it empty).
 
     Raises:
         InputError: the column is NULL (a row written by something else); the row and column are named.
@@ -132,25 +133,31 @@ class MetricSamples(StoreBase):
         Raises:
             InputError: a row lacks a value its scope always holds (row and column named).
         """
+        table = m.MetricSampleRow.__table__.c
         with self.session() as s:
-            q = select(m.MetricSampleRow).where(m.MetricSampleRow.scope == "pipeline")
+            # plain rows, not ORM objects: a sensor reading a day's backlog builds 40,000+ samples
+            q = select(*table).where(table.scope == "pipeline")
             if run_key is not None:
-                q = q.where(m.MetricSampleRow.run_key == run_key)
+                q = q.where(table.run_key == run_key)
             if after_t_s is not None:
-                q = q.where(m.MetricSampleRow.t_s > after_t_s)
+                q = q.where(table.t_s > after_t_s)
             if after_id is not None:
-                q = q.where(m.MetricSampleRow.id > after_id)
-            q = q.order_by(m.MetricSampleRow.id)
+                q = q.where(table.id > after_id)
+            q = q.order_by(table.id)
             if limit is not None:
                 q = q.limit(limit)
-            heads = list(s.scalars(q))
+            heads = s.execute(q).all()
             if not heads:
                 return []
-            stage_rows = s.scalars(select(m.MetricSampleRow).where(
-                m.MetricSampleRow.parent_id.in_([h.id for h in heads])).order_by(m.MetricSampleRow.id))
+            stage_rows = s.execute(select(*table).where(table.scope == "stage", table.parent_id >= heads[0].id,
+                                                        table.parent_id <= heads[-1].id).order_by(table.id)).all()
+            wanted = {h.id for h in heads}
             stages: dict[int, list[StageSample]] = {}
             for r in stage_rows:
-                stages.setdefault(_held(r, "parent_id", r.parent_id), []).append(StageSample(
+                parent = _held(r, "parent_id", r.parent_id)
+                if parent not in wanted:  # a stage row of another run's sample in the same id range
+                    continue
+                stages.setdefault(parent, []).append(StageSample(
                     stage_index=_held(r, "stage_index", r.stage_index),
                     busy_fraction=_held(r, "busy_fraction", r.busy_fraction),
                     queue_length=_held(r, "queue_length", r.queue_length),

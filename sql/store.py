@@ -15,6 +15,7 @@ shared session helper (:mod:`sql.session`):
 :mod:`sql.gears`       model profiles and planned gears (:class:`~sql.gears.Gears`)
 :mod:`sql.health`      health tags (:class:`~sql.health.HealthTags`)
 :mod:`sql.samples`     metric samples (:class:`~sql.samples.MetricSamples`)
+:mod:`sql.pipeline_runs`  which sample-writing runs are live (:class:`~sql.pipeline_runs.PipelineRuns`)
 :mod:`sql.shift_events`  shift events, the gear_shift job's channel to the serving process
                        (:class:`~sql.shift_events.ShiftEvents`)
 :mod:`sql.jobs`        inference jobs and request results (:class:`~sql.jobs.InferenceJobs`)
@@ -32,6 +33,7 @@ from flexpipe_dag.sql.gears import Gears, spec_hash
 from flexpipe_dag.sql.health import HealthTags
 from flexpipe_dag.sql.jobs import InferenceJobs
 from flexpipe_dag.sql.observations import Observations
+from flexpipe_dag.sql.pipeline_runs import PipelineRuns
 from flexpipe_dag.sql.profiles import Profiles, ProfileVersionInfo
 from flexpipe_dag.sql.samples import MetricSamples
 from flexpipe_dag.sql.schema import current_revision, downgrade, head_revisions, migrate, repair, require_current
@@ -41,11 +43,12 @@ __all__ = ["ProfileVersionInfo", "Store", "alembic_config", "check_store_url", "
            "head_revisions", "make_engine", "migrate", "repair", "require_current", "shown_url", "spec_hash"]
 
 
-class Store(Profiles, Gears, HealthTags, MetricSamples, ShiftEvents, InferenceJobs, Observations):
+class Store(Profiles, Gears, HealthTags, MetricSamples, PipelineRuns, ShiftEvents, InferenceJobs, Observations):
     """Typed access to the FlexPipe store: every concern class over one engine and one session factory.
 
     Profiles (:class:`~sql.profiles.Profiles`), models and gears (:class:`~sql.gears.Gears`), health
-    tags (:class:`~sql.health.HealthTags`), metric samples (:class:`~sql.samples.MetricSamples`), shift
+    tags (:class:`~sql.health.HealthTags`), metric samples (:class:`~sql.samples.MetricSamples`), the
+    liveness of the runs writing them (:class:`~sql.pipeline_runs.PipelineRuns`), shift
     events (:class:`~sql.shift_events.ShiftEvents`), inference jobs and request results
     (:class:`~sql.jobs.InferenceJobs`), stage observations and calibrations
     (:class:`~sql.observations.Observations`); see each for its tables and errors.

@@ -59,9 +59,23 @@ class MemoryStore:
     def latest_sample_run_key(self):
         return self.samples[-1][1] if self.samples else None
 
-    def read_samples(self, *, run_key=None, after_id=None):
-        return [(i, s) for i, rk, s in self.samples
+    def latest_shiftable_run_key(self):  # every run here is a live serving run
+        return self.latest_sample_run_key()
+
+    def pipeline_liveness(self, run_key):
+        import time
+
+        from flexpipe_dag.core.liveness import PipelineLiveness
+
+        mine = [(i, s) for i, rk, s in self.samples if rk == run_key]
+        return PipelineLiveness(run_key, newest_sample_id=mine[-1][0] if mine else None,
+                                newest_sample_t_s=mine[-1][1].t_s if mine else None,
+                                newest_sample_written_s=time.time() if mine else None)
+
+    def read_samples(self, *, run_key=None, after_id=None, limit=None):
+        rows = [(i, s) for i, rk, s in self.samples
                 if (run_key is None or rk == run_key) and (after_id is None or i > after_id)]
+        return rows[:limit] if limit is not None else rows
 
     def list_profile_versions(self):
         return [SimpleNamespace(id=1)]

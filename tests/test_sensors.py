@@ -134,8 +134,12 @@ def test_gear_shift_run_waits_for_the_live_pipeline(store_res):
     db = store_res.get_store()
     applied = []
 
+    db.write_samples("live", _samples("latency-1s", [2.0]))  # the live serving run a shift by hand is addressed to
+
     def live_pipeline():  # the serving process's side of the protocol
-        ev = wait_until(db.pending_shift_requests, 20, "the gear_shift run to post its shift request", interval_s=0.1)[0]
+        ev = wait_until(lambda: db.pending_shift_requests("live"), 20, "the gear_shift run to post its shift request",
+                        interval_s=0.1)[0]
+        assert db.claim_shift_request(ev.id, "live")
         applied.append(ev.to_gear_key)
         db.update_shift_event(ev.id, "done", {"outcome": "switched"})
 
@@ -153,9 +157,16 @@ def test_gear_shift_run_fails_clearly_without_a_live_pipeline(store_res):
     result = gear_shift.execute_in_process(
         run_config={"ops": {"apply_gear_shift": {"config": {"to_gear_id": "throughput-2s", "timeout_s": 1.5}}}},
         resources={"store": store_res}, raise_on_error=False)
+    assert not result.success and not store_res.get_store().shift_events()  # nothing to address it to
+    # a serving run that never takes the request: it expires at its deadline
+    store_res.get_store().write_samples("live", _samples("latency-1s", [2.0]))
+    result = gear_shift.execute_in_process(
+        run_config={"ops": {"apply_gear_shift": {"config": {"to_gear_id": "throughput-2s", "timeout_s": 10,
+                                                            "pickup_deadline_s": 1.0}}}},
+        resources={"store": store_res}, raise_on_error=False)
     assert not result.success
     ev = store_res.get_store().shift_events()[-1]
-    assert ev.status == "failed" and "no live pipeline" in ev.details["error"]
+    assert ev.status == "expired" and "no live serving run took the shift by its deadline" in ev.details["error"]
 
 
 def test_tide_admits_in_trough_and_sensor_pauses_on_rise(store_res):

@@ -155,6 +155,18 @@ class ControllerConfig(Figures):
     shift_timeout_s: PositiveFloat = Field(
         300.0, description="a shift not seen in the samples after this long is taken as failed/rolled back")
 
+    # live pipeline and sensor evaluations --------------------------------------------------------
+    sample_freshness_s: PositiveFloat = Field(
+        120.0, description="no shift is taken on samples whose newest was written (wall clock) more than this long "
+                           "ago, nor on a serving run whose last heartbeat is older: the pipeline they describe is "
+                           "not live; the seed is four of the sensors' 30-s evaluation intervals")
+    evaluation_page_samples: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+        5000, description="metric samples one read of an evaluation takes (a page); a backlog is read page by page")
+    evaluation_budget_s: PositiveFloat = Field(
+        2.0, description="an evaluation stops reading pages after this long and keeps its place in the cursor (the "
+                         "next evaluation goes on): a sensor evaluation stays well inside hosted deployments' limits; "
+                         "decisions wait until the backlog is read, so they are those of one pass over it")
+
     @model_validator(mode="before")
     @classmethod
     def _one_name_for_the_rate_alpha(cls, data: object) -> object:

@@ -198,11 +198,43 @@ class Controller:
         return state.last_shift_s is not None and t_s - state.last_shift_s < self.config.dwell_s
 
     # ------------------------------------------------------------------------------------------
+    def observe(self, state: ControllerState | None, samples: Iterable[MetricSample], gears: Sequence[Gear], *,
+                unhealthy: set[str] | frozenset[str] = frozenset(),
+                migration_cost_s: MigrationCostFn | None = None,
+                forecast: ForecastFn | None = None,
+                raised_by: str | None = None) -> tuple[ControllerState, str | None]:
+        """Consume new samples without deciding: the first half of :meth:`decide` (same arguments).
+
+        Feeding a backlog page by page through ``observe`` (each call given the previous state and
+        ``raised_by``), then the last page through :meth:`decide` with them, gives exactly the state and
+        decision of one :meth:`decide` over the whole backlog.
+
+        Returns:
+            ``(new_state, the trigger that last raised the dwell threshold, else raised_by)``.
+
+        Raises:
+            InputError: duplicate gear ids, or a sample names a gear not among ``gears``.
+        """
+        st = (state or ControllerState()).model_copy(deep=True)
+        by_id = self._index(gears)
+        unhealthy = frozenset(unhealthy)
+        cost_fn = migration_cost_s  # None: the config's default_migration_cost_s, said "not estimated" in reasons
+        for sample in sorted(samples, key=lambda s: s.t_s):
+            if st.last_sample_t_s is not None and sample.t_s <= st.last_sample_t_s:
+                continue
+            if sample.gear_id not in by_id:
+                raise InputError("metric samples", "gear_id",
+                                 f"sample at t_s={sample.t_s} names gear {sample.gear_id!r}, which is not among "
+                                 f"the gears passed ({', '.join(sorted(by_id))})")
+            raised_by = self._observe(st, sample, by_id, unhealthy, cost_fn, forecast) or raised_by
+        return st, raised_by
+
     def decide(self, state: ControllerState | None, samples: Iterable[MetricSample], gears: Sequence[Gear], *,
                unhealthy: set[str] | frozenset[str] = frozenset(),
                migration_cost_s: MigrationCostFn | None = None,
                now_s: float | None = None,
-               forecast: ForecastFn | None = None) -> tuple[ControllerState, Decision]:
+               forecast: ForecastFn | None = None,
+               raised_by: str | None = None) -> tuple[ControllerState, Decision]:
         """Consume new samples and decide whether to shift.
 
         Args:
@@ -217,6 +249,7 @@ class Controller:
             now_s: decision time on the samples' clock; None = the newest sample's ``t_s``.
             forecast: load forecast ``(t_s, rps, horizon_s) -> req/s`` (see :data:`ForecastFn`),
                 asked at every sample with the smoothed request rate and ``forecast_horizon_s``; None = none.
+            raised_by: what :meth:`observe` returned for earlier pages of the same backlog (None = none).
 
         Returns:
             ``(new_state, decision)``. On ``"shift"`` the caller runs the shift; the controller
@@ -227,21 +260,11 @@ class Controller:
                 forecast that raises or returns anything but a finite rate >= 0 does not stop the
                 controller: it decides without the forecast and says so in the reason.
         """
-        st = (state or ControllerState()).model_copy(deep=True)
+        st, raised_by = self.observe(state, samples, gears, unhealthy=unhealthy, migration_cost_s=migration_cost_s,
+                                     forecast=forecast, raised_by=raised_by)
         by_id = self._index(gears)
         unhealthy = frozenset(unhealthy)
         cost_fn = migration_cost_s  # None: the config's default_migration_cost_s, said "not estimated" in reasons
-
-        raised_by: str | None = None
-        for sample in sorted(samples, key=lambda s: s.t_s):
-            if st.last_sample_t_s is not None and sample.t_s <= st.last_sample_t_s:
-                continue
-            if sample.gear_id not in by_id:
-                raise InputError("metric samples", "gear_id",
-                                 f"sample at t_s={sample.t_s} names gear {sample.gear_id!r}, which is not among "
-                                 f"the gears passed ({', '.join(sorted(by_id))})")
-            raised_by = self._observe(st, sample, by_id, unhealthy, cost_fn, forecast) or raised_by
-
         now_s = float(now_s if now_s is not None else
                       (st.last_sample_t_s if st.last_sample_t_s is not None else 0.0))
         self._decay_escalation(st, now_s)

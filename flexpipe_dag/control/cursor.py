@@ -9,13 +9,41 @@ functions.
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
-from flexpipe_dag.control.state import ControllerState
+from flexpipe_dag.control.state import TRIGGER_PRIORITY, ControllerState
 from flexpipe_dag.control.tide import TideGate
 from flexpipe_dag.core.errors import InputError
+
+
+class GearShiftCursor(NamedTuple):
+    """The gear-shift cursor's fields (see :func:`make_cursor`)."""
+
+    state: ControllerState | None
+    last_sample_id: int | None
+    run_key: str | None
+    raised_by: str | None = None
+
+
+def read_gear_shift_cursor(cursor: str | None) -> GearShiftCursor:
+    """Every field of a cursor :func:`make_cursor` wrote (all None when empty).
+
+    Raises:
+        InputError: the cursor is not one :func:`make_cursor` wrote (named "gear_shift_sensor cursor").
+    """
+    if not cursor:
+        return GearShiftCursor(None, None, None)
+    try:
+        doc = json.loads(cursor)
+        state = ControllerState.from_cursor(doc["controller"]) if doc.get("controller") else None
+        raised_by = doc.get("raised_by")
+        if raised_by is not None and raised_by not in TRIGGER_PRIORITY:
+            raise ValueError(f"raised_by {raised_by!r} is not a trigger")
+        return GearShiftCursor(state, doc.get("last_sample_id"), doc.get("run_key"), raised_by)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InputError("gear_shift_sensor cursor", None, f"cannot parse: {exc}") from None
 
 
 def parse_cursor(cursor: str | None) -> tuple[ControllerState | None, int | None, str | None]:
@@ -24,20 +52,23 @@ def parse_cursor(cursor: str | None) -> tuple[ControllerState | None, int | None
     Raises:
         InputError: the cursor is not one :func:`make_cursor` wrote (named "gear_shift_sensor cursor").
     """
-    if not cursor:
-        return None, None, None
-    try:
-        doc = json.loads(cursor)
-        state = ControllerState.from_cursor(doc["controller"]) if doc.get("controller") else None
-        return state, doc.get("last_sample_id"), doc.get("run_key")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InputError("gear_shift_sensor cursor", None, f"cannot parse: {exc}") from None
+    state, last_id, run_key, _ = read_gear_shift_cursor(cursor)
+    return state, last_id, run_key
 
 
-def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_key: str | None = None) -> str:
-    """The cursor :func:`parse_cursor` reads back: sorted-key JSON of the state, the row id and the run key."""
-    return json.dumps({"controller": state.to_cursor() if state else None, "last_sample_id": last_sample_id,
-                       "run_key": run_key}, sort_keys=True)
+def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_key: str | None = None,
+                raised_by: str | None = None) -> str:
+    """The cursor :func:`parse_cursor` reads back: sorted-key JSON of the state, the row id and the run key.
+
+    ``raised_by`` (written only when set) is the trigger that raised the dwell threshold in a backlog page
+    read without deciding (:meth:`~flexpipe_dag.control.controller.Controller.observe`), for the decision
+    when the backlog is read.
+    """
+    doc: dict[str, object] = {"controller": state.to_cursor() if state else None, "last_sample_id": last_sample_id,
+                              "run_key": run_key}
+    if raised_by is not None:
+        doc["raised_by"] = raised_by
+    return json.dumps(doc, sort_keys=True)
 
 
 class TideCursor(BaseModel):

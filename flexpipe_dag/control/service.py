@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from flexpipe_dag.control.controller import Controller
-from flexpipe_dag.control.cursor import TideCursor, make_cursor, parse_cursor
+from flexpipe_dag.control.cursor import TideCursor, make_cursor, read_gear_shift_cursor
 from flexpipe_dag.control.settings import ResolvedControlSettings
-from flexpipe_dag.control.state import Decision
+from flexpipe_dag.control.state import ControllerState, Decision
 from flexpipe_dag.control.tide import (
     TideConfig,
     TideDecision,
@@ -38,6 +38,7 @@ from flexpipe_dag.control.tide import (
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.errors import FlexPipeError
 from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.liveness import PipelineLiveness
 from flexpipe_dag.core.metrics import MetricSample
 
 #: ``forecast(t_s, rps, horizon_s) -> req/s``, what :meth:`Controller.decide` takes as ``forecast``.
@@ -74,8 +75,12 @@ class GearShiftStore(Protocol):
 
     def latest_sample_run_key(self) -> str | None: ...
 
-    def read_samples(self, *, run_key: str | None = None,
-                     after_id: int | None = None) -> list[tuple[int, MetricSample]]: ...
+    def latest_shiftable_run_key(self) -> str | None: ...
+
+    def pipeline_liveness(self, run_key: str) -> PipelineLiveness: ...
+
+    def read_samples(self, *, run_key: str | None = None, after_id: int | None = None,
+                     limit: int | None = None) -> list[tuple[int, MetricSample]]: ...
 
     def list_profile_versions(self) -> Sequence[ProfileVersionRef]: ...
 
@@ -90,7 +95,8 @@ class GearShiftStore(Protocol):
     def record_shift_event(self, action: str, status: str, reason: str, *, from_gear_key: str | None = None,
                            to_gear_key: str | None = None, trigger: str | None = None,
                            est_gain: float | None = None, migration_cost_s: float | None = None,
-                           details: dict[str, Any] | None = None) -> int: ...
+                           run_key: str | None = None, details: dict[str, Any] | None = None,
+                           decision_key: str | None = None) -> int: ...
 
 
 @runtime_checkable
@@ -115,21 +121,27 @@ class ControlStore(GearShiftStore, TideStore, Protocol):
 # -- gear shifting ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ShiftEvaluation:
-    """One evaluation: the decision (None when no new samples), the cursor to keep, the stored event and run key.
+    """One evaluation: the decision (None when no new samples or no live run), the cursor to keep, the stored
+    event and run key.
 
     ``event_id`` is set when the decision was stored (a shift or a declined one); ``run_key`` only
-    for a shift.
+    for a shift. ``note`` says why there is no decision; ``samples_read`` counts the samples this
+    evaluation consumed; ``backlog`` is True when it stopped before the newest sample (its time budget
+    spent: the next evaluation goes on from the cursor).
     """
 
     decision: Decision | None
     cursor: str
     event_id: int | None = None
     run_key: str | None = None
+    note: str | None = None
+    samples_read: int = 0
+    backlog: bool = False
 
     @property
     def summary(self) -> str:
-        """The decision's reason, or "no new metric samples"."""
-        return self.decision.reason if self.decision else "no new metric samples"
+        """The decision's reason, else why there is none ("no new metric samples" by default)."""
+        return self.decision.reason if self.decision else self.note or "no new metric samples"
 
 
 def shift_run_key(decision: Decision) -> str:
@@ -138,6 +150,20 @@ def shift_run_key(decision: Decision) -> str:
     ``gear-shift:<from>-><to>@t<decision time, seconds on the samples' clock, 1 decimal>``.
     """
     return f"gear-shift:{decision.from_gear_id}->{decision.to_gear_id}@t{decision.t_s:.1f}"
+
+
+def decision_key(decision: Decision, followed_run_key: str, run_key_prefix: str = "") -> str:
+    """The stored decision's deterministic key (one decision, one event row, whatever the retries).
+
+    A shift's is its run key: ``run_key_prefix`` + :func:`shift_run_key`, and without a prefix (the
+    sensor) ``@<followed run>`` appended, since the samples' clock restarts with every serving run. A
+    declined decision's is ``declined:<trigger>:<from>-><to>@t<t_s>`` made unique the same way.
+    """
+    if decision.action == "shift":
+        base = shift_run_key(decision)
+    else:
+        base = f"declined:{decision.trigger}:{decision.from_gear_id}->{decision.to_gear_id or '-'}@t{decision.t_s:.1f}"
+    return run_key_prefix + base if run_key_prefix else f"{base}@{followed_run_key}"
 
 
 def _migration_cost(db: GearShiftStore, gears: Sequence[Gear]) -> Callable[[Gear, Gear], float] | None:
@@ -196,54 +222,102 @@ def tide_history_forecast(tide: TideConfig, newest_t_s: float, epoch_s: float | 
                          lambda t_s: tide_time_s(now - (newest_t_s - t_s), compression), compression)
 
 
+def _hold(controller: Controller, state: ControllerState | None, reason: str) -> Decision:
+    """A hold the service takes without asking the controller (backlog, pipeline not live), with its reason."""
+    st = state or ControllerState()
+    return Decision(t_s=st.last_sample_t_s or 0.0, action="hold", from_gear_id=st.gear_id, reason=reason,
+                    required_samples=controller.required_samples(st))
+
+
 def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: ResolvedControlSettings,
                         run_key_prefix: str = "", run_key: str | None = None, forecast: ForecastFn | None = None,
                         epoch_s: float | None = None) -> ShiftEvaluation:
     """Read new samples, ask the controller, store the decision if a trigger fired; see module docstring.
+
+    Bounded in time: samples are read ``controller.evaluation_page_samples`` at a time and folded into
+    the controller's state (:meth:`Controller.observe`); after ``controller.evaluation_budget_s`` the
+    evaluation stops, keeps its place (and the state) in the cursor and holds, saying how far it read.
+    The decision is taken only on the page that reaches the newest sample, so a backlog read over
+    several evaluations gives exactly the state and decision of one pass over it.
+
+    A shift is taken only on a live serving run: the run followed must not have ended, be no batch job,
+    and its newest sample (and heartbeat, when it sends them) must be younger than
+    ``controller.sample_freshness_s``; otherwise the samples are still folded into the state and the
+    decision is a hold that says why.
 
     Args:
         db: the store.
         cursor: what the previous evaluation returned (None / "" = start afresh).
         settings: the resolved controller and tide figures.
         run_key_prefix: put before the shift's run key (the serve loop prefixes its own run key).
-        run_key: the serving run whose samples to follow (default: the run that wrote the newest
-            sample). When the followed run changes, the controller starts afresh.
+        run_key: the serving run whose samples to follow (default: the newest sample's run among those
+            not ended and not batch jobs). When the followed run changes, the controller starts afresh.
         forecast: the controller's load forecast; None with ``forecast_horizon_s`` > 0 in the
-            controller settings uses :func:`tide_history_forecast` (``epoch_s``: now, epoch
-            seconds, for tests).
+            controller settings uses :func:`tide_history_forecast`.
+        epoch_s: now, epoch seconds (default the clock): the forecast's now and the freshness check's.
 
     Returns:
-        The evaluation; a decision is stored (``record_shift_event``, status ``decided`` for a shift,
-        ``declined`` for a declined one) only when a trigger fired.
+        The evaluation; a decision is stored (``record_shift_event`` with its :func:`decision_key`, status
+        ``decided`` for a shift, ``declined`` for a declined one, addressed to the followed run) only when a
+        trigger fired.
 
     Raises:
         InputError: ``cursor`` is not one this service wrote; the tide history cannot be read.
     """
-    state, last_id, followed = parse_cursor(cursor)
-    run_key = run_key or db.latest_sample_run_key()
-    if run_key != followed:
-        state = None
-    rows = db.read_samples(run_key=run_key, after_id=last_id) if run_key else []
-    if not rows:
-        return ShiftEvaluation(None, make_cursor(state, last_id, run_key))
-    samples = [s for _, s in rows]
-    gears = candidate_gears_for(db, [smp.gear_id for smp in samples])
+    state, last_id, followed, raised_by = read_gear_shift_cursor(cursor)
     config = settings.controller
-    if forecast is None and config.forecast_horizon_s > 0:
-        forecast = tide_history_forecast(settings.tide, max(smp.t_s for smp in samples), epoch_s)
-    new_state, decision = Controller(config).decide(
-        state, samples, gears, unhealthy=db.unhealthy_gear_keys(), migration_cost_s=_migration_cost(db, gears),
-        forecast=forecast)
-    cursor = make_cursor(new_state, rows[-1][0], run_key)
-    if decision.action != "shift" and not decision.declined:
-        return ShiftEvaluation(decision, cursor)
-    event_id = db.record_shift_event(
-        decision.action, "decided" if decision.action == "shift" else "declined", decision.reason,
-        from_gear_key=decision.from_gear_id, to_gear_key=decision.to_gear_id, trigger=decision.trigger,
-        est_gain=decision.estimated_gain_fraction, migration_cost_s=decision.migration_cost_s,
-        details=decision.model_dump())
-    run_key = run_key_prefix + shift_run_key(decision) if decision.action == "shift" else None
-    return ShiftEvaluation(decision, cursor, event_id, run_key)
+    controller = Controller(config)
+    now_s = time.time() if epoch_s is None else epoch_s
+    run_key = run_key or db.latest_shiftable_run_key()
+    if run_key is None:
+        newest = db.latest_sample_run_key()
+        why = db.pipeline_liveness(newest).why_not_live(now_s, config.sample_freshness_s) if newest else None
+        return ShiftEvaluation(None, make_cursor(state, last_id, followed, raised_by),
+                               note="no live serving run writes metric samples" + (f" ({why})" if why else ""))
+    if run_key != followed:
+        state, raised_by = None, None
+    live = db.pipeline_liveness(run_key)
+    started_s = time.monotonic()
+    read = 0
+    unhealthy = db.unhealthy_gear_keys()
+    while True:
+        rows = db.read_samples(run_key=run_key, after_id=last_id, limit=config.evaluation_page_samples)
+        if not rows:
+            return ShiftEvaluation(None, make_cursor(state, last_id, run_key, raised_by), samples_read=read)
+        samples = [s for _, s in rows]
+        read += len(rows)
+        last_id = rows[-1][0]
+        gears = candidate_gears_for(db, [smp.gear_id for smp in samples])
+        if forecast is None and config.forecast_horizon_s > 0:
+            forecast = tide_history_forecast(settings.tide, max(live.newest_sample_t_s or samples[-1].t_s,
+                                                                max(smp.t_s for smp in samples)), epoch_s)
+        args: dict[str, Any] = dict(unhealthy=unhealthy, migration_cost_s=_migration_cost(db, gears),
+                                    forecast=forecast, raised_by=raised_by)
+        caught_up = live.newest_sample_id is None or last_id >= live.newest_sample_id
+        why = live.why_not_live(now_s, config.sample_freshness_s) if caught_up else None
+        if not caught_up or why is not None:
+            state, raised_by = controller.observe(state, samples, gears, **args)
+            cursor = make_cursor(state, last_id, run_key, raised_by)
+            if why is not None:
+                return ShiftEvaluation(_hold(controller, state, f"hold: {why}"), cursor, samples_read=read)
+            if time.monotonic() - started_s < config.evaluation_budget_s:
+                continue
+            reason = (f"hold: reading a backlog of metric samples of run {run_key}: {read} read in this evaluation, "
+                      f"up to t_s={samples[-1].t_s:g} of {live.newest_sample_t_s:g}; the decision waits until the "
+                      f"newest is read")
+            return ShiftEvaluation(_hold(controller, state, reason), cursor, samples_read=read, backlog=True)
+        new_state, decision = controller.decide(state, samples, gears, **args)
+        cursor = make_cursor(new_state, last_id, run_key)
+        if decision.action != "shift" and not decision.declined:
+            return ShiftEvaluation(decision, cursor, samples_read=read)
+        key = decision_key(decision, run_key, run_key_prefix)
+        event_id = db.record_shift_event(
+            decision.action, "decided" if decision.action == "shift" else "declined", decision.reason,
+            from_gear_key=decision.from_gear_id, to_gear_key=decision.to_gear_id, trigger=decision.trigger,
+            est_gain=decision.estimated_gain_fraction, migration_cost_s=decision.migration_cost_s,
+            run_key=run_key, details=decision.model_dump(), decision_key=key)
+        return ShiftEvaluation(decision, cursor, event_id, key if decision.action == "shift" else None,
+                               samples_read=read)
 
 
 # -- offline admission ------------------------------------------------------------------------------

@@ -23,8 +23,10 @@ class ShiftEventAction(StrEnum):
 class ShiftEventStatus(StrEnum):
     """``shift_events.status``: where a decision stands.
 
-    ``decided`` -> ``requested`` (a ``gear_shift`` run asked the serving process) -> ``done``,
-    ``rolled_back`` or ``failed``; a declined decision is stored as ``declined`` and stays so.
+    ``decided`` -> ``requested`` (a ``gear_shift`` run asked the serving run the decision was taken
+    on) -> ``applying`` (that serving run took it) -> ``done``, ``rolled_back`` or ``failed``; a
+    request no live serving run took before its deadline becomes ``expired``. A declined decision is
+    stored as ``declined`` and stays so.
     """
 
     DECIDED = "decided"
@@ -33,11 +35,21 @@ class ShiftEventStatus(StrEnum):
     DONE = "done"
     ROLLED_BACK = "rolled_back"
     FAILED = "failed"
+    APPLYING = "applying"
+    EXPIRED = "expired"
 
 
-#: The shift statuses a ``gear_shift`` run waits for: the serving process is finished with the event.
+#: The shift statuses a ``gear_shift`` run waits for: the serving process is finished with the event (or none
+#: took it in time).
 TERMINAL_SHIFT_STATUSES: tuple[ShiftEventStatus, ...] = (
-    ShiftEventStatus.DONE, ShiftEventStatus.ROLLED_BACK, ShiftEventStatus.FAILED)
+    ShiftEventStatus.DONE, ShiftEventStatus.ROLLED_BACK, ShiftEventStatus.FAILED, ShiftEventStatus.EXPIRED)
+
+
+class PipelineRunKind(StrEnum):
+    """``pipeline_runs.kind``: what a run that writes metric samples is."""
+
+    SERVE = "serve"  # a serving run: it applies shifts addressed to it
+    BATCH = "batch"  # an offline batch job: it never shifts, so its samples never trigger a shift
 
 
 class InferenceJobKind(StrEnum):

@@ -4,10 +4,12 @@
 :class:`~flexpipe_dag.shift.executor.GearExecutor`. Every ``control_interval_s`` it:
 
 * writes the pipeline's metric samples to the store (``t_s`` rebased to seconds since the serve
-  started, so samples of successive gears form one series);
+  started, so samples of successive gears form one series) and a heartbeat (the run is live until it
+  ends: :meth:`TraceServer.serve` marks it ended however it stops);
 * asks the controller through the *same* service the ``gear_shift_sensor`` calls
   (:func:`flexpipe_dag.control.service.evaluate_gear_shift`) when ``inline_control`` is on, and applies shifts
-  that ``gear_shift`` runs requested through the store (status ``requested``) in any case; a shift
+  that ``gear_shift`` runs requested through the store (status ``requested``) of this run, and only
+  those, in any case (taking each with a compare-and-set, ``applying``); a shift
   runs in a background thread while traffic keeps flowing, and its outcome is stored with the event
   (a rolled-back gear is tagged unhealthy);
 * decides offline admission with the tide rule (:func:`flexpipe_dag.control.tide.decide_offline`)
@@ -33,7 +35,7 @@ from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.tide import TideConfig, TideForecaster, TideGate, decide_offline, ema, tide_forecast
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
-from flexpipe_dag.core.status import InferenceJobKind, InferenceJobStatus, ShiftEventStatus
+from flexpipe_dag.core.status import InferenceJobKind, InferenceJobStatus, PipelineRunKind, ShiftEventStatus
 from flexpipe_dag.serving.prompts import TimedRequest
 
 
@@ -120,7 +122,23 @@ class TraceServer:
 
     # -- the loop -------------------------------------------------------------------------------------
     def serve(self, online: Sequence[TimedRequest], offline: Sequence[TimedRequest] = ()) -> ServeReport:
-        """Replay ``online`` at its arrival times; feed ``offline`` in troughs; return the report."""
+        """Replay ``online`` at its arrival times; feed ``offline`` in troughs; return the report.
+
+        The run is registered live in the store while it serves (a heartbeat every control step) and
+        marked ended when it stops, however it stops: its samples never trigger a shift afterwards.
+        """
+        self._heartbeat()
+        try:
+            return self._serve(online, offline)
+        finally:
+            self.db.end_pipeline_run(self.settings.run_key)
+
+    def _heartbeat(self) -> None:
+        active = getattr(self.router, "active", None)
+        self.db.heartbeat_pipeline_run(self.settings.run_key, PipelineRunKind.SERVE,
+                                       active.gear.gear_id if active is not None else None)
+
+    def _serve(self, online: Sequence[TimedRequest], offline: Sequence[TimedRequest]) -> ServeReport:
         s, db = self.settings, self.db
         self._t0 = time.monotonic()
         online_job = db.get_or_create_job(s.online_job_key, InferenceJobKind.ONLINE, source_path=s.run_key)
@@ -227,11 +245,14 @@ class TraceServer:
 
     # -- gear shifting --------------------------------------------------------------------------------
     def _control_step(self) -> None:
+        self._heartbeat()
         if not self._idle_shift():
             return
-        for ev in self.db.pending_shift_requests():  # asked for by gear_shift runs (sensor mode / by hand)
-            self._start_shift(ev.id, ev.from_gear_key, ev.to_gear_key, ev.trigger or "manual", ev.reason)
-            return
+        # asked for by gear_shift runs (sensor mode / by hand), addressed to this run only
+        for ev in self.db.pending_shift_requests(self.settings.run_key):
+            if self.db.claim_shift_request(ev.id, self.settings.run_key):
+                self._start_shift(ev.id, ev.from_gear_key, ev.to_gear_key, ev.trigger or "manual", ev.reason)
+                return
         if not self.settings.inline_control:
             return
         forecast = None
@@ -253,8 +274,8 @@ class TraceServer:
         if ev.run_key is not None:
             # a run key comes only with a stored shift decision, which names its target and trigger
             assert d is not None and ev.event_id is not None and d.to_gear_id is not None and d.trigger is not None
-            self.db.update_shift_event(ev.event_id, ShiftEventStatus.REQUESTED, {"run_key": ev.run_key})
-            self._start_shift(ev.event_id, d.from_gear_id, d.to_gear_id, d.trigger, d.reason)
+            if self.db.claim_shift_request(ev.event_id, self.settings.run_key, {"run_key": ev.run_key}):
+                self._start_shift(ev.event_id, d.from_gear_id, d.to_gear_id, d.trigger, d.reason)
 
     def _start_shift(self, event_id: int, from_gear: str | None, to_gear: str, trigger: str, reason: str) -> None:
         gear = self.gears.get(to_gear) or self.db.load_gear(to_gear)

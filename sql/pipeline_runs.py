@@ -1,0 +1,82 @@
+"""Sample-writing runs in the store: which serving runs and batch jobs are live (table ``pipeline_runs``).
+
+A serving run heartbeats at every control step and ends when it stops; a batch job registers as
+``batch`` and ends likewise. The gear-shift service follows only a live serving run
+(:meth:`PipelineRuns.latest_shiftable_run_key`) and checks its liveness before it records a shift
+(:meth:`PipelineRuns.pipeline_liveness`, read with
+:meth:`~flexpipe_dag.core.liveness.PipelineLiveness.why_not_live`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import and_, exists, or_, select
+
+from flexpipe_dag.core.liveness import PipelineLiveness
+from flexpipe_dag.core.status import PipelineRunKind, checked
+from flexpipe_dag.sql import models as m
+from flexpipe_dag.sql.models import as_utc, utcnow
+from flexpipe_dag.sql.session import StoreBase, checked_text
+
+
+def epoch_s(when: dt.datetime | None) -> float | None:
+    """``when`` as epoch seconds (a naive datetime, as SQLite gives back, is UTC), or None."""
+    return None if when is None else as_utc(when).timestamp()
+
+
+class PipelineRuns(StoreBase):
+    """Serving runs and batch jobs that write metric samples, with their liveness (table ``pipeline_runs``).
+
+    Raises:
+        InputError: a write with a ``kind`` that is not a :class:`~flexpipe_dag.core.status.PipelineRunKind`,
+            or a run key or gear key that is not a string of at most 200 characters (nothing written).
+    """
+
+    def heartbeat_pipeline_run(self, run_key: str, kind: str, gear_key: str | None = None) -> None:
+        """Register ``run_key`` on its first call, then record that it is alive now (and the gear it serves).
+
+        A run that has ended stays ended (a late heartbeat does not bring it back).
+        """
+        where = "pipeline_runs"
+        kind = checked(PipelineRunKind, kind, where, "kind").value
+        checked_text(run_key, where, "run_key", 200)
+        checked_text(gear_key, where, "gear_key", 200, optional=True)
+        with self.session() as s:
+            run = s.scalar(select(m.PipelineRun).where(m.PipelineRun.run_key == run_key))
+            if run is None:
+                s.add(m.PipelineRun(run_key=run_key, kind=kind, gear_key=gear_key))
+                return
+            run.heartbeat_at = utcnow()
+            if gear_key is not None:
+                run.gear_key = gear_key
+
+    def end_pipeline_run(self, run_key: str) -> None:
+        """Mark ``run_key`` ended (its samples never trigger a shift again); a run never registered is left alone."""
+        with self.session() as s:
+            run = s.scalar(select(m.PipelineRun).where(m.PipelineRun.run_key == run_key))
+            if run is not None and run.ended_at is None:
+                run.ended_at = utcnow()
+
+    def pipeline_liveness(self, run_key: str) -> PipelineLiveness:
+        """What the store knows of ``run_key``'s liveness: its registration and its newest metric sample."""
+        with self.session() as s:
+            run = s.scalar(select(m.PipelineRun).where(m.PipelineRun.run_key == run_key))
+            newest = s.execute(select(m.MetricSampleRow.id, m.MetricSampleRow.t_s, m.MetricSampleRow.created_at)
+                               .where(m.MetricSampleRow.run_key == run_key, m.MetricSampleRow.scope == "pipeline")
+                               .order_by(m.MetricSampleRow.id.desc()).limit(1)).first()
+            return PipelineLiveness(
+                run_key=run_key, kind=run.kind if run else None, ended_at_s=epoch_s(run.ended_at) if run else None,
+                heartbeat_at_s=epoch_s(run.heartbeat_at) if run else None,
+                newest_sample_id=newest.id if newest else None, newest_sample_t_s=newest.t_s if newest else None,
+                newest_sample_written_s=epoch_s(newest.created_at) if newest else None)
+
+    def latest_shiftable_run_key(self) -> str | None:
+        """The run that wrote the newest metric sample among those a shift may follow: not a batch job and not
+        ended (a run never registered counts; its samples' freshness decides), or None."""
+        not_followed = exists().where(and_(m.PipelineRun.run_key == m.MetricSampleRow.run_key,
+                                           or_(m.PipelineRun.ended_at.is_not(None),
+                                               m.PipelineRun.kind == PipelineRunKind.BATCH.value)))
+        with self.session() as s:
+            return s.scalar(select(m.MetricSampleRow.run_key).where(m.MetricSampleRow.scope == "pipeline", ~not_followed)
+                            .order_by(m.MetricSampleRow.id.desc()).limit(1))

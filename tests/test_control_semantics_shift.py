@@ -1,0 +1,348 @@
+"""Control-loop semantics at production scale (issue #16, items 1-3): idempotent shift events, sensor
+evaluations bounded in time over a week's backlog, and shifts only on a live serving run."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context
+from sqlalchemy import insert
+
+from flexpipe_dag.control.config import ControllerConfig
+from flexpipe_dag.control.controller import Controller
+from flexpipe_dag.control.cursor import make_cursor, parse_cursor, read_gear_shift_cursor
+from flexpipe_dag.control.service import (
+    _migration_cost,
+    candidate_gears_for,
+    decision_key,
+    evaluate_gear_shift,
+    shift_run_key,
+)
+from flexpipe_dag.control.settings import ResolvedControlSettings
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.liveness import PipelineLiveness
+from flexpipe_dag.core.metrics import MetricSample, StageSample
+from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
+from flexpipe_dag.resources.control import ControlSettings
+from flexpipe_dag.resources.store_resource import StoreResource
+from flexpipe_dag.sql import models as m
+from tests.support import EXAMPLES, BackgroundThread, enveloped_gear, wait_until
+
+GEARS = [enveloped_gear("latency-1s", "latency", 0.0, 5.0, 1),
+         enveloped_gear("throughput-2s", "throughput", 3.5, 40.0, 2)]
+SEEDS = ResolvedControlSettings()
+
+
+@pytest.fixture
+def store_res(tmp_path):
+    from flexpipe_dag.core.cluster import load_cluster_profile
+
+    res = StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}")
+    db = res.get_store()
+    info = db.save_profile(load_cluster_profile(EXAMPLES / "seed_example.yaml"))
+    db.save_gears(GEARS, info.id, db.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30}))
+    return res
+
+
+def _sample(gear_id: str, t_s: float, rps: float, busy: float = 0.8) -> MetricSample:
+    return MetricSample(t_s=t_s, gear_id=gear_id, source="live", rps=rps, completed=int(rps * 2),
+                        tokens_per_s=rps * 100, queue_length=5, running=8, kv_used_fraction=0.3,
+                        ttft_p99_ms=300.0, tpot_p99_ms=40.0, stages=(StageSample(0, busy, 1, 10, 100),))
+
+
+def _samples(gear_id, rps_values, t0=0.0):
+    return [_sample(gear_id, t0 + 2.0 * (i + 1), q) for i, q in enumerate(rps_values)]
+
+
+def _tick(store_res, cursor=None):
+    ctx = build_sensor_context(instance=DagsterInstance.ephemeral(), cursor=cursor,
+                               resources={"store": store_res, "control": ControlSettings()})
+    return gear_shift_sensor(ctx), ctx.cursor
+
+
+def _live_pipeline(db, run_key, outcome="done"):
+    """The serving run's side of the protocol: take the first request addressed to ``run_key``, report ``outcome``."""
+    def serve():
+        ev = wait_until(lambda: db.pending_shift_requests(run_key), 20, "a shift request", interval_s=0.1)[0]
+        assert db.claim_shift_request(ev.id, run_key)
+        db.update_shift_event(ev.id, outcome, {"outcome": "switched"})
+
+    thread = BackgroundThread(serve, name="live-pipeline")
+    thread.start()
+    return thread
+
+
+# -- 1. idempotent shift events ---------------------------------------------------------------------
+def test_reexecuting_a_done_shift_run_is_a_no_op_that_says_so(store_res):
+    db = store_res.get_store()
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6))  # far above latency-1s's 5 req/s
+    request, _ = _tick(store_res)
+    assert isinstance(request, RunRequest)
+    run_config = request.run_config
+    server = _live_pipeline(db, "serve-1")
+    first = gear_shift.execute_in_process(run_config=run_config, resources={"store": store_res})
+    server.join_or_fail(30)
+    event_id = run_config["ops"]["apply_gear_shift"]["config"]["event_id"]
+    done = db.get_shift_event(event_id)
+    assert first.success and done.status == "done" and done.details["dagster_run_id"] == first.run_id
+    # the run executed again (a re-execution from the UI, a retry): the event is not requested again
+    again = gear_shift.execute_in_process(run_config=run_config, resources={"store": store_res})
+    assert again.success
+    out = again.output_for_node("apply_gear_shift")
+    assert out["noop"] is True and out["status"] == "done"
+    assert out["note"] == (f"shift event {event_id} is already done (requested by run {first.run_id}): nothing to do, "
+                           "the event is left as it is")
+    after = db.get_shift_event(event_id)
+    assert (after.status, after.details, after.expires_at) == (done.status, done.details, done.expires_at)
+    assert db.pending_shift_requests() == []
+
+
+def test_a_shift_run_never_moves_an_event_backwards(store_res):
+    db = store_res.get_store()
+    event_id = db.record_shift_event("shift", "decided", "r", from_gear_key="latency-1s", to_gear_key="throughput-2s",
+                                     run_key="serve-1", decision_key="k1")
+    moved, ev = db.request_shift(event_id, "serve-1", 60.0, {"dagster_run_id": "run-a"})
+    assert moved and ev.status == "requested" and ev.run_key == "serve-1"
+    # a second run asking again changes nothing, not even the run id stored
+    moved, ev = db.request_shift(event_id, "serve-1", 60.0, {"dagster_run_id": "run-b"})
+    assert not moved and ev.details["dagster_run_id"] == "run-a"
+    assert not db.claim_shift_request(event_id, "serve-2")  # addressed to serve-1 only
+    assert db.claim_shift_request(event_id, "serve-1") and not db.claim_shift_request(event_id, "serve-1")
+    assert db.get_shift_event(event_id).status == "applying"
+    assert db.expire_shift_requests() == []  # taken: it cannot expire
+
+
+def test_a_declined_event_is_not_a_shift_to_apply(store_res):
+    db = store_res.get_store()
+    event_id = db.record_shift_event("hold", "declined", "declined: inside dwell", run_key="serve-1")
+    result = gear_shift.execute_in_process(
+        run_config={"ops": {"apply_gear_shift": {"config": {"to_gear_id": "throughput-2s", "event_id": event_id}}}},
+        resources={"store": store_res}, raise_on_error=False)
+    assert not result.success and db.get_shift_event(event_id).status == "declined"
+
+
+def test_one_decision_is_one_event_row_whatever_the_retries(store_res):
+    db = store_res.get_store()
+    db.write_samples("serve-1", _samples("latency-1s", [2.0, 2.0]))
+    ev0 = evaluate_gear_shift(db, None, SEEDS)
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6, t0=4.0))
+    ev1 = evaluate_gear_shift(db, ev0.cursor, SEEDS)
+    retry = evaluate_gear_shift(db, ev0.cursor, SEEDS)  # the tick evaluated again with its old cursor
+    assert ev1.run_key == retry.run_key == f"{shift_run_key(ev1.decision)}@serve-1"
+    assert ev1.event_id == retry.event_id
+    shifts = [e for e in db.shift_events() if e.action == "shift"]
+    assert len(shifts) == 1 and shifts[0].decision_key == ev1.run_key and shifts[0].run_key == "serve-1"
+    # declined decisions too: the pipeline serves throughput-2s, the load falls inside the dwell
+    db.write_samples("serve-1", _samples("throughput-2s", [0.5] * 8, t0=20.0))
+    d1 = evaluate_gear_shift(db, ev1.cursor, SEEDS)
+    d2 = evaluate_gear_shift(db, ev1.cursor, SEEDS)
+    assert d1.decision.declined and d1.event_id == d2.event_id and d1.run_key is None
+    assert [e.status for e in db.shift_events()] == ["decided", "declined"]
+    assert db.get_shift_event(d1.event_id).decision_key == (
+        f"declined:{d1.decision.trigger}:throughput-2s->{d1.decision.to_gear_id}@t{d1.decision.t_s:.1f}@serve-1")
+
+
+def test_decision_keys_name_the_run_the_samples_came_from():
+    d = Controller().decide(None, _samples("latency-1s", [12.0] * 6), GEARS)[1]
+    assert d.action == "shift"
+    assert decision_key(d, "serve-7") == "gear-shift:latency-1s->throughput-2s@t12.0@serve-7"
+    assert decision_key(d, "serve-7", "serve-7:") == "serve-7:gear-shift:latency-1s->throughput-2s@t12.0"
+
+
+def test_record_shift_event_with_a_stored_key_writes_nothing(store_res):
+    db = store_res.get_store()
+    first = db.record_shift_event("shift", "decided", "first", to_gear_key="g", decision_key="gear-shift:a->g@t1.0")
+    second = db.record_shift_event("shift", "decided", "second", to_gear_key="g", decision_key="gear-shift:a->g@t1.0")
+    other = db.record_shift_event("shift", "decided", "other", to_gear_key="g")  # no key: always a new row
+    assert first == second != other
+    assert [e.reason for e in db.shift_events()] == ["first", "other"]
+    with pytest.raises(InputError, match="shift_events: decision_key: expected a string of at most 200"):
+        db.record_shift_event("shift", "decided", "r", decision_key="k" * 201)
+
+
+# -- 2. evaluations bounded in time -------------------------------------------------------------------
+WEEK_SAMPLES = 7 * 86400 // 2  # 302,400 samples, one every 2 s
+
+
+def _week() -> list[MetricSample]:
+    """A week of 2-s samples: the daily tide inside latency-1s's envelope, a day on throughput-2s mid-week, and a
+    rise far above latency-1s's envelope in the last 20 s."""
+    out = []
+    for i in range(WEEK_SAMPLES):
+        t_s = 2.0 * (i + 1)
+        day = int(t_s // 86400)
+        gear = "throughput-2s" if day == 3 else "latency-1s"
+        rps = 12.0 if i >= WEEK_SAMPLES - 10 else (20.0 if day == 3 else 2.5 + 1.5 * math.sin(t_s * 2 * math.pi / 86400))
+        out.append(_sample(gear, t_s, round(rps, 6), busy=0.5 + 0.3 * ((i // 7) % 2)))
+    return out
+
+
+def _bulk_write(db, run_key: str, samples: list[MetricSample]) -> None:
+    """What ``write_samples`` stores, inserted in bulk (one pipeline row and one stage row per sample)."""
+    heads, stages = [], []
+    for i, smp in enumerate(samples):
+        head_id = 2 * i + 1
+        heads.append(dict(id=head_id, run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s,
+                          scope="pipeline", rps=smp.rps, completed=smp.completed, tokens_per_s=smp.tokens_per_s,
+                          queue_length=smp.queue_length, running=smp.running, kv_used_fraction=smp.kv_used_fraction,
+                          ttft_p99_ms=smp.ttft_p99_ms, tpot_p99_ms=smp.tpot_p99_ms))
+        st = smp.stages[0]
+        stages.append(dict(id=head_id + 1, run_key=run_key, gear_key=smp.gear_id, source=smp.source, t_s=smp.t_s,
+                           scope="stage", parent_id=head_id, stage_index=st.stage_index, busy_fraction=st.busy_fraction,
+                           queue_length=st.queue_length, kv_blocks_used=st.kv_blocks_used,
+                           kv_blocks_total=st.kv_blocks_total))
+    with db.engine.begin() as conn:
+        conn.execute(insert(m.MetricSampleRow), heads)
+        conn.execute(insert(m.MetricSampleRow), stages)
+
+
+def test_a_week_of_samples_is_read_in_bounded_evaluations_with_the_decision_of_one_pass(store_res):
+    db = store_res.get_store()
+    week = _week()
+    _bulk_write(db, "serve-1", week)
+    assert db.read_samples(run_key="serve-1", after_id=2 * 1000, limit=1)[0][1] == week[1000]  # stored as made
+    cursor, evaluations = None, []
+    while True:
+        start = time.perf_counter()
+        ev = evaluate_gear_shift(db, cursor, SEEDS)
+        evaluations.append((time.perf_counter() - start, ev))
+        cursor = ev.cursor
+        if not ev.backlog:
+            break
+        assert ev.run_key is None and ev.event_id is None and not db.shift_events()  # no decision on a backlog
+        assert ev.decision.action == "hold" and "reading a backlog of metric samples of run serve-1" in ev.summary
+    slowest_s = max(s for s, _ in evaluations)
+    assert slowest_s < 5.0, [round(s, 2) for s, _ in evaluations]
+    assert len(evaluations) > 1 and sum(e.samples_read for _, e in evaluations) == WEEK_SAMPLES
+    # one pass of the controller over the whole week, in memory
+    gears = candidate_gears_for(db, ["latency-1s", "throughput-2s"])
+    ref_state, ref_decision = Controller(SEEDS.controller).decide(
+        None, week, gears, unhealthy=db.unhealthy_gear_keys(), migration_cost_s=_migration_cost(db, gears))
+    final = evaluations[-1][1]
+    assert ref_decision.action == "shift" and ref_decision.to_gear_id == "throughput-2s"
+    assert final.decision == ref_decision
+    assert parse_cursor(final.cursor)[0] == ref_state and parse_cursor(final.cursor)[1] == 2 * WEEK_SAMPLES - 1
+    (event,) = db.shift_events()
+    assert event.status == "decided" and event.reason == ref_decision.reason and event.decision_key == final.run_key
+
+
+def test_backlog_pages_through_observe_equal_one_decide_with_a_raised_threshold():
+    """The dwell threshold raised in an early page still counts at the decision, as in one pass."""
+    ctl = Controller(ControllerConfig())
+    state, first = ctl.decide(None, _samples("latency-1s", [12.0] * 6), GEARS)
+    assert first.action == "shift"
+    later = (_samples("throughput-2s", [0.5] * 6, t0=20.0) + _samples("throughput-2s", [5.0] * 2, t0=32.0)
+             + _samples("throughput-2s", [0.5] * 3, t0=36.0))
+    ref_state, ref = ctl.decide(state, later, GEARS)
+    st, raised = state, None
+    for page in (later[:4], later[4:7], later[7:9]):
+        st, raised = ctl.observe(st, page, GEARS, raised_by=raised)
+    assert raised == "rps_below_envelope"
+    paged_state, paged = ctl.decide(st, later[9:], GEARS, raised_by=raised)
+    assert (paged_state, paged) == (ref_state, ref) and ref.declined and "threshold raised" in ref.reason
+    # the cursor keeps the raised trigger between evaluations
+    cursor = make_cursor(st, 9, "serve-1", raised)
+    assert read_gear_shift_cursor(cursor) == (st, 9, "serve-1", "rps_below_envelope")
+    with pytest.raises(InputError, match="gear_shift_sensor cursor: cannot parse: raised_by 'x' is not a trigger"):
+        read_gear_shift_cursor(cursor.replace("rps_below_envelope", "x"))
+
+
+# -- 3. only a live pipeline shifts -----------------------------------------------------------------
+def test_a_finished_batch_jobs_samples_never_trigger_a_shift(store_res):
+    db = store_res.get_store()
+    db.heartbeat_pipeline_run("batch-run", "batch", "latency-1s")
+    db.write_samples("batch-run", _samples("latency-1s", [12.0] * 6))
+    result, _ = _tick(store_res)
+    assert isinstance(result, SkipReason)
+    assert result.skip_message == ("no live serving run writes metric samples (run batch-run is a batch job: its "
+                                   "samples never trigger a shift)")
+    db.end_pipeline_run("batch-run")
+    result, _ = _tick(store_res)
+    assert isinstance(result, SkipReason) and "batch-run is a batch job" in result.skip_message
+    assert not db.shift_events()
+
+
+def test_an_ended_serving_runs_samples_never_trigger_a_shift(store_res):
+    db = store_res.get_store()
+    db.heartbeat_pipeline_run("serve-1", "serve", "latency-1s")
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6))
+    db.end_pipeline_run("serve-1")
+    db.heartbeat_pipeline_run("serve-1", "serve", "latency-1s")  # a late heartbeat does not bring it back
+    result, _ = _tick(store_res)
+    assert isinstance(result, SkipReason) and result.skip_message.startswith(
+        "no live serving run writes metric samples (run serve-1 ended ")
+    assert result.skip_message.endswith(" s ago: its samples never trigger a shift)")
+    # the serve loop naming its own (ended) run gets the same answer as a decision that says why
+    ev = evaluate_gear_shift(db, None, SEEDS, run_key="serve-1")
+    assert ev.decision.action == "hold" and ev.run_key is None and "ended" in ev.decision.reason
+    assert not db.shift_events()
+
+
+def test_stale_samples_hold_and_say_why(store_res):
+    db = store_res.get_store()
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6))
+    later = time.time() + 300.0  # five minutes later, nothing new written
+    ev = evaluate_gear_shift(db, None, SEEDS, epoch_s=later)
+    assert ev.decision.action == "hold" and ev.run_key is None and not db.shift_events()
+    assert ev.decision.reason.startswith("hold: samples of run serve-1 are stale: the newest was written 30")
+    assert ev.decision.reason.endswith(" s ago, over the 120 s freshness bound (controller.sample_freshness_s)")
+    assert parse_cursor(ev.cursor)[1] == 11  # consumed all the same: no decision on them later
+    # within the bound the same samples shift
+    fresh = evaluate_gear_shift(db, None, SEEDS)
+    assert fresh.decision.action == "shift"
+
+
+def test_a_silent_serving_run_holds():
+    info = PipelineLiveness("serve-1", kind="serve", heartbeat_at_s=1000.0, newest_sample_id=3, newest_sample_t_s=6.0,
+                            newest_sample_written_s=1100.0)
+    assert info.why_not_live(1150.0, 120.0) == ("run serve-1 is silent: its last heartbeat was 150 s ago, over the "
+                                                "120 s freshness bound (controller.sample_freshness_s)")
+    assert info.why_not_live(1110.0, 120.0) is None
+    assert PipelineLiveness("x").why_not_live(0.0, 120.0) == "run x has written no metric sample"
+
+
+def test_sensor_follows_the_live_serving_run_not_the_newest_writer(store_res):
+    db = store_res.get_store()
+    db.heartbeat_pipeline_run("serve-1", "serve", "latency-1s")
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6))
+    db.heartbeat_pipeline_run("batch-run", "batch", "latency-1s")
+    db.write_samples("batch-run", _samples("latency-1s", [1.0] * 3))  # newer, but a batch job's
+    assert db.latest_sample_run_key() == "batch-run" and db.latest_shiftable_run_key() == "serve-1"
+    result, _ = _tick(store_res)
+    assert isinstance(result, RunRequest) and result.run_key.endswith("@serve-1")
+
+
+def test_a_request_for_an_earlier_run_expires_and_the_next_run_never_applies_it(store_res):
+    db = store_res.get_store()
+    db.write_samples("serve-old", _samples("latency-1s", [12.0] * 6))
+    ev = evaluate_gear_shift(db, None, SEEDS)
+    moved, stored = db.request_shift(ev.event_id, "serve-old", 0.5)
+    assert moved and stored.run_key == "serve-old"
+    db.end_pipeline_run("serve-old")
+    db.heartbeat_pipeline_run("serve-new", "serve", "latency-1s")
+    assert db.pending_shift_requests("serve-new") == [] and not db.claim_shift_request(ev.event_id, "serve-new")
+    time.sleep(0.6)
+    assert db.pending_shift_requests("serve-old") == []  # past its deadline: not handed out any more
+    assert not db.claim_shift_request(ev.event_id, "serve-old")
+    assert db.expire_shift_requests() == [ev.event_id]
+    expired = db.get_shift_event(ev.event_id)
+    assert expired.status == "expired" and expired.details["error"].startswith(
+        "no live serving run took the shift by its deadline ")
+    assert expired.details["error"].endswith("(addressed to run serve-old)")
+
+
+def test_a_stale_request_expires_its_run_and_a_re_execution_is_a_no_op(store_res):
+    db = store_res.get_store()
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6))
+    request, _ = _tick(store_res)
+    config = request.run_config["ops"]["apply_gear_shift"]["config"]
+    run_config = {"ops": {"apply_gear_shift": {"config": {**config, "pickup_deadline_s": 0.5, "timeout_s": 10}}}}
+    first = gear_shift.execute_in_process(run_config=run_config, resources={"store": store_res}, raise_on_error=False)
+    assert not first.success
+    ev = db.get_shift_event(config["event_id"])
+    assert ev.status == "expired" and ev.run_key == "serve-1" and ev.details["dagster_run_id"] == first.run_id
+    again = gear_shift.execute_in_process(run_config=run_config, resources={"store": store_res})
+    assert again.success and again.output_for_node("apply_gear_shift")["noop"] is True
+    assert db.get_shift_event(config["event_id"]).details["dagster_run_id"] == first.run_id

@@ -212,7 +212,8 @@ def test_a_week_of_samples_is_read_in_bounded_evaluations_with_the_decision_of_o
         if not ev.backlog:
             break
         assert ev.run_key is None and ev.event_id is None and not db.shift_events()  # no decision on a backlog
-        assert ev.decision.action == "hold" and "reading a backlog of metric samples of run serve-1" in ev.summary
+        assert ev.decision.action == "hold" and ev.decision.reason_kind == "backlog"
+        assert "reading a backlog of metric samples of run serve-1" in ev.summary
     slowest_s = max(s for s, _ in evaluations)
     assert slowest_s < 5.0, [round(s, 2) for s, _ in evaluations]
     assert len(evaluations) > 1 and sum(e.samples_read for _, e in evaluations) == WEEK_SAMPLES
@@ -276,7 +277,7 @@ def test_an_ended_serving_runs_samples_never_trigger_a_shift(store_res):
     assert result.skip_message.endswith(" s ago: its samples never trigger a shift)")
     # the serve loop naming its own (ended) run gets the same answer as a decision that says why
     ev = evaluate_gear_shift(db, None, SEEDS, run_key="serve-1")
-    assert ev.decision.action == "hold" and ev.run_key is None and "ended" in ev.decision.reason
+    assert ev.decision.action == "hold" and ev.run_key is None and ev.decision.reason_kind == "not_live" and "ended" in ev.decision.reason
     assert not db.shift_events()
 
 
@@ -286,7 +287,7 @@ def test_stale_samples_hold_and_say_why(store_res):
     later = time.time() + 300.0  # five minutes later, nothing new written
     ev = evaluate_gear_shift(db, None, SEEDS, epoch_s=later)
     assert ev.decision.action == "hold" and ev.run_key is None and not db.shift_events()
-    assert ev.decision.reason.startswith("hold: samples of run serve-1 are stale: the newest was written 30")
+    assert ev.decision.reason_kind == "not_live" and ev.decision.reason.startswith("hold: samples of run serve-1 are stale: the newest was written 30")
     assert ev.decision.reason.endswith(" s ago, over the 120 s freshness bound (controller.sample_freshness_s)")
     assert parse_cursor(ev.cursor)[1] == 11  # consumed all the same: no decision on them later
     # within the bound the same samples shift

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 from flexpipe_dag.control.controller import Controller
 from flexpipe_dag.control.cursor import TideCursor, make_cursor, read_gear_shift_cursor
 from flexpipe_dag.control.settings import ResolvedControlSettings
-from flexpipe_dag.control.state import ControllerState, Decision
+from flexpipe_dag.control.state import ControllerState, Decision, ReasonKind
 from flexpipe_dag.control.tide import (
     TideConfig,
     TideDecision,
@@ -222,11 +222,11 @@ def tide_history_forecast(tide: TideConfig, newest_t_s: float, epoch_s: float | 
                          lambda t_s: tide_time_s(now - (newest_t_s - t_s), compression), compression)
 
 
-def _hold(controller: Controller, state: ControllerState | None, reason: str) -> Decision:
-    """A hold the service takes without asking the controller (backlog, pipeline not live), with its reason."""
+def _hold(controller: Controller, state: ControllerState | None, reason: str, kind: ReasonKind) -> Decision:
+    """A hold the service takes without asking the controller (``backlog``, ``not_live``), with its reason."""
     st = state or ControllerState()
     return Decision(t_s=st.last_sample_t_s or 0.0, action="hold", from_gear_id=st.gear_id, reason=reason,
-                    required_samples=controller.required_samples(st))
+                    reason_kind=kind, required_samples=controller.required_samples(st))
 
 
 def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: ResolvedControlSettings,
@@ -299,13 +299,13 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
             state, raised_by = controller.observe(state, samples, gears, **args)
             cursor = make_cursor(state, last_id, run_key, raised_by)
             if why is not None:
-                return ShiftEvaluation(_hold(controller, state, f"hold: {why}"), cursor, samples_read=read)
+                return ShiftEvaluation(_hold(controller, state, f"hold: {why}", "not_live"), cursor, samples_read=read)
             if time.monotonic() - started_s < config.evaluation_budget_s:
                 continue
             reason = (f"hold: reading a backlog of metric samples of run {run_key}: {read} read in this evaluation, "
                       f"up to t_s={samples[-1].t_s:g} of {live.newest_sample_t_s:g}; the decision waits until the "
                       f"newest is read")
-            return ShiftEvaluation(_hold(controller, state, reason), cursor, samples_read=read, backlog=True)
+            return ShiftEvaluation(_hold(controller, state, reason, "backlog"), cursor, samples_read=read, backlog=True)
         new_state, decision = controller.decide(state, samples, gears, **args)
         cursor = make_cursor(new_state, last_id, run_key)
         if decision.action != "shift" and not decision.declined:

@@ -127,9 +127,11 @@ class ControllerState(BaseModel):
 #: (``no_samples``, ``no_trigger``), a trigger still counting its samples (``counting``), a shift under way
 #: (``in_progress``), a shift (``shift``), or a decline: inside the dwell (``dwell``), the shift does not pay
 #: back (``payback``), no healthy gear's envelope holds the load (``no_gear_holds``), or gears hold it
-#: but the trigger's rules leave none to move to (``no_candidate``).
+#: but the trigger's rules leave none to move to (``no_candidate``). The decision service adds two holds of
+#: its own: the serving pipeline is not live (``not_live``: its run ended, is a batch job, or its samples or
+#: heartbeat are older than ``sample_freshness_s``) and a backlog still being read (``backlog``).
 ReasonKind = Literal["no_samples", "no_trigger", "counting", "in_progress", "shift", "dwell", "payback",
-                     "no_gear_holds", "no_candidate"]
+                     "no_gear_holds", "no_candidate", "not_live", "backlog"]
 DECLINE_KINDS: tuple[ReasonKind, ...] = ("dwell", "payback", "no_gear_holds", "no_candidate")
 
 

@@ -30,7 +30,7 @@ def install(force_import: bool = False) -> bool:
         force_import: import the scaffolder if it is not loaded yet (tests); by default only an
             already imported one is patched, so loading the code location does not pull in Dagster's CLI.
     """
-    module = sys.modules.get(SCAFFOLDER_MODULE)
+    module: Any = sys.modules.get(SCAFFOLDER_MODULE)
     if module is None and force_import:
         import importlib
 

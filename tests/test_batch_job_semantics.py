@@ -219,7 +219,7 @@ def test_stored_config_relaunches_the_job_with_the_same_rows(tmp_path):
 @pytest.mark.slow
 def test_flexpipe_run_chat_template_off_warns_and_counts_rows_without_text(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "plain", "prompt": PLAIN}) + "\n"
+    prompts.write_text(json.dumps({"id": "plain", "prompt": "The capital of France is"}) + "\n"
                        + json.dumps({"id": "answered", "prompt": ANSWERED}) + "\n")
     out = tmp_path / "results.jsonl"
     assert main(["run", "--stages", "1", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "3",
@@ -227,14 +227,16 @@ def test_flexpipe_run_chat_template_off_warns_and_counts_rows_without_text(tmp_p
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["no_text"] == 1 and summary["finished"] == 2
-    assert ("warning: SmolLM2-135M-Instruct is a chat model (its tokenizer has a chat template) and 1 prompt(s) are "
+    assert ("warning: SmolLM2-135M-Instruct.Q4_1 is a chat model (its tokenizer has a chat template) and 1 prompt(s) are "
             "plain text sent without it (--chat-template: off)") in captured.err
     assert ("warning: 1 of 2 rows produced no text: their output is only end-of-sequence / special tokens "
             "(end-of-sequence ids [2]) or whitespace: 'answered'; --chat-template auto wraps plain prompts in the "
             "model's chat template") in captured.err
     tok = _tokenizer()
     results = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert results["plain"]["prompt_tokens"] == len(tok(PLAIN, add_special_tokens=False)["input_ids"])  # not wrapped
+    plain_ids = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    assert results["plain"]["prompt_tokens"] == len(plain_ids) and results["plain"]["output_text"].strip()  # as it is
+    assert (results["answered"]["output_token_ids"], results["answered"]["output_text"]) == ([2], "")
 
 
 # -- flexpipe calibrate without usable observations ------------------------------------------------------------

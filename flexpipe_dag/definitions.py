@@ -25,6 +25,7 @@ from dagster import BetaWarning, Definitions, EnvVar, load_asset_checks_from_mod
 from flexpipe_dag.assets import calibration, evaluation, health, planning, profiling
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import env_value
+from flexpipe_dag.jobs import config_scaffold
 from flexpipe_dag.jobs.batch import batch_inference
 from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
 from flexpipe_dag.jobs.profiling import (
@@ -42,6 +43,8 @@ from flexpipe_dag.resources.prober import ProberResource
 from flexpipe_dag.resources.store_resource import StoreResource
 from flexpipe_dag.sql.store import check_store_url
 
+# `dagster job scaffold_config` (which imports its scaffolder before loading this module) for every job
+config_scaffold.install()
 # Dagster's own beta notices (e.g. the sensor `owners` parameter it passes itself) say nothing to a user.
 warnings.filterwarnings("ignore", category=BetaWarning, module=r"dagster\..*")
 

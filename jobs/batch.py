@@ -11,26 +11,43 @@ from pydantic import Field
 
 from flexpipe_dag.core.status import HealthFailure, InferenceJobKind, InferenceJobStatus, PipelineRunKind
 from flexpipe_dag.resources.store_resource import StoreResource
+from flexpipe_dag.runtime.chat_template import ChatTemplateMode, resolve_chat_template
 
 #: Requests submitted per chunk; a pause takes effect between chunks.
 CHUNK_REQUESTS = 16
 
 
 class BatchInferenceConfig(Config):
-    """What to run. Give ``prompts_path`` (JSONL / Parquet) or ``trace`` (Azure CSV)."""
+    """What to run. Give ``prompts_path`` (JSONL / Parquet) or ``trace`` (Azure CSV).
+
+    The store keeps this config, every field resolved, as the job's ``inference_jobs.config``: the
+    tide sensor relaunches a paused job with it (``{"ops": {"run_batch": {"config": <it>}}}``).
+    """
 
     job_key: str = Field(description="stable id of the job; re-runs with the same key resume it")
-    prompts_path: str = ""
-    trace: str = ""
-    num_requests: int = 64
-    max_prompt_tokens: int = 256
-    max_new_tokens: int = Field(default=16, ge=1, description="new tokens per request: default and cap (rows asking for more get it)")
+    prompts_path: str = Field(default="", description="JSONL or Parquet prompts file: id, prompt | token_ids, "
+                              "max_new_tokens, priority per row (malformed rows are counted, not fatal); empty = "
+                              "use `trace`")
+    trace: str = Field(default="", description="with no prompts_path: an Azure LLM trace (CSV path or bundled name "
+                       "such as azure-conv) whose token lengths shape prompts cut from a bundled public-domain text")
+    num_requests: int = Field(default=64, description="with trace: the trace rows served (its first ones)")
+    max_prompt_tokens: int = Field(default=256, description="with trace: cap on each prompt's tokens")
+    max_new_tokens: int = Field(default=16, ge=1, description="tokens generated per request: the default and "
+                                "the cap (a row asking for more gets it)")
     gear_id: str = Field(default="", description="a stored gear; empty = even split over `stages` CPU workers")
-    stages: int = 2
-    micro_batch_size: int = 8
+    stages: int = Field(default=2, description="with no gear_id: the model's layers split evenly over this many CPU "
+                        "worker processes on this host; their steps are recorded as this host's probed CPU workers "
+                        "(`<host>-cpu<i>`, cluster `<host>`) for `flexpipe calibrate`")
+    micro_batch_size: int = Field(default=8, description="with no gear_id: sequences per micro-batch")
     model: str = Field(default="", description="checkpoint: HF dir or GGUF; empty = SmolLM2-135M-Instruct")
-    priority: int = 0
-    step_timeout_s: float = 120.0
+    chat_template: ChatTemplateMode = Field(
+        default="auto", description="plain-text prompts and a chat model: auto = wrap each in the tokenizer's chat "
+        "template when it has one (prompts already holding its special tokens, and token_ids rows, are sent as "
+        "they are); on = the same, refusing a model without a template; off = send them as they are (a warning "
+        "when the model has a template)")
+    priority: int = Field(default=0, description="the job's priority in the store (the tide sensor admits higher first)")
+    step_timeout_s: float = Field(default=120.0, description="seconds one pipeline step may take before the run "
+                                  "fails naming the stage")
     kv_pool_tokens_max: int = Field(default=8192, ge=256, description="cap on the gear's KV pool for this job")
     truncate_context: bool = Field(default=False, description="serve a request whose prompt + max_new_tokens exceed "
                                    "the model's max context with the prompt cut from the left (default: refuse it; "
@@ -54,7 +71,19 @@ def _gear(config: BatchInferenceConfig, db, ckpt):
         if gear is None:
             raise InputError("batch_inference config", "gear_id", f"no stored gear {config.gear_id!r}")
         return gear.with_kv_pool_capped(config.kv_pool_tokens_max)
-    return even_gear(ckpt.num_layers, config.stages, ckpt.name, config.micro_batch_size, None, 0)
+    gear = even_gear(ckpt.num_layers, config.stages, ckpt.name, config.micro_batch_size, None, 0)
+    return gear if config.control_address else _on_host_cpu_workers(gear)
+
+
+def _on_host_cpu_workers(gear):
+    """``gear`` (an even split over local CPU worker processes) with stage ``i`` named as this host's probed
+    CPU worker ``i`` (``<host>-cpu<i>`` of cluster ``<host>``), so its recorded steps calibrate that profile."""
+    from flexpipe_dag.core.gear import Gear
+    from flexpipe_dag.core.host import cpu_worker_device_id, local_cluster_id
+
+    host = local_cluster_id()
+    stages = [{**st.model_dump(), "device_ids": [cpu_worker_device_id(host, i)]} for i, st in enumerate(gear.stages)]
+    return Gear.model_validate({**gear.model_dump(), "stages": stages, "cluster_id": host})
 
 
 def _rows(config: BatchInferenceConfig, ckpt):
@@ -92,13 +121,20 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     ckpt = resolve_checkpoint(config.model or None)
     gear = _gear(config, db, ckpt)
     rows, malformed = _rows(config, ckpt)
+    prompt_format = resolve_chat_template(config.chat_template, ckpt.tokenizer(), ckpt.name,
+                                          [r.prompt if r.token_ids is None else None for r in rows],
+                                          source="batch_inference config: chat_template")
+    # the whole config, defaults resolved: what relaunches the job (the tide sensor's run config)
     job_id = db.get_or_create_job(config.job_key, InferenceJobKind.BATCH, priority=config.priority,
-                                  source_path=config.prompts_path or config.trace, gear_key=gear.gear_id)
+                                  source_path=config.prompts_path or config.trace, gear_key=gear.gear_id,
+                                  config=config.model_dump(mode="json"))
     db.update_job(job_id, status=InferenceJobStatus.RUNNING, total_requests=len(rows), malformed_rows=len(malformed),
                   error=None, gear_key=gear.gear_id)
     sink = StoreResultSink(db, job_id)
     for m in malformed[:50]:
         context.log.warning(f"malformed row {m.line}: {m.reason}")
+    if prompt_format.message:
+        (context.log.warning if prompt_format.warn else context.log.info)(prompt_format.message)
     head_secret = None
     if config.control_address:
         from flexpipe_dag.runtime.control_auth import HeadSecret
@@ -111,17 +147,20 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     # its samples go under its run id: registered as a batch job, they never trigger a gear shift
     db.heartbeat_pipeline_run(context.run_id, PipelineRunKind.BATCH, gear.gear_id)
     try:
-        return _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret)
+        return _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret,
+                            prompt_format)
     finally:
         db.end_pipeline_run(context.run_id)
         if head_secret is not None:  # a secret file this run generated goes with it
             head_secret.discard()
 
 
-def _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret) -> dict:
+def _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret,
+                 prompt_format) -> dict:
     """The serving part of :func:`run_batch`: waits for remote workers (publishing the run secret once
-    the port is bound), then serves the rows in chunks, pausing when the tide sensor says so."""
-    from flexpipe_dag.runtime.batch import run_batch_job
+    the port is bound), then serves the rows in chunks, pausing when the tide sensor says so, and records
+    every stage step (under the gear's cluster; a ``stages:`` run's gear is this host's CPU workers)."""
+    from flexpipe_dag.runtime.batch import no_text_line, run_batch_job
     from flexpipe_dag.runtime.observations import ObservationCollector
 
     if head_secret is not None:  # the bound port (PORT 0 picks one)
@@ -132,12 +171,14 @@ def _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_
     finished = skipped = tokens = steps = refused_context = 0
     refused: dict[str, str] = {}
     truncated: dict[str, str] = {}
+    no_text: list[str] = []
     paused = False
     failure = None
     with runtime:
-        # stage-step measurements for calibration (only for gears planned on a stored profile:
-        # their device ids are the profile's)
-        collector = ObservationCollector(runtime, context.run_id) if gear.cluster_id else None
+        # stage-step measurements for calibration, every run: a planned gear's device ids are its
+        # profile's, a local `stages:` run's this host's probed CPU workers (remote ones: no cluster)
+        collector = ObservationCollector(runtime, context.run_id)
+        _say_where_steps_go(context, db, gear)
         context.log.info(f"gear {gear.gear_id}: stages {gear.layer_ranges()}; per-stage memory "
                          + ", ".join(f"{i['param_bytes'] / 2**20:.0f} MiB" for i in runtime.stage_info))
         todo = [r for r in rows if r.request_id not in sink.done_ids()]
@@ -148,10 +189,11 @@ def _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_
                 context.log.info(f"job {config.job_key} paused by the tide sensor after {finished} requests")
                 break
             samples: list = []
-            report = run_batch_job(runtime, todo[start:start + CHUNK_REQUESTS], sink, on_metrics=samples.append)
+            report = run_batch_job(runtime, todo[start:start + CHUNK_REQUESTS], sink, on_metrics=samples.append,
+                                   chat_template=prompt_format.apply)
             db.write_samples(context.run_id, samples)  # the same 2 s schema the simulator emits
-            if collector is not None:
-                steps += db.write_observations(context.run_id, collector.collect(), cluster_key=gear.cluster_id)
+            steps += db.write_observations(context.run_id, collector.collect(), cluster_key=gear.cluster_id)
+            no_text.extend(report.no_text)
             finished += report.finished
             tokens += report.output_tokens
             refused.update(report.refused)
@@ -173,6 +215,9 @@ def _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_
         context.log.warning(f"{refused_context + len(truncated)} requests over {ckpt.name}'s {runtime.max_context_tokens}-token "
                             f"max context (prompt + max_new_tokens): {refused_context} refused, {len(truncated)} "
                             "served truncated")
+    empty = no_text_line(no_text, finished, ckpt.eos_token_ids(), hint=_no_text_hint(prompt_format))
+    if empty:
+        context.log.warning(empty)
     status = "paused" if paused else "done"
     db.update_job(job_id, status=status)
     context.add_output_metadata({"job_key": config.job_key, "status": status, "finished_now": finished,
@@ -180,9 +225,34 @@ def _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_
                                  "output_tokens": tokens, "gear": gear.gear_id, "observed_steps": steps,
                                  "refused": len(refused), "refused_context": refused_context,
                                  "truncated_context": len(truncated), "max_context_tokens": runtime.max_context_tokens,
+                                 "no_text": len(no_text), "no_text_rows": MetadataValue.md(empty or "none"),
+                                 "chat_template": config.chat_template,
+                                 "chat_template_applied": prompt_format.apply,
                                  "malformed": MetadataValue.md("\n".join(f"- row {m.line}: {m.reason}"
                                                                          for m in malformed[:50]) or "none")})
     return {"job_id": job_id, "status": status}
+
+
+def _say_where_steps_go(context, db, gear) -> None:
+    """Log the cluster a run's stage steps are recorded for, and what ``flexpipe calibrate`` still needs."""
+    if not gear.cluster_id:
+        context.log.info(f"stage steps recorded without a cluster (gear {gear.gear_id} names none; a `stages:` run "
+                         "on remote workers): calibration cannot use them; a planned gear (gear_id) calibrates its "
+                         "profile")
+    elif db.latest_profile(gear.cluster_id) is None:
+        context.log.warning(f"stage steps recorded for cluster {gear.cluster_id}, which has no stored profile yet: "
+                            "profile it (the profile_refresh job on this host), then `flexpipe calibrate`")
+    else:
+        context.log.info(f"stage steps recorded for cluster {gear.cluster_id} (`flexpipe calibrate` fits them)")
+
+
+def _no_text_hint(prompt_format) -> str:
+    """What may give rows without text some (the line after :func:`~flexpipe_dag.runtime.batch.no_text_line`)."""
+    if prompt_format.warn:
+        return "the model has a chat template and chat_template: off sent plain prompts without it; auto wraps them"
+    if prompt_format.apply:
+        return "the plain-text prompts went in the model's chat template: check the prompts themselves"
+    return "check that the prompts suit this model (a chat model answers prompts in its chat template)"
 
 
 @job(description="Offline batch inference into the SQL store (admitted in troughs by tide_sensor, or by hand).",

@@ -37,12 +37,14 @@ from flexpipe_dag.resources.store_resource import StoreResource
 class GearShiftConfig(Config):
     """Run config of one shift (the sensor fills it; a user can launch one by hand from the UI)."""
 
-    to_gear_id: str
-    from_gear_id: str = ""
-    reason: str = "requested by hand"
-    trigger: str = "manual"
-    event_id: int = 0
-    timeout_s: float = 600.0
+    to_gear_id: str = Field(description="the stored gear to shift the live pipeline to")
+    from_gear_id: str = Field(default="", description="the gear it runs now, for the record; empty = unknown")
+    reason: str = Field(default="requested by hand", description="why, kept with the shift event")
+    trigger: str = Field(default="manual", description="what decided the shift (the controller's trigger, or manual)")
+    event_id: int = Field(default=0, description="the shift event the sensor recorded; 0 = record a new one "
+                          "(a shift launched by hand)")
+    timeout_s: float = Field(default=600.0, description="seconds to wait for the serving process to apply the "
+                             "shift before the run fails")
     pickup_deadline_s: float = Field(
         default=120.0, gt=0, description="the serving run must take the request within this many seconds, else it "
                                          "expires (a later serving run never applies it)")

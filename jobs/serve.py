@@ -21,22 +21,27 @@ from flexpipe_dag.resources.store_resource import StoreResource
 class ServeTraceConfig(Config):
     """The replay (CPU-sized defaults: a few minutes on 2 cores)."""
 
-    trace: str = "azure-conv"
+    trace: str = Field(default="azure-conv", description="online trace replayed (bundled name or CSV path): its "
+                       "arrival times and token lengths")
     trace_start_s: float = Field(default=600.0, ge=0, description="skip the trace's sparse first minutes")
     duration_s: float = Field(default=200.0, gt=0, description="wall seconds the tide day is compressed into")
     tide_start_h: float = Field(default=2.0, ge=0, lt=24, description="tide hour the replay starts at")
     mean_rps: float = Field(default=0.0, ge=0, description="mean online arrival rate; 0 = 1.5 x the first gear's "
                                                            "rps_max (the tide's peak then overloads it, its trough "
                                                            "does not)")
-    max_prompt_tokens: int = Field(default=96, ge=1, description="cap on replayed prompt lengths")
-    max_new_tokens: int = Field(default=12, ge=1, description="cap on replayed output lengths")
-    offline_trace: str = "arxiv-summarization"
-    offline_requests: int = 24
-    initial_gear_kind: str = "latency"
+    max_prompt_tokens: int = Field(default=96, ge=1, description="cap on each request's prompt tokens (CPU-sized)")
+    max_new_tokens: int = Field(default=12, ge=1, description="cap on each request's generated tokens")
+    offline_trace: str = Field(default="arxiv-summarization", description="trace whose lengths shape the offline "
+                               "job that fills the trough")
+    offline_requests: int = Field(default=24, description="requests of the offline job (its trace's first ones)")
+    initial_gear_kind: str = Field(default="latency", description="kind of the planned gear the replay starts on "
+                                   "(the first stored gear when none is of this kind)")
     inline_control: bool = Field(default=True,
                                  description="decide shifts in the loop (no daemon); else apply gear_shift runs")
-    max_offline_inflight: int = 4
-    step_timeout_s: float = 120.0
+    max_offline_inflight: int = Field(default=4, description="offline requests in the pipeline at once while the "
+                                      "tide admits them")
+    step_timeout_s: float = Field(default=120.0, description="seconds one pipeline step may take before the run "
+                                  "fails naming the stage")
     kv_pool_tokens_max: int = Field(default=8192, ge=256,
                                     description="cap on each gear's KV pool (CPU workers share host RAM)")
 

@@ -32,7 +32,8 @@ class ControlSettings(ConfigurableResource):
     (``FLEXPIPE_DWELL_S``), when set, the minimum dwell after a shift.
     """
 
-    config_file: str = ""
+    config_file: str = Field(default="", description="YAML with controller: and tide: sections (FLEXPIPE_CONTROL_FILE); "
+                             "empty = the design's seed values")
     target_p99_ms: float = Field(default=0.0, ge=0, description="0 = the SLO each gear was planned at")
     dwell_s: float | None = Field(default=None, description="None = the config file's or the seed's 600 s")
 

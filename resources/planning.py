@@ -35,8 +35,9 @@ class PlanningSettings(ConfigurableResource):
     ``slo_tpot_ms`` at ``attainment`` on ``reference_trace``.
     """
 
-    model: str = "SmolLM2-135M"
-    dtype: str = "bf16"
+    model: str = Field(default="SmolLM2-135M", description="model planned for: a built-in name, a Hugging Face "
+                       "config.json directory or a GGUF file")
+    dtype: str = Field(default="bf16", description="dtype the gears compute in (fp32, fp16, bf16, ...)")
     context_p95_tokens: int | None = Field(default=None, ge=1, description="P95 context the KV pool is sized for: "
                                            "the reference trace's, at most this when set")
     concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, description="sequences in flight the KV pool must hold")

@@ -17,8 +17,9 @@ class ProberResource(ConfigurableResource):
     * both: measure, then merge into the declared inventory (measured figures win).
     """
 
-    probe: bool = True
-    cluster_file: str = ""
+    probe: bool = Field(default=True, description="measure this host's devices (GPUs, or CPU worker processes)")
+    cluster_file: str = Field(default="", description="declared inventory (YAML / JSON); with probe, the measured "
+                              "figures are merged into it; empty = the probe alone")
     cluster_id: str = Field(default="", description="id of a probed cluster (default: the host name)")
     num_cpu_workers: int = Field(default=2, ge=1, le=64,
                                  description="CPU worker processes measured on a host without GPUs")

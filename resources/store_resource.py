@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dagster import ConfigurableResource
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from flexpipe_dag.sql.store import Store
 
@@ -16,7 +16,8 @@ class StoreResource(ConfigurableResource):
     stored by name and read in the run's process (:func:`flexpipe_dag.definitions.build_resources` does so).
     """
 
-    database_url: str = ""
+    database_url: str = Field(default="", description="SQLAlchemy URL of the store (give one holding a password as "
+                              "an EnvVar); empty = FLEXPIPE_DATABASE_URL, else SQLite under FLEXPIPE_HOME")
     _store: Store | None = PrivateAttr(default=None)
 
     def get_store(self) -> Store:

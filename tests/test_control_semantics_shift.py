@@ -287,7 +287,8 @@ def test_stale_samples_hold_and_say_why(store_res):
     later = time.time() + 300.0  # five minutes later, nothing new written
     ev = evaluate_gear_shift(db, None, SEEDS, epoch_s=later)
     assert ev.decision.action == "hold" and ev.run_key is None and not db.shift_events()
-    assert ev.decision.reason_kind == "not_live" and ev.decision.reason.startswith("hold: samples of run serve-1 are stale: the newest was written 30")
+    assert ev.decision.reason_kind == "not_live"
+    assert ev.decision.reason.startswith("hold: samples of run serve-1 are stale: the newest was written 30")
     assert ev.decision.reason.endswith(" s ago, over the 120 s freshness bound (controller.sample_freshness_s)")
     assert parse_cursor(ev.cursor)[1] == 11  # consumed all the same: no decision on them later
     # within the bound the same samples shift

@@ -268,6 +268,8 @@ def test_batch_inference_job_serves_stage_workers_started_elsewhere(tmp_path, mo
     assert result.success and codes == [0, 0]
     (job,) = store.get_store().jobs()
     assert job.status == "done" and len(store.get_store().results(job.id)) == 6
+    (run,) = store.get_store().observed_runs()  # the remote stages shipped their steps; no cluster names them
+    assert run["gear_key"] == "uniform-2" and run["cluster_key"] is None and run["steps"] > 0
 
 
 def test_a_refused_worker_claims_nothing_and_leaves_the_head_alone(tmp_path):

@@ -30,25 +30,74 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _observations(store, args):
+#: What records the steps calibration fits, for the messages that find none.
+RECORDERS = ("the Dagster batch_inference job (gear_id: or stages:) or `flexpipe demo` record every stage step "
+             "in the store (`flexpipe run` writes its results to a file only)")
+
+
+def _observations(store, args) -> tuple[str, list[str], list, tuple]:
+    """The stored steps a calibration can use: ``(cluster_id, run_keys, observations, (info, cluster))``.
+
+    Usable steps are those of a cluster with a stored profile (``--cluster-id``, else the only such
+    cluster observed) that ran on a device of that profile; the rest are counted in a printed note.
+
+    Raises:
+        InputError: one line saying why no step is usable and what records or profiles them: nothing
+            observed (of ``--run-key``), no observed cluster with a stored profile, ``--cluster-id`` not
+            observed or not profiled, several profiled clusters and no ``--cluster-id``, or no step on a
+            device of the profile.
+    """
     runs = store.observed_runs()
     if args.run_key:
         runs = [r for r in runs if r["run_key"] in args.run_key]
-    clusters = sorted({r["cluster_key"] for r in runs if r["cluster_key"]})
+        if not runs:
+            raise InputError(None, "--run-key", f"no observed stage steps of run(s) {', '.join(args.run_key)}")
     if not runs:
-        raise InputError("store", "stage_observations", "no observed steps stored; run the Dagster batch_inference job (or "
-                         "`flexpipe demo`) first: it records every stage step in the store (`flexpipe run` "
-                         "writes its results to a file only)")
+        raise InputError(None, None, f"no observed steps in the store yet: {RECORDERS}")
+    clusters = sorted({r["cluster_key"] for r in runs if r["cluster_key"]})
+    profiled = [c for c in clusters if store.latest_profile(c) is not None]
     cluster_id = args.cluster_id
     if cluster_id is None:
-        if len(clusters) != 1:
-            raise InputError(None, "--cluster-id", f"observations cover clusters {clusters}; name one")
-        cluster_id = clusters[0]
+        if not profiled:
+            steps = sum(r["steps"] for r in runs)
+            where = (f"clusters without a stored profile ({', '.join(clusters)})" if clusters
+                     else "no cluster (gears that name none, on remote workers)")
+            raise InputError(None, None, f"none of the {steps} observed stage steps is usable: they ran on {where}; "
+                                         "profile the cluster they ran on (the profile_refresh job on its host), "
+                                         "then calibrate")
+        if len(profiled) != 1:
+            raise InputError(None, "--cluster-id", f"observations cover profiled clusters {', '.join(profiled)}; "
+                                                   "name one")
+        cluster_id = profiled[0]
     elif cluster_id not in clusters:
-        raise InputError(None, "--cluster-id", f"no observations of {cluster_id!r}; observed: {clusters}")
-    keys = [r["run_key"] for r in runs if r["cluster_key"] == cluster_id]
-    obs = [o for k in keys for o in store.read_observations(run_key=k, cluster_key=cluster_id)]
-    return cluster_id, keys, obs
+        raise InputError(None, "--cluster-id", f"no observed stage steps of {cluster_id!r}; observed: "
+                                               f"{', '.join(clusters) or 'none with a cluster'}")
+    elif cluster_id not in profiled:
+        raise InputError(None, "--cluster-id", f"cluster {cluster_id!r} has observed steps but no stored profile: "
+                                               "profile it (the profile_refresh job on its host), then calibrate")
+    latest = store.latest_profile(cluster_id)
+    info, cluster = latest
+    pairs = list(dict.fromkeys((r["run_key"], r["gear_key"]) for r in runs if r["cluster_key"] == cluster_id))
+    obs = [o for k, g in pairs for o in store.read_observations(run_key=k, gear_key=g, cluster_key=cluster_id)]
+    known = {d.device_id for d in cluster.devices}
+    usable = [o for o in obs if o.device_id in known]
+    if not usable:
+        ran_on = sorted({o.device_id for o in obs})
+        raise InputError(None, None, f"none of the {len(obs)} observed stage steps of cluster {cluster_id} ran on a "
+                                     f"device of its profile v{info.version} (steps on {', '.join(ran_on)}; profile "
+                                     f"devices {', '.join(sorted(known))}): profile the devices the runs used")
+    if len(usable) < len(obs):
+        print(f"note: {len(obs) - len(usable)} of {len(obs)} observed steps ran on devices not in profile "
+              f"v{info.version} of {cluster_id}; left out")
+    return cluster_id, list(dict.fromkeys(k for k, _ in pairs)), usable, latest
+
+
+def _check_model(model, observations) -> None:
+    """Raise InputError when the steps cover layers ``model`` does not have (``--model`` is not the model they ran)."""
+    top = max(o.layer_end for o in observations)
+    if top > model.num_layers:
+        raise InputError(None, "--model", f"the observed steps cover layers up to {top}, but {model.name} has "
+                                          f"{model.num_layers}: name the model the runs served")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,12 +108,9 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.sql.store import Store
 
     store = Store.from_url()
-    cluster_id, run_keys, obs = _observations(store, args)
-    latest = store.latest_profile(cluster_id)
-    if latest is None:
-        raise InputError("store", "profile_versions", f"no stored profile of cluster {cluster_id!r}")
-    info, cluster = latest
+    cluster_id, run_keys, obs, (info, cluster) = _observations(store, args)
     model = load_model_spec(args.model)
+    _check_model(model, obs)
     prior = store.latest_calibration(info.id, model_name=model.name, dtype=args.dtype)
     if args.report:
         cal = prior

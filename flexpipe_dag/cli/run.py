@@ -5,6 +5,10 @@ A request whose prompt + ``max_new_tokens`` exceed the model's max context
 ``--truncate-context`` it is served with the prompt cut from the left (the latest tokens kept).
 Either way the summary counts them (``refused_context`` / ``truncated_context``).
 
+Plain-text prompts go in the model's chat template when it has one (``--chat-template auto``, the
+default; see :mod:`flexpipe_dag.runtime.chat_template`). Results whose output decodes to no text (an
+end-of-sequence token at once) are named in a warning and counted in the summary (``no_text``).
+
 ``--score`` runs a prefill-only scoring job instead (log-prob of each prompt, or of each row's
 ``continuations`` with the best one as ``choice``) on DeepSpeed's PipelineModule, partitioned
 exactly at the gear's stage boundaries.
@@ -23,6 +27,7 @@ from typing import Any
 
 from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.gear_builders import even_gear, load_gear
+from flexpipe_dag.runtime.chat_template import CHAT_TEMPLATE_MODES, PromptFormat, resolve_chat_template
 
 
 def register(subparsers) -> None:
@@ -39,6 +44,10 @@ def register(subparsers) -> None:
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="with --trace: multiply the trace's prompt / output lengths by this before capping")
     p.add_argument("--max-new-tokens", type=int, default=16, help="default / cap of new tokens per request")
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
+                   help="plain-text prompts and a chat model: auto wraps each in the tokenizer's chat template when "
+                        "it has one; on: the same, refusing a model without one; off: as they are (a warning for a "
+                        "chat model). Generation only: --score scores prompts as they are")
     p.add_argument("--truncate-context", action="store_true",
                    help="serve a request whose prompt + max_new_tokens exceed the model's max context with the prompt "
                         "cut from the left (default: refuse it)")
@@ -318,6 +327,9 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
             print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
         raise InputError(str(args.prompts or args.trace), None,
                          f"no valid request ({len(malformed)} malformed row(s), listed above)")
+    prompt_format = resolve_chat_template(args.chat_template, ckpt.tokenizer(), ckpt.name,
+                                          [r.prompt if r.token_ids is None else None for r in rows],
+                                          source="--chat-template")
     if args.score:
         from flexpipe_dag.runtime.pipeline import check_gear_supported
 
@@ -335,18 +347,20 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
                              truncate_context=args.truncate_context, secret=secret)
     runtime = PipelineRuntime(gear, ckpt, options)
     try:
-        return _serve_run(args, runtime, gear, ckpt, rows, malformed, sink, state, stop, control_address, head_secret)
+        return _serve_run(args, runtime, gear, ckpt, rows, malformed, sink, state, stop, control_address, head_secret,
+                          prompt_format)
     finally:
         if head_secret is not None:
             head_secret.discard()
 
 
 def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, sink, state: HeadState, stop,
-               control_address: str | None, head_secret) -> int:
-    """Serve ``rows`` on ``runtime`` (the control port bound first, then ``head_secret`` published)."""
+               control_address: str | None, head_secret, prompt_format: PromptFormat) -> int:
+    """Serve ``rows`` on ``runtime`` (the control port bound first, then ``head_secret`` published), their
+    text prompts as ``prompt_format`` says."""
     from tqdm import tqdm
 
-    from flexpipe_dag.runtime.batch import run_batch_job
+    from flexpipe_dag.runtime.batch import no_text_line, run_batch_job
     from flexpipe_dag.runtime.control_auth import SECRET_ENV
 
     workers = sum(st.replicas for st in gear.stages)
@@ -362,6 +376,8 @@ def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, s
         secret_path = head_secret.publish()  # after the bind: a refused address leaves no file behind
         where += (f" (run secret in {secret_path}: give each worker a copy, mode 0600, with --secret-file)"
                   if secret_path else f" (run secret from ${SECRET_ENV})")
+    if prompt_format.message:
+        print(("warning: " if prompt_format.warn else "") + prompt_format.message, file=sys.stderr)
     print(f"gear {gear.gear_id}: stages {gear.layer_ranges()}, micro-batch {gear.micro_batch_size}, "
           f"{gear.max_inflight_micro_batches} in flight; {where}...", file=sys.stderr)
     with runtime:
@@ -378,16 +394,22 @@ def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, s
             state.finished = done
             bar.update(1)
 
-        report = run_batch_job(runtime, rows, sink, malformed=malformed, on_progress=progress)
+        report = run_batch_job(runtime, rows, sink, malformed=malformed, on_progress=progress,
+                               chat_template=prompt_format.apply)
         bar.close()
     stop.detach()
+    empty = no_text_line(report.no_text, report.finished, ckpt.eos_token_ids(),
+                         hint="--chat-template auto wraps plain prompts in the model's chat template"
+                         if prompt_format.warn else None)
+    if empty:
+        print(f"warning: {empty}", file=sys.stderr)
     summary = {"rows": report.rows, "finished": report.finished, "skipped_done": report.skipped_done,
                "malformed": len(report.malformed), "refused": len(report.refused),
                "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
                "output_tokens_per_s": round(report.output_tokens_per_s, 2), "out": str(args.out),
                "failure": report.failure, "max_context_tokens": runtime.max_context_tokens,
                "over_context": report.over_context, "refused_context": report.refused_context,
-               "truncated_context": len(report.truncated)}
+               "truncated_context": len(report.truncated), "no_text": len(report.no_text)}
     for request_id, why in list(report.refused.items())[:20]:
         print(f"refused {request_id}: {why}", file=sys.stderr)
     if report.over_context:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 
 def host_memory_bytes() -> int:
@@ -20,3 +21,13 @@ def process_stopped(pid: int) -> bool:
         return False
     fields = stat.rsplit(")", 1)  # the command name may hold spaces and parentheses
     return len(fields) == 2 and fields[1].split()[:1] in (["T"], ["t"])
+
+
+def local_cluster_id() -> str:
+    """The id a probe of this host gives its cluster by default: the host name."""
+    return socket.gethostname()
+
+
+def cpu_worker_device_id(host: str, rank: int) -> str:
+    """Device id of CPU worker process ``rank`` on ``host``, as the probe names it (``<host>-cpu<rank>``)."""
+    return f"{host}-cpu{rank}"

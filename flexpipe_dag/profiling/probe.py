@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
-from flexpipe_dag.core.host import host_memory_bytes
+from flexpipe_dag.core.host import cpu_worker_device_id, host_memory_bytes
 from flexpipe_dag.profiling.microbench import (
     DEFAULT_LAYER,
     LayerShape,
@@ -215,7 +215,7 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
             name = nv.get("name") or torch.cuda.get_device_name(r["rank"])
             dev_id, kind = f"{host}-cuda{r['rank']}", "cuda"
         else:
-            name, dev_id, kind = f"cpu-worker ({_cpu_name()})", f"{host}-cpu{r['rank']}", "cpu-worker"
+            name, dev_id, kind = f"cpu-worker ({_cpu_name()})", cpu_worker_device_id(host, r["rank"]), "cpu-worker"
         devices.append(Device(
             device_id=dev_id, node_id=host, model_name=name, generation=None, kind=kind,
             memory_gib=memory_gib, peak_tflops=r["gemm_tflops"], bf16=r["bf16"],

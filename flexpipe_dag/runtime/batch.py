@@ -35,6 +35,7 @@ from flexpipe_dag.core.errors import InputError, one_line, shown
 from flexpipe_dag.core.settings import INT32_MAX
 from flexpipe_dag.core.user_files import MAX_PROMPTS_BYTES, read_user_bytes, read_user_text
 from flexpipe_dag.core.user_yaml import load_user_json
+from flexpipe_dag.runtime.chat_template import prompt_token_ids
 from flexpipe_dag.runtime.results_file import JsonlSink as JsonlSink  # re-exported: the file sink
 from flexpipe_dag.runtime.results_file import repair_torn_tail as repair_torn_tail
 from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL, PRIORITY_OFFLINE, Request, RequestOutput
@@ -305,7 +306,8 @@ class BatchReport:
 
     ``refused``: request id -> why it was not served (larger than the KV pool, or prompt +
     ``max_new_tokens`` over the model's max context); ``truncated``: request id -> how it was cut to
-    the max context (``RuntimeOptions.truncate_context``).
+    the max context (``RuntimeOptions.truncate_context``); ``no_text``: ids of finished requests whose
+    output decodes to no text (only end-of-sequence / special tokens or whitespace), in finishing order.
     """
 
     rows: int
@@ -319,6 +321,7 @@ class BatchReport:
     failure: str | None = None
     stage_info: list[dict] = field(default_factory=list)
     truncated: dict[str, str] = field(default_factory=dict)
+    no_text: list[str] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -336,12 +339,18 @@ class BatchReport:
 
 
 def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...],
-                malformed: list[MalformedRow] | None = None) -> list[Request]:
-    """Tokenise text prompts (plain text, no chat template) into :class:`Request` objects."""
+                malformed: list[MalformedRow] | None = None, chat_template: bool = False) -> list[Request]:
+    """Tokenise text prompts into :class:`Request` objects (``token_ids`` rows are taken as they are).
+
+    Args:
+        chat_template: wrap each plain-text prompt in the tokenizer's chat template
+            (:func:`~flexpipe_dag.runtime.chat_template.prompt_token_ids`); decide it with
+            :func:`~flexpipe_dag.runtime.chat_template.resolve_chat_template`.
+    """
     reqs = []
     vocab_size = len(tokenizer) if tokenizer is not None else None
     for r in rows:
-        ids = r.token_ids if r.token_ids is not None else tokenizer(r.prompt, add_special_tokens=False)["input_ids"]
+        ids = r.token_ids if r.token_ids is not None else prompt_token_ids(tokenizer, r.prompt or "", chat_template)
         if not ids:
             if malformed is not None:
                 malformed.append(MalformedRow(r.line, f"id {r.request_id!r}: prompt tokenises to nothing"))
@@ -357,14 +366,17 @@ def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...]
 
 def run_batch_job(runtime, rows: list[PromptRow], sink: ResultSink, *, malformed: list[MalformedRow] | None = None,
                   on_progress: Callable[[int, int], None] | None = None, on_metrics=None,
-                  decode_text: bool = True) -> BatchReport:
+                  decode_text: bool = True, chat_template: bool = False) -> BatchReport:
     """Run the rows not yet in ``sink`` through a started :class:`~flexpipe_dag.runtime.pipeline.PipelineRuntime`.
 
     Each result is written to the sink the moment it finishes. On a stage failure the report's
-    ``failure`` names the stage, and everything finished before it is already in the sink.
+    ``failure`` names the stage, and everything finished before it is already in the sink. Results
+    whose output decodes to no text are listed in the report's ``no_text`` (see :func:`no_text_line`).
 
     Args:
         on_progress: called with ``(finished, submitted)`` after each result.
+        decode_text: store each output's text (``output_text``) beside its token ids.
+        chat_template: wrap plain-text prompts in the model's chat template (see :func:`to_requests`).
     """
     from flexpipe_dag.runtime.pipeline import StageFailedError
 
@@ -372,12 +384,17 @@ def run_batch_job(runtime, rows: list[PromptRow], sink: ResultSink, *, malformed
     done = sink.done_ids()
     todo = [r for r in rows if r.request_id not in done]
     tok = runtime.ckpt.tokenizer()
-    reqs = to_requests(todo, tok, runtime.ckpt.eos_token_ids(), malformed)
+    reqs = to_requests(todo, tok, runtime.ckpt.eos_token_ids(), malformed, chat_template=chat_template)
     report = BatchReport(rows=len(rows), malformed=malformed, skipped_done=len(rows) - len(todo),
                          submitted=len(reqs), finished=0, stage_info=list(runtime.stage_info))
 
     def on_result(out: RequestOutput) -> None:
-        sink.write(result_record(out, runtime.gear.gear_id, tok if decode_text else None))
+        record = result_record(out, runtime.gear.gear_id, tok)
+        if not record["output_text"].strip():
+            report.no_text.append(out.request_id)
+        if not decode_text:
+            del record["output_text"]
+        sink.write(record)
         report.finished += 1
         report.output_tokens += len(out.output_token_ids)
         if on_progress:
@@ -395,3 +412,21 @@ def run_batch_job(runtime, rows: list[PromptRow], sink: ResultSink, *, malformed
     report.refused = {k: v for k, v in runtime.refused.items() if k in ids}
     report.truncated = {k: v for k, v in getattr(runtime, "truncated", {}).items() if k in ids}
     return report
+
+
+def no_text_line(no_text: list[str], finished: int, eos_token_ids: tuple[int, ...] = (),
+                 hint: str | None = None) -> str | None:
+    """One warning line when finished requests produced no text, e.g. ``"3 of 4 rows produced no text
+    (only end-of-sequence / special tokens or whitespace): a, b, c"``; None when every one has text.
+
+    Args:
+        no_text: ids of the results without text (:attr:`BatchReport.no_text`), the first 5 are named.
+        finished: results finished in the same run.
+        hint: what may fix it, appended after ``"; "``.
+    """
+    if not no_text:
+        return None
+    named = ", ".join(shown(i) for i in no_text[:5]) + (f" and {len(no_text) - 5} more" if len(no_text) > 5 else "")
+    eos = f" (end-of-sequence ids {list(eos_token_ids)})" if eos_token_ids else ""
+    return (f"{len(no_text)} of {finished} rows produced no text: their output is only end-of-sequence / special "
+            f"tokens{eos} or whitespace: {named}" + (f"; {hint}" if hint else ""))

@@ -46,10 +46,14 @@ def profile_refresh_crons(text: str | None = None) -> tuple[str, ...]:
 
 def _on_time_only(context: ScheduleEvaluationContext) -> RunRequest | SkipReason:
     """A run for a tick evaluated on time; a skip (with the reason) for a missed one (never backfilled)."""
+    from dagster._check import CheckError
     from dagster._time import get_current_timestamp  # Dagster's clock: the one its scheduler ticks by
 
-    scheduled = context.scheduled_execution_time
-    reason = late_tick_reason(scheduled.timestamp(), get_current_timestamp()) if scheduled else None
+    try:
+        scheduled_s = context.scheduled_execution_time.timestamp()
+    except CheckError:  # evaluated by hand, with no tick time (build_schedule_context()): a run
+        return RunRequest()
+    reason = late_tick_reason(scheduled_s, get_current_timestamp())
     return SkipReason(reason) if reason else RunRequest()
 
 

@@ -274,7 +274,7 @@ def admission_run_key(job_key: str, admission: int) -> str:
 def _admission_counts(db: TideStore, jobs: Sequence[BatchJobRow], legacy: Mapping[str, int]) -> dict[str, int]:
     """Each job's admissions so far (job key -> count), from the store; a count an old cursor kept (``legacy``,
     see :class:`~flexpipe_dag.control.cursor.TideCursor`) above the stored one is written to the store first."""
-    counts = {}
+    counts: dict[str, int] = {}
     for j in jobs:
         counts[j.job_key] = max(j.admissions, legacy.get(j.job_key, 0))
         if counts[j.job_key] > j.admissions:

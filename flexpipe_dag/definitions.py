@@ -9,7 +9,8 @@ Every numeric and boolean variable is parsed with :func:`flexpipe_dag.core.setti
 bad value (``FLEXPIPE_DWELL_S=abc``, ``FLEXPIPE_PLAN_CONCURRENCY=0``, ``FLEXPIPE_PROBE=maybe``) makes
 loading the code location fail with one :class:`~flexpipe_dag.core.errors.InputError` naming the
 variable, the expected type and range, and the value given. So do an unknown
-``FLEXPIPE_PLAN_DTYPE``, an invalid ``FLEXPIPE_PROFILE_REFRESH_CRON`` and a
+``FLEXPIPE_PLAN_DTYPE``, an invalid ``FLEXPIPE_PROFILE_REFRESH_CRON`` (also a step beyond its field's
+range, ``*/90`` minutes) and a
 ``FLEXPIPE_DATABASE_URL`` that does not parse or names an in-memory SQLite database (its password
 masked in the message). The store resource reads ``FLEXPIPE_DATABASE_URL`` as a ``dagster.EnvVar``, so
 no run snapshot, UI page or log holds the URL's password.
@@ -23,13 +24,11 @@ import warnings
 from dagster import BetaWarning, Definitions, EnvVar, load_asset_checks_from_modules, load_assets_from_modules
 
 from flexpipe_dag.assets import calibration, evaluation, health, planning, profiling
-from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import env_value
 from flexpipe_dag.jobs import config_scaffold
 from flexpipe_dag.jobs.batch import batch_inference
 from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
 from flexpipe_dag.jobs.profiling import (
-    DEFAULT_PROFILE_REFRESH_CRON,
     plan_gears_job,
     profile_refresh_job,
     profile_refresh_schedule,
@@ -49,17 +48,6 @@ config_scaffold.install()
 warnings.filterwarnings("ignore", category=BetaWarning, module=r"dagster\..*")
 
 ASSET_MODULES = [profiling, planning, calibration, evaluation, health]
-
-
-def _profile_refresh_cron() -> str:
-    """``FLEXPIPE_PROFILE_REFRESH_CRON`` or the nightly default; InputError for an invalid cron string."""
-    from dagster._utils.schedules import is_valid_cron_string
-
-    cron = (os.environ.get("FLEXPIPE_PROFILE_REFRESH_CRON") or "").strip() or DEFAULT_PROFILE_REFRESH_CRON
-    if not is_valid_cron_string(cron):
-        raise InputError("environment variable FLEXPIPE_PROFILE_REFRESH_CRON", None,
-                         f"expected a 5-field cron expression such as '0 2 * * *', got {cron!r}")
-    return cron
 
 
 def build_resources() -> dict:
@@ -90,6 +78,6 @@ defs = Definitions(
     asset_checks=load_asset_checks_from_modules(ASSET_MODULES),
     jobs=[profile_refresh_job, plan_gears_job, serve_trace, gear_shift, batch_inference],
     sensors=[gear_shift_sensor, tide_sensor, replan_sensor],
-    schedules=[profile_refresh_schedule(_profile_refresh_cron())],
+    schedules=[profile_refresh_schedule()],  # FLEXPIPE_PROFILE_REFRESH_CRON, checked
     resources=build_resources(),
 )

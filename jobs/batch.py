@@ -10,6 +10,7 @@ from dagster import Config, Failure, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
 from flexpipe_dag.core.status import HealthFailure, InferenceJobKind, InferenceJobStatus, PipelineRunKind
+from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL
 from flexpipe_dag.resources.store_resource import StoreResource
 from flexpipe_dag.runtime.chat_template import ChatTemplateMode, resolve_chat_template
 
@@ -103,7 +104,7 @@ def _rows(config: BatchInferenceConfig, ckpt):
 
 
 @op(description="Run the job's missing requests through the pipeline, storing each result as it finishes.",
-    tags={"kind": "inference"})
+    tags={"kind": "inference"}, pool=PIPELINE_RUNTIME_POOL)
 def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: StoreResource) -> dict:
     from flexpipe_dag.core.ids import check_id
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint

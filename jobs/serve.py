@@ -13,6 +13,7 @@ import time
 from dagster import Config, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
+from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
@@ -88,7 +89,7 @@ def build_workloads(config: ServeTraceConfig, mean_rps: float):
 
 
 @op(description="Serve a tide-shaped slice of a real trace through the live pipeline, shifting gears; write the report.",
-    tags={"kind": "inference"})
+    tags={"kind": "inference"}, pool=PIPELINE_RUNTIME_POOL)
 def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreResource, planning: PlanningSettings,
           control: ControlSettings) -> dict:
     from flexpipe_dag.control.tide import TideForecaster, load_history

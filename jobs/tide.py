@@ -18,8 +18,8 @@ from flexpipe_dag.resources.store_resource import StoreResource
 @sensor(job=batch_inference, minimum_interval_seconds=SENSOR_INTERVAL_S, default_status=DefaultSensorStatus.RUNNING,
         description="Admits queued offline batch jobs in troughs of the online tide and pauses them when it rises.")
 def tide_sensor(context: SensorEvaluationContext, store: StoreResource, control: ControlSettings):
-    """One ``batch_inference`` run request per admitted job (run key ``batch:<job key>:admission-<n>``), else a skip
-    with the tide's reason (and the jobs paused)."""
+    """One ``batch_inference`` run request per admitted job (run key ``batch:<job key>:admission-<n>``, n from the
+    job row), else a skip with the tide's reason (and the jobs paused)."""
     ev = evaluate_tide(store.get_store(), context.cursor, control.resolved().tide)
     context.update_cursor(ev.cursor)
     if ev.decision is None:

@@ -15,7 +15,8 @@ from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, che
 
 #: The fields of a job :meth:`InferenceJobs.update_job` sets (what batch jobs, serving runs and the tide
 #: sensor change); the id, key, kind, priority, source and config are fixed when the job is created.
-UPDATABLE_JOB_FIELDS: tuple[str, ...] = ("status", "total_requests", "malformed_rows", "error", "gear_key")
+UPDATABLE_JOB_FIELDS: tuple[str, ...] = ("status", "total_requests", "malformed_rows", "admissions", "error",
+                                         "gear_key")
 
 
 class InferenceJobs(StoreBase):
@@ -50,7 +51,8 @@ class InferenceJobs(StoreBase):
 
     def update_job(self, job_id: int, **fields: Any) -> None:
         """Set fields of a job: only those its runs change (:data:`UPDATABLE_JOB_FIELDS`): ``status``,
-        ``total_requests``, ``malformed_rows`` (integers), ``error`` and ``gear_key`` (strings or None).
+        ``total_requests``, ``malformed_rows``, ``admissions`` (integers), ``error`` and ``gear_key`` (strings
+        or None).
 
         Raises:
             InputError: the field named and nothing of the call written: a field not in
@@ -65,7 +67,7 @@ class InferenceJobs(StoreBase):
                                  f"{', '.join(UPDATABLE_JOB_FIELDS[:-1])} or {UPDATABLE_JOB_FIELDS[-1]}")
         if "status" in fields:
             fields["status"] = checked(InferenceJobStatus, fields["status"], where, "status").value
-        for name in ("total_requests", "malformed_rows"):
+        for name in ("total_requests", "malformed_rows", "admissions"):
             if name in fields:
                 fields[name] = checked_int(fields[name], where, name)
         if "error" in fields and fields["error"] is not None and not isinstance(fields["error"], str):

@@ -271,6 +271,8 @@ class InferenceJob(Base):
     total_requests: Mapped[int] = mapped_column(default=0)
     malformed_rows: Mapped[int] = mapped_column(default=0)
     error: Mapped[str | None] = mapped_column(Text)
+    admissions: Mapped[int] = mapped_column(default=0, server_default="0",
+                                            comment="times the tide sensor admitted the job (numbers its run keys)")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     results: Mapped[list[RequestResult]] = relationship(back_populates="job", cascade="all, delete-orphan")

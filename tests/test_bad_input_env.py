@@ -127,13 +127,13 @@ def test_build_resources_defaults_without_environment(clean_env):
 
 
 def test_bad_cron_names_the_variable(clean_env):
-    from flexpipe_dag.definitions import _profile_refresh_cron
+    from flexpipe_dag.jobs.profiling import profile_refresh_crons
 
     clean_env.setenv("FLEXPIPE_PROFILE_REFRESH_CRON", "every night")
     with pytest.raises(InputError, match="FLEXPIPE_PROFILE_REFRESH_CRON: expected a 5-field cron expression"):
-        _profile_refresh_cron()
+        profile_refresh_crons()
     clean_env.setenv("FLEXPIPE_PROFILE_REFRESH_CRON", "30 3 * * *")
-    assert _profile_refresh_cron() == "30 3 * * *"
+    assert profile_refresh_crons() == ("30 3 * * *",)
 
 
 def test_in_memory_store_url_fails_the_code_location(clean_env):

@@ -161,8 +161,9 @@ def test_tide_service_takes_plain_config_objects():
     from flexpipe_dag.workload.bundled import load_tide_trace
 
     db = MemoryStore()
-    db.batch = [SimpleNamespace(id=7, job_key="offline-1", kind="batch", status="queued", config={"num_requests": 8}),
-                SimpleNamespace(id=8, job_key="no-config", kind="batch", status="queued", config={})]
+    db.batch = [SimpleNamespace(id=7, job_key="offline-1", kind="batch", status="queued", config={"num_requests": 8},
+                                admissions=0),
+                SimpleNamespace(id=8, job_key="no-config", kind="batch", status="queued", config={}, admissions=0)]
     ev = evaluate_tide(db, None, TideConfig())
     assert ev == TideEvaluation(None, "{}") and ev.run_keys == {}  # no online sample yet
     db.write("live", _samples("throughput-2s", [1.0] * 3))  # far below its 40 req/s capacity
@@ -176,7 +177,7 @@ def test_tide_service_takes_plain_config_objects():
     assert ev.decision.action == "admit" and [j.job_key for j in ev.admit] == ["offline-1"]
     assert ev.run_keys == {"offline-1": "batch:offline-1:admission-1"} and ev.paused == ()
     assert db.batch[0].status == "admitted" and db.batch[1].status == "queued"
-    assert json.loads(ev.cursor)["admissions"] == {"offline-1": 1}
+    assert db.batch[0].admissions == 1 and "admissions" not in json.loads(ev.cursor)  # counted in the job row
     with pytest.raises(dataclasses.FrozenInstanceError):
         ev.run_keys = {}  # type: ignore[misc]
     # online rises to the gear's capacity: the running job is paused after the hysteresis

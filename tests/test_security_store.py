@@ -277,11 +277,11 @@ def test_alembic_command_line_downgrade_refuses_without_force(tmp_path, lab_prof
     Store(engine).save_profile(lab_profile)
     alembic = [os.path.join(os.path.dirname(sys.executable), "alembic"), "-c", str(REPO / "sql" / "alembic.ini")]
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLEXPIPE_DATABASE_URL": url}
-    run = subprocess.run([*alembic, "downgrade", "-2"], env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([*alembic, "downgrade", "0006"], env=env, capture_output=True, text=True, timeout=120)
     said = run.stdout + run.stderr  # alembic prints FAILED: ... on stdout
-    assert run.returncode != 0 and "downgrade to -2 would drop data: 0007 -> 0006: devices.bf16" in said, said
+    assert run.returncode != 0 and "downgrade to 0006 would drop data: 0007 -> 0006: devices.bf16" in said, said
     assert current_revision(engine) == head_revisions()[0]
-    run = subprocess.run([*alembic, "-x", "force=1", "downgrade", "-2"], env=env, capture_output=True, text=True,
+    run = subprocess.run([*alembic, "-x", "force=1", "downgrade", "0006"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
     assert current_revision(engine) == "0006"

@@ -274,7 +274,7 @@ def _job_row(store, job_key: str) -> tuple:
 
 @pytest.mark.parametrize(("fields", "match"), [
     ({"id": 777}, r"^inference_jobs: id: not a field update_job sets; expected status, total_requests, "
-                  r"malformed_rows, error or gear_key$"),
+                  r"malformed_rows, admissions, error or gear_key$"),
     ({"status": "done", "job_key": "other"}, r"^inference_jobs: job_key: not a field update_job sets"),
     ({"totl_requests": 3}, r"^inference_jobs: totl_requests: not a field update_job sets"),
     ({"status": "done", "total_requests": None}, r"^inference_jobs: total_requests: expected an integer, got None$"),

@@ -72,10 +72,14 @@ def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_k
 
 
 class TideCursor(BaseModel):
-    """The ``tide_sensor``'s cursor: the smoothed online rate, the last metric-sample row read, how
-    often each batch job was admitted (for run keys), the admission gate and the gear last seen.
+    """The ``tide_sensor``'s cursor: the smoothed online rate, the last metric-sample row read, the
+    admission gate and the gear last seen. Its size does not grow with the jobs admitted: it holds no
+    per-job entry (at most about 400 bytes, the gear id being the only text).
 
     Cursors written before request rates were named ``rps`` hold ``qps_ema``; it reads as ``ema_rps``.
+    Cursors written before the admission count moved to the store (``inference_jobs.admissions``) hold
+    ``admissions`` (job key -> times admitted): it is read so the next evaluation carries it into the
+    store (run keys never repeat), and is not written again once empty.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -112,5 +116,6 @@ class TideCursor(BaseModel):
             raise InputError("tide_sensor cursor", field, first["msg"]) from None
 
     def dump(self) -> str:
-        """The cursor as a compact JSON string (sorted keys)."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        """The cursor as a compact JSON string (sorted keys; ``admissions`` only while a legacy one is held)."""
+        return json.dumps(self.model_dump(mode="json", exclude={"admissions"} if not self.admissions else None),
+                          sort_keys=True)

@@ -68,6 +68,9 @@ class BatchJobRow(Protocol):
     @property
     def config(self) -> dict[str, Any]: ...
 
+    @property
+    def admissions(self) -> int: ...
+
 
 @runtime_checkable
 class GearShiftStore(Protocol):
@@ -327,7 +330,7 @@ class TideEvaluation:
 
     ``decision`` is None before any online sample; ``admit`` the batch job rows to launch (marked
     ``admitted``), ``paused`` the keys of the jobs marked ``paused``, ``run_keys`` each admitted job's
-    run key (``batch:<job key>:admission-<n>``, n counting that job's admissions).
+    run key (:func:`admission_run_key`; n counts that job's admissions, kept in its store row).
     """
 
     decision: TideDecision | None
@@ -335,6 +338,22 @@ class TideEvaluation:
     admit: tuple[BatchJobRow, ...] = ()
     paused: tuple[str, ...] = ()
     run_keys: Mapping[str, str] = field(default_factory=dict)
+
+
+def admission_run_key(job_key: str, admission: int) -> str:
+    """``batch:<job key>:admission-<n>``: the run key of a job's n-th admission (n from 1), unique per admission."""
+    return f"batch:{job_key}:admission-{admission}"
+
+
+def _admission_counts(db: TideStore, jobs: Sequence[BatchJobRow], legacy: Mapping[str, int]) -> dict[str, int]:
+    """Each job's admissions so far (job key -> count), from the store; a count an old cursor kept (``legacy``,
+    see :class:`~flexpipe_dag.control.cursor.TideCursor`) above the stored one is written to the store first."""
+    counts: dict[str, int] = {}
+    for j in jobs:
+        counts[j.job_key] = max(j.admissions, legacy.get(j.job_key, 0))
+        if counts[j.job_key] > j.admissions:
+            db.update_job(j.id, admissions=counts[j.job_key])
+    return counts
 
 
 def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_s: float | None = None,
@@ -349,6 +368,10 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
             ``tide.time_compression``.
         forecaster: the tide history's forecaster (default: built from ``tide.history_file``).
 
+    The cursor keeps no per-job state (its size is bounded); each admission increments the job row's
+    ``admissions``, which numbers its run key, so a job admitted again (paused, or finished and queued
+    again) never repeats a run key Dagster has seen.
+
     Raises:
         InputError: ``cursor`` is not a tide cursor (:class:`~flexpipe_dag.control.cursor.TideCursor`,
             field named); the tide history cannot be read.
@@ -356,7 +379,6 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     state = TideCursor.parse(cursor)
     cfg = tide
     ema_rps, last_id, gate = state.ema_rps, state.last_sample_id, state.gate
-    admissions = dict(state.admissions)
     rows = db.read_samples(after_id=last_id)
     for _, smp in rows:
         ema_rps = ema(ema_rps, smp.rps, cfg.ema_alpha)
@@ -370,6 +392,7 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     gear = db.load_gear(gear_id) if gear_id else None
     capacity = gear.rps_max if gear else float("inf")
     batch_jobs = db.jobs(kind="batch")
+    admissions = _admission_counts(db, batch_jobs, state.admissions)
     running = [j for j in batch_jobs if j.status == "running"]
     gate = gate.model_copy(update={"running": bool(running) or gate.running and any(
         j.status == "admitted" for j in batch_jobs)})
@@ -387,9 +410,8 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     elif act.action == "admit":
         admit = [j for j in batch_jobs if j.status in ("queued", "paused") and j.config]
         for j in admit:
-            admissions[j.job_key] = admissions.get(j.job_key, 0) + 1
-            db.update_job(j.id, status="admitted")
-    new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, admissions=admissions, gate=gate,
-                            gear_id=gear_id).dump()
+            admissions[j.job_key] += 1
+            db.update_job(j.id, status="admitted", admissions=admissions[j.job_key])
+    new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, gate=gate, gear_id=gear_id).dump()
     return TideEvaluation(decision if act is None else act, new_cursor, tuple(admit), tuple(paused),
-                          {j.job_key: f"batch:{j.job_key}:admission-{admissions[j.job_key]}" for j in admit})
+                          {j.job_key: admission_run_key(j.job_key, admissions[j.job_key]) for j in admit})

@@ -152,8 +152,8 @@ def test_downgrade_below_the_admission_count_names_the_loss(store):
     from flexpipe_dag.sql.store import downgrade
 
     store.update_job(store.get_or_create_job("offline-1", "batch"), admissions=2)
-    with pytest.raises(InputError, match=r"0008 -> 0007: inference_jobs\.admissions, the admission counts of 1 jobs"):
-        downgrade(store.engine, "0007")
+    with pytest.raises(InputError, match=r"0009 -> 0008: inference_jobs\.admissions, the admission counts of 1 jobs"):
+        downgrade(store.engine, "0008")
 
 
 def _lab_profile():

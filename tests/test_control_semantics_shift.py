@@ -144,6 +144,32 @@ def test_one_decision_is_one_event_row_whatever_the_retries(store_res):
         f"declined:{d1.decision.trigger}:throughput-2s->{d1.decision.to_gear_id}@t{d1.decision.t_s:.1f}@serve-1")
 
 
+@pytest.mark.parametrize(("repeat_s", "stored_t_s"), [(600.0, [36.0]), (200.0, [36.0, 244.0, 452.0]),
+                                                      (0.0, [36.0 + 16.0 * i for i in range(37)])])
+def test_a_decline_that_keeps_firing_is_stored_once_per_decline_repeat_s(store_res, repeat_s, stored_t_s):
+    """Inside the dwell the same decline comes at every evaluation; it is stored again only after decline_repeat_s
+    (the samples' clock), and every evaluation still returns the decision."""
+    db = store_res.get_store()
+    settings = ResolvedControlSettings(controller=ControllerConfig(decline_repeat_s=repeat_s))
+    db.write_samples("serve-1", _samples("latency-1s", [2.0, 2.0]))
+    ev = evaluate_gear_shift(db, None, settings)
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6, t0=4.0))
+    ev = evaluate_gear_shift(db, ev.cursor, settings)
+    assert ev.decision.action == "shift"
+    seen = []
+    for i in range(37):  # t_s 36 .. 612, all inside the 1800-s dwell
+        db.write_samples("serve-1", _samples("throughput-2s", [0.5] * 8, t0=20.0 + 16.0 * i))
+        ev = evaluate_gear_shift(db, ev.cursor, settings)
+        assert ev.decision.declined and ev.decision.reason_kind == "dwell"
+        seen.append(ev.decision.t_s)
+        if ev.event_id is None:
+            assert ev.note.startswith("alike the decline stored at t_s=") and ev.note.endswith(
+                f"not stored again within decline_repeat_s {repeat_s:g} s")
+    assert seen == [36.0 + 16.0 * i for i in range(37)]
+    declined = [e for e in db.shift_events() if e.status == "declined"]
+    assert [e.details["t_s"] for e in declined] == stored_t_s
+
+
 def test_decision_keys_name_the_run_the_samples_came_from():
     d = Controller().decide(None, _samples("latency-1s", [12.0] * 6), GEARS)[1]
     assert d.action == "shift"

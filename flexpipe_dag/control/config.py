@@ -155,6 +155,12 @@ class ControllerConfig(Figures):
     shift_timeout_s: PositiveFloat = Field(
         300.0, description="a shift not seen in the samples after this long is taken as failed/rolled back")
 
+    decline_repeat_s: NonNegFloat = Field(
+        600.0, description="a declined decision alike the last one stored for the run (same trigger, reason kind, "
+                           "from and to gear) is stored again only after this long on the samples' clock: a trigger "
+                           "that keeps firing with nowhere to go leaves one row per this many seconds, not one per "
+                           "sample; 0 = store every declined decision")
+
     # live pipeline and sensor evaluations --------------------------------------------------------
     sample_freshness_s: PositiveFloat = Field(
         120.0, description="no shift is taken on samples whose newest was written (wall clock) more than this long "

@@ -25,6 +25,14 @@ class GearShiftCursor(NamedTuple):
     last_sample_id: int | None
     run_key: str | None
     raised_by: str | None = None
+    #: ``(signature, t_s)`` of the last declined decision stored for the run (:func:`decline_signature`).
+    last_decline: tuple[str, float] | None = None
+
+
+def decline_signature(trigger: str | None, reason_kind: str | None, from_gear_id: str | None,
+                      to_gear_id: str | None) -> str:
+    """What makes two declined decisions alike: ``<trigger>|<reason kind>|<from>-><to>``."""
+    return f"{trigger}|{reason_kind}|{from_gear_id}->{to_gear_id}"
 
 
 def read_gear_shift_cursor(cursor: str | None) -> GearShiftCursor:
@@ -41,7 +49,9 @@ def read_gear_shift_cursor(cursor: str | None) -> GearShiftCursor:
         raised_by = doc.get("raised_by")
         if raised_by is not None and raised_by not in TRIGGER_PRIORITY:
             raise ValueError(f"raised_by {raised_by!r} is not a trigger")
-        return GearShiftCursor(state, doc.get("last_sample_id"), doc.get("run_key"), raised_by)
+        last = doc.get("last_decline")
+        last_decline = None if last is None else (str(last[0]), float(last[1]))
+        return GearShiftCursor(state, doc.get("last_sample_id"), doc.get("run_key"), raised_by, last_decline)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InputError("gear_shift_sensor cursor", None, f"cannot parse: {exc}") from None
 
@@ -52,22 +62,26 @@ def parse_cursor(cursor: str | None) -> tuple[ControllerState | None, int | None
     Raises:
         InputError: the cursor is not one :func:`make_cursor` wrote (named "gear_shift_sensor cursor").
     """
-    state, last_id, run_key, _ = read_gear_shift_cursor(cursor)
+    state, last_id, run_key, *_ = read_gear_shift_cursor(cursor)
     return state, last_id, run_key
 
 
 def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_key: str | None = None,
-                raised_by: str | None = None) -> str:
+                raised_by: str | None = None, last_decline: tuple[str, float] | None = None) -> str:
     """The cursor :func:`parse_cursor` reads back: sorted-key JSON of the state, the row id and the run key.
 
     ``raised_by`` (written only when set) is the trigger that raised the dwell threshold in a backlog page
     read without deciding (:meth:`~flexpipe_dag.control.controller.Controller.observe`), for the decision
-    when the backlog is read.
+    when the backlog is read. ``last_decline`` (written only when set) is the signature and time of the
+    last declined decision stored for the run, so an alike one is not stored again within
+    ``decline_repeat_s``.
     """
     doc: dict[str, object] = {"controller": state.to_cursor() if state else None, "last_sample_id": last_sample_id,
                               "run_key": run_key}
     if raised_by is not None:
         doc["raised_by"] = raised_by
+    if last_decline is not None:
+        doc["last_decline"] = list(last_decline)
     return json.dumps(doc, sort_keys=True)
 
 

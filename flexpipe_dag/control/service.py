@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from flexpipe_dag.control.controller import Controller
-from flexpipe_dag.control.cursor import TideCursor, make_cursor, read_gear_shift_cursor
+from flexpipe_dag.control.cursor import TideCursor, decline_signature, make_cursor, read_gear_shift_cursor
 from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.state import ControllerState, Decision, ReasonKind
 from flexpipe_dag.control.tide import (
@@ -262,12 +262,14 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
     Returns:
         The evaluation; a decision is stored (``record_shift_event`` with its :func:`decision_key`, status
         ``decided`` for a shift, ``declined`` for a declined one, addressed to the followed run) only when a
-        trigger fired.
+        trigger fired. A declined decision alike the last one stored for the run (:func:`decline_signature`)
+        within ``controller.decline_repeat_s`` on the samples' clock is returned but not stored (``event_id``
+        None, ``note`` says so): a trigger that keeps firing with nowhere to go leaves one row per that time.
 
     Raises:
         InputError: ``cursor`` is not one this service wrote; the tide history cannot be read.
     """
-    state, last_id, followed, raised_by = read_gear_shift_cursor(cursor)
+    state, last_id, followed, raised_by, last_decline = read_gear_shift_cursor(cursor)
     config = settings.controller
     controller = Controller(config)
     now_s = time.time() if epoch_s is None else epoch_s
@@ -275,10 +277,10 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
     if run_key is None:
         newest = db.latest_sample_run_key()
         why = db.pipeline_liveness(newest).why_not_live(now_s, config.sample_freshness_s) if newest else None
-        return ShiftEvaluation(None, make_cursor(state, last_id, followed, raised_by),
+        return ShiftEvaluation(None, make_cursor(state, last_id, followed, raised_by, last_decline),
                                note="no live serving run writes metric samples" + (f" ({why})" if why else ""))
     if run_key != followed:
-        state, raised_by = None, None
+        state, raised_by, last_decline = None, None, None
     live = db.pipeline_liveness(run_key)
     started_s = time.monotonic()
     read = 0
@@ -286,7 +288,8 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
     while True:
         rows = db.read_samples(run_key=run_key, after_id=last_id, limit=config.evaluation_page_samples)
         if not rows:
-            return ShiftEvaluation(None, make_cursor(state, last_id, run_key, raised_by), samples_read=read)
+            return ShiftEvaluation(None, make_cursor(state, last_id, run_key, raised_by, last_decline),
+                                   samples_read=read)
         samples = [s for _, s in rows]
         read += len(rows)
         last_id = rows[-1][0]
@@ -300,7 +303,7 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
         why = live.why_not_live(now_s, config.sample_freshness_s) if caught_up else None
         if not caught_up or why is not None:
             state, raised_by = controller.observe(state, samples, gears, **args)
-            cursor = make_cursor(state, last_id, run_key, raised_by)
+            cursor = make_cursor(state, last_id, run_key, raised_by, last_decline)
             if why is not None:
                 return ShiftEvaluation(_hold(controller, state, f"hold: {why}", "not_live"), cursor, samples_read=read)
             if time.monotonic() - started_s < config.evaluation_budget_s:
@@ -310,9 +313,20 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
                       f"newest is read")
             return ShiftEvaluation(_hold(controller, state, reason, "backlog"), cursor, samples_read=read, backlog=True)
         new_state, decision = controller.decide(state, samples, gears, **args)
-        cursor = make_cursor(new_state, last_id, run_key)
         if decision.action != "shift" and not decision.declined:
-            return ShiftEvaluation(decision, cursor, samples_read=read)
+            return ShiftEvaluation(decision, make_cursor(new_state, last_id, run_key, None, last_decline),
+                                   samples_read=read)
+        if decision.declined:
+            signature = decline_signature(decision.trigger, decision.reason_kind, decision.from_gear_id,
+                                          decision.to_gear_id)
+            if (last_decline is not None and last_decline[0] == signature
+                    and decision.t_s - last_decline[1] < config.decline_repeat_s):
+                return ShiftEvaluation(decision, make_cursor(new_state, last_id, run_key, None, last_decline),
+                                       samples_read=read,
+                                       note=f"alike the decline stored at t_s={last_decline[1]:g}: not stored again "
+                                            f"within decline_repeat_s {config.decline_repeat_s:g} s")
+            last_decline = (signature, float(decision.t_s))
+        cursor = make_cursor(new_state, last_id, run_key, None, last_decline)
         key = decision_key(decision, run_key, run_key_prefix)
         event_id = db.record_shift_event(
             decision.action, "decided" if decision.action == "shift" else "declined", decision.reason,

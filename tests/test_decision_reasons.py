@@ -196,13 +196,25 @@ DECLINES = [
 def test_alike_consecutive_declines_fold_into_one_episode():
     assert decline_episodes(list(reversed(DECLINES))) == [
         {"first_t_s": 10.0, "last_t_s": 12.0, "count": 2, "from_gear": "lat", "to_gear": "bal",
-         "trigger": "rps_above_envelope", "kind": "dwell", "reason": "declined: a; inside dwell (0.2 of 10.0 min)"},
+         "triggers": "rps_above_envelope", "kind": "dwell", "reason": "declined: a; inside dwell (0.2 of 10.0 min)"},
         {"first_t_s": 14.0, "last_t_s": 14.0, "count": 1, "from_gear": "lat", "to_gear": None,
-         "trigger": "rps_above_envelope", "kind": "no_gear_holds",
+         "triggers": "rps_above_envelope", "kind": "no_gear_holds",
          "reason": "declined: b; no gear holds this load: rps 25/s is outside every healthy gear's envelope"},
         {"first_t_s": 16.0, "last_t_s": 16.0, "count": 1, "from_gear": "lat", "to_gear": "bal",
-         "trigger": "rps_above_envelope", "kind": "dwell", "reason": "declined: a; inside dwell (0.3 of 10.0 min)"},
+         "triggers": "rps_above_envelope", "kind": "dwell", "reason": "declined: a; inside dwell (0.3 of 10.0 min)"},
     ]
+
+
+def test_declines_of_one_kind_with_alternating_triggers_are_one_episode():
+    """Seen in the demo: the load above every envelope and latency well under the SLO fire in turn while no gear
+    holds the load; that is one situation, one episode, its triggers listed in the order they fired."""
+    alternating = [{"t_s": 20.0 + 2 * i, "from_gear": "thr", "to_gear": None, "kind": "no_gear_holds",
+                    "trigger": ("rps_above_envelope", "latency_under", "forecast_above_envelope")[i % 3],
+                    "reason": f"declined: {i}"} for i in range(7)]
+    assert decline_episodes(alternating) == [
+        {"first_t_s": 20.0, "last_t_s": 32.0, "count": 7, "from_gear": "thr", "to_gear": None,
+         "triggers": "rps_above_envelope, latency_under, forecast_above_envelope", "kind": "no_gear_holds",
+         "reason": "declined: 6"}]
 
 
 def test_the_html_report_lists_declined_shifts(tmp_path):

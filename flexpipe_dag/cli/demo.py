@@ -28,6 +28,8 @@ from pathlib import Path
 
 from flexpipe_dag.core.errors import InputError
 
+#: Declined-shift episodes the summary prints (the HTML report lists them all).
+DECLINES_SHOWN = 6
 FLEET_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "clusters" / "fragmented_lab.yaml"
 
 
@@ -162,8 +164,14 @@ def print_summary(summary: dict, report: str) -> None:
     for sh in summary["shifts"]:
         print(f"   shift at {sh['t_s']:.0f} s: {sh['from_gear']} -> {sh['to_gear']} [{sh['status']}, "
               f"{sh.get('timings_s', {}).get('total', 0):.0f} s]: {sh['reason']}")
-    for d in summary.get("declines", []):
-        print(f"   declined {d['count']}x at {d['first_t_s']:.0f}..{d['last_t_s']:.0f} s [{d['kind']}]: {d['reason']}")
+    episodes = summary.get("declines", [])
+    for d in episodes[:DECLINES_SHOWN]:
+        print(f"   declined {d['count']}x at {d['first_t_s']:.0f}..{d['last_t_s']:.0f} s [{d['kind']}; "
+              f"{d['triggers']}]: {d['reason']}")
+    if len(episodes) > DECLINES_SHOWN:
+        rest = episodes[DECLINES_SHOWN:]
+        print(f"   ... {len(rest)} more declined episode(s), {sum(d['count'] for d in rest)} declines, "
+              f"{rest[0]['first_t_s']:.0f}..{rest[-1]['last_t_s']:.0f} s: listed in the report")
     for d in summary.get("offline_admissions", []):
         print(f"   offline at {d['t_s']:.0f} s: {d['reason']}")
     print(f"   report: {report}")

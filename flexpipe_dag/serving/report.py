@@ -29,21 +29,30 @@ def _pct(values: Sequence[float | None], q: float) -> float | None:
 
 
 def decline_episodes(declines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive declines of the same trigger, kind and considered target folded into one episode each.
+    """Consecutive declines of the same kind from the same gear folded into one episode each.
+
+    The situation an operator acts on is the kind (dwell, payback, no gear holds the load, no
+    candidate) on the serving gear; the triggers that fired during it (the load above the envelope,
+    then latency well under the SLO, ...) are listed, not split into episodes of their own.
 
     Returns:
-        ``{"first_t_s", "last_t_s", "count", "from_gear", "to_gear", "trigger", "kind", "reason"}`` per
-        episode, in time order; ``reason`` is the episode's last (its figures are the newest).
+        ``{"first_t_s", "last_t_s", "count", "from_gear", "to_gear", "triggers", "kind", "reason"}`` per
+        episode, in time order; ``triggers`` the distinct triggers in the order they fired, joined by ", ";
+        ``to_gear`` and ``reason`` are the episode's last (its figures are the newest).
     """
     episodes: list[dict[str, Any]] = []
     for d in sorted(declines, key=lambda x: x["t_s"]):
-        key = (d.get("from_gear"), d.get("to_gear"), d.get("trigger"), d.get("kind"))
+        key = (d.get("from_gear"), d.get("kind"))
         last = episodes[-1] if episodes else None
-        if last is not None and (last["from_gear"], last["to_gear"], last["trigger"], last["kind"]) == key:
-            last.update(last_t_s=d["t_s"], count=last["count"] + 1, reason=d["reason"])
+        if last is not None and (last["from_gear"], last["kind"]) == key:
+            seen = [t for t in last["triggers"].split(", ") if t]
+            if d.get("trigger") and d["trigger"] not in seen:
+                last["triggers"] = ", ".join([*seen, d["trigger"]])
+            last.update(last_t_s=d["t_s"], count=last["count"] + 1, to_gear=d.get("to_gear"), reason=d["reason"])
         else:
             episodes.append({"first_t_s": d["t_s"], "last_t_s": d["t_s"], "count": 1, "from_gear": key[0],
-                             "to_gear": key[1], "trigger": key[2], "kind": key[3], "reason": d["reason"]})
+                             "to_gear": d.get("to_gear"), "triggers": d.get("trigger") or "", "kind": key[1],
+                             "reason": d["reason"]})
     return episodes
 
 
@@ -179,7 +188,7 @@ def write_html_report(path: str | Path, title: str, summary: dict[str, Any], sam
         f"<td>{html.escape(sh['reason'])}</td></tr>" for sh in summary["shifts"])
     declines = "".join(
         f"<tr><td>{d['first_t_s']:.1f}</td><td>{d['last_t_s']:.1f}</td><td>{d['count']}</td>"
-        + "".join(f"<td>{html.escape(str(d.get(k) or '-'))}</td>" for k in ("from_gear", "to_gear", "trigger", "kind"))
+        + "".join(f"<td>{html.escape(str(d.get(k) or '-'))}</td>" for k in ("from_gear", "to_gear", "triggers", "kind"))
         + f"<td>{html.escape(d['reason'])}</td></tr>" for d in summary.get("declines", ()))
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse;margin:1em 0}}
@@ -191,8 +200,9 @@ duplicates {summary['duplicates']}, {summary['output_tokens_per_s']} output toke
 <th>e2e p50</th><th>e2e p99</th></tr>{rows}</table>
 <h2>Shifts</h2><table><tr><th>t (s)</th><th>from</th><th>to</th><th>trigger</th><th>status</th><th>reason</th></tr>{shifts}</table>
 <h2>Declined shifts</h2><p>{len(summary.get('declines', ()))} episode(s): a trigger fired and the controller held;
-each row folds consecutive alike declines (kinds: dwell, payback, no_gear_holds, no_candidate) and shows the last reason.</p>
-<table><tr><th>first t (s)</th><th>last t (s)</th><th>times</th><th>from</th><th>considered</th><th>trigger</th>
+each row folds consecutive declines of one kind (dwell, payback, no_gear_holds, no_candidate) on one gear, lists the triggers
+that fired and shows the last reason.</p>
+<table><tr><th>first t (s)</th><th>last t (s)</th><th>times</th><th>from</th><th>considered (last)</th><th>triggers</th>
 <th>kind</th><th>reason</th></tr>{declines}</table>
 {img(load_vs_gear_png(samples, summary['shifts']), 'load vs gear')}
 {img(stage_utilisation_png(samples), 'stage utilisation')}

@@ -40,7 +40,7 @@ import numpy as np
 from flexpipe_dag.core.catalog import gpu_catalog
 from flexpipe_dag.core.cluster import ClusterProfile, parse_cluster_profile
 from flexpipe_dag.core.errors import InfeasibleError, InputError
-from flexpipe_dag.planner.capacity_math import CapacityNeed, cards_by_memory, need_steps
+from flexpipe_dag.planner.capacity_math import DEFAULT_RESERVE, CapacityNeed, capacity_need, cards_by_memory, need_steps
 from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix
 from flexpipe_dag.planner.envelope import probe_gear, reference_slice
 from flexpipe_dag.planner.envelope_model import estimate_envelope
@@ -362,3 +362,37 @@ def confirm_mix(mix: Mix, need: CapacityNeed, reference: Workload, *, num_reques
                      "ttft_p99_ms": probe.ttft_p99_ms, "tpot_p99_ms": probe.tpot_p99_ms})
     return Confirmation(load_rps=need.load_rps, slo_attainment=met / total if total else 0.0,
                         promised_attainment=slo_attainment, lost=lost, num_requests=len(ref), per_option=rows)
+
+
+def capacity_report(model: ModelSpec, trace: Workload, prices: GpuPrices, *, load_rps: float, slo_ttft_ms: float,
+                    slo_tpot_ms: float, dtype: str = "bf16", context_p95_tokens: int | None = None,
+                    output_p95_tokens: int | None = None, reserve_fraction: float = DEFAULT_RESERVE,
+                    gpu_types: Sequence[str] | None = None, confirm_requests: int | None = 1000,
+                    instance_sizes: int = DEFAULT_INSTANCE_SIZES,
+                    progress: Callable[[str], None] | None = None) -> CapacityPlan:
+    """The whole path of the module docstring, from a trace and a load to a confirmed plan.
+
+    Args:
+        trace: gives the mean prompt / output lengths, the P95s (unless given) and the replay.
+        context_p95_tokens / output_p95_tokens: override the trace's P95s (tokens).
+        confirm_requests: requests of the trace replayed per instance in the simulator (None: skip).
+
+    Raises:
+        InputError: a bad figure (named). InfeasibleError: no type serves the load within the SLO.
+    """
+    figures = trace_figures(trace, model)
+    context = context_p95_tokens if context_p95_tokens is not None else figures.context_p95_tokens
+    if model.max_context_tokens and context > model.max_context_tokens:
+        raise InputError(None, "--context-p95", f"{context} tokens exceeds {model.name}'s max context of "
+                                                f"{model.max_context_tokens}; expected 1..{model.max_context_tokens}")
+    output = output_p95_tokens if output_p95_tokens is not None else min(figures.output_p95_tokens, context)
+    need = capacity_need(model, dtype=dtype, load_rps=load_rps, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                         context_p95_tokens=context, output_p95_tokens=output, reserve_fraction=reserve_fraction)
+    plan = plan_capacity(model, need, figures.workload, prices, gpu_types, instance_sizes=instance_sizes,
+                         progress=progress)
+    if confirm_requests is not None and plan.mix is not None:
+        if progress:
+            progress("replaying the trace in the simulator")
+        plan.confirmation = confirm_mix(plan.mix, need, figures.served, num_requests=confirm_requests,
+                                        slo_attainment=plan.slo_attainment, max_context_tokens=model.max_context_tokens)
+    return plan

@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexpipe_dag.planner.capacity import capacity_report, confirm_mix, trace_figures  # noqa: E402
-from flexpipe_dag.planner.capacity_mix import max_rps_within  # noqa: E402
-from flexpipe_dag.planner.model_spec import ModelSpec  # noqa: E402
-from flexpipe_dag.planner.prices import load_prices  # noqa: E402
-from flexpipe_dag.workload.bundled import load_trace  # noqa: E402
+from flexpipe_dag.planner.capacity import capacity_report, confirm_mix, trace_figures
+from flexpipe_dag.planner.capacity_mix import max_rps_within
+from flexpipe_dag.planner.model_spec import ModelSpec
+from flexpipe_dag.planner.prices import load_prices
+from flexpipe_dag.workload.bundled import load_trace
 
 MODELS = ("Llama-2-7B", "Llama-3-8B", "Mistral-7B")
 SLOS_MS = ((2000.0, 100.0), (1000.0, 60.0))

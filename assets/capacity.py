@@ -39,7 +39,7 @@ def forecast_peak_rps(history, load_rps: float | None) -> tuple[float, str]:
     return peak, f"peak of the tide history's daily profile ({history.source or 'tide history'})"
 
 
-@asset(group_name="planning", description="Cards per GPU type and the cheapest mix (exact ILP) that serve the model at "
+@asset(group_name="capacity", description="Cards per GPU type and the cheapest mix (exact ILP) that serve the model at "
                                           "the SLO for the forecast peak of the tide with the reserve, confirmed in "
                                           "the simulator; the arithmetic step by step in the metadata.")
 def capacity_plan(context: AssetExecutionContext, config: CapacityConfig, planning: PlanningSettings,

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_capacity(plan, console=None) -> None:
-    """Human output: one row per GPU type alone and one for the cheapest mix, then the steps."""
+    """Human output: one row per GPU type alone and one for the cheapest mix (instances as ``count x cards
+    type``), then the steps."""
     from flexpipe_dag.cli.tables import cli_console, format_number, new_table
 
     console = console or cli_console()
@@ -114,20 +115,18 @@ def print_capacity(plan, console=None) -> None:
         if mix is None:
             table.add_row(label, "-", "no plan", "-", "-", "-", "-", "-")
             return
-        inst = ", ".join(f"{k} x {o.cards}-card ({o.gear.num_stages} st, mb {o.gear.micro_batch_size})"
-                         for o, k in mix.instances)
+        inst = " + ".join(f"{k} x {o.cards} {o.gpu_type}" for o, k in mix.instances)
         table.add_row(label, str(mix.cards), inst, format_number(mix.rps_max, 2), format_number(mix.rps_with_reserve, 2),
                       f"{format_number(mix.kv_capacity_tokens)} / {format_number(need.kv_need_tokens)}",
                       format_number(mix.cost_per_hour, 2), format_number(plan.cost_per_million_output_tokens(mix), 3))
 
     for t in plan.types:
-        row(f"{t.gpu_type} alone", t.mix)
-    mix = plan.mix
-    row("cheapest mix: " + " + ".join(f"{n} x {g}" for g, n in mix.cards_by_type().items()), mix)
+        row(t.gpu_type, t.mix)
+    row("cheapest mix", plan.mix)
     table.caption = f"prices: {plan.price_source or 'user file'}"
     console.print(table)
     for line in plan.steps():
-        console.print(line, highlight=False, markup=False)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     c = plan.confirmation
     if c is not None and not c.passed:
         console.print(f"warning: the simulator measured SLO attainment {c.slo_attainment:.3f} (lost {c.lost}) at "

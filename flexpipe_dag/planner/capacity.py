@@ -166,7 +166,9 @@ class CapacityPlan:
                          f"{t.cards_whole_by_memory} card(s) hold weights + the whole KV need, a pipeline needs at least "
                          f"{t.cards_smallest_instance} (weights + one P95 sequence)")
             for o in t.options:
-                lines.append(f"  {o.cards} x {t.gpu_type} pipeline: SLO envelope {o.rps_max:.3f} req/s, with reserve "
+                gear = (f" (gear {o.gear.gear_id}: {o.gear.num_stages} stage(s), micro-batch {o.gear.micro_batch_size})"
+                        if o.gear is not None else "")
+                lines.append(f"  {o.cards} x {t.gpu_type} pipeline{gear}: SLO envelope {o.rps_max:.3f} req/s, with reserve "
                              f"{o.rps_max * (1 - self.need.reserve_fraction):.3f}; KV pool {o.kv_capacity_tokens} tokens")
             if t.mix is not None:
                 lines.append(f"  {t.gpu_type} alone: {_describe(t.mix)} = {t.mix.cards} cards, carries "

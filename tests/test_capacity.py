@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,7 +19,7 @@ from flexpipe_dag.planner.capacity_math import (
     little_concurrency,
     need_steps,
 )
-from flexpipe_dag.planner.capacity_mix import InstanceOption, cheapest_mix, max_rps_within
+from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix, max_rps_within
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
 from flexpipe_dag.planner.prices import load_prices
 
@@ -205,3 +206,39 @@ def test_capacity_plan_asset_materialises(tmp_path, monkeypatch):
     assert meta["cost_per_hour"].value == pytest.approx(0.53 * meta["cards"].value)
     assert not math.isnan(meta["simulated_slo_attainment"].value)
     assert "Little's law" in meta["steps"].value
+
+
+def test_a_plan_the_simulator_refutes_is_re_solved_with_measured_envelopes():
+    from flexpipe_dag.planner.capacity import (
+        capacity_need,
+        confirm_mix,
+        plan_capacity,
+        refine_with_simulator,
+        trace_figures,
+    )
+    from flexpipe_dag.workload.bundled import load_trace
+
+    model = ModelSpec.from_builtin("Llama-3-8B")
+    figures = trace_figures(load_trace("azure-conv"), model)
+    need = capacity_need(model, dtype="bf16", load_rps=2.0, slo_ttft_ms=2000.0, slo_tpot_ms=100.0,
+                         context_p95_tokens=2048, output_p95_tokens=400)
+    plan = plan_capacity(model, need, figures.workload, load_prices(), [A100], instance_sizes=2)
+    (option, _), = plan.mix.instances
+    # promise 100 times the analytic envelope at 20 times its load: one pipeline, which the replay refutes
+    inflated = dataclasses.replace(option, rps_max=option.rps_max * 100)
+    heavy = dataclasses.replace(need, load_rps=20 * option.rps_max)
+    t = plan.types[0]
+    options = [inflated if o is option else o for o in t.options]
+    bad_mix = Mix([(inflated, 1)], 0.15)
+    bad = dataclasses.replace(plan, need=heavy, types=[dataclasses.replace(t, options=options, mix=bad_mix)],
+                              mix=bad_mix)
+    bad.confirmation = confirm_mix(bad_mix, heavy, figures.served, num_requests=200,
+                                   max_context_tokens=model.max_context_tokens)
+    assert not bad.confirmation.passed
+    fixed = refine_with_simulator(bad, figures.served, num_requests=200, max_context_tokens=model.max_context_tokens)
+    (note,) = fixed.notes
+    assert note.startswith(f"the simulator measured the {inflated.cards} x {A100} pipeline's envelope at ")
+    measured = next(o for o in fixed.types[0].options if o.cards == inflated.cards)
+    assert measured.rps_max < inflated.rps_max
+    assert fixed.mix.rps_with_reserve >= heavy.load_rps and fixed.confirmation is not None
+    assert any(line.startswith("simulator: the simulator measured") for line in fixed.steps())

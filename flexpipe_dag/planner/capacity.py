@@ -19,7 +19,9 @@ The path, for each GPU type asked about (every step shown in :meth:`CapacityPlan
 5. cost per hour and per million output tokens at the load (``cost_per_hour / (load_rps x mean
    output tokens x 3600 / 1e6)``);
 6. :func:`confirm_mix` replays the trace through the simulator at the load, each instance at its
-   share (proportional to its envelope), and reports the measured SLO attainment beside the promise.
+   share (proportional to its envelope), and reports the measured SLO attainment beside the promise;
+   when it misses, :func:`refine_with_simulator` measures the failing pipelines' envelopes in the
+   simulator, re-solves with them and replays again (at most :data:`MAX_REFINEMENTS` rounds).
 
 A load no card type can serve within the SLO (e.g. a TPOT target below the fastest card's decode
 step for the model) raises :class:`~flexpipe_dag.core.errors.InfeasibleError` with the reason.
@@ -56,6 +58,8 @@ from flexpipe_dag.workload.request import Workload
 DEFAULT_INSTANCE_SIZES = 4
 #: Cards per node of a homogeneous cluster (intra-node links between them, the network between nodes).
 NODE_CARDS = 8
+#: Rounds of :func:`refine_with_simulator` when the chosen fleet's replay misses its promise.
+MAX_REFINEMENTS = 2
 #: Largest pipeline instance planned, cards (the cluster profile's limit is far above).
 MAX_INSTANCE_CARDS = 64
 
@@ -176,6 +180,7 @@ class CapacityPlan:
                              f"{self.need.kv_need_tokens} tokens, {t.mix.cost_per_hour:.2f} {self.currency}/h")
             elif t.note:
                 lines.append(f"  {t.gpu_type}: {t.note}")
+        lines += [f"simulator: {note}" for note in self.notes]
         if self.mix is not None:
             lines.append(f"cheapest mix (exact ILP): {_describe(self.mix)} = {self.mix.cards} cards, "
                          f"{self.mix.cost_per_hour:.2f} {self.currency}/h, "
@@ -397,4 +402,66 @@ def capacity_report(model: ModelSpec, trace: Workload, prices: GpuPrices, *, loa
             progress("replaying the trace in the simulator")
         plan.confirmation = confirm_mix(plan.mix, need, figures.served, num_requests=confirm_requests,
                                         slo_attainment=plan.slo_attainment, max_context_tokens=model.max_context_tokens)
+        for _ in range(MAX_REFINEMENTS):
+            if plan.confirmation is None or plan.confirmation.passed:
+                break
+            if progress:
+                progress("the replay missed the promise: measuring envelopes in the simulator")
+            plan = refine_with_simulator(plan, figures.served, num_requests=confirm_requests,
+                                         max_context_tokens=model.max_context_tokens)
     return plan
+
+
+def refine_with_simulator(plan: CapacityPlan, reference: Workload, *, num_requests: int,
+                          max_context_tokens: int | None = None) -> CapacityPlan:
+    """One round of correcting the plan by measurement when its replay missed the promise.
+
+    Each pipeline option of the mix whose replay missed (attainment under the promise, or a request
+    lost) gets its envelope *measured* in the simulator
+    (:func:`~flexpipe_dag.planner.envelope.measure_envelope`: bisection on the rate, the same replay
+    as the confirmation) and keeps the lower of the analytic and measured figures; every type's fleet
+    and the mix are re-solved (the same exact ILP) and replayed again. The replay that failed ran at
+    a rate the measured envelope cannot reach, so each round lowers at least one envelope.
+
+    Raises:
+        InfeasibleError: with the measured envelopes no type serves the load.
+        InputError: the plan has no confirmation (nothing to refine) or a degenerate trace.
+    """
+    from flexpipe_dag.planner.envelope import measure_envelope
+
+    conf, mix, need = plan.confirmation, plan.mix, plan.need
+    if conf is None or mix is None:
+        raise InputError(None, "confirmation", "refining needs a plan replayed in the simulator")
+    config = SimConfig(max_context_tokens=max_context_tokens)
+    replaced: dict[int, InstanceOption] = {}
+    notes = list(plan.notes)
+    for (option, _), row in zip(mix.instances, conf.per_option):
+        if row["slo_attainment"] >= conf.promised_attainment and row["lost"] == 0:
+            continue
+        env = measure_envelope(option.gear, option.timing, reference, slo_ttft_ms=need.slo_ttft_ms,
+                               slo_tpot_ms=need.slo_tpot_ms, attainment=plan.slo_attainment,
+                               num_requests=num_requests, start_rps=option.rps_max, sim_config=config)
+        rps = min(option.rps_max, env.rps_max)
+        replaced[id(option)] = dataclasses.replace(option, rps_max=rps)
+        notes.append(f"the simulator measured the {option.cards} x {option.gpu_type} pipeline's envelope at "
+                     f"{env.rps_max:.3f} req/s (analytic {option.rps_max:.3f}); the plan was re-solved with {rps:.3f}")
+    types = []
+    for t in plan.types:
+        options = [replaced.get(id(o), o) for o in t.options]
+        if options == t.options:
+            types.append(t)
+            continue
+        fleet = cheapest_mix(options, load_rps=need.load_rps, kv_need_tokens=need.kv_need_tokens,
+                             reserve_fraction=need.reserve_fraction)
+        types.append(dataclasses.replace(t, options=options, mix=fleet, note="" if fleet else "no fleet of this type "
+                                         "meets the SLO with the envelopes the simulator measured"))
+    new_mix = cheapest_mix([o for t in types for o in t.options], load_rps=need.load_rps,
+                           kv_need_tokens=need.kv_need_tokens, reserve_fraction=need.reserve_fraction)
+    if new_mix is None:
+        raise InfeasibleError(f"with the envelopes the simulator measured, no fleet of {', '.join(t.gpu_type for t in types)} "
+                              f"serves {need.load_rps:g} req/s within TTFT {need.slo_ttft_ms:g} ms and TPOT "
+                              f"{need.slo_tpot_ms:g} ms")
+    refined = dataclasses.replace(plan, types=types, mix=new_mix, notes=notes, confirmation=None)
+    refined.confirmation = confirm_mix(new_mix, need, reference, num_requests=num_requests,
+                                       slo_attainment=plan.slo_attainment, max_context_tokens=max_context_tokens)
+    return refined

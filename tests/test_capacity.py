@@ -180,6 +180,8 @@ def test_cli_json_shape_and_simulator_confirmation(capsys):
     conf = out["confirmation"]
     assert conf["load_rps"] == 2.0 and conf["num_requests"] == 60 and 0 <= conf["slo_attainment"] <= 1
     assert conf["passed"] == (conf["slo_attainment"] >= 0.95 and conf["lost"] == 0)
+    for t in out["types"]:  # every type's fleet is replayed too
+        assert t["plan"] is None or t["confirmation"]["load_rps"] == 2.0
     assert any(s.startswith("concurrency (Little's law") for s in out["steps"])
     assert any(s.startswith("cheapest mix (exact ILP)") for s in out["steps"])
 

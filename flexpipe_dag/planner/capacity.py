@@ -18,10 +18,11 @@ The path, for each GPU type asked about (every step shown in :meth:`CapacityPlan
    pools hold the KV need), and over all types' options together for the cheapest mix;
 5. cost per hour and per million output tokens at the load (``cost_per_hour / (load_rps x mean
    output tokens x 3600 / 1e6)``);
-6. :func:`confirm_mix` replays the trace through the simulator at the load, each instance at its
-   share (proportional to its envelope), and reports the measured SLO attainment beside the promise;
-   when it misses, :func:`refine_with_simulator` measures the failing pipelines' envelopes in the
-   simulator, re-solves with them and replays again (at most :data:`MAX_REFINEMENTS` rounds).
+6. :func:`confirm_plan` replays the trace through the simulator at the load for the mix and each
+   type's fleet (:func:`confirm_mix`: each instance at its share, proportional to its envelope), and
+   reports the measured SLO attainment beside the promise; when one misses,
+   :func:`refine_with_simulator` measures the failing pipelines' envelopes in the simulator,
+   re-solves with them and replays again (at most :data:`MAX_REFINEMENTS` rounds).
 
 A load no card type can serve within the SLO (e.g. a TPOT target below the fastest card's decode
 step for the model) raises :class:`~flexpipe_dag.core.errors.InfeasibleError` with the reason.
@@ -120,6 +121,7 @@ class TypePlan:
     best_tpot_idle_ms: float = math.inf
     best_ttft_idle_ms: float = math.inf
     note: str = ""
+    confirmation: Confirmation | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,11 @@ class CapacityPlan:
         """``cost_per_hour / (load_rps x output_tokens_mean x 3600 / 1e6)``, currency per 1e6 output tokens."""
         return mix.cost_per_hour / (self.need.load_rps * self.output_tokens_mean * 3600 / 1e6)
 
+    def all_confirmed(self) -> bool:
+        """The mix and every type's fleet were replayed and kept their promise."""
+        fleets = [self.confirmation] + [t.confirmation for t in self.types if t.mix is not None]
+        return all(c is not None and c.passed for c in fleets)
+
     def best_single_type(self) -> TypePlan | None:
         """The cheapest type alone (ties: fewer cards), or None when no type serves the load."""
         able = [t for t in self.types if t.mix is not None]
@@ -177,7 +184,9 @@ class CapacityPlan:
             if t.mix is not None:
                 lines.append(f"  {t.gpu_type} alone: {_describe(t.mix)} = {t.mix.cards} cards, carries "
                              f"{t.mix.rps_with_reserve:.3f} >= {self.need.load_rps:g} req/s, KV {t.mix.kv_capacity_tokens} >= "
-                             f"{self.need.kv_need_tokens} tokens, {t.mix.cost_per_hour:.2f} {self.currency}/h")
+                             f"{self.need.kv_need_tokens} tokens, {t.mix.cost_per_hour:.2f} {self.currency}/h"
+                             + (f"; simulator: SLO attainment {t.confirmation.slo_attainment:.3f}, lost "
+                                f"{t.confirmation.lost}" if t.confirmation is not None else ""))
             elif t.note:
                 lines.append(f"  {t.gpu_type}: {t.note}")
         lines += [f"simulator: {note}" for note in self.notes]
@@ -207,6 +216,9 @@ class CapacityPlan:
                                    "micro_batch_size": o.gear.micro_batch_size if o.gear is not None else None}
                                   for o, k in m.instances]}
 
+        def conf_dict(c: Confirmation | None) -> dict[str, Any] | None:
+            return None if c is None else {**dataclasses.asdict(c), "passed": c.passed}
+
         return {
             "need": self.need.to_dict(), "output_tokens_mean": self.output_tokens_mean,
             "slo_attainment": self.slo_attainment, "currency": self.currency, "price_source": self.price_source,
@@ -215,10 +227,10 @@ class CapacityPlan:
                        "cards_smallest_instance": t.cards_smallest_instance,
                        "options": [{"cards": o.cards, "rps_max": o.rps_max, "kv_capacity_tokens": o.kv_capacity_tokens,
                                     "gear_id": o.gear.gear_id if o.gear is not None else None} for o in t.options],
-                       "plan": mix_dict(t.mix), "note": t.note or None} for t in self.types],
+                       "plan": mix_dict(t.mix), "note": t.note or None,
+                       "confirmation": conf_dict(t.confirmation)} for t in self.types],
             "mix": mix_dict(self.mix),
-            "confirmation": None if self.confirmation is None else {
-                **dataclasses.asdict(self.confirmation), "passed": self.confirmation.passed},
+            "confirmation": conf_dict(self.confirmation),
             "notes": self.notes, "steps": self.steps(),
         }
 
@@ -400,13 +412,13 @@ def capacity_report(model: ModelSpec, trace: Workload, prices: GpuPrices, *, loa
     if confirm_requests is not None and plan.mix is not None:
         if progress:
             progress("replaying the trace in the simulator")
-        plan.confirmation = confirm_mix(plan.mix, need, figures.served, num_requests=confirm_requests,
-                                        slo_attainment=plan.slo_attainment, max_context_tokens=model.max_context_tokens)
+        plan = confirm_plan(plan, figures.served, num_requests=confirm_requests,
+                            max_context_tokens=model.max_context_tokens)
         for _ in range(MAX_REFINEMENTS):
-            if plan.confirmation is None or plan.confirmation.passed:
+            if plan.all_confirmed():
                 break
             if progress:
-                progress("the replay missed the promise: measuring envelopes in the simulator")
+                progress("a replay missed the promise: measuring envelopes in the simulator")
             plan = refine_with_simulator(plan, figures.served, num_requests=confirm_requests,
                                          max_context_tokens=model.max_context_tokens)
     return plan
@@ -416,8 +428,8 @@ def refine_with_simulator(plan: CapacityPlan, reference: Workload, *, num_reques
                           max_context_tokens: int | None = None) -> CapacityPlan:
     """One round of correcting the plan by measurement when its replay missed the promise.
 
-    Each pipeline option of the mix whose replay missed (attainment under the promise, or a request
-    lost) gets its envelope *measured* in the simulator
+    Each pipeline option of a fleet (the mix or a type alone) whose replay missed (attainment under
+    the promise, or a request lost) gets its envelope *measured* in the simulator
     (:func:`~flexpipe_dag.planner.envelope.measure_envelope`: bisection on the rate, the same replay
     as the confirmation) and keeps the lower of the analytic and measured figures; every type's fleet
     and the mix are re-solved (the same exact ILP) and replayed again. The replay that failed ran at
@@ -429,15 +441,17 @@ def refine_with_simulator(plan: CapacityPlan, reference: Workload, *, num_reques
     """
     from flexpipe_dag.planner.envelope import measure_envelope
 
-    conf, mix, need = plan.confirmation, plan.mix, plan.need
-    if conf is None or mix is None:
+    need = plan.need
+    fleets = [(plan.mix, plan.confirmation)] + [(t.mix, t.confirmation) for t in plan.types]
+    if plan.confirmation is None or plan.mix is None:
         raise InputError(None, "confirmation", "refining needs a plan replayed in the simulator")
     config = SimConfig(max_context_tokens=max_context_tokens)
     replaced: dict[int, InstanceOption] = {}
     notes = list(plan.notes)
-    for (option, _), row in zip(mix.instances, conf.per_option):
-        if row["slo_attainment"] >= conf.promised_attainment and row["lost"] == 0:
-            continue
+    failing = {id(option): option for fleet, conf in fleets if fleet is not None and conf is not None
+               for (option, _), row in zip(fleet.instances, conf.per_option)
+               if row["slo_attainment"] < conf.promised_attainment or row["lost"]}
+    for option in failing.values():
         env = measure_envelope(option.gear, option.timing, reference, slo_ttft_ms=need.slo_ttft_ms,
                                slo_tpot_ms=need.slo_tpot_ms, attainment=plan.slo_attainment,
                                num_requests=num_requests, start_rps=option.rps_max, sim_config=config)
@@ -462,6 +476,26 @@ def refine_with_simulator(plan: CapacityPlan, reference: Workload, *, num_reques
                               f"serves {need.load_rps:g} req/s within TTFT {need.slo_ttft_ms:g} ms and TPOT "
                               f"{need.slo_tpot_ms:g} ms")
     refined = dataclasses.replace(plan, types=types, mix=new_mix, notes=notes, confirmation=None)
-    refined.confirmation = confirm_mix(new_mix, need, reference, num_requests=num_requests,
-                                       slo_attainment=plan.slo_attainment, max_context_tokens=max_context_tokens)
-    return refined
+    return confirm_plan(refined, reference, num_requests=num_requests, max_context_tokens=max_context_tokens)
+
+
+def confirm_plan(plan: CapacityPlan, reference: Workload, *, num_requests: int,
+                 max_context_tokens: int | None = None) -> CapacityPlan:
+    """``plan`` with its mix and every type's fleet replayed by :func:`confirm_mix` (a fleet replayed once).
+
+    Raises:
+        InputError: a degenerate trace, or an option not planned by :func:`plan_capacity`.
+    """
+    done: dict[tuple[tuple[int, int], ...], Confirmation] = {}
+
+    def replay(mix: Mix) -> Confirmation:
+        key = tuple((id(o), k) for o, k in mix.instances)
+        if key not in done:
+            done[key] = confirm_mix(mix, plan.need, reference, num_requests=num_requests,
+                                    slo_attainment=plan.slo_attainment, max_context_tokens=max_context_tokens)
+        return done[key]
+
+    types = [dataclasses.replace(t, confirmation=replay(t.mix)) if t.mix is not None else t for t in plan.types]
+    out = dataclasses.replace(plan, types=types)
+    out.confirmation = replay(plan.mix) if plan.mix is not None else None
+    return out

@@ -7,12 +7,14 @@ Six cases: three bundled models (Llama-2-7B, Llama-3-8B, Mistral-7B) x two SLOs 
 (CC-BY-4.0), with the design's 15 % reserve and the bundled example prices.
 
 For each case :func:`~flexpipe_dag.planner.capacity.capacity_report` plans each GPU type alone and
-the cheapest mix (exact ILP). The card count checked is that of the cheapest single type. Then, for
-the same type and instance options, the simulator replays the trace at the load on the configuration
-with the most SLO capacity that fits in ``N``, ``N - 1``, ... cards
-(:func:`~flexpipe_dag.planner.capacity_mix.max_rps_within`; each instance at its share), down to the
-first count whose replay misses the promise (attainment >= 0.95, nothing lost): the smallest count
-confirmed. Goals, printed as met / not met:
+the cheapest mix (exact ILP), replays each fleet in the simulator and, where a replay misses, re-solves
+with measured envelopes. The card count checked is that of the cheapest single type. The smallest
+count the simulator confirms: every pipeline option of that type gets its envelope measured in the
+simulator (:func:`~flexpipe_dag.planner.envelope.measure_envelope`); for ``n = 1, 2, ...`` cards the
+instances with the most measured capacity on at most ``n`` cards
+(:func:`~flexpipe_dag.planner.capacity_mix.max_rps_within`) are replayed at the load (each at its
+share); the first ``n`` that holds the load and keeps the promise (attainment >= 0.95, nothing lost)
+is the smallest confirmed count. Goals, printed as met / not met:
 
 * the plan's count is confirmed, and equals the smallest confirmed count or exceeds it by one card
   (the reserve);
@@ -23,6 +25,7 @@ confirmed. Goals, printed as met / not met:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -31,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpipe_dag.planner.capacity import capacity_report, confirm_mix, trace_figures
 from flexpipe_dag.planner.capacity_mix import max_rps_within
+from flexpipe_dag.planner.envelope import measure_envelope
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.prices import load_prices
+from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.workload.bundled import load_trace
 
 MODELS = ("Llama-2-7B", "Llama-3-8B", "Mistral-7B")
@@ -41,39 +46,38 @@ LOAD_RPS = 4.0
 GPU_TYPES = "A100-SXM-80GB,L40S,A10"
 
 
-#: How many cards above the plan's count are tried when the plan's own count is not confirmed.
+#: How many cards above the plan's count the search for the smallest confirmed count goes.
 MAX_EXTRA_CARDS = 4
 
 
-def _confirmed(plan, type_plan, trace, model, requests: int, cards: int) -> bool | None:
-    """Whether the most SLO capacity on ``cards`` cards of the type passes the replay (None: no configuration)."""
+def measured_options(plan, type_plan, trace, model, requests: int) -> list:
+    """The type's pipeline options with their envelopes measured in the simulator (bisection on the rate)."""
     need = plan.need
-    config = max_rps_within(type_plan.options, cards=cards, kv_need_tokens=need.kv_need_tokens,
-                            reserve_fraction=need.reserve_fraction)
-    if config is None:
-        return None
-    return confirm_mix(config, need, trace, num_requests=requests, slo_attainment=plan.slo_attainment,
-                       max_context_tokens=model.max_context_tokens).passed
+    config = SimConfig(max_context_tokens=model.max_context_tokens)
+    return [dataclasses.replace(o, rps_max=measure_envelope(
+        o.gear, o.timing, trace, slo_ttft_ms=need.slo_ttft_ms, slo_tpot_ms=need.slo_tpot_ms,
+        attainment=plan.slo_attainment, num_requests=requests, start_rps=o.rps_max, sim_config=config).rps_max)
+        for o in type_plan.options]
 
 
-def smallest_confirmed(plan, type_plan, trace, model, requests: int) -> tuple[int | None, bool]:
-    """``(smallest confirmed count, plan's count confirmed)`` for ``type_plan``'s options at the plan's load.
+def smallest_confirmed(plan, type_plan, trace, model, requests: int) -> int | None:
+    """The fewest cards of the type whose best configuration the simulator confirms at the plan's load.
 
-    Down from the plan's count while the replay passes; when the plan's count itself fails, up to
-    :data:`MAX_EXTRA_CARDS` more until one passes.
+    For ``n = 1, 2, ...`` cards: the instances with the most *measured* SLO capacity on at most ``n``
+    cards that hold the KV need (:func:`max_rps_within`); the first ``n`` whose measured capacity holds
+    the load (no reserve) and whose replay keeps the promise.
     """
-    cards = type_plan.mix.cards
-    if not _confirmed(plan, type_plan, trace, model, requests, cards):
-        for n in range(cards + 1, cards + MAX_EXTRA_CARDS + 1):
-            if _confirmed(plan, type_plan, trace, model, requests, n):
-                return n, False
-        return None, False
-    smallest = cards
-    for n in range(cards - 1, 0, -1):
-        if not _confirmed(plan, type_plan, trace, model, requests, n):
-            break
-        smallest = n
-    return smallest, True
+    need = plan.need
+    options = measured_options(plan, type_plan, trace, model, requests)
+    for n in range(1, type_plan.mix.cards + MAX_EXTRA_CARDS + 1):
+        config = max_rps_within(options, cards=n, kv_need_tokens=need.kv_need_tokens,
+                                reserve_fraction=need.reserve_fraction)
+        if config is None or config.rps_max < need.load_rps:
+            continue
+        if confirm_mix(config, need, trace, num_requests=requests, slo_attainment=plan.slo_attainment,
+                       max_context_tokens=model.max_context_tokens).passed:
+            return n
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                                    gpu_types=types, confirm_requests=args.requests)
             best = plan.best_single_type()
             assert best is not None and best.mix is not None and plan.mix is not None
-            smallest, planned_ok = smallest_confirmed(plan, best, served, model, args.requests)
+            smallest = smallest_confirmed(plan, best, served, model, args.requests)
+            planned_ok = best.confirmation is not None and best.confirmation.passed
             n = best.mix.cards
             ok_count = planned_ok and smallest is not None and n - smallest in (0, 1)
             ratio = plan.mix.cost_per_hour / best.mix.cost_per_hour

@@ -15,7 +15,7 @@ import sys
 from flexpipe_dag.core.errors import FlexPipeError, one_line
 
 #: Sub-command modules, in the order ``flexpipe --help`` lists them.
-SUBCOMMAND_MODULES = ("profile", "plan", "simulate", "run", "worker", "shift", "calibrate", "store", "demo")
+SUBCOMMAND_MODULES = ("profile", "plan", "capacity", "simulate", "run", "worker", "shift", "calibrate", "store", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

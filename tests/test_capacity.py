@@ -1,0 +1,246 @@
+"""Capacity planning: the arithmetic by hand, the price file, the exact ILP, the CLI and the Dagster asset."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+from dagster import materialize
+
+from flexpipe_dag.cli import main
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.planner.capacity import homogeneous_cluster
+from flexpipe_dag.planner.capacity_math import (
+    capacity_need,
+    cards_by_memory,
+    check_reserve,
+    little_concurrency,
+    need_steps,
+)
+from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix, max_rps_within
+from flexpipe_dag.planner.model_spec import GIB, ModelSpec
+from flexpipe_dag.planner.prices import load_prices
+
+pytest.importorskip("scipy.optimize")
+
+A100 = "A100-SXM-80GB"
+
+
+# -- the arithmetic, by hand ---------------------------------------------------------------------
+def test_llama3_8b_bf16_kv_is_128_kib_per_token_and_little_concurrency():
+    need = capacity_need(ModelSpec.from_builtin("Llama-3-8B"), dtype="bf16", load_rps=2.0, slo_ttft_ms=1000.0,
+                         slo_tpot_ms=50.0, context_p95_tokens=2048, output_p95_tokens=400, reserve_fraction=0.15)
+    assert need.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072  # 128 KiB
+    assert need.weight_bytes == 8030261248 * 2  # 8.03 B parameters in bf16
+    assert need.residence_s == pytest.approx(21.0)  # 1 s + 400 x 50 ms
+    assert need.concurrency == 42  # ceil(2 req/s x 21 s)
+    assert need.kv_need_tokens == 42 * 2048 == 86016
+    assert need.kv_need_bytes == 86016 * 131072
+    assert "KV per token: 2 x layers x kv_heads x head_dim x bytes = 131072 B = 128 KiB" in need_steps(need)
+
+
+def test_little_concurrency_rounds_up_and_is_at_least_one():
+    assert little_concurrency(0.5, 2000.0, 100.0, 100) == (pytest.approx(12.0), 6)
+    assert little_concurrency(0.01, 100.0, 10.0, 1) == (pytest.approx(0.11), 1)
+    assert little_concurrency(3.0, 500.0, 25.0, 20)[1] == 3  # exactly 1.0 s x 3 req/s: no spurious extra
+
+
+def test_llama3_70b_needs_more_than_one_80gb_card():
+    model = ModelSpec.from_builtin("Llama-3-70B")
+    need = capacity_need(model, dtype="bf16", load_rps=1.0, slo_ttft_ms=2000.0, slo_tpot_ms=100.0,
+                         context_p95_tokens=2048, output_p95_tokens=400)
+    assert need.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2 == 327680  # 320 KiB
+    assert need.weight_bytes / GIB == pytest.approx(131.4165, abs=1e-4)  # 70.55 B parameters in bf16
+    usable = homogeneous_cluster(A100, 1).devices[0].usable_memory_gib(0.15)
+    assert usable == pytest.approx((80.0 - 0.5) * 0.85)  # 67.575 GiB: CUDA context, then the 15 % reserve
+    whole, smallest = cards_by_memory(need, usable * GIB)
+    assert need.concurrency == 42 and need.kv_need_bytes == 42 * 2048 * 327680
+    assert smallest == 2  # (131.42 GiB + one 2048-token sequence 0.625 GiB) / 67.575 = 1.95
+    assert whole == 3  # (131.42 + 26.25 GiB of KV) / 67.575 = 2.33
+
+
+def test_reserve_outside_the_design_range_is_refused():
+    assert check_reserve(0.1) == 0.1
+    with pytest.raises(InputError, match=r"--reserve: expected 0.1..0.15"):
+        check_reserve(0.2)
+
+
+def test_output_p95_over_context_is_refused():
+    with pytest.raises(InputError, match="--output-p95: 500 tokens exceeds the P95 context of 400"):
+        capacity_need(ModelSpec.from_builtin("Llama-3-8B"), dtype="bf16", load_rps=1.0, slo_ttft_ms=1000.0,
+                      slo_tpot_ms=50.0, context_p95_tokens=400, output_p95_tokens=500)
+
+
+# -- prices ----------------------------------------------------------------------------------------
+def test_bundled_prices_are_examples_for_catalog_types():
+    prices = load_prices()
+    assert prices.currency == "USD" and "example" in prices.source
+    assert prices.price("T4") == 0.53 and prices.price(A100) == 5.12
+
+
+@pytest.mark.parametrize(("body", "field", "problem"), [
+    ("per_gpu_hour:\n  T4: -1\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0"),
+    ("per_gpu_hour:\n  T4: .nan\n", "per_gpu_hour.T4", "got nan"),
+    ("per_gpu_hour:\n  T4: 0\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0"),
+    ("per_gpu_hour:\n  X9000: 1.0\n", "per_gpu_hour.X9000", "unknown GPU type 'X9000'"),
+    ("per_gpu_hour:\n  T4: cheap\n", "per_gpu_hour.T4", "expected a price per GPU-hour (a number > 0), got 'cheap'"),
+    ("per_gpu_hour:\n  T4: 1.0\ndiscount: 0.1\n", "discount", "Extra inputs are not permitted"),
+    ("currency: USD\n", "per_gpu_hour", "Field required"),
+])
+def test_price_file_validation_names_file_and_field(tmp_path, body, field, problem):
+    path = tmp_path / "prices.yaml"
+    path.write_text(body)
+    with pytest.raises(InputError) as exc:
+        load_prices(path)
+    assert exc.value.source == str(path) and exc.value.field == field
+    assert problem in exc.value.problem
+
+
+def test_type_without_price_is_refused(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("per_gpu_hour:\n  T4: 0.5\n")
+    with pytest.raises(InputError, match="no price for L4; the file prices T4"):
+        load_prices(path).price("L4")
+
+
+# -- the exact ILP ---------------------------------------------------------------------------------
+def _opt(gpu: str, cards: int, rps: float, price: float, kv: int = 10**6) -> InstanceOption:
+    return InstanceOption(gpu_type=gpu, cards=cards, rps_max=rps, kv_capacity_tokens=kv, price_per_card_hour=price)
+
+
+def test_ilp_picks_the_cheaper_mix_over_either_type_alone():
+    a, b = _opt("A", 1, 6.0, 1.0), _opt("B", 1, 4.0, 0.7)
+    # load 8 at 15 % reserve: A alone needs 2 cards (10.2 req/s, 2.00/h), B alone 3 (10.2, 2.10/h);
+    # one of each carries (6 + 4) x 0.85 = 8.5 >= 8 for 1.70/h
+    assert cheapest_mix([a], load_rps=8.0, kv_need_tokens=1, reserve_fraction=0.15).cost_per_hour == 2.0
+    assert cheapest_mix([b], load_rps=8.0, kv_need_tokens=1, reserve_fraction=0.15).cost_per_hour == pytest.approx(2.1)
+    mix = cheapest_mix([a, b], load_rps=8.0, kv_need_tokens=1, reserve_fraction=0.15)
+    assert mix.cost_per_hour == pytest.approx(1.7) and mix.cards_by_type() == {"A": 1, "B": 1}
+    assert mix.rps_with_reserve == pytest.approx(8.5)
+
+
+def test_ilp_respects_the_kv_need_and_skips_options_without_envelope():
+    fast_small = _opt("A", 1, 100.0, 1.0, kv=1000)
+    roomy = _opt("B", 2, 1.0, 1.0, kv=50_000)
+    dead = _opt("C", 1, 0.0, 0.01)
+    mix = cheapest_mix([fast_small, roomy, dead], load_rps=1.0, kv_need_tokens=60_000, reserve_fraction=0.1)
+    # 60,000 KV tokens: 2 x roomy (4 cards, 100,000 tokens) costs 4.0; 1 roomy + 10 fast_small costs 12.0
+    assert [(o.gpu_type, k) for o, k in mix.instances] == [("B", 2)] and mix.kv_capacity_tokens == 100_000
+    assert cheapest_mix([dead], load_rps=1.0, kv_need_tokens=1, reserve_fraction=0.1) is None
+
+
+def test_max_rps_within_a_card_budget():
+    two, three = _opt("A", 2, 5.0, 1.0), _opt("A", 3, 9.0, 1.0)
+    best = max_rps_within([two, three], cards=7, kv_need_tokens=1, reserve_fraction=0.15)
+    assert best.cards == 7 and best.rps_max == 19.0  # 2 + 2 + 3 cards beat 2 x 3 (18) and 3 x 2 (15)
+    assert max_rps_within([three], cards=2, kv_need_tokens=1, reserve_fraction=0.15) is None
+
+
+# -- the command ------------------------------------------------------------------------------------
+def test_infeasible_tpot_is_refused_with_the_reason(capsys):
+    rc = main(["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "1", "--load-rps", "1",
+               "--gpu-types", A100, "--no-simulate"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1
+    assert err.startswith("flexpipe capacity: infeasible: TPOT SLO 1 ms is below what any card reaches for Llama-3-8B: "
+                          f"the fastest, {A100}, takes ")
+    assert "ms per output token even unloaded" in err
+
+
+def test_bad_price_file_exits_2_naming_it(tmp_path, capsys):
+    path = tmp_path / "p.yaml"
+    path.write_text("per_gpu_hour:\n  A100-SXM-80GB: -3\n")
+    rc = main(["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100", "--load-rps", "1",
+               "--price-file", str(path)])
+    assert rc == 2
+    assert f"{path}: per_gpu_hour.A100-SXM-80GB: expected a price per GPU-hour > 0" in capsys.readouterr().err
+
+
+def test_cli_json_shape_and_simulator_confirmation(capsys):
+    rc = main(["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100", "--load-rps", "2",
+               "--gpu-types", f"{A100},A10", "--context-p95", "2048", "--output-p95", "400", "--requests", "60", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"need", "types", "mix", "confirmation", "steps", "currency", "price_source"}
+    need = out["need"]
+    assert need["kv_bytes_per_token"] == 131072 and need["concurrency"] == 84  # ceil(2 x (2 s + 400 x 0.1 s))
+    assert need["kv_need_tokens"] == 84 * 2048 and need["reserve_fraction"] == 0.15
+    assert [t["gpu_type"] for t in out["types"]] == [A100, "A10"]
+    mix = out["mix"]
+    assert mix["cards"] == sum(i["cards"] * i["count"] for i in mix["instances"]) >= 1
+    assert mix["rps_with_reserve"] >= 2.0 and mix["kv_capacity_tokens"] >= mix["kv_need_tokens"]
+    singles = [t["plan"]["cost_per_hour"] for t in out["types"] if t["plan"]]
+    assert mix["cost_per_hour"] <= min(singles) + 1e-9
+    price = {A100: 5.12, "A10": 1.01}
+    assert mix["cost_per_hour"] == pytest.approx(sum(n * price[g] for g, n in mix["cards_by_type"].items()))
+    tokens_per_hour = 2.0 * out["output_tokens_mean"] * 3600 / 1e6
+    assert mix["cost_per_million_output_tokens"] == pytest.approx(mix["cost_per_hour"] / tokens_per_hour)
+    conf = out["confirmation"]
+    assert conf["load_rps"] == 2.0 and conf["num_requests"] == 60 and 0 <= conf["slo_attainment"] <= 1
+    assert conf["passed"] == (conf["slo_attainment"] >= 0.95 and conf["lost"] == 0)
+    for t in out["types"]:  # every type's fleet is replayed too
+        assert t["plan"] is None or t["confirmation"]["load_rps"] == 2.0
+    assert any(s.startswith("concurrency (Little's law") for s in out["steps"])
+    assert any(s.startswith("cheapest mix (exact ILP)") for s in out["steps"])
+
+
+# -- the asset ---------------------------------------------------------------------------------------
+def test_capacity_plan_asset_materialises(tmp_path, monkeypatch):
+    from flexpipe_dag.assets.capacity import capacity_plan, forecast_peak_rps
+    from flexpipe_dag.control.tide import load_history
+    from flexpipe_dag.resources.control import ControlSettings
+    from flexpipe_dag.resources.planning import PlanningSettings
+
+    monkeypatch.setenv("FLEXPIPE_HOME", str(tmp_path))
+    control = ControlSettings()
+    planning = PlanningSettings(model="SmolLM2-135M", reference_requests=60, load_rps=0.2)
+    result = materialize([capacity_plan], resources={"planning": planning, "control": control},
+                         run_config={"ops": {"capacity_plan": {"config": {"gpu_types": "T4"}}}})
+    assert result.success
+    meta = result.asset_materializations_for_node("capacity_plan")[0].metadata
+    peak, _ = forecast_peak_rps(load_history(control.tide_config()), 0.2)
+    profile = load_history(control.tide_config()).daily_profile()
+    assert peak == pytest.approx(0.2 * profile.max() / profile.mean())
+    assert meta["load_rps"].value == pytest.approx(peak)
+    assert meta["cards"].value >= 1 and meta["cards_by_type"].value == {"T4": meta["cards"].value}
+    assert meta["cost_per_hour"].value == pytest.approx(0.53 * meta["cards"].value)
+    assert not math.isnan(meta["simulated_slo_attainment"].value)
+    assert "Little's law" in meta["steps"].value
+
+
+def test_a_plan_the_simulator_refutes_is_re_solved_with_measured_envelopes():
+    from flexpipe_dag.planner.capacity import (
+        capacity_need,
+        confirm_mix,
+        plan_capacity,
+        refine_with_simulator,
+        trace_figures,
+    )
+    from flexpipe_dag.workload.bundled import load_trace
+
+    model = ModelSpec.from_builtin("Llama-3-8B")
+    figures = trace_figures(load_trace("azure-conv"), model)
+    need = capacity_need(model, dtype="bf16", load_rps=2.0, slo_ttft_ms=2000.0, slo_tpot_ms=100.0,
+                         context_p95_tokens=2048, output_p95_tokens=400)
+    plan = plan_capacity(model, need, figures.workload, load_prices(), [A100], instance_sizes=2)
+    (option, _), = plan.mix.instances
+    # promise 100 times the analytic envelope at 20 times its load: one pipeline, which the replay refutes
+    inflated = dataclasses.replace(option, rps_max=option.rps_max * 100)
+    heavy = dataclasses.replace(need, load_rps=20 * option.rps_max)
+    t = plan.types[0]
+    options = [inflated if o is option else o for o in t.options]
+    bad_mix = Mix([(inflated, 1)], 0.15)
+    bad = dataclasses.replace(plan, need=heavy, types=[dataclasses.replace(t, options=options, mix=bad_mix)],
+                              mix=bad_mix)
+    bad.confirmation = confirm_mix(bad_mix, heavy, figures.served, num_requests=200,
+                                   max_context_tokens=model.max_context_tokens)
+    assert not bad.confirmation.passed
+    fixed = refine_with_simulator(bad, figures.served, num_requests=200, max_context_tokens=model.max_context_tokens)
+    (note,) = fixed.notes
+    assert note.startswith(f"the simulator measured the {inflated.cards} x {A100} pipeline's envelope at ")
+    measured = next(o for o in fixed.types[0].options if o.cards == inflated.cards)
+    assert measured.rps_max < inflated.rps_max
+    assert fixed.mix.rps_with_reserve >= heavy.load_rps and fixed.confirmation is not None
+    assert any(line.startswith("simulator: the simulator measured") for line in fixed.steps())

@@ -272,3 +272,37 @@ def run_mixed_day(setting: DaySetting, controller: Controller, offline_jobs: Wor
     return MixedDay(duration_s=duration_s, fleet_devices=len(setting.cluster.devices),
                     static_gear_id=static_gear.gear_id, policies=policies,
                     offline_instances=[f"{len(i.device_ids)} free devices: {i.note}" for i in planner.instances])
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One bar of the issue's mixed-day goal: the dynamic policy's figure against it, and whether it is met."""
+
+    name: str
+    value: float
+    bar: str
+    met: bool
+
+
+#: The issue's bars (dynamic against static): reservation share, offline multiple, shifts per hour.
+GOAL_RESERVATION_SHARE = 0.45
+GOAL_OFFLINE_MULTIPLE = 1.5
+GOAL_SHIFTS_PER_HOUR = 4.0
+
+
+def goals(day: MixedDay, policy: str = "dynamic") -> list[Goal]:
+    """The issue's goal for ``policy`` against static: online SLO attainment no lower than static's, mean
+    online reservation <= 45 % of static's, offline tokens >= 1.5x static's, <= 4 shifts per hour (of the
+    replay's clock), 0 lost or duplicated (online requests and offline jobs)."""
+    p, s = day.policies[policy], day.policies["static"]
+    per_hour = p.shifts / (day.duration_s / 3600.0)
+    lost = p.online_lost + p.offline.lost + p.offline.duplicated
+    return [
+        Goal("online SLO attainment", p.attainment, f">= static's {s.attainment:.4f}", p.attainment >= s.attainment),
+        Goal("mean online reservation / static", day.share_of_static(policy), f"<= {GOAL_RESERVATION_SHARE:.2f}",
+             day.share_of_static(policy) <= GOAL_RESERVATION_SHARE),
+        Goal("offline tokens / static", day.offline_vs_static(policy), f">= {GOAL_OFFLINE_MULTIPLE:.1f}x",
+             day.offline_vs_static(policy) >= GOAL_OFFLINE_MULTIPLE),
+        Goal("shifts per hour", per_hour, f"<= {GOAL_SHIFTS_PER_HOUR:g}", per_hour <= GOAL_SHIFTS_PER_HOUR),
+        Goal("lost + duplicated", float(lost), "= 0", lost == 0),
+    ]

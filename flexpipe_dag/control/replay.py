@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,7 @@ def replay_controller_config(slo_ttft_ms: float, **overrides: float) -> Controll
     return ControllerConfig.model_validate(seed.model_dump() | figures)
 
 
-def lost_count(summary: Mapping) -> int:
+def lost_count(summary: Mapping[str, Any]) -> int:
     """Requests a run lost: unfinished plus rejected (a run's ``SimResult.summary``)."""
     return int(summary["unfinished"]) + int(summary["rejected"])
 
@@ -73,14 +74,16 @@ def run_static(workload: Workload, gear: Gear, timing: StageTimingModel, sim_con
 
 def window_index(times_s: np.ndarray, window_s: float, num_windows: int) -> np.ndarray:
     """The window each time falls in (``t // window_s``, the last window taking anything later)."""
-    return np.minimum((np.asarray(times_s, dtype=float) // window_s).astype(int), num_windows - 1)
+    idx: np.ndarray = np.minimum((np.asarray(times_s, dtype=float) // window_s).astype(int), num_windows - 1)
+    return idx
 
 
 def slo_met_per_window(result: SimResult, window_s: float, num_windows: int) -> np.ndarray:
     """Requests meeting both SLOs, counted by the window of their arrival; shape ``(num_windows,)``."""
     df = result.requests
     idx = window_index(df["arrival_s"].to_numpy(), window_s, num_windows)
-    return np.bincount(idx, weights=df["slo_met"].to_numpy(dtype=float), minlength=num_windows)
+    counts: np.ndarray = np.bincount(idx, weights=df["slo_met"].to_numpy(dtype=float), minlength=num_windows)
+    return counts
 
 
 def arrivals_per_window(workload: Workload, window_s: float, num_windows: int) -> np.ndarray:

@@ -34,6 +34,8 @@ def add_day_arguments(p: argparse.ArgumentParser) -> None:
                    help="simulated seconds the day is compressed into (default 7200: a day in 2 h)")
     g.add_argument("--peak-share", type=float, default=0.95,
                    help="the tide's peak = this x the largest gear envelope (default 0.95)")
+    g.add_argument("--peak-rps", type=float, default=None,
+                   help="the tide's peak, req/s (default: --peak-share x the largest gear envelope)")
     g.add_argument("--gears-from", choices=("sim", "planner"), default="sim",
                    help="sim: operating gears chosen by simulation from the planner's shortlist (minutes on a big "
                         "fleet); planner: the planner's analytic picks, envelopes simulated")
@@ -63,6 +65,8 @@ def check_day_flags(args: argparse.Namespace) -> None:
     check_number(args.peak_share, None, "--peak-share", gt=0, le=1.5, unit="share of the largest envelope")
     check_number(args.oracle_window_s, None, "--oracle-window-s", gt=0, unit="seconds")
     check_number(args.start_day, None, "--start-day", integer=True, ge=0, le=13, unit="tide day")
+    if args.peak_rps is not None:
+        check_number(args.peak_rps, None, "--peak-rps", gt=0, unit="req/s")
     if args.load_gbps is not None:
         check_number(args.load_gbps, None, "--load-gbps", gt=0, unit="GB/s")
     if args.offline_limit is not None:
@@ -118,7 +122,7 @@ def run_day(args: argparse.Namespace) -> int:
                             source=args.gears_from)
     setting = day_setting(cluster, spec, dtype, gears, start_day=args.start_day, duration_s=args.duration_s,
                           slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, peak_share=args.peak_share,
-                          window_s=args.oracle_window_s)
+                          peak_rps=args.peak_rps, window_s=args.oracle_window_s)
     day = run_mixed_day(setting, Controller(replay_controller_config(slo_ttft_ms)), backlog,
                         cycle_backlog=not args.offline_once,
                         forecast=leave_one_out_forecast(args.start_day, args.duration_s), load_gbps=args.load_gbps)

@@ -97,19 +97,22 @@ def leave_one_out_forecast(start_day: int, duration_s: float) -> ForecastFn:
 
 def day_setting(cluster: ClusterProfile, spec: ModelSpec, dtype: str, gears: OperatingGears, *, start_day: int,
                 duration_s: float, slo_ttft_ms: float, slo_tpot_ms: float, peak_share: float = 0.95,
-                window_s: float = 600.0) -> DaySetting:
-    """A :class:`~flexpipe_dag.control.mixed_day.DaySetting` for one tide day, its peak at ``peak_share``
-    x the largest finite envelope (the biggest gear can just hold it).
+                peak_rps: float | None = None, window_s: float = 600.0) -> DaySetting:
+    """A :class:`~flexpipe_dag.control.mixed_day.DaySetting` for one tide day, its peak at ``peak_rps`` req/s,
+    by default ``peak_share`` x the largest finite envelope (the biggest gear can just hold it).
 
     Raises:
-        InputError: as :func:`tide_day`; ``peak_share`` not in (0, 1.5]; no gear with a finite envelope.
+        InputError: as :func:`tide_day`; ``peak_share`` not in (0, 1.5]; no gear with a finite envelope
+            (without ``peak_rps``).
     """
-    if not 0 < peak_share <= 1.5:
-        raise InputError("mixed day", "peak_share", f"got {peak_share}; expected 0 < share <= 1.5")
-    finite = [g.rps_max for g in gears.gears if math.isfinite(g.rps_max) and g.rps_max > 0]
-    if not finite:
-        raise InputError("mixed day", "gears", "no gear has a finite envelope (rps_max) to size the peak by")
-    workload = tide_day(start_day=start_day, duration_s=duration_s, peak_rps=peak_share * max(finite))
+    if peak_rps is None:
+        if not 0 < peak_share <= 1.5:
+            raise InputError("mixed day", "peak_share", f"got {peak_share}; expected 0 < share <= 1.5")
+        finite = [g.rps_max for g in gears.gears if math.isfinite(g.rps_max) and g.rps_max > 0]
+        if not finite:
+            raise InputError("mixed day", "gears", "no gear has a finite envelope (rps_max) to size the peak by")
+        peak_rps = peak_share * max(finite)
+    workload = tide_day(start_day=start_day, duration_s=duration_s, peak_rps=peak_rps)
     return DaySetting(workload=workload, duration_s=duration_s, cluster=cluster, spec=spec, dtype=dtype,
                       gears=gears.gears, timings=gears.timings,
                       sim_config=SimConfig(slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms), window_s=window_s)

@@ -46,6 +46,8 @@ from flexpipe_dag.workload.request import Request, Workload
 DEFAULT_LOAD_GBPS = 10.0
 #: Concurrencies tried, largest first, when planning an offline instance on a set of free devices.
 OFFLINE_CONCURRENCIES = (64, 32, 16, 8, 4)
+#: Most jobs handed to one instance for one stretch (the doubling of ``run_offline`` stops here).
+MAX_CHUNK_JOBS = 1 << 20
 
 
 def sub_cluster(cluster: ClusterProfile, device_ids: Iterable[str]) -> ClusterProfile:
@@ -256,12 +258,14 @@ def run_offline(segments: Sequence[tuple[float, float, frozenset[str]]], planner
     Args:
         segments: ``(start_s, end_s, free device ids)``, day clock; adjacent equal sets are merged.
         warmup: charge each new instance its weight load (False: free restarts, for a bound).
-        chunk_jobs: jobs handed to the instance at a time (more are handed when they are done).
+        chunk_jobs: jobs first handed to an instance for a stretch; doubled (and the stretch simulated
+            again) while the instance runs dry before the stretch ends, so it never idles with work queued.
 
     Returns:
         The :class:`OfflineRun`; jobs unfinished at a stretch's end are back in ``backlog``.
     """
     run = OfflineRun()
+    sizes: dict[frozenset[str], int] = {}
     sim_config = SimConfig(max_context_tokens=planner.spec.max_context_tokens, context_policy="truncate",
                            slo_ttft_ms=1e12, slo_tpot_ms=1e12)
     for start_s, end_s, free in merge_segments(segments):
@@ -273,30 +277,37 @@ def run_offline(segments: Sequence[tuple[float, float, frozenset[str]]], planner
         load_s = inst.load_s if warmup else 0.0
         run.warmup_s += min(load_s, end_s - start_s)
         t = start_s + load_s
-        while t < end_s:
-            jobs = backlog.take(chunk_jobs)
+        if t >= end_s:
+            continue
+        # hand the instance enough jobs for the whole stretch: a pipeline that ran dry and restarted would
+        # pay a cold start (every slot prefilling at once) a real instance streaming its queue never pays
+        n = sizes.get(free, chunk_jobs)
+        while True:
+            jobs = backlog.take(n)
             if not jobs:
                 break
             sim = Simulator(Workload.from_requests(jobs, name="offline"), inst.gear, inst.timing, sim_config)
             sim.advance(end_s - t)
             df = sim.result().requests
             done = df["finish_s"].notna().to_numpy() & ~df["rejected"].to_numpy(dtype=bool)
-            finish = df["finish_s"].to_numpy(dtype=float)
-            tokens = (df["input_tokens"] + df["output_tokens"]).to_numpy()
-            out_tokens = df["output_tokens"].to_numpy()
-            for i in sorted(range(len(jobs)), key=lambda j: finish[j] if done[j] else math.inf):
-                if done[i]:
-                    run.completions.append(Completion(t + float(finish[i]), jobs[i].request_id, int(tokens[i]),
-                                                      int(out_tokens[i])))
-            unfinished = [r for r, ok in zip(jobs, done) if not ok]
-            run.refused += int(df["rejected"].sum())
-            started = df["first_token_s"].notna().to_numpy()
-            run.preempted += int((started & ~done).sum())
-            if unfinished:  # back at the front: the next instance (or stretch) starts them again
-                backlog.put_back(unfinished)
-            if not sim.finished or not done.any():
-                break  # the stretch is over (or this instance can hold none of the jobs left)
-            t += float(finish[done].max())
+            if sim.finished and len(jobs) == n and done.any() and n < MAX_CHUNK_JOBS:
+                backlog.put_back(jobs)  # it ran dry before the stretch ended: again, with twice the jobs
+                n *= 2
+                continue
+            break
+        sizes[free] = n
+        if not jobs:
+            continue
+        finish = df["finish_s"].to_numpy(dtype=float)
+        tokens = (df["input_tokens"] + df["output_tokens"]).to_numpy()
+        out_tokens = df["output_tokens"].to_numpy()
+        run.completions.extend(Completion(t + float(finish[i]), jobs[i].request_id, int(tokens[i]), int(out_tokens[i]))
+                               for i in range(len(jobs)) if done[i])
+        run.refused += int(df["rejected"].sum())
+        run.preempted += int((df["first_token_s"].notna().to_numpy() & ~done).sum())
+        unfinished = [r for r, ok in zip(jobs, done) if not ok]
+        if unfinished:  # back at the front: the next instance (or stretch) starts them again
+            backlog.put_back(unfinished)
     run.completions.sort(key=lambda c: c.t_s)
     run.taken = backlog.taken
     run.pending = backlog.waiting_returned

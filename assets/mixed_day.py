@@ -34,7 +34,7 @@ class MixedDayConfig(Config):
     cycle_backlog: bool = Field(default=True, description="repeat the backlog without end (it outlasts the day)")
 
 
-@asset(group_name="planning", description="A day of online tide plus an offline backlog: static vs dynamic shifting "
+@asset(group_name="mixed_day", deps=["gpu_profile"], description="A day of online tide plus an offline backlog: static vs dynamic shifting "
                                           "vs the per-window oracle; reservation curve and offline tokens over the day.")
 def mixed_day(context: AssetExecutionContext, config: MixedDayConfig, planning: PlanningSettings,
               store: StoreResource) -> MaterializeResult:

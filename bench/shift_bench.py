@@ -114,96 +114,34 @@ from pathlib import Path
 import numpy as np
 from pydantic import ValidationError
 
-from flexpipe_dag.control import Controller, ControllerConfig, drain_time_s, migration_cost_fn, weight_transfer_s
+from flexpipe_dag.control import Controller, ControllerConfig
+from flexpipe_dag.control.replay import (
+    ATTAINMENT,
+    REPLAY_CONTROLLER,
+    arrivals_per_window,
+    cheapest_holding_gear,
+    hold_end_s,
+    lost_count,
+    opening_gear,
+    run_dynamic,
+    run_static,
+    slo_met_per_window,
+)
 from flexpipe_dag.control.tide import TideForecaster, tide_forecast
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import FlexPipeError
 from flexpipe_dag.planner.envelope import SelectionSettings, refine_envelopes, select_operating_gears
 from flexpipe_dag.planner.gears import candidate_gears, make_search, plan_gear_set
 from flexpipe_dag.planner.model_spec import ModelSpec
-from flexpipe_dag.sim import SimConfig, Simulator
+from flexpipe_dag.sim import SimConfig
 from flexpipe_dag.sim.device_hours import device_usage
 from flexpipe_dag.workload import load_tide_trace, load_trace, shape_by_tide
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Share of requests that must meet the SLO: the bar envelopes are measured at, and the one a run must
-#: clear to be compared on goodput per device-hour.
-ATTAINMENT = 0.95
+#: Controller figures beyond the design's seeds that this bench sets; each is a flag (``--device-weight`` ...).
+BENCH_CONTROLLER = REPLAY_CONTROLLER
+_lost = lost_count
 
-
-def _lost(summary: dict) -> int:
-    return int(summary["unfinished"]) + int(summary["rejected"])
-
-
-def hold_end_s(result, duration_s: float) -> float:
-    """When a run hands its devices back: its last request's finish, but not before the replay ends, s."""
-    finish = result.requests["finish_s"].to_numpy(dtype=float)
-    finish = finish[~np.isnan(finish)]
-    return max(float(duration_s), float(finish.max()) if finish.size else 0.0)
-
-
-def run_static(workload, gear, timing, sim_config: SimConfig):
-    """Serve the whole replay on one gear; the simulator's :class:`~flexpipe_dag.sim.results.SimResult`."""
-    return Simulator(workload, gear, timing, sim_config).run()
-
-
-def slo_met_per_window(result, window_s: float, num_windows: int) -> np.ndarray:
-    """Requests meeting both SLOs, counted by the window of their arrival; shape ``(num_windows,)``."""
-    df = result.requests
-    idx = np.minimum((df["arrival_s"].to_numpy() // window_s).astype(int), num_windows - 1)
-    return np.bincount(idx, weights=df["slo_met"].to_numpy(dtype=float), minlength=num_windows)
-
-
-def run_dynamic(workload, gears, timings, start_gear, sim_config: SimConfig, controller: Controller,
-                cluster, spec, dtype: str, output_tokens_mean: float, verbose: bool, forecast=None):
-    """Serve the replay with the controller deciding at every metric sample; returns (SimResult, shifts).
-
-    ``forecast``: the controller's load forecast (``(t_s, rps, horizon_s) -> req/s``), or None.
-    """
-    layer_bytes = [spec.layer_weight_bytes(dtype)] * spec.num_layers
-    extras = dict(embedding_bytes=spec.first_stage_extra_bytes(dtype), lm_head_bytes=spec.last_stage_extra_bytes(dtype))
-    by_id = {g.gear_id: g for g in gears}
-    sim = Simulator(workload, start_gear, timings[start_gear.gear_id], sim_config)
-    last = {"sample": None}
-
-    def drain_s(old_gear) -> float:
-        s = last["sample"]
-        if s is None:
-            return 0.0
-        tpot = s.tpot_p50_ms if s.tpot_p50_ms is not None else (old_gear.estimate.tpot_p50_ms if old_gear.estimate else 0.0)
-        # in-flight requests are on average half-way through their output
-        return drain_time_s(s.running, output_tokens_mean / 2.0, tpot)
-
-    cost_fn = migration_cost_fn(cluster, layer_bytes, drain_s=drain_s, **extras)
-    state, shifts = None, []
-    period = sim_config.sample_period_s
-    while not sim.finished:
-        samples = sim.advance(sim.now_s + period)
-        if not samples:
-            continue
-        last["sample"] = samples[-1]
-        state, decision = controller.decide(state, samples, gears, migration_cost_s=cost_fn, now_s=samples[-1].t_s,
-                                            forecast=forecast)
-        if decision.action == "shift":
-            old, new = by_id[decision.from_gear_id], by_id[decision.to_gear_id]
-            warm_s = weight_transfer_s(old, new, cluster, layer_bytes, **extras)
-            sim.shift_gear(new, timings[new.gear_id], ready_in_s=warm_s)
-            shifts.append((decision, warm_s))
-            if verbose:
-                print(f"  t={decision.t_s:7.0f} s  {decision.reason}  [warm-up {warm_s:.2f} s]")
-    return sim.result(), shifts
-
-
-#: Controller figures beyond the design's seeds that this bench sets (each off in the seeds), with its
-#: values; each is a flag (``--device-weight`` ...). See README, "Controller and tide figures".
-BENCH_CONTROLLER: dict[str, tuple[float, str]] = {
-    "device_weight": (0.2, "cost of devices held on discretionary shifts (seed 0)"),
-    "forecast_horizon_s": (600.0, "look-ahead of the load forecast, simulated s (seed 0 = none); the forecast is the "
-                                  "ServeGen tide's daily profile over the other 13 days"),
-    "rps_ema_alpha": (0.1, "EMA weight of the arrival rate (seed: ema_alpha 0.3)"),
-    "recent_peak_window_s": (600.0, "a shift down must hold this window's peak load (seed 0)"),
-    "reversal_window_s": (1800.0, "a discretionary shift may not undo the previous one this soon (seed 0)"),
-}
 
 #: Named settings; any flag given explicitly overrides the setting's value.
 SETTINGS: dict[str, dict] = {
@@ -374,10 +312,7 @@ def main(argv: list[str] | None = None) -> int:
               f"[{time.perf_counter() - t0:.1f} s wall]", flush=True)
 
     # start in the gear whose envelope holds the opening load (else the smallest)
-    opening = workload.requests[min(len(workload) - 1, 200)].arrival_s
-    opening_rps = 200 / opening if opening > 0 else 0.0
-    fitting = [g for g in gears if g.rps_min <= opening_rps <= g.rps_max]
-    start = (fitting or sorted(gears, key=lambda g: g.rps_max))[0]
+    start = opening_gear(workload, gears)
     t0 = time.perf_counter()
     dyn_res, shifts = run_dynamic(workload, gears, timings, start, sim_config, controller, cluster, spec, args.dtype,
                                   out_mean, args.verbose, forecast=forecast)
@@ -390,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(shifts)} shifts = {len(shifts) / hours:.2f} per simulated hour; {dyn_use.device_hours:.2f} device-hours "
           f"(mean {dyn_use.mean_devices:.2f}, peak {dyn_use.peak_devices} devices over {dyn_use.horizon_s:.0f} s), "
           f"{dyn_use.per_device_hour(dyn_met):.1f} requests within SLO per device-hour [{time.perf_counter() - t0:.1f} s wall]")
-    for d, warm in shifts:
-        print(f"  t={d.t_s:7.0f} s  {d.reason}  [warm-up {warm:.2f} s]")
+    for sh in shifts:
+        print(f"  t={sh.decision.t_s:7.0f} s  {sh.decision.reason}  [warm-up {sh.warm_s:.2f} s]")
     kind_of = {g.gear_id: g.kind for g in gears}
     print("  devices held: " + ", ".join(f"{kind_of[h.gear_id]} ({len(devices_by_gear[h.gear_id])}) "
                                          f"{h.start_s:.0f}-{h.end_s:.0f} s" for h in dyn_use.holds))
@@ -427,13 +362,10 @@ def main(argv: list[str] | None = None) -> int:
           f"the best static gear ({best_static.kind}), {changes} gear changes; per window: {' '.join(k[0] for k in pick)}")
     # the same bound for devices: per window, the gear on the fewest devices whose static run met the SLO for
     # >= ATTAINMENT of the requests arriving there (else the one meeting it for most), held for that window
-    arrival_s = np.array([r.arrival_s for r in workload.requests], dtype=float)
-    arrivals = np.bincount(np.minimum((arrival_s // args.window_s).astype(int), n_win - 1), minlength=n_win)
+    arrivals = arrivals_per_window(workload, args.window_s, n_win)
     cheap_met, cheap_dh, cheap_pick = 0.0, 0.0, []
     for k in range(n_win):
-        holding = [g for g in gears if per_window[g.gear_id][k] >= ATTAINMENT * arrivals[k]]
-        g = (min(holding, key=lambda x: (len(x.device_ids), -per_window[x.gear_id][k])) if holding
-             else max(gears, key=lambda x: per_window[x.gear_id][k]))
+        g = cheapest_holding_gear(gears, {x.gear_id: per_window[x.gear_id][k] for x in gears}, arrivals[k])
         cheap_pick.append(g.kind)
         cheap_met += per_window[g.gear_id][k]
         cheap_dh += len(g.device_ids) * (min(args.duration_s, (k + 1) * args.window_s) - k * args.window_s) / 3600.0

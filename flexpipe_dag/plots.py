@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def _figure(width_in: float = 6.0, height_in: float = 4.0):
@@ -72,4 +72,44 @@ def gear_layout_plot(gears: Sequence) -> bytes:
     ax_t.set_ylabel("est. ms per micro-batch step")
     ax_t.set_title("estimated stage times", fontsize=9)
     ax_t.legend(fontsize=7)
+    return to_png(fig)
+
+
+def reservation_curve_plot(curves: Mapping[str, Sequence[float]], fleet_devices: int, title: str) -> bytes:
+    """Devices online serving holds in each hour of the day (device-hours per hour), one step line per
+    policy, with the fleet's size as a dashed line."""
+    fig, ax = _figure(8.0, 3.6)
+    for name, curve in curves.items():
+        hours = list(range(len(curve) + 1))
+        ax.step(hours, list(curve) + [curve[-1]] if curve else [], where="post", label=name)
+    ax.axhline(fleet_devices, color="k", ls="--", lw=0.8, label=f"fleet ({fleet_devices})")
+    ax.set_xlabel("hour of the day")
+    ax.set_ylabel("devices held by online")
+    ax.set_ylim(0, fleet_devices * 1.08)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    return to_png(fig)
+
+
+def cumulative_tokens_plot(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], day_s: float,
+                           title: str) -> bytes:
+    """Offline tokens completed over the day, cumulative, one line per policy.
+
+    Args:
+        series: per policy, ``(completion times s, tokens of each completion)``.
+        day_s: the day's length on that clock, s (the x axis reads hours of the day).
+    """
+    import numpy as np
+
+    fig, ax = _figure(8.0, 3.6)
+    for name, (times_s, tokens) in series.items():
+        t = np.concatenate([[0.0], np.asarray(times_s, dtype=float), [day_s]]) * 24.0 / day_s
+        total = np.cumsum(np.asarray(tokens, dtype=float))
+        y = np.concatenate([[0.0], total, [total[-1] if total.size else 0.0]])
+        ax.step(t, y / 1e6, where="post", label=name)
+    ax.set_xlabel("hour of the day")
+    ax.set_ylabel("offline tokens completed (M)")
+    ax.set_xlim(0, 24)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
     return to_png(fig)

@@ -14,6 +14,9 @@ Two ways to name the gear and its stage times:
   ``decode_per_context_token_ms``, ``transfer_fixed_ms``, ``transfer_per_token_ms`` (ms; see
   ``flexpipe_dag.sim.timing``).
 
+``--day``: the mixed-day simulation instead (see ``flexpipe_dag.cli.simulate_day``): a day of online
+tide plus an offline backlog on ``--cluster`` for ``--model``, under static / dynamic / oracle policies.
+
 TRACE is a file (Azure CSV, generic CSV / JSONL, length-only CSV) or a bundled name
 (``azure-conv``, ``azure-code``, ``arxiv-summarization``).
 
@@ -34,6 +37,7 @@ from typing import Any
 from rich.console import RenderableType
 from rich.text import Text
 
+from flexpipe_dag.cli.simulate_day import add_day_arguments, run_day
 from flexpipe_dag.cli.tables import PIPE_WIDTH, IdTable, cli_console, format_number, new_table, render_text
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear
@@ -70,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="measured stage times for --gear-file: one row per stage, columns " + ", ".join(COST_FIELDS)
                         + " (ms); without it --cluster prices the gear with the planner's cost model")
     bundled = ", ".join(n for n in BUNDLED_TRACES if n != "servegen-tide")
-    p.add_argument("--trace", required=True, help=f"trace file or bundled name ({bundled})")
+    p.add_argument("--trace", help=f"trace file or bundled name ({bundled}); required unless --day")
     p.add_argument("--speedup", type=float, default=1.0, help="compress arrival times by this factor (default 1)")
     p.add_argument("--window-s", type=float, nargs=2, metavar=("START", "END"), help="only requests arriving in [START, END) s")
     p.add_argument("--tide-compression", type=float,
@@ -90,6 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="serve requests over the max context with the prompt cut from the left (default: reject them)")
     p.add_argument("--timeseries-csv", help="write the 2 s metric samples (queue, KV use, stage busy) to this CSV")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_day_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -326,6 +331,10 @@ def format_summary(summary: dict[str, Any], width: int = PIPE_WIDTH) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.day:
+        return run_day(args)
+    if not args.trace:
+        raise InputError(None, "--trace", "give a trace file or bundled name (or --day for the mixed-day simulation)")
     check_flags(args)
     gear, timing = _gear_and_timing(args)
     model_name, max_context = model_context(args, gear)

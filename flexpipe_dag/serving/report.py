@@ -168,15 +168,26 @@ def latency_cdf_png(results: Sequence[dict[str, Any]]) -> bytes:
     return to_png(fig)
 
 
+def img_tag(png: bytes, alt: str) -> str:
+    """An ``<img>`` element with the PNG embedded as base64 (the report stays one self-contained file)."""
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def html_head(title: str) -> str:
+    """The start of a report page: doctype, style, the title as ``<h1>`` and when it was generated."""
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}img{{max-width:100%}}</style></head><body>
+<h1>{html.escape(title)}</h1><p>generated {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}</p>"""
+
+
 def write_html_report(path: str | Path, title: str, summary: dict[str, Any], samples: Sequence[MetricSample],
                       results: Sequence[dict[str, Any]], notes: Sequence[str] = ()) -> Path:
     """Write a self-contained HTML report (figures embedded as base64 PNGs); returns its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    def img(png: bytes, alt: str) -> str:
-        return f'<img alt="{alt}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-
+    img = img_tag
     rows = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{v['served']}</td>"
         + "".join(f"<td>{v.get(f'{m}_p{q}_ms') if v.get(f'{m}_p{q}_ms') is not None else '-'}</td>"
@@ -190,10 +201,7 @@ def write_html_report(path: str | Path, title: str, summary: dict[str, Any], sam
         f"<tr><td>{d['first_t_s']:.1f}</td><td>{d['last_t_s']:.1f}</td><td>{d['count']}</td>"
         + "".join(f"<td>{html.escape(str(d.get(k) or '-'))}</td>" for k in ("from_gear", "to_gear", "triggers", "kind"))
         + f"<td>{html.escape(d['reason'])}</td></tr>" for d in summary.get("declines", ()))
-    doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}img{{max-width:100%}}</style></head><body>
-<h1>{html.escape(title)}</h1><p>generated {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}</p>
+    doc = f"""{html_head(title)}
 <p><b>{summary['served']}</b> of {summary['submitted']} requests served, <b>lost {summary['lost']}</b>,
 duplicates {summary['duplicates']}, {summary['output_tokens_per_s']} output tokens/s over {summary['elapsed_s']} s.</p>
 <table><tr><th>class</th><th>served</th><th>TTFT p50</th><th>TTFT p99</th><th>TPOT p50</th><th>TPOT p99</th>

@@ -33,13 +33,18 @@ _SOURCE = "device accounting"
 
 
 class ShiftLike(Protocol):
-    """What a shift record must carry (:class:`~flexpipe_dag.sim.results.ShiftEvent` does)."""
+    """What a shift record must carry, read-only (:class:`~flexpipe_dag.sim.results.ShiftEvent`, frozen, does)."""
 
-    requested_s: float
-    switched_s: float
-    from_gear_id: str
-    to_gear_id: str
-    drained_s: float | None
+    @property
+    def requested_s(self) -> float: ...
+    @property
+    def switched_s(self) -> float: ...
+    @property
+    def from_gear_id(self) -> str: ...
+    @property
+    def to_gear_id(self) -> str: ...
+    @property
+    def drained_s(self) -> float | None: ...
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class PipelineRuns(StoreBase):
                 heartbeat_at_s=epoch_s(run.heartbeat_at) if run else None,
                 newest_sample_id=newest.id if newest else None, newest_sample_t_s=newest.t_s if newest else None,
                 newest_sample_written_s=epoch_s(newest.created_at) if newest else None,
-                inline_control=bool(run.inline_control) if run else False)
+                inline_control=bool(run.inline_control) if run else False, gear_key=run.gear_key if run else None)
 
     def latest_shiftable_run_key(self) -> str | None:
         """The run that wrote the newest metric sample among those the ``gear_shift_sensor`` may follow: not a

@@ -32,6 +32,7 @@ from flexpipe_dag.control.tide import (
     TideConfig,
     TideDecision,
     TideForecaster,
+    TideGate,
     decide_offline,
     ema,
     load_history,
@@ -110,6 +111,8 @@ class TideStore(Protocol):
 
     def read_samples(self, *, run_key: str | None = None,
                      after_id: int | None = None) -> list[tuple[int, MetricSample]]: ...
+
+    def newest_sample_id(self) -> int | None: ...
 
     def load_gear(self, gear_key: str) -> Gear | None: ...
 
@@ -432,6 +435,7 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
             ``tide.time_compression``.
         forecaster: the tide history's forecaster (default: built from ``tide.history_file``).
 
+    A cursor whose last sample id is past the store's newest sample (the store was reset) starts afresh.
     The cursor keeps no per-job state (its size is bounded); each admission increments the job row's
     ``admissions``, which numbers its run key, so a job admitted again (paused, or finished and queued
     again) never repeats a run key Dagster has seen.
@@ -444,6 +448,10 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     cfg = tide
     ema_rps, last_id, gate = state.ema_rps, state.last_sample_id, state.gate
     rows = db.read_samples(after_id=last_id)
+    if not rows and last_id is not None and last_id > (db.newest_sample_id() or 0):
+        # the store was reset (a new database under the same Dagster instance): read it afresh, not never
+        ema_rps, last_id, gate = None, None, TideGate()
+        rows = db.read_samples()
     for _, smp in rows:
         ema_rps = ema(ema_rps, smp.rps, cfg.ema_alpha)
     if rows:

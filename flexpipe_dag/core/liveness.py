@@ -28,6 +28,7 @@ class PipelineLiveness:
         newest_sample_written_s: when that sample was written, epoch seconds.
         inline_control: the run decides its own shifts (a serve loop with inline control): the
             ``gear_shift_sensor`` does not follow it, so one decision is taken once.
+        gear_key: the gear it served at its last heartbeat; None when never registered or not said.
     """
 
     run_key: str
@@ -38,6 +39,7 @@ class PipelineLiveness:
     newest_sample_t_s: float | None = None
     newest_sample_written_s: float | None = None
     inline_control: bool = False
+    gear_key: str | None = None
 
     def why_not_live(self, now_s: float, freshness_s: float) -> str | None:
         """Why no shift may be taken on this run now, or None when it is live.

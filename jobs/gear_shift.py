@@ -34,7 +34,6 @@ from flexpipe_dag.jobs.sensor_settings import SENSOR_INTERVAL_S
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
-
 #: The longest wait a gear_shift run accepts (seconds): a day; longer is a typo, not a setting.
 MAX_WAIT_S = 86400.0
 

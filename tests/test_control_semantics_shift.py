@@ -271,8 +271,8 @@ def test_backlog_pages_through_observe_equal_one_decide_with_a_raised_threshold(
     assert (paged_state, paged) == (ref_state, ref) and ref.declined and "threshold raised" in ref.reason
     # the cursor keeps the raised trigger between evaluations
     cursor = make_cursor(st, 9, "serve-1", raised)
-    assert read_gear_shift_cursor(cursor) == (st, 9, "serve-1", "rps_below_envelope")
-    with pytest.raises(InputError, match="gear_shift_sensor cursor: cannot parse: raised_by 'x' is not a trigger"):
+    assert read_gear_shift_cursor(cursor) == (st, 9, "serve-1", "rps_below_envelope", None)
+    with pytest.raises(InputError, match="gear_shift_sensor cursor: raised_by: 'x' is not a trigger"):
         read_gear_shift_cursor(cursor.replace("rps_below_envelope", "x"))
 
 

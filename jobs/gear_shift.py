@@ -173,6 +173,10 @@ def gear_shift_sensor(context: SensorEvaluationContext, store: StoreResource, co
     ev = evaluate_gear_shift(db, context.cursor, control.resolved())
     context.update_cursor(ev.cursor)
     if ev.run_key is None:
+        followed = db.recent_shiftable_run_keys()
+        if len(followed) > 1:  # one serving run per store: say which others are left alone
+            return SkipReason(f"{ev.summary} (following run {followed[0]}, the newest writer; one serving run per "
+                              f"store: also writing samples, not followed: {', '.join(followed[1:])})")
         return SkipReason(ev.summary)
     d = ev.decision
     assert d is not None and d.to_gear_id is not None  # a run key comes only with a shift, which names its target

@@ -76,6 +76,20 @@ class PipelineRuns(StoreBase):
                 newest_sample_written_s=epoch_s(newest.created_at) if newest else None,
                 inline_control=bool(run.inline_control) if run else False, gear_key=run.gear_key if run else None)
 
+    def recent_shiftable_run_keys(self, window_samples: int = 1000) -> list[str]:
+        """The runs the ``gear_shift_sensor`` could follow (as :meth:`latest_shiftable_run_key` reads them) among
+        those that wrote the newest ``window_samples`` pipeline samples, newest writer first: more than one means
+        several live serving runs share the store, and only the first is followed."""
+        with self.session() as s:
+            recent = s.execute(select(m.MetricSampleRow.run_key).where(m.MetricSampleRow.scope == "pipeline")
+                               .order_by(m.MetricSampleRow.id.desc()).limit(window_samples)).scalars().all()
+            keys = list(dict.fromkeys(recent))
+            excluded = set(s.scalars(select(m.PipelineRun.run_key).where(
+                m.PipelineRun.run_key.in_(keys), or_(m.PipelineRun.ended_at.is_not(None),
+                                                     m.PipelineRun.kind == PipelineRunKind.BATCH.value,
+                                                     m.PipelineRun.inline_control.is_(True)))))
+            return [k for k in keys if k not in excluded]
+
     def latest_shiftable_run_key(self) -> str | None:
         """The run that wrote the newest metric sample among those the ``gear_shift_sensor`` may follow: not a
         batch job, not ended and not deciding its own shifts (``inline_control``; a run never registered counts:

@@ -591,3 +591,20 @@ def test_evaluation_page_and_budget_have_minimums():
         ControllerConfig(evaluation_budget_s=1e-6)
     cfg = ControllerConfig(evaluation_page_samples=100, evaluation_budget_s=0.1)
     assert (cfg.evaluation_page_samples, cfg.evaluation_budget_s) == (100, 0.1)
+
+
+def test_the_sensor_says_when_it_leaves_a_second_live_run_alone(store_res):
+    """Finding 11: two live runs alternating samples: only the newest writer is followed, and the skip says so."""
+    db = store_res.get_store()
+    for i in range(3):
+        db.write_samples("serve-a", [_sample("latency-1s", 2.0 * (i + 1), 1.0)])
+        db.write_samples("serve-b", [_sample("latency-1s", 2.0 * (i + 1), 1.0)])
+    assert db.recent_shiftable_run_keys() == ["serve-b", "serve-a"]
+    result, _ = _tick(store_res)
+    assert isinstance(result, SkipReason) and result.skip_message.startswith("declined: latency_under ")
+    assert result.skip_message.endswith(
+        ") (following run serve-b, the newest writer; one serving run per store: also writing samples, not followed: "
+        "serve-a)")
+    db.heartbeat_pipeline_run("serve-a", "serve")
+    db.end_pipeline_run("serve-a")
+    assert db.recent_shiftable_run_keys() == ["serve-b"]

@@ -11,6 +11,7 @@ the run waits for that. A request no serving run took in time ``expired``. A re-
 run of an event already finished changes nothing and says so.
 """
 
+import math
 import time
 
 from dagster import (
@@ -33,23 +34,46 @@ from flexpipe_dag.jobs.sensor_settings import SENSOR_INTERVAL_S
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
+#: The longest wait a gear_shift run accepts (seconds): a day; longer is a typo, not a setting.
+MAX_WAIT_S = 86400.0
+
 
 class GearShiftConfig(Config):
-    """Run config of one shift (the sensor fills it; a user can launch one by hand from the UI)."""
+    """Run config of one shift (the sensor fills it; a user can launch one by hand from the UI).
 
-    to_gear_id: str = Field(description="the stored gear to shift the live pipeline to")
-    from_gear_id: str = Field(default="", description="the gear it runs now, for the record; empty = unknown")
+    Checked before anything is stored: texts within the store's limits, waits finite, > 0 and at most a day.
+    """
+
+    to_gear_id: str = Field(min_length=1, max_length=200, description="the stored gear to shift the live pipeline to")
+    from_gear_id: str = Field(default="", max_length=200, description="the gear it runs now, for the record; empty = "
+                                                                      "the gear the serving run last reported")
     reason: str = Field(default="requested by hand", description="why, kept with the shift event")
-    trigger: str = Field(default="manual", description="what decided the shift (the controller's trigger, or manual)")
-    event_id: int = Field(default=0, description="the shift event the sensor recorded; 0 = record a new one "
+    trigger: str = Field(default="manual", max_length=40,
+                         description="what decided the shift (the controller's trigger, or manual)")
+    event_id: int = Field(default=0, ge=0, description="the shift event the sensor recorded; 0 = record a new one "
                           "(a shift launched by hand)")
-    timeout_s: float = Field(default=600.0, description="seconds to wait for the serving process to apply the "
-                             "shift before the run fails")
+    timeout_s: float = Field(default=600.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
+                             description="seconds (at most a day) to wait for the serving run to apply the shift "
+                                         "before the run fails")
     pickup_deadline_s: float = Field(
-        default=120.0, gt=0, description="the serving run must take the request within this many seconds, else it "
-                                         "expires (a later serving run never applies it)")
-    run_key: str = Field(default="", description="the serving run to shift; \"\" = the live serving run that wrote "
-                                                 "the newest metric sample (a shift by hand)")
+        default=120.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
+        description="the serving run must take the request within this many seconds (at most a day), else it "
+                    "expires (a later serving run never applies it)")
+    run_key: str = Field(default="", max_length=200,
+                         description="the serving run to shift; \"\" = the live serving run that wrote the newest metric "
+                                     "sample and does not decide its own shifts (a shift by hand)")
+
+
+def _check_target(db, run_key: str) -> None:
+    """Refuse a serving run a shift cannot be addressed to: one never seen, ended, or a batch job.
+
+    Raises:
+        Failure: ``run_key`` is not a live serving run (why named).
+    """
+    live = db.pipeline_liveness(run_key)
+    why = live.why_not_live(time.time(), math.inf)  # staleness is the pickup deadline's business
+    if why is not None:
+        raise Failure(f"gear_shift config run_key {run_key!r}: not a live serving run ({why})")
 
 
 def _event_for(context: OpExecutionContext, config: GearShiftConfig, db) -> int:
@@ -57,17 +81,29 @@ def _event_for(context: OpExecutionContext, config: GearShiftConfig, db) -> int:
     by the run's root run id so a re-execution finds the same event.
 
     Raises:
-        Failure: a shift by hand with no live serving run to address it to.
+        Failure: ``event_id`` is not a stored event; a shift by hand to a gear that is not stored, to a
+            ``run_key`` that is not a live serving run, or with no live serving run to address it to.
     """
     if config.event_id:
+        try:
+            db.get_shift_event(config.event_id)
+        except KeyError:
+            raise Failure(f"gear_shift config event_id {config.event_id}: no such shift event is stored (0 = record "
+                          "a new one, a shift by hand)") from None
         return config.event_id
+    if db.load_gear(config.to_gear_id) is None:
+        raise Failure(f"gear_shift config to_gear_id {config.to_gear_id!r}: not a stored gear (name one of the "
+                      "gear ids `flexpipe plan` stored)")
+    if config.run_key:
+        _check_target(db, config.run_key)
     target = config.run_key or db.latest_shiftable_run_key()
     if target is None:
         raise Failure("no live serving run to shift: no run that has not ended writes metric samples (start a "
-                      "serve run, or name one with run_key)")
+                      "serve_trace run, or name one with run_key)")
     root_run_id = context.run.root_run_id or context.run_id
+    from_gear = config.from_gear_id or db.pipeline_liveness(target).gear_key
     return db.record_shift_event("shift", ShiftEventStatus.DECIDED, config.reason,
-                                 from_gear_key=config.from_gear_id or None, to_gear_key=config.to_gear_id,
+                                 from_gear_key=from_gear, to_gear_key=config.to_gear_id,
                                  trigger=config.trigger, run_key=target, decision_key=f"manual:{root_run_id}")
 
 
@@ -97,7 +133,8 @@ def apply_gear_shift(context: OpExecutionContext, config: GearShiftConfig, store
             db.update_shift_event(event_id, ShiftEventStatus.FAILED, {"error": "no live serving run to address it to"})
             raise Failure(f"shift event {event_id}: no live serving run to shift")
         _, ev = db.request_shift(event_id, target, config.pickup_deadline_s, {"dagster_run_id": context.run_id})
-        context.log.info(f"shift event {event_id}: requested {ev.from_gear_key or '?'} -> {ev.to_gear_key} of serving "
+        from_gear = ev.from_gear_key or db.pipeline_liveness(target).gear_key or "the serving gear"
+        context.log.info(f"shift event {event_id}: requested {from_gear} -> {ev.to_gear_key} of serving "
                          f"run {ev.run_key}, to be taken within {config.pickup_deadline_s:.0f} s ({ev.reason})")
     else:
         context.log.info(f"shift event {event_id} is already {ev.status} (run {ev.details.get('dagster_run_id') or '?'}"
@@ -109,8 +146,8 @@ def apply_gear_shift(context: OpExecutionContext, config: GearShiftConfig, store
         if ev.status in TERMINAL_SHIFT_STATUSES:
             break
         if time.monotonic() >= deadline:
-            raise Failure(f"shift event {event_id}: still {ev.status} after {config.timeout_s:.0f} s (is a serve run "
-                          f"or `flexpipe serve` running against this store as run {ev.run_key}?)")
+            raise Failure(f"shift event {event_id}: still {ev.status} after {config.timeout_s:.0f} s (is a serve_trace "
+                          f"run serving against this store as run {ev.run_key}? only its serve loop applies shifts)")
         time.sleep(1.0)
     outcome = ev.details.get("outcome") or ev.details.get("error") or ""
     context.log.info(f"shift event {event_id}: {ev.status}: {outcome}")
@@ -136,6 +173,10 @@ def gear_shift_sensor(context: SensorEvaluationContext, store: StoreResource, co
     ev = evaluate_gear_shift(db, context.cursor, control.resolved())
     context.update_cursor(ev.cursor)
     if ev.run_key is None:
+        followed = db.recent_shiftable_run_keys()
+        if len(followed) > 1:  # one serving run per store: say which others are left alone
+            return SkipReason(f"{ev.summary} (following run {followed[0]}, the newest writer; one serving run per "
+                              f"store: also writing samples, not followed: {', '.join(followed[1:])})")
         return SkipReason(ev.summary)
     d = ev.decision
     assert d is not None and d.to_gear_id is not None  # a run key comes only with a shift, which names its target

@@ -27,6 +27,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -252,6 +253,9 @@ class PipelineRun(Base):
     run_key: Mapped[str] = mapped_column(String(200), unique=True, comment="metric_samples.run_key of its samples")
     kind: Mapped[str] = mapped_column(String(20), comment=column_comment(PipelineRunKind))
     gear_key: Mapped[str | None] = mapped_column(String(200), comment="the gear serving at the last heartbeat")
+    inline_control: Mapped[bool] = mapped_column(
+        default=False, server_default=false(),
+        comment="the run decides its own shifts (serve loop with inline control): the gear_shift_sensor leaves it alone")
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[dt.datetime | None] = mapped_column(comment="NULL while the run is live")

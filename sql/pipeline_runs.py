@@ -33,10 +33,13 @@ class PipelineRuns(StoreBase):
             or a run key or gear key that is not a string of at most 200 characters (nothing written).
     """
 
-    def heartbeat_pipeline_run(self, run_key: str, kind: str, gear_key: str | None = None) -> None:
+    def heartbeat_pipeline_run(self, run_key: str, kind: str, gear_key: str | None = None, *,
+                               inline_control: bool = False) -> None:
         """Register ``run_key`` on its first call, then record that it is alive now (and the gear it serves).
 
-        A run that has ended stays ended (a late heartbeat does not bring it back).
+        ``inline_control``: the run decides its own shifts (a serve loop with inline control);
+        :meth:`latest_shiftable_run_key` then never names it, so the ``gear_shift_sensor`` does not decide on
+        it too. A run that has ended stays ended (a late heartbeat does not bring it back).
         """
         where = "pipeline_runs"
         kind = checked(PipelineRunKind, kind, where, "kind").value
@@ -45,9 +48,10 @@ class PipelineRuns(StoreBase):
         with self.session() as s:
             run = s.scalar(select(m.PipelineRun).where(m.PipelineRun.run_key == run_key))
             if run is None:
-                s.add(m.PipelineRun(run_key=run_key, kind=kind, gear_key=gear_key))
+                s.add(m.PipelineRun(run_key=run_key, kind=kind, gear_key=gear_key, inline_control=inline_control))
                 return
             run.heartbeat_at = utcnow()
+            run.inline_control = inline_control
             if gear_key is not None:
                 run.gear_key = gear_key
 
@@ -69,14 +73,32 @@ class PipelineRuns(StoreBase):
                 run_key=run_key, kind=run.kind if run else None, ended_at_s=epoch_s(run.ended_at) if run else None,
                 heartbeat_at_s=epoch_s(run.heartbeat_at) if run else None,
                 newest_sample_id=newest.id if newest else None, newest_sample_t_s=newest.t_s if newest else None,
-                newest_sample_written_s=epoch_s(newest.created_at) if newest else None)
+                newest_sample_written_s=epoch_s(newest.created_at) if newest else None,
+                inline_control=bool(run.inline_control) if run else False, gear_key=run.gear_key if run else None)
+
+    def recent_shiftable_run_keys(self, window_samples: int = 1000) -> list[str]:
+        """The runs the ``gear_shift_sensor`` could follow (as :meth:`latest_shiftable_run_key` reads them) among
+        those that wrote the newest ``window_samples`` pipeline samples, newest writer first: more than one means
+        several live serving runs share the store, and only the first is followed."""
+        with self.session() as s:
+            recent = s.execute(select(m.MetricSampleRow.run_key).where(m.MetricSampleRow.scope == "pipeline")
+                               .order_by(m.MetricSampleRow.id.desc()).limit(window_samples)).scalars().all()
+            keys = list(dict.fromkeys(recent))
+            excluded = set(s.scalars(select(m.PipelineRun.run_key).where(
+                m.PipelineRun.run_key.in_(keys), or_(m.PipelineRun.ended_at.is_not(None),
+                                                     m.PipelineRun.kind == PipelineRunKind.BATCH.value,
+                                                     m.PipelineRun.inline_control.is_(True)))))
+            return [k for k in keys if k not in excluded]
 
     def latest_shiftable_run_key(self) -> str | None:
-        """The run that wrote the newest metric sample among those a shift may follow: not a batch job and not
-        ended (a run never registered counts; its samples' freshness decides), or None."""
+        """The run that wrote the newest metric sample among those the ``gear_shift_sensor`` may follow: not a
+        batch job, not ended and not deciding its own shifts (``inline_control``; a run never registered counts:
+        its samples' freshness decides), or None. One run per store: with two such runs live, the newest
+        sample's."""
         not_followed = exists().where(and_(m.PipelineRun.run_key == m.MetricSampleRow.run_key,
                                            or_(m.PipelineRun.ended_at.is_not(None),
-                                               m.PipelineRun.kind == PipelineRunKind.BATCH.value)))
+                                               m.PipelineRun.kind == PipelineRunKind.BATCH.value,
+                                               m.PipelineRun.inline_control.is_(True))))
         with self.session() as s:
             return s.scalar(select(m.MetricSampleRow.run_key).where(m.MetricSampleRow.scope == "pipeline", ~not_followed)
                             .order_by(m.MetricSampleRow.id.desc()).limit(1))

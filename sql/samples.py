@@ -119,6 +119,12 @@ class MetricSamples(StoreBase):
                 written += 1 + len(smp.stages)
         return written
 
+    def newest_sample_id(self) -> int | None:
+        """Row id of the newest pipeline metric sample of any run, or None when there is none."""
+        table = m.MetricSampleRow.__table__.c
+        with self.session() as s:
+            return s.scalar(select(table.id).where(table.scope == "pipeline").order_by(table.id.desc()).limit(1))
+
     def latest_sample_run_key(self) -> str | None:
         """The run that wrote the newest metric sample (the pipeline serving now), or None."""
         with self.session() as s:

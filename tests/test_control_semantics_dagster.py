@@ -68,6 +68,9 @@ class JobsInMemory:
     def read_samples(self, *, run_key=None, after_id=None):
         return [(i, s) for i, s in self.samples if after_id is None or i > after_id]
 
+    def newest_sample_id(self):
+        return self.samples[-1][0] if self.samples else None
+
     def load_gear(self, gear_key):
         return GEARS.get(gear_key)
 

@@ -271,8 +271,8 @@ def test_backlog_pages_through_observe_equal_one_decide_with_a_raised_threshold(
     assert (paged_state, paged) == (ref_state, ref) and ref.declined and "threshold raised" in ref.reason
     # the cursor keeps the raised trigger between evaluations
     cursor = make_cursor(st, 9, "serve-1", raised)
-    assert read_gear_shift_cursor(cursor) == (st, 9, "serve-1", "rps_below_envelope")
-    with pytest.raises(InputError, match="gear_shift_sensor cursor: cannot parse: raised_by 'x' is not a trigger"):
+    assert read_gear_shift_cursor(cursor) == (st, 9, "serve-1", "rps_below_envelope", None)
+    with pytest.raises(InputError, match="gear_shift_sensor cursor: raised_by: 'x' is not a trigger"):
         read_gear_shift_cursor(cursor.replace("rps_below_envelope", "x"))
 
 
@@ -374,3 +374,237 @@ def test_a_stale_request_expires_its_run_and_a_re_execution_is_a_no_op(store_res
     again = gear_shift.execute_in_process(run_config=run_config, resources={"store": store_res})
     assert again.success and again.output_for_node("apply_gear_shift")["noop"] is True
     assert db.get_shift_event(config["event_id"]).details["dagster_run_id"] == first.run_id
+
+
+# -- trial findings of issue #16's work ------------------------------------------------------------------------
+def _serve_loop(db, serving_gear_id, inline_control=False):
+    """A serve loop on ``serving_gear_id`` whose executor only records the shifts it is asked for."""
+    from types import SimpleNamespace
+
+    from flexpipe_dag.serving.serve import ServeSettings, TraceServer
+
+    applied: list[str] = []
+
+    def shift(gear):
+        applied.append(gear.gear_id)
+        return SimpleNamespace(status="done", reason="switched", timings_s={"total": 0.0}, mode="test",
+                               requests_moved=0, unhealthy_gear_id=None, failure_kind=None,
+                               to_details=lambda: {"mode": "test"})
+
+    router = SimpleNamespace(active=SimpleNamespace(gear=SimpleNamespace(gear_id=serving_gear_id)))
+    server = TraceServer(db, SEEDS, router, SimpleNamespace(shift=shift), GEARS,
+                         ServeSettings(run_key="serve-1", online_job_key="serve-1-online",
+                                       inline_control=inline_control), log=lambda line: None)
+    return server, applied
+
+
+def test_the_sensor_leaves_a_serve_loop_with_inline_control_alone(store_res):
+    """Finding 1: the serve loop and the sensor both decided on one run: two events, two shifts."""
+    db = store_res.get_store()
+    db.heartbeat_pipeline_run("serve-1", "serve", "latency-1s", inline_control=True)
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6))
+    inline = evaluate_gear_shift(db, None, SEEDS, run_key_prefix="serve-1:", run_key="serve-1")
+    assert inline.decision.action == "shift" and inline.run_key == "serve-1:gear-shift:latency-1s->throughput-2s@t12.0"
+    assert db.latest_shiftable_run_key() is None and db.pipeline_liveness("serve-1").inline_control is True
+    result, _ = _tick(store_res)
+    assert isinstance(result, SkipReason)
+    assert result.skip_message == ("no serving run for this sensor to follow: run serve-1 decides its own shifts (a "
+                                   "serve loop with inline control), so the sensor leaves it alone")
+    assert [e.decision_key for e in db.shift_events()] == [inline.run_key]  # one decision, one event
+    # a loop that applies gear_shift runs instead (inline control off) is followed again
+    db.heartbeat_pipeline_run("serve-1", "serve", "latency-1s", inline_control=False)
+    assert db.latest_shiftable_run_key() == "serve-1"
+
+
+def test_the_serve_loop_refuses_a_stale_or_same_gear_request(store_res):
+    """Finding 1: a request whose target already serves, or decided on another gear, is failed, never applied."""
+    db = store_res.get_store()
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6))
+    same = db.record_shift_event("shift", "decided", "r", from_gear_key="latency-1s", to_gear_key="throughput-2s",
+                                 run_key="serve-1", decision_key="k-same")
+    db.request_shift(same, "serve-1", 60)
+    server, applied = _serve_loop(db, "throughput-2s")
+    server._control_step()
+    ev = db.get_shift_event(same)
+    assert (ev.status, ev.details["error"]) == ("failed", "stale: throughput-2s is already serving")
+    other = db.record_shift_event("shift", "decided", "r", from_gear_key="latency-1s", to_gear_key="latency-1s",
+                                  run_key="serve-1", decision_key="k-other")
+    db.request_shift(other, "serve-1", 60)
+    server._control_step()
+    ev = db.get_shift_event(other)
+    assert (ev.status, ev.details["error"]) == ("failed", "stale: decided on latency-1s, but throughput-2s is "
+                                                          "serving now")
+    assert applied == [] and server._shift_thread is None
+    assert [s["status"] for s in server.report.shifts] == ["failed", "failed"]
+
+
+def test_the_executor_never_migrates_to_the_gear_already_serving():
+    from types import SimpleNamespace
+
+    from flexpipe_dag.shift.executor import GearExecutor
+
+    lane = SimpleNamespace(gear=GEARS[1], alive=True)
+    router = SimpleNamespace(active=lane, ledger=SimpleNamespace(moved=0), failures=[])
+    out = GearExecutor(router).shift(GEARS[1])
+    assert (out.status, out.reason, out.failed_step) == ("failed", "stale: throughput-2s is already serving", "plan")
+
+
+def test_a_cursor_ahead_of_the_store_starts_afresh(store_res):
+    """Finding 2: a cursor whose last_sample_id is past the store's newest (a reset store) went silent."""
+    db = store_res.get_store()
+    db.write_samples("serve-1", _samples("latency-1s", [12.0] * 6))
+    # another run followed before: its position means nothing for serve-1
+    ev = evaluate_gear_shift(db, '{"controller": null, "last_sample_id": 5000, "run_key": "old-run"}', SEEDS)
+    assert ev.decision.action == "shift" and ev.samples_read == 6 and parse_cursor(ev.cursor)[1:] == (11, "serve-1")
+    assert ev.note is None
+    # the same run, in a store that was reset under the Dagster instance
+    ev = evaluate_gear_shift(db, '{"controller": null, "last_sample_id": 5000, "run_key": "serve-1"}', SEEDS)
+    assert ev.decision.action == "shift" and ev.samples_read == 6
+    assert ev.note == ("the cursor's last_sample_id 5000 is past run serve-1's newest sample (11): the store was "
+                       "reset; reading the run afresh")
+
+
+def test_a_tide_cursor_ahead_of_the_store_starts_afresh(store_res):
+    from flexpipe_dag.control.cursor import TideCursor
+    from flexpipe_dag.control.service import evaluate_tide
+    from flexpipe_dag.control.tide import TideConfig
+
+    db = store_res.get_store()
+    db.write_samples("serve-1", _samples("latency-1s", [2.0] * 3))
+    assert db.newest_sample_id() == 5
+    ev = evaluate_tide(db, '{"last_sample_id": 99999999}', TideConfig())
+    cursor = TideCursor.parse(ev.cursor)
+    assert ev.decision is not None and cursor.last_sample_id == 5 and cursor.ema_rps == 2.0
+
+
+@pytest.mark.parametrize(("cursor", "message"), [
+    ('{"last_sample_id": "abc"}', "gear_shift_sensor cursor: last_sample_id: cannot parse: Input should be a valid "
+                                  "integer"),
+    ('{"last_sample_id": 1e300}', "gear_shift_sensor cursor: last_sample_id: cannot parse: Input should be a valid "
+                                  "integer"),
+    ('{"last_sample_id": true}', "gear_shift_sensor cursor: last_sample_id: cannot parse: Input should be a valid "
+                                 "integer"),
+    ('{"last_sample_id": -1}', "gear_shift_sensor cursor: last_sample_id: cannot parse: Input should be greater "
+                               "than or equal to 0"),
+    ('{"last_decline": [1]}', "gear_shift_sensor cursor: last_decline.0: cannot parse: Input should be a valid string"),
+    ('{"last_decline": ["a", NaN]}', "gear_shift_sensor cursor: last_decline.1: cannot parse: Input should be a "
+                                     "finite number"),
+    ('{"controller": {"x": 1}}', "gear_shift_sensor cursor: controller: cannot parse: Input should be a valid string"),
+    ("[1]", "gear_shift_sensor cursor: cannot parse: Input should be an object"),
+    ("[" * 100_000, "gear_shift_sensor cursor: cannot parse: Invalid JSON: recursion limit exceeded at line 1 column "
+                    "202"),
+])
+def test_a_bad_gear_shift_cursor_is_one_input_error_naming_it(cursor, message):
+    """Findings 2 and 10: a wrong type silenced the sensor for good or escaped as IndexError, RecursionError ..."""
+    with pytest.raises(InputError) as err:
+        read_gear_shift_cursor(cursor)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(("cursor", "message"), [
+    ('{"gate": {"count": -1}}', "tide_sensor cursor: gate.count: Input should be greater than or equal to 0"),
+    ('{"last_sample_id": true}', "tide_sensor cursor: last_sample_id: Input should be a valid integer"),
+    ('{"last_sample_id": "7"}', "tide_sensor cursor: last_sample_id: Input should be a valid integer"),
+])
+def test_a_bad_tide_cursor_is_one_input_error_naming_it(cursor, message):
+    from flexpipe_dag.control.cursor import TideCursor
+
+    with pytest.raises(InputError) as err:
+        TideCursor.parse(cursor)
+    assert str(err.value) == message
+
+
+def test_decision_keys_of_200_character_gear_ids_stay_within_200_characters(tmp_path):
+    """Finding 4: a decision key over 200 characters crashed every sensor tick."""
+    import hashlib
+
+    from flexpipe_dag.control.service import bounded_key
+    from flexpipe_dag.core.cluster import load_cluster_profile
+
+    slow, fast = "l" * 199 + "1", "t" * 199 + "2"
+    res = StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}")
+    db = res.get_store()
+    info = db.save_profile(load_cluster_profile(EXAMPLES / "seed_example.yaml"))
+    db.save_gears([enveloped_gear(slow, "latency", 0.0, 5.0, 1), enveloped_gear(fast, "throughput", 3.5, 40.0, 2)],
+                  info.id, db.save_model("SmolLM2-135M", "bf16", 30, {"layers": 30}))
+    db.write_samples("serve-1", _samples(slow, [12.0] * 6))
+    full = f"gear-shift:{slow}->{fast}@t12.0@serve-1"
+    key = f"{full[:183]}#{hashlib.sha256(full.encode()).hexdigest()[:16]}"
+    first = evaluate_gear_shift(db, None, SEEDS)
+    assert first.decision.action == "shift" and first.run_key == key and len(key) == 200
+    again = evaluate_gear_shift(db, None, SEEDS)  # a retried tick: the same key, the same row
+    assert again.event_id == first.event_id and [e.decision_key for e in db.shift_events()] == [key]
+    assert bounded_key("short") == "short" and bounded_key("x" * 200) == "x" * 200
+
+
+def _shift_by_hand(store_res, **config):
+    result = gear_shift.execute_in_process(run_config={"ops": {"apply_gear_shift": {"config": config}}},
+                                           resources={"store": store_res}, raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    return failure.step_failure_data.error.message.strip()
+
+
+def test_a_gear_shift_run_checks_its_config_before_storing_anything(store_res):
+    """Finding 9: bad configs were accepted, stored a request that expired, or failed naming internal fields."""
+    db = store_res.get_store()
+    db.heartbeat_pipeline_run("serve-1", "serve", "latency-1s")
+    db.write_samples("serve-1", _samples("latency-1s", [1.0] * 3))
+    assert _shift_by_hand(store_res, to_gear_id="throughput-2s", event_id=999).endswith(
+        "gear_shift config event_id 999: no such shift event is stored (0 = record a new one, a shift by hand)")
+    assert _shift_by_hand(store_res, to_gear_id="no-such-gear").endswith(
+        "gear_shift config to_gear_id 'no-such-gear': not a stored gear (name one of the gear ids `flexpipe plan` "
+        "stored)")
+    assert _shift_by_hand(store_res, to_gear_id="throughput-2s", run_key="no-such-run").endswith(
+        "gear_shift config run_key 'no-such-run': not a live serving run (run no-such-run has written no metric "
+        "sample)")
+    db.heartbeat_pipeline_run("batch-1", "batch", "latency-1s")
+    assert _shift_by_hand(store_res, to_gear_id="throughput-2s", run_key="batch-1").endswith(
+        "gear_shift config run_key 'batch-1': not a live serving run (run batch-1 is a batch job: its samples never "
+        "trigger a shift)")
+    for bad in ({"pickup_deadline_s": math.inf}, {"timeout_s": math.nan}, {"timeout_s": 0.0},
+                {"pickup_deadline_s": 86401.0}):
+        with pytest.raises(Exception, match="pickup_deadline_s|timeout_s"):
+            gear_shift.execute_in_process(run_config={"ops": {"apply_gear_shift": {"config": {
+                "to_gear_id": "throughput-2s", **bad}}}}, resources={"store": store_res})
+    assert db.shift_events() == []  # nothing stored by a refused config
+
+
+def test_a_shift_by_hand_records_the_live_gear(store_res):
+    db = store_res.get_store()
+    db.heartbeat_pipeline_run("serve-1", "serve", "latency-1s")
+    db.write_samples("serve-1", _samples("latency-1s", [1.0] * 3))
+    message = _shift_by_hand(store_res, to_gear_id="throughput-2s", timeout_s=1.0, pickup_deadline_s=60.0)
+    assert message.endswith("shift event 1: still requested after 1 s (is a serve_trace run serving against this "
+                            "store as run serve-1? only its serve loop applies shifts)")
+    (ev,) = db.shift_events()
+    assert (ev.from_gear_key, ev.to_gear_key, ev.run_key) == ("latency-1s", "throughput-2s", "serve-1")
+
+
+def test_evaluation_page_and_budget_have_minimums():
+    """Finding 12: a page of 1 sample with a 1-microsecond budget held "backlog" for good."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="evaluation_page_samples\n  Input should be greater than or equal to 100"):
+        ControllerConfig(evaluation_page_samples=1)
+    with pytest.raises(ValidationError, match="evaluation_budget_s\n  Input should be greater than or equal to 0.1"):
+        ControllerConfig(evaluation_budget_s=1e-6)
+    cfg = ControllerConfig(evaluation_page_samples=100, evaluation_budget_s=0.1)
+    assert (cfg.evaluation_page_samples, cfg.evaluation_budget_s) == (100, 0.1)
+
+
+def test_the_sensor_says_when_it_leaves_a_second_live_run_alone(store_res):
+    """Finding 11: two live runs alternating samples: only the newest writer is followed, and the skip says so."""
+    db = store_res.get_store()
+    for i in range(3):
+        db.write_samples("serve-a", [_sample("latency-1s", 2.0 * (i + 1), 1.0)])
+        db.write_samples("serve-b", [_sample("latency-1s", 2.0 * (i + 1), 1.0)])
+    assert db.recent_shiftable_run_keys() == ["serve-b", "serve-a"]
+    result, _ = _tick(store_res)
+    assert isinstance(result, SkipReason) and result.skip_message.startswith("declined: latency_under ")
+    assert result.skip_message.endswith(
+        ") (following run serve-b, the newest writer; one serving run per store: also writing samples, not followed: "
+        "serve-a)")
+    db.heartbeat_pipeline_run("serve-a", "serve")
+    db.end_pipeline_run("serve-a")
+    assert db.recent_shiftable_run_keys() == ["serve-b"]

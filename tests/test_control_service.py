@@ -59,6 +59,9 @@ class MemoryStore:
     def latest_sample_run_key(self):
         return self.samples[-1][1] if self.samples else None
 
+    def newest_sample_id(self):
+        return self.samples[-1][0] if self.samples else None
+
     def latest_shiftable_run_key(self):  # every run here is a live serving run
         return self.latest_sample_run_key()
 

@@ -43,6 +43,11 @@ DAY_S = 86400.0
 PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
+#: The smallest page and time budget of a sensor evaluation (``evaluation_page_samples``,
+#: ``evaluation_budget_s``): below them a backlog can grow faster than evaluations read it.
+MIN_PAGE_SAMPLES = 100
+MIN_BUDGET_S = 0.1
+
 #: Which P99 of :class:`~flexpipe_dag.core.metrics.MetricSample` the latency triggers watch.
 LatencyMetric = Literal["ttft_p99_ms", "tpot_p99_ms", "e2e_p99_ms"]
 
@@ -166,12 +171,17 @@ class ControllerConfig(Figures):
         120.0, description="no shift is taken on samples whose newest was written (wall clock) more than this long "
                            "ago, nor on a serving run whose last heartbeat is older: the pipeline they describe is "
                            "not live; the seed is four of the sensors' 30-s evaluation intervals")
-    evaluation_page_samples: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
-        5000, description="metric samples one read of an evaluation takes (a page); a backlog is read page by page")
-    evaluation_budget_s: PositiveFloat = Field(
+    evaluation_page_samples: Annotated[int, Field(ge=MIN_PAGE_SAMPLES, le=1_000_000)] = Field(
+        5000, description="metric samples one read of an evaluation takes (a page); a backlog is read page by page; "
+                          f"at least {MIN_PAGE_SAMPLES}: an evaluation reads at least one page, and one of 100 2-s "
+                          "samples (200 s of serving) outpaces the samples a pipeline writes between two 30-s "
+                          "evaluations, so a backlog always shrinks")
+    evaluation_budget_s: Annotated[float, Field(ge=MIN_BUDGET_S, allow_inf_nan=False)] = Field(
         2.0, description="an evaluation stops reading pages after this long and keeps its place in the cursor (the "
                          "next evaluation goes on): a sensor evaluation stays well inside hosted deployments' limits; "
-                         "decisions wait until the backlog is read, so they are those of one pass over it")
+                         "decisions wait until the backlog is read, so they are those of one pass over it; at least "
+                         f"{MIN_BUDGET_S:g} s: a smaller budget reads one page per evaluation and a busy pipeline "
+                         "keeps the decision waiting (held as backlog) for good")
 
     @model_validator(mode="before")
     @classmethod

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, NamedTuple
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from flexpipe_dag.control.state import TRIGGER_PRIORITY, ControllerState
 from flexpipe_dag.control.tide import TideGate
@@ -35,25 +35,53 @@ def decline_signature(trigger: str | None, reason_kind: str | None, from_gear_id
     return f"{trigger}|{reason_kind}|{from_gear_id}->{to_gear_id}"
 
 
+#: The largest row id a cursor may hold (SQL's 64-bit integer).
+MAX_ROW_ID = 2**63 - 1
+RowId = Annotated[StrictInt, Field(ge=0, le=MAX_ROW_ID)]
+
+
+class _GearShiftCursorDoc(BaseModel):
+    """The gear-shift cursor's JSON, typed strictly: a row id is an integer >= 0 (not a boolean, string or float)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    controller: StrictStr | None = None
+    last_sample_id: RowId | None = None
+    run_key: StrictStr | None = None
+    raised_by: StrictStr | None = None
+    last_decline: tuple[StrictStr, Annotated[float, Field(allow_inf_nan=False)]] | None = None
+
+
+def _first_error(err: ValidationError) -> tuple[str | None, str]:
+    """``(field path, message)`` of a validation error's first entry."""
+    first = err.errors()[0]
+    return ".".join(str(p) for p in first["loc"]) or None, first["msg"]
+
+
 def read_gear_shift_cursor(cursor: str | None) -> GearShiftCursor:
     """Every field of a cursor :func:`make_cursor` wrote (all None when empty).
 
     Raises:
-        InputError: the cursor is not one :func:`make_cursor` wrote (named "gear_shift_sensor cursor").
+        InputError: the cursor is not one :func:`make_cursor` wrote: not JSON, nested too deep, or a field of
+            the wrong type or range (named; "gear_shift_sensor cursor").
     """
     if not cursor:
         return GearShiftCursor(None, None, None)
+    where = "gear_shift_sensor cursor"
     try:
-        doc = json.loads(cursor)
-        state = ControllerState.from_cursor(doc["controller"]) if doc.get("controller") else None
-        raised_by = doc.get("raised_by")
-        if raised_by is not None and raised_by not in TRIGGER_PRIORITY:
-            raise ValueError(f"raised_by {raised_by!r} is not a trigger")
-        last = doc.get("last_decline")
-        last_decline = None if last is None else (str(last[0]), float(last[1]))
-        return GearShiftCursor(state, doc.get("last_sample_id"), doc.get("run_key"), raised_by, last_decline)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InputError("gear_shift_sensor cursor", None, f"cannot parse: {exc}") from None
+        doc = _GearShiftCursorDoc.model_validate_json(cursor)
+    except ValidationError as err:
+        field, msg = _first_error(err)
+        raise InputError(where, field, f"cannot parse: {msg}") from None
+    except (ValueError, RecursionError) as exc:
+        raise InputError(where, None, f"cannot parse: {exc}") from None
+    if doc.raised_by is not None and doc.raised_by not in TRIGGER_PRIORITY:
+        raise InputError(where, "raised_by", f"{doc.raised_by!r} is not a trigger")
+    try:
+        state = ControllerState.from_cursor(doc.controller) if doc.controller else None
+    except RecursionError as exc:
+        raise InputError(where, "controller", f"cannot parse: {exc}") from None
+    return GearShiftCursor(state, doc.last_sample_id, doc.run_key, doc.raised_by, doc.last_decline)
 
 
 def parse_cursor(cursor: str | None) -> tuple[ControllerState | None, int | None, str | None]:
@@ -100,8 +128,8 @@ class TideCursor(BaseModel):
 
     ema_rps: float | None = Field(None, ge=0.0, allow_inf_nan=False,
                                   validation_alias=AliasChoices("ema_rps", "qps_ema"))
-    last_sample_id: int | None = Field(None, ge=0)
-    admissions: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    last_sample_id: RowId | None = None
+    admissions: dict[str, Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=dict)
     gate: TideGate = Field(default_factory=TideGate)
     gear_id: str | None = None
 
@@ -125,9 +153,8 @@ class TideCursor(BaseModel):
         try:
             return cls.model_validate(doc)
         except ValidationError as err:
-            first = err.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or None
-            raise InputError("tide_sensor cursor", field, first["msg"]) from None
+            field, msg = _first_error(err)
+            raise InputError("tide_sensor cursor", field, msg) from None
 
     def dump(self) -> str:
         """The cursor as a compact JSON string (sorted keys; ``admissions`` only while a legacy one is held)."""

@@ -17,6 +17,8 @@ and the store through the protocols below (:class:`GearShiftStore`, :class:`Tide
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from flexpipe_dag.control.tide import (
     TideConfig,
     TideDecision,
     TideForecaster,
+    TideGate,
     decide_offline,
     ema,
     load_history,
@@ -109,6 +112,8 @@ class TideStore(Protocol):
     def read_samples(self, *, run_key: str | None = None,
                      after_id: int | None = None) -> list[tuple[int, MetricSample]]: ...
 
+    def newest_sample_id(self) -> int | None: ...
+
     def load_gear(self, gear_key: str) -> Gear | None: ...
 
     def jobs(self, *, kind: str | None = None) -> Sequence[BatchJobRow]: ...
@@ -166,7 +171,23 @@ def decision_key(decision: Decision, followed_run_key: str, run_key_prefix: str 
         base = shift_run_key(decision)
     else:
         base = f"declined:{decision.trigger}:{decision.from_gear_id}->{decision.to_gear_id or '-'}@t{decision.t_s:.1f}"
-    return run_key_prefix + base if run_key_prefix else f"{base}@{followed_run_key}"
+    return bounded_key(run_key_prefix + base if run_key_prefix else f"{base}@{followed_run_key}")
+
+
+#: The longest key the store keeps (``shift_events.decision_key``, 200 characters).
+MAX_KEY_CHARS = 200
+#: Hex digits of the sha256 digest that ends a shortened key.
+_DIGEST_CHARS = 16
+
+
+def bounded_key(key: str, max_chars: int = MAX_KEY_CHARS) -> str:
+    """``key`` itself when it holds at most ``max_chars`` characters, else a readable prefix, ``#`` and the first
+    16 hex digits of its sha256 digest (``max_chars`` in all): deterministic, so a retried evaluation maps to the
+    same stored row, and two long keys that share their prefix still differ (gear ids may be 200 characters)."""
+    if len(key) <= max_chars:
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()[:_DIGEST_CHARS]
+    return f"{key[:max_chars - _DIGEST_CHARS - 1]}#{digest}"
 
 
 def _migration_cost(db: GearShiftStore, gears: Sequence[Gear]) -> Callable[[Gear, Gear], float] | None:
@@ -254,7 +275,9 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
         settings: the resolved controller and tide figures.
         run_key_prefix: put before the shift's run key (the serve loop prefixes its own run key).
         run_key: the serving run whose samples to follow (default: the newest sample's run among those
-            not ended and not batch jobs). When the followed run changes, the controller starts afresh.
+            not ended, not batch jobs and not deciding their own shifts: one store, one followed run). When the
+            followed run changes, the controller starts afresh (state and last sample read); so it does when
+            the cursor's last sample id is past the run's newest (the store was reset), with a note saying so.
         forecast: the controller's load forecast; None with ``forecast_horizon_s`` > 0 in the
             controller settings uses :func:`tide_history_forecast`.
         epoch_s: now, epoch seconds (default the clock): the forecast's now and the freshness check's.
@@ -275,13 +298,43 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
     now_s = time.time() if epoch_s is None else epoch_s
     run_key = run_key or db.latest_shiftable_run_key()
     if run_key is None:
-        newest = db.latest_sample_run_key()
-        why = db.pipeline_liveness(newest).why_not_live(now_s, config.sample_freshness_s) if newest else None
         return ShiftEvaluation(None, make_cursor(state, last_id, followed, raised_by, last_decline),
-                               note="no live serving run writes metric samples" + (f" ({why})" if why else ""))
-    if run_key != followed:
-        state, raised_by, last_decline = None, None, None
+                               note=_why_nothing_followed(db, now_s, config.sample_freshness_s))
+    if run_key != followed:  # another run: its samples, its clock, its decisions
+        state, last_id, raised_by, last_decline = None, None, None, None
     live = db.pipeline_liveness(run_key)
+    reset_note = None
+    if last_id is not None and (live.newest_sample_id is None or last_id > live.newest_sample_id):
+        reset_note = (f"the cursor's last_sample_id {last_id} is past run {run_key}'s newest sample "
+                      f"({live.newest_sample_id}): the store was reset; reading the run afresh")
+        state, last_id, raised_by, last_decline = None, None, None, None
+    result = _evaluate_followed(db, controller, settings, state, last_id, run_key, raised_by, last_decline, live,
+                                run_key_prefix, forecast, epoch_s, now_s)
+    if reset_note is None:
+        return result
+    return dataclasses.replace(result, note=f"{reset_note}; {result.note}" if result.note else reset_note)
+
+
+def _why_nothing_followed(db: GearShiftStore, now_s: float, freshness_s: float) -> str:
+    """Why no serving run is followed: no samples, the newest sample's run is not live, or it decides its own
+    shifts (a serve loop with inline control, which the sensor leaves alone: one decision, one shift)."""
+    newest = db.latest_sample_run_key()
+    if newest is None:
+        return "no live serving run writes metric samples"
+    live = db.pipeline_liveness(newest)
+    why = live.why_not_live(now_s, freshness_s)
+    if why is None and live.inline_control:
+        return (f"no serving run for this sensor to follow: run {newest} decides its own shifts (a serve loop with "
+                f"inline control), so the sensor leaves it alone")
+    return "no live serving run writes metric samples" + (f" ({why})" if why else "")
+
+
+def _evaluate_followed(db: GearShiftStore, controller: Controller, settings: ResolvedControlSettings,
+                       state: ControllerState | None, last_id: int | None, run_key: str, raised_by: str | None,
+                       last_decline: tuple[str, float] | None, live: PipelineLiveness, run_key_prefix: str,
+                       forecast: ForecastFn | None, epoch_s: float | None, now_s: float) -> ShiftEvaluation:
+    """:func:`evaluate_gear_shift` on the run it follows, from the cursor's fields (see there)."""
+    config = settings.controller
     started_s = time.monotonic()
     read = 0
     unhealthy = db.unhealthy_gear_keys()
@@ -382,6 +435,7 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
             ``tide.time_compression``.
         forecaster: the tide history's forecaster (default: built from ``tide.history_file``).
 
+    A cursor whose last sample id is past the store's newest sample (the store was reset) starts afresh.
     The cursor keeps no per-job state (its size is bounded); each admission increments the job row's
     ``admissions``, which numbers its run key, so a job admitted again (paused, or finished and queued
     again) never repeats a run key Dagster has seen.
@@ -394,6 +448,10 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     cfg = tide
     ema_rps, last_id, gate = state.ema_rps, state.last_sample_id, state.gate
     rows = db.read_samples(after_id=last_id)
+    if not rows and last_id is not None and last_id > (db.newest_sample_id() or 0):
+        # the store was reset (a new database under the same Dagster instance): read it afresh, not never
+        ema_rps, last_id, gate = None, None, TideGate()
+        rows = db.read_samples()
     for _, smp in rows:
         ema_rps = ema(ema_rps, smp.rps, cfg.ema_alpha)
     if rows:

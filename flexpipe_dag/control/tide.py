@@ -26,10 +26,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from flexpipe_dag.control.config import Figures
 from flexpipe_dag.core.errors import shown
@@ -175,7 +175,7 @@ class TideGate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     running: bool = False
     pending: Literal["admit", "pause"] | None = None
-    count: int = 0
+    count: Annotated[StrictInt, Field(ge=0)] = 0
 
     def step(self, decision: TideDecision, required: int) -> tuple[TideGate, TideDecision | None]:
         """Feed one decision; returns the new gate and the decision to act on now (None = no change yet)."""

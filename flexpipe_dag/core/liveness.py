@@ -26,6 +26,9 @@ class PipelineLiveness:
         newest_sample_id: row id of its newest metric sample; None without samples.
         newest_sample_t_s: that sample's ``t_s`` (seconds on the run's own clock).
         newest_sample_written_s: when that sample was written, epoch seconds.
+        inline_control: the run decides its own shifts (a serve loop with inline control): the
+            ``gear_shift_sensor`` does not follow it, so one decision is taken once.
+        gear_key: the gear it served at its last heartbeat; None when never registered or not said.
     """
 
     run_key: str
@@ -35,6 +38,8 @@ class PipelineLiveness:
     newest_sample_id: int | None = None
     newest_sample_t_s: float | None = None
     newest_sample_written_s: float | None = None
+    inline_control: bool = False
+    gear_key: str | None = None
 
     def why_not_live(self, now_s: float, freshness_s: float) -> str | None:
         """Why no shift may be taken on this run now, or None when it is live.

@@ -136,7 +136,8 @@ class TraceServer:
     def _heartbeat(self) -> None:
         active = getattr(self.router, "active", None)
         self.db.heartbeat_pipeline_run(self.settings.run_key, PipelineRunKind.SERVE,
-                                       active.gear.gear_id if active is not None else None)
+                                       active.gear.gear_id if active is not None else None,
+                                       inline_control=self.settings.inline_control)
 
     def _serve(self, online: Sequence[TimedRequest], offline: Sequence[TimedRequest]) -> ServeReport:
         s, db = self.settings, self.db
@@ -277,15 +278,32 @@ class TraceServer:
             if self.db.claim_shift_request(ev.event_id, self.settings.run_key, {"run_key": ev.run_key}):
                 self._start_shift(ev.event_id, d.from_gear_id, d.to_gear_id, d.trigger, d.reason)
 
+    def _stale_request(self, from_gear: str | None, to_gear: str) -> str | None:
+        """Why a shift request no longer fits the pipeline (one line), or None: its target already serves (a second
+        decision on the same load, e.g. one the sensor took while this loop took its own) or it was decided on
+        another gear than the one serving now. Never re-runs a migration to the gear already serving."""
+        active = getattr(self.router, "active", None)
+        serving = active.gear.gear_id if active is not None else None
+        if serving is None:
+            return None
+        if to_gear == serving:
+            return f"stale: {serving} is already serving"
+        if from_gear is not None and from_gear != serving:
+            return f"stale: decided on {from_gear}, but {serving} is serving now"
+        return None
+
     def _start_shift(self, event_id: int, from_gear: str | None, to_gear: str, trigger: str, reason: str) -> None:
         gear = self.gears.get(to_gear) or self.db.load_gear(to_gear)
         t_s = round(time.monotonic() - self._t0, 1)
         record = {"t_s": t_s, "from_gear": from_gear, "to_gear": to_gear, "trigger": trigger, "reason": reason,
                   "status": "running", "event_id": event_id}
         self.report.shifts.append(record)
-        if gear is None:
-            record["status"] = "failed"
-            self.db.update_shift_event(event_id, ShiftEventStatus.FAILED, {"error": f"unknown gear {to_gear}"})
+        stale = self._stale_request(from_gear, to_gear)
+        if gear is None or stale is not None:
+            error = stale or f"unknown gear {to_gear}"
+            record.update(status="failed", outcome=error)
+            self.db.update_shift_event(event_id, ShiftEventStatus.FAILED, {"error": error, "outcome": error})
+            self.log(f"shift event {event_id} ({from_gear} -> {to_gear}) refused: {error}")
             return
         self.log(f"t={t_s:.0f}s shift {from_gear} -> {to_gear} ({trigger}): {reason}")
 

@@ -185,7 +185,8 @@ class GearExecutor:
             new_gear: the gear to run; same model as the running one.
             options: runtime options for the new pipeline only (e.g. a fault hook in tests).
 
-        Returns a :class:`ShiftOutcome`; never raises for a failed step (that is a rollback).
+        Returns a :class:`ShiftOutcome`; never raises for a failed step (that is a rollback). A ``new_gear`` that
+        is already serving is refused without a migration (``failed``, "stale: <gear> is already serving").
         Raises ``RuntimeError`` if another shift is running on this executor.
         """
         if not self._lock.acquire(blocking=False):
@@ -217,6 +218,8 @@ class GearExecutor:
 
         if old is None or not old.alive:
             return finish("failed", "no live pipeline to shift from", "plan")
+        if old.gear.gear_id == new_gear.gear_id:  # a stale request: never migrate to the gear already serving
+            return finish("failed", f"stale: {new_gear.gear_id} is already serving", "plan")
         ckpt = old.runtime.ckpt
         opts = self._new_options(options or self.options or old.runtime.options)
         try:

@@ -3,7 +3,8 @@
 One decision, one event row: the decision's deterministic key is unique. A requested shift carries the
 deadline by which a live serving run must take it. ``pipeline_runs`` records the serving runs and batch
 jobs that write metric samples, with their start, last heartbeat and end, so the controller never shifts on
-a run that is not live. The status comment gains ``applying`` and ``expired`` (written out here, as 0006
+a run that is not live, and whether a serving run decides its own shifts (the sensor then leaves it alone).
+The status comment gains ``applying`` and ``expired`` (written out here, as 0006
 does, so this revision stays what it is when the enum changes later).
 
 Revision ID: 0008
@@ -47,6 +48,9 @@ def upgrade() -> None:
         sa.Column("run_key", sa.String(length=200), nullable=False, comment="metric_samples.run_key of its samples"),
         sa.Column("kind", sa.String(length=20), nullable=False, comment="serve | batch"),
         sa.Column("gear_key", sa.String(length=200), nullable=True, comment="the gear serving at the last heartbeat"),
+        sa.Column("inline_control", sa.Boolean(), nullable=False, server_default=sa.false(),
+                  comment="the run decides its own shifts (serve loop with inline control): the gear_shift_sensor "
+                          "leaves it alone"),
         sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("ended_at", sa.DateTime(timezone=True), nullable=True, comment="NULL while the run is live"),

@@ -70,23 +70,26 @@ def _item_values(item: str, field: tuple[str, int, int, str]) -> tuple[int, int,
         return None
     name, low, high, unit = field
     base, step_text = match.group(1), match.group(2)
-    ends = [low, high] if base == "*" else [_value(v, field) for v in base.split("-")]
-    if None in ends:
+    parsed = [low, high] if base == "*" else [_value(v, field) for v in base.split("-")]
+    ends = [v for v in parsed if v is not None]
+    if len(ends) != len(parsed):
         return None
     top = 7 if name == "day of week" else high  # 7 is Sunday too
     for v in ends:
-        if not low <= v <= top:  # type: ignore[operator]
+        if not low <= v <= top:
             raise ValueError(f"the {name} value {v} is outside the {name} range {low}-{high}"
                              + (" (7 is also Sunday)" if name == "day of week" else ""))
-    first, last = ends[0], ends[-1] if "-" in base or base == "*" else (high if step_text else ends[0])
+    first, last = ends[0], ends[-1]
+    if len(ends) == 1 and step_text is not None:  # N/S: from N to the field's end
+        last = high
     step = None if step_text is None else int(step_text)
     if step == 0:
         raise ValueError(f"the {name} step is 0; expected a step of 1 or more")
-    if step is not None and step > last - first + 1:  # type: ignore[operator]
+    if step is not None and step > last - first + 1:
         raise ValueError(f"the {name} step {step} is beyond the {name} range {first}-{last}: it matches {name} {first} "
                          f"only, so the cron does not fire every {step} {unit}; give several crons separated by "
                          f"'{CRON_SEPARATOR}' for such an interval, e.g. {LIST_EXAMPLE}")
-    return first, last, step, base == "*"  # type: ignore[return-value]
+    return first, last, step, base == "*"
 
 
 def _uneven_step(cron: str, item: str, values: tuple[int, int, int | None, bool],

@@ -197,3 +197,75 @@ def test_max_new_tokens_help_says_a_row_asking_for_more_gets_the_cap():
     said = BatchInferenceConfig.model_fields["max_new_tokens"].description
     assert said == ("tokens generated per request: a row without max_new_tokens gets this, a row asking for more "
                     "gets this (the cap)")
+
+
+@pytest.mark.slow
+def test_batch_job_stages_run_refuses_over_its_kv_cap_and_a_rerun_stores_its_own_config(tmp_path):
+    """The trial's jobs: ``stages: 1`` with ``kv_pool_tokens_max: 256`` refuses a 300-token prompt with
+    max_new_tokens 4 (needs 303) naming the job field; the same key run again with another prompts file,
+    max_new_tokens and priority leaves that config on the job row."""
+    import json
+
+    from dagster import DagsterInstance
+
+    from flexpipe_dag.jobs.batch import batch_inference
+    from flexpipe_dag.resources.store_resource import StoreResource
+    from tests.test_batch_job_semantics import _logs
+
+    mix, p3 = tmp_path / "mix.jsonl", tmp_path / "p3.jsonl"
+    mix.write_text(json.dumps({"id": "long", "token_ids": [504] * 300, "max_new_tokens": 4}) + "\n"
+                   + json.dumps({"id": "a", "token_ids": [504, 2988, 314]}) + "\n")
+    p3.write_text(json.dumps({"id": "b", "token_ids": [504, 2988, 314]}) + "\n")
+    store = StoreResource(database_url=f"sqlite:///{tmp_path / 'store.db'}")
+    instance = DagsterInstance.ephemeral()
+    first = {"job_key": "jb1", "prompts_path": str(mix), "stages": 1, "max_new_tokens": 4, "kv_pool_tokens_max": 256}
+    result = batch_inference.execute_in_process(run_config={"ops": {"run_batch": {"config": first}}},
+                                                resources={"store": store}, instance=instance)
+    assert result.success
+    db = store.get_store()
+    (job,) = db.jobs()
+    assert [r.request_key for r in db.results(job.id)] == ["a"]
+    assert ("refused long: request 'long' needs 303 KV tokens (prompt 300 + max_new_tokens 4 - 1: the last token is "
+            "never cached); the KV pool holds 256 tokens; expected at most 256 (shorten the prompt or "
+            "max_new_tokens, or raise the job's kv_pool_tokens_max)") in _logs(instance, result.run_id, logging.WARNING)
+    second = {"job_key": "jb1", "prompts_path": str(p3), "stages": 1, "max_new_tokens": 3, "priority": 5}
+    assert batch_inference.execute_in_process(run_config={"ops": {"run_batch": {"config": second}}},
+                                              resources={"store": store}).success
+    (job,) = db.jobs()
+    assert {k: job.config[k] for k in second} == second and job.config["kv_pool_tokens_max"] == 8192
+    assert (job.priority, job.source_path) == (5, str(p3))
+    assert sorted(r.request_key for r in db.results(job.id)) == ["a", "b"]
+
+
+@pytest.mark.slow
+def test_flexpipe_run_truncate_context_refuses_rows_whose_max_new_tokens_fill_the_context(tmp_path, capsys):
+    """The trial's run: a 64-token-context copy, ``--truncate-context --max-new-tokens 200``: rows (prompt 3,
+    max_new_tokens 100) and (prompt 10, 64) are refused with their numbers, not served as prompt 1 / output 63;
+    a 100-token prompt with 8 new tokens is served with its prompt cut to 56."""
+    import json
+
+    pytest.importorskip("torch")
+    from flexpipe_dag.cli import main
+    from tests.test_request_limits import small_context_checkpoint
+
+    ck = small_context_checkpoint(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"id": "p3", "token_ids": [504, 2988, 314], "max_new_tokens": 100},
+        {"id": "p10", "token_ids": [504] * 10, "max_new_tokens": 64},
+        {"id": "long", "token_ids": [504, 2988, 314, 260] * 25, "max_new_tokens": 8})))
+    out = tmp_path / "results.jsonl"
+    code = main(["run", "--stages", "1", "--model", str(ck.path), "--prompts", str(prompts), "--out", str(out),
+                 "--truncate-context", "--max-new-tokens", "200", "--kv-capacity-tokens", "256"])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert code == 1
+    assert {k: summary[k] for k in ("finished", "refused", "refused_context", "truncated_context", "over_context")} == {
+        "finished": 1, "refused": 2, "refused_context": 2, "truncated_context": 1, "over_context": 3}
+    assert ("refused p3: request 'p3': prompt 3 + max_new_tokens 100 = 103 tokens exceed the model's max context of "
+            "64 tokens, and max_new_tokens alone leaves no room for one prompt token (truncation cuts only the "
+            "prompt); expected max_new_tokens at most 63") in captured.err
+    assert ("64-token max context (prompt + max_new_tokens): 1 served with the prompt truncated from the left, 2 "
+            "refused: max_new_tokens alone leaves no room for the prompt") in captured.err
+    [res] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (res["id"], res["prompt_tokens"]) == ("long", 56) and res["output_tokens"] <= 8

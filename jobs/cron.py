@@ -4,7 +4,11 @@ and the rule that a tick is run on time or not at all.
 Dagster accepts ``*/90 * * * *`` and then fires hourly (a minute step of 90 matches minute 0 only), and
 ``0 */36 * * *`` fires daily; an interval a cron field cannot hold is said with several crons (Dagster's
 schedules take a list), e.g. every 90 minutes is ``0 0-21/3 * * *; 30 1-22/3 * * *``. :func:`parse_crons`
-refuses a step beyond its field's range and names the field, the range and the list form.
+refuses a step beyond its field's range and names the field, the range and the list form. Before Dagster's own
+check, :func:`check_cron` reads each of the 5 fields itself (numbers and the names ``JAN``-``DEC``,
+``SUN``-``SAT``), so a value outside a field's range (``60 * * * *``), a step of 0 and a day that never comes
+(``0 0 31 2 *``) are refused naming the field and its range; a ``*/step`` that does not divide its range
+(``*/45`` minutes fires at :00 and :45) is accepted with a logged warning (:func:`cron_warnings`).
 
 Dagster's scheduler, started after a while stopped or with a changed cron, evaluates the newest tick it
 missed since the schedule last ticked, late: a nightly job whose cron moved from 02:00 to 14:00 runs

@@ -16,6 +16,8 @@ from flexpipe_dag.runtime.chat_template import ChatTemplateMode, resolve_chat_te
 
 #: Requests submitted per chunk; a pause takes effect between chunks.
 CHUNK_REQUESTS = 16
+#: What a request's KV refusal tells the user to raise in this job.
+KV_KNOB = "the job's kv_pool_tokens_max"
 
 
 class BatchInferenceConfig(Config):
@@ -33,8 +35,8 @@ class BatchInferenceConfig(Config):
                        "such as azure-conv) whose token lengths shape prompts cut from a bundled public-domain text")
     num_requests: int = Field(default=64, description="with trace: the trace rows served (its first ones)")
     max_prompt_tokens: int = Field(default=256, description="with trace: cap on each prompt's tokens")
-    max_new_tokens: int = Field(default=16, ge=1, description="tokens generated per request: the default and "
-                                "the cap (a row asking for more gets it)")
+    max_new_tokens: int = Field(default=16, ge=1, description="tokens generated per request: a row without "
+                                "max_new_tokens gets this, a row asking for more gets this (the cap)")
     gear_id: str = Field(default="", description="a stored gear; empty = even split over `stages` CPU workers")
     stages: int = Field(default=2, description="with no gear_id: the model's layers split evenly over this many CPU "
                         "worker processes on this host; their steps are recorded as this host's probed CPU workers "
@@ -49,10 +51,12 @@ class BatchInferenceConfig(Config):
     priority: int = Field(default=0, description="the job's priority in the store (the tide sensor admits higher first)")
     step_timeout_s: float = Field(default=120.0, description="seconds one pipeline step may take before the run "
                                   "fails naming the stage")
-    kv_pool_tokens_max: int = Field(default=8192, ge=256, description="cap on the gear's KV pool for this job")
+    kv_pool_tokens_max: int = Field(default=8192, ge=256, description="cap (tokens) on the KV pool of the job's "
+                                    "gear, `gear_id` or `stages` alike")
     truncate_context: bool = Field(default=False, description="serve a request whose prompt + max_new_tokens exceed "
                                    "the model's max context with the prompt cut from the left (default: refuse it; "
-                                   "either way the run's metadata counts them)")
+                                   "either way the run's metadata counts them); only the prompt is cut: a request "
+                                   "whose max_new_tokens alone fill the context is still refused")
     control_address: str = Field(default="", description="HOST:PORT: serve stage workers started on other hosts "
                                  "(`flexpipe worker --head HOST:PORT --stage S` on each) instead of spawning "
                                  "them here (PORT 0: a free port, named in the run's log); empty = every "
@@ -64,6 +68,12 @@ class BatchInferenceConfig(Config):
 
 
 def _gear(config: BatchInferenceConfig, db, ckpt):
+    """The job's gear: the stored ``gear_id``, else ``stages`` CPU workers; either way its KV pool capped at
+    ``kv_pool_tokens_max``.
+
+    Raises:
+        InputError: naming the job field: no stored gear ``gear_id``, or ``stages`` outside 1..the model's layers.
+    """
     from flexpipe_dag.core.errors import InputError
     from flexpipe_dag.core.gear_builders import even_gear
 
@@ -72,7 +82,11 @@ def _gear(config: BatchInferenceConfig, db, ckpt):
         if gear is None:
             raise InputError("batch_inference config", "gear_id", f"no stored gear {config.gear_id!r}")
         return gear.with_kv_pool_capped(config.kv_pool_tokens_max)
-    gear = even_gear(ckpt.num_layers, config.stages, ckpt.name, config.micro_batch_size, None, 0)
+    if not 1 <= config.stages <= ckpt.num_layers:
+        raise InputError("batch_inference config", "stages", f"expected 1..{ckpt.num_layers} ({ckpt.name}'s layers), "
+                                                             f"got {config.stages}")
+    gear = even_gear(ckpt.num_layers, config.stages, ckpt.name, config.micro_batch_size, None,
+                     0).with_kv_pool_capped(config.kv_pool_tokens_max)
     return gear if config.control_address else _on_host_cpu_workers(gear)
 
 
@@ -144,6 +158,9 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s,
                                                          control_address=config.control_address or None,
                                                          truncate_context=config.truncate_context,
+                                                         kv_capacity_knob=KV_KNOB + (
+                                                             " (up to the gear's kv_capacity_tokens)"
+                                                             if config.gear_id else ""),
                                                          secret=head_secret.secret if head_secret else None))
     # its samples go under its run id: registered as a batch job, they never trigger a gear shift
     db.heartbeat_pipeline_run(context.run_id, PipelineRunKind.BATCH, gear.gear_id)

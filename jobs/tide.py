@@ -6,6 +6,8 @@ decide with :func:`flexpipe_dag.control.tide.decide_offline`, mark jobs ``admitt
 ``batch_inference`` runs (low ``dagster/priority``, so online-critical runs jump them) for the admissions.
 """
 
+from collections.abc import Sequence
+
 from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, sensor
 
 from flexpipe_dag.control.service import evaluate_tide
@@ -13,6 +15,15 @@ from flexpipe_dag.jobs.batch import batch_inference
 from flexpipe_dag.jobs.sensor_settings import SENSOR_INTERVAL_S
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.store_resource import StoreResource
+
+
+def no_config_line(job_keys: Sequence[str]) -> str | None:
+    """One line naming the jobs an admission skipped for want of a stored config (None when there are none)."""
+    if not job_keys:
+        return None
+    named = ", ".join(job_keys[:5]) + (f" and {len(job_keys) - 5} more" if len(job_keys) > 5 else "")
+    return (f"not admitted, no stored config (inference_jobs.config is empty): {named}; run each once with "
+            "`dagster job execute -j batch_inference` and its config, which stores it")
 
 
 @sensor(job=batch_inference, minimum_interval_seconds=SENSOR_INTERVAL_S, default_status=DefaultSensorStatus.RUNNING,
@@ -25,8 +36,12 @@ def tide_sensor(context: SensorEvaluationContext, store: StoreResource, control:
     if ev.decision is None:
         return SkipReason("no online metric samples yet")
     context.log.info(ev.decision.reason)
+    unconfigured = no_config_line(ev.no_config)
+    if unconfigured:
+        context.log.warning(unconfigured)
     if not ev.admit:
-        return SkipReason(ev.decision.reason + (f"; paused {', '.join(ev.paused)}" if ev.paused else ""))
+        return SkipReason(ev.decision.reason + (f"; paused {', '.join(ev.paused)}" if ev.paused else "")
+                          + (f"; {unconfigured}" if unconfigured else ""))
     return [RunRequest(run_key=ev.run_keys[j.job_key], run_config={"ops": {"run_batch": {"config": j.config}}},
                        tags={"flexpipe/job_key": j.job_key, "flexpipe/tide": ev.decision.reason[:200]})
             for j in ev.admit]

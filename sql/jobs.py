@@ -14,7 +14,8 @@ from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, checked_text
 
 #: The fields of a job :meth:`InferenceJobs.update_job` sets (what batch jobs, serving runs and the tide
-#: sensor change); the id, key, kind, priority, source and config are fixed when the job is created.
+#: sensor change); the id, key and kind are fixed when the job is created, its priority, source and config set by
+#: each run that passes a config (:meth:`InferenceJobs.get_or_create_job`).
 UPDATABLE_JOB_FIELDS: tuple[str, ...] = ("status", "total_requests", "malformed_rows", "admissions", "error",
                                          "gear_key")
 
@@ -35,6 +36,10 @@ class InferenceJobs(StoreBase):
                           config: dict[str, Any] | None = None) -> int:
         """The id of job ``job_key``, creating it (status ``queued``) if new; ``config`` relaunches it.
 
+        A stored job given a ``config`` (a run of it) takes that config, ``priority`` and ``source_path``: the
+        store holds what its latest run was given, so a relaunch by the tide sensor repeats it (also filling
+        in a job stored with ``{}``). Without a ``config`` a stored job is left as it is.
+
         Raises:
             InputError: ``kind`` is not an :class:`~flexpipe_dag.core.status.InferenceJobKind` (nothing is written).
         """
@@ -47,6 +52,8 @@ class InferenceJobs(StoreBase):
                                      config=dict(config or {}))
                 s.add(job)
                 s.flush()
+            elif config is not None:
+                job.config, job.priority, job.source_path = dict(config), priority, source_path
             return job.id
 
     def update_job(self, job_id: int, **fields: Any) -> None:

@@ -43,14 +43,17 @@ def register(subparsers) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="cap on trace prompt lengths")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="with --trace: multiply the trace's prompt / output lengths by this before capping")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="default / cap of new tokens per request")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="new tokens per request: a row without max_new_tokens gets this, a row asking for more "
+                        "gets this (the cap)")
     p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
                    help="plain-text prompts and a chat model: auto wraps each in the tokenizer's chat template when "
                         "it has one; on: the same, refusing a model without one; off: as they are (a warning for a "
                         "chat model). Generation only: --score scores prompts as they are")
     p.add_argument("--truncate-context", action="store_true",
                    help="serve a request whose prompt + max_new_tokens exceed the model's max context with the prompt "
-                        "cut from the left (default: refuse it)")
+                        "cut from the left (default: refuse it); only the prompt is cut: a request whose "
+                        "max_new_tokens alone fill the context is still refused")
     p.add_argument("--out", type=Path, default=Path("results.jsonl"), help="results JSONL (re-runs skip done ids)")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="with --stages")
@@ -344,7 +347,9 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
         secret = head_secret.secret
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
                              control_address=control_address, start_timeout_s=args.start_timeout_s,
-                             truncate_context=args.truncate_context, secret=secret)
+                             truncate_context=args.truncate_context, secret=secret,
+                             kv_capacity_knob="--kv-capacity-tokens" + (" (up to the gear's kv_capacity_tokens)"
+                                                                        if args.gear else ""))
     runtime = PipelineRuntime(gear, ckpt, options)
     try:
         return _serve_run(args, runtime, gear, ckpt, rows, malformed, sink, state, stop, control_address, head_secret,
@@ -413,8 +418,13 @@ def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, s
     for request_id, why in list(report.refused.items())[:20]:
         print(f"refused {request_id}: {why}", file=sys.stderr)
     if report.over_context:
-        done = ("refused (--truncate-context serves them truncated)" if report.refused_context
-                else "served with the prompt truncated from the left")
+        if not report.refused_context:
+            done = "served with the prompt truncated from the left"
+        elif args.truncate_context:
+            done = (f"{len(report.truncated)} served with the prompt truncated from the left, "
+                    f"{report.refused_context} refused: max_new_tokens alone leaves no room for the prompt")
+        else:
+            done = "refused (--truncate-context serves them truncated)"
         print(f"context: {report.over_context} of {report.submitted} requests over {ckpt.name}'s "
               f"{runtime.max_context_tokens}-token max context (prompt + max_new_tokens): {done}", file=sys.stderr)
     return _report(summary, report.malformed)

@@ -397,7 +397,8 @@ class TideEvaluation:
 
     ``decision`` is None before any online sample; ``admit`` the batch job rows to launch (marked
     ``admitted``), ``paused`` the keys of the jobs marked ``paused``, ``run_keys`` each admitted job's
-    run key (:func:`admission_run_key`; n counts that job's admissions, kept in its store row).
+    run key (:func:`admission_run_key`; n counts that job's admissions, kept in its store row); ``no_config``
+    the keys of queued / paused jobs an admission skipped because their stored config is empty (no run stored one).
     """
 
     decision: TideDecision | None
@@ -405,6 +406,7 @@ class TideEvaluation:
     admit: tuple[BatchJobRow, ...] = ()
     paused: tuple[str, ...] = ()
     run_keys: Mapping[str, str] = field(default_factory=dict)
+    no_config: tuple[str, ...] = ()
 
 
 def admission_run_key(job_key: str, admission: int) -> str:
@@ -473,6 +475,7 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     gate, act = gate.step(decision, cfg.hysteresis_samples)
     admit: list[BatchJobRow] = []
     paused: list[str] = []
+    no_config: list[str] = []
     if act is None:
         pass
     elif act.action == "pause":
@@ -481,9 +484,11 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
             paused.append(j.job_key)
     elif act.action == "admit":
         admit = [j for j in batch_jobs if j.status in ("queued", "paused") and j.config]
+        no_config = [j.job_key for j in batch_jobs if j.status in ("queued", "paused") and not j.config]
         for j in admit:
             admissions[j.job_key] += 1
             db.update_job(j.id, status="admitted", admissions=admissions[j.job_key])
     new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, gate=gate, gear_id=gear_id).dump()
     return TideEvaluation(decision if act is None else act, new_cursor, tuple(admit), tuple(paused),
-                          {j.job_key: admission_run_key(j.job_key, admissions[j.job_key]) for j in admit})
+                          {j.job_key: admission_run_key(j.job_key, admissions[j.job_key]) for j in admit},
+                          tuple(no_config))

@@ -104,19 +104,21 @@ class SchedulerConfig:
         max_inflight_micro_batches: most micro-batches in the pipeline at once, per lane.
         max_tokens_per_micro_batch: token budget of one micro-batch (prefill tokens + 1 per decode).
         max_context_tokens: the model's max context (prompt + generated tokens); ``None``: not checked.
+        kv_capacity_knob: what a KV refusal tells the user to raise (the entry point's flag or field).
 
     Raises:
-        ValueError: a value below 1.
+        ValueError: a number below 1.
     """
 
     micro_batch_size: int
     max_inflight_micro_batches: int
     max_tokens_per_micro_batch: int = 2048
     max_context_tokens: int | None = None
+    kv_capacity_knob: str = "the gear's kv_capacity_tokens"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) is not None and getattr(self, f.name) < 1:
+            if isinstance(getattr(self, f.name), int) and getattr(self, f.name) < 1:
                 raise ValueError(f"SchedulerConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
 
 

@@ -111,9 +111,11 @@ class RuntimeOptions:
     ``max_context_tokens``: the longest prompt + ``max_new_tokens`` a request may have (default:
     the checkpoint's ``max_position_embeddings``; at most it, like vLLM's ``max_model_len``); a
     longer request is refused with a per-request reason (:attr:`PipelineRuntime.refused`), or with
-    ``truncate_context`` served with its prompt cut from the left, the most recent tokens kept, and
-    ``max_new_tokens`` capped only when it alone leaves no room
+    ``truncate_context`` served with its prompt cut from the left, the most recent tokens kept
     (:func:`flexpipe_dag.workload.context.fit_to_context`; listed in :attr:`PipelineRuntime.truncated`).
+    As vLLM's ``truncate_prompt_tokens``, truncation cuts only the prompt: a request whose
+    ``max_new_tokens`` alone leave no room for one prompt token (``max_new_tokens >= max_context_tokens``)
+    is refused with its numbers, never served with its output capped.
     ``control_address``: ``"HOST:PORT"`` to serve stage workers started elsewhere (other hosts:
     ``flexpipe worker --head HOST:PORT --stage S``, or ``flexpipe run --launched`` under a
     launcher; :mod:`~flexpipe_dag.runtime.remote`); only the driver is spawned here and the head
@@ -124,7 +126,8 @@ class RuntimeOptions:
     (:mod:`~flexpipe_dag.runtime.control_auth`; ``None``: a fresh one, :attr:`PipelineRuntime.secret`,
     handed to local children in their spawn arguments; remote workers need it from a file or the
     environment). Either way the control store binds exactly ``HOST`` (127.0.0.1 for a one-host run,
-    on a port the kernel picks).
+    on a port the kernel picks). ``kv_capacity_knob``: what a request's KV refusal tells the user to
+    raise (``--kv-capacity-tokens`` for ``flexpipe run``, ``kv_pool_tokens_max`` for ``batch_inference``).
     """
 
     dtype: str = "fp32"
@@ -143,6 +146,7 @@ class RuntimeOptions:
     max_context_tokens: int | None = None
     truncate_context: bool = False
     secret: str | None = None
+    kv_capacity_knob: str = "the gear's kv_capacity_tokens"
 
 
 #: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
@@ -355,7 +359,8 @@ class PipelineRuntime:
         sched_cfg = SchedulerConfig(micro_batch_size=self.gear.micro_batch_size,
                                     max_inflight_micro_batches=self.gear.max_inflight_micro_batches,
                                     max_tokens_per_micro_batch=self.options.max_tokens_per_micro_batch,
-                                    max_context_tokens=self.max_context_tokens)
+                                    max_context_tokens=self.max_context_tokens,
+                                    kv_capacity_knob=self.options.kv_capacity_knob)
         self._procs = [ctx.Process(target=driver_main, name="flexpipe-driver", daemon=True,
                                    args=(spec, self.gear.gear_id, sched_cfg, self._cmds, self._events,
                                          self._counters, self.options.metrics_period_s))]
@@ -500,9 +505,12 @@ class PipelineRuntime:
         return wanted
 
     def _fit_context(self, reqs: list[Request]) -> list[Request]:
-        """With ``truncate_context``: requests over the max context cut to it (recorded in :attr:`truncated`)."""
+        """With ``truncate_context``: requests over the max context with the prompt cut to fit it (recorded in
+        :attr:`truncated`); one whose ``max_new_tokens`` alone leave no room for a prompt token is refused
+        (recorded in :attr:`refused`, not submitted): truncation cuts the prompt only, as vLLM's."""
         import dataclasses
 
+        from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL
         from flexpipe_dag.workload.context import fit_to_context
 
         limit = self.max_context_tokens if self.options.truncate_context else None
@@ -511,13 +519,18 @@ class PipelineRuntime:
         out = []
         for r in reqs:
             n = len(r.prompt_token_ids)
-            keep, new = fit_to_context(n, r.max_new_tokens, limit)
-            if (keep, new) != (n, r.max_new_tokens):
-                self._truncated[r.request_id] = (f"prompt {n} -> {keep} tokens (the last ones kept)"
-                                                 + (f", max_new_tokens {r.max_new_tokens} -> {new}"
-                                                    if new != r.max_new_tokens else "")
-                                                 + f"; max context {limit} tokens")
-                r = dataclasses.replace(r, prompt_token_ids=list(r.prompt_token_ids[n - keep:]), max_new_tokens=new)
+            if r.max_new_tokens >= limit:
+                self._refused[r.request_id] = (
+                    f"request {r.request_id!r}: prompt {n} + max_new_tokens {r.max_new_tokens} = "
+                    f"{n + r.max_new_tokens} tokens {CONTEXT_REFUSAL} of {limit} tokens, and max_new_tokens alone "
+                    f"leaves no room for one prompt token (truncation cuts only the prompt); expected max_new_tokens "
+                    f"at most {limit - 1}")
+                continue
+            keep, _ = fit_to_context(n, r.max_new_tokens, limit)  # max_new_tokens < limit: only the prompt is cut
+            if keep != n:
+                self._truncated[r.request_id] = (f"prompt {n} -> {keep} tokens (the last ones kept); max context "
+                                                 f"{limit} tokens")
+                r = dataclasses.replace(r, prompt_token_ids=list(r.prompt_token_ids[n - keep:]))
             out.append(r)
         return out
 

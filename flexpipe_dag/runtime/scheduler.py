@@ -42,6 +42,8 @@ class ContextLengthError(ValueError):
 
 #: Words every context refusal's message holds (how a report tells them from other refusals).
 CONTEXT_REFUSAL = "exceed the model's max context"
+#: What a KV refusal tells the user to raise by default (an entry point names its own knob).
+KV_CAPACITY_KNOB = "the gear's kv_capacity_tokens"
 
 
 #: Priority of online (latency-critical) requests; offline batch work uses larger numbers.
@@ -172,12 +174,15 @@ class Scheduler:
             ``max_position_embeddings``); ``None``: not checked.
         stage_replicas: replicas per stage of the gear the allocator's lanes come from (names the
             binding stage and replica in a KV refusal); empty: not known (one lane: not needed).
+        kv_capacity_knob: what a KV refusal tells the user to raise (the entry point's flag or field).
     """
 
     def __init__(self, allocator: BlockAllocator, micro_batch_size: int, max_inflight_micro_batches: int,
                  max_tokens_per_micro_batch: int = 2048, clock: Callable[[], float] = time.monotonic,
-                 max_context_tokens: int | None = None, stage_replicas: tuple[int, ...] = ()):
+                 max_context_tokens: int | None = None, stage_replicas: tuple[int, ...] = (),
+                 kv_capacity_knob: str = KV_CAPACITY_KNOB):
         self.allocator = allocator
+        self.kv_capacity_knob = kv_capacity_knob
         self.max_context_tokens = max_context_tokens
         self.stage_replicas = tuple(stage_replicas)
         self.micro_batch_size = micro_batch_size
@@ -222,7 +227,7 @@ class Scheduler:
                 f"request {req.request_id!r} needs {need} KV tokens (prompt {prompt} + max_new_tokens "
                 f"{req.max_new_tokens} - 1: the last token is never cached); "
                 f"{lane_limit_text(alloc.num_lanes, lane_tokens, self.stage_replicas)}; expected at most "
-                f"{lane_tokens} (shorten the prompt or max_new_tokens, or raise the gear's kv_capacity_tokens)")
+                f"{lane_tokens} (shorten the prompt or max_new_tokens, or raise {self.kv_capacity_knob})")
         seq_id = next(self._ids)
         self._request_ids.add(req.request_id)
         self._waiting.append(_Seq(seq_id, req, seq_id, self.clock() if arrival_s is None else arrival_s))

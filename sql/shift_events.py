@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import ShiftEventAction, ShiftEventStatus, checked
@@ -43,6 +44,18 @@ def _unbounded_or_finite(value: Any, field: str) -> float | None:
     shown = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
     raise InputError("shift_events", field,
                      f"expected a number (inf: unbounded, stored as NULL) or None, got {shown!r}")
+
+
+def _stored_event(s: Session, event_id: int) -> m.ShiftEvent:
+    """Event ``event_id`` in session ``s``.
+
+    Raises:
+        KeyError: ``event_id`` is not stored.
+    """
+    ev = s.get(m.ShiftEvent, event_id)
+    if ev is None:
+        raise KeyError(event_id)
+    return ev
 
 
 class ShiftEvents(StoreBase):
@@ -116,9 +129,7 @@ class ShiftEvents(StoreBase):
             KeyError: ``event_id`` is not stored.
         """
         with self.session() as s:
-            ev = s.get(m.ShiftEvent, event_id)
-            if ev is None:
-                raise KeyError(event_id)
+            ev = _stored_event(s, event_id)
             if ev.status not in allowed:
                 return False, ev
             ev.status = status
@@ -158,9 +169,7 @@ class ShiftEvents(StoreBase):
             KeyError: ``event_id`` is not stored.
         """
         with self.session() as s:
-            ev = s.get(m.ShiftEvent, event_id)
-            if ev is None:
-                raise KeyError(event_id)
+            ev = _stored_event(s, event_id)
             if ev.run_key != run_key or ev.status not in (ShiftEventStatus.REQUESTED, ShiftEventStatus.DECIDED):
                 return False
             if ev.expires_at is not None and as_utc(ev.expires_at) <= utcnow():
@@ -196,9 +205,7 @@ class ShiftEvents(StoreBase):
         """Set an event's status and merge ``details`` into its details."""
         status = checked(ShiftEventStatus, status, "shift_events", "status").value
         with self.session() as s:
-            ev = s.get(m.ShiftEvent, event_id)
-            if ev is None:
-                raise KeyError(event_id)
+            ev = _stored_event(s, event_id)
             ev.status = status
             if details:
                 ev.details = {**ev.details, **json_ready(details)}
@@ -206,9 +213,7 @@ class ShiftEvents(StoreBase):
     def get_shift_event(self, event_id: int) -> m.ShiftEvent:
         """One event, as stored now."""
         with self.session() as s:
-            ev = s.get(m.ShiftEvent, event_id)
-            if ev is None:
-                raise KeyError(event_id)
+            ev = _stored_event(s, event_id)
             return ev
 
     def pending_shift_requests(self, run_key: str | None = None) -> list[m.ShiftEvent]:

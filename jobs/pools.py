@@ -11,3 +11,28 @@ ships ``default_limit: 1``).
 
 #: Pool of the ops that start the pipeline runtime (limit 1 from ``default_limit`` in ``deploy/dagster.yaml``).
 PIPELINE_RUNTIME_POOL = "pipeline_runtime"
+#: Pool of the device probe (the ``gpu_profile`` asset).
+DEVICE_PROBE_POOL = "device_probe"
+#: Every pool FlexPipe's ops and assets use.
+POOLS = (PIPELINE_RUNTIME_POOL, DEVICE_PROBE_POOL)
+
+
+def initialise_pools(instance) -> dict[str, int]:
+    """Create each of :data:`POOLS`'s slots on ``instance`` at its ``default_limit``, before any run uses them.
+
+    Dagster creates a pool's slots when a step first claims one; two runs starting together on an
+    instance that has never used the pool can both count no slots and each add one, so both steps
+    run (seen once in CI on SQLite). Initialising the pools up front, as ``flexpipe demo`` does on
+    its instance and ``dagster instance concurrency set pipeline_runtime 1`` does by hand, closes
+    that window.
+
+    Args:
+        instance: a ``dagster.DagsterInstance`` whose storage supports concurrency pools.
+
+    Returns:
+        ``{pool: slot count}`` after initialising (0 where the instance sets no default limit).
+    """
+    storage = instance.event_log_storage
+    for pool in POOLS:
+        storage.initialize_concurrency_limit_to_default(pool)
+    return {pool: storage.get_concurrency_info(pool).slot_count for pool in POOLS}

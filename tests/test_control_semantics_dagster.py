@@ -36,7 +36,7 @@ from flexpipe_dag.control.tide import TideConfig, TideForecaster
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.jobs.cron import LATE_TICK_LIMIT_S, late_tick_reason
-from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL
+from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL, initialise_pools
 from flexpipe_dag.jobs.profiling import profile_refresh_crons, profile_refresh_job, profile_refresh_schedule
 from flexpipe_dag.workload.bundled import load_tide_trace
 from tests.support import REPO, enveloped_gear
@@ -342,6 +342,7 @@ def test_two_queued_runtime_runs_never_overlap_and_the_second_waits(tmp_path):
     (home / "dagster.yaml").write_text((REPO / "deploy" / "dagster.yaml").read_text())  # the shipped instance
     with DagsterInstance.from_config(str(home)) as instance:  # its storage created once, before the two runs race
         assert instance.event_log_storage.supports_global_concurrency_limits and instance.get_runs() == []
+        assert initialise_pools(instance) == {"pipeline_runtime": 1, "device_probe": 1}  # as `flexpipe demo` does
     env = {**os.environ, "DAGSTER_HOME": str(home), SPANS_DIR_VAR: str(tmp_path), "PYTHONPATH": str(REPO)}
     code = ("from dagster import DagsterInstance\n"
             "from tests.test_control_semantics_dagster import pooled_runtime_job\n"

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from dagster import BetaWarning, DagsterInstance, PreviewWarning, execute_job, reconstructable
 
     from flexpipe_dag import demo_defs
+    from flexpipe_dag.jobs.pools import initialise_pools
 
     if args.duration_s < 30:
         raise InputError(None, "--duration-s", f"expected >= 30, got {args.duration_s}")
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     fleet_preview(args.fleet)
     print("== settings: " + ", ".join(f"{k}={os.environ[k]}" for k in (*DEMO_ENV, "FLEXPIPE_DWELL_S")), flush=True)
     instance = DagsterInstance.get()
+    initialise_pools(instance)  # before two runs can race to create a pool's slots
 
     def launch(job_name: str, run_config: dict, output_of: str | None = None):
         print(f"== dagster run: {job_name}", flush=True)

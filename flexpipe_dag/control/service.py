@@ -338,6 +338,8 @@ def _evaluate_followed(db: GearShiftStore, controller: Controller, settings: Res
     started_s = time.monotonic()
     read = 0
     unhealthy = db.unhealthy_gear_keys()
+    gears: list[Gear] = []  # grows with the gears the pages name: the last page decides among all of them
+    migration_cost: Callable[[Gear, Gear], float] | None = None
     while True:
         rows = db.read_samples(run_key=run_key, after_id=last_id, limit=config.evaluation_page_samples)
         if not rows:
@@ -346,11 +348,14 @@ def _evaluate_followed(db: GearShiftStore, controller: Controller, settings: Res
         samples = [s for _, s in rows]
         read += len(rows)
         last_id = rows[-1][0]
-        gears = candidate_gears_for(db, [smp.gear_id for smp in samples])
+        named = [g.gear_id for g in gears] + [smp.gear_id for smp in samples]
+        if not gears or not set(named) <= {g.gear_id for g in gears}:  # the store is read once per new gear
+            gears = candidate_gears_for(db, named)
+            migration_cost = _migration_cost(db, gears)
         if forecast is None and config.forecast_horizon_s > 0:
             forecast = tide_history_forecast(settings.tide, max(live.newest_sample_t_s or samples[-1].t_s,
                                                                 max(smp.t_s for smp in samples)), epoch_s)
-        args: dict[str, Any] = dict(unhealthy=unhealthy, migration_cost_s=_migration_cost(db, gears),
+        args: dict[str, Any] = dict(unhealthy=unhealthy, migration_cost_s=migration_cost,
                                     forecast=forecast, raised_by=raised_by)
         caught_up = live.newest_sample_id is None or last_id >= live.newest_sample_id
         why = live.why_not_live(now_s, config.sample_freshness_s) if caught_up else None

@@ -71,7 +71,7 @@ from flexpipe_dag.core.catalog import (
     visible_gib_from_label,
 )
 from flexpipe_dag.core.dtypes import canonical_dtype
-from flexpipe_dag.core.errors import InputError, shown
+from flexpipe_dag.core.errors import InputError, shown, validation_input_error
 from flexpipe_dag.core.ids import MAX_ID_CHARS, Identifier
 from flexpipe_dag.core.user_yaml import load_user_document
 
@@ -413,28 +413,6 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
                           notes=list(form.notes) + [f"links derived from datasheets; reference {REFERENCE_MODEL}"])
 
 
-def _loc(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _input_error(source: str, err: ValidationError) -> InputError:
-    first = err.errors()[0]
-    field = _loc(first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] in ("too_long", "too_short") and isinstance(first.get("input"), list):
-        msg = msg.replace("List", "list")  # says how many items; the items are not echoed
-    elif "input" in first and first["type"] not in ("missing", "value_error") and not isinstance(first["input"], dict):
-        msg += f" (got {shown(first['input'])})"
-    if first["type"] == "value_error" and not first["loc"] and ": " in msg:  # our model validators embed the path
-        path, _, problem = msg.partition(": ")
-        return InputError(source, path, problem)
-    more = len(err.errors()) - 1
-    return InputError(source, field or None, msg + (f" (and {more} more problem(s))" if more else ""))
-
-
 def parse_cluster_profile(data: Any, source: str = "<input>") -> ClusterProfile:
     """Validate a parsed YAML/JSON document in any of the three forms.
 
@@ -455,7 +433,7 @@ def parse_cluster_profile(data: Any, source: str = "<input>") -> ClusterProfile:
         if "nodes" in data:
             return _from_seed(_SeedForm.model_validate(data), source)
     except ValidationError as err:
-        raise _input_error(source, err) from None
+        raise validation_input_error(source, err) from None
     raise InputError(source, None, "expected one of the keys 'devices' (native), 'nodes' (seed) or 'fleet'")
 
 

@@ -6,6 +6,10 @@ fix the input without reading code.
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import ValidationError
+
 #: Most characters of one user-supplied value an error message quotes (:func:`shown`).
 MAX_SHOWN_CHARS = 200
 #: Longest message (problem, file or field) an :class:`InputError` carries; longer text is cut, with a note.
@@ -76,3 +80,31 @@ class InputError(FlexPipeError, ValueError):
 
 class InfeasibleError(FlexPipeError):
     """A request cannot be satisfied on the given cluster; the message names the binding constraint."""
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validation_input_error(source: str, err: ValidationError) -> InputError:
+    """One :class:`InputError` for a pydantic ``ValidationError`` of a document read from ``source``.
+
+    Names the first problem's field path (``fleet[2].count``) and message, with the value given where
+    it helps (never a whole mapping), and counts the other problems. A model validator's message of the
+    form ``path: problem`` is split into field and problem.
+    """
+    first = err.errors()[0]
+    field = _loc(first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] in ("too_long", "too_short") and isinstance(first.get("input"), list):
+        msg = msg.replace("List", "list")  # says how many items; the items are not echoed
+    elif "input" in first and first["type"] not in ("missing", "value_error") and not isinstance(first["input"], dict):
+        msg += f" (got {shown(first['input'])})"
+    if first["type"] == "value_error" and not first["loc"] and ": " in msg:  # our model validators embed the path
+        path, _, problem = msg.partition(": ")
+        return InputError(source, path, problem)
+    more = len(err.errors()) - 1
+    return InputError(source, field or None, msg + (f" (and {more} more problem(s))" if more else ""))

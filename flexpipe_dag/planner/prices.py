@@ -25,8 +25,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flexpipe_dag.core.catalog import gpu_catalog
-from flexpipe_dag.core.cluster import _input_error
-from flexpipe_dag.core.errors import InputError, shown
+from flexpipe_dag.core.errors import InputError, shown, validation_input_error
 from flexpipe_dag.core.user_yaml import load_user_document, load_user_yaml
 
 #: The bundled example prices (package data).
@@ -82,7 +81,7 @@ def parse_prices(data: Any, source: str) -> GpuPrices:
     try:
         return GpuPrices.model_validate(data)
     except ValidationError as err:
-        raise _input_error(source, err) from None
+        raise validation_input_error(source, err) from None
 
 
 def load_prices(path: str | Path | None = None) -> GpuPrices:

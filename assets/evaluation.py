@@ -38,9 +38,9 @@ PROMISE_MIN_ATTAINMENT = 0.9
 
 
 @asset(group_name="planning", kinds={"sql"}, deps=["candidate_gears"],
-       description="Each stored gear replayed at 80 % of its measured envelope on a stretch of the reference trace "
-                   "the planner did not measure on: the SLO attainment its promise gives there, latency CDFs, "
-                   "stage utilisation.")
+       description="Each stored gear replayed at 80 % of its measured envelope on requests of the reference trace "
+                   "the planner did not measure on (the runs between its own): the SLO attainment its promise gives "
+                   "there, latency CDFs, stage utilisation.")
 def gear_evaluations(context: AssetExecutionContext, planning: PlanningSettings, store: StoreResource) -> MaterializeResult:
     from flexpipe_dag.core.settings import flexpipe_home
     from flexpipe_dag.planner.cost_model import CostModel

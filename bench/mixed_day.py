@@ -19,15 +19,14 @@ hour (of the replay's clock, as shift_bench counts them), 0 lost or duplicated. 
 printed as the bound. Each goal line says met or NOT met; the controller keeps the tide replay's
 figures (:data:`~flexpipe_dag.control.replay.REPLAY_CONTROLLER`), not tuned to these cases.
 
-Measured when this was written (dynamic: reservation share of static / offline multiple of static /
-attainment vs static's / shifts per hour; the oracle's share and multiple in brackets): openb day 0
-50.6 % / 2.11x / 0.9985 vs 0.9992 / 2 (26.4 %, 3.35x); day 1 50.0 % / 2.31x / 0.9969 vs 0.9981 / 2
-(26.4 %, 3.35x); day 3 85.6 % / 0.97x / 0.9761 vs 0.9809 / 2 (41.7 %, 2.51x); lab day 0 87.4 % / 1.15x
-/ 1.0000 vs 1.0000 / 2 (75.0 %, 1.34x); day 1 82.5 % / 1.21x / 0.9995 vs 0.9999 / 2 (66.7 %, 1.48x); day
-3 99.2 % / 0.98x / 0.9914 vs 0.9920 / 2 (91.7 %, 1.07x). Lost and duplicated 0 everywhere; the goal is
-NOT met on any of the six (README, "The mixed day", says why). The whole default run took 715 s wall
-on a shared 2-core host (gear selection 138 s openb, 57 s lab; 60-130 s a day); ``--setting openb
---days 0`` takes about a third of that.
+Measured 2026-12-01, twice on a quiet 2-core host with identical figures (dynamic: reservation share
+of static / offline multiple of static / attainment vs static's / shifts per hour; the oracle's share
+and multiple in brackets): openb day 0 58.0 % / 1.90x / 0.9994 vs 0.9996 / 4 (38.9 %, 2.85x); day 1
+41.6 % / 2.48x / 0.9990 vs 0.9990 / 3 (27.8 %, 3.18x): met; day 3 73.6 % / 1.34x / 0.9431 vs 0.9607 / 2
+(52.8 %, 1.96x); lab day 0 88.0 % / 1.14x / 1.0000 vs 1.0000 / 2 (83.3 %, 1.20x); day 1 90.4 % / 0.99x
+/ 0.9929 vs 1.0000 / 4 (83.3 %, 1.20x); day 3 99.2 % / 0.98x / 0.9764 vs 0.9799 / 2 (100 %, 1.00x). Lost
+and duplicated 0 everywhere; the goal is met on openb day 1 only (README, "The mixed day", says why).
+The whole default run took 279 s wall (gear selection 45 s openb, 12 s lab; 30-46 s a day).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Plan fidelity: does each gear's promised envelope hold when the simulator replays requests it never saw?
 
 For each fleet x model, the gears are planned exactly as ``flexpipe plan`` and the Dagster
-``candidate_gears`` asset plan them (``PlanningSettings().plan``, defaults: azure-conv, its first
-1,000 requests per probe, SLO TTFT 2 s / TPOT 200 ms at 95 % attainment). Then, on the *next* 1,000
-requests of the trace (held out: the planner never simulated them), each gear's envelope is measured
-again at the same SLO, and the gear is replayed at 80 % of its promise.
+``candidate_gears`` asset plan them (``PlanningSettings().plan``, defaults: azure-conv, 1,000
+requests per probe drawn from across the trace in runs of 100, SLO TTFT 2 s / TPOT 200 ms at 95 %
+attainment). Then, on 1,000 other requests (``holdout_reference``: the runs between the planner's,
+which it never simulated), each gear's envelope is measured again at the same SLO, and the gear is
+replayed at 80 % of its promise.
 
 Printed per gear: promised ``rps_max``, the held-out one and their ratio (goal: within 15 %); the
 analytic estimate's ratio to the held-out one (the planner's old promise, the baseline of this run);

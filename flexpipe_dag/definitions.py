@@ -35,6 +35,7 @@ from flexpipe_dag.jobs.profiling import (
 )
 from flexpipe_dag.jobs.replan import replan_sensor
 from flexpipe_dag.jobs.serve import serve_trace
+from flexpipe_dag.jobs.serve_frontdoor import serve_frontdoor
 from flexpipe_dag.jobs.tide import tide_sensor
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.planning import PlanningSettings, planning_from_env
@@ -76,7 +77,7 @@ def build_resources() -> dict:
 defs = Definitions(
     assets=load_assets_from_modules(ASSET_MODULES),
     asset_checks=load_asset_checks_from_modules(ASSET_MODULES),
-    jobs=[profile_refresh_job, plan_gears_job, serve_trace, gear_shift, batch_inference],
+    jobs=[profile_refresh_job, plan_gears_job, serve_trace, serve_frontdoor, gear_shift, batch_inference],
     sensors=[gear_shift_sensor, tide_sensor, replan_sensor],
     schedules=[profile_refresh_schedule()],  # FLEXPIPE_PROFILE_REFRESH_CRON, checked
     resources=build_resources(),

@@ -22,9 +22,13 @@ def serve_trace():
     return defs.resolve_job_def("serve_trace")
 
 
+def serve_frontdoor():
+    return defs.resolve_job_def("serve_frontdoor")
+
+
 #: Jobs the demo runs, in order.
 DEMO_JOBS = {"profile_refresh": profile_refresh, "plan_gears": plan_gears, "batch_inference": batch_inference,
-             "serve_trace": serve_trace}
+             "serve_trace": serve_trace, "serve_frontdoor": serve_frontdoor}
 
 
 def get_job_factory(name: str):

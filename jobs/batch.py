@@ -10,7 +10,7 @@ from dagster import Config, Failure, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
 from flexpipe_dag.core.status import HealthFailure, InferenceJobKind, InferenceJobStatus, PipelineRunKind
-from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL
+from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL, pipeline_runtime_held
 from flexpipe_dag.resources.store_resource import StoreResource
 from flexpipe_dag.runtime.chat_template import ChatTemplateMode, resolve_chat_template
 
@@ -139,38 +139,39 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     prompt_format = resolve_chat_template(config.chat_template, ckpt.tokenizer(), ckpt.name,
                                           [r.prompt if r.token_ids is None else None for r in rows],
                                           source="batch_inference config: chat_template")
-    # the whole config, defaults resolved: what relaunches the job (the tide sensor's run config)
-    job_id = db.get_or_create_job(config.job_key, InferenceJobKind.BATCH, priority=config.priority,
-                                  source_path=config.prompts_path or config.trace, gear_key=gear.gear_id,
-                                  config=config.model_dump(mode="json"))
-    db.update_job(job_id, status=InferenceJobStatus.RUNNING, total_requests=len(rows), malformed_rows=len(malformed),
-                  error=None, gear_key=gear.gear_id)
-    sink = StoreResultSink(db, job_id)
-    for m in malformed[:50]:
-        context.log.warning(f"malformed row {m.line}: {m.reason}")
-    if prompt_format.message:
-        (context.log.warning if prompt_format.warn else context.log.info)(prompt_format.message)
-    head_secret = None
-    if config.control_address:
-        from flexpipe_dag.runtime.control_auth import HeadSecret
+    with pipeline_runtime_held(context, "run_batch"):  # one runtime per host: wait here, before RUNNING
+        # the whole config, defaults resolved: what relaunches the job (the tide sensor's run config)
+        job_id = db.get_or_create_job(config.job_key, InferenceJobKind.BATCH, priority=config.priority,
+                                      source_path=config.prompts_path or config.trace, gear_key=gear.gear_id,
+                                      config=config.model_dump(mode="json"))
+        db.update_job(job_id, status=InferenceJobStatus.RUNNING, total_requests=len(rows), malformed_rows=len(malformed),
+                      error=None, gear_key=gear.gear_id)
+        sink = StoreResultSink(db, job_id)
+        for m in malformed[:50]:
+            context.log.warning(f"malformed row {m.line}: {m.reason}")
+        if prompt_format.message:
+            (context.log.warning if prompt_format.warn else context.log.info)(prompt_format.message)
+        head_secret = None
+        if config.control_address:
+            from flexpipe_dag.runtime.control_auth import HeadSecret
 
-        head_secret = HeadSecret.resolve(config.secret_file or None)  # written once the port is bound
-    runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s,
-                                                         control_address=config.control_address or None,
-                                                         truncate_context=config.truncate_context,
-                                                         kv_capacity_knob=KV_KNOB + (
-                                                             " (up to the gear's kv_capacity_tokens)"
-                                                             if config.gear_id else ""),
-                                                         secret=head_secret.secret if head_secret else None))
-    # its samples go under its run id: registered as a batch job, they never trigger a gear shift
-    db.heartbeat_pipeline_run(context.run_id, PipelineRunKind.BATCH, gear.gear_id)
-    try:
-        return _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret,
-                            prompt_format)
-    finally:
-        db.end_pipeline_run(context.run_id)
-        if head_secret is not None:  # a secret file this run generated goes with it
-            head_secret.discard()
+            head_secret = HeadSecret.resolve(config.secret_file or None)  # written once the port is bound
+        runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(step_timeout_s=config.step_timeout_s,
+                                                             control_address=config.control_address or None,
+                                                             truncate_context=config.truncate_context,
+                                                             kv_capacity_knob=KV_KNOB + (
+                                                                 " (up to the gear's kv_capacity_tokens)"
+                                                                 if config.gear_id else ""),
+                                                             secret=head_secret.secret if head_secret else None))
+        # its samples go under its run id: registered as a batch job, they never trigger a gear shift
+        db.heartbeat_pipeline_run(context.run_id, PipelineRunKind.BATCH, gear.gear_id)
+        try:
+            return _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret,
+                                prompt_format)
+        finally:
+            db.end_pipeline_run(context.run_id)
+            if head_secret is not None:  # a secret file this run generated goes with it
+                head_secret.discard()
 
 
 def _serve_batch(context, config, db, gear, ckpt, runtime, rows, malformed, job_id, sink, head_secret,

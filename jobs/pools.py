@@ -7,7 +7,14 @@ ships ``default_limit: 1``).
   ``gear_shift``'s op is not in it: it asks the live runtime to shift and must run while that runtime holds
   the pool.
 * ``device_probe`` - the ``gpu_profile`` asset: one device probe at a time.
+
+The pool queues runtime ops and shows the queue in the UI; what guarantees one runtime per host is the
+OS file lock each of those ops takes with :func:`pipeline_runtime_held` (Dagster's slot claim is not
+atomic on SQLite: see :mod:`flexpipe_dag.runtime.host_lock`).
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 #: Pool of the ops that start the pipeline runtime (limit 1 from ``default_limit`` in ``deploy/dagster.yaml``).
 PIPELINE_RUNTIME_POOL = "pipeline_runtime"
@@ -36,3 +43,23 @@ def initialise_pools(instance) -> dict[str, int]:
     for pool in POOLS:
         storage.initialize_concurrency_limit_to_default(pool)
     return {pool: storage.get_concurrency_info(pool).slot_count for pool in POOLS}
+
+
+@contextmanager
+def pipeline_runtime_held(context, op_name: str) -> Iterator[float]:
+    """Hold this host's pipeline-runtime lock for the body of the ``with`` (every op in
+    :data:`PIPELINE_RUNTIME_POOL` runs its runtime inside it), logging on ``context.log`` whom it waits for.
+
+    Args:
+        context: the op's ``OpExecutionContext``.
+        op_name: the op, as a waiting run names the holder.
+
+    Yields:
+        The seconds waited for the lock (0.0 when it was free).
+    """
+    from flexpipe_dag.runtime.host_lock import hold_runtime_lock
+
+    with hold_runtime_lock(f"Dagster run {context.run_id[:8]} ({op_name})", context.log.info) as waited_s:
+        if waited_s > 0.0:
+            context.log.info(f"pipeline runtime lock taken after waiting {waited_s:.0f} s")
+        yield waited_s

@@ -13,7 +13,7 @@ import time
 from dagster import Config, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
-from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL
+from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL, pipeline_runtime_held
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
@@ -132,7 +132,7 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     holder: dict = {}
     router = ServingRouter(on_result=lambda out: holder["server"].on_result(out),
                            on_metrics=lambda smp: holder["server"].on_metrics(smp))
-    with router:
+    with pipeline_runtime_held(context, "serve"), router:  # one runtime per host
         t0 = time.monotonic()
         router.open(PipelineRuntime(first, ckpt, options))
         context.log.info(f"gear {first.gear_id} live after {time.monotonic() - t0:.1f} s")

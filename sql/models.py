@@ -23,6 +23,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -259,6 +260,8 @@ class PipelineRun(Base):
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[dt.datetime | None] = mapped_column(comment="NULL while the run is live")
+    endpoint: Mapped[str | None] = mapped_column(
+        String(300), comment="base URL clients reach the run at (a front door's .../v1); NULL: a run without an API")
 
 
 class InferenceJob(Base):
@@ -349,4 +352,16 @@ class CalibrationRow(Base):
     changed_devices: Mapped[list[Any]] = mapped_column(default=list)
     summary: Mapped[list[Any]] = mapped_column(default=list)
     document: Mapped[dict[str, Any]] = mapped_column(comment="flexpipe_dag.calibration.Calibration.to_dict()")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ApiFile(Base):
+    """A file uploaded through the front door's ``POST /v1/files`` (OpenAI Files API; purpose ``batch``)."""
+
+    __tablename__ = "api_files"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    purpose: Mapped[str] = mapped_column(String(20))
+    filename: Mapped[str] = mapped_column(String(255))
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

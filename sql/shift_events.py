@@ -227,10 +227,12 @@ class ShiftEvents(StoreBase):
             return [ev for ev in s.scalars(q.order_by(m.ShiftEvent.id))
                     if ev.expires_at is None or as_utc(ev.expires_at) > now]
 
-    def shift_events(self, limit: int | None = None) -> list[m.ShiftEvent]:
-        """Events, oldest first (the first ``limit`` of them when given)."""
+    def shift_events(self, limit: int | None = None, run_key: str | None = None) -> list[m.ShiftEvent]:
+        """Events, oldest first (the first ``limit`` of them when given; only ``run_key``'s when given)."""
         with self.session() as s:
             q = select(m.ShiftEvent).order_by(m.ShiftEvent.id)
+            if run_key is not None:
+                q = q.where(m.ShiftEvent.run_key == run_key)
             if limit is not None:
                 q = q.limit(limit)
             return list(s.scalars(q))

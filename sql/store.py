@@ -20,6 +20,7 @@ shared session helper (:mod:`sql.session`):
                        (:class:`~sql.shift_events.ShiftEvents`)
 :mod:`sql.jobs`        inference jobs and request results (:class:`~sql.jobs.InferenceJobs`)
 :mod:`sql.observations`  stage observations and calibrations (:class:`~sql.observations.Observations`)
+:mod:`sql.api_files`   files uploaded through the front door (:class:`~sql.api_files.ApiFiles`)
 =====================  ===========================================================================
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from flexpipe_dag.core.settings import database_url
+from flexpipe_dag.sql.api_files import ApiFiles
 from flexpipe_dag.sql.engine import alembic_config, check_store_url, make_engine, opening_errors, shown_url
 from flexpipe_dag.sql.gears import Gears, spec_hash
 from flexpipe_dag.sql.health import HealthTags
@@ -43,7 +45,8 @@ __all__ = ["ProfileVersionInfo", "Store", "alembic_config", "check_store_url", "
            "head_revisions", "make_engine", "migrate", "repair", "require_current", "shown_url", "spec_hash"]
 
 
-class Store(Profiles, Gears, HealthTags, MetricSamples, PipelineRuns, ShiftEvents, InferenceJobs, Observations):
+class Store(Profiles, Gears, HealthTags, MetricSamples, PipelineRuns, ShiftEvents, InferenceJobs, Observations,
+            ApiFiles):
     """Typed access to the FlexPipe store: every concern class over one engine and one session factory.
 
     Profiles (:class:`~sql.profiles.Profiles`), models and gears (:class:`~sql.gears.Gears`), health

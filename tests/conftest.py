@@ -18,10 +18,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
-    """Every test gets its own FLEXPIPE_HOME and no FLEXPIPE_DATABASE_URL from the environment."""
+    """Every test gets its own FLEXPIPE_HOME (its runtime lock with it) and no FLEXPIPE_DATABASE_URL."""
     monkeypatch.setenv("FLEXPIPE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("FLEXPIPE_MODEL_CACHE", MODEL_CACHE)
     monkeypatch.delenv("FLEXPIPE_DATABASE_URL", raising=False)
+    monkeypatch.delenv("FLEXPIPE_RUNTIME_LOCK", raising=False)
 
 
 def _pg_engine_or_skip():

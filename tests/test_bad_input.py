@@ -19,6 +19,40 @@ def _one_line_error(capsys, *needles):
     return err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "--cluster", "x.yaml", "--slo-ttft-ms", "abc"], "argument --slo-ttft-ms: invalid float value: 'abc'"),
+    (["store", "nope"], "invalid choice: 'nope'"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_a_flag_argparse_refuses_gets_one_line_not_a_usage_block(argv, needle, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(argv)
+    assert stop.value.code == 2
+    err = _one_line_error(capsys, needle, "--help")
+    assert not err.startswith("usage")
+
+
+def test_plan_on_a_trace_of_three_requests_is_refused_not_promised(tmp_path, capsys):
+    # the trial's case: 3 requests gave an envelope of 75,209 req/s "measured by the simulator"
+    trace = tmp_path / "tiny3.csv"
+    trace.write_text("request_id,arrival_s,input_tokens,output_tokens\na,0,10,5\nb,1,20,5\nc,2,30,5\n")
+    assert cli_main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "Llama-3-8B",
+                     "--trace", str(trace), "--requests", "300"]) == 2
+    _one_line_error(capsys, "tiny3.csv", "3 request(s)", "at least 50")
+
+
+def test_plan_says_when_the_trace_is_shorter_than_the_requests_asked_for(tmp_path, capsys):
+    trace = tmp_path / "short80.csv"
+    trace.write_text("request_id,arrival_s,input_tokens,output_tokens\n"
+                     + "".join(f"r{i},{i * 0.5},{100 + i},20\n" for i in range(80)))
+    assert cli_main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "Llama-3-8B",
+                     "--trace", str(trace), "--requests", "300", "--load-rps", "1e7"]) == 0
+    out = capsys.readouterr().out
+    assert "the trace has 80 requests" in out and "not the 300 asked for" in out
+    assert "dtype" in out and "bf16 requested" in out
+    assert "* recommended" not in out and "no gear holds" in out  # none holds 1e7 req/s: none is marked
+
+
 def test_non_utf8_cluster_file(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(b"\xff\xfe\x00garbage")
@@ -228,14 +262,16 @@ def test_plan_refuses_bad_numbers(flags, needle, capsys):
     _one_line_error(capsys, needle)
 
 
-def test_plan_default_context_is_capped_at_a_short_model_context(tmp_path, capsys):
+def test_plan_context_p95_is_checked_against_the_model_context_only_when_given(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**_CONFIG, "max_position_embeddings": 2048}))
-    from flexpipe_dag.cli.plan import context_p95_tokens
+    from flexpipe_dag.cli.plan import check_context_p95
     from flexpipe_dag.planner.model_spec import load_model_spec
 
     spec = load_model_spec(tmp_path)
-    assert context_p95_tokens(None, spec) == 2048 and context_p95_tokens(1024, spec) == 1024
-    assert context_p95_tokens(None, load_model_spec("Llama-3-8B")) == 4096
+    check_context_p95(None, spec)  # unset: the trace's P95 under the context rule, nothing to check
+    check_context_p95(2048, spec)
+    with pytest.raises(InputError, match=r"--context-p95.*2049 tokens exceeds .*max context of 2048"):
+        check_context_p95(2049, spec)
 
 
 @pytest.fixture

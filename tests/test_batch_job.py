@@ -3,6 +3,8 @@ recorded, and the calibration asset fits them (CPU, SmolLM2)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from dagster import DagsterInstance, RunRequest, build_sensor_context, materialize
 
@@ -83,3 +85,45 @@ def test_malformed_prompt_rows_are_counted_not_fatal(tmp_path):
     (job,) = store.get_store().jobs()
     assert job.malformed_rows == 2 and job.status == "done"
     assert {r.request_key for r in store.get_store().results(job.id)} == {"a", "b"}
+
+
+def test_a_batch_run_waits_for_the_runtime_already_on_this_host(tmp_path):
+    """run_batch takes the host's runtime lock (Dagster's pool alone can let two runs through): while a
+    serve run holds it, the batch run waits, says whom for, and registers nothing; then it runs."""
+    import threading
+
+    from dagster import DagsterInstance
+
+    from tests.test_runtime_host_lock import _start_holder
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "The capital of France is", "max_new_tokens": 3}\n')
+    store = StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}")
+    holder = _start_holder()
+    seen_while_waiting: list = []
+
+    instance = DagsterInstance.ephemeral()
+
+    def release_once_waiting() -> None:
+        deadline = time.monotonic() + 240.0
+        while time.monotonic() < deadline and not any(
+                "waiting for the pipeline runtime" in e.user_message
+                for r in instance.get_runs() for e in instance.all_logs(r.run_id)):
+            time.sleep(0.2)
+        seen_while_waiting.extend(store.get_store().jobs())  # the waiting run has not registered its job
+        holder.stdin.close()
+
+    threading.Thread(target=release_once_waiting, daemon=True).start()
+    try:
+        result = batch_inference.execute_in_process(run_config={"ops": {"run_batch": {"config": {
+            "job_key": "after-serve", "prompts_path": str(prompts), "stages": 1}}}},
+            resources={"store": store}, instance=instance)
+    finally:
+        holder.kill()
+    assert result.success and seen_while_waiting == []
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert any("waiting for the pipeline runtime on this host" in m and "held by Dagster run feedbeef (serve)" in m
+               for m in logs), logs
+    assert any(m.startswith("pipeline runtime lock taken after waiting") for m in logs)
+    (job,) = store.get_store().jobs()
+    assert job.status == "done"

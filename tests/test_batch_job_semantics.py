@@ -315,7 +315,8 @@ def test_dagster_scaffold_config_works_for_every_job():
     import yaml
 
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"batch_inference", "gear_shift", "serve_trace", "plan_gears", "profile_refresh"} <= set(results)
+    assert {"batch_inference", "gear_shift", "serve_trace", "serve_frontdoor", "plan_gears",
+            "profile_refresh"} <= set(results)
     for name, (code, output, exc) in results.items():
         assert code == 0, f"{name}: {exc}\n{output}"
     batch = yaml.safe_load(results["batch_inference"][1])["ops"]["run_batch"]["config"]

@@ -131,6 +131,18 @@ def test_ilp_respects_the_kv_need_and_skips_options_without_envelope():
     assert cheapest_mix([dead], load_rps=1.0, kv_need_tokens=1, reserve_fraction=0.1) is None
 
 
+def test_kv_on_an_instance_that_carries_almost_nothing_does_not_count():
+    # the helper's case: a cheap pipeline with a huge KV pool and an envelope of 0.001 req/s was added
+    # to a mix only to meet the pooled KV need, which it cannot hold: its pool counts only up to what
+    # its own share of the load keeps in flight (kv_need / load per req/s it carries)
+    carrier = _opt("H", 2, 0.4, 5.0, kv=20_000)
+    idle_pool = _opt("A", 3, 0.001, 1.0, kv=200_000)
+    mix = cheapest_mix([carrier, idle_pool], load_rps=1.0, kv_need_tokens=112_000, reserve_fraction=0.15)
+    assert "A" not in mix.cards_by_type()
+    # each carrier holds 20,000 of the 0.34 x 112,000 = 38,080 its share needs: 6 of them, not 3
+    assert mix.cards_by_type() == {"H": 12}
+
+
 def test_max_rps_within_a_card_budget():
     two, three = _opt("A", 2, 5.0, 1.0), _opt("A", 3, 9.0, 1.0)
     best = max_rps_within([two, three], cards=7, kv_need_tokens=1, reserve_fraction=0.15)

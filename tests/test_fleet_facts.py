@@ -54,6 +54,17 @@ def test_seed_key_matching_two_nodes_is_an_error_naming_both():
     assert "'gpu-a_1'" in text and "'gpu_a-1'" in text
 
 
+def test_seed_key_matching_one_node_exactly_and_another_with_a_dash_is_still_ambiguous():
+    # to_gpu_2 spells node gpu_2 exactly, and gpu-2 with '_' for '-': the exact spelling does not win silently
+    doc = _seed(
+        {"node_id": "gpu_2", "generation": "T4", "memory_gb": 16},
+        {"node_id": "gpu-2", "generation": "T4", "memory_gb": 16},
+        {"node_id": "gpu-b", "generation": "T4", "memory_gb": 16, "interconnect": {"to_gpu_2": LINK}},
+    )
+    with pytest.raises(InputError, match=r"nodes\[2\]\.interconnect\.to_gpu_2.*ambiguous.*'gpu_2'.*'gpu-2'"):
+        parse_cluster_profile(doc, "seed.yaml")
+
+
 def test_seed_node_without_compute_score_takes_the_t4_datasheet():
     p = parse_cluster_profile(_seed({"node_id": "gpu-003", "generation": "T4", "memory_gb": 16}), "seed.yaml")
     t4 = p.device("gpu-003")
@@ -159,9 +170,30 @@ def test_bf16_on_a_v100_fleet_is_planned_fp16_with_a_note(caplog):
     with caplog.at_level(logging.INFO, logger="flexpipe_dag.planner.gears"):
         search = make_search(cluster, model, dtype="bf16")
         gears = plan_gears(cluster, model, dtype="bf16")
-    assert search.cm.dtype == "fp16" and {g.dtype for g in gears} == {"fp16"}
+    assert search.cm.dtype == "fp16"
+    # a gear using a V100 runs in fp16 on all its devices; one on the A100 alone stays bf16
+    for g in gears:
+        devices = {d for st in g.stages for d in st.device_ids}
+        assert g.dtype == ("bf16" if devices == {"a-gpu0"} else "fp16"), (g.gear_id, devices, g.dtype)
     assert any("v-gpu0 (V100-SXM2-32GB)" in n and "fp16" in n for n in search.notes)
     assert "v-gpu1 (V100-SXM2-32GB)" in caplog.text and "runs in fp16" in caplog.text
+
+
+def test_fp16_fallback_keeps_bf16_for_a_gear_on_bf16_devices_only():
+    from flexpipe_dag.planner.gears import candidate_gears, gear_plan_dtype
+    from flexpipe_dag.planner.search import PipelinePlan
+
+    cluster, model = _v100_fleet(), load_model_spec("SmolLM2-135M")
+    search = make_search(cluster, model, dtype="bf16")
+    n = model.num_layers
+    on_a100 = PipelinePlan(micro_batch_size=8, device_ids=[["a-gpu0"]], sizes=[n], stage_busy_ms=[1.0], link_busy_ms=[])
+    mixed = PipelinePlan(micro_batch_size=8, device_ids=[["a-gpu0"], ["v-gpu0"]], sizes=[n // 2, n - n // 2],
+                         stage_busy_ms=[1.0, 1.0], link_busy_ms=[0.1])
+    assert (gear_plan_dtype(search, on_a100), gear_plan_dtype(search, mixed)) == ("bf16", "fp16")
+    # and the same plan's timings do not depend on the label: bf16 and fp16 are both 2 bytes at one rate
+    assert CostModel(model, cluster, dtype="bf16").stage_decode_ms("a-gpu0", n, True, True, 8, 512) == \
+        CostModel(model, cluster, dtype="fp16").stage_decode_ms("a-gpu0", n, True, True, 8, 512)
+    assert {g.dtype for g in candidate_gears(cluster, model, dtype="fp16")} == {"fp16"}  # fp16 asked: fp16 everywhere
 
 
 def test_bf16_on_a_v100_fleet_refused_or_excluded_by_setting():

@@ -71,6 +71,20 @@ def test_a_gear_that_misses_the_slo_when_idle_gets_an_empty_envelope():
     assert env.rps_max == 0.0 and all(not p.passed for p in env.probes)
 
 
+def test_a_gear_too_slow_for_the_slowest_replay_gets_an_empty_envelope_not_an_error():
+    # 40 requests within 0.04 s (1,000 req/s): the trace can be replayed no slower than 1 req/s
+    # (MIN_SPEEDUP), and a 1.9 s service misses the 2 s TTFT SLO there; halving further would ask for
+    # a speedup below the minimum, which used to raise InputError out of planning
+    burst = Workload(name="burst", requests=tuple(Request(f"r{i}", i / 1000.0, 1, 1) for i in range(40)))
+    gear = manual_gear([4], gear_id="slow", micro_batch_size=1, max_inflight_micro_batches=1)
+    env = measure_envelope(gear, _timing(1900.0), burst, slo_ttft_ms=2000.0, slo_tpot_ms=1000.0, start_rps=4.0)
+    assert env.rps_max == 0.0
+    assert min(p.rate_rps for p in env.probes) >= 1.0 - 1e-9 and not any(p.passed for p in env.probes)
+    # a start below that floor (the capacity planner refining a 0.001 req/s pipeline) starts at the floor
+    low = measure_envelope(gear, _timing(1900.0), burst, slo_ttft_ms=2000.0, slo_tpot_ms=1000.0, start_rps=1e-6)
+    assert low.rps_max == 0.0 and low.probes[0].rate_rps == pytest.approx(1.0, rel=0.05)
+
+
 def test_refine_sets_estimate_target_and_overlapping_envelopes_deterministically():
     small = manual_gear([4], gear_id="small", micro_batch_size=1, max_inflight_micro_batches=1)
     big = manual_gear([4], replicas=[2], gear_id="big", micro_batch_size=1, max_inflight_micro_batches=2)
@@ -236,13 +250,13 @@ def test_analytic_envelope_of_lab_throughput_gear_is_within_a_factor_of_the_simu
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.planner.workload import plan_workload_from_trace
     from flexpipe_dag.workload.bundled import load_trace
-    from flexpipe_dag.workload.transform import head
 
     root = Path(__file__).resolve().parents[1]
     cluster = load_cluster_profile(root / "examples" / "clusters" / "fragmented_lab.yaml")
     model = load_model_spec("Llama-3-8B")
     trace = load_trace("azure-conv")
-    workload, _ = plan_workload_from_trace(head(trace, 600), max_context_tokens=model.max_context_tokens)
+    sample, _ = reference_slice(trace, 600)  # the 600 requests measure_envelope replays, drawn across the trace
+    workload, _ = plan_workload_from_trace(sample, max_context_tokens=model.max_context_tokens)
     search = make_search(cluster, model, workload=workload)
     for gear in plan_gears(cluster, model, workload=workload):  # the 7-stage throughput gear was 3.4x off
         analytic = estimate_envelope(search, plan_from_gear(search, gear)).rps_at_envelope
@@ -265,3 +279,67 @@ def test_a_gear_that_misses_the_slo_even_idle_gets_no_envelope_without_simulatin
     assert env.rps_max == 0.0 and env.probes == ()
     fits = _measure(gear, _timing(150.0, 150.0))
     assert fits.rps_max > 0 and fits.probes
+
+
+def test_a_candidate_that_spends_most_of_its_miss_allowance_idle_is_left_out_as_marginal():
+    """Issue 13: an envelope is a promise only if queueing has room in the SLO miss allowance. A gear
+    that misses 4 % of requests with nothing else running (allowance 5 % at 95 % attainment) is
+    marginal: left out unmeasured, with a note; at 97 % attainment it cannot meet the SLO even idle."""
+    from flexpipe_dag.planner.envelope import SelectionSettings, screen_zero_load, select_operating_gears
+
+    # every 25th prompt is 1,000 tokens: 4 % of requests; 10 + 0.5 x 1000 ms > 400 ms on "slow", not on "fast"
+    trace = Workload(name="mixed", requests=tuple(Request(f"r{i}", float(i), 1000 if i % 25 == 0 else 1, 1)
+                                                  for i in range(600)))
+    fast = manual_gear([4], gear_id="fast", micro_batch_size=1, max_inflight_micro_batches=1)
+    slow = manual_gear([4], gear_id="slow", micro_batch_size=1, max_inflight_micro_batches=1)
+    timings = {"fast": LinearStageTiming([StageCosts(prefill_fixed_ms=10.0, prefill_per_token_ms=0.1)]),
+               "slow": LinearStageTiming([StageCosts(prefill_fixed_ms=10.0, prefill_per_token_ms=0.5)])}
+    slo = {"slo_ttft_ms": SLO_TTFT_MS, "slo_tpot_ms": 1000.0}
+    marginal = screen_zero_load(slow, timings["slow"], trace, attainment=0.95, **slo)
+    assert marginal.miss_share == pytest.approx(0.04) and marginal.verdict == "marginal"
+    assert "4.0%" in marginal.describe() and "marginal" in marginal.describe()
+    infeasible = screen_zero_load(slow, timings["slow"], trace, attainment=0.97, **slo)
+    assert infeasible.verdict == "infeasible" and "cannot meet the SLO even with no load" in infeasible.describe()
+    assert screen_zero_load(fast, timings["fast"], trace, attainment=0.95, **slo).verdict == "ok"
+
+    settings = SelectionSettings(num_requests=300, low_load_requests=300, **slo)
+    selection = select_operating_gears([fast, slow], lambda g: timings[g.gear_id], trace, settings)
+    envs = {e.gear_id: e for e in selection.envelopes}
+    assert envs["slow"].screened and envs["slow"].rps_max == 0.0 and envs["slow"].probes == ()
+    assert envs["fast"].screened is None and envs["fast"].rps_max > 0
+    assert [g.gear_id for g in selection.gears] == ["throughput-fast"]
+    assert any(n.startswith("1 of 2 candidates left out unmeasured") and "slow" in n for n in selection.notes)
+    # every candidate marginal: they stay, with envelope 0, and the note says no candidate meets the SLO
+    alone = select_operating_gears([slow], lambda g: timings[g.gear_id], trace, settings)
+    assert [(g.gear_id, g.rps_max) for g in alone.gears] == [("throughput-slow", 0.0)]
+    assert any("no candidate meets the SLO" in n for n in alone.notes)
+
+
+def test_held_out_requests_are_never_the_ones_envelopes_are_measured_on():
+    from flexpipe_dag.planner.envelope import holdout_reference
+
+    for n_trace in (2000, 150):  # room for a second sample of runs; and a trace shorter than twice the sample
+        trace = _uniform_trace(n_trace)
+        measured = {r.request_id for r in reference_slice(trace, 100)[0].requests}
+        held = holdout_reference(trace, 100)
+        ids = [r.request_id for r in held.requests]
+        assert len(ids) == min(100, n_trace - 100) and not measured & set(ids)
+        assert held.requests[0].arrival_s == 0.0
+    with pytest.raises(InputError, match="held-out check needs at least 2"):
+        holdout_reference(_uniform_trace(101), 100)
+
+
+def test_no_balanced_gear_that_the_throughput_gear_beats_on_every_count():
+    """The trial's seed-fleet case: a "balanced" gear on as many devices as the throughput gear, with a
+    smaller envelope and a slower low-load latency, is no operating point between the two."""
+    from flexpipe_dag.planner.envelope import SelectionSettings, select_operating_gears
+
+    thr = manual_gear([4], replicas=[2], gear_id="thr", micro_batch_size=1, max_inflight_micro_batches=2)
+    dominated = manual_gear([4], replicas=[2], gear_id="dom", micro_batch_size=1, max_inflight_micro_batches=2)
+    timings = {"thr": _timing(100.0), "dom": _timing(150.0)}
+    settings = SelectionSettings(slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=1000.0, num_requests=600, low_load_requests=300)
+    selection = select_operating_gears([thr, dominated], lambda g: timings[g.gear_id], _uniform_trace(), settings)
+    envs = {e.gear_id: e.rps_max for e in selection.envelopes}
+    assert 0 < envs["dom"] < envs["thr"]
+    assert [g.gear_id for g in selection.gears] == ["throughput-thr"]
+    assert any("no balanced gear distinct" in n for n in selection.notes)

@@ -59,6 +59,11 @@ def test_recommendation_is_the_fewest_devices_that_hold_the_load():
     assert rec.gear_id == "small-1s-a" and rec.holds and rec.headroom_fraction == pytest.approx(0.25)
     rec = recommend_gear([small, big], 6.0)
     assert rec.gear_id == "big-1s-b" and rec.headroom_fraction == pytest.approx(0.4)
+    # 3.8 req/s: the small gear holds it with 5 % headroom, the big one with 62 %: the big one is
+    # recommended (the promise is checked at 80 % of rps_max); at 3.2 the small one keeps 20 %
+    assert recommend_gear([small, big], 3.8).gear_id == "big-1s-b"
+    assert recommend_gear([small, big], 3.2).gear_id == "small-1s-a"
+    assert recommend_gear([small], 3.8).gear_id == "small-1s-a"  # the only one that holds it
     over = recommend_gear([small, big], 12.0)
     assert over.gear_id == "big-1s-b" and not over.holds and "no gear holds" in over.reason
     for bad in (-1.0, math.nan, math.inf):

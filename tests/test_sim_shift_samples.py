@@ -111,3 +111,18 @@ def test_queued_and_preempted_requests_move_to_the_new_gear():
     moved = df[(df["arrival_s"] < 45.0) & (df["gear_id"] == "g-new")]
     assert len(moved) > 0  # waited (or were preempted) on the old gear, finished on the new one
     assert res.summary["preemptions"] > 0
+
+
+def test_without_metric_samples_requests_and_utilisation_are_unchanged():
+    """Envelope probes switch samples off: every per-request outcome and the stage utilisation stay the
+    same (with and without a shift), only the samples and the summary's sample series go."""
+    w = time_window(load_trace("azure-conv"), 0, 300)
+    old, new = _gears()
+    with_samples = simulate_schedule(w, [(0.0, old, SLOW), (150.0, new, FAST)], ready_in_s=5.0)
+    without = simulate_schedule(w, [(0.0, old, SLOW), (150.0, new, FAST)], ready_in_s=5.0,
+                                config=SimConfig(metric_samples=False))
+    assert with_samples.samples and not without.samples
+    assert without.requests.equals(with_samples.requests)
+    assert without.summary["stage_utilisation"] == with_samples.summary["stage_utilisation"]
+    assert without.shifts == with_samples.shifts
+    assert without.summary["queue_length"] == {"mean": 0.0, "p95": 0.0, "max": 0.0}

@@ -184,12 +184,12 @@ def test_store_facade_keeps_its_public_methods():
         "mark_unhealthy", "unhealthy_gear_keys", "health_tags", "clear_health",
         "write_samples", "latest_sample_run_key", "newest_sample_id", "read_samples",
         "heartbeat_pipeline_run", "end_pipeline_run", "pipeline_liveness", "latest_shiftable_run_key",
-        "recent_shiftable_run_keys",
+        "recent_shiftable_run_keys", "live_serving_runs",
         "record_shift_event", "update_shift_event", "get_shift_event", "pending_shift_requests", "shift_events",
         "request_shift", "claim_shift_request", "expire_shift_requests",
         "get_or_create_job", "update_job", "job_status", "jobs", "write_result", "done_request_keys", "results",
         "write_observations", "read_observations", "observed_runs", "save_calibration", "calibrations",
-        "latest_calibration",
+        "latest_calibration", "save_api_file", "api_file", "api_file_content",
     }
 
 

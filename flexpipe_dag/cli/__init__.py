@@ -11,15 +11,27 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from flexpipe_dag.core.errors import FlexPipeError, one_line
 
 #: Sub-command modules, in the order ``flexpipe --help`` lists them.
-SUBCOMMAND_MODULES = ("profile", "plan", "capacity", "simulate", "run", "worker", "shift", "calibrate", "store", "demo")
+SUBCOMMAND_MODULES = ("profile", "plan", "capacity", "simulate", "run", "serve", "servers", "loadtest", "worker", "shift",
+                      "calibrate", "store", "demo")
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line, as every other FlexPipe error is: what was
+    wrong and where to read more, no usage block first (sub-command parsers inherit the class)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``PROG: error: MESSAGE (see PROG --help)`` to stderr and exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexpipe", description=__doc__.splitlines()[0])
+    """The ``flexpipe`` parser with every sub-command built into this checkout."""
+    parser = OneLineArgumentParser(prog="flexpipe", description=__doc__.splitlines()[0])
     # DeepSpeed's launcher puts --local_rank=N before the sub-command (LOCAL_RANK carries the same)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -19,10 +19,8 @@ from flexpipe_dag.planner.operating import (
     DEFAULT_REFERENCE_TRACE,
     DEFAULT_SLO_TPOT_MS,
     DEFAULT_SLO_TTFT_MS,
+    RECOMMENDED_HEADROOM,
 )
-
-#: ``--context-p95`` when not given (capped at the model's own max context).
-DEFAULT_CONTEXT_P95_TOKENS = 4096
 
 
 def _dtype(name: str) -> str:
@@ -67,7 +65,7 @@ def register(subparsers) -> None:
     p.add_argument("--min-residence-s", type=float, default=None,
                    help=f"devices whose available_until is sooner are not used (default {DEFAULT_MIN_RESIDENCE_S:g})")
     p.add_argument("--bf16-fallback", choices=("fp16", "exclude", "refuse"), default=None,
-                   help="bf16 requested on devices without it (V100, T4): fp16 (default) runs the whole gear in fp16, "
+                   help="bf16 requested on devices without it (V100, T4): fp16 (default) runs a gear using them in fp16, "
                         "exclude leaves those devices out, refuse stops; also FLEXPIPE_BF16_FALLBACK")
     p.add_argument("--no-replicas", action="store_true",
                    help="no stage replicas (one device per stage); also FLEXPIPE_STAGE_REPLICAS=0")
@@ -75,23 +73,21 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def context_p95_tokens(requested: int | None, model) -> int:
-    """The P95 context to plan for: ``requested`` (``--context-p95``) checked against the model's max context.
-
-    Without ``requested``: :data:`DEFAULT_CONTEXT_P95_TOKENS`, or the model's max context when smaller.
+def check_context_p95(requested: int | None, model) -> None:
+    """Refuse ``--context-p95`` when it is not an integer >= 1 or exceeds the model's max context
+    (``max_position_embeddings`` / GGUF ``context_length``), naming both; unset, the P95 is the
+    reference trace's under the model's context rule and nothing is checked here.
 
     Raises:
-        InputError: ``--context-p95`` is not an integer >= 1, or exceeds the model's max context
-            (``max_position_embeddings`` / GGUF ``context_length``), naming both.
+        InputError: as above.
     """
-    max_ctx = model.max_context_tokens
     if requested is None:
-        return min(DEFAULT_CONTEXT_P95_TOKENS, max_ctx) if max_ctx else DEFAULT_CONTEXT_P95_TOKENS
+        return
     check_number(requested, None, "--context-p95", integer=True, ge=1, le=INT32_MAX, unit="tokens")
+    max_ctx = model.max_context_tokens
     if max_ctx and requested > max_ctx:
         raise InputError(None, "--context-p95", f"{requested} tokens exceeds {model.name}'s max context of {max_ctx} "
                          f"tokens ({model.source}); expected 1..{max_ctx}")
-    return requested
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -145,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     settings = planning_settings(args)
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
-    context_p95_tokens(args.context_p95, model)  # an explicit P95 over the model's context is refused by name
+    check_context_p95(args.context_p95, model)
     err = Console(stderr=True)  # the spinner; results go to stdout
     with err.status("planning") as status:
         plan = settings.plan(cluster, model, progress=lambda line: status.update(line))
@@ -169,8 +165,6 @@ def plan_json(plan, cluster_id: str, model_summary: dict) -> dict:
             "notes": plan.notes, "planning_wall_s": round(plan.wall_s, 3), "simulations": plan.probes}
 
 
-#: Headroom below which ``plan`` warns: envelopes are promised to hold at 80 % of ``rps_max``.
-RECOMMENDED_HEADROOM = 0.2
 
 
 def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None) -> None:
@@ -181,7 +175,7 @@ def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None)
     console = console or cli_console()
     rec = plan.recommendation
     _print_table(cluster_id, model_name, dtype, plan.gears, console, analytic=plan.analytic_rps_max,
-                 recommended=rec.gear_id if rec else None,
+                 recommended=rec.gear_id if rec and rec.holds else None,
                  caption=f"envelope = highest rate served with {plan.basis.describe()}, "
                          f"{plan.basis.num_requests} requests per probe")
     if rec and rec.holds:
@@ -194,8 +188,10 @@ def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None)
         console.print(f"load {format_number(rec.load_rps, 2)} req/s: {rec.reason}")
     for note in plan.notes:
         console.print(f"note: {note}")
-    console.print(f"{len(plan.candidate_ids)} candidates measured, {plan.probes} simulations, "
-                  f"{format_number(plan.wall_s, 1)} s")
+    screened = sum(1 for e in plan.envelopes if e.screened)
+    left_out = f" ({screened} left out unmeasured)" if screened else ""
+    console.print(f"{len(plan.candidate_ids) - screened} of {len(plan.candidate_ids)} candidates measured{left_out}, "
+                  f"{plan.probes} simulations, {format_number(plan.wall_s, 1)} s")
 
 
 def _print_table(cluster_id: str, model_name: str, dtype: str, gears, console=None, *,
@@ -209,16 +205,16 @@ def _print_table(cluster_id: str, model_name: str, dtype: str, gears, console=No
     from flexpipe_dag.cli.tables import cli_console, format_number, format_pair, format_range, new_table
 
     console = console or cli_console()
-    cols = ["gear", "devices", "stages", "micro-batch", "envelope req/s", "analytic req/s", "TTFT p50/p99 ms",
-            "TPOT p50/p99 ms", "tokens/s", "KV tokens"]
-    title = f"gears for {model_name} ({dtype}) on {cluster_id}"
-    summary = new_table(title, cols, ids=["gear"])
+    cols = ["gear", "devices", "stages", "micro-batch", "dtype", "envelope req/s", "analytic req/s",
+            "TTFT p50/p99 ms", "TPOT p50/p99 ms", "tokens/s", "KV tokens"]
+    title = f"gears for {model_name} ({dtype} requested) on {cluster_id}"
+    summary = new_table(title, cols, ids=["gear"], text=["dtype"])
     if caption or recommended:
         summary.caption = " ".join(x for x in (caption, "* recommended for the load" if recommended else None) if x)
     for g in gears:
         e = g.estimate
         mark = "*" if recommended == g.gear_id else ""
-        summary.add_row(g.gear_id + mark, str(len(g.device_ids)), str(g.num_stages), str(g.micro_batch_size),
+        summary.add_row(g.gear_id + mark, str(len(g.device_ids)), str(g.num_stages), str(g.micro_batch_size), g.dtype,
                         format_range(g.rps_min, g.rps_max, 2),
                         format_number((analytic or {}).get(g.gear_id), 2),
                         format_pair(e.ttft_p50_ms, e.ttft_p99_ms, 0) if e else "-",

@@ -43,6 +43,7 @@ from flexpipe_dag.core.errors import FlexPipeError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.liveness import PipelineLiveness
 from flexpipe_dag.core.metrics import MetricSample
+from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY
 
 #: ``forecast(t_s, rps, horizon_s) -> req/s``, what :meth:`Controller.decide` takes as ``forecast``.
 ForecastFn = Callable[[float, float, float], float]
@@ -493,6 +494,8 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
         for j in admit:
             admissions[j.job_key] += 1
             db.update_job(j.id, status="admitted", admissions=admissions[j.job_key])
+        # a Batch API batch is admitted (the front door serving it resumes it) but gets no batch_inference run
+        admit = [j for j in admit if API_BATCH_CONFIG_KEY not in j.config]
     new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, gate=gate, gear_id=gear_id).dump()
     return TideEvaluation(decision if act is None else act, new_cursor, tuple(admit), tuple(paused),
                           {j.job_key: admission_run_key(j.job_key, admissions[j.job_key]) for j in admit},

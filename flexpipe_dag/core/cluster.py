@@ -295,16 +295,14 @@ def _resolve_peer(key: str, ids: list[str], own: str, source: str, field: str) -
     if not key.startswith("to_"):
         raise InputError(source, field, f"expected a key of the form to_<node_id>, got {shown(key)}")
     written = key[3:]
-    if written in ids:
-        peer = written
-    else:
-        candidates = [i for i in ids if i.replace("-", "_") == written.replace("-", "_")]
-        if len(candidates) > 1:
-            raise InputError(source, field, f"{shown(key)} is ambiguous: it could name node {candidates[0]!r} or node "
-                                            f"{candidates[1]!r} ('_' read as '-'); rename one of them")
-        if not candidates:
-            raise InputError(source, field, f"link to unknown node {shown(written)}; known: {', '.join(ids)}")
-        peer = candidates[0]
+    # an exact match does not win silently: gpu_002 and gpu-002 both answer to to_gpu_002
+    candidates = [i for i in ids if i.replace("-", "_") == written.replace("-", "_")]
+    if len(candidates) > 1:
+        raise InputError(source, field, f"{shown(key)} is ambiguous: it could name node {candidates[0]!r} or node "
+                                        f"{candidates[1]!r} ('_' read as '-'); rename one of them")
+    if not candidates:
+        raise InputError(source, field, f"link to unknown node {shown(written)}; known: {', '.join(ids)}")
+    peer = candidates[0]
     if peer == own:
         raise InputError(source, field, f"self-link on {peer!r}")
     return peer
@@ -474,7 +472,9 @@ def choose_gear_dtype(devices: Sequence[Device], dtype: str, fallback: str = "fp
     A gear runs in one dtype. When ``dtype`` is bf16 and some devices are known to lack it
     (``Device.bf16 is False``: V100, T4, P100, compute capability < 8.0), ``fallback`` decides:
 
-    * ``"fp16"`` (default): the whole gear runs in fp16 (vLLM's ``--dtype auto`` does this and warns);
+    * ``"fp16"`` (default): a gear using such a device runs in fp16 on all its devices (vLLM's ``--dtype
+      auto`` does this and warns); the planner keeps bf16 for a gear on bf16 devices only
+      (:func:`~flexpipe_dag.planner.gears.gear_plan_dtype`);
     * ``"exclude"``: those devices are left out and the gear stays bf16;
     * ``"refuse"``: :class:`InputError` (vLLM's explicit ``--dtype bfloat16`` refuses the same way).
 
@@ -502,4 +502,5 @@ def choose_gear_dtype(devices: Sequence[Device], dtype: str, fallback: str = "fp
         return DtypeChoice("bf16", tuple(d.device_id for d in lacking),
                            f"bf16 requested: left out {len(lacking)} device(s) without bf16: {listed}")
     return DtypeChoice("fp16", (), f"bf16 requested but {len(lacking)} device(s) have no bf16: {listed}; "
-                                   f"the gear runs in fp16 on every device (bf16_fallback 'fp16')")
+                                   f"a gear using any of them runs in fp16 on all its devices, a gear on bf16 "
+                                   f"devices only stays bf16 (bf16_fallback 'fp16')")

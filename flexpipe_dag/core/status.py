@@ -63,7 +63,8 @@ class InferenceJobStatus(StrEnum):
     """``inference_jobs.status``.
 
     ``queued`` (created) -> ``admitted`` (the tide sensor launched a run) -> ``running`` ->
-    ``paused`` (the tide rose; resumable) | ``done`` | ``failed``.
+    ``paused`` (the tide rose; resumable) | ``done`` | ``failed`` | ``cancelled`` (a Batch API batch
+    cancelled by its client: nothing more is submitted, finished results are kept).
     """
 
     QUEUED = "queued"
@@ -72,6 +73,12 @@ class InferenceJobStatus(StrEnum):
     PAUSED = "paused"
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+#: The key of an inference job's config that marks an OpenAI Batch API batch: the front door serves it
+#: on its live pipeline (the tide sensor pauses and admits it, but launches no ``batch_inference`` run).
+API_BATCH_CONFIG_KEY = "openai_batch"
 
 
 class RequestResultStatus(StrEnum):

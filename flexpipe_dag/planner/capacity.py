@@ -45,7 +45,7 @@ from flexpipe_dag.core.cluster import ClusterProfile, parse_cluster_profile
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.planner.capacity_math import DEFAULT_RESERVE, CapacityNeed, capacity_need, cards_by_memory, need_steps
 from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix
-from flexpipe_dag.planner.envelope import probe_gear, reference_slice
+from flexpipe_dag.planner.envelope import probe_gear, reference_slice, screen_zero_load
 from flexpipe_dag.planner.envelope_model import estimate_envelope
 from flexpipe_dag.planner.gears import candidate_plans, make_search, to_gear
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
@@ -54,6 +54,7 @@ from flexpipe_dag.planner.workload import PlanWorkload
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.workload.context import apply_context_rule
 from flexpipe_dag.workload.request import Workload
+from flexpipe_dag.workload.transform import MIN_SPEEDUP
 
 #: Pipeline sizes tried per type: ``n_min`` .. ``n_min + DEFAULT_INSTANCE_SIZES - 1`` cards.
 DEFAULT_INSTANCE_SIZES = 4
@@ -268,8 +269,13 @@ def _plan_instance(model: ModelSpec, gpu_type: str, cards: int, workload: PlanWo
 
 
 def plan_type(model: ModelSpec, need: CapacityNeed, workload: PlanWorkload, gpu_type: str, price: float, *,
-              instance_sizes: int = DEFAULT_INSTANCE_SIZES) -> TypePlan:
-    """Steps 2-4 of the module docstring for one GPU type."""
+              instance_sizes: int = DEFAULT_INSTANCE_SIZES, reference: Workload | None = None) -> TypePlan:
+    """Steps 2-4 of the module docstring for one GPU type.
+
+    With ``reference`` (the trace), a pipeline that misses the SLO with nothing else running on more
+    than half the allowed share of its requests is left out, as the gear planner leaves such gears out
+    (:func:`~flexpipe_dag.planner.envelope.screen_zero_load`): its envelope swings with the traffic mix.
+    """
     device = homogeneous_cluster(gpu_type, 1).devices[0]
     usable = device.usable_memory_gib(need.reserve_fraction) * GIB
     whole, smallest = cards_by_memory(need, usable)
@@ -277,6 +283,7 @@ def plan_type(model: ModelSpec, need: CapacityNeed, workload: PlanWorkload, gpu_
         return TypePlan(gpu_type, price, usable / GIB, whole, smallest, [], None,
                         note=f"a pipeline needs {smallest} cards by memory, over the {MAX_INSTANCE_CARDS} planned")
     options: list[InstanceOption] = []
+    screened: list[str] = []
     seen: set[int] = set()
     tpot_idle = ttft_idle = math.inf
     ws = max(need.concurrency, workload.prefill_chunk_tokens) * model.activation_workspace_bytes_per_token(need.dtype)
@@ -285,6 +292,12 @@ def plan_type(model: ModelSpec, need: CapacityNeed, workload: PlanWorkload, gpu_
         w = dataclasses.replace(workload, concurrency=max(1, min(need.concurrency, fits)))
         option, t_idle, f_idle = _plan_instance(model, gpu_type, cards, w, need.dtype, price)
         tpot_idle, ttft_idle = min(tpot_idle, t_idle), min(ttft_idle, f_idle)
+        if option is not None and reference is not None and option.gear is not None and option.timing is not None:
+            screen = screen_zero_load(option.gear, option.timing, reference, slo_ttft_ms=need.slo_ttft_ms,
+                                      slo_tpot_ms=need.slo_tpot_ms, attainment=workload.slo_attainment)
+            if screen.verdict != "ok":
+                screened.append(f"{option.cards} x {gpu_type} {screen.describe()}")
+                option = None
         if option is not None and option.cards not in seen:
             seen.add(option.cards)
             options.append(option)
@@ -293,6 +306,8 @@ def plan_type(model: ModelSpec, need: CapacityNeed, workload: PlanWorkload, gpu_
     note = "" if mix is not None else (
         f"no pipeline of {smallest}..{smallest + instance_sizes - 1} cards meets the SLO (fastest idle TPOT "
         f"{tpot_idle:.1f} ms, TTFT {ttft_idle:.0f} ms)")
+    if screened:
+        note = "; ".join(filter(None, [note, "left out: " + "; ".join(screened)]))
     return TypePlan(gpu_type, price, usable / GIB, whole, smallest, options, mix, tpot_idle, ttft_idle, note)
 
 
@@ -316,13 +331,14 @@ def infeasible_reason(need: CapacityNeed, types: Sequence[TypePlan]) -> str:
 
 def plan_capacity(model: ModelSpec, need: CapacityNeed, workload: PlanWorkload, prices: GpuPrices,
                   gpu_types: Sequence[str] | None = None, *, instance_sizes: int = DEFAULT_INSTANCE_SIZES,
-                  progress: Callable[[str], None] | None = None) -> CapacityPlan:
+                  progress: Callable[[str], None] | None = None, reference: Workload | None = None) -> CapacityPlan:
     """Cards per GPU type alone and the cheapest mix for ``need`` (module docstring, steps 1-5).
 
     Args:
         workload: planning assumptions (means, P95 context, burstiness); its SLO and reserve are
             replaced by ``need``'s.
         gpu_types: catalog GPU models to consider (default: every type ``prices`` prices).
+        reference: the trace; when given, pipelines marginal on it at zero load are left out (:func:`plan_type`).
 
     Raises:
         InputError: an unknown type or one without a price.
@@ -341,7 +357,7 @@ def plan_capacity(model: ModelSpec, need: CapacityNeed, workload: PlanWorkload, 
     for name in types:
         if progress:
             progress(f"planning {model.name} on {name}")
-        plans.append(plan_type(model, need, w, name, priced[name], instance_sizes=instance_sizes))
+        plans.append(plan_type(model, need, w, name, priced[name], instance_sizes=instance_sizes, reference=reference))
     mix = cheapest_mix([o for t in plans for o in t.options], load_rps=need.load_rps,
                        kv_need_tokens=need.kv_need_tokens, reserve_fraction=need.reserve_fraction)
     if mix is None:
@@ -370,8 +386,9 @@ def confirm_mix(mix: Mix, need: CapacityNeed, reference: Workload, *, num_reques
         if option.gear is None or option.timing is None:
             raise InputError(option.gpu_type, "gear", "this instance option was not planned by plan_capacity")
         rate = need.load_rps * option.rps_max / mix.rps_max
-        probe = probe_gear(option.gear, option.timing, ref, native, rate, config=config, attainment=slo_attainment,
-                           early_stop=False)
+        # the trace replays no slower than MIN_SPEEDUP x its own rate: a smaller share is replayed there (more load)
+        probe = probe_gear(option.gear, option.timing, ref, native, max(rate, native * MIN_SPEEDUP), config=config,
+                           attainment=slo_attainment, early_stop=False)
         weight = rate * count
         met += probe.slo_attainment * weight
         total += weight
@@ -408,7 +425,7 @@ def capacity_report(model: ModelSpec, trace: Workload, prices: GpuPrices, *, loa
     need = capacity_need(model, dtype=dtype, load_rps=load_rps, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
                          context_p95_tokens=context, output_p95_tokens=output, reserve_fraction=reserve_fraction)
     plan = plan_capacity(model, need, figures.workload, prices, gpu_types, instance_sizes=instance_sizes,
-                         progress=progress)
+                         progress=progress, reference=figures.served)
     if confirm_requests is not None and plan.mix is not None:
         if progress:
             progress("replaying the trace in the simulator")

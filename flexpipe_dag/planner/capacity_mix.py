@@ -7,11 +7,13 @@ each instance its share), so capacities add up. With ``x_o`` instances of option
 
     minimise    sum_o x_o n_o p_o                       (cost per hour, p_o the type's price per card-hour)
     subject to  sum_o x_o X_o (1 - reserve) >= load_rps (each instance loaded to at most 1 - reserve)
-                sum_o x_o K_o >= kv_need_tokens         (the concurrency at the P95 context fits)
+                sum_o x_o K'_o >= kv_need_tokens        (the concurrency at the P95 context fits)
                 x_o in {0, 1, 2, ...}
 
-solved exactly by branch and bound (HiGHS through ``scipy.optimize.milp``); a tiny second term
-``1e-6 x cards`` breaks cost ties toward fewer cards. Restricting the options to one GPU type gives
+with ``K'_o = min(K_o, X_o (1 - reserve) x kv_need_tokens / load_rps)``: an instance's pool counts
+only up to what its own share of the load keeps in flight. Solved exactly by branch and bound
+(HiGHS through ``scipy.optimize.milp``); a tiny second term ``1e-6 x cards`` breaks cost ties
+toward fewer cards. Restricting the options to one GPU type gives
 that type alone; all options together give the cheapest mix. The model is additive by construction:
 what it does not capture is a pipeline spanning two types (the gear planner's job on a given fleet).
 
@@ -121,6 +123,10 @@ def cheapest_mix(options: Sequence[InstanceOption], *, load_rps: float, kv_need_
                  reserve_fraction: float) -> Mix | None:
     """The cheapest set of instances carrying ``load_rps`` with the reserve and holding ``kv_need_tokens``.
 
+    An instance's KV pool counts toward ``kv_need_tokens`` only up to what its own share of the load
+    keeps in flight (``kv_need_tokens / load_rps`` per req/s it carries): KV on a pipeline that
+    carries almost nothing holds none of the others' sequences.
+
     Args:
         options: instance options (see the module docstring); those with no envelope are skipped.
         load_rps: load to carry, req/s (> 0). kv_need_tokens: KV tokens in flight at the P95 context.
@@ -137,10 +143,15 @@ def cheapest_mix(options: Sequence[InstanceOption], *, load_rps: float, kv_need_
         return None
     share = 1.0 - reserve_fraction
     rps = np.array([o.rps_max * share for o in usable])
-    kv = np.array([float(o.kv_capacity_tokens) for o in usable])
+    # an instance's KV counts only up to what its own share of the load keeps in flight (kv_need per
+    # req/s x the rate it carries): a pipeline that carries almost nothing cannot hold the others' sequences
+    kv_per_rps = kv_need_tokens / load_rps if load_rps > 0 else 0.0
+    kv = np.array([min(float(o.kv_capacity_tokens), r * kv_per_rps) if kv_per_rps else float(o.kv_capacity_tokens)
+                   for o, r in zip(usable, rps)])
     cheapest = min(o.price_per_card_hour for o in usable)
     cost = np.array([o.cost_per_hour + CARD_TIE_WEIGHT * cheapest * o.cards for o in usable])
-    ub = np.array([math.ceil(load_rps / r) + math.ceil(kv_need_tokens / k) for r, k in zip(rps, kv)], dtype=float)
+    ub = np.array([math.ceil(load_rps / r) + (math.ceil(kv_need_tokens / k) if k > 0 else 0) for r, k in zip(rps, kv)],
+                  dtype=float)
     x = _milp(cost, np.vstack([rps, kv]), np.array([load_rps, float(kv_need_tokens)]), np.full(2, np.inf), ub)
     if x is None:
         return None

@@ -40,11 +40,15 @@ Per offered rate ``lambda`` (req/ms) the estimate is the fixed point of (means; 
   fixed point with ``n <= b_eff`` (``b_eff = min(b, KV pool / (M (P + O)))``): slots fill and the
   waiting queue grows without bound. Capacity ``X = min_s r_s / (p_s + O d_s(b_eff) / b_eff)``.
 * **TTFT.** Wait for the next slot launch (``T / 2M``), the launching iteration's round trip ``T``
-  plus the request's own prefill through every stage and link, plus the admission queue: the
-  bottleneck stage as a G/G/1 server of per-request work ``w_b = (p_b + O d_b(n) / n) / r_b`` at
-  ``rho = lambda w_b``, Kingman's mean ``W = (c_a^2 + c_s^2) / 2 * rho / (1 - rho) * w_b``
-  (Kingman 1961) with an exponential tail ``P(W > t) = rho exp(-rho t / W)`` (exact for M/M/1;
-  Kleinrock 1975, Vol. 1, Sec. 3.2). The tail figure takes the attainment quantile of the prompt,
+  plus the request's own prefill through every stage and link, plus the admission queue. A request
+  waits for admission only when all ``c = M b_eff`` seats (places in the slots) are taken; a seat is
+  held ``S = O T``. The queue is G/G/c by Allen-Cunneen: the M/M/c figures at offered load
+  ``a = lambda S`` scaled by ``v = (c_a^2 + c_s^2) / 2`` with ``c_s^2 = 1`` (near-exponential output
+  lengths): mean ``W = v C(c, a) / (c / S - lambda)``, tail ``P(W > t) = C(c, a) exp(-(c / S -
+  lambda) t / v)``, ``C`` Erlang's C formula (Allen, *Probability, Statistics and Queueing Theory*,
+  1990, Sec. 6.4; Kleinrock 1975, Vol. 1, Sec. 3.5). (A G/G/1 on the busiest stage's busy share,
+  used before, read about 1 on a one-stage pipeline at any load: a closed loop of decode
+  iterations keeps its one stage busy.) The tail figure takes the attainment quantile of the prompt,
   ``P (1 + z_q cv_P)`` (at most the planned P95 context), as the prompt.
 * **TPOT tail.** A request's TPOT averages its ``o`` cycles; a cycle is long when a prefill
   convoy passes, with standard deviation ``sigma_c = sum_s sigma(t_s) sqrt(1 + Q_s)`` (the convoy
@@ -89,6 +93,18 @@ def _z(q: float) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def _erlang_c(c: int, a: np.ndarray) -> np.ndarray:
+    """Erlang C: the chance an arrival waits in M/M/c with ``c`` servers at offered load ``a`` (erlangs,
+    array); 1 where ``a >= c``. Erlang B by its stable recursion ``B_k = a B_{k-1} / (k + a B_{k-1})``,
+    then ``C = B / (1 - (a / c)(1 - B))`` (Kleinrock 1975, Vol. 1, Sec. 3.5). O(c) per rate."""
+    b = np.ones_like(a)
+    for k in range(1, c + 1):
+        b = a * b / (k + a * b)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = b / (1 - (a / c) * (1 - b))
+    return np.where(a >= c, 1.0, np.clip(out, 0.0, 1.0))
 
 
 @dataclass(frozen=True)
@@ -231,21 +247,24 @@ def _solve_arrays(x: _Inputs, lam: np.ndarray, q: float) -> _Point:
         Tn = np.maximum(trip, np.max(Ma[:, None] * t / r, axis=1))
         T = 0.5 * T + 0.5 * Tn
     et2 = d * d + 2 * d * k * x.pf + k * ep2 + k * k * x.pf ** 2
-    # the prefill-carrying iteration queues at the busiest stage: Kingman's G/G/1 wait (tandem
-    # FIFO line: the bottleneck station's wait dominates), service moments of the iteration mix
-    b_i = np.argmax(U, axis=1)
-    idx = np.arange(G)
-    rho = U[idx, b_i]
-    t_b = t[idx, b_i]
-    cs2 = np.maximum(et2[idx, b_i] / (t_b * t_b) - 1.0, 0.0)
-    W = (x.ca2 + cs2) / 2 * rho / (1 - rho) * t_b / x.r[b_i]
+    # admission: a request waits only when every one of the c = M b_eff seats (slot places) is taken;
+    # a seat is held O cycles, S = O T. G/G/c by Allen-Cunneen: the M/M/c wait (Erlang C) scaled by
+    # (c_a^2 + c_s^2) / 2, c_s^2 = 1 (output lengths are near-exponential) (Allen, *Probability,
+    # Statistics and Queueing Theory*, 1990, Sec. 6.4)
+    seats = max(1, int(round(M * x.b_eff)))
+    hold = x.out * T
+    offered = lam * hold
+    p_wait = _erlang_c(seats, offered)
+    v = (x.ca2 + 1.0) / 2
+    drain = np.maximum(seats / hold - lam, 1e-12)  # per ms
+    W = v * p_wait / drain
+    tail = np.where(p_wait > 1 - q, v / drain * np.log(np.maximum(p_wait, 1e-300) / (1 - q)), 0.0)
     # the number in flight fluctuates (Poisson-like, variance inflated by the burstiness ca2); the
     # slots overflow into the waiting queue when it exceeds M b_eff, and a backlog of more than
     # lambda x (TTFT slack) requests breaks the TTFT SLO
     N = lam * x.out * T
     slack = lam * np.maximum(x.slo_ttft_ms - (T / (2 * M) + np.sum(d, axis=1) + np.sum(x.pf)), 0.0)
     stable = ~over & (N + _z(q) * np.sqrt(x.ca2 * N) <= M * x.b_eff + slack)
-    tail = np.where(rho > 1 - q, W / rho * np.log(rho / (1 - q)), W)
     # prompts that arrive while the slot waits to launch share its iteration (index of dispersion ca2)
     mates = lam * (T / M) * x.ca2
     own = x.link_tok * x.prompt

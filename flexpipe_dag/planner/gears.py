@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexpipe_dag.core.cluster import ClusterProfile, DtypeChoice, choose_gear_dtype
+from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear, GearEstimate, GearKind, StagePlan
 from flexpipe_dag.planner.cost_model import CostModel, DeviceOverrides
@@ -264,13 +265,23 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_m
         throughput_rps=est.throughput_rps, tokens_per_s=est.tokens_per_s, ttft_p50_ms=est.ttft_p50_ms,
         ttft_p99_ms=est.ttft_p99_ms, tpot_p50_ms=est.tpot_p50_ms, tpot_p99_ms=est.tpot_p99_ms,
         bottleneck_stage=est.bottleneck_stage)
+    dtype = gear_plan_dtype(search, plan)
     return Gear(
-        gear_id=_gear_id(kind, model, cm.dtype, plan, cm.cluster.cluster_id), kind=kind, model_name=model.name,
-        dtype=cm.dtype, num_layers=model.num_layers, stages=stages, micro_batch_size=plan.micro_batch_size,
+        gear_id=_gear_id(kind, model, dtype, plan, cm.cluster.cluster_id), kind=kind, model_name=model.name,
+        dtype=dtype, num_layers=model.num_layers, stages=stages, micro_batch_size=plan.micro_batch_size,
         max_inflight_micro_batches=inflight_micro_batches(plan, w.concurrency),
         kv_capacity_tokens=min(kv_caps), rps_min=min(rps_min, rps_max), rps_max=rps_max,
         target_p99_ms=max(1.0, math.ceil(est.ttft_p99_ms)), estimate=estimate, cluster_id=cm.cluster.cluster_id,
         profile_version=profile_version)
+
+
+def gear_plan_dtype(search: PipelineSearch, plan: PipelinePlan) -> str:
+    """The dtype one gear runs in: the search's, except that under the bf16 -> fp16 fallback a gear
+    whose devices all have bf16 stays bf16 (the fallback is for the gears that use devices without it)."""
+    allowed = search.bf16_device_ids
+    if allowed is not None and all(i in allowed for ds in plan.device_ids for i in ds):
+        return "bf16"
+    return search.cm.dtype
 
 
 def gear_dtype(cluster: ClusterProfile, dtype: str, workload: PlanWorkload, now: dt.datetime | None = None) -> DtypeChoice:
@@ -305,7 +316,11 @@ def make_search(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf16
         notes.append(choice.note)
         log.info("plan %s on %s: %s", model.name, cluster.cluster_id, choice.note)
     cm = CostModel(model, cluster, dtype=choice.dtype, device_overrides=device_overrides)
-    return PipelineSearch(cm, workload, now, exclude_device_ids=choice.excluded_device_ids, notes=notes)
+    search = PipelineSearch(cm, workload, now, exclude_device_ids=choice.excluded_device_ids, notes=notes)
+    if choice.dtype == "fp16" and canonical_dtype(dtype, "planning", "dtype") == "bf16":
+        # fp16 prices as bf16 (same bytes, same tensor-core rate): a gear on bf16 devices only keeps bf16
+        search.bf16_device_ids = frozenset(d.device_id for d in cluster.devices if not d.lacks_bf16)
+    return search
 
 
 def plan_kind(search: PipelineSearch, kind: str, num_stages: int | None = None) -> ScoredPlan:

@@ -48,6 +48,8 @@ DEFAULT_CONCURRENCY = 32
 DEFAULT_REFERENCE_TRACE = "azure-conv"
 #: Requests of the reference trace replayed per envelope probe.
 DEFAULT_REFERENCE_REQUESTS = 1000
+#: Fewest requests of the reference trace an envelope is measured on (``--requests`` has the same floor).
+MIN_REFERENCE_REQUESTS = 50
 #: Devices leaving sooner than this are not planned on, seconds.
 DEFAULT_MIN_RESIDENCE_S = 600.0
 #: The SLO and attainment level envelopes are measured against unless the user gives their own.
@@ -75,9 +77,14 @@ class Recommendation:
     reason: str
 
 
+#: Headroom ``1 - load / rps_max`` a recommended gear should keep: the promise is checked at 80 % of rps_max.
+RECOMMENDED_HEADROOM = 0.2
+
+
 def recommend_gear(gears: Sequence[Gear], load_rps: float) -> Recommendation:
-    """The gear to run at ``load_rps``: of those whose measured envelope holds it, the one on the fewest
-    devices (ties: the lowest TPOT P50, then the most headroom); with none, the largest envelope.
+    """The gear to run at ``load_rps``: of those whose measured envelope holds it with at least
+    :data:`RECOMMENDED_HEADROOM`, else of those that hold it at all, the one on the fewest devices
+    (ties: the lowest TPOT P50, then the most headroom); with none, the largest envelope.
 
     Fewest devices first because every gear that holds the load meets the same SLO there (that is
     what ``rps_max`` means, :class:`~flexpipe_dag.core.gear.EnvelopeBasis`); the devices it leaves
@@ -100,10 +107,15 @@ def recommend_gear(gears: Sequence[Gear], load_rps: float) -> Recommendation:
         return g.estimate.tpot_p50_ms if g.estimate is not None else math.inf
 
     holding = [g for g in gears if load_rps <= g.rps_max]
+    roomy = [g for g in holding if headroom(g) >= RECOMMENDED_HEADROOM - 1e-12]
     if holding:
-        best = min(holding, key=lambda g: (len(g.device_ids), tpot(g), -headroom(g), g.gear_id))
+        pool = roomy or holding
+        best = min(pool, key=lambda g: (len(g.device_ids), tpot(g), -headroom(g), g.gear_id))
+        which = (f"the fewest of the {len(pool)} gear(s) that hold it with {RECOMMENDED_HEADROOM:.0%} headroom"
+                 if roomy else f"the fewest of the {len(pool)} gear(s) that hold it (none with "
+                                f"{RECOMMENDED_HEADROOM:.0%} headroom)")
         reason = (f"{best.gear_id} holds {load_rps:g} req/s within its envelope (up to {best.rps_max:.3g} req/s) "
-                  f"on {len(best.device_ids)} device(s), the fewest of the {len(holding)} gear(s) that hold it")
+                  f"on {len(best.device_ids)} device(s), {which}")
         return Recommendation(best.gear_id, load_rps, headroom(best), True, reason)
     best = max(gears, key=lambda g: (g.rps_max, g.gear_id))
     reason = (f"no gear holds {load_rps:g} req/s: the largest envelope, {best.gear_id}, ends at {best.rps_max:.3g} "
@@ -192,10 +204,15 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
 
     Raises:
         InfeasibleError: the model cannot be placed (binding constraint named).
-        InputError: bad settings, workload or load (named).
+        InputError: bad settings, workload or load (named); a reference of fewer than
+            :data:`MIN_REFERENCE_REQUESTS` requests.
     """
     t0 = time.perf_counter()
     settings = settings or SelectionSettings()
+    if len(reference) < MIN_REFERENCE_REQUESTS:
+        raise InputError(reference.source or reference.name, "requests",
+                         f"the trace has {len(reference)} request(s) the model can serve; measuring an envelope "
+                         f"needs at least {MIN_REFERENCE_REQUESTS} (a rate read off a handful of arrivals is no promise)")
     say = progress or (lambda _line: None)
     say(f"proposing candidates for {model.name} on {len(cluster.devices)} device(s)")
     choice = gear_dtype(cluster, dtype, workload)
@@ -212,6 +229,9 @@ def plan_operating_gears(cluster: ClusterProfile, model: ModelSpec, reference: W
     analytic = {g.gear_id: by_suffix.get(gear_id_suffix(g.gear_id), math.nan) for g in gears}
     recommendation = recommend_gear(gears, load_rps) if load_rps is not None else None
     notes = [choice.note] if choice.note else []
+    if len(reference) < settings.num_requests:
+        notes.append(f"the trace has {len(reference)} requests the model can serve: each probe replays all of them, "
+                     f"not the {settings.num_requests} asked for (--requests / FLEXPIPE_REFERENCE_REQUESTS)")
     short = short_probe_note(gears, basis)
     if short:
         notes.append(short)

@@ -117,6 +117,8 @@ class PipelineSearch:
         self.workload = workload
         self.num_layers = self.model.num_layers
         self.notes: list[str] = list(notes or [])
+        #: under the bf16 -> fp16 fallback, the devices with bf16 (a gear on these only stays bf16); else None
+        self.bf16_device_ids: frozenset[str] | None = None
         cluster = cost_model.cluster
         now = now or cluster.measured_at
         self.excluded = [d.device_id for d in cluster.devices if d.available_for_s(now) < workload.min_residence_s]

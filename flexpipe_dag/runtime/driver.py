@@ -10,7 +10,7 @@ Commands arrive from the parent on ``cmd_q`` (:mod:`~flexpipe_dag.runtime.messag
   time since the last one);
 * :class:`~flexpipe_dag.runtime.messages.StopPipeline` - drain, then stop every stage.
 
-Events go to the parent on ``evt_q``: ``RequestFinished``, ``MetricsSampled``, ``Reconfigured``,
+Events go to the parent on ``evt_q``: ``TokensGenerated`` (streaming only), ``RequestFinished``, ``MetricsSampled``, ``Reconfigured``,
 ``RequestRefused``, ``ProcessFailed("driver", ...)``, ``Stopped``.
 
 :class:`Driver` has one method per event; :func:`driver_main` is the process entry point.
@@ -43,6 +43,7 @@ from flexpipe_dag.runtime.messages import (
     StepResult,
     Stopped,
     StopPipeline,
+    TokensGenerated,
     WorkerCounter,
     counter_index,
 )
@@ -79,6 +80,7 @@ class Driver:
         self._tp = transport
         self.spec, self.evt_q, self.counters = spec, evt_q, counters
         self.metrics_period_s = metrics_period_s
+        self.stream_tokens = config.stream_tokens
         self.layout = spec.layout()
         n = spec.num_stages
         self.first_ranks = [self.layout.rank(0, k) for k in range(self.layout.replicas[0])]
@@ -254,7 +256,13 @@ class Driver:
     def on_result(self, result: StepResult) -> None:
         """A micro-batch's sampled tokens: advance its sequences, report those that finished."""
         self.metrics.record_tokens(len(result.token_ids))
-        for out in self.scheduler.update_from_output(result.mb_id, list(result.token_ids)):
+        sampled: list[tuple[str, int, int]] = []
+        finished = self.scheduler.update_from_output(result.mb_id, list(result.token_ids),
+                                                     on_token=(lambda *t: sampled.append(t))
+                                                     if self.stream_tokens else None)
+        if sampled:  # before the finished requests: a stream sees its last token, then the end
+            self.evt_q.put(TokensGenerated(tuple(sampled)))
+        for out in finished:
             self.metrics.record_finished(out.ttft_s, out.tpot_s, out.e2e_s)
             self.evt_q.put(RequestFinished(out))
         self.counters[counter_index(0, DriverCounter.MICRO_BATCHES_DONE)] += 1

@@ -105,6 +105,8 @@ class SchedulerConfig:
         max_tokens_per_micro_batch: token budget of one micro-batch (prefill tokens + 1 per decode).
         max_context_tokens: the model's max context (prompt + generated tokens); ``None``: not checked.
         kv_capacity_knob: what a KV refusal tells the user to raise (the entry point's flag or field).
+        stream_tokens: report every sampled token as it comes (:class:`TokensGenerated`), for streaming
+            front ends; off, only finished requests are reported.
 
     Raises:
         ValueError: a number below 1.
@@ -115,10 +117,12 @@ class SchedulerConfig:
     max_tokens_per_micro_batch: int = 2048
     max_context_tokens: int | None = None
     kv_capacity_knob: str = "the gear's kv_capacity_tokens"
+    stream_tokens: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if isinstance(getattr(self, f.name), int) and getattr(self, f.name) < 1:
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
                 raise ValueError(f"SchedulerConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
 
 
@@ -260,6 +264,18 @@ class RequestFinished:
 
 
 @dataclass(frozen=True)
+class TokensGenerated:
+    """Tokens sampled by one pipeline step (only with ``SchedulerConfig.stream_tokens``).
+
+    Attributes:
+        tokens: ``(request_id, index, token_id)`` per sequence of the step; ``index`` is the token's
+            0-based position among the request's output tokens.
+    """
+
+    tokens: tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True)
 class MetricsSampled:
     """A live metrics sample of the pipeline."""
 
@@ -286,7 +302,8 @@ class Stopped:
     """The driver stopped every stage after :class:`StopPipeline`; it exits next."""
 
 
-RuntimeEvent = StageReady | ProcessFailed | RequestFinished | MetricsSampled | Reconfigured | RequestRefused | Stopped
+RuntimeEvent = (StageReady | ProcessFailed | RequestFinished | TokensGenerated | MetricsSampled | Reconfigured
+                | RequestRefused | Stopped)
 
 
 # -- JSON wire form --------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from flexpipe_dag.runtime.messages import (
     StageReady,
     Stopped,
     StopPipeline,
+    TokensGenerated,
     WorkerCounter,
     counter_index,
     worker_slot,
@@ -128,6 +129,8 @@ class RuntimeOptions:
     environment). Either way the control store binds exactly ``HOST`` (127.0.0.1 for a one-host run,
     on a port the kernel picks). ``kv_capacity_knob``: what a request's KV refusal tells the user to
     raise (``--kv-capacity-tokens`` for ``flexpipe run``, ``kv_pool_tokens_max`` for ``batch_inference``).
+    ``stream_tokens``: :meth:`PipelineRuntime.wait` hands every sampled token to its ``on_tokens``
+    as the step that sampled it ends (a streaming front end); off, only finished requests come back.
     """
 
     dtype: str = "fp32"
@@ -147,6 +150,7 @@ class RuntimeOptions:
     truncate_context: bool = False
     secret: str | None = None
     kv_capacity_knob: str = "the gear's kv_capacity_tokens"
+    stream_tokens: bool = False
 
 
 #: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
@@ -360,7 +364,8 @@ class PipelineRuntime:
                                     max_inflight_micro_batches=self.gear.max_inflight_micro_batches,
                                     max_tokens_per_micro_batch=self.options.max_tokens_per_micro_batch,
                                     max_context_tokens=self.max_context_tokens,
-                                    kv_capacity_knob=self.options.kv_capacity_knob)
+                                    kv_capacity_knob=self.options.kv_capacity_knob,
+                                    stream_tokens=self.options.stream_tokens)
         self._procs = [ctx.Process(target=driver_main, name="flexpipe-driver", daemon=True,
                                    args=(spec, self.gear.gear_id, sched_cfg, self._cmds, self._events,
                                          self._counters, self.options.metrics_period_s))]
@@ -558,14 +563,24 @@ class PipelineRuntime:
         self.wait(on_result, on_metrics)
         return self._finished[start:]
 
-    def wait(self, on_result=None, on_metrics=None) -> None:
-        """Block until every submitted request finished or was refused (see :meth:`generate`)."""
+    def wait(self, on_result=None, on_metrics=None,
+             on_tokens: Callable[[tuple[tuple[str, int, int], ...]], None] | None = None) -> None:
+        """Block until every submitted request finished or was refused (see :meth:`generate`).
+
+        With ``RuntimeOptions.stream_tokens``, ``on_tokens`` gets each step's ``(request_id, index,
+        token_id)`` triples as they come, before the ``on_result`` of a request they finish. Tokens that
+        arrive while no ``wait`` runs (a reconfiguration, a metrics flush) are not replayed: the
+        finished request carries all its tokens.
+        """
         self._on_result = on_result
         while self._outstanding:
             ev = self._next_event(0.1)
             if ev is None:
                 continue
-            if isinstance(ev, RequestFinished):
+            if isinstance(ev, TokensGenerated):
+                if on_tokens is not None:
+                    on_tokens(ev.tokens)
+            elif isinstance(ev, RequestFinished):
                 self._deliver(ev.output)
             elif isinstance(ev, MetricsSampled):
                 self._record(ev.sample, on_metrics)

@@ -322,8 +322,12 @@ class Scheduler:
         self._inflight_lane[mb.mb_id] = lane
         return mb
 
-    def update_from_output(self, mb_id: int, sampled_token_ids: list[int]) -> list[RequestOutput]:
+    def update_from_output(self, mb_id: int, sampled_token_ids: list[int],
+                           on_token: Callable[[str, int, int], None] | None = None) -> list[RequestOutput]:
         """Apply one finished micro-batch's sampled tokens; returns the requests that finished.
+
+        ``on_token(request_id, index, token_id)`` is called for every sampled token (``index``: its
+        0-based position among the request's outputs), before the finished requests are returned.
 
         Raises:
             KeyError: ``mb_id`` is not in flight.
@@ -339,6 +343,8 @@ class Scheduler:
             s = self._running[seq_id]
             s.in_flight = False
             s.outputs.append(int(tok))
+            if on_token is not None:
+                on_token(s.req.request_id, len(s.outputs) - 1, int(tok))
             if s.first_token_s is None:
                 s.first_token_s = now
             reason = None

@@ -1,17 +1,12 @@
 """The serve loop: replay a real trace through the live pipeline, shift gears as the load changes, fill troughs.
 
-:class:`TraceServer` owns a :class:`~flexpipe_dag.shift.router.ServingRouter` (the entry point) and a
-:class:`~flexpipe_dag.shift.executor.GearExecutor`. Every ``control_interval_s`` it:
+:class:`TraceServer` owns a :class:`~flexpipe_dag.shift.router.ServingRouter` (the entry point), a
+:class:`~flexpipe_dag.shift.executor.GearExecutor` and a :class:`~flexpipe_dag.serving.live_control.LiveControl`
+(the store side it shares with the ``flexpipe serve`` front door). Every ``control_interval_s`` it:
 
-* writes the pipeline's metric samples to the store (``t_s`` rebased to seconds since the serve
-  started, so samples of successive gears form one series) and a heartbeat (the run is live until it
-  ends: :meth:`TraceServer.serve` marks it ended however it stops);
-* asks the controller through the *same* service the ``gear_shift_sensor`` calls
-  (:func:`flexpipe_dag.control.service.evaluate_gear_shift`) when ``inline_control`` is on, and applies shifts
-  that ``gear_shift`` runs requested through the store (status ``requested``) of this run, and only
-  those, in any case (taking each with a compare-and-set, ``applying``); a shift
-  runs in a background thread while traffic keeps flowing, and its outcome is stored with the event
-  (a rolled-back gear is tagged unhealthy);
+* writes the pipeline's metric samples and a heartbeat to the store, and applies the shifts asked of
+  this run (or, with ``inline_control``, decides them through the same service the
+  ``gear_shift_sensor`` calls), through its :class:`LiveControl`;
 * decides offline admission with the tide rule (:func:`flexpipe_dag.control.tide.decide_offline`)
   and feeds the offline job's requests (offline priority, a bounded number in flight) only while
   admitted.
@@ -22,7 +17,6 @@ the router delivers each request's output exactly once, across shifts and rollba
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -30,12 +24,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexpipe_dag.control.service import evaluate_gear_shift
 from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.tide import TideConfig, TideForecaster, TideGate, decide_offline, ema, tide_forecast
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.metrics import MetricSample
-from flexpipe_dag.core.status import InferenceJobKind, InferenceJobStatus, PipelineRunKind, ShiftEventStatus
+from flexpipe_dag.core.status import InferenceJobKind, InferenceJobStatus
+from flexpipe_dag.serving.live_control import LiveControl
 from flexpipe_dag.serving.prompts import TimedRequest
 
 
@@ -99,26 +93,39 @@ class TraceServer:
         self.forecaster = forecaster
         self.tokenizer = tokenizer
         self.log = log
-        self.report = ServeReport()
+        self.live = LiveControl(store, control, router, executor, gears, settings.run_key,
+                                inline_control=settings.inline_control, forecast=self._forecast, log=log)
+        self.report = ServeReport(samples=self.live.samples, shifts=self.live.shifts, declines=self.live.declines)
         self._outputs: queue.Queue = queue.Queue()
-        self._samples: queue.Queue = queue.Queue()
-        self._shift_thread: threading.Thread | None = None
-        self._cursor: str | None = None
-        self._declined_logged: dict[str | None, float] = {}
         self._ema_rps: float | None = None
         self._gate = TideGate()
         self._done_by_class: dict[str, int] = {}
         self._online_at_last_tide = 0
         self._klass: dict[str, str] = {}
         self._t0 = time.monotonic()
-        self._sample_offset_s: dict[str, float] = {}
 
     # -- callbacks wired into the router (called from its threads) ------------------------------------
     def on_result(self, output) -> None:
         self._outputs.put(output)
 
     def on_metrics(self, sample: MetricSample) -> None:
-        self._samples.put((time.monotonic() - self._t0, sample))
+        self.live.on_metrics(sample)
+
+    def _forecast(self):
+        """The tide forecast of this replay's clock (samples' ``t_s`` and tide time share it), or None."""
+        if self.forecaster is None:
+            return None
+        return tide_forecast(self.forecaster,
+                             lambda t_s: self.settings.tide_start_s + self.settings.tide_compression * t_s,
+                             self.settings.tide_compression)
+
+    # the store side, shared with the front door (tests drive these directly)
+    def _control_step(self) -> None:
+        self.live.step()
+
+    @property
+    def _shift_thread(self) -> threading.Thread | None:
+        return self.live.shift_thread
 
     # -- the loop -------------------------------------------------------------------------------------
     def serve(self, online: Sequence[TimedRequest], offline: Sequence[TimedRequest] = ()) -> ServeReport:
@@ -127,21 +134,15 @@ class TraceServer:
         The run is registered live in the store while it serves (a heartbeat every control step) and
         marked ended when it stops, however it stops: its samples never trigger a shift afterwards.
         """
-        self._heartbeat()
+        self.live.heartbeat()
         try:
             return self._serve(online, offline)
         finally:
-            self.db.end_pipeline_run(self.settings.run_key)
-
-    def _heartbeat(self) -> None:
-        active = getattr(self.router, "active", None)
-        self.db.heartbeat_pipeline_run(self.settings.run_key, PipelineRunKind.SERVE,
-                                       active.gear.gear_id if active is not None else None,
-                                       inline_control=self.settings.inline_control)
+            self.live.end()
 
     def _serve(self, online: Sequence[TimedRequest], offline: Sequence[TimedRequest]) -> ServeReport:
         s, db = self.settings, self.db
-        self._t0 = time.monotonic()
+        self._t0 = self.live.t0 = time.monotonic()
         online_job = db.get_or_create_job(s.online_job_key, InferenceJobKind.ONLINE, source_path=s.run_key)
         offline_job = (db.get_or_create_job(s.offline_job_key, InferenceJobKind.BATCH, priority=-1)
                        if s.offline_job_key else None)
@@ -168,7 +169,7 @@ class TraceServer:
             self._drain_outputs()
             if time.monotonic() >= next_control:
                 next_control += s.control_interval_s
-                self._write_samples()
+                self.live.write_samples()
                 self._control_step()
                 self._tide_step(now)
             if self._gate.running and offline_todo:
@@ -185,11 +186,11 @@ class TraceServer:
                 if online_end_s is None:
                     online_end_s = now
                 offline_settled = not offline_todo and self._finished("offline") == self.report.submitted_offline
-                if (offline_settled or now - online_end_s > s.offline_grace_s) and self._idle_shift():
+                if (offline_settled or now - online_end_s > s.offline_grace_s) and self.live.idle:
                     break
             time.sleep(0.05)
         self._finish_offline(offline_todo)
-        self._write_samples()
+        self.live.write_samples()
         db.update_job(online_job, status=InferenceJobStatus.DONE)
         self.report.elapsed_s = time.monotonic() - self._t0
         return self.report
@@ -207,9 +208,6 @@ class TraceServer:
 
     def _finished(self, klass: str) -> int:
         return self._done_by_class.get(klass, 0)
-
-    def _idle_shift(self) -> bool:
-        return self._shift_thread is None or not self._shift_thread.is_alive()
 
     # -- results and samples --------------------------------------------------------------------------
     def _drain_outputs(self) -> None:
@@ -230,98 +228,6 @@ class TraceServer:
                                      output_token_ids=rec["output_token_ids"], gear_key=rec["gear_id"],
                                      output_text=rec.get("output_text"), ttft_ms=rec["ttft_ms"],
                                      tpot_ms=rec["tpot_ms"], e2e_ms=rec["e2e_ms"])
-
-    def _write_samples(self) -> None:
-        batch = []
-        while True:
-            try:
-                wall_s, smp = self._samples.get_nowait()
-            except queue.Empty:
-                break
-            batch.append(dataclasses.replace(smp, t_s=round(wall_s, 3)))
-        if batch:
-            batch.sort(key=lambda x: x.t_s)
-            self.db.write_samples(self.settings.run_key, batch)
-            self.report.samples.extend(batch)
-
-    # -- gear shifting --------------------------------------------------------------------------------
-    def _control_step(self) -> None:
-        self._heartbeat()
-        if not self._idle_shift():
-            return
-        # asked for by gear_shift runs (sensor mode / by hand), addressed to this run only
-        for ev in self.db.pending_shift_requests(self.settings.run_key):
-            if self.db.claim_shift_request(ev.id, self.settings.run_key):
-                self._start_shift(ev.id, ev.from_gear_key, ev.to_gear_key, ev.trigger or "manual", ev.reason)
-                return
-        if not self.settings.inline_control:
-            return
-        forecast = None
-        if self.forecaster is not None:  # samples' t_s and tide time share this loop's clock
-            forecast = tide_forecast(self.forecaster,
-                                     lambda t_s: self.settings.tide_start_s + self.settings.tide_compression * t_s,
-                                     self.settings.tide_compression)
-        ev = evaluate_gear_shift(self.db, self._cursor, self.control, run_key_prefix=f"{self.settings.run_key}:",
-                                 run_key=self.settings.run_key, forecast=forecast)
-        self._cursor = ev.cursor
-        d = ev.decision
-        now = time.monotonic()
-        if d is not None and d.declined:
-            self.report.declines.append({"t_s": round(d.t_s, 1), "from_gear": d.from_gear_id, "to_gear": d.to_gear_id,
-                                         "trigger": d.trigger, "kind": d.reason_kind, "reason": d.reason})
-        if d is not None and d.declined and now - self._declined_logged.get(d.trigger, -1e9) >= 30.0:
-            self._declined_logged[d.trigger] = now  # every decision is stored; the log shows one per 30 s
-            self.log(f"controller: {d.reason}")
-        if ev.run_key is not None:
-            # a run key comes only with a stored shift decision, which names its target and trigger
-            assert d is not None and ev.event_id is not None and d.to_gear_id is not None and d.trigger is not None
-            if self.db.claim_shift_request(ev.event_id, self.settings.run_key, {"run_key": ev.run_key}):
-                self._start_shift(ev.event_id, d.from_gear_id, d.to_gear_id, d.trigger, d.reason)
-
-    def _stale_request(self, from_gear: str | None, to_gear: str) -> str | None:
-        """Why a shift request no longer fits the pipeline (one line), or None: its target already serves (a second
-        decision on the same load, e.g. one the sensor took while this loop took its own) or it was decided on
-        another gear than the one serving now. Never re-runs a migration to the gear already serving."""
-        active = getattr(self.router, "active", None)
-        serving = active.gear.gear_id if active is not None else None
-        if serving is None:
-            return None
-        if to_gear == serving:
-            return f"stale: {serving} is already serving"
-        if from_gear is not None and from_gear != serving:
-            return f"stale: decided on {from_gear}, but {serving} is serving now"
-        return None
-
-    def _start_shift(self, event_id: int, from_gear: str | None, to_gear: str, trigger: str, reason: str) -> None:
-        gear = self.gears.get(to_gear) or self.db.load_gear(to_gear)
-        t_s = round(time.monotonic() - self._t0, 1)
-        record = {"t_s": t_s, "from_gear": from_gear, "to_gear": to_gear, "trigger": trigger, "reason": reason,
-                  "status": "running", "event_id": event_id}
-        self.report.shifts.append(record)
-        stale = self._stale_request(from_gear, to_gear)
-        if gear is None or stale is not None:
-            error = stale or f"unknown gear {to_gear}"
-            record.update(status="failed", outcome=error)
-            self.db.update_shift_event(event_id, ShiftEventStatus.FAILED, {"error": error, "outcome": error})
-            self.log(f"shift event {event_id} ({from_gear} -> {to_gear}) refused: {error}")
-            return
-        self.log(f"t={t_s:.0f}s shift {from_gear} -> {to_gear} ({trigger}): {reason}")
-
-        def run() -> None:
-            outcome = self.executor.shift(gear)
-            record.update(status=outcome.status, outcome=outcome.reason, timings_s=outcome.timings_s,
-                          mode=outcome.mode, requests_moved=outcome.requests_moved)
-            details = {**outcome.to_details(), "outcome": outcome.reason}
-            self.db.update_shift_event(event_id, outcome.status, details)
-            if outcome.unhealthy_gear_id:
-                self.db.mark_unhealthy(outcome.unhealthy_gear_id, gear.cluster_id or "local", gear.model_name,
-                                       outcome.failure_kind or "health_check", outcome.reason,
-                                       run_key=self.settings.run_key)
-            self.log(f"shift to {to_gear}: {outcome.status} in {outcome.timings_s.get('total', 0):.1f}s "
-                     f"({outcome.mode}): {outcome.reason}")
-
-        self._shift_thread = threading.Thread(target=run, name="flexpipe-shift", daemon=True)
-        self._shift_thread.start()
 
     # -- offline admission ----------------------------------------------------------------------------
     def _tide_step(self, now_s: float) -> None:

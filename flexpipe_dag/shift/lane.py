@@ -64,6 +64,9 @@ class LaneOwner(Protocol):
     def lane_metrics(self, lane: Lane, sample: Any) -> None:
         """A :class:`~flexpipe_dag.core.metrics.MetricSample` of ``lane``'s runtime."""
 
+    def lane_tokens(self, lane: Lane, tokens: tuple[tuple[str, int, int], ...]) -> None:
+        """Tokens one step of ``lane``'s runtime sampled, ``(request_id, index, token_id)`` each (streaming)."""
+
 
 class Lane:
     """One started pipeline runtime, its pump thread and its place in the router.
@@ -122,7 +125,8 @@ class Lane:
             err: BaseException | None = None
             try:
                 if not self._stop.is_set():
-                    self.runtime.wait(on_result=self._on_result, on_metrics=self._on_metrics)
+                    self.runtime.wait(on_result=self._on_result, on_metrics=self._on_metrics,
+                                      on_tokens=self._on_tokens)
             except BaseException as exc:
                 err = exc
             finally:
@@ -143,6 +147,9 @@ class Lane:
 
     def _on_metrics(self, sample: Any) -> None:
         self.owner.lane_metrics(self, sample)
+
+    def _on_tokens(self, tokens: tuple[tuple[str, int, int], ...]) -> None:
+        self.owner.lane_tokens(self, tokens)
 
     def poll_refusals(self) -> int:
         """Hand the runtime's new refusals to the owner (each once); returns how many were new."""

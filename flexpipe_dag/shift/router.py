@@ -51,6 +51,10 @@ class ServingRouter:
         on_refused: ``(request_id, reason) -> None`` for requests no pipeline will serve (e.g.
             prompt + ``max_new_tokens`` - 1 KV tokens more than one lane of the KV pool holds).
         on_metrics: ``MetricSample -> None``, every live pipeline's samples (``gear_id`` tells which).
+        on_tokens: ``(request_id, index, token_id) -> None`` for every token a caller request's
+            pipeline sampled, as it comes (runtimes started with ``stream_tokens``). A request moved to
+            another lane (a failure, a cold shift) starts again there, so an ``index`` can come twice:
+            a streaming caller keeps the first and sends each index once.
 
     Attributes:
         ledger: the :class:`RequestLedger`.
@@ -60,9 +64,11 @@ class ServingRouter:
 
     def __init__(self, on_result: Callable[[RequestOutput], None] | None = None,
                  on_refused: Callable[[str, str], None] | None = None,
-                 on_metrics: Callable[[MetricSample], None] | None = None):
+                 on_metrics: Callable[[MetricSample], None] | None = None,
+                 on_tokens: Callable[[str, int, int], None] | None = None):
         self.ledger = RequestLedger(on_result, on_refused)
         self._on_metrics = on_metrics
+        self._on_tokens = on_tokens
         self._lock = threading.RLock()
         self._lanes: dict[str, Lane] = {}
         self._active: Lane | None = None
@@ -244,6 +250,13 @@ class ServingRouter:
         """Pass a lane's metric sample to ``on_metrics``."""
         if self._on_metrics is not None:
             self._on_metrics(sample)
+
+    def lane_tokens(self, lane: Lane, tokens: tuple[tuple[str, int, int], ...]) -> None:
+        """Pass a lane's sampled tokens of caller requests (not the executor's probes) to ``on_tokens``."""
+        if self._on_tokens is not None:
+            for request_id, index, token_id in tokens:
+                if not request_id.startswith(INTERNAL_PREFIX):
+                    self._on_tokens(request_id, index, token_id)
 
     def lane_failed(self, lane: Lane, err: BaseException) -> None:
         """Keep the failed lane's delivered outputs, fail its probes, mark it failed, fall back if it was

@@ -34,6 +34,10 @@ class SimConfig:
         context_policy: what happens to a request over ``max_context_tokens``
             (:mod:`flexpipe_dag.workload.context`): ``"refuse"`` (rejected at arrival, reason
             ``"context"``) or ``"truncate"`` (served with its prompt cut from the left).
+        metric_samples: emit a :class:`~flexpipe_dag.core.metrics.MetricSample` every
+            ``sample_period_s``. ``False`` (envelope probes, which grade per-request outcomes only)
+            skips the per-window bookkeeping: no samples, and the summary's queue-length and KV-use
+            series read 0. Per-request results and stage utilisation are the same either way.
     """
 
     sample_period_s: float = SAMPLE_PERIOD_S
@@ -47,6 +51,7 @@ class SimConfig:
     decode_context_quantum_tokens: int = 64
     max_context_tokens: int | None = None
     context_policy: ContextPolicy = "refuse"
+    metric_samples: bool = True
 
     def __post_init__(self) -> None:
         checks = {

@@ -33,7 +33,7 @@ Model (one gear = one pipeline):
   devices during the drain (the shadow gear runs on its own capacity).
 
 Every ``sample_period_s`` of simulated time a :class:`~flexpipe_dag.core.metrics.MetricSample`
-(``source="sim"``) is emitted for the admitting gear.
+(``source="sim"``) is emitted for the admitting gear (none with ``SimConfig.metric_samples=False``).
 """
 
 from __future__ import annotations
@@ -292,6 +292,7 @@ class Simulator:
         self.shifts: list[_ShiftRecord] = []
         self.samples: list[MetricSample] = []
         self._period = self.config.sample_period_s
+        self._sampling = self.config.metric_samples
         self._next_tick = 1
         self._win: dict[int, _Window] = {}  # window index -> what happened in it
         self._pending_switch = 0
@@ -330,7 +331,8 @@ class Simulator:
         self._loop(until_s)
         if until_s != _INF:
             self.now_s = max(self.now_s, until_s)
-            self._emit_until(until_s)
+            if self._sampling:
+                self._emit_until(until_s)
         return self.samples[first_new:]
 
     def slo_outcome_so_far(self, first_index: int = 0) -> tuple[int, int]:
@@ -377,7 +379,7 @@ class Simulator:
 
     def result(self) -> SimResult:
         """Per-request results, samples, shifts and summary of what has been simulated so far."""
-        if self._last_event_s > 0.0 or self._seqs:
+        if self._sampling and (self._last_event_s > 0.0 or self._seqs):
             # the window holding the last event, [k p, (k+1) p), is reported at tick (k+1) p
             self._emit_until((int(self._last_event_s // self._period) + 1) * self._period)
         stage_busy: dict[str, list[float]] = {}
@@ -406,18 +408,19 @@ class Simulator:
         seqs = self._seqs
         waiting = self._waiting
         period = self._period
+        sampling = self._sampling
         while True:
             t_ev = heap[0][0] if heap else _INF
             t_arr = arr[self._next_arrival] if self._next_arrival < n else _INF
             t = t_arr if t_arr <= t_ev else t_ev
             if t > until_s or t == _INF:
                 return
-            if t >= self._next_tick * period:
+            if sampling and t >= self._next_tick * period:
                 self._emit_until(t, strictly_before=True)
             self.now_s = t
             self._last_event_s = t
             if t_arr <= t_ev:
-                w = self._window(t)
+                w = self._window(t) if sampling else None
                 while self._next_arrival < n and arr[self._next_arrival] == t:
                     s = seqs[self._next_arrival]
                     if s.rejected:  # over the model's max context: refused at arrival
@@ -425,7 +428,7 @@ class Simulator:
                     else:
                         heapq.heappush(waiting, (s.key, s))
                     self._next_arrival += 1
-                    if s.online:  # rps counts online arrivals only (core.metrics.RPS_DEFINITION)
+                    if w is not None and s.online:  # rps counts online arrivals only (core.metrics.RPS_DEFINITION)
                         w.arrivals += 1
                 self._wake(self._active, t)
                 continue
@@ -457,6 +460,9 @@ class Simulator:
         d = mb.times_s[mb.stage]
         end = t + d
         st.busy_s += d
+        if not self._sampling:
+            self._push(end, _DONE, pipe, mb)
+            return
         period = self._period
         k = int(t // period)
         bw = st.busy_win
@@ -491,25 +497,27 @@ class Simulator:
     def _complete(self, pipe: _Pipeline, mb: _MicroBatch, t: float) -> None:
         """The last stage finished an iteration: every sequence gained one token."""
         pipe.inflight -= 1
-        w = self._window(t)
-        w.tokens += len(mb.seqs)
+        w = self._window(t) if self._sampling else None
+        if w is not None:
+            w.tokens += len(mb.seqs)
         keep: list[_Seq] = []
         for s in mb.seqs:
             s.gen += 1
             if s.first_s < 0.0:
                 s.first_s = t
-                w.ttft_s.append(t - self._arrival_s[s.idx])
+                if w is not None:
+                    w.ttft_s.append(t - self._arrival_s[s.idx])
             if s.gen >= s.out:
                 s.finish_s = t
                 s.gear_id = pipe.gear_id
                 pipe.free_blocks += s.blocks
                 s.blocks = 0
                 self._running -= 1
-                w.completed += 1
-                a = self._arrival_s[s.idx]
-                w.e2e_s.append(t - a)
-                if s.out > 1:
-                    w.tpot_s.append((t - s.first_s) / (s.out - 1))
+                if w is not None:
+                    w.completed += 1
+                    w.e2e_s.append(t - self._arrival_s[s.idx])
+                    if s.out > 1:
+                        w.tpot_s.append((t - s.first_s) / (s.out - 1))
             else:
                 keep.append(s)
         pipe.slots[mb.slot] = keep

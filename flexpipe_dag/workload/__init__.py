@@ -23,12 +23,12 @@ from flexpipe_dag.workload.tide import (
     tide_arrivals,
     tide_from_frame,
 )
-from flexpipe_dag.workload.transform import as_class, head, mix, speedup, time_window
+from flexpipe_dag.workload.transform import as_class, head, mix, sample_chunks, speedup, time_window
 
 __all__ = [
     "BUNDLED_TRACES", "CONTEXT_POLICIES", "ContextPolicy", "ContextReport", "ContextResult", "Request", "Tide",
     "UnsortedTraceWarning", "Workload", "aggregate_servegen_rates", "apply_context_rule", "as_class", "bundled_path",
     "fit_to_context", "head", "load_azure_trace", "load_length_file", "load_request_file", "load_tide",
-    "load_tide_trace", "load_trace", "mix", "shape_by_tide", "speedup", "tide_arrivals", "tide_from_frame",
+    "load_tide_trace", "load_trace", "mix", "sample_chunks", "shape_by_tide", "speedup", "tide_arrivals", "tide_from_frame",
     "time_window", "to_plain_dicts", "traces_dir", "write_requests_jsonl",
 ]

@@ -62,6 +62,57 @@ def slice_requests(workload: Workload, start: int, stop: int) -> Workload:
                     meta=dict(workload.meta))
 
 
+def sample_chunks(workload: Workload, n: int, *, chunk_requests: int = 100, phase: float = 0.0) -> Workload:
+    """``n`` requests drawn from across the whole of ``workload``: runs of ``chunk_requests`` consecutive
+    requests at evenly spaced positions, stitched end to end.
+
+    A trace's first minutes are not its typical minutes (the first 1,000 requests of Azure conv have
+    prompts 15-25 % shorter than the next thousands), and an envelope measured on them is that
+    stretch's, not the trace's. Runs keep the trace's own burstiness and lengths inside each run;
+    each run starts one mean inter-arrival gap of the whole trace after the previous one ends.
+
+    Run ``j`` of ``k = ceil(n / chunk_requests)`` (``n / k`` requests each) starts at request
+    ``floor((j + phase) x len / k)``, or right after the previous run if that is later.
+    Samples with phases 0 and 0.5 share no request as long as ``len >= 2 n`` (the planner measures on
+    phase 0; :func:`~flexpipe_dag.planner.envelope.holdout_reference` checks on phase 0.5). A
+    workload of at most ``n`` requests is returned whole, rebased to start at 0 s.
+
+    Raises:
+        InputError: ``n`` or ``chunk_requests`` < 1, or ``phase`` outside [0, 1).
+    """
+    where = workload.source or workload.name
+    if n < 1:
+        raise InputError(where, "n", f"got {n}; expected >= 1")
+    if chunk_requests < 1:
+        raise InputError(where, "chunk_requests", f"got {chunk_requests}; expected >= 1")
+    if not 0.0 <= phase < 1.0:
+        raise InputError(where, "phase", f"got {phase}; expected 0 <= phase < 1")
+    total = len(workload)
+    if total <= n:
+        return slice_requests(workload, 0, total) if total else workload
+    reqs = workload.requests
+    k = -(-n // chunk_requests)
+    stride = total / k
+    gap_s = workload.duration_s / (total - 1)
+    out: list[Request] = []
+    t_s = 0.0
+    end = 0  # runs never overlap, and the last ends inside the trace
+    for j in range(k):
+        length = n // k + (j < n % k)
+        start = min(max(int((j + phase) * stride), end), total - (n - len(out)))
+        end = start + length
+        run = reqs[start:end]
+        a0 = run[0].arrival_s
+        span_s = run[-1].arrival_s - a0
+        # each run at the trace's mean rate: its bursts kept, the drift of the rate across the trace taken out
+        scale = gap_s * (len(run) - 1) / span_s if span_s > 0 else 1.0
+        out.extend(dataclasses.replace(r, arrival_s=t_s + (r.arrival_s - a0) * scale) for r in run)
+        t_s = out[-1].arrival_s + gap_s
+    return Workload(name=f"{workload.name}[{n} in runs of {chunk_requests}, phase {phase:g}]", requests=tuple(out),
+                    source=workload.source, meta={**workload.meta, "sample": {"n": n, "chunk_requests": chunk_requests,
+                                                                             "phase": phase}})
+
+
 def as_class(workload: Workload, klass: str, *, priority: int | None = None, arrival_s: float | None = None) -> Workload:
     """Relabel every request as ``klass`` (optionally set priority, or queue all at ``arrival_s``)."""
     if klass not in ("online", "offline"):

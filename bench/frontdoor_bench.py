@@ -1,0 +1,163 @@
+"""What the HTTP front door adds: TTFT, time per output token and req/s through `flexpipe serve` (OpenAI
+streaming over HTTP) against direct calls on the same pipeline (a ServingRouter in this process), at the
+same closed-loop concurrency, on the same requests; and the knee of latency vs concurrency.
+
+Workload: the first N requests of the bundled Azure conv trace (prompt lengths capped at
+--max-prompt-tokens, outputs at --max-new-tokens, prompt text cut from the bundled corpus), greedy,
+sent by C clients that each send the next request when theirs ends. Both paths run the same gear
+(--stages, one process per stage); start-up is excluded. TTFT is measured at the client: from sending
+the request to receiving its first token (HTTP: the first SSE chunk with text). Time per output token
+is (last token - first token) / (tokens - 1) per request.
+
+Goal (issue #14): HTTP adds under 5 % to TTFT p50 and under 2 ms per token.
+
+Usage: OMP_NUM_THREADS=1 python bench/frontdoor_bench.py [--num-requests 32] [--concurrency 1,4,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _rows(args):
+    from flexpipe_dag.runtime.batch import prompts_from_trace
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.workload.bundled import bundled_path
+
+    ckpt = resolve_checkpoint(None)
+    rows = prompts_from_trace(bundled_path("azure-conv"), ckpt.tokenizer(), num_requests=args.num_requests,
+                              max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens)
+    return ckpt, [(list(r.token_ids or []), r.max_new_tokens) for r in rows]
+
+
+def _summary(samples: list[tuple[float, float | None, int]], wall_s: float) -> dict:
+    ttft = [t for t, _, _ in samples]
+    tpot = [p for _, p, _ in samples if p is not None]
+    return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else 0.0,
+            "req_per_s": len(samples) / wall_s, "tokens": sum(n for _, _, n in samples)}
+
+
+def direct(ckpt, rows, stages: int, levels: list[int]) -> dict[int, dict]:
+    """Closed-loop clients on a ServingRouter over the pipeline, in this process."""
+    from flexpipe_dag.core.gear_builders import even_gear
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+    from flexpipe_dag.runtime.scheduler import Request
+    from flexpipe_dag.shift.router import ServingRouter
+
+    state: dict[str, dict] = {}
+    lock = threading.Lock()
+
+    def on_tokens(rid, index, token):
+        with lock:
+            st = state[rid]
+            if st["first"] is None:
+                st["first"] = time.monotonic()
+
+    def on_result(out):
+        with lock:
+            st = state[out.request_id]
+            st["last"], st["n"] = time.monotonic(), len(out.output_token_ids)
+            st["done"].set()
+
+    gear = even_gear(ckpt.num_layers, stages, ckpt.name, 8, None, 8192)
+    results = {}
+    with ServingRouter(on_result=on_result, on_tokens=on_tokens) as router:
+        router.open(PipelineRuntime(gear, ckpt, RuntimeOptions(stream_tokens=True)))
+        for c in levels:
+            todo = list(enumerate(rows))
+            samples = []
+
+            def client(level=c, todo=todo, samples=samples):
+                while True:
+                    with lock:
+                        if not todo:
+                            return
+                        i, (ids, max_new) = todo.pop(0)
+                    rid = f"c{level}-{i}"
+                    st = {"sent": time.monotonic(), "first": None, "last": None, "n": 0, "done": threading.Event()}
+                    with lock:
+                        state[rid] = st
+                    router.submit([Request(rid, ids, max_new, eos_token_ids=ckpt.eos_token_ids())])
+                    st["done"].wait()
+                    tpot = (st["last"] - st["first"]) / (st["n"] - 1) if st["n"] > 1 else None
+                    samples.append((st["first"] - st["sent"], tpot, st["n"]))
+
+            t0 = time.monotonic()
+            threads = [threading.Thread(target=client) for _ in range(c)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            results[c] = _summary(samples, time.monotonic() - t0)
+    return results
+
+
+def http(ckpt, rows, stages: int, levels: list[int]) -> dict[int, dict]:
+    """Closed-loop OpenAI streaming clients (`flexpipe loadtest`'s) against a `flexpipe serve` process."""
+    proc = subprocess.Popen([sys.executable, "-m", "flexpipe_dag.cli", "serve", "--stages", str(stages), "--port", "0",
+                             "--no-store"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    port = None
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        m = re.search(r"Uvicorn running on http://[\d.]+:(\d+)", line)
+        if m:
+            port = int(m.group(1))
+            break
+    assert port, "the server did not start"
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    from flexpipe_dag.serving.loadtest import LoadRequest, closed_loop
+
+    reqs = [LoadRequest(ids, max_new) for ids, max_new in rows]
+    try:
+        out = {}
+        for c in levels:
+            measured, wall = asyncio.run(closed_loop(f"http://127.0.0.1:{port}/v1", ckpt.name, reqs, c))
+            assert all(m.error is None for m in measured), [m.error for m in measured if m.error][:3]
+            out[c] = _summary([(m.ttft_s, m.tpot_s, m.output_tokens) for m in measured], wall)
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--max-prompt-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--concurrency", default="1,4,16")
+    args = p.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    ckpt, rows = _rows(args)
+    print(f"{len(rows)} Azure-conv requests, prompts <= {args.max_prompt_tokens} tokens, outputs <= "
+          f"{args.max_new_tokens}; {args.stages}-stage CPU pipeline; closed loop", flush=True)
+    base = direct(ckpt, rows, args.stages, levels)
+    front = http(ckpt, rows, args.stages, levels)
+    print(f"{'clients':>7} | {'direct TTFT p50':>15} {'HTTP TTFT p50':>13} {'ratio':>6} | {'direct TPOT p50':>15} "
+          f"{'HTTP TPOT p50':>13} {'+ms/token':>9} | {'direct req/s':>12} {'HTTP req/s':>10}")
+    for c in levels:
+        d, h = base[c], front[c]
+        print(f"{c:>7} | {d['ttft_p50_ms']:>12.1f} ms {h['ttft_p50_ms']:>10.1f} ms {h['ttft_p50_ms'] / d['ttft_p50_ms']:>6.3f} | "
+              f"{d['tpot_p50_ms']:>12.1f} ms {h['tpot_p50_ms']:>10.1f} ms {h['tpot_p50_ms'] - d['tpot_p50_ms']:>+9.2f} | "
+              f"{d['req_per_s']:>12.2f} {h['req_per_s']:>10.2f}")
+    knee = max(levels, key=lambda c: front[c]["req_per_s"] / front[c]["ttft_p50_ms"])
+    print(f"knee (most req/s per ms of TTFT p50, HTTP): {knee} clients")
+
+
+if __name__ == "__main__":
+    main()

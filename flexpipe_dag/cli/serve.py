@@ -1,0 +1,174 @@
+"""``flexpipe serve``: the OpenAI-compatible front door over a live pipeline.
+
+``flexpipe serve --stages 2`` loads SmolLM2-135M-Instruct into a two-stage CPU pipeline and serves
+``/v1/completions``, ``/v1/chat/completions`` (streaming too), ``/v1/models``, ``/health``,
+``/ready`` and ``/metrics`` on 127.0.0.1:8000. Any OpenAI client works::
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=[...])
+
+Binding another address needs ``--api-key-file`` (the key clients send as their API key).
+
+The server joins the store (``FLEXPIPE_DATABASE_URL``, else SQLite under ``FLEXPIPE_HOME``) as a
+serving run (``--run-key``): its 2-s metric samples go there, ``gear_shift_sensor`` decides on them,
+and the shifts ``gear_shift`` runs request for it are applied live (warm-up, drain, switch, rollback)
+while clients keep streaming; with ``--inline-control`` the server decides its shifts itself, with the
+same controller, and needs no Dagster daemon. ``--gear latency`` (or ``balanced``, ``throughput``, or a
+stored gear's id) starts on a gear of the newest stored plan, the plan's other gears being where a shift
+may go. ``--no-store`` serves one gear stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear import Gear
+from flexpipe_dag.core.gear_builders import even_gear, load_gear
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, streaming, "
+                                            "metrics) over a live pipeline")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gear", help="a gear JSON file (flexpipe_dag.core.gear.Gear), or a stored gear of the newest "
+                                    "plan by kind (latency, balanced, throughput) or id")
+    src.add_argument("--stages", type=int, help="even split of the model's layers into N stages")
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the id clients send as `model` (default: the checkpoint's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (another than loopback needs --api-key-file)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at startup)")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file holding the API key clients must send (Authorization: Bearer KEY)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="with --stages")
+    p.add_argument("--inflight", type=int, default=None, help="max in-flight micro-batches (default: stages)")
+    p.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="KV pool per lane, tokens (default 8192 with --stages; a gear file's own, or less)")
+    p.add_argument("--max-pending", type=int, default=256, help="open requests above which new ones get 429")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGINT / SIGTERM, how long open requests may finish")
+    p.add_argument("--run-key", default=None,
+                   help="this server's serving-run key in the store (default: frontdoor-HOST-PID)")
+    p.add_argument("--no-store", action="store_true",
+                   help="serve stand-alone: no samples stored, no shifts, no Files / Batch API")
+    p.add_argument("--inline-control", action="store_true",
+                   help="decide gear shifts here with the controller (no Dagster daemon); default: apply the shifts "
+                        "gear_shift runs request")
+    p.add_argument("--dwell-s", type=float, default=None,
+                   help="controller dwell after a shift, seconds (default: FLEXPIPE_DWELL_S, else the control file's "
+                        "or the seed's 600 s)")
+    p.add_argument("--batch-inflight", type=int, default=8, help="Batch API lines on the pipeline at once")
+    p.add_argument("--batch-pause-above", type=int, default=8,
+                   help="open online requests above which no Batch API line is submitted")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--step-timeout-s", type=float, default=120.0)
+    p.set_defaults(func=serve)
+
+
+def read_api_key(path: Path | None) -> str | None:
+    """The key in ``path`` (its first line, stripped), or None without a file.
+
+    Raises:
+        InputError: the file cannot be read or holds no key.
+    """
+    if path is None:
+        return None
+    try:
+        key = path.read_text().strip().splitlines()[0].strip() if path.read_text().strip() else ""
+    except OSError as exc:
+        raise InputError(str(path), None, f"cannot read the API key file: {exc.strerror}") from None
+    if not key:
+        raise InputError(str(path), None, "expected the API key on its first line; the file is empty")
+    return key
+
+
+def stored_gears(store, wanted: str) -> tuple:
+    """(the gear ``wanted`` names, every gear of the newest plan): ``wanted`` is a kind or a gear id.
+
+    Raises:
+        InputError: no plan is stored, or no gear of it has that kind or id (the ones there are listed).
+    """
+    latest = store.latest_profile()
+    gears = store.load_gears(latest[0].id) if latest is not None else []
+    if not gears:
+        raise InputError(None, "--gear", f"{wanted!r} is not a file, and the store holds no planned gears to look "
+                                         "it up in (run `flexpipe demo` or the plan_gears job first)")
+    match = [g for g in gears if g.gear_id == wanted] or [g for g in gears if g.kind == wanted]
+    if not match:
+        known = ", ".join(f"{g.gear_id} ({g.kind})" for g in gears)
+        raise InputError(None, "--gear", f"expected a gear file, a kind or a stored gear id; {wanted!r} is none "
+                                         f"of those (stored: {known})")
+    return match[0], tuple(gears)
+
+
+def _store_link(args: argparse.Namespace):
+    """The store this server registers in, under ``--run-key`` (checked before any model loads)."""
+    import os
+    import re
+    import socket
+
+    from flexpipe_dag.control.settings import resolve_control_settings
+    from flexpipe_dag.core.ids import check_id
+    from flexpipe_dag.core.settings import env_value
+    from flexpipe_dag.serving.frontdoor.server import StoreLink
+    from flexpipe_dag.sql.store import Store
+
+    default = "frontdoor-" + re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40] + f"-{os.getpid()}"
+    run_key = check_id(args.run_key or default, None, "--run-key")
+    dwell_s = args.dwell_s if args.dwell_s is not None else env_value("FLEXPIPE_DWELL_S", float, None, ge=0,
+                                                                      unit="seconds")
+    if dwell_s is not None and dwell_s < 0:
+        raise InputError(None, "--dwell-s", f"expected >= 0, got {dwell_s}")
+    control = resolve_control_settings(os.environ.get("FLEXPIPE_CONTROL_FILE", ""), dwell_s=dwell_s)
+    return StoreLink(store=Store.from_url(), control=control, run_key=run_key, batch_inflight=args.batch_inflight,
+                     batch_pause_above=args.batch_pause_above, inline_control=args.inline_control)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+    from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings
+
+    for name in ("micro_batch_size", "max_pending", "batch_inflight"):
+        if getattr(args, name) < 1:
+            raise InputError(None, "--" + name.replace("_", "-"), f"expected >= 1, got {getattr(args, name)}")
+    if args.drain_timeout_s < 0:
+        raise InputError(None, "--drain-timeout-s", f"expected >= 0, got {args.drain_timeout_s}")
+    settings = ServerSettings(host=args.host, port=args.port, api_key=read_api_key(args.api_key_file),
+                              model_name="", max_pending=args.max_pending, drain_timeout_s=args.drain_timeout_s)
+    settings.check()  # before a model loads
+    if args.inline_control and args.no_store:
+        raise InputError(None, "--inline-control", "shifts need the store: drop --no-store")
+    link = None if args.no_store else _store_link(args)
+    ckpt = resolve_checkpoint(args.model)
+    candidates: tuple[Gear, ...] = ()
+    if args.gear:
+        if Path(args.gear).exists() or link is None:
+            gear = load_gear(Path(args.gear))
+        else:
+            gear, candidates = stored_gears(link.store, args.gear)
+        if args.kv_capacity_tokens:
+            gear = gear.with_kv_pool_capped(args.kv_capacity_tokens)
+            candidates = tuple(g.with_kv_pool_capped(args.kv_capacity_tokens) for g in candidates)
+        if link is not None:
+            link = dataclasses.replace(link, gears=candidates)
+    else:
+        gear = even_gear(ckpt.num_layers, args.stages, ckpt.name, args.micro_batch_size, args.inflight,
+                         args.kv_capacity_tokens or 8192)
+    settings = ServerSettings(**{**settings.__dict__, "model_name": args.served_model_name or ckpt.name})
+    runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(dtype=args.dtype, device=args.device,
+                                                         step_timeout_s=args.step_timeout_s, stream_tokens=True,
+                                                         kv_capacity_knob="--kv-capacity-tokens"))
+    server = FrontDoorServer(runtime, ckpt.tokenizer(), ckpt.eos_token_ids(), runtime.max_context_tokens, settings,
+                             link=link)
+    print(f"flexpipe serve: model {settings.model_name!r}, gear {gear.gear_id} ({gear.num_stages} stage(s)); "
+          f"starting the pipeline, then http://{args.host}:{args.port or 'PORT'}/v1"
+          + (" (a free port, named in the 'Uvicorn running on' line)" if not args.port else ""),
+          file=sys.stderr, flush=True)
+    return server.run()

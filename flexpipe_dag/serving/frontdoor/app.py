@@ -1,0 +1,264 @@
+"""The OpenAI-compatible HTTP API over a :class:`FrontDoorEngine` (FastAPI; served by uvicorn).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template applied;
+``stream: true`` answers server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
+``GET /health`` (the process is up), ``GET /ready`` (a pipeline takes requests), ``GET /metrics``
+(Prometheus text). Errors use OpenAI's shape and status codes: 400 bad JSON, bad field or context
+too long, 401 no or wrong API key, 404 unknown model, 429 too many open requests, 503 draining.
+With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY``; health, readiness and
+metrics stay open, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flexpipe_dag.serving.frontdoor.batches import batch_file, cancel_batch, create_batch, get_batch, list_batches
+from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, Generation
+from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
+from flexpipe_dag.serving.frontdoor.protocol import (
+    APIError,
+    BatchCreateRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+)
+from flexpipe_dag.serving.frontdoor.responses import Shapes, chat_shapes, completion_shapes, usage
+
+#: Header that marks a request's priority class (``online`` / ``offline``), as the body's ``priority``.
+PRIORITY_HEADER = "X-FlexPipe-Priority"
+
+
+class BatchAPI:
+    """What the Files and Batches routes work on: the store (None: a server without one refuses them)
+    and the :class:`~flexpipe_dag.serving.frontdoor.batches.BatchRunner` (set once the pipeline is live)."""
+
+    def __init__(self, store=None):
+        self.store = store
+        self.runner = None
+
+    def require_store(self):
+        if self.store is None:
+            raise APIError(400, "the Files and Batch APIs need the store: start flexpipe serve without --no-store",
+                           code="no_store")
+        return self.store
+
+
+def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = None, lifespan=None,
+               batch_api: BatchAPI | None = None) -> FastAPI:
+    """The API app over ``engine`` serving ``model_name`` (``api_key``: required on ``/v1`` when set;
+    ``batch_api``: the Files and Batches routes' store and runner)."""
+    batches = batch_api or BatchAPI()
+    app = FastAPI(title="FlexPipe", description="OpenAI-compatible front door of a FlexPipe pipeline",
+                  lifespan=lifespan)
+    created = int(time.time())
+
+    def refused(request: Request, err: APIError) -> JSONResponse:
+        """An error answer, counted in ``flexpipe_requests_total`` under the route."""
+        engine.metrics.requests.labels(request.url.path, f"error_{err.status}").inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.middleware("http")
+    async def _key_first(request: Request, call_next):
+        """With a key, a ``/v1`` request without it is refused before its body is read (as OpenAI does)."""
+        if api_key is not None and request.url.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                return refused(request, APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                                 type="authentication_error", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return refused(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+        return refused(request, APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                                         type=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":
+            return refused(request, APIError(400, f"the body is not valid JSON: {err.get('msg', '')}"))
+        param = field_path(err.get("loc", ()))
+        msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+        if "input" in err and param:
+            msg += f" (got {json.dumps(err['input'], default=str)[:80]})"
+        return refused(request, APIError(400, msg, param=param))
+
+    def authorised(request: Request) -> None:
+        """The key is checked by the middleware, before the body is read; this marks the routes it guards."""
+
+    def check(body: _Sampling, request: Request) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+        bad = body.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0])
+        header = request.headers.get(PRIORITY_HEADER)
+        if header is not None:
+            if header not in ("online", "offline"):
+                raise APIError(400, f"{PRIORITY_HEADER}: expected online or offline, got {header!r}",
+                               param=PRIORITY_HEADER)
+            body.priority = body.priority or header  # type: ignore[assignment]
+        engine.check_admission()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.failure:
+            return JSONResponse({"status": "failed", "reason": engine.failure}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        live = engine.router.active.gear.gear_id if engine.ready and engine.router else None
+        return JSONResponse({"ready": engine.ready, "gear_id": live, "pending": engine.pending},
+                            status_code=200 if engine.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(authorised)])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                             "owned_by": "flexpipe", "max_model_len": engine.max_context_tokens}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorised)])
+    async def completions(body: CompletionRequest, request: Request):
+        check(body, request)
+        gen = await asyncio.to_thread(completion_generation, engine, body)  # tokenising: off the event loop
+        return await _respond(engine, gen, body, "completions", completion_shapes(model_name))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check(body, request)
+        gen = await asyncio.to_thread(chat_generation, engine, body)  # tokenising: off the event loop
+        return await _respond(engine, gen, body, "chat_completions", chat_shapes(model_name))
+
+    @app.post("/v1/files", dependencies=[Depends(authorised)])
+    async def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict:
+        store = batches.require_store()
+        limit = store.max_api_file_bytes
+        if purpose != "batch":
+            raise APIError(400, f"purpose: only 'batch' is served, got {purpose!r}", param="purpose")
+        content = await file.read(limit + 1)
+        if len(content) > limit:
+            raise APIError(413, f"file larger than {limit} bytes", param="file", code="file_too_large")
+        info = store.save_api_file(f"file-{uuid.uuid4().hex}", purpose, (file.filename or "upload.jsonl")[:255],
+                                   content)
+        return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose)
+
+    @app.get("/v1/files/{file_id}", dependencies=[Depends(authorised)])
+    async def file_info(file_id: str) -> dict:
+        store = batches.require_store()
+        info = store.api_file(file_id)
+        if info is not None:
+            return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose)
+        content = batch_file(store, file_id)
+        if content is None:
+            raise APIError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
+        return _file_object(file_id, len(content), int(time.time()), f"{file_id}.jsonl", "batch_output")
+
+    @app.get("/v1/files/{file_id}/content", dependencies=[Depends(authorised)])
+    async def file_content(file_id: str) -> Response:
+        store = batches.require_store()
+        content = store.api_file_content(file_id)
+        if content is None:
+            content = batch_file(store, file_id)
+        if content is None:
+            raise APIError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
+        return Response(content, media_type="application/jsonl")
+
+    @app.post("/v1/batches", dependencies=[Depends(authorised)])
+    async def create(body: BatchCreateRequest) -> dict:
+        return create_batch(batches.require_store(), body.input_file_id, body.endpoint, body.completion_window,
+                            body.metadata)
+
+    @app.get("/v1/batches", dependencies=[Depends(authorised)])
+    async def list_all(limit: int = 20) -> dict:
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit: expected 1..100, got {limit}", param="limit")
+        return list_batches(batches.require_store(), batches.runner, limit)
+
+    @app.get("/v1/batches/{batch_id}", dependencies=[Depends(authorised)])
+    async def retrieve(batch_id: str) -> dict:
+        return get_batch(batches.require_store(), batch_id, batches.runner)
+
+    @app.post("/v1/batches/{batch_id}/cancel", dependencies=[Depends(authorised)])
+    async def cancel(batch_id: str) -> dict:
+        return cancel_batch(batches.require_store(), batch_id, batches.runner)
+
+    return app
+
+
+def _file_object(file_id: str, size: int, created_at: int, filename: str, purpose: str) -> dict:
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
+            "purpose": purpose, "status": "processed"}
+
+
+#: What pydantic puts in an error's location for the branch of a union (``str``, ``list[int]``, ...).
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|.*\[.*\])$", re.IGNORECASE)
+
+
+def field_path(loc) -> str | None:
+    """The request field an error is about, as a client wrote it: ``messages.0.content``, without
+    ``body`` and without pydantic's names of union branches (``prompt.str`` is ``prompt``)."""
+    parts = [str(p) for p in loc if p != "body" and not _UNION_BRANCH.match(str(p))]
+    return ".".join(parts) or None
+
+
+async def _respond(engine: FrontDoorEngine, gen: Generation, body: _Sampling, endpoint: str, shapes: Shapes):
+    """The whole response, or (``stream``) server-sent events; a refusal before the first piece is a
+    plain error response."""
+    pieces = engine.generate(gen)
+    first = await anext(pieces)  # an APIError here is answered (and counted) by the app's handler
+    if not body.stream:
+        text, last = first.text, first
+        async for piece in pieces:
+            text, last = text + piece.text, piece
+        engine.metrics.requests.labels(endpoint, last.finish_reason or "stop").inc()
+        return shapes.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+    async def events() -> AsyncIterator[str]:
+        outcome = "aborted"
+        try:
+            is_first, piece = True, first
+            while True:
+                chunk = {**shapes.head(shapes.chunk_obj),
+                         "choices": [shapes.delta(piece.text, piece.finish_reason, is_first)]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+                is_first = False
+                if piece.finish_reason is not None:
+                    outcome = piece.finish_reason
+                    if body.include_usage:
+                        tail = {**shapes.head(shapes.chunk_obj), "choices": [],
+                                "usage": usage(piece.prompt_tokens, piece.completion_tokens)}
+                        yield f"data: {json.dumps(tail)}\n\n"
+                    break
+                piece = await anext(pieces)
+            yield "data: [DONE]\n\n"
+        except APIError as exc:  # headers are out: the error goes in the stream, as OpenAI does
+            outcome = f"error_{exc.status}"
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        finally:
+            engine.metrics.requests.labels(endpoint, outcome).inc()
+            await pieces.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,403 @@
+"""OpenAI's Batch API on the live pipeline: a batch is an ``inference_jobs`` row, each line a result row.
+
+* ``POST /v1/files`` stores the JSONL input in the store (:class:`~flexpipe_dag.sql.api_files.ApiFiles`).
+* ``POST /v1/batches`` checks every line (``custom_id`` unique, ``method`` POST, ``url`` the batch's
+  endpoint, ``body`` an object) and refuses the whole file with the line and field named when one is
+  wrong, writing nothing; else it stores a batch job (status ``queued``; its config names the input
+  file and endpoint under :data:`API_BATCH_KEY`).
+* :class:`BatchRunner` (a thread of the server) serves the lines of every runnable batch (queued,
+  admitted, running) at offline priority, at most ``max_inflight`` at a time and none while more than
+  ``pause_above_online`` online requests are open, so online traffic is admitted first. The tide
+  sensor pauses a running batch on a rise (status ``paused``: nothing more is submitted) and admits it
+  again in a trough. Each finished line is written once (``request_results``, unique per line), so a
+  server restarted mid-batch resumes where it stopped, and a line's response is exactly what the
+  endpoint answers for the same body. A line the endpoint would refuse (context too long, a field
+  FlexPipe does not serve) goes to the error file with its status code.
+* ``POST /v1/batches/{id}/cancel`` sets ``cancelled``: nothing more is submitted; lines in flight
+  finish and are kept (the batch reads ``cancelling`` until they have).
+* The output and error files (``<batch id>-output``, ``<batch id>-errors``) are built from the result
+  rows when read, in input order.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY, InferenceJobKind, InferenceJobStatus, RequestResultStatus
+from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
+from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, _first_stop
+from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
+from flexpipe_dag.serving.frontdoor.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from flexpipe_dag.serving.frontdoor.responses import chat_shapes, completion_shapes
+
+API_BATCH_KEY = API_BATCH_CONFIG_KEY
+#: Endpoints a batch may target.
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+#: Request ids of batch lines on the router: ``batch:<job id>:<line index>``.
+BATCH_PREFIX = "batch:"
+RUNNABLE = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value, InferenceJobStatus.RUNNING.value)
+
+
+def is_api_batch(job) -> bool:
+    """Whether an inference job is a Batch API batch."""
+    return isinstance(job.config, dict) and API_BATCH_KEY in job.config
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One line of a batch input file (0-based ``index`` in the file)."""
+
+    index: int
+    custom_id: str
+    body: dict[str, Any]
+
+
+def parse_batch_input(content: bytes, endpoint: str, file_id: str) -> list[BatchLine]:
+    """The lines of a batch input file.
+
+    Raises:
+        APIError: 400 naming the file, the line (1-based) and the field: not UTF-8, not JSON, not an
+            object, a missing or repeated ``custom_id``, a ``method`` other than POST, a ``url`` other
+            than ``endpoint``, a ``body`` that is not an object; or no line at all.
+    """
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"file {file_id}: not UTF-8 text (byte {exc.start})", param="input_file_id") from None
+    lines: list[BatchLine] = []
+    seen: set[str] = set()
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"file {file_id} line {n}"
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"{where}: not valid JSON ({exc.msg})", param="input_file_id") from None
+        if not isinstance(row, dict):
+            raise APIError(400, f"{where}: expected a JSON object", param="input_file_id")
+        cid = row.get("custom_id")
+        if not isinstance(cid, str) or not cid or len(cid) > 200:
+            raise APIError(400, f"{where}: custom_id: expected a string of 1-200 characters", param="input_file_id")
+        if cid in seen:
+            raise APIError(400, f"{where}: custom_id {cid!r} is repeated; each line needs its own",
+                           param="input_file_id")
+        seen.add(cid)
+        if row.get("method", "POST") != "POST":
+            raise APIError(400, f"{where}: method: expected POST, got {row.get('method')!r}", param="input_file_id")
+        if row.get("url") != endpoint:
+            raise APIError(400, f"{where}: url: expected {endpoint} (the batch's endpoint), got {row.get('url')!r}",
+                           param="input_file_id")
+        if not isinstance(row.get("body"), dict):
+            raise APIError(400, f"{where}: body: expected a JSON object (the request body)", param="input_file_id")
+        lines.append(BatchLine(len(lines), cid, row["body"]))
+    if not lines:
+        raise APIError(400, f"file {file_id}: no request lines", param="input_file_id")
+    return lines
+
+
+class BatchRunner:
+    """Serves Batch API batches on the engine's router (see module docstring); a daemon thread.
+
+    Args:
+        store: the SQL store (batches, their results, the input files).
+        engine: the front door's engine (its router, tokenizer, online load).
+        model_name: the served model (a line naming another is an error line, 404).
+        max_inflight: batch lines on the pipeline at once.
+        pause_above_online: open online requests above which no batch line is submitted.
+        poll_s: seconds between two looks at the store.
+        log: one line per event worth telling.
+    """
+
+    def __init__(self, store, engine: FrontDoorEngine, model_name: str, *, max_inflight: int = 8,
+                 pause_above_online: int = 8, poll_s: float = 0.5, log: Callable[[str], None] = print):
+        self.db, self.engine, self.model_name = store, engine, model_name
+        self.max_inflight, self.pause_above_online, self.poll_s, self.log = (max_inflight, pause_above_online,
+                                                                           poll_s, log)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, tuple[int, BatchLine, Any, float]] = {}  # request id -> job, line, shapes, t0
+        self._lines: dict[int, list[BatchLine]] = {}
+        self._finished: dict[int, set[str]] = {}  # job id -> custom ids with a result row
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flexpipe-batches", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Submit nothing more (lines in flight are served again by the next server: they have no row)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def inflight(self, job_id: int) -> int:
+        """Lines of job ``job_id`` on the pipeline now."""
+        with self._lock:
+            return sum(1 for j, *_ in self._inflight.values() if j == job_id)
+
+    # -- router side --------------------------------------------------------------------------------
+    def on_result(self, out: RequestOutput) -> None:
+        """A batch line finished (a pump thread): build its response and write its row."""
+        with self._lock:
+            entry = self._inflight.pop(out.request_id, None)
+        if entry is None:
+            return
+        job_id, line, shapes, t0 = entry
+        tokens = list(out.output_token_ids)
+        text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        finish = out.finish_reason
+        cut = _first_stop(text, tuple(_stops(line.body)), 0)
+        if cut is not None:
+            text, finish = text[:cut], "stop"
+        body = shapes.response(text, finish, len(out.prompt_token_ids), len(tokens))
+        metrics = self.engine.metrics
+        metrics.generation_tokens.labels("offline").inc(len(tokens))
+        metrics.prompt_tokens.labels("offline").inc(len(out.prompt_token_ids))
+        metrics.ttft.labels("offline").observe(out.ttft_s)
+        metrics.e2e.labels("offline").observe(time.monotonic() - t0)
+        if out.tpot_s is not None:
+            metrics.tpot.labels("offline").observe(out.tpot_s)
+        self._write(job_id, line, 200, body, tokens, len(out.prompt_token_ids),
+                    ttft_ms=1e3 * out.ttft_s, tpot_ms=1e3 * out.tpot_s if out.tpot_s is not None else None,
+                    e2e_ms=1e3 * (time.monotonic() - t0))
+
+    def on_refused(self, request_id: str, reason: str) -> None:
+        """The pipeline refused a batch line (e.g. larger than its KV pool): an error line."""
+        with self._lock:
+            entry = self._inflight.pop(request_id, None)
+        if entry is not None:
+            job_id, line, _, _ = entry
+            self._write(job_id, line, 400, APIError(400, f"the pipeline refused the request: {reason}").body())
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._step()
+            except Exception as exc:  # the store or a bad row: say so, try again at the next poll
+                self.log(f"batch runner: {type(exc).__name__}: {exc}")
+
+    def _step(self) -> None:
+        for job in self.db.jobs(kind=InferenceJobKind.BATCH.value):
+            if not is_api_batch(job):
+                continue
+            if job.status not in RUNNABLE:
+                continue
+            lines = self._job_lines(job)
+            finished = self._finished_ids(job.id)
+            if len(finished) >= len(lines):
+                if self.inflight(job.id) == 0:
+                    self.db.update_job(job.id, status=InferenceJobStatus.DONE)
+                    self.log(f"batch {job.job_key}: completed ({len(lines)} lines)")
+                continue
+            if job.status != InferenceJobStatus.RUNNING.value:
+                self.db.update_job(job.id, status=InferenceJobStatus.RUNNING)
+            self._submit(job, lines, finished)
+
+    def _submit(self, job, lines: list[BatchLine], finished: set[str]) -> None:
+        if self.engine.router is None or self.engine.draining or self._online_open() > self.pause_above_online:
+            return
+        with self._lock:
+            busy = {(j, ln.index) for j, ln, _, _ in self._inflight.values()}
+            room = self.max_inflight - len(self._inflight)
+        todo = [ln for ln in lines if ln.custom_id not in finished and (job.id, ln.index) not in busy][:max(room, 0)]
+        endpoint = job.config[API_BATCH_KEY]["endpoint"]
+        for line in todo:
+            try:
+                gen, shapes = self._prepare(endpoint, line)
+            except APIError as exc:
+                self._write(job.id, line, exc.status, exc.body())
+                continue
+            rid = f"{BATCH_PREFIX}{job.id}:{line.index}"
+            with self._lock:
+                self._inflight[rid] = (job.id, line, shapes, time.monotonic())
+            self.engine.router.submit([Request(rid, list(gen.prompt_token_ids), gen.max_tokens,
+                                               priority=PRIORITY_OFFLINE, temperature=gen.temperature,
+                                               top_p=gen.top_p, seed=gen.seed,
+                                               eos_token_ids=self.engine.eos_token_ids)])
+
+    def _online_open(self) -> int:
+        return self.engine.pending
+
+    def _prepare(self, endpoint: str, line: BatchLine):
+        """The line's generation and response shapes, exactly as the endpoint would serve its body."""
+        try:
+            if endpoint == "/v1/completions":
+                body: Any = CompletionRequest.model_validate(line.body)
+            else:
+                body = ChatCompletionRequest.model_validate(line.body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err.get("loc", ()))
+            raise APIError(400, f"{param}: {err.get('msg')}", param=param or None) from None
+        if body.model != self.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        bad = body.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0])
+        if body.stream:
+            raise APIError(400, "stream is not supported in a batch", param="stream")
+        if endpoint == "/v1/completions":
+            return completion_generation(self.engine, body), completion_shapes(self.model_name)
+        return chat_generation(self.engine, body), chat_shapes(self.model_name)
+
+    # -- rows -----------------------------------------------------------------------------------------
+    def _job_lines(self, job) -> list[BatchLine]:
+        if job.id not in self._lines:
+            spec = job.config[API_BATCH_KEY]
+            content = self.db.api_file_content(spec["input_file_id"]) or b""
+            self._lines[job.id] = parse_batch_input(content, spec["endpoint"], spec["input_file_id"])
+        return self._lines[job.id]
+
+    def _finished_ids(self, job_id: int) -> set[str]:
+        if job_id not in self._finished:
+            self._finished[job_id] = {r.request_key for r in self.db.results(job_id)}
+        return self._finished[job_id]
+
+    def _write(self, job_id: int, line: BatchLine, status_code: int, body: dict, tokens: list[int] | None = None,
+               prompt_tokens: int = 0, **latencies) -> None:
+        ok = status_code == 200
+        self.engine.metrics.requests.labels("batch", (finish_reason(body) or "stop") if ok else f"error_{status_code}").inc()
+        record = {"status_code": status_code, "body": body}
+        self.db.write_result(job_id, line.custom_id, prompt_tokens=prompt_tokens, output_token_ids=tokens or [],
+                             status=RequestResultStatus.DONE if ok else RequestResultStatus.FAILED,
+                             output_text=json.dumps(record), **latencies)
+        with self._lock:
+            self._finished.setdefault(job_id, set()).add(line.custom_id)
+
+
+def finish_reason(body: dict) -> str | None:
+    """The finish reason of a response body's one choice."""
+    choices = body.get("choices") or [{}]
+    return choices[0].get("finish_reason")
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    return [stop] if isinstance(stop, str) else [s for s in (stop or []) if isinstance(s, str) and s]
+
+
+# -- the batch object and its files ----------------------------------------------------------------------
+def create_batch(store, input_file_id: str, endpoint: str, completion_window: str,
+                 metadata: dict[str, str] | None) -> dict:
+    """Check the input file and store the batch (status ``queued``); returns the batch object.
+
+    Raises:
+        APIError: 400 an endpoint FlexPipe does not batch, a window other than 24h, a bad line (see
+            :func:`parse_batch_input`); 404 no such file.
+    """
+    if endpoint not in BATCH_ENDPOINTS:
+        raise APIError(400, f"endpoint: expected one of {list(BATCH_ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+    if completion_window != "24h":
+        raise APIError(400, f"completion_window: only 24h is supported, got {completion_window!r}",
+                       param="completion_window")
+    content = store.api_file_content(input_file_id)
+    if content is None:
+        raise APIError(404, f"No such file: {input_file_id}", param="input_file_id", code="file_not_found")
+    lines = parse_batch_input(content, endpoint, input_file_id)
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    config = {API_BATCH_KEY: {"input_file_id": input_file_id, "endpoint": endpoint,
+                              "completion_window": completion_window, "metadata": dict(metadata or {}),
+                              "created_at": int(time.time())}}
+    job_id = store.get_or_create_job(batch_id, InferenceJobKind.BATCH, priority=-1, source_path=input_file_id,
+                                     config=config)
+    store.update_job(job_id, total_requests=len(lines))
+    return batch_object(store, _job(store, batch_id), None)
+
+
+def _job(store, batch_id: str):
+    for job in store.jobs(kind=InferenceJobKind.BATCH.value):
+        if job.job_key == batch_id and is_api_batch(job):
+            return job
+    raise APIError(404, f"No batch found with id '{batch_id}'", param="batch_id", code="batch_not_found")
+
+
+def batch_object(store, job, runner: BatchRunner | None) -> dict:
+    """OpenAI's batch object for a stored batch job."""
+    spec = job.config[API_BATCH_KEY]
+    rows = store.results(job.id)
+    completed = sum(1 for r in rows if r.status == RequestResultStatus.DONE.value)
+    failed = len(rows) - completed
+    status = {"queued": "validating", "admitted": "in_progress", "running": "in_progress", "paused": "in_progress",
+              "done": "completed", "failed": "failed", "cancelled": "cancelled"}[job.status]
+    if status == "cancelled" and runner is not None and runner.inflight(job.id):
+        status = "cancelling"
+    final = status in ("completed", "cancelled")
+    stamp = int(job.updated_at.timestamp()) if job.updated_at else None
+    return {"id": job.job_key, "object": "batch", "endpoint": spec["endpoint"], "errors": None,
+            "input_file_id": spec["input_file_id"], "completion_window": spec["completion_window"],
+            "status": status, "output_file_id": f"{job.job_key}-output" if final and completed else None,
+            "error_file_id": f"{job.job_key}-errors" if final and failed else None,
+            "created_at": spec["created_at"], "in_progress_at": spec["created_at"] if status != "validating" else None,
+            "completed_at": stamp if status == "completed" else None,
+            "cancelling_at": stamp if status in ("cancelling", "cancelled") else None,
+            "cancelled_at": stamp if status == "cancelled" else None,
+            "request_counts": {"total": job.total_requests, "completed": completed, "failed": failed},
+            "metadata": spec.get("metadata") or None}
+
+
+def list_batches(store, runner: BatchRunner | None, limit: int = 20) -> dict:
+    """OpenAI's list of batches, newest first (at most ``limit``)."""
+    jobs = [j for j in store.jobs(kind=InferenceJobKind.BATCH.value) if is_api_batch(j)]
+    jobs.sort(key=lambda j: j.id, reverse=True)
+    data = [batch_object(store, j, runner) for j in jobs[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
+
+
+def get_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
+    """The batch object of ``batch_id`` (APIError 404 when there is none)."""
+    return batch_object(store, _job(store, batch_id), runner)
+
+
+def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
+    """Cancel a batch that has not ended (a finished one is returned as it is).
+
+    Raises:
+        APIError: 404 no such batch.
+    """
+    job = _job(store, batch_id)
+    if job.status in RUNNABLE or job.status == InferenceJobStatus.PAUSED.value:
+        store.update_job(job.id, status=InferenceJobStatus.CANCELLED)
+    return batch_object(store, _job(store, batch_id), runner)
+
+
+def batch_file(store, file_id: str) -> bytes | None:
+    """The bytes of a batch's generated output or error file (``<batch id>-output`` / ``-errors``), or
+    None when ``file_id`` names no such file."""
+    for suffix, ok in (("-output", True), ("-errors", False)):
+        if file_id.endswith(suffix):
+            try:
+                job = _job(store, file_id[:-len(suffix)])
+            except APIError:
+                return None
+            if job.status not in (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value):
+                return None  # written when the batch ends (its batch object names it then)
+            order = {ln.custom_id: ln.index for ln in parse_batch_input(
+                store.api_file_content(job.config[API_BATCH_KEY]["input_file_id"]) or b"",
+                job.config[API_BATCH_KEY]["endpoint"], job.config[API_BATCH_KEY]["input_file_id"])}
+            rows = sorted((r for r in store.results(job.id) if (r.status == RequestResultStatus.DONE.value) == ok),
+                          key=lambda r: order.get(r.request_key, len(order)))
+            out = []
+            for r in rows:
+                record = json.loads(r.output_text or "{}")
+                line: dict[str, Any] = {"id": f"batch_req_{r.id}", "custom_id": r.request_key}
+                if ok:
+                    line.update(response={"status_code": 200, "request_id": f"req_{r.id}", "body": record["body"]},
+                                error=None)
+                else:
+                    line.update(response={"status_code": record.get("status_code", 400),
+                                          "request_id": f"req_{r.id}", "body": record.get("body")},
+                                error=(record.get("body") or {}).get("error"))
+                out.append(json.dumps(line))
+            return ("\n".join(out) + "\n").encode() if out else b""
+    return None

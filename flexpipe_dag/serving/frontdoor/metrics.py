@@ -1,0 +1,82 @@
+"""The front door's Prometheus metrics (``GET /metrics``, text format from ``prometheus_client``).
+
+Latencies are measured at the server, from the moment a request was accepted to the moment its
+tokens were handed to the HTTP response: what a client sees, less the network. Names follow
+Prometheus conventions (base units, ``_seconds``, ``_total``) under the ``flexpipe_`` prefix; the
+priority class (``online`` / ``offline``) is a label. The live pipeline's own figures (KV blocks,
+stage utilisation, live gear) come from its 2-s metric samples.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from flexpipe_dag.core.metrics import MetricSample
+
+#: Histogram buckets of TTFT and end-to-end latency, seconds (CPU runs reach tens of seconds).
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+#: Histogram buckets of the time per output token, seconds.
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+CLASSES = ("online", "offline")
+
+
+class FrontDoorMetrics:
+    """Every series of one server, in its own registry (a test may run several servers in a process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("flexpipe_time_to_first_token_seconds", "Time from request accepted to first token",
+                              ["priority_class"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("flexpipe_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request", ["priority_class"],
+                              buckets=TPOT_BUCKETS_S, registry=r)
+        self.e2e = Histogram("flexpipe_e2e_request_latency_seconds", "Time from request accepted to its last token",
+                             ["priority_class"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.running = Gauge("flexpipe_requests_running", "Requests accepted and unfinished", ["priority_class"],
+                             registry=r)
+        self.waiting = Gauge("flexpipe_requests_waiting", "Requests waiting for admission in the live pipeline "
+                                                          "(last sample)", registry=r)
+        self.requests = Counter("flexpipe_requests_total", "Requests answered, by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("flexpipe_prompt_tokens_total", "Prompt tokens of served requests",
+                                     ["priority_class"], registry=r)
+        self.generation_tokens = Counter("flexpipe_generation_tokens_total", "Output tokens sent to clients",
+                                         ["priority_class"], registry=r)
+        self.kv_blocks_used = Gauge("flexpipe_kv_blocks_used", "KV blocks in use, per stage (last sample)",
+                                    ["stage"], registry=r)
+        self.kv_blocks_free = Gauge("flexpipe_kv_blocks_free", "KV blocks free, per stage (last sample)",
+                                    ["stage"], registry=r)
+        self.stage_busy = Gauge("flexpipe_stage_busy_ratio", "Share of the last sample window a stage computed",
+                                ["stage"], registry=r)
+        self.live_gear = Gauge("flexpipe_live_gear_info", "1 for the gear serving now", ["gear_id"], registry=r)
+        self.shifts = Counter("flexpipe_gear_shifts_total", "Gear shifts, by reason and outcome",
+                              ["reason", "outcome"], registry=r)
+        for cls in CLASSES:  # every class's series exists from the start (a scraper sees zeros, not gaps)
+            self.running.labels(cls).set(0)
+            for histogram in (self.ttft, self.tpot, self.e2e):
+                histogram.labels(cls)
+            self.prompt_tokens.labels(cls)
+            self.generation_tokens.labels(cls)
+        self._gear: str | None = None
+
+    def observe_sample(self, sample: MetricSample) -> None:
+        """Take the live pipeline's figures from one of its metric samples."""
+        self.waiting.set(sample.queue_length)
+        for st in sample.stages:
+            self.kv_blocks_used.labels(str(st.stage_index)).set(st.kv_blocks_used)
+            self.kv_blocks_free.labels(str(st.stage_index)).set(max(st.kv_blocks_total - st.kv_blocks_used, 0))
+            self.stage_busy.labels(str(st.stage_index)).set(st.busy_fraction)
+        self.set_live_gear(sample.gear_id)
+
+    def set_live_gear(self, gear_id: str) -> None:
+        """Mark ``gear_id`` as the gear serving now (the previous one's series goes to 0)."""
+        if gear_id != self._gear:
+            if self._gear is not None:
+                self.live_gear.labels(self._gear).set(0)
+            self.live_gear.labels(gear_id).set(1)
+            self._gear = gear_id
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,190 @@
+"""The OpenAI API's request bodies and error shape, as FlexPipe's front door accepts them.
+
+The fields follow OpenAI's API reference for ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(https://platform.openai.com/docs/api-reference). Fields FlexPipe does not implement (``n`` > 1,
+``logprobs``, ``best_of``, ``tools``, ...) are refused by name with a 400, never ignored silently;
+unknown fields are ignored as OpenAI does. ``priority`` (``"online"`` / ``"offline"``) is FlexPipe's
+extension (the SDK sends it with ``extra_body``; the ``X-FlexPipe-Priority`` header does the same).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+#: Most stop sequences one request may give (OpenAI's limit).
+MAX_STOP_SEQUENCES = 4
+#: ``max_tokens`` of a completion that gives none (OpenAI's default for ``/v1/completions``).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+PriorityClass = Literal["online", "offline"]
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+    Args:
+        status: the HTTP status (400 bad request, 401 no or wrong key, 404 unknown model, 429 queue
+            full, 503 draining or not ready).
+        message: what was wrong and what was expected.
+        type: OpenAI's error type (``invalid_request_error``, ``authentication_error``, ...).
+        param: the request field at fault, if one is.
+        code: a machine-readable code (``context_length_exceeded``, ``model_not_found``, ...).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error response."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    user: str | None = None
+    priority: PriorityClass | None = None
+    # accepted by OpenAI, not implemented here: refused by name when set (see unsupported())
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence may not be empty")
+        return stops
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        """The stop sequences, as a list (the validator has made ``stop`` one)."""
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (``stream_options: {"include_usage": true}``)."""
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """``(field, why)`` of the first field set to something FlexPipe does not do, else None."""
+        if self.n != 1:
+            return "n", f"only n=1 is served, got {self.n}"
+        for name in ("logprobs", "top_logprobs", "logit_bias"):
+            if getattr(self, name) not in (None, False, 0, {}):
+                return name, f"{name} is not supported by FlexPipe"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                return name, f"{name} is not supported by FlexPipe (0 or unset)"
+        return None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is text, or token ids, or a list of one of either (n=1)."""
+
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported by FlexPipe"
+        if self.suffix:
+            return "suffix", "suffix is not supported by FlexPipe"
+        if self.best_of not in (None, 1):
+            return "best_of", f"only best_of=1 is served, got {self.best_of}"
+        return super().unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request.
+
+        Raises:
+            APIError: a batch of several prompts (one request serves one), or an empty prompt.
+        """
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request, got a list of {len(prompt)} (send them as separate "
+                                    "requests, or as a batch through /v1/batches)", param="prompt")
+            prompt = prompt[0]  # type: ignore[assignment]
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return prompt  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` is text or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text.
+
+        Raises:
+            APIError: a part that is not text (images, audio: this model reads text only).
+        """
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"only text content parts are served, got type {part.get('type')!r}",
+                               param="messages")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tool calls are not supported by FlexPipe"
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format", "only response_format type 'text' is served"
+        return super().unsupported()
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else None (up to the context)."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class BatchCreateRequest(BaseModel):
+    """``POST /v1/batches``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None

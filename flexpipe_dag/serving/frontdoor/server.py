@@ -1,0 +1,263 @@
+"""Run the front door: one live pipeline behind a :class:`ServingRouter`, the API app, uvicorn.
+
+The pipeline starts before the port is bound (uvicorn runs the app's lifespan first), so a client
+that can connect finds it ready. SIGINT / SIGTERM drain: new requests get 503, open ones finish for
+up to ``drain_timeout_s``, then the pipeline stops. The server holds this host's pipeline-runtime
+lock (:mod:`flexpipe_dag.runtime.host_lock`) for its life, as the Dagster runtime ops do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from flexpipe_dag.core.errors import InputError
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where and how the front door listens.
+
+    Attributes:
+        host: address to bind; anything but a loopback address needs ``api_key``.
+        port: TCP port (0: the kernel picks one; :attr:`FrontDoorServer.port` says which).
+        api_key: the key ``/v1`` routes require (``Authorization: Bearer KEY``); None: no key.
+        model_name: the id clients send as ``model`` and ``/v1/models`` lists.
+        max_pending: open requests above which new ones get 429.
+        drain_timeout_s: how long a shutdown waits for open requests.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_name: str = "SmolLM2-135M-Instruct"
+    max_pending: int = 256
+    drain_timeout_s: float = 30.0
+
+    def check(self) -> None:
+        """Raises:
+            InputError: a non-loopback ``host`` without an API key, or a port outside 0..65535."""
+        if not 0 <= self.port <= 65535:
+            raise InputError(None, "--port", f"expected 0..65535, got {self.port}")
+        if self.api_key is None and not _is_loopback(self.host):
+            raise InputError(None, "--host", f"binding {self.host} exposes the API beyond this host: give "
+                                              "--api-key-file (or bind 127.0.0.1)")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class StoreLink:
+    """How the front door joins the SQL store as a serving run (see
+    :class:`~flexpipe_dag.serving.live_control.LiveControl`): its 2-s samples go to the store, where
+    ``gear_shift_sensor`` reads them, and the shifts ``gear_shift`` runs request for ``run_key`` are
+    applied here while traffic flows.
+
+    Attributes:
+        store: the :class:`~flexpipe_dag.sql.store.Store`.
+        control: the resolved controller figures.
+        run_key: this server's serving-run key.
+        gears: gears a shift may go to (others are looked up in the store).
+        control_interval_s: seconds between two control steps.
+        batch_inflight: Batch API lines on the pipeline at once.
+        batch_pause_above: open online requests above which no batch line is submitted.
+        inline_control: the server decides its own shifts with the controller (no Dagster daemon needed);
+            False: ``gear_shift_sensor`` decides and ``gear_shift`` runs request the shifts.
+    """
+
+    store: Any
+    control: Any
+    run_key: str
+    gears: tuple = ()
+    control_interval_s: float = 2.0
+    batch_inflight: int = 8
+    batch_pause_above: int = 8
+    inline_control: bool = False
+
+
+class FrontDoorServer:
+    """The API server over ``runtime`` (a not yet started :class:`PipelineRuntime` built with
+    ``stream_tokens=True``), for ``settings``; :meth:`run` blocks until a signal stops it.
+
+    Args:
+        runtime: the pipeline to serve.
+        tokenizer, eos_token_ids, max_context_tokens: the model's (see :class:`FrontDoorEngine`).
+        settings: :class:`ServerSettings`.
+        link: the store to register in and take shifts from (None: a stand-alone server, one gear).
+        log: where startup and shutdown lines go (stderr by default).
+    """
+
+    def __init__(self, runtime, tokenizer, eos_token_ids: tuple[int, ...], max_context_tokens: int | None,
+                 settings: ServerSettings, link: StoreLink | None = None, log=None):
+        from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine
+        from flexpipe_dag.serving.frontdoor.metrics import FrontDoorMetrics
+
+        settings.check()
+        if not runtime.options.stream_tokens:
+            raise InputError(None, "runtime", "the front door needs a runtime built with stream_tokens=True")
+        self.runtime, self.settings, self.link = runtime, settings, link
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.engine = FrontDoorEngine(tokenizer, eos_token_ids, max_context_tokens, FrontDoorMetrics(),
+                                      max_pending=settings.max_pending)
+        self.router: Any = None
+        self.uvicorn: Any = None
+        self.live: Any = None
+        from flexpipe_dag.serving.frontdoor.app import BatchAPI
+
+        self.batch_api = BatchAPI(link.store if link is not None else None)
+
+    @property
+    def port(self) -> int | None:
+        """The bound port once serving (None before)."""
+        servers = getattr(self.uvicorn, "servers", None)
+        if not servers:
+            return None
+        return servers[0].sockets[0].getsockname()[1]
+
+    def _on_metrics(self, sample) -> None:
+        self.engine.metrics.observe_sample(sample)
+        if self.live is not None:
+            self.live.on_metrics(sample)
+
+    async def _watch_pipeline(self) -> None:
+        """Once a second: when the live pipeline has failed (a stage crashed or hung and no fallback took
+        its traffic), end the open requests with a 503, say why, and stop the server with exit status 1,
+        for its supervisor (systemd, Kubernetes) to start a fresh one, as vLLM's server does when its
+        engine dies. Requests are not resubmitted: one that broke the pipeline would break the next."""
+        while True:
+            await asyncio.sleep(1.0)
+            active = self.router.active if self.router is not None else None
+            if active is not None and active.alive:
+                continue
+            reason = self.router.failures[-1][1] if self.router is not None and self.router.failures else \
+                "no live pipeline"
+            cut = self.engine.fail_open(f"the pipeline failed: {reason}")
+            self.log(f"pipeline failed: {reason}; {cut} open request(s) ended with 503; stopping (exit status 1)")
+            if self.uvicorn is not None:
+                self.uvicorn.should_exit = True
+            return
+
+    def _on_shift_done(self, record: dict) -> None:
+        self.engine.metrics.shifts.labels(record.get("trigger") or "manual", record["status"]).inc()
+
+    async def _control_loop(self) -> None:
+        """The store side, every ``control_interval_s``: samples, heartbeat, shift requests."""
+        assert self.link is not None and self.live is not None
+        while True:
+            await asyncio.to_thread(self._control_step)
+            await asyncio.sleep(self.link.control_interval_s)
+
+    @property
+    def endpoint(self) -> str | None:
+        """The base URL clients use (``http://HOST:PORT/v1``) once bound, else None."""
+        if self.port is None:
+            return None
+        import socket
+
+        host = self.settings.host
+        if host in ("0.0.0.0", "::", ""):  # every interface: the name others reach this host by
+            host = socket.getfqdn()
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/v1"
+
+    def _control_step(self) -> None:
+        if self.live.endpoint is None:
+            self.live.endpoint = self.endpoint  # stored with the next heartbeat
+        try:
+            self.live.write_samples()
+            self.live.step()
+        except Exception as exc:  # a store hiccup must not stop serving; the next step tries again
+            self.log(f"control step failed: {type(exc).__name__}: {exc}")
+
+    @asynccontextmanager
+    async def _lifespan(self, _app):
+        from flexpipe_dag.serving.live_control import LiveControl
+        from flexpipe_dag.shift.executor import GearExecutor
+        from flexpipe_dag.shift.router import ServingRouter
+
+        self.router = ServingRouter(**{**self.engine.router_callbacks(), "on_metrics": self._on_metrics})
+        await asyncio.to_thread(self.router.open, self.runtime)  # loads the stages: tens of seconds
+        self.engine.attach(self.router)
+        self.engine.metrics.set_live_gear(self.runtime.gear.gear_id)
+        self.log(f"gear {self.runtime.gear.gear_id} live: stages {self.runtime.gear.layer_ranges()}")
+        watch = asyncio.create_task(self._watch_pipeline())
+        task = None
+        if self.link is not None:
+            executor = GearExecutor(self.router, options=self.runtime.options)
+            self.live = LiveControl(self.link.store, self.link.control, self.router, executor, self.link.gears,
+                                    self.link.run_key, inline_control=self.link.inline_control, log=self.log,
+                                    on_shift_done=self._on_shift_done)
+            task = asyncio.create_task(self._control_loop())
+            deciding = "decided here (inline control)" if self.link.inline_control else "from gear_shift runs"
+            self.log(f"serving run {self.link.run_key}: samples to the store, shifts {deciding}")
+            self._start_batches()
+        try:
+            yield
+        finally:
+            if self.batch_api.runner is not None:
+                self.batch_api.runner.stop()  # its lines in flight have no result row: the next server serves them
+            cut = await self.engine.drain(self.settings.drain_timeout_s)
+            self.log(f"draining done ({cut} request(s) cut off); stopping the pipeline")
+            watch.cancel()
+            if task is not None:
+                task.cancel()
+                await asyncio.to_thread(self._wait_shift_then_end)
+            await asyncio.to_thread(self.router.close)
+
+    def _start_batches(self) -> None:
+        from flexpipe_dag.serving.frontdoor.batches import BatchRunner
+
+        assert self.link is not None
+        runner = BatchRunner(self.link.store, self.engine, self.settings.model_name,
+                             max_inflight=self.link.batch_inflight, pause_above_online=self.link.batch_pause_above,
+                             log=self.log)
+        self.engine.other_requests = (runner.on_result, runner.on_refused)
+        self.batch_api.runner = runner
+        runner.start()
+
+    def _wait_shift_then_end(self) -> None:
+        thread = self.live.shift_thread
+        if thread is not None:
+            thread.join(timeout=self.settings.drain_timeout_s)
+        self.live.write_samples()
+        self.live.end()
+
+    def run(self) -> int:
+        """Serve until SIGINT / SIGTERM (holding this host's pipeline-runtime lock meanwhile); returns the
+        exit status: 0, or 1 when the pipeline failed."""
+        import os
+
+        import uvicorn
+
+        from flexpipe_dag.runtime.host_lock import hold_runtime_lock
+        from flexpipe_dag.serving.frontdoor.app import create_app
+
+        app = create_app(self.engine, self.settings.model_name, self.settings.api_key, lifespan=self._lifespan,
+                         batch_api=self.batch_api)
+        config = uvicorn.Config(app, host=self.settings.host, port=self.settings.port, log_level="info", access_log=False,
+                                timeout_graceful_shutdown=int(self.settings.drain_timeout_s) + 5)
+        engine = self.engine
+
+        class DrainingServer(uvicorn.Server):
+            """uvicorn's server, which marks the engine draining the moment a stop signal comes: uvicorn
+            then stops accepting connections and waits for open requests; a new request on a connection
+            already open gets 503 meanwhile, and /ready says 503."""
+
+            def handle_exit(self, sig, frame) -> None:
+                engine.draining = True
+                super().handle_exit(sig, frame)
+
+        self.uvicorn = DrainingServer(config)
+        with hold_runtime_lock(f"flexpipe serve (pid {os.getpid()})", self.log):
+            self.uvicorn.run()
+        return 1 if self.engine.failure else 0

@@ -1,0 +1,98 @@
+"""The front door in the store, without a model: its endpoint registered with the heartbeat and found by
+`flexpipe servers` and `flexpipe loadtest`, stored gears named by kind or id for `flexpipe serve --gear`,
+the day's shifts read back from the store, and the Batch API input the day submits."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from types import SimpleNamespace
+
+import pytest
+from sqlalchemy import update
+
+from flexpipe_dag.cli import main
+from flexpipe_dag.cli.serve import stored_gears
+from flexpipe_dag.cli.servers import live_endpoint
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.gear_builders import even_gear
+from flexpipe_dag.serving.frontdoor.batches import parse_batch_input
+from flexpipe_dag.serving.frontdoor.day import batch_input, decisions_from_events
+from flexpipe_dag.serving.loadtest import LoadRequest
+from flexpipe_dag.sql import models as m
+
+
+def test_a_front_door_registers_its_endpoint_and_drops_out_when_it_ends_or_goes_silent(store):
+    store.heartbeat_pipeline_run("fd-a", "serve", "g1")  # first heartbeat: port not bound yet
+    store.heartbeat_pipeline_run("fd-a", "serve", "g1", endpoint="http://127.0.0.1:8123/v1")
+    store.heartbeat_pipeline_run("fd-b", "serve", "g2", inline_control=True)  # a serve_trace run: no API
+    store.heartbeat_pipeline_run("job-c", "batch", "g1")
+    runs = {r.run_key: r for r in store.live_serving_runs()}
+    assert set(runs) == {"fd-a", "fd-b"}  # batch jobs are not servers
+    assert runs["fd-a"].endpoint == "http://127.0.0.1:8123/v1" and runs["fd-a"].gear_key == "g1"
+    assert runs["fd-b"].endpoint is None and runs["fd-b"].inline_control
+    store.heartbeat_pipeline_run("fd-a", "serve", "g3")  # a later heartbeat without it keeps the endpoint
+    assert live_endpoint(store) == "http://127.0.0.1:8123/v1"
+    with store.session() as s:  # fd-a goes silent: a server killed without ending its run
+        s.execute(update(m.PipelineRun).where(m.PipelineRun.run_key == "fd-a")
+                  .values(heartbeat_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=120)))
+    assert [r.run_key for r in store.live_serving_runs(30.0)] == ["fd-b"]
+    assert {r.run_key for r in store.live_serving_runs(600.0)} == {"fd-a", "fd-b"}
+    store.end_pipeline_run("fd-b")
+    assert [r.run_key for r in store.live_serving_runs(600.0)] == ["fd-a"]
+    with pytest.raises(InputError, match="no live front door in the store"):
+        live_endpoint(store, 30.0)
+    with pytest.raises(InputError, match="endpoint"):
+        store.heartbeat_pipeline_run("fd-d", "serve", endpoint="x" * 301)
+
+
+def test_servers_lists_the_live_front_door_and_loadtest_finds_it(tmp_path, monkeypatch, capsys):
+    from flexpipe_dag.sql.store import Store
+
+    monkeypatch.setenv("FLEXPIPE_HOME", str(tmp_path))
+    monkeypatch.delenv("FLEXPIPE_DATABASE_URL", raising=False)
+    assert main(["servers"]) == 0 and "no live serving run" in capsys.readouterr().out
+    Store.from_url().heartbeat_pipeline_run("fd-x", "serve", "latency-1", endpoint="http://127.0.0.1:9/v1")
+    assert main(["servers", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["run_key"], r["endpoint"], r["gear"]) for r in rows] == [("fd-x", "http://127.0.0.1:9/v1", "latency-1")]
+    assert main(["servers"]) == 0 and "http://127.0.0.1:9/v1" in capsys.readouterr().out
+    # no --url: the store's live front door is the one tried (nothing listens on port 9)
+    assert main(["loadtest", "--requests", "1", "--concurrency", ""]) == 2
+    err = capsys.readouterr().err
+    assert "the live front door in the store: http://127.0.0.1:9/v1" in err and "cannot reach http://127.0.0.1:9" in err
+
+
+def test_serve_gear_names_a_stored_gear_by_kind_or_id(store, lab_profile):
+    info = store.save_profile(lab_profile)
+    base = even_gear(30, 2, "SmolLM2-135M", 4, None, 4096)
+    gears = [base.model_copy(update={"gear_id": f"{kind}-x", "kind": kind}) for kind in ("latency", "throughput")]
+    with pytest.raises(InputError, match="holds no planned gears"):
+        stored_gears(store, "latency")
+    store.save_gears(gears, info.id, store.save_model("SmolLM2-135M", "fp32", 30, {"layers": 30}))
+    first, all_gears = stored_gears(store, "throughput")
+    assert first.gear_id == "throughput-x" and [g.gear_id for g in all_gears] == ["latency-x", "throughput-x"]
+    assert stored_gears(store, "latency-x")[0].kind == "latency"
+    with pytest.raises(InputError, match=r"'fast' is none of those \(stored: latency-x \(latency\), throughput-x"):
+        stored_gears(store, "fast")
+
+
+def test_the_days_shifts_and_declines_are_read_back_from_the_stored_events():
+    events = [SimpleNamespace(action="hold", status="declined", from_gear_key="a", to_gear_key="b", trigger="load_high",
+                              reason="dwell: 12 s of 30 s", details={"t_s": 20.5, "reason_kind": "dwell"}),
+              SimpleNamespace(action="shift", status="done", from_gear_key="a", to_gear_key="b", trigger="load_high",
+                              reason="load above the envelope", details={"t_s": 41.0, "timings_s": {"total": 9.5},
+                                                                         "outcome": "switched"})]
+    shifts, declines = decisions_from_events(events)
+    assert shifts == [{"t_s": 41.0, "from_gear": "a", "to_gear": "b", "trigger": "load_high",
+                       "reason": "load above the envelope", "status": "done", "outcome": "switched",
+                       "timings_s": {"total": 9.5}}]
+    assert declines == [{"t_s": 20.5, "from_gear": "a", "to_gear": "b", "trigger": "load_high",
+                         "reason": "dwell: 12 s of 30 s", "kind": "dwell"}]
+
+
+def test_the_days_batch_input_is_a_batch_file_the_server_accepts():
+    reqs = [LoadRequest([1, 2, 3], 12), LoadRequest([7] * 40, 5, arrival_s=3.0)]
+    lines = parse_batch_input(batch_input(reqs, "m"), "/v1/completions", "file-1")
+    assert [(ln.custom_id, ln.index) for ln in lines] == [("offline-0", 0), ("offline-1", 1)]
+    assert [(ln.body["prompt"], ln.body["max_tokens"], ln.body["temperature"]) for ln in lines] == [([1, 2, 3], 12, 0), ([7] * 40, 5, 0)]

@@ -1,0 +1,66 @@
+"""The front door's pieces without a server: incremental detokenisation, request checks, batch files."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from flexpipe_dag.serving.frontdoor.batches import parse_batch_input
+from flexpipe_dag.serving.frontdoor.engine import IncrementalDetokenizer, _first_stop
+from flexpipe_dag.serving.frontdoor.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tests.test_runtime_helpers import checkpoint
+
+CORPUS = Path(__file__).resolve().parents[1] / "flexpipe_dag" / "data" / "corpus"
+TEXTS = ["The capital of France is Paris. Émile a dit : « bonjour » — 你好，世界! 🚀🚀 done",
+         "  leading spaces\n\n\tand tabs", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"]
+
+
+@pytest.mark.parametrize("text", TEXTS + [next(CORPUS.glob("*.txt")).read_text(encoding="utf-8")[:2000]])
+def test_incremental_text_equals_a_full_decode_token_by_token(text):
+    tok = checkpoint().tokenizer()
+    ids = tok(text, add_special_tokens=False)["input_ids"] + list(checkpoint().eos_token_ids()[:1])
+    detok = IncrementalDetokenizer(tok)
+    seen = []
+    for n in range(1, len(ids) + 1):
+        seen.append(detok.text_of(ids[:n], final=n == len(ids)))
+    assert seen[-1] == tok.decode(ids, skip_special_tokens=True)
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))  # text only grows: a stream never takes back
+    assert not any(s.endswith("\ufffd") for s in seen[:-1])  # half a character is never sent
+
+
+def test_request_checks_name_the_field():
+    with pytest.raises(ValueError, match="at most 4 stop sequences"):
+        CompletionRequest(model="m", prompt="p", stop=["a", "b", "c", "d", "e"])
+    with pytest.raises(ValueError, match="may not be empty"):
+        CompletionRequest(model="m", prompt="p", stop=[""])
+    assert CompletionRequest(model="m", prompt="p", stop="x").stop_sequences == ["x"]
+    assert CompletionRequest(model="m", prompt="p", n=2).unsupported()[0] == "n"
+    assert CompletionRequest(model="m", prompt="p", echo=True).unsupported()[0] == "echo"
+    with pytest.raises(APIError, match="one prompt per request, got a list of 2"):
+        CompletionRequest(model="m", prompt=["a", "b"]).single_prompt()
+    assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt() == [1, 2]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                   {"type": "text", "text": "b"}]}])
+    assert chat.messages[0].text() == "ab"
+    with pytest.raises(APIError, match="only text content parts"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}]
+                              ).messages[0].text()
+    assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a"}], max_tokens=5,
+                                 max_completion_tokens=7).requested_max_tokens == 7
+    assert _first_stop("abc STOP def END", ("END", "STOP"), 0) == 4 and _first_stop("abc", ("x",), 0) is None
+
+
+def test_a_batch_file_is_checked_whole_naming_the_line():
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "p"}}
+    ok = (json.dumps(line) + "\n\n" + json.dumps({**line, "custom_id": "b"}) + "\n").encode()
+    assert [(x.index, x.custom_id) for x in parse_batch_input(ok, "/v1/completions", "f")] == [(0, "a"), (1, "b")]
+    for content, needle in ((b"\xff\xfe", "not UTF-8 text (byte 0)"), (b"", "no request lines"),
+                            (b"{bad", "line 1: not valid JSON"), (b"[1]", "line 1: expected a JSON object"),
+                            (json.dumps({**line, "custom_id": ""}).encode(), "line 1: custom_id"),
+                            (json.dumps({**line, "method": "GET"}).encode(), "line 1: method: expected POST")):
+        with pytest.raises(APIError, match=re.escape(needle)) as err:
+            parse_batch_input(content, "/v1/completions", "f")
+        assert err.value.status == 400 and err.value.param == "input_file_id"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -171,6 +172,55 @@ def test_concurrent_streams_each_complete_once_and_metrics_match_what_clients_sa
     assert ttft - (before[("flexpipe_time_to_first_token_seconds_count", "online")]
                    + before[("flexpipe_time_to_first_token_seconds_count", "offline")]) == 24
     assert after[("flexpipe_requests_running", "online")] == 0 and after[("flexpipe_live_gear_info", "uniform-2")] == 1
+
+
+
+#: AIPerf, NVIDIA's LLM benchmarking client, in a venv of its own (its dependencies are not the product's).
+AIPERF_VERSION = "0.13.0"
+AIPERF_VENV = Path(MODEL_CACHE).parent / f"aiperf-{AIPERF_VERSION}"
+
+
+def _aiperf() -> Path:
+    """The ``aiperf`` executable, installed from the package index once per machine (skips with the pip
+    error when it cannot be installed here: no index, or no wheel for this Python)."""
+    exe, done = AIPERF_VENV / "bin" / "aiperf", AIPERF_VENV / ".installed"
+    if done.exists():
+        return exe
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(AIPERF_VENV)], check=True)  # a half install too
+    pip = subprocess.run([str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "-q", f"aiperf=={AIPERF_VERSION}"],
+                         capture_output=True, text=True, timeout=900)
+    if pip.returncode != 0:
+        pytest.skip(f"aiperf=={AIPERF_VERSION} does not install on this host: {pip.stderr.strip()[-300:]}")
+    done.touch()
+    return exe
+
+
+@pytest.mark.timeout(1800)  # the first run on a machine installs AIPerf (about 3 minutes)
+def test_aiperf_profiles_the_server_and_its_counts_match_the_servers_metrics(server, tmp_path):
+    aiperf = _aiperf()
+    before = _metrics(server.url)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    # AIPerf's offline mode looks a tokenizer up in the hub's cache only; online, a local directory loads as is
+    out = subprocess.run([str(aiperf), "profile", "--model", MODEL, "--url", server.url, "--endpoint-type", "chat",
+                          "--streaming", "--tokenizer", str(checkpoint().path), "--request-count", "6",
+                          "--concurrency", "2", "--prompt-input-tokens-mean", "32", "--prompt-input-tokens-stddev", "0",
+                          "--prompt-output-tokens-mean", "12", "--prompt-output-tokens-stddev", "0", "--random-seed",
+                          "1", "--ui-type", "none", "--no-gpu-telemetry", "--use-server-token-count",
+                          "--output-artifact-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
+    assert report["request_count"]["avg"] == 6 and not report.get("error_summary")
+    assert report["time_to_first_token"]["count"] == 6 and report["time_to_first_token"]["min"] > 0
+    after = _metrics(server.url)
+
+    def grew(name: str) -> float:
+        return after[(name, "online")] - before.get((name, "online"), 0.0)
+
+    # the usage counts AIPerf read from the streams are what the server counted, token for token
+    assert grew("flexpipe_generation_tokens_total") == report["usage_completion_tokens"]["sum"]
+    assert grew("flexpipe_prompt_tokens_total") == report["usage_prompt_tokens"]["sum"]
+    assert grew("flexpipe_time_to_first_token_seconds_count") == 6
 
 
 def _metrics(url: str) -> dict[tuple[str, str], float]:

@@ -96,3 +96,30 @@ def test_the_days_batch_input_is_a_batch_file_the_server_accepts():
     lines = parse_batch_input(batch_input(reqs, "m"), "/v1/completions", "file-1")
     assert [(ln.custom_id, ln.index) for ln in lines] == [("offline-0", 0), ("offline-1", 1)]
     assert [(ln.body["prompt"], ln.body["max_tokens"], ln.body["temperature"]) for ln in lines] == [([1, 2, 3], 12, 0), ([7] * 40, 5, 0)]
+
+
+def test_serve_plan_starts_on_the_gear_the_plan_recommends_for_the_load(store, lab_profile, capsys):
+    from flexpipe_dag.cli.serve import planned_gear
+
+    info = store.save_profile(lab_profile)
+    with pytest.raises(InputError, match="--plan.*holds no planned gears"):
+        planned_gear(store, None)
+    small = even_gear(30, 1, "SmolLM2-135M", 4, None, 4096).model_copy(
+        update={"gear_id": "latency-1s", "kind": "latency", "rps_max": 2.0})
+    big = even_gear(30, 2, "SmolLM2-135M", 8, None, 4096).model_copy(
+        update={"gear_id": "throughput-2s", "kind": "throughput", "rps_max": 6.0})
+    store.save_gears([big, small], info.id, store.save_model("SmolLM2-135M", "fp32", 30, {"layers": 30}))
+    gear, gears, why = planned_gear(store, None)  # no load: the latency gear, the others are shift targets
+    assert gear.gear_id == "latency-1s" and {g.gear_id for g in gears} == {"latency-1s", "throughput-2s"}
+    assert "latency gear" in why
+    assert planned_gear(store, 1.5)[0].gear_id == "latency-1s"  # fewest devices holding 1.5 req/s, 25 % headroom
+    assert planned_gear(store, 1.9)[0].gear_id == "throughput-2s"  # the small one would keep only 5 % headroom
+    gear, _, why = planned_gear(store, 9.0)
+    assert gear.gear_id == "throughput-2s" and "no gear holds 9 req/s" in why
+    with pytest.raises(InputError, match="load_rps"):
+        planned_gear(store, -1.0)
+    capsys.readouterr()
+    assert main(["serve", "--stages", "1", "--load-rps", "2", "--no-store"]) == 2  # refused before a model loads
+    assert "--load-rps: only means something with --plan" in capsys.readouterr().err
+    assert main(["serve", "--plan", "--no-store"]) == 2
+    assert "--plan: the plan is read from the store: drop --no-store" in capsys.readouterr().err

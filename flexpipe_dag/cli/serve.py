@@ -38,6 +38,11 @@ def register(subparsers) -> None:
     src.add_argument("--gear", help="a gear JSON file (flexpipe_dag.core.gear.Gear), or a stored gear of the newest "
                                     "plan by kind (latency, balanced, throughput) or id")
     src.add_argument("--stages", type=int, help="even split of the model's layers into N stages")
+    src.add_argument("--plan", action="store_true",
+                     help="the gear the newest stored plan recommends: for --load-rps, the one on the fewest devices "
+                          "that holds it (as `flexpipe plan --load-rps`), else its latency gear")
+    p.add_argument("--load-rps", type=float, default=None,
+                   help="with --plan: the expected load, req/s, the recommended gear is chosen for")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="the id clients send as `model` (default: the checkpoint's name)")
@@ -107,6 +112,31 @@ def stored_gears(store, wanted: str) -> tuple:
     return match[0], tuple(gears)
 
 
+def planned_gear(store, load_rps: float | None) -> tuple[Gear, tuple[Gear, ...], str]:
+    """(the gear to start on, every gear of the newest plan, why that one) for ``flexpipe serve --plan``.
+
+    With ``load_rps``, the gear :func:`~flexpipe_dag.planner.operating.recommend_gear` picks (the fewest
+    devices whose measured envelope holds the load, 20 % headroom preferred; with none, the largest
+    envelope, and the reason says the load exceeds every one); without, the plan's latency gear (the
+    lowest TPOT at low load; the shift controller moves up from there as the load rises).
+
+    Raises:
+        InputError: no plan is stored, or ``load_rps`` is not a finite rate >= 0.
+    """
+    from flexpipe_dag.planner.operating import recommend_gear
+
+    latest = store.latest_profile()
+    gears = tuple(store.load_gears(latest[0].id)) if latest is not None else ()
+    if not gears:
+        raise InputError(None, "--plan", "the store holds no planned gears (run `flexpipe demo`, the plan_gears job, "
+                                         "or `flexpipe profile` then plan_gears first)")
+    if load_rps is None:
+        gear = next((g for g in gears if g.kind == "latency"), gears[0])
+        return gear, gears, f"{gear.gear_id} is the plan's {gear.kind} gear (no --load-rps given)"
+    rec = recommend_gear(gears, load_rps)
+    return next(g for g in gears if g.gear_id == rec.gear_id), gears, rec.reason
+
+
 def _store_link(args: argparse.Namespace):
     """The store this server registers in, under ``--run-key`` (checked before any model loads)."""
     import os
@@ -145,11 +175,18 @@ def serve(args: argparse.Namespace) -> int:
     settings.check()  # before a model loads
     if args.inline_control and args.no_store:
         raise InputError(None, "--inline-control", "shifts need the store: drop --no-store")
+    if args.load_rps is not None and not args.plan:
+        raise InputError(None, "--load-rps", "only means something with --plan")
+    if args.plan and args.no_store:
+        raise InputError(None, "--plan", "the plan is read from the store: drop --no-store")
     link = None if args.no_store else _store_link(args)
     ckpt = resolve_checkpoint(args.model)
     candidates: tuple[Gear, ...] = ()
-    if args.gear:
-        if Path(args.gear).exists() or link is None:
+    if args.gear or args.plan:
+        if args.plan and link is not None:  # --plan without the store was refused above
+            gear, candidates, why = planned_gear(link.store, args.load_rps)
+            print(f"flexpipe serve --plan: {why}", file=sys.stderr, flush=True)
+        elif Path(args.gear).exists() or link is None:
             gear = load_gear(Path(args.gear))
         else:
             gear, candidates = stored_gears(link.store, args.gear)

@@ -155,8 +155,10 @@ def main() -> None:
         print(f"{c:>7} | {d['ttft_p50_ms']:>12.1f} ms {h['ttft_p50_ms']:>10.1f} ms {h['ttft_p50_ms'] / d['ttft_p50_ms']:>6.3f} | "
               f"{d['tpot_p50_ms']:>12.1f} ms {h['tpot_p50_ms']:>10.1f} ms {h['tpot_p50_ms'] - d['tpot_p50_ms']:>+9.2f} | "
               f"{d['req_per_s']:>12.2f} {h['req_per_s']:>10.2f}")
-    knee = max(levels, key=lambda c: front[c]["req_per_s"] / front[c]["ttft_p50_ms"])
-    print(f"knee (most req/s per ms of TTFT p50, HTTP): {knee} clients")
+    from flexpipe_dag.serving.loadtest import KNEE_SHARE, knee
+
+    print(f"knee (HTTP; the fewest clients within {1 - KNEE_SHARE:.0%} of the best req/s, as `flexpipe loadtest` "
+          f"places it): {knee(front)} clients; direct: {knee(base)} clients")
 
 
 if __name__ == "__main__":

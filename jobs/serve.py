@@ -52,6 +52,14 @@ def _runnable(gears, kv_pool_tokens_max: int):
     return [g.with_kv_pool_capped(kv_pool_tokens_max) for g in gears]
 
 
+def day_notes(config: ServeTraceConfig, compression: float, mean_rps: float, model_name: str) -> list[str]:
+    """The report's lines on the served day: the trace, its tide shaping and compression, the length caps."""
+    return [f"trace {config.trace} shaped by the ServeGen tide from {config.tide_start_h:.1f} h, "
+            f"compressed {compression:.0f}x, mean {mean_rps:.2f} req/s",
+            f"prompts capped at {config.max_prompt_tokens} tokens, outputs at {config.max_new_tokens}; "
+            f"model {model_name}"]
+
+
 def check_context(config: ServeTraceConfig, max_context_tokens: int | None, model_name: str) -> None:
     """Refuse caps under which a request could exceed the model's max context (``None``: not known).
 
@@ -147,10 +155,7 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     summary["offline_not_admitted"] = len(offline) - report.submitted_offline
     path = write_html_report(flexpipe_home() / "reports" / f"{run_key}.html", f"FlexPipe serve run {run_key}", summary,
                              report.samples, report.results,
-                             notes=[f"trace {config.trace} shaped by the ServeGen tide from {config.tide_start_h:.1f} h, "
-                                    f"compressed {compression:.0f}x, mean {mean_rps:.2f} req/s",
-                                    f"prompts capped at {config.max_prompt_tokens} tokens, outputs at "
-                                    f"{config.max_new_tokens}; model {ckpt.name}",
+                             notes=[*day_notes(config, compression, mean_rps, ckpt.name),
                                     *[f"{d['t_s']:.0f} s: {d['reason']}" for d in report.tide_decisions]])
     (flexpipe_home() / "reports" / "latest_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     context.add_output_metadata({

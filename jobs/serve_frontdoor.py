@@ -15,7 +15,7 @@ from dagster import MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
 from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL
-from flexpipe_dag.jobs.serve import ServeTraceConfig, build_workloads, check_context
+from flexpipe_dag.jobs.serve import ServeTraceConfig, build_workloads, check_context, day_notes
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
@@ -104,10 +104,7 @@ def serve_http(context: OpExecutionContext, config: ServeFrontdoorConfig, store:
         flexpipe_home() / "reports" / f"{run_key}.html", f"FlexPipe front-door run {run_key}", summary, samples,
         day.results, notes=[f"served over HTTP by flexpipe serve ({run_key}); online: streaming /v1/completions "
                             "replayed at the trace's arrival times; offline: one Batch API job",
-                            f"trace {config.trace} shaped by the ServeGen tide from {config.tide_start_h:.1f} h, "
-                            f"compressed {compression:.0f}x, mean {mean_rps:.2f} req/s",
-                            f"prompts capped at {config.max_prompt_tokens} tokens, outputs at "
-                            f"{config.max_new_tokens}; model {ckpt.name}",
+                            *day_notes(config, compression, mean_rps, ckpt.name),
                             *[f"failed {f['id']}: {f['error']}" for f in day.failed[:20]]])
     (flexpipe_home() / "reports" / "latest_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     context.add_output_metadata({

@@ -145,6 +145,39 @@ def test_bad_requests_get_openai_errors_naming_the_field(server, client):
     assert bad_header.status_code == 400 and bad_header.json()["error"]["param"] == "X-FlexPipe-Priority"
 
 
+def test_hostile_bodies_get_openai_errors_and_the_server_keeps_serving(server, client):
+    url = server.url + "/v1/completions"
+    head = {"content-type": "application/json"}
+    with httpx.Client(timeout=60) as http:  # one keep-alive connection: an error must not drop it
+        lone = http.post(url, content=b'{"model": "%s", "prompt": "\\ud800 x", "max_tokens": 2}' % MODEL.encode(),
+                         headers=head)
+        assert lone.status_code == 400 and lone.json()["error"]["param"] == "prompt"
+        lone = http.post(server.url + "/v1/chat/completions", headers=head,
+                         content=b'{"model": "\\ud800", "messages": [{"role": "user", "content": "a"}]}')
+        assert lone.status_code == 400 and lone.json()["error"]["param"] == "model"
+        coerced = http.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": "2"})
+        assert coerced.status_code == 400 and coerced.json()["error"]["param"] == "max_tokens"
+        big = http.post(url, content=b'{"model": "x", "prompt": "' + b"a" * (9 * 2**20) + b'"}', headers=head)
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: cut off once the bytes pass the limit
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(20):
+            yield b"a" * 2**20
+
+    chunked = httpx.post(url, content=chunks(), headers=head, timeout=60)
+    assert chunked.status_code == 413
+    for i in range(3):  # paths nobody serves share one label: clients cannot mint metric series
+        assert httpx.get(f"{server.url}/nothing-{i}").status_code == 404
+    labels = {(s.labels["endpoint"], s.labels["outcome"]) for f in text_string_to_metric_families(
+        httpx.get(server.url + "/metrics").text) if f.name == "flexpipe_requests" for s in f.samples}
+    assert {e for e, _ in labels} <= {"completions", "chat_completions", "models", "files", "batches", "batch",
+                                      "health", "ready", "metrics", "other"}
+    assert ("other", "error_404") in labels and ("completions", "error_413") in labels
+    ok = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
 def test_concurrent_streams_each_complete_once_and_metrics_match_what_clients_saw(server, client):
     before = _metrics(server.url)
 

@@ -60,7 +60,30 @@ def test_a_batch_file_is_checked_whole_naming_the_line():
     for content, needle in ((b"\xff\xfe", "not UTF-8 text (byte 0)"), (b"", "no request lines"),
                             (b"{bad", "line 1: not valid JSON"), (b"[1]", "line 1: expected a JSON object"),
                             (json.dumps({**line, "custom_id": ""}).encode(), "line 1: custom_id"),
-                            (json.dumps({**line, "method": "GET"}).encode(), "line 1: method: expected POST")):
+                            (json.dumps({**line, "method": "GET"}).encode(), "line 1: method: expected POST"),
+                            # JSON's escapes allow a lone surrogate, UTF-8 does not (it once stalled the runner)
+                            (b'{"custom_id": "\\ud800", "method": "POST", "url": "/v1/completions", "body": {}}',
+                             "line 1: custom_id: holds a lone UTF-16 surrogate")):
         with pytest.raises(APIError, match=re.escape(needle)) as err:
             parse_batch_input(content, "/v1/completions", "f")
         assert err.value.status == 400 and err.value.param == "input_file_id"
+
+
+def test_lone_surrogates_are_refused_naming_the_field_and_strict_fields_are_not_coerced():
+    from pydantic import ValidationError
+
+    from flexpipe_dag.serving.frontdoor.protocol import CompletionRequest, lone_surrogate_path
+
+    assert lone_surrogate_path({"messages": [{"role": "user", "content": "ok \udc00"}]}) == "messages.0.content"
+    assert lone_surrogate_path({"stop": ["a", "\ud800"]}) == "stop.1" and lone_surrogate_path({"a": ["ok", 1]}) is None
+    with pytest.raises(APIError, match=r"^prompt: holds a lone UTF-16 surrogate") as err:
+        CompletionRequest.model_validate({"model": "m", "prompt": "\ud800 x"})
+    assert err.value.status == 400 and err.value.param == "prompt"
+    with pytest.raises(APIError, match=r"^model: holds"):
+        ChatCompletionRequest.model_validate({"model": "\ud800", "messages": [{"role": "user", "content": "a"}]})
+    for field, value in (("max_tokens", "2"), ("max_tokens", True), ("stream", "yes"), ("temperature", "0.5"),
+                         ("temperature", float("nan")), ("stream_options", {"include_usage": "x"})):
+        with pytest.raises(ValidationError) as verr:
+            CompletionRequest.model_validate({"model": "m", "prompt": "p", field: value})
+        assert verr.value.errors()[0]["loc"][0] == field
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "p", "temperature": 0}).temperature == 0.0

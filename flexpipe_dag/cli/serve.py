@@ -29,6 +29,7 @@ from pathlib import Path
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.gear_builders import even_gear, load_gear
+from flexpipe_dag.core.settings import check_number
 
 
 def register(subparsers) -> None:
@@ -165,9 +166,15 @@ def serve(args: argparse.Namespace) -> int:
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings
 
-    for name in ("micro_batch_size", "max_pending", "batch_inflight"):
-        if getattr(args, name) < 1:
+    for name in ("micro_batch_size", "max_pending", "batch_inflight", "kv_capacity_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InputError(None, "--" + name.replace("_", "-"), f"expected >= 1, got {getattr(args, name)}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise InputError(None, "--served-model-name", "expected a name clients send as 'model'; got an empty one")
+    if args.load_rps is not None:
+        check_number(args.load_rps, None, "--load-rps", ge=0, unit="req/s")
+    if args.no_store and args.run_key:
+        raise InputError(None, "--run-key", "names this server's run in the store: drop --no-store, or the key")
     if args.drain_timeout_s < 0:
         raise InputError(None, "--drain-timeout-s", f"expected >= 0, got {args.drain_timeout_s}")
     settings = ServerSettings(host=args.host, port=args.port, api_key=read_api_key(args.api_key_file),

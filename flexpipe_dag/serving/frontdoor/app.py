@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexpipe_dag.serving.frontdoor.batches import batch_file, cancel_batch, create_batch, get_batch, list_batches
 from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, Generation
+from flexpipe_dag.serving.frontdoor.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
 from flexpipe_dag.serving.frontdoor.protocol import (
     APIError,
@@ -56,10 +57,28 @@ class BatchAPI:
         return self.store
 
 
+#: ``endpoint`` label of ``flexpipe_requests_total`` per route (a fixed set: a path nobody serves is
+#: ``other``, so clients cannot mint label values).
+ROUTE_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+                "/v1/models": "models", "/v1/files": "files", "/v1/files/{file_id}": "files",
+                "/v1/files/{file_id}/content": "files", "/v1/batches": "batches", "/v1/batches/{batch_id}": "batches",
+                "/v1/batches/{batch_id}/cancel": "batches", "/health": "health", "/ready": "ready",
+                "/metrics": "metrics"}
+#: Room for the multipart framing around an uploaded file, bytes.
+MULTIPART_OVERHEAD_BYTES = 1024 * 1024
+
+
+def endpoint_label(scope) -> str:
+    """The ``endpoint`` label of a request: its route's name in :data:`ROUTE_LABELS`, else ``other``."""
+    route = scope.get("route")
+    return ROUTE_LABELS.get(getattr(route, "path", None) or scope.get("path", ""), "other")
+
+
 def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = None, lifespan=None,
-               batch_api: BatchAPI | None = None) -> FastAPI:
+               batch_api: BatchAPI | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The API app over ``engine`` serving ``model_name`` (``api_key``: required on ``/v1`` when set;
-    ``batch_api``: the Files and Batches routes' store and runner)."""
+    ``batch_api``: the Files and Batches routes' store and runner; ``max_body_bytes``: larger JSON bodies
+    get 413, unread; an upload to ``/v1/files`` may be as large as the store keeps a file)."""
     batches = batch_api or BatchAPI()
     app = FastAPI(title="FlexPipe", description="OpenAI-compatible front door of a FlexPipe pipeline",
                   lifespan=lifespan)
@@ -67,8 +86,22 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
 
     def refused(request: Request, err: APIError) -> JSONResponse:
         """An error answer, counted in ``flexpipe_requests_total`` under the route."""
-        engine.metrics.requests.labels(request.url.path, f"error_{err.status}").inc()
+        engine.metrics.requests.labels(endpoint_label(request.scope), f"error_{err.status}").inc()
         return JSONResponse(err.body(), status_code=err.status)
+
+    def file_upload_limit() -> int:
+        return (batches.store.max_api_file_bytes if batches.store is not None else 0) + MULTIPART_OVERHEAD_BYTES
+
+    app.add_middleware(BodySizeLimit,  # type: ignore[arg-type]
+                       limit_for=lambda path: file_upload_limit() if path == "/v1/files" else max_body_bytes,
+                       on_refused=lambda path: engine.metrics.requests.labels(
+                           ROUTE_LABELS.get(path, "other"), "error_413").inc())
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug, not the client's fault: still OpenAI's shape, counted, and the connection kept."""
+        return refused(request, APIError(500, f"internal error ({type(exc).__name__}); the server logged it",
+                                         type="server_error"))
 
     @app.middleware("http")
     async def _key_first(request: Request, call_next):

@@ -35,7 +35,12 @@ from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY, InferenceJobKind, Inf
 from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
 from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, _first_stop
 from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
-from flexpipe_dag.serving.frontdoor.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from flexpipe_dag.serving.frontdoor.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    refuse_lone_surrogates,
+)
 from flexpipe_dag.serving.frontdoor.responses import chat_shapes, completion_shapes
 
 API_BATCH_KEY = API_BATCH_CONFIG_KEY
@@ -44,6 +49,8 @@ BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 #: Request ids of batch lines on the router: ``batch:<job id>:<line index>``.
 BATCH_PREFIX = "batch:"
 RUNNABLE = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value, InferenceJobStatus.RUNNING.value)
+#: Steps in a row that may raise for one batch before it is failed (its finished lines kept).
+MAX_JOB_ERRORS = 5
 
 
 def is_api_batch(job) -> bool:
@@ -65,7 +72,8 @@ def parse_batch_input(content: bytes, endpoint: str, file_id: str) -> list[Batch
 
     Raises:
         APIError: 400 naming the file, the line (1-based) and the field: not UTF-8, not JSON, not an
-            object, a missing or repeated ``custom_id``, a ``method`` other than POST, a ``url`` other
+            object, a string that is not Unicode text (a lone surrogate), a missing or repeated
+            ``custom_id``, a ``method`` other than POST, a ``url`` other
             than ``endpoint``, a ``body`` that is not an object; or no line at all.
     """
     try:
@@ -84,6 +92,7 @@ def parse_batch_input(content: bytes, endpoint: str, file_id: str) -> list[Batch
             raise APIError(400, f"{where}: not valid JSON ({exc.msg})", param="input_file_id") from None
         if not isinstance(row, dict):
             raise APIError(400, f"{where}: expected a JSON object", param="input_file_id")
+        refuse_lone_surrogates(row, f"{where}: ", param="input_file_id")
         cid = row.get("custom_id")
         if not isinstance(cid, str) or not cid or len(cid) > 200:
             raise APIError(400, f"{where}: custom_id: expected a string of 1-200 characters", param="input_file_id")
@@ -126,6 +135,7 @@ class BatchRunner:
         self._inflight: dict[str, tuple[int, BatchLine, Any, float]] = {}  # request id -> job, line, shapes, t0
         self._lines: dict[int, list[BatchLine]] = {}
         self._finished: dict[int, set[str]] = {}  # job id -> custom ids with a result row
+        self._errors: dict[int, int] = {}  # job id -> steps in a row that raised
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flexpipe-batches", daemon=True)
 
@@ -187,20 +197,38 @@ class BatchRunner:
 
     def _step(self) -> None:
         for job in self.db.jobs(kind=InferenceJobKind.BATCH.value):
-            if not is_api_batch(job):
+            if not is_api_batch(job) or job.status not in RUNNABLE:
                 continue
-            if job.status not in RUNNABLE:
-                continue
-            lines = self._job_lines(job)
-            finished = self._finished_ids(job.id)
-            if len(finished) >= len(lines):
-                if self.inflight(job.id) == 0:
-                    self.db.update_job(job.id, status=InferenceJobStatus.DONE)
-                    self.log(f"batch {job.job_key}: completed ({len(lines)} lines)")
-                continue
-            if job.status != InferenceJobStatus.RUNNING.value:
-                self.db.update_job(job.id, status=InferenceJobStatus.RUNNING)
-            self._submit(job, lines, finished)
+            try:
+                self._step_job(job)
+                self._errors.pop(job.id, None)
+            except Exception as exc:  # this batch only: the others go on
+                self._job_failed(job, exc)
+
+    def _job_failed(self, job, exc: Exception) -> None:
+        """One batch's step raised: say so once; after :data:`MAX_JOB_ERRORS` in a row, fail the batch with
+        the error (its finished lines are kept), so that one bad batch never stalls the others."""
+        n = self._errors.get(job.id, 0) + 1
+        self._errors[job.id] = n
+        what = f"{type(exc).__name__}: {exc}"
+        if n == 1:
+            self.log(f"batch {job.job_key}: {what} (the batch fails if this repeats {MAX_JOB_ERRORS} times)")
+        if n >= MAX_JOB_ERRORS:
+            self.db.update_job(job.id, status=InferenceJobStatus.FAILED, error=what[:500])
+            self._errors.pop(job.id, None)
+            self.log(f"batch {job.job_key}: failed: {what}")
+
+    def _step_job(self, job) -> None:
+        lines = self._job_lines(job)
+        finished = self._finished_ids(job.id)
+        if len(finished) >= len(lines):
+            if self.inflight(job.id) == 0:
+                self.db.update_job(job.id, status=InferenceJobStatus.DONE)
+                self.log(f"batch {job.job_key}: completed ({len(lines)} lines)")
+            return
+        if job.status != InferenceJobStatus.RUNNING.value:
+            self.db.update_job(job.id, status=InferenceJobStatus.RUNNING)
+        self._submit(job, lines, finished)
 
     def _submit(self, job, lines: list[BatchLine], finished: set[str]) -> None:
         if self.engine.router is None or self.engine.draining or self._online_open() > self.pause_above_online:

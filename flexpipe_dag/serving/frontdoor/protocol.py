@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 #: Most stop sequences one request may give (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
@@ -43,20 +43,70 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class _Sampling(BaseModel):
-    """Fields both endpoints share."""
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """Where a parsed JSON value holds a string (or key) that is no Unicode text: a lone UTF-16
+    surrogate such as ``"\\ud800"``, which JSON's escapes allow and UTF-8 cannot encode. The path is
+    dotted as a client wrote it (``messages.0.content``; ``""`` is the value itself); None when all is text.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and lone_surrogate_path(key) is not None:
+            return path or "(a key)"
+        found = lone_surrogate_path(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def refuse_lone_surrogates(value: Any, where: str = "", param: str | None = None) -> None:
+    """Refuse ``value`` (a parsed JSON body or line) when it holds no Unicode text somewhere.
+
+    Args:
+        value: the parsed JSON.
+        where: what the message names before the field (``"file F line 3: "``).
+        param: the error's ``param`` (default: the field itself).
+
+    Raises:
+        APIError: 400 naming the field that holds a lone surrogate (see :func:`lone_surrogate_path`).
+    """
+    found = lone_surrogate_path(value)
+    if found is not None:
+        raise APIError(400, f"{where}{found or 'the body'}: holds a lone UTF-16 surrogate (e.g. \\ud800), which is "
+                            "not Unicode text; expected valid UTF-8 text", param=param or found or None)
+
+
+class _Body(BaseModel):
+    """A request body: extra fields ignored (as OpenAI and vLLM do), lone surrogates refused by field."""
 
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        refuse_lone_surrogates(data)  # an APIError passes through pydantic to the app's handler
+        return data
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share. Numbers and flags are strict, as OpenAI's are: ``"2"`` or ``true``
+    for ``max_tokens``, or ``"yes"`` for ``stream``, is a 400, not coerced."""
+
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = 1
+    stream: StrictBool = False
+    stream_options: dict[str, StrictBool] | None = None
+    n: StrictInt = 1
     user: str | None = None
     priority: PriorityClass | None = None
     # accepted by OpenAI, not implemented here: refused by name when set (see unsupported())
@@ -103,9 +153,9 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is text, or token ids, or a list of one of either (n=1)."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
@@ -162,7 +212,7 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     tools: Any = None
     response_format: dict[str, Any] | None = None
 
@@ -179,10 +229,8 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-class BatchCreateRequest(BaseModel):
+class BatchCreateRequest(_Body):
     """``POST /v1/batches``."""
-
-    model_config = ConfigDict(extra="ignore")
 
     input_file_id: str = Field(min_length=1, max_length=64)
     endpoint: str

@@ -68,6 +68,9 @@ def _tokens(text: str) -> list[int]:
 
 def test_models_health_and_ready(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/ready")
     assert ready.status_code == 200 and ready.json()["gear_id"] == "uniform-2"

@@ -123,3 +123,17 @@ def test_serve_plan_starts_on_the_gear_the_plan_recommends_for_the_load(store, l
     assert "--load-rps: only means something with --plan" in capsys.readouterr().err
     assert main(["serve", "--plan", "--no-store"]) == 2
     assert "--plan: the plan is read from the store: drop --no-store" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--concurrency", ","], "--concurrency: expected comma-separated integers"),
+    (["--concurrency", "1,,2"], "--concurrency: expected comma-separated integers"),
+    (["--concurrency", "0,2"], "--concurrency: expected levels >= 1"),
+    (["--slo-ttft-ms", "-1"], "--slo-ttft-ms: expected a finite number > 0"),
+    (["--slo-tpot-ms", "nan"], "--slo-tpot-ms: expected a finite number > 0"),
+    (["--speedup", "0"], "--speedup: expected > 0"),
+])
+def test_loadtest_refuses_bad_flags_in_one_line_before_sending_anything(flags, message, capsys):
+    assert main(["loadtest", "--url", "http://127.0.0.1:9/v1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "cannot reach" not in err and len(err.strip().splitlines()) == 1

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import check_number
 
 
 def register(subparsers) -> None:
@@ -41,10 +42,18 @@ def register(subparsers) -> None:
 
 
 def _levels(text: str) -> list[int]:
+    """The sweep's levels (``''``: no sweep).
+
+    Raises:
+        InputError: an item that is not an integer >= 1, or an empty item (``1,,2``; ``,``).
+    """
+    if not text.strip():
+        return []
     try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
+        levels = [int(x) for x in text.split(",")]
     except ValueError:
-        raise InputError(None, "--concurrency", f"expected comma-separated integers, got {text!r}") from None
+        raise InputError(None, "--concurrency", f"expected comma-separated integers such as 1,2,4 ('' skips the "
+                                                f"sweep), got {text!r}") from None
     if any(c < 1 for c in levels):
         raise InputError(None, "--concurrency", f"expected levels >= 1, got {text!r}")
     return levels
@@ -74,6 +83,8 @@ def loadtest(args: argparse.Namespace) -> int:
             raise InputError(None, "--" + name.replace("_", "-"), f"expected >= 1, got {getattr(args, name)}")
     if not args.speedup > 0:
         raise InputError(None, "--speedup", f"expected > 0, got {args.speedup}")
+    for flag in ("slo_ttft_ms", "slo_tpot_ms"):
+        check_number(getattr(args, flag), None, "--" + flag.replace("_", "-"), gt=0, unit="milliseconds")
     levels = _levels(args.concurrency)
     api_key = read_api_key(args.api_key_file)
     if args.url is None:

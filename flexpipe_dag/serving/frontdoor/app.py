@@ -60,7 +60,7 @@ class BatchAPI:
 #: ``endpoint`` label of ``flexpipe_requests_total`` per route (a fixed set: a path nobody serves is
 #: ``other``, so clients cannot mint label values).
 ROUTE_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
-                "/v1/models": "models", "/v1/files": "files", "/v1/files/{file_id}": "files",
+                "/v1/models": "models", "/v1/models/{model_id:path}": "models", "/v1/files": "files", "/v1/files/{file_id}": "files",
                 "/v1/files/{file_id}/content": "files", "/v1/batches": "batches", "/v1/batches/{batch_id}": "batches",
                 "/v1/batches/{batch_id}/cancel": "batches", "/health": "health", "/ready": "ready",
                 "/metrics": "metrics"}
@@ -168,10 +168,20 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "flexpipe",
+                "max_model_len": engine.max_context_tokens}
+
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                             "owned_by": "flexpipe", "max_model_len": engine.max_context_tokens}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorised)])
+    async def model(model_id: str) -> dict:
+        if model_id != model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/completions", dependencies=[Depends(authorised)])
     async def completions(body: CompletionRequest, request: Request):

@@ -169,7 +169,7 @@ PLANNING_ENV = {"FLEXPIPE_MODEL": "model", "FLEXPIPE_PLAN_DTYPE": "dtype", "FLEX
                 "FLEXPIPE_MAX_PROMPT_TOKENS": "max_prompt_tokens",
                 "FLEXPIPE_MAX_NEW_TOKENS": "max_new_tokens", "FLEXPIPE_PLAN_CONCURRENCY": "concurrency",
                 "FLEXPIPE_REFERENCE_REQUESTS": "reference_requests", "FLEXPIPE_STAGE_REPLICAS": "stage_replicas",
-                "FLEXPIPE_BF16_FALLBACK": "bf16_fallback"}
+                "FLEXPIPE_BF16_FALLBACK": "bf16_fallback", "FLEXPIPE_PLAN_OBJECTIVE": "objective"}
 
 #: The field types :func:`planning_from_env` parses with ``env_value`` (others are taken as stripped strings).
 _SCALAR_KINDS: dict[object, type[int | float | bool]] = {int: int, float: float, bool: bool}

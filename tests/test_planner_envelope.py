@@ -343,3 +343,27 @@ def test_no_balanced_gear_that_the_throughput_gear_beats_on_every_count():
     assert 0 < envs["dom"] < envs["thr"]
     assert [g.gear_id for g in selection.gears] == ["throughput-thr"]
     assert any("no balanced gear distinct" in n for n in selection.notes)
+
+
+def test_a_single_worker_plan_cut_by_the_candidate_cap_still_comes_back_as_the_compact_candidate():
+    """Two CPU workers (figures as this host's probe measured them): the 1-worker plan is among the plans
+    the shortlist cap cuts, and was then also kept out of the compact candidates as if listed, so no gear
+    could ever free a worker. It is a candidate now."""
+    from flexpipe_dag.core.cluster import parse_cluster_profile
+    from flexpipe_dag.planner.gears import candidate_gears
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.planner.workload import PlanWorkload
+
+    def worker(i: int, tflops: float, gbps: float) -> dict:
+        return {"device_id": f"vm-cpu{i}", "node_id": "vm", "kind": "cpu-worker", "memory_gib": 11.79,
+                "peak_tflops": tflops, "hbm_bandwidth_gbps": gbps, "compute_score": tflops / 312,
+                "max_micro_batch": 315, "bf16": True}
+    cluster = parse_cluster_profile({
+        "cluster_id": "vm", "devices": [worker(0, 0.1186, 9.41), worker(1, 0.1067, 10.30)],
+        "links": [{"src_device_id": a, "dst_device_id": b, "bandwidth_gbps": 3.67, "latency_us": 60.0, "kind": "gloo"}
+                  for a, b in (("vm-cpu0", "vm-cpu1"), ("vm-cpu1", "vm-cpu0"))]})
+    workload = PlanWorkload(context_p95_tokens=108, concurrency=16, prompt_tokens_mean=94, output_tokens_mean=11,
+                            min_residence_s=600.0)
+    gears = candidate_gears(cluster, load_model_spec("SmolLM2-135M"), dtype="fp32", workload=workload, replicas=False)
+    assert len(gears) > 6 and [len(g.device_ids) for g in gears[6:]] == [1]  # beyond the cap of 6: one compact
+    assert min(len(g.device_ids) for g in gears[:6]) == 2

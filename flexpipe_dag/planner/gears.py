@@ -526,20 +526,22 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     for a, b in itertools.zip_longest(by_layout.values(), fast):
         picks += [x for x in (a, b) if x is not None]
     out: list[Gear] = []
+    listed: set[PlanSignature] = set()
     seen: set[tuple[PlanSignature, int]] = set()
     for sp in picks:
         key = _config_key(search, sp)
         if key in seen:
             continue
         seen.add(key)
+        listed.add(sp.plan.signature())
         g = to_gear(search, "manual", sp, profile_version=profile_version)
         out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
         if len(out) >= max_candidates:
             break
-    if compact:
+    if compact:  # a plan cut off by max_candidates above is not listed: its compact form may be
         out += _compact_candidates(cluster, model, dtype, workload, now, device_overrides, profile_version,
                                    fewest_devices=min(len(g.device_ids) for g in out),
-                                   signatures={sp.plan.signature() for sp in picks}, replicas=replicas)
+                                   signatures=listed, replicas=replicas)
     return out
 
 

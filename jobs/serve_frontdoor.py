@@ -52,12 +52,13 @@ def server_args(config: ServeFrontdoorConfig, gear_id: str, run_key: str, model:
     return args
 
 
-def operator_drill(db, run_key: str, gears, after_s: float, stop, log) -> int | None:
+def operator_drill(db, run_key: str, gears, after_s: float, stop, log, started_s: float | None = None) -> int | None:
     """After ``after_s`` seconds (unless ``stop`` is set first), if serving run ``run_key`` has made no shift, ask
     it for one by hand, as an operator's ``gear_shift`` run would: to the largest envelope among the plan's
     ``gears`` other than the live one. The server applies it like any other (warm-up, drain, switch, rollback)
     while clients stream, and its controller may move back later. Returns the shift event id, or None (a
-    shift was already made, the plan has no other gear, or the run was stopped)."""
+    shift was already made, the plan has no other gear, or the run was stopped). ``started_s``: when the
+    server started (``time.monotonic()``), so the event's ``t_s`` is on the run's clock as the report reads it."""
     from flexpipe_dag.core.status import ShiftEventStatus
 
     if stop.wait(after_s):
@@ -75,7 +76,8 @@ def operator_drill(db, run_key: str, gears, after_s: float, stop, log) -> int | 
               "pays back so far)")
     event_id = db.record_shift_event("shift", ShiftEventStatus.DECIDED, reason, from_gear_key=live,
                                      to_gear_key=to.gear_id, trigger="manual", run_key=run_key,
-                                     decision_key=f"drill:{run_key}")
+                                     decision_key=f"drill:{run_key}",
+                                     details={"t_s": round(time.monotonic() - started_s, 1)} if started_s else None)
     db.request_shift(event_id, run_key, 120.0)
     log(f"{reason} (shift event {event_id})")
     return event_id
@@ -126,7 +128,7 @@ def serve_http(context: OpExecutionContext, config: ServeFrontdoorConfig, store:
         context.log.info(f"front door up at {url} after {time.monotonic() - t0:.0f} s")
         if config.operator_drill_at is not None:
             after_s = config.operator_drill_at * (online[-1].arrival_s if online else 0.0)
-            threading.Thread(target=operator_drill, args=(db, run_key, gears, after_s, drill_stop, context.log.info),
+            threading.Thread(target=operator_drill, args=(db, run_key, gears, after_s, drill_stop, context.log.info, t0),
                              name="flexpipe-drill", daemon=True).start()
         day = serve_day(url, ckpt.name, online, offline, batch_timeout_s=config.batch_timeout_s,
                         log=context.log.info)

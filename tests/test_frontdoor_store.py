@@ -137,3 +137,27 @@ def test_loadtest_refuses_bad_flags_in_one_line_before_sending_anything(flags, m
     assert main(["loadtest", "--url", "http://127.0.0.1:9/v1", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "cannot reach" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_operator_drill_asks_the_live_server_for_one_shift_only_when_none_was_made(store):
+    import threading
+
+    from flexpipe_dag.core.status import ShiftEventStatus
+    from flexpipe_dag.jobs.serve_frontdoor import operator_drill
+
+    base = even_gear(30, 2, "SmolLM2-135M", 4, None, 4096)
+    gears = [base.model_copy(update={"gear_id": gid, "rps_max": r}) for gid, r in (("g-live", 1.0), ("g-big", 2.0),
+                                                                                    ("g-mid", 1.5))]
+    said: list[str] = []
+    store.heartbeat_pipeline_run("fd-1", "serve", "g-live")
+    assert operator_drill(store, "fd-1", gears[:1], 0.0, threading.Event(), said.append) is None
+    assert "nothing to shift to" in said[-1] and store.shift_events(run_key="fd-1") == []
+    stopped = threading.Event()
+    stopped.set()  # the day ended before the drill's time
+    assert operator_drill(store, "fd-1", gears, 5.0, stopped, said.append) is None
+    event_id = operator_drill(store, "fd-1", gears, 0.0, threading.Event(), said.append, started_s=None)
+    [ev] = store.pending_shift_requests("fd-1")  # addressed to the live server, to the largest other envelope
+    assert ev.id == event_id and (ev.from_gear_key, ev.to_gear_key, ev.trigger) == ("g-live", "g-big", "manual")
+    assert ev.status == ShiftEventStatus.REQUESTED.value and "operator drill" in ev.reason
+    assert operator_drill(store, "fd-1", gears, 0.0, threading.Event(), said.append) is None  # a shift was made
+    assert said[-1] == "operator drill: not needed, the controller has shifted"

@@ -86,12 +86,26 @@ def read_api_key(path: Path | None) -> str | None:
     if path is None:
         return None
     try:
-        key = path.read_text().strip().splitlines()[0].strip() if path.read_text().strip() else ""
+        text = path.read_text().strip()
     except OSError as exc:
         raise InputError(str(path), None, f"cannot read the API key file: {exc.strerror}") from None
+    key = text.splitlines()[0].strip() if text else ""
     if not key:
         raise InputError(str(path), None, "expected the API key on its first line; the file is empty")
     return key
+
+
+def newest_plan_gears(store, flag: str, problem: str) -> tuple[Gear, ...]:
+    """The gears of the newest stored plan (those of the newest cluster profile).
+
+    Raises:
+        InputError: none is stored; ``flag`` and ``problem`` say which option needed them, then how to plan.
+    """
+    latest = store.latest_profile()
+    gears = tuple(store.load_gears(latest[0].id)) if latest is not None else ()
+    if not gears:
+        raise InputError(None, flag, f"{problem} (run `flexpipe demo`, or the plan_gears job, first)")
+    return gears
 
 
 def stored_gears(store, wanted: str) -> tuple:
@@ -100,11 +114,8 @@ def stored_gears(store, wanted: str) -> tuple:
     Raises:
         InputError: no plan is stored, or no gear of it has that kind or id (the ones there are listed).
     """
-    latest = store.latest_profile()
-    gears = store.load_gears(latest[0].id) if latest is not None else []
-    if not gears:
-        raise InputError(None, "--gear", f"{wanted!r} is not a file, and the store holds no planned gears to look "
-                                         "it up in (run `flexpipe demo` or the plan_gears job first)")
+    gears = newest_plan_gears(store, "--gear", f"{wanted!r} is not a file, and the store holds no planned gears to "
+                                               "look it up in")
     match = [g for g in gears if g.gear_id == wanted] or [g for g in gears if g.kind == wanted]
     if not match:
         known = ", ".join(f"{g.gear_id} ({g.kind})" for g in gears)
@@ -126,11 +137,7 @@ def planned_gear(store, load_rps: float | None) -> tuple[Gear, tuple[Gear, ...],
     """
     from flexpipe_dag.planner.operating import recommend_gear
 
-    latest = store.latest_profile()
-    gears = tuple(store.load_gears(latest[0].id)) if latest is not None else ()
-    if not gears:
-        raise InputError(None, "--plan", "the store holds no planned gears (run `flexpipe demo`, the plan_gears job, "
-                                         "or `flexpipe profile` then plan_gears first)")
+    gears = newest_plan_gears(store, "--plan", "the store holds no planned gears")
     if load_rps is None:
         gear = next((g for g in gears if g.kind == "latency"), gears[0])
         return gear, gears, f"{gear.gear_id} is the plan's {gear.kind} gear (no --load-rps given)"

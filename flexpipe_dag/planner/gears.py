@@ -535,8 +535,7 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
             continue
         seen.add(key)
         listed.add(sp.plan.signature())
-        g = to_gear(search, "manual", sp, profile_version=profile_version)
-        out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
+        out.append(_candidate(search, sp, profile_version))
         if len(out) >= max_candidates:
             break
     # the trough gear's best form: the highest-tokens/s plan on the fewest devices any plan uses, when the
@@ -550,13 +549,18 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
                 key=lambda sp: (-sp.estimate.tokens_per_s, sp.estimate.tpot_idle_ms, sp.plan.signature()))
     if _config_key(search, small) not in seen:
         listed.add(small.plan.signature())
-        g = to_gear(search, "manual", small, profile_version=profile_version)
-        out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
+        out.append(_candidate(search, small, profile_version))
     if compact:  # a plan cut off by max_candidates above is not listed: its compact form may be
         out += _compact_candidates(cluster, model, dtype, workload, now, device_overrides, profile_version,
                                    fewest_devices=min(len(g.device_ids) for g in out),
                                    signatures=listed, replicas=replicas)
     return out
+
+
+def _candidate(search: PipelineSearch, sp: ScoredPlan, profile_version: int | None) -> Gear:
+    """``sp`` as a candidate gear (``kind="manual"``, id ``candidate-<stages>s-<hash>``)."""
+    g = to_gear(search, "manual", sp, profile_version=profile_version)
+    return g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]})
 
 
 def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, workload: PlanWorkload,
@@ -587,8 +591,7 @@ def _compact_candidates(cluster: ClusterProfile, model: ModelSpec, dtype: str, w
             continue
         fewest_devices = n_devices
         signatures.add(best.plan.signature())
-        g = to_gear(search, "manual", best, profile_version=profile_version)
-        out.append(g.model_copy(update={"gear_id": "candidate" + g.gear_id[len("manual"):]}))
+        out.append(_candidate(search, best, profile_version))
     return out
 
 

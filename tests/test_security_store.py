@@ -55,8 +55,10 @@ def _open_fresh_stores_forever(directory: str) -> None:
         engine.dispose()
 
 
-def _save_profiles_forever(url: str, profile) -> None:
+def _save_profiles_forever(url: str, profile, writing=None) -> None:
     store = Store(make_engine(url))
+    if writing is not None:
+        writing.set()  # the store is open: from here on a kill lands in a profile write
     while True:
         store.save_profile(profile)
 
@@ -87,9 +89,13 @@ def _run_all(targets: list[tuple]) -> None:
     assert codes == [0] * len(procs), f"child exit codes {codes} (None: hung)"
 
 
-def _kill_after(target, args, delay_s: float) -> None:
+def _kill_after(target, args, delay_s: float, started=None) -> None:
+    """Run ``target(*args)`` in a forked child and SIGKILL it ``delay_s`` after it starts, or after it sets
+    the event ``started`` when one is given (so the kill lands in what follows, however slow the host)."""
     proc = FORK.Process(target=target, args=args)
     proc.start()
+    if started is not None:
+        assert started.wait(60), "the child never got ready"
     time.sleep(delay_s)
     proc.kill()  # SIGKILL: no cleanup, no rollback by the child
     proc.join(10)
@@ -140,7 +146,8 @@ def test_sigkill_during_first_open_and_profile_writes_leaves_a_store_that_opens(
     store.save_profile(lab_profile)
     write_s = time.perf_counter() - t0
     for _ in range(25):
-        _kill_after(_save_profiles_forever, (url, lab_profile), rng.uniform(0, 8 * write_s))
+        writing = FORK.Event()
+        _kill_after(_save_profiles_forever, (url, lab_profile, writing), rng.uniform(0, 8 * write_s), writing)
         versions = _assert_whole_versions(Store(make_engine(url)), lab_profile)
         assert versions == list(range(1, len(versions) + 1))  # no gap, no duplicate, no partial version
     assert len(versions) > 25, "the kills should have let some writes through"

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -46,7 +47,7 @@ from flexpipe_dag.serving.frontdoor.responses import chat_shapes, completion_sha
 API_BATCH_KEY = API_BATCH_CONFIG_KEY
 #: Endpoints a batch may target.
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-#: Request ids of batch lines on the router: ``batch:<job id>:<line index>``.
+#: Request ids of batch lines on the router: ``batch:<job id>:<line index>:<submission>``.
 BATCH_PREFIX = "batch:"
 RUNNABLE = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value, InferenceJobStatus.RUNNING.value)
 #: Steps in a row that may raise for one batch before it is failed (its finished lines kept).
@@ -136,6 +137,7 @@ class BatchRunner:
         self._lines: dict[int, list[BatchLine]] = {}
         self._finished: dict[int, set[str]] = {}  # job id -> custom ids with a result row
         self._errors: dict[int, int] = {}  # job id -> steps in a row that raised
+        self._submissions = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flexpipe-batches", daemon=True)
 
@@ -155,9 +157,17 @@ class BatchRunner:
 
     # -- router side --------------------------------------------------------------------------------
     def on_result(self, out: RequestOutput) -> None:
-        """A batch line finished (a pump thread): build its response and write its row."""
-        with self._lock:
-            entry = self._inflight.pop(out.request_id, None)
+        """A batch line finished (a pump thread): build its response and write its row. A row that cannot
+        be written is logged and the line served again later; the pump thread (the pipeline's) goes on."""
+        try:
+            self._on_result(out)
+        except Exception as exc:
+            self.log(f"batch runner: the result of {out.request_id} was not stored ({type(exc).__name__}: {exc}); "
+                     "the line is served again")
+
+    def _on_result(self, out: RequestOutput) -> None:
+        with self._lock:  # the line stays in flight until its row is written (else a step could serve it again)
+            entry = self._inflight.get(out.request_id)
         if entry is None:
             return
         job_id, line, shapes, t0 = entry
@@ -175,17 +185,22 @@ class BatchRunner:
         metrics.e2e.labels("offline").observe(time.monotonic() - t0)
         if out.tpot_s is not None:
             metrics.tpot.labels("offline").observe(out.tpot_s)
-        self._write(job_id, line, 200, body, tokens, len(out.prompt_token_ids),
+        self._write(job_id, line, 200, body, tokens, len(out.prompt_token_ids), request_id=out.request_id,
                     ttft_ms=1e3 * out.ttft_s, tpot_ms=1e3 * out.tpot_s if out.tpot_s is not None else None,
                     e2e_ms=1e3 * (time.monotonic() - t0))
 
     def on_refused(self, request_id: str, reason: str) -> None:
         """The pipeline refused a batch line (e.g. larger than its KV pool): an error line."""
         with self._lock:
-            entry = self._inflight.pop(request_id, None)
+            entry = self._inflight.get(request_id)
         if entry is not None:
             job_id, line, _, _ = entry
-            self._write(job_id, line, 400, APIError(400, f"the pipeline refused the request: {reason}").body())
+            try:
+                self._write(job_id, line, 400, APIError(400, f"the pipeline refused the request: {reason}").body(),
+                            request_id=request_id)
+            except Exception as exc:
+                self.log(f"batch runner: the refusal of {request_id} was not stored ({type(exc).__name__}: {exc}); "
+                         "the line is served again")
 
     # -- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -233,10 +248,11 @@ class BatchRunner:
     def _submit(self, job, lines: list[BatchLine], finished: set[str]) -> None:
         if self.engine.router is None or self.engine.draining or self._online_open() > self.pause_above_online:
             return
-        with self._lock:
+        with self._lock:  # a line leaves _inflight only once its custom id is in ``finished`` (same lock)
             busy = {(j, ln.index) for j, ln, _, _ in self._inflight.values()}
             room = self.max_inflight - len(self._inflight)
-        todo = [ln for ln in lines if ln.custom_id not in finished and (job.id, ln.index) not in busy][:max(room, 0)]
+            todo = [ln for ln in lines
+                    if ln.custom_id not in finished and (job.id, ln.index) not in busy][:max(room, 0)]
         endpoint = job.config[API_BATCH_KEY]["endpoint"]
         for line in todo:
             try:
@@ -244,13 +260,20 @@ class BatchRunner:
             except APIError as exc:
                 self._write(job.id, line, exc.status, exc.body())
                 continue
-            rid = f"{BATCH_PREFIX}{job.id}:{line.index}"
+            # a fresh id per submission: the router refuses an id it has seen, and a line whose row could
+            # not be written is served again
+            rid = f"{BATCH_PREFIX}{job.id}:{line.index}:{next(self._submissions)}"
             with self._lock:
                 self._inflight[rid] = (job.id, line, shapes, time.monotonic())
-            self.engine.router.submit([Request(rid, list(gen.prompt_token_ids), gen.max_tokens,
-                                               priority=PRIORITY_OFFLINE, temperature=gen.temperature,
-                                               top_p=gen.top_p, seed=gen.seed,
-                                               eos_token_ids=self.engine.eos_token_ids)])
+            try:
+                self.engine.router.submit([Request(rid, list(gen.prompt_token_ids), gen.max_tokens,
+                                                   priority=PRIORITY_OFFLINE, temperature=gen.temperature,
+                                                   top_p=gen.top_p, seed=gen.seed,
+                                                   eos_token_ids=self.engine.eos_token_ids)])
+            except BaseException:
+                with self._lock:
+                    self._inflight.pop(rid, None)
+                raise
 
     def _online_open(self) -> int:
         return self.engine.pending
@@ -292,15 +315,25 @@ class BatchRunner:
         return self._finished[job_id]
 
     def _write(self, job_id: int, line: BatchLine, status_code: int, body: dict, tokens: list[int] | None = None,
-               prompt_tokens: int = 0, **latencies) -> None:
+               prompt_tokens: int = 0, request_id: str | None = None, **latencies) -> None:
+        """Store the line's result row, then (under one lock) mark it finished and take ``request_id`` out of
+        flight. A row that cannot be written only takes the request out of flight: the line is served again."""
         ok = status_code == 200
-        self.engine.metrics.requests.labels("batch", (finish_reason(body) or "stop") if ok else f"error_{status_code}").inc()
         record = {"status_code": status_code, "body": body}
-        self.db.write_result(job_id, line.custom_id, prompt_tokens=prompt_tokens, output_token_ids=tokens or [],
-                             status=RequestResultStatus.DONE if ok else RequestResultStatus.FAILED,
-                             output_text=json.dumps(record), **latencies)
+        try:
+            self.db.write_result(job_id, line.custom_id, prompt_tokens=prompt_tokens, output_token_ids=tokens or [],
+                                 status=RequestResultStatus.DONE if ok else RequestResultStatus.FAILED,
+                                 output_text=json.dumps(record), **latencies)
+        except Exception:
+            if request_id is not None:
+                with self._lock:
+                    self._inflight.pop(request_id, None)
+            raise
         with self._lock:
             self._finished.setdefault(job_id, set()).add(line.custom_id)
+            if request_id is not None:
+                self._inflight.pop(request_id, None)
+        self.engine.metrics.requests.labels("batch", (finish_reason(body) or "stop") if ok else f"error_{status_code}").inc()
 
 
 def finish_reason(body: dict) -> str | None:

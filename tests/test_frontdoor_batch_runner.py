@@ -1,0 +1,117 @@
+"""The Batch API runner against a real store, with a router that answers from another thread.
+
+The router here is a fake beside the real :class:`~flexpipe_dag.shift.router.ServingRouter` (which the
+server tests drive): like the real one it refuses a request id it has seen and calls ``on_result``
+from a pump thread. The store is the real SQL store, slowed down where a row is written, so the
+window between a line's result and its row is wide open.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.scheduler import RequestOutput
+from flexpipe_dag.serving.frontdoor.batches import BatchRunner, create_batch
+from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine
+from flexpipe_dag.serving.frontdoor.metrics import FrontDoorMetrics
+from tests.support import wait_until
+
+MODEL = "m"
+
+
+class _Tokenizer:
+    def __len__(self) -> int:
+        return 1000
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+class _Router:
+    """Refuses an id it has seen (as ServingRouter's ledger does); answers each request after ``delay_s``."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.seen, self.on_result = delay_s, [], None
+
+    def submit(self, requests) -> None:
+        for r in requests:
+            if r.request_id in self.seen:
+                raise InputError("request", "request_id", f"{r.request_id!r} was submitted before")
+            self.seen.append(r.request_id)
+            threading.Timer(self.delay_s, self._answer, (r,)).start()
+
+    def _answer(self, r) -> None:
+        now = time.monotonic()
+        self.on_result(RequestOutput(r.request_id, list(r.prompt_token_ids), [7, 8, 9], "length", now, now, now))
+
+
+class _Engine:
+    """What the runner reads of a :class:`FrontDoorEngine`."""
+
+    check_context = FrontDoorEngine.check_context
+
+    def __init__(self, router: _Router):
+        self.router, self.draining, self.pending = router, False, 0
+        self.tokenizer, self.metrics, self.eos_token_ids = _Tokenizer(), FrontDoorMetrics(), [0]
+        self.max_context_tokens = 2048
+
+
+class _SlowWrites:
+    """The real store, each result row written ``delay_s`` late; the first ``fail`` writes raise."""
+
+    def __init__(self, store, delay_s: float, fail: int = 0):
+        self._store, self.delay_s, self.fail = store, delay_s, fail
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def write_result(self, *args, **kwargs):
+        time.sleep(self.delay_s)
+        if self.fail > 0:
+            self.fail -= 1
+            raise OSError("disk I/O error (injected)")
+        return self._store.write_result(*args, **kwargs)
+
+
+def _batch(store, n: int) -> str:
+    lines = [{"custom_id": f"l-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": [1, 2, 3 + i], "max_tokens": 3, "temperature": 0}} for i in range(n)]
+    store.save_api_file("file-1", "batch", "b.jsonl", "\n".join(json.dumps(x) for x in lines).encode())
+    return create_batch(store, "file-1", "/v1/completions", "24h", None)["id"]
+
+
+def _run(store, slow: _SlowWrites, n: int) -> tuple[_Router, object, list[str]]:
+    batch_id = _batch(store, n)
+    router = _Router(delay_s=0.01)
+    logged: list[str] = []
+    runner = BatchRunner(slow, _Engine(router), MODEL, max_inflight=3, poll_s=0.01, log=logged.append)
+    router.on_result = runner.on_result
+    runner.start()
+    try:
+        wait_until(lambda: next(j for j in store.jobs(kind="batch") if j.job_key == batch_id).status == "done",
+                   timeout_s=60, what=f"batch {batch_id} done ({logged})")
+    finally:
+        runner.stop()
+    job = next(j for j in store.jobs(kind="batch") if j.job_key == batch_id)
+    return router, job, logged
+
+
+def test_a_line_whose_row_is_being_written_is_not_served_again(store):
+    """The runner steps every 10 ms while each row takes 200 ms to write: a line stays in flight until its
+    row exists, so each line goes to the pipeline once and the batch completes (before, a step in that
+    window re-submitted the line under the same id, the router refused it, and the batch never ended)."""
+    router, job, logged = _run(store, _SlowWrites(store, delay_s=0.2), n=8)
+    lines = sorted(rid.rsplit(":", 1)[0] for rid in router.seen)
+    assert lines == sorted(f"batch:{job.id}:{i}" for i in range(8)), router.seen  # each line submitted once
+    assert len(store.results(job.id)) == 8 and not logged[:-1], logged
+
+
+def test_a_row_that_cannot_be_written_is_served_again_under_a_fresh_id(store):
+    router, job, logged = _run(store, _SlowWrites(store, delay_s=0.0, fail=2), n=4)
+    assert len(router.seen) == len(set(router.seen)) == 6  # two lines served twice, each time a new id
+    assert sorted(r.request_key for r in store.results(job.id)) == [f"l-{i}" for i in range(4)]
+    assert sum("was not stored (OSError: disk I/O error (injected)); the line is served again" in x
+               for x in logged) == 2, logged

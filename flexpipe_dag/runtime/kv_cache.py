@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from flexpipe_dag.runtime.attention import SlotRows
 from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError, blocks_for_tokens, slot_mapping
 
 __all__ = ["BlockAllocator", "KVCapacityError", "PagedKVPool", "blocks_for_tokens", "kv_bytes_per_token",
@@ -42,6 +43,8 @@ class PagedKVPool:
         shape = (num_layers, num_blocks * block_size_tokens, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        #: each running sequence's slot mapping, kept across steps (see :class:`SlotRows`)
+        self.slot_rows = SlotRows(block_size_tokens, self.k.device)
 
     @property
     def capacity_tokens(self) -> int:

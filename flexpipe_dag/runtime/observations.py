@@ -95,7 +95,8 @@ class StepRecorder:
     """Writer side of one stage's ring (runs in the stage worker).
 
     Usage per step: :meth:`begin` (after the forward), optionally :meth:`set_send` (after handing the
-    activations on), then :meth:`commit`.
+    activations on), then :meth:`commit`; or :meth:`commit` first and :meth:`set_send_at` once a
+    background sender has handed the activations on.
 
     Args:
         stage: the stage index (names the file).
@@ -135,13 +136,24 @@ class StepRecorder:
         if self._row is not None:
             self._row[_C["send_ms"]], self._row[_C["send_bytes"]] = send_ms, send_bytes
 
-    def commit(self) -> None:
-        """Make the row visible to readers."""
-        if self._row is None:
+    def set_send_at(self, row: int, send_ms: float, send_bytes: int) -> None:
+        """Record the hand-off of a committed row's activations (``row`` as :meth:`commit` returned it),
+        from the thread that sent them; a row the ring has since reused is left alone."""
+        if self._written - row > self.capacity - 1:
             return
+        ring = self._open_ring()
+        ring[1 + row % self.capacity, _C["send_ms"]] = send_ms
+        ring[1 + row % self.capacity, _C["send_bytes"]] = send_bytes
+
+    def commit(self) -> int | None:
+        """Make the row visible to readers; returns its number (for :meth:`set_send_at`), None without one."""
+        if self._row is None:
+            return None
+        row = self._written
         self._written += 1
         self._open_ring()[0, 0] = self._written
         self._row = None
+        return row
 
     def _open_ring(self) -> np.memmap:
         if self._ring is None:

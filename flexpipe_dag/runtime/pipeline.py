@@ -131,6 +131,9 @@ class RuntimeOptions:
     raise (``--kv-capacity-tokens`` for ``flexpipe run``, ``kv_pool_tokens_max`` for ``batch_inference``).
     ``stream_tokens``: :meth:`PipelineRuntime.wait` hands every sampled token to its ``on_tokens``
     as the step that sampled it ends (a streaming front end); off, only finished requests come back.
+    ``max_pending_sends``: micro-batches a stage may have handed to its background sender and not
+    yet delivered while it computes the next (hand-offs overlapped with compute); 0 sends each
+    before receiving the next.
     """
 
     dtype: str = "fp32"
@@ -151,6 +154,7 @@ class RuntimeOptions:
     secret: str | None = None
     kv_capacity_knob: str = "the gear's kv_capacity_tokens"
     stream_tokens: bool = False
+    max_pending_sends: int = 2
 
 
 #: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
@@ -324,7 +328,8 @@ class PipelineRuntime:
                           control_secret=self.secret, loopback_only=self._control is None,
                           threads_per_rank=o.threads_per_rank, fault=dict(o.fault),
                           replicas=[st.replicas for st in self.gear.stages],
-                          checkpoint_fingerprint=self.ckpt.fingerprint if self._control else "")
+                          checkpoint_fingerprint=self.ckpt.fingerprint if self._control else "",
+                          max_pending_sends=o.max_pending_sends)
 
     def _store_address(self) -> str:
         """``HOST:PORT`` of the control store the ranks rendezvous through: the remote head's, or a

@@ -2,10 +2,11 @@
 
 A micro-batch packs the new tokens of several sequences (prefill of new ones and decode of running
 ones) into one ``[T, hidden]`` tensor, vLLM-style: projections, norms and MLPs run once over all
-``T`` tokens; attention runs per sequence, reading that sequence's keys/values from the pool
-through its block table. The layer arithmetic is the Hugging Face Llama layer's, using its own
-modules (``LlamaDecoderLayer``, ``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``, ``repeat_kv``)
-and ``torch.nn.functional.scaled_dot_product_attention`` as HF's ``sdpa`` path does.
+``T`` tokens; attention runs batched over the paged pool (:mod:`flexpipe_dag.runtime.attention`:
+at most two ``scaled_dot_product_attention`` calls per layer, keys / values gathered through the
+sequences' slot rows). The layer arithmetic is the Hugging Face Llama layer's, using its own
+modules (``LlamaDecoderLayer``, ``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``) and
+``torch.nn.functional.scaled_dot_product_attention`` as HF's ``sdpa`` path does.
 
 Single process, no communication: chaining stages in one process reproduces HF greedy output.
 """
@@ -15,18 +16,17 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
-    repeat_kv,
 )
 
-from flexpipe_dag.runtime.kv_cache import PagedKVPool, slot_mapping
-from flexpipe_dag.runtime.scheduler import MicroBatch, ScheduledSeq
+from flexpipe_dag.runtime.attention import BatchIndex, build_index, paged_attention
+from flexpipe_dag.runtime.kv_cache import PagedKVPool
+from flexpipe_dag.runtime.scheduler import MicroBatch
 from flexpipe_dag.runtime.transport import batch_input_ids  # noqa: F401 - re-exported (the driver's input)
 
 
@@ -81,67 +81,33 @@ class StageModule(nn.Module):
         if self.rotary_emb is None:
             raise RuntimeError("StageModule has no rotary embedding: build it with load_stage_module")
         device = pool.k.device
-        positions, new_slots, ctx_slots, spans = _batch_index(batch.seqs, pool.block_size_tokens, device)
+        index = build_index(batch.seqs, pool.slot_rows)
         if self.embed_tokens is not None:  # the first stage (embed_tokens is set exactly when first)
             h = self.embed_tokens(x.to(device))
         else:
             h = x.to(device=device, dtype=pool.k.dtype)
-        cos, sin = self.rotary_emb(h[None], positions[None])  # [1, T, head_dim]
+        cos, sin = self.rotary_emb(h[None], index.positions[None])  # [1, T, head_dim]
         for li, layer in enumerate(self.decoder_layers()):
             residual = h
-            h = residual + self._attention(li, layer.self_attn, layer.input_layernorm(h), cos, sin,
-                                           new_slots, ctx_slots, spans, pool)
+            h = residual + self._attention(li, layer.self_attn, layer.input_layernorm(h), cos, sin, index, pool)
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        pool.slot_rows.end_step()
         if self.norm is None or self.lm_head is None:  # not the last stage (both are set exactly when last)
             return h
-        last_idx = torch.tensor([start + n - 1 for start, n in spans], device=device)
-        return self.lm_head(self.norm(h.index_select(0, last_idx)))
+        return self.lm_head(self.norm(h.index_select(0, index.last_rows)))
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's decoder layers, typed (``nn.ModuleList`` iterates as plain modules)."""
         return [cast(LlamaDecoderLayer, layer) for layer in self.layers]
 
-    def _attention(self, li, attn, hn, cos, sin, new_slots, ctx_slots, spans, pool: PagedKVPool) -> torch.Tensor:
+    def _attention(self, li: int, attn, hn: torch.Tensor, cos, sin, index: BatchIndex,
+                   pool: PagedKVPool) -> torch.Tensor:
         t = hn.shape[0]
         q = attn.q_proj(hn).view(1, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(hn).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(hn).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        pool.write(li, new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        groups = self.num_heads // self.num_kv_heads
-        outs = []
-        for (start, n), slots in zip(spans, ctx_slots):
-            kc, vc = pool.gather(li, slots)  # [ctx, kv_heads, d]
-            kc = repeat_kv(kc.transpose(0, 1)[None], groups)
-            vc = repeat_kv(vc.transpose(0, 1)[None], groups)
-            qs = q[:, :, start:start + n]
-            ctx = slots.shape[0]
-            if n == ctx:  # whole prompt: plain causal
-                o = F.scaled_dot_product_attention(qs, kc, vc, is_causal=n > 1, scale=attn.scaling)
-            elif n == 1:  # decode: the new token sees everything
-                o = F.scaled_dot_product_attention(qs, kc, vc, scale=attn.scaling)
-            else:  # new tokens after a cached prefix: causal with an offset
-                mask = torch.ones(n, ctx, dtype=torch.bool, device=qs.device).tril(ctx - n)
-                o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=attn.scaling)
-            outs.append(o)
-        o = torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+        pool.write(li, index.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        o = paged_attention(q[0].transpose(0, 1), pool.k[li], pool.v[li], index, attn.scaling)
         return attn.o_proj(o)
-
-
-def _batch_index(seqs: list[ScheduledSeq], block_size: int, device):
-    """Positions ``[T]``, new-token slots ``[T]``, per-sequence context slots and ``(start, n)`` spans."""
-    positions: list[int] = []
-    new_slots: list[int] = []
-    ctx_slots: list[torch.Tensor] = []
-    spans: list[tuple[int, int]] = []
-    for s in seqs:
-        n = len(s.token_ids)
-        end = s.start_pos + n
-        spans.append((len(positions), n))
-        positions.extend(range(s.start_pos, end))
-        all_slots = slot_mapping(s.block_table, 0, end, block_size)
-        new_slots.extend(all_slots[s.start_pos:])
-        ctx_slots.append(torch.tensor(all_slots, dtype=torch.long, device=device))
-    return (torch.tensor(positions, dtype=torch.long, device=device),
-            torch.tensor(new_slots, dtype=torch.long, device=device), ctx_slots, spans)

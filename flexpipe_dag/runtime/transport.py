@@ -17,6 +17,10 @@ Message kinds: :class:`~flexpipe_dag.runtime.messages.MessageKind`.
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +60,12 @@ def send_message(dst: int, kind: MessageKind, meta: Any = None, tensor: torch.Te
         TypeError: ``meta`` is not the kind's payload type.
         ValueError: a tensor of more than 4 dims.
     """
+    for part in _frame(kind, meta, tensor, device):
+        dist.send(part, dst)
+
+
+def _frame(kind: MessageKind, meta: Any, tensor: torch.Tensor | None, device) -> list[torch.Tensor]:
+    """The tensors of one framed message, in sending order: header, payload and the tensor if any."""
     want = PAYLOAD_TYPES[MessageKind(kind)]
     if (meta is None) != (want is None) or (want is not None and not isinstance(meta, want)):
         raise TypeError(f"{MessageKind(kind).name} carries {want.__name__ if want else 'no payload'}, "
@@ -71,10 +81,89 @@ def send_message(dst: int, kind: MessageKind, meta: Any = None, tensor: torch.Te
             header[4 + i] = d
     else:
         header[2] = -1
-    dist.send(header, dst)
-    dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst)
+    parts = [header, torch.frombuffer(bytearray(payload), dtype=torch.uint8)]
     if tensor is not None:
-        dist.send(tensor.contiguous().to(device), dst)
+        parts.append(tensor.contiguous().to(device))
+    return parts
+
+
+class BackgroundSender:
+    """Framed messages sent in order by a thread of their own, at most ``max_pending`` waiting.
+
+    A stage hands a micro-batch on and goes straight back to receiving and computing the next one
+    while this thread delivers it (hand-offs overlapped with compute; point-to-point sends block
+    until the receiver has posted its receive). Once ``max_pending`` messages wait, :meth:`send`
+    blocks, so a slow consumer bounds the activations held. Messages to one rank arrive in the
+    order they were sent, as with :func:`send_message`, and each send is timed exactly as a blocking
+    one would be (``on_sent(tag, send_ms)`` once it is delivered: the time includes waiting for the
+    receiver, as the link calibration expects). A send that fails is raised, as a
+    :class:`TransportError` naming it, by the next :meth:`send` or :meth:`flush`.
+
+    Args:
+        max_pending: messages that may wait to be sent (>= 1).
+        on_sent: called in the sender thread after each delivery with the message's ``tag``.
+
+    Raises:
+        ValueError: ``max_pending`` < 1.
+    """
+
+    def __init__(self, max_pending: int = 2, on_sent: Callable[[Any, float], None] | None = None):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.max_pending = max_pending
+        self._on_sent = on_sent
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="flexpipe-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, dst: int, kind: MessageKind, meta: Any = None, tensor: torch.Tensor | None = None,
+             device: torch.device | str = "cpu", tag: Any = None) -> None:
+        """Queue one framed message to ``dst`` (framed now, so a bad one raises here, as :func:`send_message`).
+
+        Raises:
+            TypeError, ValueError: as :func:`send_message`.
+            TransportError: an earlier send failed.
+        """
+        self._raise_failure()
+        parts = _frame(kind, meta, tensor, device)
+        while True:
+            try:
+                self._queue.put((dst, parts, tag), timeout=0.5)
+                return
+            except queue.Full:
+                self._raise_failure()
+
+    def flush(self) -> None:
+        """Wait until every queued message is delivered.
+
+        Raises:
+            TransportError: a send failed.
+        """
+        while self._queue.unfinished_tasks:
+            self._raise_failure()
+            with self._queue.all_tasks_done:
+                self._queue.all_tasks_done.wait(timeout=0.5)
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise TransportError(f"a background send failed: {type(self._error).__name__}: {self._error}")
+
+    def _run(self) -> None:
+        while True:
+            dst, parts, tag = self._queue.get()
+            try:
+                if self._error is None:
+                    t0 = time.monotonic()
+                    for part in parts:
+                        dist.send(part, dst)
+                    if self._on_sent is not None:
+                        self._on_sent(tag, (time.monotonic() - t0) * 1e3)
+            except BaseException as exc:  # the stage's loop raises it at its next send or flush
+                self._error = exc
+            finally:
+                self._queue.task_done()
 
 
 def recv_message(src: int, device: torch.device | str = "cpu") -> tuple[MessageKind, Any, torch.Tensor | None]:

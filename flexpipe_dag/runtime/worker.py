@@ -80,6 +80,10 @@ class WorkerSpec:
     replicas: list[int] | None = None
     #: :attr:`~flexpipe_dag.runtime.model_loader.Checkpoint.fingerprint` of the head's model (remote workers check it)
     checkpoint_fingerprint: str = ""
+    #: hand-offs to the next stage that may wait in the background sender while this stage computes
+    #: the next micro-batch (:class:`~flexpipe_dag.runtime.transport.BackgroundSender`); 0 sends
+    #: each one before receiving the next
+    max_pending_sends: int = 2
 
     @property
     def num_stages(self) -> int:
@@ -234,6 +238,29 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
         started_slot = counter_index(rank, WorkerCounter.STEP_STARTED)
         steps = 0
         control: dict[MessageKind, list] = {}  # STOP / RECONFIGURE copies received, until every upstream sent one
+
+        def handed_on(tag, send_ms: float) -> None:  # in the sender thread, once a micro-batch is delivered
+            step, row, nbytes = tag
+            if row is not None:
+                recorder.set_send_at(row, send_ms, nbytes)
+            # counted only once handed on: a stage stopped mid-send still holds the micro-batch, and
+            # the watchdog's stall finder must name it, not the stage waiting for it
+            counters[steps_slot] = step
+
+        sender = tp.BackgroundSender(spec.max_pending_sends, handed_on) if spec.max_pending_sends > 0 else None
+
+        def hand_on(dst: int, kind, meta, tensor=None, device="cpu", tag=None) -> None:
+            if sender is not None:
+                sender.send(dst, kind, meta, tensor, device=device, tag=tag)
+                return
+            t_send = time.monotonic()
+            tp.send_message(dst, kind, meta, tensor, device=device)
+            if tag is not None:
+                handed_on(tag, (time.monotonic() - t_send) * 1e3)
+
+        def flush() -> None:
+            if sender is not None:
+                sender.flush()
         while True:
             in_transport = True
             if len(upstream) == 1:
@@ -248,10 +275,14 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
                 copies = control.pop(kind)
                 if kind == MessageKind.STOP:
                     in_transport = True
+                    flush()
                     for dst in downstream:
                         tp.send_message(dst, MessageKind.STOP, None)
                     break
                 cmd = copies[0].command
+                in_transport = True
+                flush()  # every micro-batch of the old layout is handed on before the stage reloads
+                in_transport = False
                 info = runner.load(cmd.ranges, cmd.num_blocks, cmd.block_size_tokens, spec.checkpoint_path)
                 infos = {i.slot: i for c in copies for i in c.infos}
                 infos[info.slot] = info
@@ -283,16 +314,10 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
             counters[started_slot] = 0.0
             layer_start, layer_end = runner.ranges[stage]
             recorder.begin(meta.mb_id, meta.seqs, layer_start, layer_end, (t1 - t0) * 1e3, t1)
-            if last:
-                recorder.commit()
+            row = recorder.commit()
             in_transport = True
-            tp.send_message(next_rank, payload[0], payload[1], payload[2], device=link_device(spec, device, next_rank))
-            if not last:
-                recorder.set_send((time.monotonic() - t1) * 1e3, out.numel() * out.element_size())
-                recorder.commit()
-            # counted only once handed on: a stage stopped mid-send still holds the micro-batch, and
-            # the watchdog's stall finder must name it, not the stage waiting for it
-            counters[steps_slot] = steps
+            hand_on(next_rank, payload[0], payload[1], payload[2], device=link_device(spec, device, next_rank),
+                    tag=(steps, None if last else row, 0 if last else out.numel() * out.element_size()))
     except BaseException as exc:  # report, then die: the parent names this stage
         events.put(ProcessFailed(worker, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", in_transport))
         raise SystemExit(1) from None

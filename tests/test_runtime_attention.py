@@ -44,7 +44,7 @@ def _micro_batch(rng: random.Random, alloc: BlockAllocator, shapes: list[tuple[i
     """Sequences of ``(cached, new)`` tokens with block tables from a real allocator (blocks scattered)."""
     seqs = []
     for i, (cached, new) in enumerate(shapes):
-        seq_id = rng.randrange(10**6)
+        seq_id = 1000 * i + rng.randrange(1000)  # unique, not in order
         alloc.reserve(seq_id, cached + new)
         table = alloc.append(seq_id, cached + new)
         seqs.append(ScheduledSeq(seq_id, [1] * new, cached, table, 0))

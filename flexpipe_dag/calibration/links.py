@@ -1,9 +1,10 @@
 """Effective link latency and bandwidth from observed activation hand-offs (numpy only).
 
 The runtime times, on the sending stage, how long handing a micro-batch's activations to the next
-stage took (``send_ms`` for ``send_bytes``). That time includes waiting for the receiver when it is
-still busy with the previous micro-batch, so it is an *upper* bound on the transfer: the fit uses the
-lower envelope. Steps are binned by message size (powers of two); in each bin with at least
+stage took (``send_ms`` for ``send_bytes``), from the moment the receiver took the message's header
+(:func:`~flexpipe_dag.runtime.transport.send_framed`), so the time the receiver spent finishing its
+previous micro-batch is left out. Scheduling noise still only adds time, so the time is an *upper*
+bound on the transfer: the fit uses the lower envelope. Steps are binned by message size (powers of two); in each bin with at least
 ``min_per_bin`` hand-offs the ``quantile`` (default 10th percentile) time stands for the transfer
 (the hand-offs that found the receiver waiting). A straight line ``t = latency + bytes / bandwidth``
 is fitted to the bins by least squares weighted by bin counts; with bins of one size only, the

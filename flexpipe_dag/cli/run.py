@@ -64,7 +64,8 @@ def register(subparsers) -> None:
     p.add_argument("--stage-replicas", default=None, metavar="R0,R1,...",
                    help="with --stages: replicas per stage (one worker each), e.g. 1,2 for a doubled last stage")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--dtype", default="auto",
+                   help="fp32, bf16, fp16 or auto (default: fp32 on CPU; bf16 on a GPU that has it, else fp16)")
     p.add_argument("--step-timeout-s", type=float, default=120.0)
     p.add_argument("--score", action="store_true",
                    help="prefill-only scoring on DeepSpeed's PipelineModule: per-row log-prob of the prompt, or of "
@@ -111,6 +112,7 @@ def check_args(args: argparse.Namespace) -> None:
         InputError: naming the flag and what was expected.
     """
     from flexpipe_dag.core.dtypes import compute_dtype
+    from flexpipe_dag.runtime.model_loader import head_dtype
 
     for flag, value, low in (("--num-requests", args.num_requests, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 1),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--micro-batch-size", args.micro_batch_size, 1),
@@ -127,7 +129,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(None, "--step-timeout-s", f"expected a positive number of seconds, got {args.step_timeout_s}")
     if not (args.length_scale > 0 and math.isfinite(args.length_scale)):
         raise InputError(None, "--length-scale", f"expected a positive number, got {args.length_scale}")
-    args.dtype = compute_dtype(args.dtype, None, "--dtype").name  # int8 / int4 plan weights; the runtime computes in these
+    if args.dtype != "auto":  # int8 / int4 plan weights; the runtime does not compute in them
+        args.dtype = compute_dtype(args.dtype, None, "--dtype").name
+    args.dtype = head_dtype(args.dtype, args.device)
     out = Path(args.out)
     if out.is_dir():
         raise InputError(str(out), "--out", "is a directory; expected a JSONL file path")

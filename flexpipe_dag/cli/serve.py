@@ -72,7 +72,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-pause-above", type=int, default=8,
                    help="open online requests above which no Batch API line is submitted")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--dtype", default="auto",
+                   help="fp32, bf16, fp16 or auto (default: fp32 on CPU; bf16 on a GPU that has it, else fp16)")
     p.add_argument("--step-timeout-s", type=float, default=120.0)
     p.set_defaults(func=serve)
 
@@ -169,7 +170,7 @@ def _store_link(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.model_loader import head_dtype, resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings
 
@@ -184,6 +185,10 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(None, "--run-key", "names this server's run in the store: drop --no-store, or the key")
     if args.drain_timeout_s < 0:
         raise InputError(None, "--drain-timeout-s", f"expected >= 0, got {args.drain_timeout_s}")
+    try:
+        args.dtype = head_dtype(args.dtype, args.device)
+    except InputError as exc:
+        raise InputError(None, "--dtype", exc.problem) from None
     settings = ServerSettings(host=args.host, port=args.port, api_key=read_api_key(args.api_key_file),
                               model_name="", max_pending=args.max_pending, drain_timeout_s=args.drain_timeout_s)
     settings.check()  # before a model loads

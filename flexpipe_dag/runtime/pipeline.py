@@ -61,7 +61,7 @@ from flexpipe_dag.runtime.messages import (
     counter_index,
     worker_slot,
 )
-from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint, stage_param_bytes
+from flexpipe_dag.runtime.model_loader import Checkpoint, memory_dtype, resolve_checkpoint, stage_param_bytes
 from flexpipe_dag.runtime.remote import SILENT_AT_FAILURE_S
 from flexpipe_dag.runtime.scheduler import Request, RequestOutput
 from flexpipe_dag.runtime.worker import WorkerSpec
@@ -97,7 +97,9 @@ class StageFailedError(FlexPipeError):
 class RuntimeOptions:
     """How to run a gear on this host.
 
-    ``dtype``: compute dtype (``fp32`` default on CPU; the gear's own dtype is a GPU-plan figure).
+    ``dtype``: compute dtype of weights, activations and the KV pool: ``fp32``, ``bf16``, ``fp16``, or
+    ``auto`` (the default: fp32 on a CPU, bf16 on a GPU that has it, else fp16; each stage worker
+    resolves it on its own device, :func:`~flexpipe_dag.runtime.model_loader.resolve_dtype`).
     ``device``: ``"cpu"`` or ``"cuda"`` (stage ``s`` on ``cuda:<s mod GPU count>``; remote stage
     workers on their ``cuda:<local rank>``); ``backend`` defaults to gloo on CPU and on CUDA to
     :func:`cuda_backend` (NCCL between stages, gloo to the driver; gloo alone when stages share a
@@ -136,7 +138,7 @@ class RuntimeOptions:
     before receiving the next.
     """
 
-    dtype: str = "fp32"
+    dtype: str = "auto"
     device: str = "cpu"
     backend: str | None = None
     step_timeout_s: float = 60.0
@@ -264,7 +266,7 @@ def check_gear_fits(gear: Gear, ckpt: Checkpoint, options: RuntimeOptions) -> li
     Raises:
         InfeasibleError: naming the first stage whose weights + KV pool exceed its device memory.
     """
-    rows = stage_memory_bytes(gear, ckpt, options.dtype)
+    rows = stage_memory_bytes(gear, ckpt, memory_dtype(options.dtype, options.device))
     mem = options.device_memory_bytes
     # every stage worker (replicas each count) without a figure of its own shares this host's memory
     host_workers = sum(1 for st in gear.stages for dev in st.device_ids if not mem or dev not in mem)

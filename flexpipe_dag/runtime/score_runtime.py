@@ -39,7 +39,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.runtime.batch import MalformedRow, PromptRow, ResultSink
 from flexpipe_dag.runtime.lifeline import follow_parent
-from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint
+from flexpipe_dag.runtime.model_loader import Checkpoint, resolve_checkpoint, resolve_dtype
 from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL
 from flexpipe_dag.runtime.scoring import (
     FILLER,
@@ -162,7 +162,8 @@ def run_score_rank(spec: ScoreSpec, emit: Callable[[tuple], None], counters=None
                                timeout=timedelta(days=1))
     stage = int(os.environ["RANK"])
     ckpt = Checkpoint(path=__import__("pathlib").Path(spec.checkpoint_path), name=spec.checkpoint_name)
-    module = gear_pipeline_module(ckpt, spec.ranges, spec.dtype)
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if spec.backend == "nccl" else "cpu"
+    module = gear_pipeline_module(ckpt, spec.ranges, resolve_dtype(spec.dtype, device))
     engine, *_ = deepspeed.initialize(model=module, config={
         "train_micro_batch_size_per_gpu": spec.micro_batch_size, "gradient_accumulation_steps": 1,
         "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False})

@@ -60,11 +60,25 @@ def send_message(dst: int, kind: MessageKind, meta: Any = None, tensor: torch.Te
         TypeError: ``meta`` is not the kind's payload type.
         ValueError: a tensor of more than 4 dims.
     """
-    for part in _frame(kind, meta, tensor, device):
+    send_framed(dst, frame(kind, meta, tensor, device))
+
+
+def send_framed(dst: int, parts: list[torch.Tensor]) -> float:
+    """Send a framed message's parts (:func:`frame`) to ``dst``, blocking; returns the milliseconds the
+    payload and tensor took once the header was through.
+
+    A point-to-point send waits until the receiver has posted its receive, so the header's send
+    holds the time the receiver was still busy; once it is through the receiver is taking the rest,
+    and the time of the rest is the transfer itself (what link calibration fits).
+    """
+    dist.send(parts[0], dst)
+    t0 = time.monotonic()
+    for part in parts[1:]:
         dist.send(part, dst)
+    return (time.monotonic() - t0) * 1e3
 
 
-def _frame(kind: MessageKind, meta: Any, tensor: torch.Tensor | None, device) -> list[torch.Tensor]:
+def frame(kind: MessageKind, meta: Any, tensor: torch.Tensor | None, device) -> list[torch.Tensor]:
     """The tensors of one framed message, in sending order: header, payload and the tensor if any."""
     want = PAYLOAD_TYPES[MessageKind(kind)]
     if (meta is None) != (want is None) or (want is not None and not isinstance(meta, want)):
@@ -94,9 +108,9 @@ class BackgroundSender:
     while this thread delivers it (hand-offs overlapped with compute; point-to-point sends block
     until the receiver has posted its receive). Once ``max_pending`` messages wait, :meth:`send`
     blocks, so a slow consumer bounds the activations held. Messages to one rank arrive in the
-    order they were sent, as with :func:`send_message`, and each send is timed exactly as a blocking
-    one would be (``on_sent(tag, send_ms)`` once it is delivered: the time includes waiting for the
-    receiver, as the link calibration expects). A send that fails is raised, as a
+    order they were sent, as with :func:`send_message`, and each send is timed as :func:`send_framed`
+    times it (``on_sent(tag, transfer_ms)`` once it is delivered: the transfer after the receiver took
+    the header, not the wait for the receiver). A send that fails is raised, as a
     :class:`TransportError` naming it, by the next :meth:`send` or :meth:`flush`.
 
     Args:
@@ -126,7 +140,7 @@ class BackgroundSender:
             TransportError: an earlier send failed.
         """
         self._raise_failure()
-        parts = _frame(kind, meta, tensor, device)
+        parts = frame(kind, meta, tensor, device)
         while True:
             try:
                 self._queue.put((dst, parts, tag), timeout=0.5)
@@ -155,11 +169,9 @@ class BackgroundSender:
             dst, parts, tag = self._queue.get()
             try:
                 if self._error is None:
-                    t0 = time.monotonic()
-                    for part in parts:
-                        dist.send(part, dst)
+                    transfer_ms = send_framed(dst, parts)
                     if self._on_sent is not None:
-                        self._on_sent(tag, (time.monotonic() - t0) * 1e3)
+                        self._on_sent(tag, transfer_ms)
             except BaseException as exc:  # the stage's loop raises it at its next send or flush
                 self._error = exc
             finally:

@@ -63,7 +63,7 @@ class WorkerSpec:
     ranges: list[tuple[int, int]]
     num_blocks: int
     block_size_tokens: int
-    dtype: str = "fp32"
+    dtype: str = "auto"  # resolved by each worker on its device (model_loader.resolve_dtype)
     device: str = "cpu"
     backend: str = "gloo"
     #: ``HOST:PORT`` of the head's control store (:mod:`~flexpipe_dag.runtime.control_store`); every
@@ -173,15 +173,17 @@ class StageRunner:
         """Load this stage's layers of ``ranges`` and a pool for its lanes' share of ``num_blocks``."""
         import gc
 
-        from flexpipe_dag.runtime.model_loader import Checkpoint, load_stage_module
+        from flexpipe_dag.runtime.model_loader import Checkpoint, load_stage_module, resolve_dtype
 
         self.module = self.pool = None
         gc.collect()
         a, b = ranges[self.stage]
         n = len(ranges)
         ckpt = Checkpoint(path=Path(checkpoint_path), name=self.spec.checkpoint_name)
-        module = load_stage_module(ckpt, a, b, first=self.stage == 0, last=self.stage == n - 1, dtype=self.spec.dtype)
-        self.module = module = module.to(stage_device(self.spec, self.worker))
+        device = stage_device(self.spec, self.worker)
+        module = load_stage_module(ckpt, a, b, first=self.stage == 0, last=self.stage == n - 1,
+                                   dtype=resolve_dtype(self.spec.dtype, device))
+        self.module = module = module.to(device)
         self.layout = self.spec.layout(num_blocks)
         self.pool = module.new_kv_pool(self.layout.replica_blocks(self.stage), block_size_tokens)
         self.ranges: list[tuple[int, int]] = list(ranges)
@@ -253,10 +255,9 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
             if sender is not None:
                 sender.send(dst, kind, meta, tensor, device=device, tag=tag)
                 return
-            t_send = time.monotonic()
-            tp.send_message(dst, kind, meta, tensor, device=device)
+            transfer_ms = tp.send_framed(dst, tp.frame(kind, meta, tensor, device))
             if tag is not None:
-                handed_on(tag, (time.monotonic() - t_send) * 1e3)
+                handed_on(tag, transfer_ms)
 
         def flush() -> None:
             if sender is not None:

@@ -1,90 +1,168 @@
-"""Output tokens/s of the multi-process pipeline (2 and 3 stages) vs single-process transformers.
+"""Output tokens/s of FlexPipe's runtime (1, 2, 3 stages) vs single-process transformers, per batch size.
 
 Workload: the first N requests of the Azure conv trace (bundled slice), prompt lengths capped at
 --max-prompt-tokens and outputs at --max-new-tokens, prompt text cut from the bundled corpus; EOS
 is ignored (every request produces exactly its max_new_tokens) so every configuration produces
-the same number of tokens. Baselines measured in the same run:
+the same number of tokens. For each batch size B (--batch-sizes, default 1, 8, 32):
 
-* ``hf_generate``: ``transformers`` ``generate`` (greedy, KV cache), batches of --batch-size with
-  left padding, one process using all --baseline-threads threads;
-* ``local_1stage``: FlexPipe's own stage code and scheduler in one process (no communication).
+* ``hf_generate`` (the baseline): ``transformers`` ``generate`` (greedy, KV cache), batches of B rows
+  with left padding, one process using all --baseline-threads threads;
+* ``local_1stage``: FlexPipe's stage code and scheduler in one process, one thread, micro-batches of B;
+* ``pipeline_Nstage``: one process per stage + a driver, one thread each, gloo over loopback,
+  micro-batches of B, one micro-batch in flight per stage (the gear default), layers split in
+  proportion to their parameters with the LM head counted on the last stage (the planner's
+  bottleneck criterion; an even split leaves the first stage idle for a third of its time).
 
-Pipelines: one process per stage + a driver, 1 thread each, gloo over loopback. Start-up (model
-load) is excluded from every figure. Ratios are against ``hf_generate``.
+Every configuration runs --rounds times, interleaved (baseline, local, pipelines, baseline, ...),
+and the median tokens/s is printed with its ratio to the baseline's median: this host's speed
+drifts by 10-25 % over minutes, which a single back-to-back pair cannot separate from a real change.
+Start-up (model load) is excluded from every figure. After the table, where the time of one
+``local_1stage`` decode step goes at each batch size (``torch.profiler``: matrix products, attention,
+everything else), and the calibration fidelity (``bench/fidelity_bench.py``, unless --no-fidelity),
+whose fitted per-step overhead factor is the runtime's dispatch cost as the cost model sees it.
 
 With ``--score``: also the prefill-only scoring path (log-prob of every prompt token) on DeepSpeed's
 PipelineModule with the 2-stage even gear, against a single-process ``transformers`` forward over
-the same right-padded batches; prints rank start-up seconds (JIT compile included on a cold host)
-and real prompt tokens/s of each, as a ratio.
+the same right-padded batches.
 
-With ``--device cuda`` every configuration runs on GPUs: the baseline and ``local_1stage`` on
-``cuda:0``, pipeline stage ``s`` on ``cuda:<s mod GPU count>`` (NCCL between stages when each has a
-GPU of its own, gloo through host memory when they share); synchronised timings.
+With ``--device cuda`` every configuration runs on GPUs in --dtype (default ``auto``: bf16 where the
+GPU has it, else fp16; the baseline in the same dtype): the baseline and ``local_1stage`` on
+``cuda:0``, pipeline stage ``s`` on ``cuda:<s mod GPU count>``; synchronised timings. It also prints
+the decode step time at each batch size against the weights-read bound (the stage's weight bytes
+over the GPU's memory bandwidth, --hbm-gbps).
 
-Usage: OMP_NUM_THREADS=1 python bench/runtime_bench.py [--num-requests 32] [--max-new-tokens 16] [--score]
-       [--device cuda]
+Usage: OMP_NUM_THREADS=1 python bench/runtime_bench.py [--num-requests 64] [--batch-sizes 1,8,32]
+       [--rounds 2] [--max-new-tokens 16] [--score] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start / stop lines
 
 TRACE = Path(__file__).resolve().parent.parent / "flexpipe_dag" / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
+def balanced_layers(ckpt, num_stages: int) -> list[int]:
+    """Layers per stage, split so each stage's parameters are as even as possible, the LM head
+    counted on the last stage and the embedding (a table lookup, no arithmetic) nowhere."""
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.planner.partition import balanced_partition
+
+    spec = load_model_spec(ckpt.path)
+    head = spec.vocab_size * spec.hidden_size
+    sizes = balanced_partition([float(spec.params_per_layer)] * ckpt.num_layers + [float(head)], num_stages)
+    sizes[-1] -= 1  # the head's pseudo-layer
+    if sizes[-1] < 1:  # the head alone outweighs a stage: give the last stage one layer back
+        sizes[-1], sizes[-2] = 1, sizes[-2] - 1
+    return sizes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--batch-size", dest="micro_batch_size", type=int, default=8,
-                    help="sequences per micro-batch of the FlexPipe gears (and rows per transformers generate "
-                         "batch of the baseline, so both batch alike)")
+    ap.add_argument("--batch-sizes", default="1,8,32",
+                    help="comma-separated: sequences per micro-batch of the FlexPipe runs and rows per transformers "
+                         "generate batch of the baseline, so both batch alike")
+    ap.add_argument("--stages", default="2,3", help="comma-separated pipeline depths to run")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
     ap.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--score", action="store_true", help="also bench the DeepSpeed scoring path")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", default="auto", help="fp32, bf16, fp16 or auto (fp32 on CPU, bf16/fp16 on GPU)")
+    ap.add_argument("--hbm-gbps", type=float, default=None,
+                    help="GPU memory bandwidth, GB/s, for the weights-read bound (default: the catalog's figure for "
+                         "the GPU's name, e.g. 4800 for an H200)")
     ap.add_argument("--no-fidelity", action="store_true",
                     help="skip the simulator-vs-measured TTFT / TPOT comparison (bench/fidelity_bench.py)")
     args = ap.parse_args()
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    depths = [int(x) for x in args.stages.split(",") if x]
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from flexpipe_dag.core.gear_builders import even_gear
+    from flexpipe_dag.core.gear_builders import manual_gear
     from flexpipe_dag.runtime.batch import prompts_from_trace
-    from flexpipe_dag.runtime.local import LocalPipeline
-    from flexpipe_dag.runtime.model_loader import resolve_checkpoint
+    from flexpipe_dag.runtime.model_loader import resolve_checkpoint, resolve_dtype
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, cuda_backend
     from flexpipe_dag.runtime.scheduler import Request
 
+    dev = "cuda:0" if args.device == "cuda" else "cpu"
+    dtype = resolve_dtype(args.dtype, dev)
     ckpt = resolve_checkpoint()
     tok = ckpt.tokenizer()
     rows = prompts_from_trace(args.trace, tok, num_requests=args.num_requests, max_prompt_tokens=args.max_prompt_tokens,
                               max_new_tokens=args.max_new_tokens)
     total_new = sum(r.max_new_tokens for r in rows)
-
-    def requests():
-        return [Request(r.request_id, list(r.token_ids), r.max_new_tokens) for r in rows]  # no EOS: fixed lengths
-
-    results: dict[str, float] = {}
-
-    # baseline: transformers generate, left-padded batches
-    torch.set_num_threads(args.baseline_threads)
-    dev = "cuda:0" if args.device == "cuda" else "cpu"
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    hf = AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=torch.float32).to(dev).eval()
+
+    def requests(tag: str):
+        return [Request(f"{tag}-{r.request_id}", list(r.token_ids), r.max_new_tokens) for r in rows]  # no EOS
+
+    splits = {n: balanced_layers(ckpt, n) for n in depths}
+    runs: dict[int, dict[str, list[float]]] = {b: {} for b in batch_sizes}
+    for rnd in range(args.rounds):
+        for b in batch_sizes:
+            res = runs[b]
+            res.setdefault("hf_generate", []).append(hf_generate(ckpt, rows, b, args.baseline_threads, dev, dtype, sync))
+            torch.set_num_threads(1)
+            res.setdefault("local_1stage", []).append(local_generate(ckpt, requests(f"l{rnd}"), b, dev, dtype, sync))
+            for n in depths:
+                gear = manual_gear(splits[n], gear_id=f"bench-{n}", model_name=ckpt.name, micro_batch_size=b,
+                                   max_inflight_micro_batches=n, kv_capacity_tokens=16384)
+                with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device, dtype=args.dtype)) as rt:
+                    t0 = time.perf_counter()
+                    outs = rt.generate(requests(f"p{rnd}"))
+                    tps = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
+                res.setdefault(f"pipeline_{n}stage", []).append(tps)
+            print(f"round {rnd + 1}/{args.rounds}, batch {b}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()),
+                  flush=True)
+
+    where = (f"device cuda: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, {dtype}, pipelines over "
+             f"{cuda_backend(2)} (2 stages) / {cuda_backend(3)} (3 stages)" if args.device == "cuda"
+             else f"host cpus={os.cpu_count()}, baseline threads={args.baseline_threads}, {dtype}")
+    print(f"\nworkload: {len(rows)} requests (Azure conv trace), prompt <= {args.max_prompt_tokens} tokens, "
+          f"{total_new} output tokens; {where}; median of {args.rounds} interleaved round(s)")
+    print("pipeline splits (layers per stage): " + ", ".join(f"{n} stages {splits[n]}" for n in depths))
+    print(f"{'batch':>5}  {'configuration':<18}{'output tok/s':>14}{'vs hf_generate':>16}{'spread':>10}")
+    for b in batch_sizes:
+        base = statistics.median(runs[b]["hf_generate"])
+        for name, values in runs[b].items():
+            med = statistics.median(values)
+            spread = (max(values) - min(values)) / med if med else 0.0
+            print(f"{b:>5}  {name:<18}{med:>14.1f}{med / base:>15.2f}x{100 * spread:>9.0f}%")
+    step_profile(ckpt, rows, batch_sizes, dev, dtype, args.hbm_gbps)
+    if args.score:
+        score_bench(ckpt, rows, args)
+    if not args.no_fidelity and args.device == "cpu":
+        fidelity(args)
+
+
+def hf_generate(ckpt, rows, batch: int, threads: int, dev: str, dtype: str, sync) -> float:
+    """Output tokens/s of ``transformers`` ``generate`` over ``rows`` in left-padded batches of ``batch``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flexpipe_dag.runtime.model_loader import torch_dtype
+
+    torch.set_num_threads(threads)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=torch_dtype(dtype)).to(dev).eval()
     pad = ckpt.config.pad_token_id if ckpt.config.pad_token_id is not None else 0
+    sync()
     t0 = time.perf_counter()
     produced = 0
-    for i in range(0, len(rows), args.micro_batch_size):
-        chunk = rows[i:i + args.micro_batch_size]
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
         width = max(len(r.token_ids) for r in chunk)
         ids = torch.tensor([[pad] * (width - len(r.token_ids)) + r.token_ids for r in chunk])
         mask = torch.tensor([[0] * (width - len(r.token_ids)) + [1] * len(r.token_ids) for r in chunk])
@@ -94,41 +172,92 @@ def main() -> None:
                         do_sample=False, pad_token_id=pad)
         produced += sum(r.max_new_tokens for r in chunk)  # tokens past a row's own cap are not counted
     sync()
-    results["hf_generate"] = produced / (time.perf_counter() - t0)
-    del hf
+    return produced / (time.perf_counter() - t0)
 
-    # FlexPipe code, one process
-    local = LocalPipeline.from_layer_ranges(ckpt, [(0, ckpt.num_layers)], num_blocks=1024, block_size_tokens=16)
-    if args.device == "cuda":
+
+def _local(ckpt, dev: str, dtype: str):
+    from flexpipe_dag.runtime.local import LocalPipeline
+
+    local = LocalPipeline.from_layer_ranges(ckpt, [(0, ckpt.num_layers)], num_blocks=1024, block_size_tokens=16,
+                                            dtype=dtype)
+    if dev != "cpu":
         local = LocalPipeline([st.to(dev) for st in local.stages], 1024, 16)
-    t0 = time.perf_counter()
-    outs = local.generate(requests(), micro_batch_size=args.micro_batch_size)
+    return local
+
+
+def local_generate(ckpt, reqs, batch: int, dev: str, dtype: str, sync) -> float:
+    """Output tokens/s of FlexPipe's stage code and scheduler in this process (one stage, micro-batches of ``batch``)."""
+    local = _local(ckpt, dev, dtype)
     sync()
-    results["local_1stage"] = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
-    del local
-    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    outs = local.generate(reqs, micro_batch_size=batch)
+    sync()
+    return sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
 
-    for stages in (2, 3):
-        gear = even_gear(ckpt.num_layers, stages, ckpt.name, args.micro_batch_size, stages, 16384)
-        with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device)) as rt:
+
+def step_profile(ckpt, rows, batch_sizes, dev: str, dtype: str, hbm_gbps: float | None) -> None:
+    """Where one decode step of ``local_1stage`` spends its time, per batch size (``torch.profiler``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flexpipe_dag.runtime.kv_blocks import BlockAllocator
+    from flexpipe_dag.runtime.scheduler import Request, Scheduler
+
+    local = _local(ckpt, dev, dtype)
+    gemm = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+    attention = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
+    weights = sum(st.param_bytes() for st in local.stages)
+    bound = ""
+    if dev != "cpu":
+        gbps = hbm_gbps or _catalog_bandwidth_gbps(torch.cuda.get_device_name(0))
+        if gbps:
+            bound = f"; weights-read bound {weights / (gbps * 1e9) * 1e3:.3f} ms ({weights / 2**20:.0f} MiB at {gbps:g} GB/s)"
+    print(f"\none local_1stage decode step (median of 8 after warm-up; torch.profiler self time{bound}):")
+    print(f"{'batch':>5} {'step ms':>9} {'matmul ms':>10} {'attention ms':>13} {'other ms':>9}  other = norms, rotary, "
+          "gathers, sampling, Python dispatch")
+    sync = torch.cuda.synchronize if dev != "cpu" else (lambda: None)
+    for b in batch_sizes:
+        sched = Scheduler(BlockAllocator(1024, 16), b, 1)
+        sched.add_requests([Request(f"s{i}", list(rows[i % len(rows)].token_ids), 64) for i in range(b)])
+        mb = sched.schedule()
+        while any(len(s.token_ids) > 1 for s in mb.seqs):  # prefill first
+            sched.update_from_output(mb.mb_id, local.step(mb))
+            mb = sched.schedule()
+        times = []
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev != "cpu" else [])
+        for i in range(12):
+            if i == 4:
+                prof = profile(activities=activities)
+                prof.__enter__()
+            sync()
             t0 = time.perf_counter()
-            outs = rt.generate(requests())
-            results[f"pipeline_{stages}stage"] = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
+            tokens = local.step(mb)
+            sync()
+            if i >= 4:
+                times.append((time.perf_counter() - t0) * 1e3)
+            sched.update_from_output(mb.mb_id, tokens)
+            mb = sched.schedule()
+        prof.__exit__(None, None, None)
+        events = prof.key_averages()
+        attr = "self_device_time_total" if dev != "cpu" else "self_cpu_time_total"
+        total = {"gemm": 0.0, "attention": 0.0}
+        for e in events:
+            t = getattr(e, attr, 0.0) / 1e3 / len(times)
+            if e.key.startswith(gemm):
+                total["gemm"] += t
+            elif e.key.startswith(attention):
+                total["attention"] += t
+        step = statistics.median(times)
+        print(f"{b:>5} {step:>9.2f} {total['gemm']:>10.2f} {total['attention']:>13.2f} "
+              f"{max(step - total['gemm'] - total['attention'], 0.0):>9.2f}")
 
-    if args.score:
-        score_bench(ckpt, rows, args)
 
-    base = results["hf_generate"]
-    where = (f"device cuda: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, pipelines over "
-             f"{cuda_backend(2)} (2 stages) / {cuda_backend(3)} (3 stages)" if args.device == "cuda"
-             else f"host cpus={os.cpu_count()}, baseline threads={args.baseline_threads}")
-    print(f"workload: {len(rows)} requests (Azure conv trace), prompt <= {args.max_prompt_tokens} tokens, "
-          f"{total_new} output tokens; {where}")
-    print(f"{'configuration':<18}{'output tok/s':>14}{'vs hf_generate':>16}")
-    for name, tps in results.items():
-        print(f"{name:<18}{tps:>14.1f}{tps / base:>15.2f}x")
-    if not args.no_fidelity:
-        fidelity(args)
+def _catalog_bandwidth_gbps(device_name: str) -> float | None:
+    """The catalog's memory bandwidth for an NVML device name (None when the catalog has no match)."""
+    from flexpipe_dag.core.catalog import lookup_gpu
+
+    spec = lookup_gpu(device_name)
+    return spec.hbm_bandwidth_gbps if spec else None
 
 
 def score_bench(ckpt, rows, args) -> None:

@@ -328,10 +328,14 @@ def test_transport_header_claims_are_bounded_before_allocating():
 
     from flexpipe_dag.runtime import transport as tp
 
-    for header in ([1, 1 << 40, -1, 0, 0, 0, 0, 0], [1, 10, 2, 0, 1 << 20, 1 << 20, 0, 0],
-                   [1, 10, 1, 0, -5, 0, 0, 0], [1, 10, 1, -1, 5, 0, 0, 0]):
+    for header in ([1, 1 << 40, -1, 0, 0, 0, 0, 0, 1], [1, 10, 2, 0, 1 << 20, 1 << 20, 0, 0, 0],
+                   [1, 10, 1, 0, -5, 0, 0, 0, 1], [1, 10, 1, -1, 5, 0, 0, 0, 1], [1, 10, -1, 0, 0, 0, 0, 0, 7]):
         with pytest.raises(tp.TransportError, match="malformed header|limit"):
-            tp._rest(1, torch.tensor(header, dtype=torch.int64), "cpu")
+            tp.check_header(1, header + [0, 0, 0])
+    head = torch.zeros(tp.HEAD_BYTES, dtype=torch.uint8)  # an inline body claimed larger than the head
+    head[:96] = torch.tensor([1, tp.HEAD_BYTES, -1, 0, 0, 0, 0, 0, 1, 0, 0, 0], dtype=torch.int64).view(torch.uint8)
+    with pytest.raises(tp.TransportError, match="does not fit"):
+        tp._unframe(1, head, "cpu")
 
 
 # -- binding ---------------------------------------------------------------------------------------

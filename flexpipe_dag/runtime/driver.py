@@ -142,12 +142,10 @@ class Driver:
         """Receiver thread: messages of the last stage's replicas into :attr:`inbox` (the driver's
         messages travel in host memory, gloo, on every backend). Stops after every replica's ``STOP``."""
         tp, stops = self._tp, 0
+        inbox = tp.Inbox(self.last_ranks[0] if len(self.last_ranks) == 1 else None)
         try:
             while True:
-                if len(self.last_ranks) == 1:
-                    kind, meta, _ = tp.recv_message(self.last_ranks[0])
-                else:
-                    _src, kind, meta, _ = tp.recv_message_any()
+                _src, kind, meta, _ = inbox.recv()
                 if kind == MessageKind.STOP:
                     stops += 1
                     if stops == len(self.last_ranks):

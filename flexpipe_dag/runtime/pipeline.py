@@ -198,8 +198,9 @@ def kv_num_blocks(gear: Gear) -> int:
     return max(1, cap // gear.kv_block_size_tokens)
 
 
-def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32") -> list[dict]:
-    """Per stage: parameter bytes (from tensor headers), KV pool bytes and their sum, before launch."""
+def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32", device: str = "cpu") -> list[dict]:
+    """Per stage: parameter bytes (from tensor headers), KV pool bytes and their sum, before launch
+    (``dtype`` ``auto`` sized for ``device``: :func:`~flexpipe_dag.runtime.model_loader.memory_dtype`)."""
     from flexpipe_dag.runtime.kv_cache import kv_bytes_per_token
 
     if gear.num_layers != ckpt.num_layers:
@@ -208,7 +209,7 @@ def stage_memory_bytes(gear: Gear, ckpt: Checkpoint, dtype: str = "fp32") -> lis
     cfg = ckpt.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads  # None: one per head (HF's default)
-    nbytes = int(compute_dtype(dtype).bytes_per_element)
+    nbytes = int(compute_dtype(memory_dtype(dtype, device)).bytes_per_element)
     tokens = kv_num_blocks(gear) * gear.kv_block_size_tokens
     n = gear.num_stages
     rows = []
@@ -266,7 +267,7 @@ def check_gear_fits(gear: Gear, ckpt: Checkpoint, options: RuntimeOptions) -> li
     Raises:
         InfeasibleError: naming the first stage whose weights + KV pool exceed its device memory.
     """
-    rows = stage_memory_bytes(gear, ckpt, memory_dtype(options.dtype, options.device))
+    rows = stage_memory_bytes(gear, ckpt, options.dtype, options.device)
     mem = options.device_memory_bytes
     # every stage worker (replicas each count) without a figure of its own shares this host's memory
     host_workers = sum(1 for st in gear.stages for dev in st.device_ids if not mem or dev not in mem)

@@ -1,16 +1,25 @@
 """Framed messages between pipeline ranks over ``torch.distributed`` point-to-point send/recv.
 
-A message is: a fixed ``int64[8]`` header (kind, payload bytes, tensor rank, dtype code, up to 4
-dims), then the payload as a ``uint8`` tensor (JSON of the kind's dataclass,
-:data:`~flexpipe_dag.runtime.messages.PAYLOAD_TYPES`; checked on receipt, never unpickled), then
-the tensor itself. Shapes travel
-ahead of data, so the receiver allocates exactly and sequence lengths may change every step
-(gloo aborts on a size mismatch otherwise); what a header claims is checked against
-:data:`MAX_PAYLOAD_BYTES` and :data:`MAX_TENSOR_BYTES` before anything is allocated. The header and metadata always travel in host memory
-(gloo), the tensor on ``device``: host memory under gloo, the rank's GPU under the
-``cpu:gloo,cuda:nccl`` backend (NCCL). Because headers are gloo messages, a rank that is fed by
-several others (stage replicas) can take the next header from whichever sender is ready
-(:func:`recv_message_any`) and then the rest of that message from that sender.
+A message starts with a *head*: a ``uint8`` buffer of exactly :data:`HEAD_BYTES` bytes holding an
+``int64[12]`` header (kind, payload bytes, tensor rank, dtype code, up to 4 dims, whether the body is
+inline) and, when they fit, the body: the payload (JSON of the kind's dataclass,
+:data:`~flexpipe_dag.runtime.messages.PAYLOAD_TYPES`; checked on receipt, never unpickled) and, for
+a tensor in host memory, the tensor's bytes (16-byte aligned after the payload). A body that does
+not fit follows as one ``uint8`` message of exactly its size, and a tensor on a GPU (the
+``cpu:gloo,cuda:nccl`` backend: NCCL) follows as itself. Sizes travel in the header ahead of the
+data, so the receiver allocates exactly (gloo aborts on a size mismatch otherwise); what a header
+claims is checked against :data:`MAX_PAYLOAD_BYTES` and :data:`MAX_TENSOR_BYTES` before anything is
+allocated.
+
+Why a fixed head: a point-to-point send waits until the receiver has posted its receive, and on a
+busy host each such rendezvous waits for the sending process's communication thread to get a CPU
+(measured: about 1 ms per part on a 2-core host whose cores both compute). A decode micro-batch's
+message is one head, and an :class:`Inbox` posts its receive for the next head as soon as it has
+taken a message, so the sender's head completes while the receiver is still computing: the
+receiver finds its next micro-batch already there.
+
+Because heads are gloo messages, a rank fed by several others (stage replicas) can take the next
+head from whichever sender is ready (``Inbox(None)``) and the rest of that message from that sender.
 
 Message kinds: :class:`~flexpipe_dag.runtime.messages.MessageKind`.
 """
@@ -34,17 +43,26 @@ from flexpipe_dag.runtime.messages import (
     to_json,
 )
 
-_HEADER_LEN = 8
+_HEADER_LEN = 12
+_HEADER_BYTES = _HEADER_LEN * 8
 _NO_PAYLOAD = b"null"  # a kind without payload still sends a (non-empty) one
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
+#: Bytes of every message's head (header + an inline body when it fits): a decode micro-batch's
+#: metadata and activations (32 sequences x 576-wide fp32: 74 KiB plus a few KiB of JSON) fit.
+HEAD_BYTES = 128 << 10
 #: Largest JSON payload a header may announce, bytes (a micro-batch's metadata is kilobytes).
 MAX_PAYLOAD_BYTES = 64 << 20
 #: Largest tensor a header may announce, bytes (a micro-batch's activations are megabytes).
 MAX_TENSOR_BYTES = 4 << 30
+_ALIGN = 16
 
 
 class TransportError(RuntimeError):
     """A peer closed the connection or sent a malformed frame."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 def send_message(dst: int, kind: MessageKind, meta: Any = None, tensor: torch.Tensor | None = None,
@@ -54,7 +72,8 @@ def send_message(dst: int, kind: MessageKind, meta: Any = None, tensor: torch.Te
     Args:
         kind: the frame kind; ``meta`` must be an instance of its payload type
             (:data:`~flexpipe_dag.runtime.messages.PAYLOAD_TYPES`, ``None`` for ``STOP``).
-        tensor: at most 4 dims, any of the dtypes in the header's table.
+        tensor: at most 4 dims, any of the dtypes in the header's table; it travels on ``device``
+            (host memory inline in the frame, a GPU as a message of its own).
 
     Raises:
         TypeError: ``meta`` is not the kind's payload type.
@@ -64,41 +83,177 @@ def send_message(dst: int, kind: MessageKind, meta: Any = None, tensor: torch.Te
 
 
 def send_framed(dst: int, parts: list[torch.Tensor]) -> float:
-    """Send a framed message's parts (:func:`frame`) to ``dst``, blocking; returns the milliseconds the
-    payload and tensor took once the header was through.
+    """Send a framed message's parts (:func:`frame`) to ``dst``, blocking; returns the milliseconds
+    from the receiver taking the head to the last part delivered (0 for a one-part message).
 
-    A point-to-point send waits until the receiver has posted its receive, so the header's send
-    holds the time the receiver was still busy; once it is through the receiver is taking the rest,
-    and the time of the rest is the transfer itself (what link calibration fits).
+    A point-to-point send waits until the receiver has posted its receive, so the head's send
+    holds the time the receiver was still busy; what follows is the transfer itself (what link
+    calibration fits).
     """
-    dist.send(parts[0], dst)
+    works = [_posted(dist.isend(part, dst)) for part in parts]  # all at once: gloo delivers them in order
+    works[0].wait()
     t0 = time.monotonic()
-    for part in parts[1:]:
-        dist.send(part, dst)
+    for work in works[1:]:
+        work.wait()
     return (time.monotonic() - t0) * 1e3
 
 
+def _posted(work: Any) -> Any:
+    """A point-to-point operation's handle (``isend`` / ``irecv`` return one in a process group)."""
+    if work is None:
+        raise TransportError("the process group posted no operation (this rank is not in the group)")
+    return work
+
+
 def frame(kind: MessageKind, meta: Any, tensor: torch.Tensor | None, device) -> list[torch.Tensor]:
-    """The tensors of one framed message, in sending order: header, payload and the tensor if any."""
+    """The tensors of one framed message, in sending order: the head, then the body when it does not
+    fit the head, then a GPU tensor.
+
+    Raises:
+        TypeError, ValueError: as :func:`send_message`.
+    """
     want = PAYLOAD_TYPES[MessageKind(kind)]
     if (meta is None) != (want is None) or (want is not None and not isinstance(meta, want)):
         raise TypeError(f"{MessageKind(kind).name} carries {want.__name__ if want else 'no payload'}, "
                         f"got {type(meta).__name__}")
     payload = _NO_PAYLOAD if meta is None else to_json(meta)
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    header[0], header[1] = kind, len(payload)
+    header = [0] * _HEADER_LEN
+    header[0], header[1], header[2] = int(kind), len(payload), -1
+    on_gpu = False
     if tensor is not None:
         if tensor.dim() > 4:
             raise ValueError(f"tensor rank {tensor.dim()} > 4")
         header[2], header[3] = tensor.dim(), _DTYPES.index(tensor.dtype)
         for i, d in enumerate(tensor.shape):
             header[4 + i] = d
-    else:
-        header[2] = -1
-    parts = [header, torch.frombuffer(bytearray(payload), dtype=torch.uint8)]
-    if tensor is not None:
-        parts.append(tensor.contiguous().to(device))
+        tensor = tensor.contiguous().to(device)
+        on_gpu = tensor.device.type != "cpu"
+    body_len = _aligned(len(payload)) + (0 if tensor is None or on_gpu else tensor.numel() * tensor.element_size())
+    inline = _HEADER_BYTES + body_len <= HEAD_BYTES
+    header[8] = int(inline)
+    head = torch.zeros(HEAD_BYTES, dtype=torch.uint8)
+    head[:_HEADER_BYTES] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    body = head[_HEADER_BYTES:_HEADER_BYTES + body_len] if inline else torch.empty(body_len, dtype=torch.uint8)
+    body[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if tensor is not None and not on_gpu:
+        raw_start = _aligned(len(payload))
+        body[raw_start:].view(tensor.dtype).copy_(tensor.reshape(-1))
+    parts = [head] if inline else [head, body]
+    if tensor is not None and on_gpu:
+        parts.append(tensor)
     return parts
+
+
+class Inbox:
+    """Receives framed messages from rank ``src`` (or, with None, from whichever rank sends first),
+    with the receive for the next message's head always posted ahead (see the module docstring).
+
+    Args:
+        src: the sending rank, or None for any.
+        device: where a tensor that travels on its own (a GPU's) is received.
+    """
+
+    def __init__(self, src: int | None, device: torch.device | str = "cpu"):
+        self.src, self.device = src, device
+        self._head: torch.Tensor | None = None
+        self._work: Any = None
+
+    def _post(self) -> None:
+        self._head = torch.empty(HEAD_BYTES, dtype=torch.uint8)
+        self._work = _posted(dist.irecv(self._head, self.src))
+
+    def recv(self) -> tuple[int, MessageKind, Any, torch.Tensor | None]:
+        """The next message: ``(src, kind, payload, tensor or None)``; blocks until it is here. After a
+        ``STOP`` nothing more is posted (the sender is gone after it).
+
+        Raises:
+            TransportError: a malformed header or payload (naming the sender).
+        """
+        if self._work is None:
+            self._post()
+        work, head = self._work, self._head
+        assert work is not None and head is not None
+        work.wait()
+        self._work = self._head = None
+        src = self.src if self.src is not None else int(work.source_rank())
+        kind, meta, tensor = _unframe(src, head, self.device)
+        if kind != MessageKind.STOP:
+            self._post()
+        return src, kind, meta, tensor
+
+
+def recv_message(src: int, device: torch.device | str = "cpu") -> tuple[MessageKind, Any, torch.Tensor | None]:
+    """Receive one framed message from rank ``src`` (blocking): ``(kind, payload, tensor or None)``.
+
+    Raises:
+        TransportError: a malformed header or payload (naming the sender).
+    """
+    head = torch.empty(HEAD_BYTES, dtype=torch.uint8)
+    dist.recv(head, src)
+    return _unframe(src, head, device)
+
+
+def check_header(src: int, h: list[int]) -> None:
+    """Refuse a header whose claims are malformed or over the limits, before anything is allocated.
+
+    Raises:
+        TransportError: naming the sender and what is wrong.
+    """
+    nbytes, ndim = h[1], h[2]
+    if (h[0] not in MessageKind._value2member_map_ or not 0 <= nbytes <= MAX_PAYLOAD_BYTES or not -1 <= ndim <= 4
+            or not -1 <= h[3] < len(_DTYPES) or (ndim >= 0 and h[3] < 0)
+            or any(d < 0 for d in h[4:4 + max(ndim, 0)]) or h[8] not in (0, 1)):
+        raise TransportError(f"malformed header from rank {src}: {h[:9]}")
+    if ndim >= 0:
+        elements = 1
+        for d in h[4:4 + ndim]:
+            elements *= d
+        if elements * _DTYPES[h[3]].itemsize > MAX_TENSOR_BYTES:
+            raise TransportError(f"header from rank {src} announces a tensor of {h[4:4 + ndim]} {_DTYPES[h[3]]} "
+                                 f"over the {MAX_TENSOR_BYTES}-byte limit")
+
+
+def _unframe(src: int, head: torch.Tensor, device) -> tuple[MessageKind, Any, torch.Tensor | None]:
+    h = head[:_HEADER_BYTES].view(torch.int64).tolist()
+    check_header(src, h)
+    kind, nbytes, ndim = MessageKind(h[0]), h[1], h[2]
+    shape = h[4:4 + ndim] if ndim >= 0 else None
+    dtype = _DTYPES[h[3]] if ndim >= 0 else None
+    on_gpu = shape is not None and torch.device(device).type != "cpu"
+    tensor_bytes = 0
+    if shape is not None and not on_gpu:
+        tensor_bytes = dtype.itemsize  # type: ignore[union-attr]
+        for d in shape:
+            tensor_bytes *= d
+    body_len = _aligned(nbytes) + tensor_bytes
+    if h[8]:
+        if _HEADER_BYTES + body_len > HEAD_BYTES:
+            raise TransportError(f"malformed header from rank {src}: an inline body of {body_len} bytes does not fit "
+                                 f"the {HEAD_BYTES}-byte head")
+        body = head[_HEADER_BYTES:_HEADER_BYTES + body_len]
+    else:
+        body = torch.empty(body_len, dtype=torch.uint8)
+        dist.recv(body, src)
+    want = PAYLOAD_TYPES[kind]
+    data = body[:nbytes].numpy().tobytes()
+    try:
+        if want is None:
+            if data != _NO_PAYLOAD:
+                raise MessageError(f"{kind.name} carries no payload, got {nbytes} bytes")
+            meta = None
+        else:
+            meta = from_json(want, data, f"rank {src}")
+    except MessageError as exc:
+        raise TransportError(f"malformed {kind.name} from rank {src}: {exc}") from None
+    tensor = None
+    if shape is not None and dtype is not None:
+        if on_gpu:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(tensor, src)
+        else:
+            start = _aligned(nbytes)
+            tensor = body[start:start + tensor_bytes].view(dtype).view(shape)
+    return kind, meta, tensor
 
 
 class BackgroundSender:
@@ -176,62 +331,6 @@ class BackgroundSender:
                 self._error = exc
             finally:
                 self._queue.task_done()
-
-
-def recv_message(src: int, device: torch.device | str = "cpu") -> tuple[MessageKind, Any, torch.Tensor | None]:
-    """Receive one framed message from rank ``src`` (blocking): ``(kind, payload, tensor or None)``.
-
-    Raises:
-        TransportError: a malformed header or payload (naming the sender).
-    """
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    dist.recv(header, src)
-    return _rest(src, header, device)
-
-
-def recv_message_any(device: torch.device | str = "cpu") -> tuple[int, MessageKind, Any, torch.Tensor | None]:
-    """Receive the next framed message from whichever rank sends first: ``(src, kind, payload, tensor)``.
-
-    Raises:
-        TransportError: as :func:`recv_message`.
-    """
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    src = dist.recv(header)
-    return (src, *_rest(src, header, device))
-
-
-def _rest(src: int, header: torch.Tensor, device) -> tuple[MessageKind, Any, torch.Tensor | None]:
-    h = header.tolist()
-    nbytes, ndim = h[1], h[2]
-    if (h[0] not in MessageKind._value2member_map_ or not 0 <= nbytes <= MAX_PAYLOAD_BYTES or not -1 <= ndim <= 4
-            or not -1 <= h[3] < len(_DTYPES) or (ndim >= 0 and h[3] < 0)
-            or any(d < 0 for d in h[4:4 + max(ndim, 0)])):
-        raise TransportError(f"malformed header from rank {src}: {h}")
-    if ndim >= 0:
-        elements = 1
-        for d in h[4:4 + ndim]:
-            elements *= d
-        if elements * _DTYPES[h[3]].itemsize > MAX_TENSOR_BYTES:
-            raise TransportError(f"header from rank {src} announces a tensor of {h[4:4 + ndim]} {_DTYPES[h[3]]} "
-                                 f"over the {MAX_TENSOR_BYTES}-byte limit")
-    kind = MessageKind(h[0])
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    dist.recv(buf, src)
-    want = PAYLOAD_TYPES[kind]
-    try:
-        if want is None:
-            if buf.numpy().tobytes() != _NO_PAYLOAD:
-                raise MessageError(f"{kind.name} carries no payload, got {nbytes} bytes")
-            meta = None
-        else:
-            meta = from_json(want, buf.numpy().tobytes(), f"rank {src}")
-    except MessageError as exc:
-        raise TransportError(f"malformed {kind.name} from rank {src}: {exc}") from None
-    tensor = None
-    if ndim >= 0:
-        tensor = torch.empty(h[4:4 + ndim], dtype=_DTYPES[h[3]], device=device)
-        dist.recv(tensor, src)
-    return kind, meta, tensor
 
 
 def batch_input_ids(batch) -> torch.Tensor:

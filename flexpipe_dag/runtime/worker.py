@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -109,6 +110,10 @@ class WorkerSpec:
         return self.num_workers + 1
 
 
+#: ``sys.setswitchinterval`` of every rank (Python's default is 0.005 s), see :func:`setup_process`.
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
 def setup_process(spec: WorkerSpec, rank: int) -> None:
     """Thread limits and ``torch.distributed`` init for one rank (long timeout: the parent's watchdog
     decides when a step hangs, an idle pipeline must not time out). The rendezvous goes through the
@@ -123,6 +128,10 @@ def setup_process(spec: WorkerSpec, rank: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(spec.threads_per_rank)
+    # a rank's helper threads (the background sender, the driver's receiver) each need the GIL for a
+    # moment per message while the main thread computes; Python's default 5 ms switch interval made
+    # every hand-off wait up to that long per message part
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from flexpipe_dag.runtime.rendezvous import keep_backend_on_loopback, parse_address, process_group_store
 
     if spec.loopback_only:
@@ -249,6 +258,8 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
             # the watchdog's stall finder must name it, not the stage waiting for it
             counters[steps_slot] = step
 
+        # one upstream: its messages; several replicas feed this one: whichever is ready
+        inbox = tp.Inbox(upstream[0] if len(upstream) == 1 else None, recv_device)
         sender = tp.BackgroundSender(spec.max_pending_sends, handed_on) if spec.max_pending_sends > 0 else None
 
         def hand_on(dst: int, kind, meta, tensor=None, device="cpu", tag=None) -> None:
@@ -264,10 +275,7 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
                 sender.flush()
         while True:
             in_transport = True
-            if len(upstream) == 1:
-                kind, meta, x = tp.recv_message(upstream[0], recv_device)
-            else:  # several replicas feed this one: take whichever is ready
-                _src, kind, meta, x = tp.recv_message_any(recv_device)
+            _src, kind, meta, x = inbox.recv()
             in_transport = False
             if kind in (MessageKind.STOP, MessageKind.RECONFIGURE):
                 control.setdefault(kind, []).append(meta)

@@ -310,8 +310,8 @@ class GearExecutor:
 
         from flexpipe_dag.runtime.pipeline import kv_num_blocks, stage_memory_bytes
 
-        old_rows = stage_memory_bytes(old_rt.gear, ckpt, old_rt.options.dtype)
-        new_rows = stage_memory_bytes(new_gear, ckpt, opts.dtype)
+        old_rows = stage_memory_bytes(old_rt.gear, ckpt, old_rt.options.dtype, old_rt.options.device)
+        new_rows = stage_memory_bytes(new_gear, ckpt, opts.dtype, opts.device)
         full = kv_num_blocks(new_gear) * new_gear.kv_block_size_tokens
         from flexpipe_dag.core.host import host_memory_bytes
 

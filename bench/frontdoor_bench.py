@@ -9,9 +9,14 @@ sent by C clients that each send the next request when theirs ends. Both paths r
 the request to receiving its first token (HTTP: the first SSE chunk with text). Time per output token
 is (last token - first token) / (tokens - 1) per request.
 
+Both pipelines stay up for the whole bench (an idle one costs nothing) and the two paths take turns,
+level by level, for --rounds rounds; the figures are medians over the rounds. This host's speed drifts
+by 10-25 % over minutes, which a single direct run followed by a single HTTP run cannot tell from
+what HTTP adds.
+
 Goal (issue #14): HTTP adds under 5 % to TTFT p50 and under 2 ms per token.
 
-Usage: OMP_NUM_THREADS=1 python bench/frontdoor_bench.py [--num-requests 32] [--concurrency 1,4,16]
+Usage: OMP_NUM_THREADS=1 python bench/frontdoor_bench.py [--num-requests 32] [--concurrency 1,4,16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -51,87 +56,103 @@ def _summary(samples: list[tuple[float, float | None, int]], wall_s: float) -> d
             "req_per_s": len(samples) / wall_s, "tokens": sum(n for _, _, n in samples)}
 
 
-def direct(ckpt, rows, stages: int, levels: list[int]) -> dict[int, dict]:
-    """Closed-loop clients on a ServingRouter over the pipeline, in this process."""
-    from flexpipe_dag.core.gear_builders import even_gear
-    from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
-    from flexpipe_dag.runtime.scheduler import Request
-    from flexpipe_dag.shift.router import ServingRouter
+class Direct:
+    """Closed-loop clients on a ServingRouter over the pipeline, in this process (a context manager)."""
 
-    state: dict[str, dict] = {}
-    lock = threading.Lock()
+    def __init__(self, ckpt, stages: int):
+        from flexpipe_dag.core.gear_builders import even_gear
+        from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+        from flexpipe_dag.shift.router import ServingRouter
 
-    def on_tokens(rid, index, token):
-        with lock:
-            st = state[rid]
+        self.ckpt = ckpt
+        self.state: dict[str, dict] = {}
+        self.lock = threading.Lock()
+        self.router = ServingRouter(on_result=self._on_result, on_tokens=self._on_tokens)
+        self.router.__enter__()
+        gear = even_gear(ckpt.num_layers, stages, ckpt.name, 8, None, 8192)  # as `flexpipe serve --stages N`
+        self.router.open(PipelineRuntime(gear, ckpt, RuntimeOptions(stream_tokens=True)))
+        self.runs = 0
+
+    def close(self) -> None:
+        self.router.__exit__(None, None, None)
+
+    def _on_tokens(self, rid, index, token):
+        with self.lock:
+            st = self.state[rid]
             if st["first"] is None:
                 st["first"] = time.monotonic()
 
-    def on_result(out):
-        with lock:
-            st = state[out.request_id]
+    def _on_result(self, out):
+        with self.lock:
+            st = self.state[out.request_id]
             st["last"], st["n"] = time.monotonic(), len(out.output_token_ids)
             st["done"].set()
 
-    gear = even_gear(ckpt.num_layers, stages, ckpt.name, 8, None, 8192)
-    results = {}
-    with ServingRouter(on_result=on_result, on_tokens=on_tokens) as router:
-        router.open(PipelineRuntime(gear, ckpt, RuntimeOptions(stream_tokens=True)))
-        for c in levels:
-            todo = list(enumerate(rows))
-            samples = []
+    def run(self, rows, clients: int) -> dict:
+        from flexpipe_dag.runtime.scheduler import Request
 
-            def client(level=c, todo=todo, samples=samples):
-                while True:
-                    with lock:
-                        if not todo:
-                            return
-                        i, (ids, max_new) = todo.pop(0)
-                    rid = f"c{level}-{i}"
-                    st = {"sent": time.monotonic(), "first": None, "last": None, "n": 0, "done": threading.Event()}
-                    with lock:
-                        state[rid] = st
-                    router.submit([Request(rid, ids, max_new, eos_token_ids=ckpt.eos_token_ids())])
-                    st["done"].wait()
-                    tpot = (st["last"] - st["first"]) / (st["n"] - 1) if st["n"] > 1 else None
-                    samples.append((st["first"] - st["sent"], tpot, st["n"]))
+        self.runs += 1
+        todo = list(enumerate(rows))
+        samples: list[tuple[float, float | None, int]] = []
 
-            t0 = time.monotonic()
-            threads = [threading.Thread(target=client) for _ in range(c)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            results[c] = _summary(samples, time.monotonic() - t0)
-    return results
+        def client():
+            while True:
+                with self.lock:
+                    if not todo:
+                        return
+                    i, (ids, max_new) = todo.pop(0)
+                rid = f"r{self.runs}-{i}"
+                st = {"sent": time.monotonic(), "first": None, "last": None, "n": 0, "done": threading.Event()}
+                with self.lock:
+                    self.state[rid] = st
+                self.router.submit([Request(rid, ids, max_new, eos_token_ids=self.ckpt.eos_token_ids())])
+                st["done"].wait()
+                tpot = (st["last"] - st["first"]) / (st["n"] - 1) if st["n"] > 1 else None
+                samples.append((st["first"] - st["sent"], tpot, st["n"]))
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return _summary(samples, time.monotonic() - t0)
 
 
-def http(ckpt, rows, stages: int, levels: list[int]) -> dict[int, dict]:
+class Http:
     """Closed-loop OpenAI streaming clients (`flexpipe loadtest`'s) against a `flexpipe serve` process."""
-    proc = subprocess.Popen([sys.executable, "-m", "flexpipe_dag.cli", "serve", "--stages", str(stages), "--port", "0",
-                             "--no-store"], cwd=REPO, stderr=subprocess.PIPE, text=True)
-    port = None
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        m = re.search(r"Uvicorn running on http://[\d.]+:(\d+)", line)
-        if m:
-            port = int(m.group(1))
-            break
-    assert port, "the server did not start"
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    from flexpipe_dag.serving.loadtest import LoadRequest, closed_loop
 
-    reqs = [LoadRequest(ids, max_new) for ids, max_new in rows]
-    try:
-        out = {}
-        for c in levels:
-            measured, wall = asyncio.run(closed_loop(f"http://127.0.0.1:{port}/v1", ckpt.name, reqs, c))
-            assert all(m.error is None for m in measured), [m.error for m in measured if m.error][:3]
-            out[c] = _summary([(m.ttft_s, m.tpot_s, m.output_tokens) for m in measured], wall)
-        return out
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+    def __init__(self, ckpt, stages: int):
+        self.ckpt = ckpt
+        self.proc = subprocess.Popen([sys.executable, "-m", "flexpipe_dag.cli", "serve", "--stages", str(stages),
+                                      "--port", "0", "--no-store"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        port = None
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            m = re.search(r"Uvicorn running on http://[\d.]+:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port, "the server did not start"
+        stderr = self.proc.stderr
+        threading.Thread(target=lambda: [None for _ in stderr], daemon=True).start()
+        self.url = f"http://127.0.0.1:{port}/v1"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+
+    def run(self, rows, clients: int) -> dict:
+        from flexpipe_dag.serving.loadtest import LoadRequest, closed_loop
+
+        reqs = [LoadRequest(ids, max_new) for ids, max_new in rows]
+        measured, wall = asyncio.run(closed_loop(self.url, self.ckpt.name, reqs, clients))
+        assert all(m.error is None for m in measured), [m.error for m in measured if m.error][:3]
+        return _summary([(m.ttft_s, m.tpot_s, m.output_tokens) for m in measured], wall)
+
+
+def _median_runs(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def main() -> None:
@@ -141,15 +162,31 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every level and path")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     ckpt, rows = _rows(args)
     print(f"{len(rows)} Azure-conv requests, prompts <= {args.max_prompt_tokens} tokens, outputs <= "
-          f"{args.max_new_tokens}; {args.stages}-stage CPU pipeline; closed loop", flush=True)
-    base = direct(ckpt, rows, args.stages, levels)
-    front = http(ckpt, rows, args.stages, levels)
+          f"{args.max_new_tokens}; {args.stages}-stage CPU pipeline; closed loop; {args.rounds} interleaved round(s)",
+          flush=True)
+    paths = {"direct": Direct(ckpt, args.stages), "http": Http(ckpt, args.stages)}
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in paths}
+    try:
+        for rnd in range(args.rounds):
+            for c in levels:
+                order = list(paths) if rnd % 2 == 0 else list(reversed(paths))  # each path goes first as often
+                for name in order:
+                    runs[name][c].append(paths[name].run(rows, c))
+                    r = runs[name][c][-1]
+                    print(f"round {rnd + 1}, {c} client(s), {name}: TTFT p50 {r['ttft_p50_ms']:.1f} ms, TPOT p50 "
+                          f"{r['tpot_p50_ms']:.1f} ms, {r['req_per_s']:.2f} req/s", flush=True)
+    finally:
+        for path in paths.values():
+            path.close()
+    base = {c: _median_runs(runs["direct"][c]) for c in levels}
+    front = {c: _median_runs(runs["http"][c]) for c in levels}
     print(f"{'clients':>7} | {'direct TTFT p50':>15} {'HTTP TTFT p50':>13} {'ratio':>6} | {'direct TPOT p50':>15} "
-          f"{'HTTP TPOT p50':>13} {'+ms/token':>9} | {'direct req/s':>12} {'HTTP req/s':>10}")
+          f"{'HTTP TPOT p50':>13} {'+ms/token':>9} | {'direct req/s':>12} {'HTTP req/s':>10}   (medians of rounds)")
     for c in levels:
         d, h = base[c], front[c]
         print(f"{c:>7} | {d['ttft_p50_ms']:>12.1f} ms {h['ttft_p50_ms']:>10.1f} ms {h['ttft_p50_ms'] / d['ttft_p50_ms']:>6.3f} | "

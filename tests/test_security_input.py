@@ -499,7 +499,7 @@ def test_cpu_memory_share_counts_every_replica(monkeypatch):
     from flexpipe_dag.runtime import pipeline
 
     monkeypatch.setattr(pipeline, "host_memory_bytes", lambda: 100 * 2**30)
-    monkeypatch.setattr(pipeline, "stage_memory_bytes", lambda gear, ckpt, dtype: [
+    monkeypatch.setattr(pipeline, "stage_memory_bytes", lambda gear, ckpt, dtype, device="cpu": [
         {"stage_index": st.stage_index, "device_ids": st.device_ids, "total_bytes": 30 * 2**30,
          "param_bytes": 20 * 2**30, "kv_pool_bytes": 10 * 2**30} for st in gear.stages])
     options = pipeline.RuntimeOptions()

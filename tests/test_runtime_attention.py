@@ -110,3 +110,12 @@ def test_slot_rows_append_only_the_new_tokens_and_rebuild_a_changed_table():
 def test_a_sequence_without_new_tokens_is_refused():
     with pytest.raises(ValueError, match="at least one new token"):
         build_index([ScheduledSeq(1, [], 0, [0], 0)], SlotRows(BLOCK))
+
+
+def test_a_block_table_that_does_not_cover_the_positions_or_leaves_the_pool_is_refused():
+    rows = SlotRows(BLOCK, num_blocks=4)
+    with pytest.raises(ValueError, match=r"block table of 1 block\(s\) holds 4 tokens; positions up to 5 need 2"):
+        build_index([ScheduledSeq(1, [1] * 5, 0, [0], 0)], rows)
+    with pytest.raises(ValueError, match=r"block\(s\) \[9\] outside the pool of 4"):
+        build_index([ScheduledSeq(2, [1] * 3, 0, [9], 0)], rows)
+    assert len(rows) == 0 or all(r.length == 0 for r in rows._rows.values())  # nothing half-recorded

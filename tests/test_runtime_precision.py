@@ -60,3 +60,22 @@ def test_a_16_bit_pipeline_generates_and_mostly_agrees_with_fp32(dtype):
     same_first = sum(outs["fp32"][r.request_id][:1] == outs[dtype][r.request_id][:1] for r in reqs)
     assert all(len(outs[dtype][r.request_id]) >= 1 for r in reqs)
     assert same_first >= len(reqs) - 1, outs
+
+
+@pytest.mark.parametrize("command", ["serve", "run"])
+def test_device_cuda_without_a_visible_gpu_is_one_line_naming_the_flag(command, tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible here: the refusal is for hosts without one")
+    extra = ["--no-store"] if command == "serve" else ["--trace", "azure-conv", "--out", str(tmp_path / "out.jsonl")]
+    proc = subprocess.run([sys.executable, "-m", "flexpipe_dag.cli", command, "--stages", "2", "--device", "cuda",
+                           *extra], capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
+                                                                                   "FLEXPIPE_HOME": str(tmp_path)})
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (f"flexpipe {command}: error: --device: cuda: no CUDA device "
+                                                    "visible to torch on this host"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

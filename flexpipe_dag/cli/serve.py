@@ -170,6 +170,7 @@ def _store_link(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
+    from flexpipe_dag.cli.run import check_cuda
     from flexpipe_dag.runtime.model_loader import head_dtype, resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings
@@ -185,6 +186,8 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(None, "--run-key", "names this server's run in the store: drop --no-store, or the key")
     if args.drain_timeout_s < 0:
         raise InputError(None, "--drain-timeout-s", f"expected >= 0, got {args.drain_timeout_s}")
+    if args.device == "cuda":
+        check_cuda(remote=False)  # serve runs its stages on this host
     try:
         args.dtype = head_dtype(args.dtype, args.device)
     except InputError as exc:

@@ -105,8 +105,10 @@ class SlotRows:
         device: where the slot tensors live (the pool's device).
     """
 
-    def __init__(self, block_size_tokens: int, device: torch.device | str = "cpu"):
+    def __init__(self, block_size_tokens: int, device: torch.device | str = "cpu", num_blocks: int | None = None):
         self.block_size_tokens = block_size_tokens
+        #: blocks in the pool the slots address (``None``: not checked)
+        self.num_blocks = num_blocks
         self.device = torch.device(device)
         self._rows: dict[int, _Row] = {}
         self._step = 0
@@ -117,10 +119,19 @@ class SlotRows:
         return len(self._rows)
 
     def context_slots(self, seq: ScheduledSeq) -> torch.Tensor:
-        """``int64 [start_pos + len(token_ids)]``: the pool slots of positions ``0 .. end - 1`` of ``seq``."""
+        """``int64 [start_pos + len(token_ids)]``: the pool slots of positions ``0 .. end - 1`` of ``seq``.
+
+        Raises:
+            ValueError: the block table does not cover the positions, or names a block outside the pool
+                (a corrupt micro-batch: nothing is written to the pool).
+        """
         end = seq.start_pos + len(seq.token_ids)
         row = self._rows.get(seq.seq_id)
         table = seq.block_table
+        if end > len(table) * self.block_size_tokens:
+            raise ValueError(f"sequence {seq.seq_id}: its block table of {len(table)} block(s) holds "
+                             f"{len(table) * self.block_size_tokens} tokens; positions up to {end} need "
+                             f"{-(-end // self.block_size_tokens)}")
         if row is None or table[:len(row.blocks)] != row.blocks:
             row = _Row(list(table), torch.empty(max(end, 16), dtype=torch.long, device=self.device), 0, self._step)
             self._rows[seq.seq_id] = row
@@ -133,6 +144,9 @@ class SlotRows:
                 grown[:row.length] = row.slots[:row.length]
                 row.slots = grown
             new = slot_mapping(table, row.length, end, self.block_size_tokens)
+            if self.num_blocks is not None and not 0 <= min(new) <= max(new) < self.num_blocks * self.block_size_tokens:
+                bad = [b for b in table if not 0 <= b < self.num_blocks]
+                raise ValueError(f"sequence {seq.seq_id}: block(s) {bad[:4]} outside the pool of {self.num_blocks}")
             row.slots[row.length:end] = torch.tensor(new, dtype=torch.long, device=self.device)
             self.slots_computed += len(new)
             row.length = end
@@ -151,7 +165,8 @@ def build_index(seqs: list[ScheduledSeq], rows: SlotRows) -> BatchIndex:
     """The :class:`BatchIndex` of a micro-batch whose sequences are ``seqs`` (packed in this order).
 
     Raises:
-        ValueError: a sequence without new tokens.
+        ValueError: a sequence without new tokens, or a block table that does not cover its positions
+            or leaves the pool (:meth:`SlotRows.context_slots`).
     """
     device = rows.device
     ns = [len(s.token_ids) for s in seqs]

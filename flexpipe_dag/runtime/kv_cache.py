@@ -44,7 +44,7 @@ class PagedKVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         #: each running sequence's slot mapping, kept across steps (see :class:`SlotRows`)
-        self.slot_rows = SlotRows(block_size_tokens, self.k.device)
+        self.slot_rows = SlotRows(block_size_tokens, self.k.device, num_blocks)
 
     @property
     def capacity_tokens(self) -> int:

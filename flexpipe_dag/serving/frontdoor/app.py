@@ -12,7 +12,6 @@ metrics stay open, as in vLLM.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 import time
@@ -25,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flexpipe_dag.serving.frontdoor.api_key import ApiKeyRequired
 from flexpipe_dag.serving.frontdoor.batches import batch_file, cancel_batch, create_batch, get_batch, list_batches
 from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, Generation
 from flexpipe_dag.serving.frontdoor.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -103,15 +103,11 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         return refused(request, APIError(500, f"internal error ({type(exc).__name__}); the server logged it",
                                          type="server_error"))
 
-    @app.middleware("http")
-    async def _key_first(request: Request, call_next):
-        """With a key, a ``/v1`` request without it is refused before its body is read (as OpenAI does)."""
-        if api_key is not None and request.url.path.startswith("/v1"):
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                return refused(request, APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                                 type="authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+    if api_key is not None:  # added last: outermost, so a request without the key is refused unread
+        app.add_middleware(ApiKeyRequired, api_key=api_key,  # type: ignore[arg-type]
+                           refusal=lambda scope: refused(Request(scope), APIError(
+                               401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                               type="authentication_error", code="invalid_api_key")))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -122,6 +122,27 @@ def test_a_stop_sequence_ends_the_text_before_it(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=12, temperature=0, stop=["6"], stream=True))
     assert streamed == cut.choices[0].text
+    # stops longer than the text before them (held text must not leak), at the very start, mid-word
+    for stop in (text[:len(text) // 2], text[2:len(text) - 1], text[len(text) // 3:len(text) // 3 + 3]):
+        start = text.index(stop)
+        kwargs = dict(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+        whole = client.completions.create(**kwargs)
+        assert (whole.choices[0].text, whole.choices[0].finish_reason) == (text[:start], "stop"), stop
+        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text[:start], stop
+        assert 1 <= whole.usage.completion_tokens == chunks[-1].usage.completion_tokens <= 12
+
+
+def test_tokens_through_stop_counts_to_the_token_that_completes_the_stop():
+    from flexpipe_dag.serving.frontdoor.engine import tokens_through_stop
+
+    tok = checkpoint().tokenizer()
+    ids = tok.encode(" one two three four five", add_special_tokens=False)
+    for k in range(1, len(ids) + 1):
+        tail = tok.decode(ids[:k]).split()[-1]
+        assert tokens_through_stop(tok, ids, (tail,)) <= k
+    assert tokens_through_stop(tok, ids, (" three",)) == len(tok.encode(" one two three", add_special_tokens=False))
+    assert tokens_through_stop(tok, ids, ("six",)) == len(ids)
 
 
 def test_bad_requests_get_openai_errors_naming_the_field(server, client):

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY, InferenceJobKind, InferenceJobStatus, RequestResultStatus
 from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
-from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, _first_stop
+from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, _first_stop, tokens_through_stop
 from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
 from flexpipe_dag.serving.frontdoor.protocol import (
     APIError,
@@ -174,10 +174,13 @@ class BatchRunner:
         tokens = list(out.output_token_ids)
         text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
         finish = out.finish_reason
-        cut = _first_stop(text, tuple(_stops(line.body)), 0)
-        if cut is not None:
+        stops = tuple(_stops(line.body))
+        cut = _first_stop(text, stops, 0)
+        completion_tokens = len(tokens)
+        if cut is not None:  # counted as the endpoint counts it: through the token that completed the stop
             text, finish = text[:cut], "stop"
-        body = shapes.response(text, finish, len(out.prompt_token_ids), len(tokens))
+            completion_tokens = tokens_through_stop(self.engine.tokenizer, tokens, stops)
+        body = shapes.response(text, finish, len(out.prompt_token_ids), completion_tokens)
         metrics = self.engine.metrics
         metrics.generation_tokens.labels("offline").inc(len(tokens))
         metrics.prompt_tokens.labels("offline").inc(len(out.prompt_token_ids))

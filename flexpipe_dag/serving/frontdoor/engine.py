@@ -284,10 +284,12 @@ class FrontDoorEngine:
             text = detok.text_of(tokens, final=done)
             finish = output.finish_reason if output is not None else None
             cut = _first_stop(text, gen.stop, max(len(sent_text) - hold, 0))
+            completion_tokens = len(tokens)
             if cut is not None:
                 text, finish, done = text[:cut], "stop", True
+                completion_tokens = tokens_through_stop(self.tokenizer, tokens, gen.stop)
             elif not done:
-                text = text[:len(text) - hold] if hold else text
+                text = text[:max(len(text) - hold, 0)]  # the end may be a stop sequence's start
                 if text.endswith("\ufffd"):  # a character whose bytes are not all out yet
                     text = text.rstrip("\ufffd")
             piece = text[len(sent_text):] if text.startswith(sent_text) else ""
@@ -296,8 +298,8 @@ class FrontDoorEngine:
             counted = len(tokens)
             self.metrics.generation_tokens.labels(gen.priority_class).inc(new_tokens)
             if done:
-                self._observe(stream, len(tokens))
-                yield Piece(piece, finish, len(gen.prompt_token_ids), len(tokens))
+                self._observe(stream, completion_tokens)
+                yield Piece(piece, finish, len(gen.prompt_token_ids), completion_tokens)
                 return
             if piece:
                 yield Piece(piece)
@@ -345,6 +347,20 @@ class IncrementalDetokenizer:
             self.text += new[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
         return self.text
+
+
+def tokens_through_stop(tokenizer, tokens: list[int], stops: tuple[str, ...]) -> int:
+    """The fewest leading tokens of ``tokens`` whose text holds one of ``stops``: the completion's
+    token count when it ends at a stop sequence (the tokens sampled after it are not the answer's),
+    ``len(tokens)`` when none holds one. A binary search: ``log2(len(tokens))`` decodes."""
+    lo, hi = 1, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _first_stop(tokenizer.decode(tokens[:mid], skip_special_tokens=True), stops, 0) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -146,6 +146,13 @@ class ControllerConfig(Figures):
                          "target toward a roomier gear, imbalance or low load back) do not ping-pong; shifts the "
                          "load forces are not held back; 0 (the seeds) = off")
 
+    downshift_headroom_fraction: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = Field(
+        0.0, description="fewest devices once the load allows: with h > 0, trigger fewer_devices_hold fires when a "
+                         "healthy gear on fewer devices than the serving one holds the smoothed request rate, the "
+                         "recent peak (recent_peak_window_s) and the forecast with headroom h (all <= rps_max x "
+                         "(1 - h)), and a discretionary shift down (rps_below_envelope, fewer_devices_hold) goes to "
+                         "the gear on the fewest devices that does, not the nearest kind; 0 (the seeds) = off")
+
     # load forecast ------------------------------------------------------------------------------
     forecast_horizon_s: Annotated[float, Field(ge=0.0, le=DAY_S, allow_inf_nan=False)] = Field(
         0.0, description="look-ahead of the load forecast, on the samples' clock: with a forecast passed to "

@@ -35,27 +35,51 @@ from typing import Any
 
 import numpy as np
 
+from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.controller import Controller, ForecastFn
 from flexpipe_dag.control.offline_fill import OfflineBacklog, OfflinePlanner, OfflineRun, run_offline
+from flexpipe_dag.control.offline_share import DEFAULT_SEATS_FRACTION, OfflineShare, ShareOutcome
 from flexpipe_dag.control.replay import (
     arrivals_per_window,
     cheapest_holding_gear,
     lost_count,
+    online_outcome,
     opening_gear,
+    replay_controller_config,
     run_dynamic,
     run_static,
     slo_met_per_window,
 )
+from flexpipe_dag.control.tide import TideConfig
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.planner.model_spec import ModelSpec
-from flexpipe_dag.sim import SimConfig
+from flexpipe_dag.sim import SimConfig, Simulator
 from flexpipe_dag.sim.device_hours import DeviceSpan, device_usage
+from flexpipe_dag.sim.results import SimResult
 from flexpipe_dag.workload.request import Workload
 
 POLICIES = ("static", "dynamic", "oracle")
+#: Controller figures the mixed day sets beyond the tide replays' (:data:`~flexpipe_dag.control.replay.REPLAY_CONTROLLER`),
+#: with what each does: the fleet lends what online does not hold to offline work, so the controller hands
+#: devices back once the load allows.
+MIXED_DAY_CONTROLLER: dict[str, tuple[float, str]] = {
+    "downshift_headroom_fraction": (0.2, "shift to the gear on the fewest devices that holds the load, its recent "
+                                         "peak and the forecast with 20 % headroom (seed 0 = off)"),
+}
+
+
+def mixed_day_controller_config(slo_ttft_ms: float, **overrides: float) -> ControllerConfig:
+    """The dynamic policy's controller: the tide replays' (:func:`~flexpipe_dag.control.replay.replay_controller_config`)
+    plus :data:`MIXED_DAY_CONTROLLER`'s figures, each overridable by name.
+
+    Raises:
+        pydantic.ValidationError: a figure out of its range, or an unknown one.
+    """
+    figures = {field: default for field, (default, _) in MIXED_DAY_CONTROLLER.items()} | overrides
+    return replay_controller_config(slo_ttft_ms, **figures)
 #: Bins of the reservation curve: the hours of the (compressed) day.
 HOURS_PER_DAY = 24
 
@@ -188,15 +212,57 @@ class DaySetting:
     window_s: float = 600.0
 
 
-def _offline(setting: DaySetting, spans: Sequence[DeviceSpan], planner: OfflinePlanner, jobs: Workload, cycle: bool,
-             warmup: bool) -> OfflineRun:
+def _offline(setting: DaySetting, spans: Sequence[DeviceSpan], planner: OfflinePlanner, backlog: OfflineBacklog,
+             warmup: bool, shared: ShareOutcome | None = None) -> OfflineRun:
+    """The free devices' offline run over ``spans``' complement, with the jobs ``shared`` finished in the online
+    gear's spare capacity (taken from the same ``backlog``) added to its completions."""
     fleet = frozenset(d.device_id for d in setting.cluster.devices)
-    backlog = OfflineBacklog(jobs.requests, cycle=cycle)
-    return run_offline(free_segments(spans, fleet, setting.duration_s), planner, backlog, warmup=warmup)
+    run = run_offline(free_segments(spans, fleet, setting.duration_s), planner, backlog, warmup=warmup)
+    if shared is not None:
+        run.completions = sorted(run.completions + shared.completions, key=lambda c: c.t_s)
+        run.preempted += shared.preempted
+    return run
+
+
+@dataclass(frozen=True)
+class ShareSettings:
+    """Offline work in the online gear's spare capacity (:mod:`flexpipe_dag.control.offline_share`).
+
+    Attributes:
+        tide: the serve loop's admit / pause thresholds (fractions of the serving gear's ``rps_max``),
+            smoothing and hysteresis; its ``horizon_s`` (tide seconds) is read on the day's compressed clock.
+        seats_fraction: share of the serving gear's seats offline work may hold at once.
+    """
+
+    tide: TideConfig = field(default_factory=TideConfig)
+    seats_fraction: float = DEFAULT_SEATS_FRACTION
+
+    def feed(self, setting: DaySetting, backlog: OfflineBacklog) -> OfflineShare:
+        """The feed for one replay of ``setting``'s day (its horizon on the replay's clock)."""
+        horizon_s = self.tide.horizon_s * setting.duration_s / 86400.0  # a tide day is played in duration_s
+        return OfflineShare(backlog, self.tide, horizon_s=horizon_s, until_s=setting.duration_s,
+                            max_context_tokens=setting.spec.max_context_tokens, seats_fraction=self.seats_fraction)
+
+
+def run_scripted(setting: DaySetting, picks: Sequence[Gear], feed: OfflineShare, forecast: ForecastFn | None) -> SimResult:
+    """Replay the day on the gear ``picks[k]`` in window ``k`` (shifts instant, at window starts), with ``feed``
+    filling each gear's spare capacity: the oracle's offline work inside its gears."""
+    sim = Simulator(setting.workload, picks[0], setting.timings[picks[0].gear_id], setting.sim_config)
+    by_id = {g.gear_id: g for g in setting.gears}
+    period = setting.sim_config.sample_period_s
+    while not sim.finished:
+        samples = sim.advance(sim.now_s + period)
+        if samples:
+            feed.step(sim, samples[-1], by_id[sim.gear_id], forecast)
+        k = int(sim.now_s // setting.window_s)
+        if k < len(picks) and picks[k].gear_id != sim.gear_id:
+            sim.shift_gear(picks[k], setting.timings[picks[k].gear_id])
+    return sim.result()
 
 
 def run_mixed_day(setting: DaySetting, controller: Controller, offline_jobs: Workload, *, cycle_backlog: bool = True,
-                  forecast: ForecastFn | None = None, load_gbps: float | None = None) -> MixedDay:
+                  forecast: ForecastFn | None = None, load_gbps: float | None = None,
+                  share: ShareSettings | None = None) -> MixedDay:
     """Run the static, dynamic and oracle policies over one mixed day (module docstring).
 
     Args:
@@ -206,6 +272,8 @@ def run_mixed_day(setting: DaySetting, controller: Controller, offline_jobs: Wor
         forecast: the controller's load forecast, or None.
         load_gbps: host-to-device weight load bandwidth of offline instances, GB/s (default
             :data:`~flexpipe_dag.control.offline_fill.DEFAULT_LOAD_GBPS`).
+        share: offline work in the online gears' spare capacity (dynamic and oracle policies), or None
+            for none: offline only on the devices online does not hold.
 
     Raises:
         InputError: no gears, a gear without stage times, ``duration_s`` or ``window_s`` <= 0.
@@ -232,23 +300,32 @@ def run_mixed_day(setting: DaySetting, controller: Controller, offline_jobs: Wor
     policies: dict[str, PolicyResult] = {}
 
     # (a) static: the peak gear all day
+    def backlog() -> OfflineBacklog:
+        return OfflineBacklog(offline_jobs.requests, cycle=cycle_backlog)
+
     res = static_runs[static_gear.gear_id]
     spans = list(device_usage(static_gear.gear_id, [], devices_by_gear, end_s=duration_s).spans)
     policies["static"] = PolicyResult("static", n_req, float(res.requests["slo_met"].sum()), lost_count(res.summary),
                                       spans, reservation_curve(spans, duration_s), 0,
-                                      _offline(setting, spans, planner, offline_jobs, cycle_backlog, True),
+                                      _offline(setting, spans, planner, backlog(), True),
                                       [f"gear {static_gear.gear_id} ({len(static_gear.device_ids)} devices)"])
 
-    # (b) dynamic: the controller shifts; offline fills what each gear frees
+    # (b) dynamic: the controller shifts; offline fills what each gear frees, and its spare capacity in troughs
     out_mean = sum(r.output_tokens for r in setting.workload.requests) / max(1, n_req)
     start = opening_gear(setting.workload, gears)
+    jobs = backlog()
+    feed = share.feed(setting, jobs) if share is not None else None
     dyn, taken = run_dynamic(setting.workload, gears, setting.timings, start, setting.sim_config, controller,
-                             setting.cluster, setting.spec, setting.dtype, out_mean, forecast=forecast)
+                             setting.cluster, setting.spec, setting.dtype, out_mean, forecast=forecast, offline=feed,
+                             decide_until_s=duration_s)
+    shared = feed.settle(dyn) if feed is not None else None
     spans = list(device_usage(start.gear_id, dyn.shifts, devices_by_gear, end_s=duration_s).spans)
-    policies["dynamic"] = PolicyResult("dynamic", n_req, float(dyn.requests["slo_met"].sum()), lost_count(dyn.summary),
-                                       spans, reservation_curve(spans, duration_s), len(taken),
-                                       _offline(setting, spans, planner, offline_jobs, cycle_backlog, True),
-                                       [f"t={t.decision.t_s:.0f} s: {t.decision.reason}" for t in taken])
+    met, lost = online_outcome(dyn)
+    notes = [f"t={t.decision.t_s:.0f} s: {t.decision.reason}" for t in taken]
+    if shared is not None:
+        notes += [f"t={t:.0f} s: {why}" for t, _, why in shared.decisions]
+    policies["dynamic"] = PolicyResult("dynamic", n_req, met, lost, spans, reservation_curve(spans, duration_s),
+                                       len(taken), _offline(setting, spans, planner, jobs, True, shared), notes)
 
     # (c) oracle: per window the cheapest gear holding that window, free shifts and restarts
     arrivals = arrivals_per_window(setting.workload, setting.window_s, n_win)
@@ -266,8 +343,13 @@ def run_mixed_day(setting: DaySetting, controller: Controller, offline_jobs: Wor
             spans.append(DeviceSpan(a, b, ids))
     met = sum(float(per_window[g.gear_id][k]) for k, g in enumerate(picks))
     changes = sum(1 for x, y in zip(picks, picks[1:]) if x.gear_id != y.gear_id)
+    jobs = backlog()
+    shared = None
+    if share is not None:
+        feed = share.feed(setting, jobs)
+        shared = feed.settle(run_scripted(setting, picks, feed, forecast))
     policies["oracle"] = PolicyResult("oracle", n_req, met, 0, spans, reservation_curve(spans, duration_s), changes,
-                                      _offline(setting, spans, planner, offline_jobs, cycle_backlog, False),
+                                      _offline(setting, spans, planner, jobs, False, shared),
                                       ["per window: " + " ".join(g.kind[0] for g in picks)])
     return MixedDay(duration_s=duration_s, fleet_devices=len(setting.cluster.devices),
                     static_gear_id=static_gear.gear_id, policies=policies,

@@ -40,8 +40,7 @@ from shift_bench import SETTINGS  # the same named settings (bench/ is on sys.pa
 
 from flexpipe_dag.control import Controller
 from flexpipe_dag.control.day_setting import day_setting, leave_one_out_forecast, operating_gears
-from flexpipe_dag.control.mixed_day import goals, run_mixed_day
-from flexpipe_dag.control.replay import replay_controller_config
+from flexpipe_dag.control.mixed_day import DEFAULT_SHARE, goals, mixed_day_controller_config, run_mixed_day
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.workload import load_trace
@@ -57,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline", default="arxiv-summarization", help="offline backlog (file or bundled name)")
     ap.add_argument("--load-gbps", type=float, default=None, help="offline instance weight load bandwidth, GB/s")
     ap.add_argument("--report-dir", help="write one HTML report per setting and day here")
+    ap.add_argument("--no-share", action="store_true",
+                    help="offline only on the devices online does not hold (the model before offline sharing)")
     args = ap.parse_args(argv)
     if not args.duration_s > 0:
         ap.error(f"--duration-s: expected seconds > 0, got {args.duration_s}")
@@ -79,15 +80,17 @@ def main(argv: list[str] | None = None) -> int:
             setting = day_setting(cluster, spec, "bf16", gears, start_day=day, duration_s=args.duration_s,
                                   slo_ttft_ms=s["slo_ttft_ms"], slo_tpot_ms=s["slo_tpot_ms"],
                                   peak_share=s["peak_share"])
-            md = run_mixed_day(setting, Controller(replay_controller_config(s["slo_ttft_ms"])), backlog,
-                               forecast=leave_one_out_forecast(day, args.duration_s), load_gbps=args.load_gbps)
+            md = run_mixed_day(setting, Controller(mixed_day_controller_config(s["slo_ttft_ms"])), backlog,
+                               forecast=leave_one_out_forecast(day, args.duration_s), load_gbps=args.load_gbps,
+                               share=None if args.no_share else DEFAULT_SHARE)
             hours = md.duration_s / 3600.0
             print(f"-- {name} day {day}: {len(setting.workload)} online requests over {args.duration_s:.0f} s; "
                   f"static gear {md.static_gear_id} [{time.perf_counter() - t0:.0f} s wall]")
             for k, p in md.policies.items():
                 print(f"   {k:8s} SLO {p.attainment:.4f}  lost {p.online_lost}  mean devices online "
                       f"{p.mean_devices:5.2f} ({md.share_of_static(k):6.1%} of static)  offline "
-                      f"{p.offline.tokens / 1e6:8.2f} M tokens ({md.offline_vs_static(k):5.2f}x), "
+                      f"{p.offline.tokens / 1e6:8.2f} M tokens ({md.offline_vs_static(k):5.2f}x; "
+                      f"{p.offline.shared_tokens / 1e6:.2f} M shared), "
                       f"{len(p.offline.completions)} jobs, {p.offline.preempted} preempted, lost {p.offline.lost}, "
                       f"dup {p.offline.duplicated}  shifts/h {p.shifts / hours:.2f}")
                 print(f"   {'':8s} reservation per hour: " + " ".join(f"{v:.1f}" for v in p.curve))

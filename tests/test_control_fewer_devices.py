@@ -74,3 +74,20 @@ def test_the_recent_peak_holds_the_shift_down_back():
     _, ds = feed(ctrl, st, GEARS, _samples("bal", 1.0, 10, start=4), forecast=constant(0.0))
     # the smoothed rate fell to ~1-2 req/s, but the peak of the last 10 min (6) is over LAT's 4 with headroom
     assert all(d.action == "hold" for d in ds) and ctrl.headroom_load_rps(st) >= 4.0
+
+
+def test_upshift_headroom_leaves_a_gear_before_its_envelope_top():
+    samples = _samples("lat", 4.7, 3, stages=2)  # LAT holds 5 req/s: 4.7 is inside, above 90 % of it
+    _, ds = feed(Controller(ControllerConfig()), None, GEARS, samples)
+    assert all(d.action == "hold" for d in ds)
+    _, ds = feed(Controller(ControllerConfig(upshift_headroom_fraction=0.1)), None, GEARS, samples)
+    assert ds[-1].action == "shift" and ds[-1].to_gear_id == "bal" and ds[-1].trigger == "rps_above_envelope"
+    assert "rps 4.7/s above 90% of envelope max 5" in ds[-1].reason
+
+
+def test_upshift_headroom_must_stay_below_the_downshift_headroom():
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="must exceed upshift_headroom_fraction"):
+        ControllerConfig(downshift_headroom_fraction=0.1, upshift_headroom_fraction=0.1)
+    ControllerConfig(downshift_headroom_fraction=0.25, upshift_headroom_fraction=0.1)

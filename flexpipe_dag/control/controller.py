@@ -21,7 +21,8 @@ window is harmless):
    ==================== ==========================================================================
    current_unhealthy    the serving gear carries a health tag (acts on 1 sample, ignores dwell and
                         payback: a failing gear must be left)
-   rps_above_envelope   request rate > rps_max x (1 + envelope_margin_fraction)
+   rps_above_envelope   request rate > rps_max x (1 + envelope_margin_fraction), or > rps_max x (1 - u)
+                        with ``upshift_headroom_fraction`` u > 0 (so is forecast_above_envelope's bar)
    forecast_above_      with a forecast: the highest request rate expected within ``forecast_horizon_s``
    envelope             > rps_max x (1 + margin) while request rate itself is not yet (shift before the rise)
    latency_over         P99 > latency_over_factor (1.2) x T
@@ -418,6 +419,16 @@ class Controller:
             if st.escalation_steps == 0:
                 st.last_escalation_s = None
 
+    def leave_above_rps(self, gear: Gear) -> float:
+        """The request rate above which the load (or its forecast) leaves ``gear``: ``rps_max x (1 + margin)``, or
+        ``rps_max x (1 - upshift_headroom_fraction)`` when that figure is set, req/s."""
+        u = self.config.upshift_headroom_fraction
+        return gear.rps_max * (1.0 - u) if u > 0 else gear.rps_max * (1.0 + self.config.envelope_margin_fraction)
+
+    def _top_text(self, gear: Gear) -> str:
+        u = self.config.upshift_headroom_fraction
+        return (f"{1.0 - u:.0%} of envelope max {gear.rps_max:.3g}" if u > 0 else f"envelope max {gear.rps_max:.3g}")
+
     def headroom_load_rps(self, st: ControllerState) -> float:
         """The load a gear on fewer devices must hold with ``downshift_headroom_fraction`` to take over: the
         highest of the smoothed request rate, the recent peak and the forecast, req/s."""
@@ -440,9 +451,10 @@ class Controller:
         if st.ema_rps is not None:
             m = cfg.envelope_margin_fraction
             ahead = st.forecast_rps
-            if st.ema_rps > gear.rps_max * (1.0 + m):
+            top = self.leave_above_rps(gear)
+            if st.ema_rps > top:
                 active.add("rps_above_envelope")
-            elif ahead is not None and ahead > gear.rps_max * (1.0 + m):
+            elif ahead is not None and ahead > top:
                 active.add("forecast_above_envelope")
             elif gear.rps_min > 0 and max(st.ema_rps, ahead or 0.0) < gear.rps_min * (1.0 - m):
                 active.add("rps_below_envelope")
@@ -521,6 +533,8 @@ class Controller:
                 # fewest devices first among the gears that hold the load with headroom, then the gearbox order
                 pref = (len(g.device_ids) if self._holds_with_headroom(st, g) else 1000 + pref)
             fits = fits_envelope(g, rps, cfg.envelope_margin_fraction)
+            if trigger in _RISING and rps > self.leave_above_rps(g):
+                fits = False  # it would be left again at once: only a best effort
             if not fits and trigger not in _BEST_EFFORT_TRIGGERS:
                 continue  # a gear outside its envelope would trigger the reverse shift: flapping
             if trigger in _RISING and not fits and capacity_rps(g) <= capacity_rps(current):
@@ -530,7 +544,7 @@ class Controller:
             if trigger in DISCRETIONARY_TRIGGERS and self._reverses(st, current, g):
                 continue  # would undo the last discretionary shift: two soft triggers ping-ponging
             if (trigger in DISCRETIONARY_TRIGGERS and must_hold > 0 and capacity_rps(g) < capacity_rps(current)
-                    and g.rps_max * (1.0 - cfg.envelope_margin_fraction) < must_hold):
+                    and min(g.rps_max * (1.0 - cfg.envelope_margin_fraction), self.leave_above_rps(g)) < must_hold):
                 continue  # a dip: the recent peak or the coming load would overrun it, and the dwell locks it in
             est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric,
                                     within_target_ms=target if fits else None)
@@ -569,10 +583,10 @@ class Controller:
         if trigger == "current_unhealthy":
             return f"gear {gear.gear_id} is marked unhealthy"
         if trigger == "rps_above_envelope":
-            what = f"rps {st.ema_rps:.3g}/s above envelope max {gear.rps_max:.3g}"
+            what = f"rps {st.ema_rps:.3g}/s above {self._top_text(gear)}"
         elif trigger == "forecast_above_envelope":
             what = (f"forecast rps {st.forecast_rps or 0.0:.3g}/s within {_fmt_min(cfg.forecast_horizon_s)} min "
-                    f"above envelope max {gear.rps_max:.3g} (now {st.ema_rps:.3g}/s)")
+                    f"above {self._top_text(gear)} (now {st.ema_rps:.3g}/s)")
         elif trigger == "rps_below_envelope":
             what = f"rps {st.ema_rps:.3g}/s below envelope min {gear.rps_min:.3g}"
         elif trigger == "latency_over":

@@ -9,16 +9,23 @@ jobs put back on every change). The policies:
 * **static**: the gear that holds the peak (the most requests within SLO in its static run) serves
   the whole day; offline runs on the devices it does not use, all day.
 * **dynamic**: the gear-shift controller (:func:`~flexpipe_dag.control.replay.run_dynamic`, the tide
-  replay's figures and forecast) moves online between gears; offline runs on the devices each gear
-  frees, so it is admitted in troughs (a shift down frees devices) and preempted on rises (a shift
-  up takes them back: the instance stops, its unfinished jobs return to the backlog). During a
-  shift's warm-up and drain both gears' devices are held by online.
+  replay's figures and forecast plus :data:`MIXED_DAY_CONTROLLER`: a shift down goes to the gear on
+  the fewest devices that holds the load, its recent peak and the forecast with headroom) moves
+  online between gears; offline runs on the devices each gear frees, so it is admitted in troughs
+  (a shift down frees devices) and preempted on rises (a shift up takes them back: the instance
+  stops, its unfinished jobs return to the backlog). During a shift's warm-up and drain both gears'
+  devices are held by online. Offline work also fills the serving gear's spare capacity in troughs,
+  as the live serve loop does (:mod:`flexpipe_dag.control.offline_share`: admitted below half the
+  gear's ``rps_max``, paused above three quarters, at most half its seats, online first, offline
+  evicted first when online needs KV blocks); ``share=None`` turns that off.
 * **oracle**: per window, the gear on the fewest devices whose static run met the SLO for >=
   :data:`~flexpipe_dag.control.replay.ATTAINMENT` of that window's requests, with free and instant
-  shifts and free offline restarts: the bound.
+  shifts and free offline restarts: the bound on reservation. Its gears share their spare capacity
+  by the same rule (a replay of its picks), so its offline figure bounds the dynamic one's too.
 
-Offline work does not share the online gear's devices here (the offline side gets only what online
-does not hold): a conservative model that never slows online traffic.
+The static policy lends only the devices its gear does not use (the issue's baseline: no controller,
+no tide rule); the devices online holds are counted as reserved whether or not offline work shares
+them, so sharing raises offline work, never lowers the reservation.
 
 Reported per policy: online SLO attainment, requests lost, offline tokens completed (prompt + output
 of finished jobs) and jobs, offline lost and duplicated (0), the reservation curve (mean devices
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -154,6 +161,7 @@ class PolicyResult:
                 "reservation_curve_devices": [round(v, 3) for v in self.curve],
                 "shifts": self.shifts, "shifts_per_hour": round(self.shifts / hours, 3) if hours > 0 else 0.0,
                 "offline_tokens": self.offline.tokens, "offline_output_tokens": self.offline.output_tokens,
+                "offline_tokens_shared": self.offline.shared_tokens,
                 "offline_jobs": len(self.offline.completions), "offline_preempted": self.offline.preempted,
                 "offline_lost": self.offline.lost, "offline_duplicated": self.offline.duplicated,
                 "offline_warmup_s": round(self.offline.warmup_s, 1), "notes": list(self.notes)}
@@ -244,6 +252,11 @@ class ShareSettings:
                             max_context_tokens=setting.spec.max_context_tokens, seats_fraction=self.seats_fraction)
 
 
+#: The dynamic and oracle policies' offline sharing: the serve loop's seed thresholds (admit below 50 %, pause
+#: above 75 % of the serving gear's rps_max), half the seats.
+DEFAULT_SHARE = ShareSettings()
+
+
 def run_scripted(setting: DaySetting, picks: Sequence[Gear], feed: OfflineShare, forecast: ForecastFn | None) -> SimResult:
     """Replay the day on the gear ``picks[k]`` in window ``k`` (shifts instant, at window starts), with ``feed``
     filling each gear's spare capacity: the oracle's offline work inside its gears."""
@@ -262,7 +275,7 @@ def run_scripted(setting: DaySetting, picks: Sequence[Gear], feed: OfflineShare,
 
 def run_mixed_day(setting: DaySetting, controller: Controller, offline_jobs: Workload, *, cycle_backlog: bool = True,
                   forecast: ForecastFn | None = None, load_gbps: float | None = None,
-                  share: ShareSettings | None = None) -> MixedDay:
+                  share: ShareSettings | None = DEFAULT_SHARE) -> MixedDay:
     """Run the static, dynamic and oracle policies over one mixed day (module docstring).
 
     Args:
@@ -272,8 +285,9 @@ def run_mixed_day(setting: DaySetting, controller: Controller, offline_jobs: Wor
         forecast: the controller's load forecast, or None.
         load_gbps: host-to-device weight load bandwidth of offline instances, GB/s (default
             :data:`~flexpipe_dag.control.offline_fill.DEFAULT_LOAD_GBPS`).
-        share: offline work in the online gears' spare capacity (dynamic and oracle policies), or None
-            for none: offline only on the devices online does not hold.
+        share: offline work in the online gears' spare capacity (dynamic and oracle policies; default
+            :data:`DEFAULT_SHARE`, the serve loop's seed thresholds), or None for none: offline only on the
+            devices online does not hold.
 
     Raises:
         InputError: no gears, a gear without stage times, ``duration_s`` or ``window_s`` <= 0.
@@ -293,8 +307,8 @@ def run_mixed_day(setting: DaySetting, controller: Controller, offline_jobs: Wor
     n_win = max(1, math.ceil(duration_s / setting.window_s))
     n_req = len(setting.workload)
 
-    static_runs = {g.gear_id: run_static(setting.workload, g, setting.timings[g.gear_id], setting.sim_config)
-                   for g in gears}
+    graded = replace(setting.sim_config, metric_samples=False)  # static runs are graded per request: no samples
+    static_runs = {g.gear_id: run_static(setting.workload, g, setting.timings[g.gear_id], graded) for g in gears}
     per_window = {gid: slo_met_per_window(res, setting.window_s, n_win) for gid, res in static_runs.items()}
     static_gear = max(gears, key=lambda g: (float(per_window[g.gear_id].sum()), -len(g.device_ids)))
     policies: dict[str, PolicyResult] = {}

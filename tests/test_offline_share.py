@@ -69,9 +69,9 @@ def test_live_metrics_leave_offline_out_of_latency_and_completions():
     assert s.completed == 1 and s.ttft_p99_ms == pytest.approx(100.0)
 
 
-def _share(backlog: OfflineBacklog, until_s: float = 1e9, **tide) -> OfflineShare:
+def _share(backlog: OfflineBacklog, until_s: float = 1e9, per_step: int = 8, **tide) -> OfflineShare:
     return OfflineShare(backlog, TideConfig(hysteresis_samples=1, **tide), horizon_s=0.0, until_s=until_s,
-                        seats_fraction=0.5)
+                        seats_fraction=0.5, per_step=per_step)
 
 
 def test_the_gate_admits_in_troughs_up_to_half_the_seats_and_pauses_on_rises():
@@ -98,6 +98,20 @@ def test_the_gate_admits_in_troughs_up_to_half_the_seats_and_pauses_on_rises():
     assert all(c.shared for c in out.completions) and out.tokens == 60 * len(out.completions)
 
 
+def test_admission_ramps_per_control_step():
+    gear = manual_gear([1], micro_batch_size=16, max_inflight_micro_batches=1).model_copy(update={"rps_max": 10.0})
+    backlog = OfflineBacklog([Request(f"job{i}", 0.0, 10, 5000, "offline") for i in range(20)])
+    share = _share(backlog, per_step=2, ema_alpha=1.0)
+    sim = Simulator(_online(1, 1.0, start_s=20.0), gear, LinearStageTiming.uniform(1, prefill_fixed_ms=10,
+                                                                                  decode_fixed_ms=10))
+    opened = []
+    for _ in range(4):
+        samples = sim.advance(sim.now_s + 2.0)
+        share.step(sim, samples[-1], gear, None)
+        opened.append(sim.offline_open)
+    assert opened == [2, 4, 6, 8]  # 2 per step up to half the 16 seats
+
+
 def test_jobs_unfinished_at_the_end_of_the_day_go_back_to_the_backlog():
     gear = manual_gear([1], micro_batch_size=4, max_inflight_micro_batches=1).model_copy(update={"rps_max": 10.0})
     backlog = OfflineBacklog([Request(f"job{i}", 0.0, 10, 400, "offline") for i in range(10)])
@@ -115,7 +129,7 @@ def test_jobs_unfinished_at_the_end_of_the_day_go_back_to_the_backlog():
 
 
 @pytest.mark.parametrize("kw, field", [(dict(seats_fraction=0.0), "seats_fraction"), (dict(until_s=0.0), "until_s"),
-                                       (dict(horizon_s=-1.0), "horizon_s")])
+                                       (dict(horizon_s=-1.0), "horizon_s"), (dict(per_step=0), "per_step")])
 def test_share_refuses_bad_figures(kw, field):
     args = dict(horizon_s=0.0, until_s=10.0) | kw
     with pytest.raises(InputError, match=field):

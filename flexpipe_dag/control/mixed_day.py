@@ -16,7 +16,7 @@ jobs put back on every change). The policies:
   stops, its unfinished jobs return to the backlog). During a shift's warm-up and drain both gears'
   devices are held by online. Offline work also fills the serving gear's spare capacity in troughs,
   as the live serve loop does (:mod:`flexpipe_dag.control.offline_share`: admitted below half the
-  gear's ``rps_max``, paused above three quarters, at most half its seats, online first, offline
+  gear's ``rps_max``, paused above three quarters, at most 1/8 of its seats, online first, offline
   evicted first when online needs KV blocks); ``share=None`` turns that off.
 * **oracle**: per window, the gear on the fewest devices whose static run met the SLO for >=
   :data:`~flexpipe_dag.control.replay.ATTAINMENT` of that window's requests, with free and instant
@@ -253,7 +253,7 @@ class ShareSettings:
 
 
 #: The dynamic and oracle policies' offline sharing: the serve loop's seed thresholds (admit below 50 %, pause
-#: above 75 % of the serving gear's rps_max), half the seats.
+#: above 75 % of the serving gear's rps_max), 1/8 of the seats.
 DEFAULT_SHARE = ShareSettings()
 
 

@@ -14,7 +14,10 @@ them to the running :class:`~flexpipe_dag.sim.Simulator`.
 How much it admits, with ``T`` the serving gear's seats (``micro_batch_size x
 max_inflight_micro_batches``)::
 
-    in flight <= floor(seats_fraction x T)          while admitted; nothing new while paused
+    in flight <= floor(seats_fraction x T)          while admitted (default 1/8); nothing new while paused
+
+at most ``per_step`` (2) new jobs per control step, so long prompts are not prefilled in one burst next
+to online requests (the whole room at once cost online requests their TTFT on the lab fleet's day 0);
 
 and a paused gate lets the requests in flight finish (the runtime does not abort them); the
 simulator's KV eviction preempts them first when online needs the room. What counts: prompt +
@@ -44,8 +47,12 @@ from flexpipe_dag.workload.context import fit_to_context, over_context
 from flexpipe_dag.workload.request import Request
 
 #: Share of the serving gear's seats offline work may hold at once while admitted (the rest stay free for
-#: online arrivals; the gate pauses offline admission before online needs them).
-DEFAULT_SEATS_FRACTION = 0.5
+#: online arrivals; the gate pauses offline admission before online needs them). Measured on the lab fleet's
+#: day 0 (bench/mixed_day.py): online SLO attainment 0.9988 without offline sharing, 0.9987 at 1/8 of the
+#: seats, 0.992 at 1/4 and 0.968 at 1/2 (arXiv prompts of ~2,500 tokens prefilled in the online micro-batches).
+DEFAULT_SEATS_FRACTION = 0.125
+#: Most offline jobs submitted per control step (a ramp, not a burst of prefills).
+DEFAULT_PER_STEP = 2
 
 
 @dataclass
@@ -83,21 +90,24 @@ class OfflineShare:
         max_context_tokens: the model's context; longer jobs are cut from the left, as the instances on
             free devices serve them.
         seats_fraction: share of the serving gear's seats offline may hold (0 < f <= 1).
+        per_step: most jobs submitted per control step (>= 1).
 
     Raises:
-        InputError: ``seats_fraction`` outside (0, 1], ``horizon_s`` < 0 or ``until_s`` <= 0.
+        InputError: ``seats_fraction`` outside (0, 1], ``per_step`` < 1, ``horizon_s`` < 0 or ``until_s`` <= 0.
     """
 
     def __init__(self, backlog: OfflineBacklog, tide: TideConfig, *, horizon_s: float, until_s: float,
-                 max_context_tokens: int | None = None, seats_fraction: float = DEFAULT_SEATS_FRACTION):
-        for name, value, ok in (("seats_fraction", seats_fraction, 0 < seats_fraction <= 1),
-                                ("horizon_s", horizon_s, horizon_s >= 0 and math.isfinite(horizon_s)),
-                                ("until_s", until_s, until_s > 0 and math.isfinite(until_s))):
+                 max_context_tokens: int | None = None, seats_fraction: float = DEFAULT_SEATS_FRACTION,
+                 per_step: int = DEFAULT_PER_STEP):
+        for name, value, ok, want in (
+                ("seats_fraction", seats_fraction, 0 < seats_fraction <= 1, "0 < fraction <= 1"),
+                ("per_step", per_step, per_step >= 1, "jobs >= 1"),
+                ("horizon_s", horizon_s, horizon_s >= 0 and math.isfinite(horizon_s), "finite seconds >= 0"),
+                ("until_s", until_s, until_s > 0 and math.isfinite(until_s), "finite seconds > 0")):
             if not ok:
-                raise InputError("offline share", name, f"got {value!r}; expected "
-                                 + ("0 < fraction <= 1" if name == "seats_fraction" else "finite seconds >= 0"))
+                raise InputError("offline share", name, f"got {value!r}; expected {want}")
         self.backlog, self.tide, self.horizon_s, self.until_s = backlog, tide, horizon_s, until_s
-        self.max_context_tokens, self.seats_fraction = max_context_tokens, seats_fraction
+        self.max_context_tokens, self.seats_fraction, self.per_step = max_context_tokens, seats_fraction, per_step
         self.gate = TideGate()
         self.ema_rps: float | None = None
         self.outcome = ShareOutcome()
@@ -120,7 +130,7 @@ class OfflineShare:
         if acted is not None:
             self.outcome.decisions.append((sample.t_s, acted.action, acted.reason))
         if self.gate.running and sim.now_s < self.until_s:
-            room = self.limit(gear) - sim.offline_open
+            room = min(self.limit(gear) - sim.offline_open, self.per_step)
             if room > 0:
                 jobs = [self._fit(r) for r in self.backlog.take(room)]
                 self._jobs.update((r.request_id, r) for r in jobs)

@@ -88,14 +88,28 @@ def test_the_gate_admits_in_troughs_up_to_half_the_seats_and_pauses_on_rises():
         if samples:
             share.step(sim, samples[-1], gear, None)
             held.append((sim.now_s, sim.offline_open))
-    assert share.limit(gear) == 4
-    assert max(n for _, n in held) == 4  # never more than half the 8 seats
+    # half the 8 seats, times the spare share below the pause level (7.5 req/s) at 1 req/s: 4 x (1 - 1 / 7.5)
+    assert max(n for _, n in held) == 3
     assert [a for _, a, _ in share.outcome.decisions][:2] == ["admit", "pause"]
     paused_at = share.outcome.decisions[1][0]
-    assert all(n <= 4 for t, n in held if t > paused_at) and held[-1][1] == 0  # nothing new after the pause
+    assert all(n <= 3 for t, n in held if t > paused_at) and held[-1][1] == 0  # nothing new after the pause
     out = share.settle(sim.result())
     assert len(out.completions) == out.submitted == backlog.taken and out.put_back == 0
     assert all(c.shared for c in out.completions) and out.tokens == 60 * len(out.completions)
+
+
+def test_the_budget_shrinks_with_online_load_and_the_latency_guard_holds_it():
+    gear = manual_gear([1], micro_batch_size=16, max_inflight_micro_batches=1).model_copy(update={"rps_max": 10.0})
+    share = OfflineShare(OfflineBacklog(_jobs(1)), TideConfig(), horizon_s=0.0, until_s=10.0, slo_ttft_ms=1000.0,
+                         slo_tpot_ms=100.0, guard_fraction=0.7)
+    budgets = []
+    for rps in (0.0, 3.75, 7.5, 9.0):
+        share.ema_rps = rps
+        budgets.append(share.limit(gear))
+    assert budgets == [2, 1, 0, 0]  # 1/8 of 16 seats, x (1 - rps / 7.5)
+    assert share.guarded() is None
+    share.ema_p99_ms = {"ttft_p99_ms": 500.0, "tpot_p99_ms": 80.0}
+    assert share.guarded() == "online tpot_p99 80 ms > 0.7 x SLO 100 ms"
 
 
 def test_admission_ramps_per_control_step():
@@ -113,7 +127,7 @@ def test_admission_ramps_per_control_step():
 
 
 def test_jobs_unfinished_at_the_end_of_the_day_go_back_to_the_backlog():
-    gear = manual_gear([1], micro_batch_size=4, max_inflight_micro_batches=1).model_copy(update={"rps_max": 10.0})
+    gear = manual_gear([1], micro_batch_size=8, max_inflight_micro_batches=1).model_copy(update={"rps_max": 10.0})
     backlog = OfflineBacklog([Request(f"job{i}", 0.0, 10, 400, "offline") for i in range(10)])
     share = _share(backlog, until_s=5.0, ema_alpha=1.0)
     sim = Simulator(_online(3, 2.0), gear, LinearStageTiming.uniform(1, prefill_fixed_ms=10, decode_fixed_ms=10))
@@ -123,8 +137,8 @@ def test_jobs_unfinished_at_the_end_of_the_day_go_back_to_the_backlog():
             share.step(sim, samples[-1], gear, None)
     out = share.settle(sim.result())
     # 400 tokens at 10 ms take 4 s: jobs admitted at 2 s finish after the day's 5 s and count for nothing
-    assert out.submitted == 2 and out.completions == [] and out.put_back == 2
-    assert len(backlog) == 10 and backlog.waiting_returned == 2
+    assert out.submitted == 3 and out.completions == [] and out.put_back == 3  # 4 seats x (1 - 0.5 / 7.5)
+    assert len(backlog) == 10 and backlog.waiting_returned == 3
     assert [r.request_id for r in backlog.take(2)] == ["job0", "job1"]
 
 

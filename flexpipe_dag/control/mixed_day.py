@@ -16,7 +16,8 @@ jobs put back on every change). The policies:
   stops, its unfinished jobs return to the backlog). During a shift's warm-up and drain both gears'
   devices are held by online. Offline work also fills the serving gear's spare capacity in troughs,
   as the live serve loop does (:mod:`flexpipe_dag.control.offline_share`: admitted below half the
-  gear's ``rps_max``, paused above three quarters, at most 1/8 of its seats, online first, offline
+  gear's ``rps_max``, paused above three quarters, at most 1/8 of its seats shrinking as online load
+  nears the pause level, nothing new while online P99s are above 70 % of the SLO, online first, offline
   evicted first when online needs KV blocks); ``share=None`` turns that off.
 * **oracle**: per window, the gear on the fewest devices whose static run met the SLO for >=
   :data:`~flexpipe_dag.control.replay.ATTAINMENT` of that window's requests, with free and instant
@@ -249,7 +250,8 @@ class ShareSettings:
         """The feed for one replay of ``setting``'s day (its horizon on the replay's clock)."""
         horizon_s = self.tide.horizon_s * setting.duration_s / 86400.0  # a tide day is played in duration_s
         return OfflineShare(backlog, self.tide, horizon_s=horizon_s, until_s=setting.duration_s,
-                            max_context_tokens=setting.spec.max_context_tokens, seats_fraction=self.seats_fraction)
+                            max_context_tokens=setting.spec.max_context_tokens, seats_fraction=self.seats_fraction,
+                            slo_ttft_ms=setting.sim_config.slo_ttft_ms, slo_tpot_ms=setting.sim_config.slo_tpot_ms)
 
 
 #: The dynamic and oracle policies' offline sharing: the serve loop's seed thresholds (admit below 50 %, pause

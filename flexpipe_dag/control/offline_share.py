@@ -12,9 +12,15 @@ the jobs from the day's :class:`~flexpipe_dag.control.offline_fill.OfflineBacklo
 them to the running :class:`~flexpipe_dag.sim.Simulator`.
 
 How much it admits, with ``T`` the serving gear's seats (``micro_batch_size x
-max_inflight_micro_batches``)::
+max_inflight_micro_batches``), ``q`` the smoothed online rate and ``P = pause_above_fraction x rps_max``
+(the load at which the gate pauses)::
 
-    in flight <= floor(seats_fraction x T)          while admitted (default 1/8); nothing new while paused
+    in flight <= floor(seats_fraction x T x max(0, 1 - q / P))   while admitted; nothing new while paused
+
+so the budget is the gear's spare capacity below the pause level, shrinking to nothing as online load
+approaches it (default ``seats_fraction`` 1/8). A latency guard adds nothing new while the online P99
+TTFT or TPOT of the samples (smoothed) is above ``guard_fraction`` (0.7) of its SLO: a deep pipeline
+whose online TPOT is already near the SLO lends nothing.
 
 at most ``per_step`` (2) new jobs per control step, so long prompts are not prefilled in one burst next
 to online requests (the whole room at once cost online requests their TTFT on the lab fleet's day 0);
@@ -53,6 +59,8 @@ from flexpipe_dag.workload.request import Request
 DEFAULT_SEATS_FRACTION = 0.125
 #: Most offline jobs submitted per control step (a ramp, not a burst of prefills).
 DEFAULT_PER_STEP = 2
+#: Share of each SLO (TTFT, TPOT) the online P99 must stay below for offline work to be added.
+DEFAULT_GUARD_FRACTION = 0.7
 
 
 @dataclass
@@ -89,18 +97,24 @@ class OfflineShare:
         until_s: the end of the day: nothing is submitted after it, and later completions do not count.
         max_context_tokens: the model's context; longer jobs are cut from the left, as the instances on
             free devices serve them.
-        seats_fraction: share of the serving gear's seats offline may hold (0 < f <= 1).
+        seats_fraction: share of the serving gear's seats offline may hold at no online load (0 < f <= 1).
         per_step: most jobs submitted per control step (>= 1).
+        slo_ttft_ms / slo_tpot_ms: the online SLO the latency guard compares the samples' P99s with, ms
+            (None: no guard on that metric).
+        guard_fraction: share of each SLO the online P99 must stay below for new offline work (0 < g <= 1).
 
     Raises:
-        InputError: ``seats_fraction`` outside (0, 1], ``per_step`` < 1, ``horizon_s`` < 0 or ``until_s`` <= 0.
+        InputError: ``seats_fraction`` or ``guard_fraction`` outside (0, 1], ``per_step`` < 1, ``horizon_s`` < 0
+            or ``until_s`` <= 0.
     """
 
     def __init__(self, backlog: OfflineBacklog, tide: TideConfig, *, horizon_s: float, until_s: float,
                  max_context_tokens: int | None = None, seats_fraction: float = DEFAULT_SEATS_FRACTION,
-                 per_step: int = DEFAULT_PER_STEP):
+                 per_step: int = DEFAULT_PER_STEP, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+                 guard_fraction: float = DEFAULT_GUARD_FRACTION):
         for name, value, ok, want in (
                 ("seats_fraction", seats_fraction, 0 < seats_fraction <= 1, "0 < fraction <= 1"),
+                ("guard_fraction", guard_fraction, 0 < guard_fraction <= 1, "0 < fraction <= 1"),
                 ("per_step", per_step, per_step >= 1, "jobs >= 1"),
                 ("horizon_s", horizon_s, horizon_s >= 0 and math.isfinite(horizon_s), "finite seconds >= 0"),
                 ("until_s", until_s, until_s > 0 and math.isfinite(until_s), "finite seconds > 0")):
@@ -108,18 +122,36 @@ class OfflineShare:
                 raise InputError("offline share", name, f"got {value!r}; expected {want}")
         self.backlog, self.tide, self.horizon_s, self.until_s = backlog, tide, horizon_s, until_s
         self.max_context_tokens, self.seats_fraction, self.per_step = max_context_tokens, seats_fraction, per_step
+        self.guards = {"ttft_p99_ms": slo_ttft_ms, "tpot_p99_ms": slo_tpot_ms}
+        self.guard_fraction = guard_fraction
         self.gate = TideGate()
         self.ema_rps: float | None = None
+        self.ema_p99_ms: dict[str, float] = {}
         self.outcome = ShareOutcome()
         self._jobs: dict[str, Request] = {}
 
     def limit(self, gear: Gear) -> int:
-        """Offline requests the serving ``gear`` may hold at once while admitted."""
-        return int(self.seats_fraction * gear.micro_batch_size * gear.max_inflight_micro_batches)
+        """Offline requests the serving ``gear`` may hold at once while admitted, at the smoothed online load."""
+        seats = self.seats_fraction * gear.micro_batch_size * gear.max_inflight_micro_batches
+        pause_rps = self.tide.pause_above_fraction * gear.rps_max
+        spare = 1.0 if not (math.isfinite(pause_rps) and pause_rps > 0) else max(0.0, 1.0 - (self.ema_rps or 0.0) / pause_rps)
+        return int(seats * spare)
+
+    def guarded(self) -> str | None:
+        """Why the latency guard holds new offline work back now (None: it does not)."""
+        for metric, slo in self.guards.items():
+            p99 = self.ema_p99_ms.get(metric)
+            if slo is not None and p99 is not None and p99 > self.guard_fraction * slo:
+                return f"online {metric.removesuffix('_ms')} {p99:.0f} ms > {self.guard_fraction:g} x SLO {slo:.0f} ms"
+        return None
 
     def step(self, sim: Simulator, sample: MetricSample, gear: Gear, forecast: ForecastFn | None) -> TideDecision:
         """One control step at ``sample`` (the newest): smooth the load, run the gate, top up the pipeline."""
         self.ema_rps = ema(self.ema_rps, sample.rps, self.tide.ema_alpha)
+        for metric in self.guards:
+            value = getattr(sample, metric)
+            if value is not None:
+                self.ema_p99_ms[metric] = ema(self.ema_p99_ms.get(metric), float(value), self.tide.ema_alpha)
         ahead = self.ema_rps
         if forecast is not None and self.horizon_s > 0:
             value = float(forecast(sample.t_s, self.ema_rps, self.horizon_s))
@@ -129,7 +161,7 @@ class OfflineShare:
         self.gate, acted = self.gate.step(decision, self.tide.hysteresis_samples)
         if acted is not None:
             self.outcome.decisions.append((sample.t_s, acted.action, acted.reason))
-        if self.gate.running and sim.now_s < self.until_s:
+        if self.gate.running and sim.now_s < self.until_s and self.guarded() is None:
             room = min(self.limit(gear) - sim.offline_open, self.per_step)
             if room > 0:
                 jobs = [self._fit(r) for r in self.backlog.take(room)]

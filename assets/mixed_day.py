@@ -41,7 +41,7 @@ def mixed_day(context: AssetExecutionContext, config: MixedDayConfig, planning: 
     from flexpipe_dag.control import Controller
     from flexpipe_dag.control.day_setting import day_setting, leave_one_out_forecast, operating_gears
     from flexpipe_dag.control.mixed_day import goals, mixed_day_controller_config, run_mixed_day
-        from flexpipe_dag.core.cluster import load_cluster_profile
+    from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.core.settings import flexpipe_home
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.serving.mixed_day_report import mixed_day_figures, write_mixed_day_report

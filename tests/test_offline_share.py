@@ -101,7 +101,7 @@ def test_the_gate_admits_in_troughs_up_to_half_the_seats_and_pauses_on_rises():
 def test_the_budget_shrinks_with_online_load_and_the_latency_guard_holds_it():
     gear = manual_gear([1], micro_batch_size=16, max_inflight_micro_batches=1).model_copy(update={"rps_max": 10.0})
     share = OfflineShare(OfflineBacklog(_jobs(1)), TideConfig(), horizon_s=0.0, until_s=10.0, slo_ttft_ms=1000.0,
-                         slo_tpot_ms=100.0, guard_fraction=0.7)
+                         slo_tpot_ms=100.0, guard_fraction=0.7, seats_fraction=0.125)
     budgets = []
     for rps in (0.0, 3.75, 7.5, 9.0):
         share.ema_rps = rps

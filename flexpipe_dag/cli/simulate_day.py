@@ -105,7 +105,7 @@ def run_day(args: argparse.Namespace) -> int:
     from flexpipe_dag.control import Controller
     from flexpipe_dag.control.day_setting import day_setting, leave_one_out_forecast, operating_gears
     from flexpipe_dag.control.mixed_day import mixed_day_controller_config, run_mixed_day
-        from flexpipe_dag.core.cluster import load_cluster_profile
+    from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.sim import SimConfig
     from flexpipe_dag.workload import Workload, load_trace

@@ -16,8 +16,8 @@ jobs put back on every change). The policies:
   stops, its unfinished jobs return to the backlog). During a shift's warm-up and drain both gears'
   devices are held by online. Offline work also fills the serving gear's spare capacity in troughs,
   as the live serve loop does (:mod:`flexpipe_dag.control.offline_share`: admitted below half the
-  gear's ``rps_max``, paused above three quarters, at most 1/8 of its seats shrinking as online load
-  nears the pause level, nothing new while online P99s are above 70 % of the SLO, online first, offline
+  gear's ``rps_max``, paused above three quarters, at most 1/16 of its seats shrinking as online load
+  nears the pause level, nothing new while online P99s are above half the SLO, online first, offline
   evicted first when online needs KV blocks); ``share=None`` turns that off.
 * **oracle**: per window, the gear on the fewest devices whose static run met the SLO for >=
   :data:`~flexpipe_dag.control.replay.ATTAINMENT` of that window's requests, with free and instant
@@ -46,7 +46,12 @@ import numpy as np
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.controller import Controller, ForecastFn
 from flexpipe_dag.control.offline_fill import OfflineBacklog, OfflinePlanner, OfflineRun, run_offline
-from flexpipe_dag.control.offline_share import DEFAULT_SEATS_FRACTION, OfflineShare, ShareOutcome
+from flexpipe_dag.control.offline_share import (
+    DEFAULT_GUARD_FRACTION,
+    DEFAULT_SEATS_FRACTION,
+    OfflineShare,
+    ShareOutcome,
+)
 from flexpipe_dag.control.replay import (
     arrivals_per_window,
     cheapest_holding_gear,
@@ -76,6 +81,10 @@ POLICIES = ("static", "dynamic", "oracle")
 MIXED_DAY_CONTROLLER: dict[str, tuple[float, str]] = {
     "downshift_headroom_fraction": (0.2, "shift to the gear on the fewest devices that holds the load, its recent "
                                          "peak and the forecast with 20 % headroom (seed 0 = off)"),
+    "upshift_headroom_fraction": (0.1, "leave a gear when the load or its forecast passes 90 % of its envelope, not "
+                                       "105 %: an envelope is measured at 95 % SLO attainment (seed 0 = off)"),
+    "forecast_horizon_s": (300.0, "look-ahead of the load forecast, simulated s: 2 h of a day compressed into an "
+                                  "hour (the tide replays' 600 s shifted up hours before rises day 0 did not have)"),
 }
 
 
@@ -233,29 +242,39 @@ def _offline(setting: DaySetting, spans: Sequence[DeviceSpan], planner: OfflineP
     return run
 
 
+#: The sharing gate's smoothing of the online rate per 2-s sample: at ~1 req/s a sample holds ~2 arrivals, and
+#: the tide sensor's 0.3 flipped admit / pause within seconds in the replays; 0.1 (about 20 s) as the controller's
+#: rps_ema_alpha.
+SHARE_EMA_ALPHA = 0.1
+
+
 @dataclass(frozen=True)
 class ShareSettings:
     """Offline work in the online gear's spare capacity (:mod:`flexpipe_dag.control.offline_share`).
 
     Attributes:
         tide: the serve loop's admit / pause thresholds (fractions of the serving gear's ``rps_max``),
-            smoothing and hysteresis; its ``horizon_s`` (tide seconds) is read on the day's compressed clock.
-        seats_fraction: share of the serving gear's seats offline work may hold at once.
+            smoothing (default :data:`SHARE_EMA_ALPHA`) and hysteresis; its ``horizon_s`` (tide seconds) is read
+            on the day's compressed clock.
+        seats_fraction: share of the serving gear's seats offline work may hold at once at no online load.
+        guard_fraction: share of each SLO the online P99s must stay below for new offline work.
     """
 
-    tide: TideConfig = field(default_factory=TideConfig)
+    tide: TideConfig = field(default_factory=lambda: TideConfig(ema_alpha=SHARE_EMA_ALPHA))
     seats_fraction: float = DEFAULT_SEATS_FRACTION
+    guard_fraction: float = DEFAULT_GUARD_FRACTION
 
     def feed(self, setting: DaySetting, backlog: OfflineBacklog) -> OfflineShare:
         """The feed for one replay of ``setting``'s day (its horizon on the replay's clock)."""
         horizon_s = self.tide.horizon_s * setting.duration_s / 86400.0  # a tide day is played in duration_s
         return OfflineShare(backlog, self.tide, horizon_s=horizon_s, until_s=setting.duration_s,
                             max_context_tokens=setting.spec.max_context_tokens, seats_fraction=self.seats_fraction,
-                            slo_ttft_ms=setting.sim_config.slo_ttft_ms, slo_tpot_ms=setting.sim_config.slo_tpot_ms)
+                            slo_ttft_ms=setting.sim_config.slo_ttft_ms, slo_tpot_ms=setting.sim_config.slo_tpot_ms,
+                            guard_fraction=self.guard_fraction)
 
 
 #: The dynamic and oracle policies' offline sharing: the serve loop's seed thresholds (admit below 50 %, pause
-#: above 75 % of the serving gear's rps_max), 1/8 of the seats.
+#: above 75 % of the serving gear's rps_max), 1/16 of the seats, the latency guard at half the SLO.
 DEFAULT_SHARE = ShareSettings()
 
 

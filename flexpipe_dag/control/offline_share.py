@@ -18,8 +18,8 @@ max_inflight_micro_batches``), ``q`` the smoothed online rate and ``P = pause_ab
     in flight <= floor(seats_fraction x T x max(0, 1 - q / P))   while admitted; nothing new while paused
 
 so the budget is the gear's spare capacity below the pause level, shrinking to nothing as online load
-approaches it (default ``seats_fraction`` 1/8). A latency guard adds nothing new while the online P99
-TTFT or TPOT of the samples (smoothed) is above ``guard_fraction`` (0.7) of its SLO: a deep pipeline
+approaches it (default ``seats_fraction`` 1/16). A latency guard adds nothing new while the online P99
+TTFT or TPOT of the samples (smoothed) is above ``guard_fraction`` (half) of its SLO: a deep pipeline
 whose online TPOT is already near the SLO lends nothing.
 
 at most ``per_step`` (2) new jobs per control step, so long prompts are not prefilled in one burst next
@@ -52,15 +52,17 @@ from flexpipe_dag.sim.results import SimResult
 from flexpipe_dag.workload.context import fit_to_context, over_context
 from flexpipe_dag.workload.request import Request
 
-#: Share of the serving gear's seats offline work may hold at once while admitted (the rest stay free for
-#: online arrivals; the gate pauses offline admission before online needs them). Measured on the lab fleet's
-#: day 0 (bench/mixed_day.py): online SLO attainment 0.9988 without offline sharing, 0.9987 at 1/8 of the
-#: seats, 0.992 at 1/4 and 0.968 at 1/2 (arXiv prompts of ~2,500 tokens prefilled in the online micro-batches).
-DEFAULT_SEATS_FRACTION = 0.125
+#: Share of the serving gear's seats offline work may hold at once while admitted, at no online load (the rest
+#: stay free for online arrivals). Measured on the mixed day (bench/mixed_day.py) before the budget shrank with
+#: load and the latency guard: online SLO attainment on the lab fleet's day 0 was 0.968 at 1/2 of the seats,
+#: 0.992 at 1/4, 0.9987 at 1/8 (0.9988 without sharing); on openb's day 0 (the 12-device gear has 768 seats)
+#: 932 online requests missed at 1/8; with the shrinking budget and the guard at half the SLO, 14 at 1/8 and 8
+#: at 1/16 (5 without sharing).
+DEFAULT_SEATS_FRACTION = 0.0625
 #: Most offline jobs submitted per control step (a ramp, not a burst of prefills).
 DEFAULT_PER_STEP = 2
 #: Share of each SLO (TTFT, TPOT) the online P99 must stay below for offline work to be added.
-DEFAULT_GUARD_FRACTION = 0.7
+DEFAULT_GUARD_FRACTION = 0.5
 
 
 @dataclass

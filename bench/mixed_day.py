@@ -20,9 +20,9 @@ hour (of the replay's clock, as shift_bench counts them), 0 lost or duplicated. 
 printed as the bound. Each goal line says met or NOT met. The controller keeps the tide replay's
 figures (:data:`~flexpipe_dag.control.replay.REPLAY_CONTROLLER`) plus
 :data:`~flexpipe_dag.control.mixed_day.MIXED_DAY_CONTROLLER`, and the sharing figures
-(:data:`~flexpipe_dag.control.mixed_day.DEFAULT_SHARE`); these were chosen on these cases (openb and
-lab day 0, one dynamic replay each: the headrooms, the 300 s forecast, 1/16 of the seats, the guard),
-so the figures below are not held-out ones.
+(:data:`~flexpipe_dag.control.mixed_day.DEFAULT_SHARE`); these were chosen by looking at dynamic
+replays of openb days 0, 1, 3 and lab day 0 (the headrooms, the 300 s forecast, 1/16 of the seats, the
+guard), so the figures below are not held-out ones.
 
 Cases (setting, day) run in ``--jobs`` processes (default 2); the figures do not depend on it.
 

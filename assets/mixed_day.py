@@ -40,8 +40,7 @@ def mixed_day(context: AssetExecutionContext, config: MixedDayConfig, planning: 
               store: StoreResource) -> MaterializeResult:
     from flexpipe_dag.control import Controller
     from flexpipe_dag.control.day_setting import day_setting, leave_one_out_forecast, operating_gears
-    from flexpipe_dag.control.mixed_day import goals, run_mixed_day
-    from flexpipe_dag.control.replay import replay_controller_config
+    from flexpipe_dag.control.mixed_day import goals, mixed_day_controller_config, run_mixed_day
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.core.settings import flexpipe_home
     from flexpipe_dag.planner.model_spec import load_model_spec
@@ -62,7 +61,7 @@ def mixed_day(context: AssetExecutionContext, config: MixedDayConfig, planning: 
                           duration_s=config.duration_s, slo_ttft_ms=planning.slo_ttft_ms,
                           slo_tpot_ms=planning.slo_tpot_ms, peak_share=config.peak_share,
                           peak_rps=config.peak_rps or None)
-    day = run_mixed_day(setting, Controller(replay_controller_config(planning.slo_ttft_ms)), backlog,
+    day = run_mixed_day(setting, Controller(mixed_day_controller_config(planning.slo_ttft_ms)), backlog,
                         cycle_backlog=config.cycle_backlog,
                         forecast=leave_one_out_forecast(config.start_day, config.duration_s))
     title = f"{spec.name} on {cluster.cluster_id}, tide day {config.start_day}"

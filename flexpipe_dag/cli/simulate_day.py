@@ -86,7 +86,8 @@ def day_lines(day) -> list[str]:
     for k, p in day.policies.items():
         lines.append(f"{k:8s}: online SLO attainment {p.attainment:.4f}, lost {p.online_lost}; mean devices online "
                      f"{p.mean_devices:.2f} ({day.share_of_static(k):.1%} of static); offline {p.offline.tokens:,} tokens "
-                     f"({day.offline_vs_static(k):.2f}x static), {len(p.offline.completions):,} jobs, "
+                     f"({day.offline_vs_static(k):.2f}x static; {p.offline.shared_tokens:,} in the online gears' "
+                     f"spare capacity), {len(p.offline.completions):,} jobs, "
                      f"{p.offline.preempted} preempted, lost {p.offline.lost}, duplicated {p.offline.duplicated}; "
                      f"{p.shifts} shifts = {p.shifts / hours:.2f} per hour")
     for k, p in day.policies.items():
@@ -103,8 +104,7 @@ def run_day(args: argparse.Namespace) -> int:
     check_day_flags(args)
     from flexpipe_dag.control import Controller
     from flexpipe_dag.control.day_setting import day_setting, leave_one_out_forecast, operating_gears
-    from flexpipe_dag.control.mixed_day import run_mixed_day
-    from flexpipe_dag.control.replay import replay_controller_config
+    from flexpipe_dag.control.mixed_day import mixed_day_controller_config, run_mixed_day
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.sim import SimConfig
@@ -123,7 +123,7 @@ def run_day(args: argparse.Namespace) -> int:
     setting = day_setting(cluster, spec, dtype, gears, start_day=args.start_day, duration_s=args.duration_s,
                           slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, peak_share=args.peak_share,
                           peak_rps=args.peak_rps, window_s=args.oracle_window_s)
-    day = run_mixed_day(setting, Controller(replay_controller_config(slo_ttft_ms)), backlog,
+    day = run_mixed_day(setting, Controller(mixed_day_controller_config(slo_ttft_ms)), backlog,
                         cycle_backlog=not args.offline_once,
                         forecast=leave_one_out_forecast(args.start_day, args.duration_s), load_gbps=args.load_gbps)
     if args.report:

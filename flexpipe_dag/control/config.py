@@ -146,6 +146,22 @@ class ControllerConfig(Figures):
                          "target toward a roomier gear, imbalance or low load back) do not ping-pong; shifts the "
                          "load forces are not held back; 0 (the seeds) = off")
 
+    downshift_headroom_fraction: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = Field(
+        0.0, description="fewest devices once the load allows: with h > 0, trigger fewer_devices_hold fires when a "
+                         "healthy gear on fewer devices than the serving one holds the smoothed request rate, the "
+                         "recent peak (recent_peak_window_s) and the forecast with headroom h (all <= rps_max x "
+                         "(1 - h)), and a discretionary shift down (rps_below_envelope, fewer_devices_hold) goes to "
+                         "the gear on the fewest devices that does, not the nearest kind; 0 (the seeds) = off")
+
+    upshift_headroom_fraction: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = Field(
+        0.0, description="leave a gear before its envelope's top: with u > 0, rps_above_envelope and "
+                         "forecast_above_envelope fire when the request rate (or the forecast) exceeds rps_max x "
+                         "(1 - u) instead of rps_max x (1 + envelope_margin_fraction), and the shift goes to a gear "
+                         "that holds it below its own rps_max x (1 - u) when one does; an envelope is measured at the "
+                         "SLO attainment bar (e.g. 95 %), so a gear run near its top misses more than a roomier one; "
+                         "below downshift_headroom_fraction when both are set (the band between them keeps a load "
+                         "from flapping); 0 (the seeds) = off")
+
     # load forecast ------------------------------------------------------------------------------
     forecast_horizon_s: Annotated[float, Field(ge=0.0, le=DAY_S, allow_inf_nan=False)] = Field(
         0.0, description="look-ahead of the load forecast, on the samples' clock: with a forecast passed to "
@@ -202,6 +218,10 @@ class ControllerConfig(Figures):
         if self.latency_under_factor >= self.latency_over_factor:
             raise ValueError(f"latency_under_factor: {self.latency_under_factor} must be below "
                              f"latency_over_factor {self.latency_over_factor}")
+        if 0.0 < self.downshift_headroom_fraction <= self.upshift_headroom_fraction:
+            raise ValueError(f"downshift_headroom_fraction: {self.downshift_headroom_fraction} must exceed "
+                             f"upshift_headroom_fraction {self.upshift_headroom_fraction} (a gear entered with the "
+                             f"headroom would be left at once)")
         if self.hysteresis_max_samples < self.hysteresis_samples:
             raise ValueError(f"hysteresis_max_samples: {self.hysteresis_max_samples} is below "
                              f"hysteresis_samples {self.hysteresis_samples}")

@@ -21,18 +21,23 @@ window is harmless):
    ==================== ==========================================================================
    current_unhealthy    the serving gear carries a health tag (acts on 1 sample, ignores dwell and
                         payback: a failing gear must be left)
-   rps_above_envelope   request rate > rps_max x (1 + envelope_margin_fraction)
+   rps_above_envelope   request rate > rps_max x (1 + envelope_margin_fraction), or > rps_max x (1 - u)
+                        with ``upshift_headroom_fraction`` u > 0 (so is forecast_above_envelope's bar)
    forecast_above_      with a forecast: the highest request rate expected within ``forecast_horizon_s``
    envelope             > rps_max x (1 + margin) while request rate itself is not yet (shift before the rise)
    latency_over         P99 > latency_over_factor (1.2) x T
    imbalance            max stage utilisation > 0.9 while min < 0.6 (>= 2 stages)
    rps_below_envelope   request rate < rps_min x (1 - envelope_margin_fraction), and so is the forecast
    latency_under        P99 < latency_under_factor (0.7) x T
+   fewer_devices_hold   with ``downshift_headroom_fraction`` h > 0: a healthy gear on fewer devices holds the
+                        request rate, the recent peak and the forecast with headroom h (each <= its
+                        rps_max x (1 - h))
    ==================== ==========================================================================
 
 4. A trigger *fires* when its count reaches the required samples (3, raised by dwell escalation).
    Firing inside the dwell with a gear it would move to raises the requirement one step (see
-   :mod:`flexpipe_dag.control.config`).
+   :mod:`flexpipe_dag.control.config`); ``fewer_devices_hold``, a standing preference rather than a
+   sign of flapping, never does.
 
 The forecast (``decide(..., forecast=f)``, ``f(t_s, rps, horizon_s) -> req/s``, e.g.
 :func:`flexpipe_dag.control.tide.tide_forecast`) is the caller's: the controller asks it at every
@@ -99,7 +104,14 @@ _KIND_RANK = {"latency": 0, "balanced": 1, "throughput": 2}
 #: Which way along latency (0) -> balanced (1) -> throughput (2) each trigger moves; like a gearbox,
 #: the nearest gear in that direction is preferred, then the same kind, then the other way.
 _DIRECTION: dict[str, int] = {"rps_above_envelope": +1, "forecast_above_envelope": +1, "latency_under": +1,
-                              "rps_below_envelope": -1, "imbalance": 0, "current_unhealthy": 0}
+                              "rps_below_envelope": -1, "fewer_devices_hold": -1, "imbalance": 0,
+                              "current_unhealthy": 0}
+#: Triggers that do not raise the dwell threshold: an unhealthy gear acts at once, and fewer_devices_hold is a
+#: standing preference (hand devices back when the load allows), not a sign of flapping; raising the threshold
+#: for it would delay the shifts the load forces.
+_NO_ESCALATION = frozenset({"current_unhealthy", "fewer_devices_hold"})
+#: Discretionary triggers that shift down: with ``downshift_headroom_fraction`` on, they prefer the fewest devices.
+_DOWN_TRIGGERS = frozenset({"rps_below_envelope", "fewer_devices_hold"})
 #: Triggers that may move to a gear whose envelope does not hold the load (when none does, the
 #: roomiest helps most; an unhealthy gear must be left regardless). The others need a fitting gear.
 _RISING = frozenset({"rps_above_envelope", "forecast_above_envelope"})
@@ -318,7 +330,7 @@ class Controller:
                 st.ema_stage_busy = [_ema(o, x, a) for o, x in zip(st.ema_stage_busy, busy)]
 
         gear = by_id[st.gear_id]
-        active = self._active_triggers(st, gear, unhealthy)
+        active = self._active_triggers(st, gear, unhealthy, by_id)
         for name in TRIGGER_PRIORITY:
             st.counts[name] = st.counts.get(name, 0) + 1 if name in active else 0
         st.counts = {k: v for k, v in st.counts.items() if v > 0}
@@ -329,7 +341,7 @@ class Controller:
         if st.pending_to_gear_id is not None or not self.in_dwell(st, t_s):
             return None
         need = self.required_samples(st)
-        fresh = [t for t in TRIGGER_PRIORITY if t != "current_unhealthy" and st.counts.get(t, 0) >= need
+        fresh = [t for t in TRIGGER_PRIORITY if t not in _NO_ESCALATION and st.counts.get(t, 0) >= need
                  and t not in st.escalated and self._rank_candidates(st, gear, t, by_id, unhealthy, cost_fn)]
         if not fresh:
             return None
@@ -407,17 +419,42 @@ class Controller:
             if st.escalation_steps == 0:
                 st.last_escalation_s = None
 
-    def _active_triggers(self, st: ControllerState, gear: Gear, unhealthy: frozenset[str]) -> set[str]:
+    def leave_above_rps(self, gear: Gear) -> float:
+        """The request rate above which the load (or its forecast) leaves ``gear``: ``rps_max x (1 + margin)``, or
+        ``rps_max x (1 - upshift_headroom_fraction)`` when that figure is set, req/s."""
+        u = self.config.upshift_headroom_fraction
+        return gear.rps_max * (1.0 - u) if u > 0 else gear.rps_max * (1.0 + self.config.envelope_margin_fraction)
+
+    def _top_text(self, gear: Gear) -> str:
+        u = self.config.upshift_headroom_fraction
+        return (f"{1.0 - u:.0%} of envelope max {gear.rps_max:.3g}" if u > 0 else f"envelope max {gear.rps_max:.3g}")
+
+    def headroom_load_rps(self, st: ControllerState) -> float:
+        """The load a gear on fewer devices must hold with ``downshift_headroom_fraction`` to take over: the
+        highest of the smoothed request rate, the recent peak and the forecast, req/s."""
+        return max(st.ema_rps or 0.0, self.recent_peak_rps(st) or 0.0, st.forecast_rps or 0.0)
+
+    def _holds_with_headroom(self, st: ControllerState, gear: Gear) -> bool:
+        h = self.config.downshift_headroom_fraction
+        return h > 0 and st.ema_rps is not None and self.headroom_load_rps(st) <= gear.rps_max * (1.0 - h)
+
+    def _active_triggers(self, st: ControllerState, gear: Gear, unhealthy: frozenset[str],
+                         by_id: dict[str, Gear]) -> set[str]:
         cfg = self.config
         active: set[str] = set()
+        if cfg.downshift_headroom_fraction > 0 and any(
+                g.gear_id not in unhealthy and len(g.device_ids) < len(gear.device_ids)
+                and g.num_layers == gear.num_layers and self._holds_with_headroom(st, g) for g in by_id.values()):
+            active.add("fewer_devices_hold")
         if gear.gear_id in unhealthy:
             active.add("current_unhealthy")
         if st.ema_rps is not None:
             m = cfg.envelope_margin_fraction
             ahead = st.forecast_rps
-            if st.ema_rps > gear.rps_max * (1.0 + m):
+            top = self.leave_above_rps(gear)
+            if st.ema_rps > top:
                 active.add("rps_above_envelope")
-            elif ahead is not None and ahead > gear.rps_max * (1.0 + m):
+            elif ahead is not None and ahead > top:
                 active.add("forecast_above_envelope")
             elif gear.rps_min > 0 and max(st.ema_rps, ahead or 0.0) < gear.rps_min * (1.0 - m):
                 active.add("rps_below_envelope")
@@ -489,7 +526,15 @@ class Controller:
             pref = self._allowed(trigger, current, g)
             if pref is None:
                 continue
+            if trigger == "fewer_devices_hold" and not (len(g.device_ids) < len(current.device_ids)
+                                                       and self._holds_with_headroom(st, g)):
+                continue  # this trigger exists only to hand devices back, with the headroom asked for
+            if trigger in _DOWN_TRIGGERS and cfg.downshift_headroom_fraction > 0:
+                # fewest devices first among the gears that hold the load with headroom, then the gearbox order
+                pref = (len(g.device_ids) if self._holds_with_headroom(st, g) else 1000 + pref)
             fits = fits_envelope(g, rps, cfg.envelope_margin_fraction)
+            if trigger in _RISING and rps > self.leave_above_rps(g):
+                fits = False  # it would be left again at once: only a best effort
             if not fits and trigger not in _BEST_EFFORT_TRIGGERS:
                 continue  # a gear outside its envelope would trigger the reverse shift: flapping
             if trigger in _RISING and not fits and capacity_rps(g) <= capacity_rps(current):
@@ -499,7 +544,7 @@ class Controller:
             if trigger in DISCRETIONARY_TRIGGERS and self._reverses(st, current, g):
                 continue  # would undo the last discretionary shift: two soft triggers ping-ponging
             if (trigger in DISCRETIONARY_TRIGGERS and must_hold > 0 and capacity_rps(g) < capacity_rps(current)
-                    and g.rps_max * (1.0 - cfg.envelope_margin_fraction) < must_hold):
+                    and min(g.rps_max * (1.0 - cfg.envelope_margin_fraction), self.leave_above_rps(g)) < must_hold):
                 continue  # a dip: the recent peak or the coming load would overrun it, and the dwell locks it in
             est = calibrated_p99_ms(g, current, None if backlogged else st.ema_p99_ms, cfg.latency_metric,
                                     within_target_ms=target if fits else None)
@@ -538,16 +583,20 @@ class Controller:
         if trigger == "current_unhealthy":
             return f"gear {gear.gear_id} is marked unhealthy"
         if trigger == "rps_above_envelope":
-            what = f"rps {st.ema_rps:.3g}/s above envelope max {gear.rps_max:.3g}"
+            what = f"rps {st.ema_rps:.3g}/s above {self._top_text(gear)}"
         elif trigger == "forecast_above_envelope":
             what = (f"forecast rps {st.forecast_rps or 0.0:.3g}/s within {_fmt_min(cfg.forecast_horizon_s)} min "
-                    f"above envelope max {gear.rps_max:.3g} (now {st.ema_rps:.3g}/s)")
+                    f"above {self._top_text(gear)} (now {st.ema_rps:.3g}/s)")
         elif trigger == "rps_below_envelope":
             what = f"rps {st.ema_rps:.3g}/s below envelope min {gear.rps_min:.3g}"
         elif trigger == "latency_over":
             what = f"{metric} {st.ema_p99_ms:.0f} ms > {cfg.latency_over_factor:g} x {target}"
         elif trigger == "latency_under":
             what = f"{metric} {st.ema_p99_ms:.0f} ms < {cfg.latency_under_factor:g} x {target}"
+        elif trigger == "fewer_devices_hold":
+            what = (f"a gear on fewer than {len(gear.device_ids)} devices holds rps {st.ema_rps or 0.0:.3g}/s, its "
+                    f"recent peak and forecast ({self.headroom_load_rps(st):.3g}/s) with "
+                    f"{cfg.downshift_headroom_fraction:.0%} headroom")
         else:
             what = (f"stage utilisation max {max(st.ema_stage_busy):.2f} > {cfg.imbalance_max_util:g} "
                     f"while min {min(st.ema_stage_busy):.2f} < {cfg.imbalance_min_util:g}")

@@ -187,12 +187,14 @@ class OfflineBacklog:
 
 @dataclass(frozen=True)
 class Completion:
-    """One offline job finished at ``t_s`` (day clock) with its processed tokens (prompt + output)."""
+    """One offline job finished at ``t_s`` (day clock) with its processed tokens (prompt + output); ``shared``: in
+    the online gear's spare capacity (:mod:`flexpipe_dag.control.offline_share`), not on free devices."""
 
     t_s: float
     request_id: str
     tokens: int
     output_tokens: int
+    shared: bool = False
 
 
 @dataclass
@@ -226,6 +228,11 @@ class OfflineRun:
     def output_tokens(self) -> int:
         """Generated tokens of completed jobs."""
         return sum(c.output_tokens for c in self.completions)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Processed tokens of the jobs completed in the online gear's spare capacity."""
+        return sum(c.tokens for c in self.completions if c.shared)
 
     @property
     def duplicated(self) -> int:

@@ -31,7 +31,8 @@ flatters in the same way (often the same hardware under another name). A backlog
 P99 measures its queue, not the model's error, and calibrates nothing.
 
 ``capacity(x)`` is the gear's ``rps_max`` (the most load it serves within its latency target, as
-the planner set it), else its estimated throughput, else unbounded; for the serving gear it is
+the planner set it), else its estimated throughput, else unbounded, times ``1 - upshift_headroom_fraction``
+(the share of an envelope the controller plans to use; 1 with the seeds); for the serving gear it is
 also capped by what its busiest stage shows, ``q / max stage utilisation`` (a stage 95 % busy at
 3 req/s saturates near 3.2 req/s whatever the plan said) and, when it is backlogged (more requests waiting than
 running), by the rate at which it actually completes requests. ``p99(c)`` is the observed
@@ -149,7 +150,8 @@ def estimated_gain_fraction(trigger: str, current: Gear, candidate: Gear, *, rps
     cur_p99 = current_p99_ms if current_p99_ms is not None else estimated_p99_ms(current, metric)
     new_p99 = calibrated_p99_ms(candidate, current, None if backlogged else current_p99_ms, metric,
                                 within_target_ms=target_p99_ms if fits_envelope(candidate, rps) else None)
-    cap_c, cap_g = capacity_rps(current), capacity_rps(candidate)
+    keep = 1.0 - config.upshift_headroom_fraction  # the share of an envelope the controller plans to use
+    cap_c, cap_g = keep * capacity_rps(current), keep * capacity_rps(candidate)
     if current_max_stage_busy is not None and current_max_stage_busy > 0 and rps > 0:
         cap_c = min(cap_c, rps / min(1.0, current_max_stage_busy))
     if backlogged and current_completed_rps is not None:

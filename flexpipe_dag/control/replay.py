@@ -17,6 +17,7 @@ import numpy as np
 from flexpipe_dag.control.config import ControllerConfig
 from flexpipe_dag.control.controller import Controller, ForecastFn
 from flexpipe_dag.control.migration import drain_time_s, migration_cost_fn, weight_transfer_s
+from flexpipe_dag.control.offline_share import OfflineShare
 from flexpipe_dag.control.state import Decision
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.core.gear import Gear
@@ -45,19 +46,28 @@ REPLAY_CONTROLLER: dict[str, tuple[float, str]] = {
 
 def replay_controller_config(slo_ttft_ms: float, **overrides: float) -> ControllerConfig:
     """The controller tide replays use: the design's seeds, latency target = the TTFT SLO, plus
-    :data:`REPLAY_CONTROLLER`'s figures (each overridable by name).
+    :data:`REPLAY_CONTROLLER`'s figures; ``overrides`` set any figure by name (those of
+    :data:`REPLAY_CONTROLLER` or others, e.g. the mixed day's ``downshift_headroom_fraction``).
 
     Raises:
-        pydantic.ValidationError: a figure out of its range (the field is named).
+        pydantic.ValidationError: a figure out of its range, or an unknown one (the field is named).
     """
     seed = ControllerConfig(target_p99_ms=slo_ttft_ms, latency_metric="ttft_p99_ms")
-    figures = {field: overrides.get(field, default) for field, (default, _) in REPLAY_CONTROLLER.items()}
+    figures = {field: default for field, (default, _) in REPLAY_CONTROLLER.items()} | overrides
     return ControllerConfig.model_validate(seed.model_dump() | figures)
 
 
 def lost_count(summary: Mapping[str, Any]) -> int:
     """Requests a run lost: unfinished plus rejected (a run's ``SimResult.summary``)."""
     return int(summary["unfinished"]) + int(summary["rejected"])
+
+
+def online_outcome(result: SimResult) -> tuple[float, int]:
+    """``(requests within SLO, requests lost)`` among a run's online requests (offline work fed in is left out)."""
+    df = result.requests
+    online = df[df["class"] == "online"]
+    lost = int(online["finish_s"].isna().sum())  # rejected ones never finish
+    return float(online["slo_met"].sum()), lost
 
 
 def hold_end_s(result: SimResult, duration_s: float) -> float:
@@ -129,7 +139,8 @@ class ShiftTaken:
 def run_dynamic(workload: Workload, gears: Sequence[Gear], timings: Mapping[str, StageTimingModel], start_gear: Gear,
                 sim_config: SimConfig, controller: Controller, cluster: ClusterProfile, spec: ModelSpec, dtype: str,
                 output_tokens_mean: float, verbose: bool = False,
-                forecast: ForecastFn | None = None) -> tuple[SimResult, list[ShiftTaken]]:
+                forecast: ForecastFn | None = None, offline: OfflineShare | None = None,
+                decide_until_s: float | None = None) -> tuple[SimResult, list[ShiftTaken]]:
     """Serve the replay with the controller deciding at every metric sample.
 
     A shift's shadow warm-up takes the weight transfer time over the cluster's links
@@ -141,6 +152,11 @@ def run_dynamic(workload: Workload, gears: Sequence[Gear], timings: Mapping[str,
         timings: stage times per gear id.
         forecast: the controller's load forecast (``(t_s, rps, horizon_s) -> req/s``), or None.
         verbose: print every shift's reason as it happens.
+        offline: offline work fed into the serving gear's spare capacity at every sample (the serve loop's
+            trough rule, :class:`~flexpipe_dag.control.offline_share.OfflineShare`), or None; the caller
+            settles it on the result.
+        decide_until_s: the controller decides only on samples up to this time (the end of the day; what
+            runs after it only finishes), s; None = until the replay ends.
 
     Returns:
         The simulator's result and the shifts taken, in time order.
@@ -167,6 +183,10 @@ def run_dynamic(workload: Workload, gears: Sequence[Gear], timings: Mapping[str,
         if not samples:
             continue
         last["sample"] = samples[-1]
+        if offline is not None:
+            offline.step(sim, samples[-1], by_id[sim.gear_id], forecast)
+        if decide_until_s is not None and samples[-1].t_s > decide_until_s:
+            continue
         state, decision = controller.decide(state, samples, list(gears), migration_cost_s=cost_fn, now_s=samples[-1].t_s,
                                             forecast=forecast)
         if decision.action == "shift":

@@ -16,13 +16,15 @@ from flexpipe_dag.core.errors import InputError
 
 #: Trigger names, in the order the controller acts on them when several fire at once.
 TriggerName = Literal["current_unhealthy", "rps_above_envelope", "forecast_above_envelope", "latency_over",
-                      "imbalance", "rps_below_envelope", "latency_under"]
+                      "imbalance", "rps_below_envelope", "latency_under", "fewer_devices_hold"]
 TRIGGER_PRIORITY: tuple[TriggerName, ...] = ("current_unhealthy", "rps_above_envelope", "forecast_above_envelope",
-                                             "latency_over", "imbalance", "rps_below_envelope", "latency_under")
+                                             "latency_over", "imbalance", "rps_below_envelope", "latency_under",
+                                             "fewer_devices_hold")
 
 #: Shifts the controller chooses to make, not ones the load forces: they are charged for devices
 #: (``device_weight``) and may not leave the load of the recent past without a gear that holds it.
-DISCRETIONARY_TRIGGERS: frozenset[str] = frozenset({"imbalance", "latency_under", "rps_below_envelope"})
+DISCRETIONARY_TRIGGERS: frozenset[str] = frozenset({"imbalance", "latency_under", "rps_below_envelope",
+                                                    "fewer_devices_hold"})
 
 #: 2 added the forecast, recent peaks and the last discretionary shift; a version-1 cursor reads as
 #: a version-2 state with those empty. 3 names the request rate ``rps`` (``ema_rps``, ``forecast_rps``,

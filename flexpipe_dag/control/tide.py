@@ -149,9 +149,18 @@ def ema(previous: float | None, value: float, alpha: float) -> float:
 def decide_offline(forecaster: TideForecaster, config: TideConfig, *, tide_time_s: float, ema_rps: float,
                    capacity_rps: float, offline_running: bool) -> TideDecision:
     """Admit, pause or keep offline work (see module docstring for the rule)."""
+    forecast = forecaster.forecast_rps(tide_time_s, ema_rps, config.horizon_s)
+    return offline_decision(config, ema_rps=ema_rps, forecast_rps=forecast, capacity_rps=capacity_rps,
+                            offline_running=offline_running)
+
+
+def offline_decision(config: TideConfig, *, ema_rps: float, forecast_rps: float, capacity_rps: float,
+                     offline_running: bool) -> TideDecision:
+    """The rule of :func:`decide_offline` on a forecast already read (req/s within ``config.horizon_s``): for a
+    caller whose forecast is not a :class:`TideForecaster` (the mixed day's simulation reads the controller's)."""
     if not capacity_rps > 0 or math.isinf(capacity_rps):
         capacity_rps = float("inf")
-    forecast = forecaster.forecast_rps(tide_time_s, ema_rps, config.horizon_s)
+    forecast = forecast_rps
     admit_at, pause_at = config.admit_below_fraction * capacity_rps, config.pause_above_fraction * capacity_rps
     figures = (f"online {ema_rps:.3g} req/s, forecast peak {forecast:.3g} req/s in the next "
                f"{config.horizon_s / 60:.0f} min, gear capacity {capacity_rps:.3g} req/s")

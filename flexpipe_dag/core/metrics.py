@@ -33,15 +33,17 @@ class StageSample:
 class MetricSample:
     """One pipeline-wide sample over the window ``(t_s - period, t_s]``.
 
-    Latency percentiles are over requests that finished (TTFT: got their first token) in the window;
-    ``None`` when none did.
+    Latency percentiles are over online requests that finished (TTFT: got their first token) in the
+    window; ``None`` when none did. Offline (batch) work sharing the pipeline is left out of them and of
+    ``completed``, as it is of ``rps``: the controller watches the online service, and a batch job's
+    queueing time is not an online latency. ``queue_length`` and ``running`` count every request.
     """
 
     t_s: float
     gear_id: str
     source: str  # "sim" or "live"
     rps: float  # online arrivals per second in the window (RPS_DEFINITION)
-    completed: int  # requests finished in the window
+    completed: int  # online requests finished in the window
     tokens_per_s: float  # output tokens per second in the window
     queue_length: int  # requests waiting for admission at t_s
     running: int  # requests admitted and unfinished at t_s

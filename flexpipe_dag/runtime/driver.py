@@ -261,7 +261,7 @@ class Driver:
         if sampled:  # before the finished requests: a stream sees its last token, then the end
             self.evt_q.put(TokensGenerated(tuple(sampled)))
         for out in finished:
-            self.metrics.record_finished(out.ttft_s, out.tpot_s, out.e2e_s)
+            self.metrics.record_finished(out.ttft_s, out.tpot_s, out.e2e_s, out.priority)
             self.evt_q.put(RequestFinished(out))
         self.counters[counter_index(0, DriverCounter.MICRO_BATCHES_DONE)] += 1
 

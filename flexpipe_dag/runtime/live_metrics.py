@@ -67,7 +67,12 @@ class LiveMetrics:
         """Output tokens produced (every sampled token, finished request or not)."""
         self._tokens += n
 
-    def record_finished(self, ttft_s: float, tpot_s: float | None, e2e_s: float) -> None:
+    def record_finished(self, ttft_s: float, tpot_s: float | None, e2e_s: float,
+                        priority: int = PRIORITY_ONLINE) -> None:
+        """A request finished (times in s); only online ones (``PRIORITY_ONLINE``) count toward ``completed`` and
+        the latency percentiles (an offline job's wait in the queue is not an online latency)."""
+        if priority != PRIORITY_ONLINE:
+            return
         self._ttft.append(ttft_s)
         if tpot_s is not None:
             self._tpot.append(tpot_s)

@@ -124,6 +124,7 @@ class RequestOutput:
     arrival_s: float
     first_token_s: float
     finish_s: float
+    priority: int = PRIORITY_ONLINE
 
     @property
     def ttft_s(self) -> float:
@@ -357,7 +358,7 @@ class Scheduler:
                 self.allocator.free(seq_id)
                 self._request_ids.discard(s.req.request_id)
                 finished.append(RequestOutput(s.req.request_id, list(s.req.prompt_token_ids), list(s.outputs),
-                                              reason, s.arrival_s, s.first_token_s, now))
+                                              reason, s.arrival_s, s.first_token_s, now, s.req.priority))
         return finished
 
     def abort_inflight(self) -> list[str]:

@@ -37,7 +37,8 @@ def write_mixed_day_report(path: str | Path, title: str, day: MixedDay, notes: S
     hours = day.duration_s / 3600.0
     rows = "".join(
         f"<tr><td>{k}</td><td>{p.attainment:.4f}</td><td>{p.online_lost}</td><td>{p.mean_devices:.2f}</td>"
-        f"<td>{day.share_of_static(k):.1%}</td><td>{p.offline.tokens:,}</td><td>{day.offline_vs_static(k):.2f}x</td>"
+        f"<td>{day.share_of_static(k):.1%}</td><td>{p.offline.tokens:,}</td><td>{p.offline.shared_tokens:,}</td>"
+        f"<td>{day.offline_vs_static(k):.2f}x</td>"
         f"<td>{len(p.offline.completions):,}</td><td>{p.offline.preempted}</td><td>{p.offline.lost}</td>"
         f"<td>{p.offline.duplicated}</td><td>{p.shifts / hours:.2f}</td></tr>" for k, p in day.policies.items())
     goal_rows = "".join(f"<tr><td>{html.escape(g.name)}</td><td>{g.value:.4g}</td><td>{html.escape(g.bar)}</td>"
@@ -45,7 +46,7 @@ def write_mixed_day_report(path: str | Path, title: str, day: MixedDay, notes: S
     doc = f"""{html_head(title)}
 <p>{day.fleet_devices} devices; a day of {day.duration_s:.0f} s on the replay's clock; static gear {html.escape(day.static_gear_id)}.</p>
 <table><tr><th>policy</th><th>online SLO attainment</th><th>online lost</th><th>mean devices online</th>
-<th>reservation vs static</th><th>offline tokens</th><th>vs static</th><th>offline jobs</th><th>preempted</th>
+<th>reservation vs static</th><th>offline tokens</th><th>of which shared</th><th>vs static</th><th>offline jobs</th><th>preempted</th>
 <th>offline lost</th><th>duplicated</th><th>shifts / h</th></tr>{rows}</table>
 <h2>Goal (dynamic vs static)</h2><table><tr><th>figure</th><th>value</th><th>bar</th><th></th></tr>{goal_rows}</table>
 {img_tag(figures['reservation_curve'], 'reservation curve')}

@@ -27,6 +27,9 @@ Model (one gear = one pipeline):
   (:mod:`flexpipe_dag.workload.context`, the rule the planner and the runtime apply too).
 * **Priority.** The waiting queue is ordered by (online before offline, larger ``priority`` first,
   arrival, id). Optionally an online request preempts offline sequences to get KV blocks.
+* **Work fed in while it runs.** :meth:`Simulator.submit` queues requests at the current simulated
+  time (the serve loop's offline admission, which hands the router a bounded number of batch jobs
+  in troughs); they take the same queue, priority rules and pipelines as the workload's own.
 * **Gear shift with drain.** :meth:`Simulator.shift_gear` makes a new pipeline the one that
   admits; the old one admits nothing more, its running sequences finish on the old gear's timing
   (sequences it preempts go to the shared queue and the new gear). The two do not contend for
@@ -34,12 +37,16 @@ Model (one gear = one pipeline):
 
 Every ``sample_period_s`` of simulated time a :class:`~flexpipe_dag.core.metrics.MetricSample`
 (``source="sim"``) is emitted for the admitting gear (none with ``SimConfig.metric_samples=False``).
+Its request rate, completions and latency percentiles are over online requests only (the controller
+watches the online service; offline work sharing the pipeline is not its load), as the live
+runtime's samples are.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 from typing import TypedDict, cast
 
 import numpy as np
@@ -52,7 +59,7 @@ from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.sim.results import RunRecord, ShiftEvent, SimResult, build_result
 from flexpipe_dag.workload.context import CONTEXT_REASON, apply_context_rule
-from flexpipe_dag.workload.request import Workload
+from flexpipe_dag.workload.request import Request, Workload
 
 _ARRIVE, _DONE, _SWITCH = 0, 1, 2
 _INF = float("inf")
@@ -281,6 +288,10 @@ class Simulator:
         self._truncated = [r.request_id in rule.truncated_ids for r in reqs]
         self._arrival_s = [r.arrival_s for r in reqs]
         self._next_arrival = 0
+        self._n_arrivals = len(reqs)  # requests the arrival loop releases; submitted ones go straight to the queue
+        self._submitted: list[Request] = []
+        self._ids = {r.request_id for r in reqs}
+        self._offline_open = 0  # offline requests queued or running (submitted or arrived), not finished or refused
         self._heap: list[_Event] = []
         self._counter = 0
         self._waiting: list[tuple[_SeqKey, _Seq]] = []  # heap of (key, seq)
@@ -302,7 +313,7 @@ class Simulator:
     @property
     def finished(self) -> bool:
         """True when every request has arrived and finished (or was rejected)."""
-        return (self._next_arrival >= len(self._seqs) and not self._heap and not self._waiting
+        return (self._next_arrival >= self._n_arrivals and not self._heap and not self._waiting
                 and self._running == 0 and not self._pending_switch)
 
     @property
@@ -324,6 +335,48 @@ class Simulator:
         pipe = _Pipeline(gear, timing, self.config)
         self._pending_switch += 1
         self._push(self.now_s + ready_in_s, _SWITCH, pipe, self.now_s)
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue ``requests`` now (``now_s``), as the serve loop hands batch work to a running pipeline.
+
+        Each takes the waiting queue by its class and priority (online before offline), under the
+        config's context rule; a request the rule refuses is rejected at once. The result lists them
+        after the workload's requests, with ``arrival_s`` = the time they were submitted.
+
+        Raises:
+            InputError: a request id already in this simulation.
+        """
+        if not requests:
+            return
+        batch = Workload(name="submitted", requests=tuple(requests))
+        rule = apply_context_rule(batch, self.config.max_context_tokens, self.config.context_policy)
+        refused = set(rule.report.refused_ids)
+        served = {r.request_id: r for r in rule.workload.requests}
+        t = self.now_s
+        for r in requests:
+            if r.request_id in self._ids:
+                raise InputError("submitted requests", f"request {r.request_id}.request_id",
+                                 "already in this simulation; expected a new id")
+            self._ids.add(r.request_id)
+            r = served.get(r.request_id, r)
+            idx = len(self._seqs)
+            s = _Seq(idx, (0 if r.klass == "online" else 1, -r.priority, t, idx), r.klass == "online",
+                     r.input_tokens, r.output_tokens)
+            self._seqs.append(s)
+            self._arrival_s.append(t)
+            self._truncated.append(r.request_id in rule.truncated_ids)
+            self._submitted.append(r)
+            if r.request_id in refused:
+                s.rejected, s.reason, s.gear_id = True, CONTEXT_REASON, self._active.gear_id
+                continue
+            self._offline_open += not s.online
+            heapq.heappush(self._waiting, (s.key, s))
+        self._wake(self._active, t)
+
+    @property
+    def offline_open(self) -> int:
+        """Offline requests in the system now: queued or running, not finished or refused."""
+        return self._offline_open
 
     def advance(self, until_s: float) -> list[MetricSample]:
         """Simulate up to ``until_s`` (inclusive) and return the metric samples emitted on the way."""
@@ -387,8 +440,12 @@ class Simulator:
             prev = stage_busy.get(p.gear_id, [0.0] * p.num_stages)
             stage_busy[p.gear_id] = [a + st.busy_s / st.replicas for a, st in zip(prev, p.stages)]
         seqs = self._seqs
+        workload = self.workload
+        if self._submitted:  # the workload's requests, then the submitted ones, in the order of ``seqs``
+            workload = Workload(name=workload.name, requests=workload.requests + tuple(self._submitted),
+                                source=workload.source, meta=workload.meta)
         return build_result(RunRecord(
-            workload=self.workload, config=self.config, arrival_s=self._arrival_s,
+            workload=workload, config=self.config, arrival_s=self._arrival_s,
             first_token_s=[s.first_s for s in seqs], finish_s=[s.finish_s for s in seqs],
             preemptions=[s.preempt for s in seqs], rejected=[s.rejected for s in seqs],
             gear_ids=[s.gear_id for s in seqs], stage_busy_s=stage_busy, samples=self.samples,
@@ -404,7 +461,7 @@ class Simulator:
     def _loop(self, until_s: float) -> None:
         heap = self._heap
         arr = self._arrival_s
-        n = len(arr)
+        n = self._n_arrivals
         seqs = self._seqs
         waiting = self._waiting
         period = self._period
@@ -427,6 +484,7 @@ class Simulator:
                         s.gear_id = self._active.gear_id
                     else:
                         heapq.heappush(waiting, (s.key, s))
+                        self._offline_open += not s.online
                     self._next_arrival += 1
                     if w is not None and s.online:  # rps counts online arrivals only (core.metrics.RPS_DEFINITION)
                         w.arrivals += 1
@@ -505,7 +563,7 @@ class Simulator:
             s.gen += 1
             if s.first_s < 0.0:
                 s.first_s = t
-                if w is not None:
+                if w is not None and s.online:
                     w.ttft_s.append(t - self._arrival_s[s.idx])
             if s.gen >= s.out:
                 s.finish_s = t
@@ -513,7 +571,8 @@ class Simulator:
                 pipe.free_blocks += s.blocks
                 s.blocks = 0
                 self._running -= 1
-                if w is not None:
+                self._offline_open -= not s.online
+                if w is not None and s.online:
                     w.completed += 1
                     w.e2e_s.append(t - self._arrival_s[s.idx])
                     if s.out > 1:
@@ -578,6 +637,7 @@ class Simulator:
                     heapq.heappop(waiting)  # could never finish on this gear's KV pool
                     s.rejected, s.reason = True, "kv_capacity"
                     s.gear_id = pipe.gear_id
+                    self._offline_open -= not s.online
                     continue
                 tokens = s.inp + s.gen
                 if budget is not None and prefill_tokens and prefill_tokens + tokens > budget:

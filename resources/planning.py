@@ -24,6 +24,7 @@ from flexpipe_dag.planner.operating import (
     DEFAULT_REFERENCE_TRACE,
     DEFAULT_SLO_TPOT_MS,
     DEFAULT_SLO_TTFT_MS,
+    MAX_SLO_MS,
 )
 
 
@@ -46,8 +47,8 @@ class PlanningSettings(ConfigurableResource):
                                  description="workload gears are scored on (bundled name or path)")
     reference_requests: int = Field(default=DEFAULT_REFERENCE_REQUESTS, ge=50,
                                     description="requests of the reference trace replayed per envelope probe")
-    slo_ttft_ms: float = Field(default=DEFAULT_SLO_TTFT_MS, gt=0, description="TTFT SLO envelopes are measured at, ms")
-    slo_tpot_ms: float = Field(default=DEFAULT_SLO_TPOT_MS, gt=0, description="TPOT SLO envelopes are measured at, ms")
+    slo_ttft_ms: float = Field(default=DEFAULT_SLO_TTFT_MS, gt=0, le=MAX_SLO_MS, description="TTFT SLO envelopes are measured at, ms")
+    slo_tpot_ms: float = Field(default=DEFAULT_SLO_TPOT_MS, gt=0, le=MAX_SLO_MS, description="TPOT SLO envelopes are measured at, ms")
     attainment: float = Field(default=DEFAULT_ATTAINMENT, gt=0, le=1,
                               description="share of requests that must meet the SLO for a rate to count as served")
     load_rps: float | None = Field(default=None, ge=0, description="expected load: the gear for it is marked recommended")

@@ -205,7 +205,10 @@ def test_cli_simulate_day_json_shape(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, field", [(["--duration-s", "0"], "--duration-s"), (["--trace", "azure-conv"], "--trace"),
-                                          (["--start-day", "14"], "--start-day")])
+                                          (["--start-day", "14"], "--start-day"),
+                                          (["--slo-tpot-ms", "1e300"], "--slo-tpot-ms"),
+                                          (["--report", "."], r"--report: is a directory"),
+                                          (["--report", "/nonexistent-dir/x.html"], "directory /nonexistent-dir does not exist")])
 def test_cli_simulate_day_refuses_bad_flags(flags, field):
     import argparse
 

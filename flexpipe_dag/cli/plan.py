@@ -19,6 +19,8 @@ from flexpipe_dag.planner.operating import (
     DEFAULT_REFERENCE_TRACE,
     DEFAULT_SLO_TPOT_MS,
     DEFAULT_SLO_TTFT_MS,
+    MAX_LOAD_RPS,
+    MAX_SLO_MS,
     RECOMMENDED_HEADROOM,
 )
 
@@ -100,10 +102,10 @@ def check_flags(args: argparse.Namespace) -> None:
               ("--concurrency", args.concurrency, {"integer": True, "ge": 1, "le": INT32_MAX, "unit": "sequences"}),
               ("--min-residence-s", args.min_residence_s, {"ge": 0, "unit": "seconds"}),
               ("--context-p95", args.context_p95, {"integer": True, "ge": 1, "le": INT32_MAX, "unit": "tokens"}),
-              ("--slo-ttft-ms", args.slo_ttft_ms, {"gt": 0, "unit": "milliseconds"}),
-              ("--slo-tpot-ms", args.slo_tpot_ms, {"gt": 0, "unit": "milliseconds"}),
+              ("--slo-ttft-ms", args.slo_ttft_ms, {"gt": 0, "le": MAX_SLO_MS, "unit": "milliseconds"}),
+              ("--slo-tpot-ms", args.slo_tpot_ms, {"gt": 0, "le": MAX_SLO_MS, "unit": "milliseconds"}),
               ("--attainment", args.attainment, {"gt": 0, "le": 1, "unit": ""}),
-              ("--load-rps", args.load_rps, {"ge": 0, "unit": "req/s"}),
+              ("--load-rps", args.load_rps, {"ge": 0, "le": MAX_LOAD_RPS, "unit": "req/s"}),
               ("--requests", args.requests, {"integer": True, "ge": 50, "le": INT32_MAX, "unit": "requests"}))
     for flag, value, bounds in checks:
         if value is not None:

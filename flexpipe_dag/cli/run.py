@@ -116,7 +116,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     for flag, value, low in (("--num-requests", args.num_requests, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 1),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--micro-batch-size", args.micro_batch_size, 1),
-                             ("--kv-capacity-tokens", args.kv_capacity_tokens or 1, 1)):
+                             ("--kv-capacity-tokens", 1 if args.kv_capacity_tokens is None else args.kv_capacity_tokens, 1)):
         if value < low:
             raise InputError(None, flag, f"expected an integer >= {low}, got {value}")
     if args.inflight is not None and args.inflight < 1:
@@ -132,11 +132,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.dtype != "auto":  # int8 / int4 plan weights; the runtime does not compute in them
         args.dtype = compute_dtype(args.dtype, None, "--dtype").name
     args.dtype = head_dtype(args.dtype, args.device)
-    out = Path(args.out)
-    if out.is_dir():
-        raise InputError(str(out), "--out", "is a directory; expected a JSONL file path")
-    if not out.parent.is_dir():
-        raise InputError(str(out), "--out", f"directory {out.parent} does not exist")
+    from flexpipe_dag.core.user_files import check_output_file
+
+    check_output_file(args.out, "--out", "a JSONL file path")
 
 
 def check_cuda(remote: bool) -> None:

@@ -78,18 +78,24 @@ def register(subparsers) -> None:
     p.set_defaults(func=serve)
 
 
+#: Largest ``--api-key-file``, bytes (a key is a line; the file is not a place for anything else).
+API_KEY_FILE_MAX_BYTES = 4096
+
+
 def read_api_key(path: Path | None) -> str | None:
     """The key in ``path`` (its first line, stripped), or None without a file.
 
     Raises:
         InputError: the file cannot be read or holds no key.
     """
+    from flexpipe_dag.core.user_files import read_user_text
+
     if path is None:
         return None
-    try:
-        text = path.read_text().strip()
-    except OSError as exc:
-        raise InputError(str(path), None, f"cannot read the API key file: {exc.strerror}") from None
+    try:  # the capped reader: a FIFO, a device or a huge file is refused at once
+        text = read_user_text(path, API_KEY_FILE_MAX_BYTES, what="API key").strip()
+    except InputError as exc:
+        raise InputError(exc.source, "--api-key-file", exc.problem) from None
     key = text.splitlines()[0].strip() if text else ""
     if not key:
         raise InputError(str(path), None, "expected the API key on its first line; the file is empty")
@@ -181,11 +187,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise InputError(None, "--served-model-name", "expected a name clients send as 'model'; got an empty one")
     if args.load_rps is not None:
-        check_number(args.load_rps, None, "--load-rps", ge=0, unit="req/s")
+        from flexpipe_dag.planner.operating import MAX_LOAD_RPS
+
+        check_number(args.load_rps, None, "--load-rps", ge=0, le=MAX_LOAD_RPS, unit="req/s")
     if args.no_store and args.run_key:
         raise InputError(None, "--run-key", "names this server's run in the store: drop --no-store, or the key")
-    if args.drain_timeout_s < 0:
-        raise InputError(None, "--drain-timeout-s", f"expected >= 0, got {args.drain_timeout_s}")
+    check_number(args.drain_timeout_s, None, "--drain-timeout-s", ge=0, le=86400, unit="s")
     if args.device == "cuda":
         check_cuda(remote=False)  # serve runs its stages on this host
     try:

@@ -222,11 +222,9 @@ def check_flags(args: argparse.Namespace) -> None:
         check_number(args.max_context_tokens, None, "--max-context-tokens", integer=True, ge=2, le=INT32_MAX,
                      unit="prompt + output tokens")
     if args.timeseries_csv:
-        out = Path(args.timeseries_csv)
-        if out.is_dir():
-            raise InputError(None, "--timeseries-csv", f"{out} is a directory; expected a CSV file path")
-        if not out.parent.is_dir():
-            raise InputError(None, "--timeseries-csv", f"directory {out.parent} does not exist")
+        from flexpipe_dag.core.user_files import check_output_file
+
+        check_output_file(args.timeseries_csv, "--timeseries-csv", "a CSV file path")
 
 
 def model_context(args: argparse.Namespace, gear: Gear) -> tuple[str, int | None]:

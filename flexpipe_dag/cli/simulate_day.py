@@ -18,6 +18,7 @@ import json
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, check_number
+from flexpipe_dag.core.user_files import check_output_file
 
 #: The offline backlog when ``--offline`` is not given.
 DEFAULT_BACKLOG = "arxiv-summarization"
@@ -71,9 +72,13 @@ def check_day_flags(args: argparse.Namespace) -> None:
         check_number(args.load_gbps, None, "--load-gbps", gt=0, unit="GB/s")
     if args.offline_limit is not None:
         check_number(args.offline_limit, None, "--offline-limit", integer=True, ge=1, le=INT32_MAX, unit="jobs")
+    from flexpipe_dag.planner.operating import MAX_SLO_MS
+
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
         if value is not None:
-            check_number(value, None, flag, gt=0, unit="ms")
+            check_number(value, None, flag, gt=0, le=MAX_SLO_MS, unit="ms")
+    if args.report:  # before hours of simulation, not after
+        check_output_file(args.report, "--report", "an HTML file path")
 
 
 def day_lines(day) -> list[str]:

@@ -126,3 +126,22 @@ def read_user_text(path: str | Path, cap_bytes: int, *, what: str = "file", sour
     """
     name = source or str(path)
     return decode_user_text(read_user_bytes(path, cap_bytes, what=what, source=name), name, what=what)
+
+
+def check_output_file(path: str | Path, flag: str, what: str) -> Path:
+    """Check, before any work, that ``path`` can be written as a file: not a directory, in a directory
+    that exists (nothing is created). Returns it as a :class:`~pathlib.Path`.
+
+    Args:
+        path: the output path a user gave; flag: the flag that gave it (named in the error);
+        what: the kind of file expected, e.g. ``"an HTML file path"``.
+
+    Raises:
+        InputError: ``path`` is a directory, or its directory does not exist.
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise InputError(str(out), flag, f"is a directory; expected {what}")
+    if not out.parent.is_dir():
+        raise InputError(str(out), flag, f"directory {out.parent} does not exist")
+    return out

@@ -56,6 +56,11 @@ DEFAULT_MIN_RESIDENCE_S = 600.0
 DEFAULT_SLO_TTFT_MS = SelectionSettings.slo_ttft_ms
 DEFAULT_SLO_TPOT_MS = SelectionSettings.slo_tpot_ms
 DEFAULT_ATTAINMENT = SelectionSettings.attainment
+#: Largest SLO target a user may give, ms (an hour per token or to the first token is no SLO: larger
+#: figures only make envelopes, and the probes sized from them, absurd).
+MAX_SLO_MS = 3_600_000.0
+#: Largest load a user may give, req/s (far above any fleet's envelope; larger is a typo).
+MAX_LOAD_RPS = 1_000_000.0
 
 
 @dataclass(frozen=True)

@@ -498,6 +498,16 @@ class PipelineRuntime:
 
     # -- serving ----------------------------------------------------------------------------------
     @property
+    def longest_request_tokens(self) -> int | None:
+        """Prompt + ``max_new_tokens`` of the longest request this pipeline serves: its context
+        (:attr:`max_context_tokens`) or, when smaller, what one lane of its KV pool holds (a request needs
+        prompt + ``max_new_tokens`` - 1 KV tokens: :func:`~flexpipe_dag.core.kv.kv_tokens_needed`), as
+        vLLM's ``max_model_len`` never exceeds its KV cache. ``None``: neither is known."""
+        lane_tokens = self._layout.blocks_per_lane * self.gear.kv_block_size_tokens + 1
+        context = self.max_context_tokens
+        return lane_tokens if context is None else min(context, lane_tokens)
+
+    @property
     def max_context_tokens(self) -> int | None:
         """Prompt + ``max_new_tokens`` a request may have: ``RuntimeOptions.max_context_tokens``, else the
         checkpoint's ``max_position_embeddings`` (``None``: not known, not checked).

@@ -166,7 +166,7 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "flexpipe",
-                "max_model_len": engine.max_context_tokens}
+                "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict:

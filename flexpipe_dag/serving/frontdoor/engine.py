@@ -179,6 +179,18 @@ class FrontDoorEngine:
                 and self.router.active.alive)
 
     @property
+    def max_model_len(self) -> int | None:
+        """The longest request (prompt + ``max_tokens``) the live pipeline serves: the context, or less
+        where one lane of its KV pool holds less (``/v1/models``' ``max_model_len``, which load tools
+        read); the context when no pipeline is live."""
+        lane = self.router.active if self.router is not None else None
+        runtime = getattr(lane, "runtime", None)
+        limit = getattr(runtime, "longest_request_tokens", None)
+        if limit is None:
+            return self.max_context_tokens
+        return limit if self.max_context_tokens is None else min(limit, self.max_context_tokens)
+
+    @property
     def pending(self) -> int:
         """Requests accepted and not yet finished."""
         with self._lock:

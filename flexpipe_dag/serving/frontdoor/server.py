@@ -43,9 +43,31 @@ class ServerSettings:
             InputError: a non-loopback ``host`` without an API key, or a port outside 0..65535."""
         if not 0 <= self.port <= 65535:
             raise InputError(None, "--port", f"expected 0..65535, got {self.port}")
+        _check_bindable(self.host)
         if self.api_key is None and not _is_loopback(self.host):
             raise InputError(None, "--host", f"binding {self.host} exposes the API beyond this host: give "
                                               "--api-key-file (or bind 127.0.0.1)")
+
+
+def _check_bindable(host: str) -> None:
+    """``host`` resolves to an address of this host (a trial bind on a kernel-picked port, so the
+    pipeline is not started for a server that could never listen).
+
+    Raises:
+        InputError: naming ``--host``.
+    """
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise InputError(None, "--host", f"{host!r} does not resolve to an address ({exc})") from None
+    try:
+        with socket.socket(family, kind, proto) as trial:
+            trial.bind(address)
+    except OSError as exc:
+        raise InputError(None, "--host", f"cannot listen on {host!r}: {exc.strerror or exc}") from None
 
 
 def _is_loopback(host: str) -> bool:

@@ -115,6 +115,22 @@ def test_prompt_rows_with_infinite_numbers_or_string_ids_are_malformed(tmp_path)
     assert len(bad) == 3 and any("max_new_tokens" in b.reason for b in bad)
 
 
+def test_prompt_rows_hold_documented_ids_numbers_not_strings_and_one_prompt(tmp_path):
+    from flexpipe_dag.runtime.batch import read_prompts
+
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "ok-1", "prompt": "hi", "max_new_tokens": 4}, {"id": 7, "token_ids": [1, 2]},
+        {"id": "bad id with space", "prompt": "hi"}, {"id": "s", "prompt": "hi", "max_new_tokens": "4"},
+        {"id": "p", "priority": "1", "prompt": "hi"}, {"id": "both", "prompt": "hi", "token_ids": [1, 2]}]) + "\n")
+    rows, bad = read_prompts(p)
+    assert [r.request_id for r in rows] == ["ok-1", "7"]
+    reasons = {b.line: b.reason for b in bad}
+    assert "holds ' ' at character 4" in reasons[3]
+    assert "max_new_tokens': expected an integer" in reasons[4] and "priority': expected an integer" in reasons[5]
+    assert reasons[6] == "both 'prompt' and 'token_ids'; expected one of them"
+
+
 def test_out_of_vocabulary_token_ids_are_a_malformed_row_not_a_crash():
     from flexpipe_dag.runtime.batch import PromptRow, to_requests
     from tests.test_runtime_helpers import checkpoint

@@ -9,7 +9,7 @@ import sys
 from flexpipe_dag.core.errors import InfeasibleError, InputError, one_line
 from flexpipe_dag.core.settings import INT32_MAX, check_number, env_value
 from flexpipe_dag.planner.capacity_math import DEFAULT_RESERVE, check_reserve
-from flexpipe_dag.planner.operating import DEFAULT_REFERENCE_REQUESTS, DEFAULT_REFERENCE_TRACE, MAX_LOAD_RPS, MAX_SLO_MS
+from flexpipe_dag.planner.operating import DEFAULT_REFERENCE_REQUESTS, DEFAULT_REFERENCE_TRACE, MAX_SLO_MS
 
 #: Exit status of a request no card type can serve within the SLO (bad input exits 2, as every command).
 EXIT_INFEASIBLE = 1
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.planner.prices import load_prices
     from flexpipe_dag.workload.bundled import load_trace
 
-    check_number(args.load_rps, None, "--load-rps", gt=0, le=MAX_LOAD_RPS, unit="req/s")
+    check_number(args.load_rps, None, "--load-rps", gt=0, unit="req/s")
     check_number(args.slo_ttft_ms, None, "--slo-ttft-ms", gt=0, le=MAX_SLO_MS, unit="milliseconds")
     check_number(args.slo_tpot_ms, None, "--slo-tpot-ms", gt=0, le=MAX_SLO_MS, unit="milliseconds")
     for flag, value in (("--context-p95", args.context_p95), ("--output-p95", args.output_p95)):

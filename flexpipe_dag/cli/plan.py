@@ -19,7 +19,6 @@ from flexpipe_dag.planner.operating import (
     DEFAULT_REFERENCE_TRACE,
     DEFAULT_SLO_TPOT_MS,
     DEFAULT_SLO_TTFT_MS,
-    MAX_LOAD_RPS,
     MAX_SLO_MS,
     RECOMMENDED_HEADROOM,
 )
@@ -105,7 +104,7 @@ def check_flags(args: argparse.Namespace) -> None:
               ("--slo-ttft-ms", args.slo_ttft_ms, {"gt": 0, "le": MAX_SLO_MS, "unit": "milliseconds"}),
               ("--slo-tpot-ms", args.slo_tpot_ms, {"gt": 0, "le": MAX_SLO_MS, "unit": "milliseconds"}),
               ("--attainment", args.attainment, {"gt": 0, "le": 1, "unit": ""}),
-              ("--load-rps", args.load_rps, {"ge": 0, "le": MAX_LOAD_RPS, "unit": "req/s"}),
+              ("--load-rps", args.load_rps, {"ge": 0, "unit": "req/s"}),
               ("--requests", args.requests, {"integer": True, "ge": 50, "le": INT32_MAX, "unit": "requests"}))
     for flag, value, bounds in checks:
         if value is not None:

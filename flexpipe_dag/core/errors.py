@@ -44,6 +44,8 @@ def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
     bidirectional characters come out escaped (``'a\\x1b[31m'``), so nothing a user wrote can move the
     cursor, recolour the terminal or reorder the line.
     """
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()  # a pandas / numpy scalar reads as the number it holds, not np.float64(...)
     if isinstance(value, str) and len(value) > limit:
         return f"{value[:limit]!r}... ({len(value)} characters)"
     if isinstance(value, (list, tuple, dict, set)) and len(value) > 20:  # repr of a huge container is itself huge

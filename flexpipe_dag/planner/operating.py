@@ -59,8 +59,6 @@ DEFAULT_ATTAINMENT = SelectionSettings.attainment
 #: Largest SLO target a user may give, ms (an hour per token or to the first token is no SLO: larger
 #: figures only make envelopes, and the probes sized from them, absurd).
 MAX_SLO_MS = 3_600_000.0
-#: Largest load a user may give, req/s (far above any fleet's envelope; larger is a typo).
-MAX_LOAD_RPS = 1_000_000.0
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from flexpipe_dag.core.errors import InputError, one_line, shown
+from flexpipe_dag.core.ids import id_problem
 from flexpipe_dag.core.settings import INT32_MAX
 from flexpipe_dag.core.user_files import MAX_PROMPTS_BYTES, read_user_bytes, read_user_text
 from flexpipe_dag.core.user_yaml import load_user_json
@@ -103,8 +104,8 @@ def _as_token_id(t: Any) -> int:
 
 def _bounded_int(value: Any, low: int) -> int:
     """``value`` as an int in ``low..INT32_MAX`` (an integral float is accepted); ValueError / TypeError otherwise."""
-    if isinstance(value, bool):
-        raise TypeError("a boolean")
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError("a boolean or a string, not a number")
     number = float(value)
     if not math.isfinite(number) or number != int(value):
         raise ValueError
@@ -123,12 +124,14 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
     rid = str(rid)
     if len(rid) > MAX_REQUEST_ID_CHARS:
         return MalformedRow(where, f"field 'id': {len(rid)} characters; expected at most {MAX_REQUEST_ID_CHARS}")
-    if not rid.isprintable():
-        return MalformedRow(where, f"field 'id': got {shown(rid)}; expected printable text (no control or "
-                                   "bidirectional characters)")
+    problem = id_problem(rid, MAX_REQUEST_ID_CHARS)
+    if problem:
+        return MalformedRow(where, f"field 'id': {problem}")
     if rid in seen:
         return MalformedRow(where, f"duplicate id {shown(rid)}")
     prompt, token_ids = raw.get("prompt"), raw.get("token_ids")
+    if _given(prompt) and _given(token_ids):
+        return MalformedRow(where, "both 'prompt' and 'token_ids'; expected one of them")
     if isinstance(prompt, str) and (len(prompt) > MAX_PROMPT_BYTES
                                     or len(prompt.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES):
         return MalformedRow(where, f"field 'prompt': {len(prompt)} characters; expected at most {MAX_PROMPT_BYTES} "
@@ -178,6 +181,11 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
         conts = list(conts)
     seen.add(rid)
     return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio, conts, line=where)
+
+
+def _given(value: Any) -> bool:
+    """A field is given: present, not null, not a Parquet NaN."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 def _short(value: Any) -> str:

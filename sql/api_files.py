@@ -55,6 +55,19 @@ class ApiFiles(StoreBase):
             row = s.get(m.ApiFile, file_id)
             return _info(row) if row is not None else None
 
+    def list_api_files(self, limit: int, purpose: str | None = None) -> tuple[list[ApiFileInfo], bool]:
+        """Up to ``limit`` stored files, newest first (their facts, not their bytes), of ``purpose``
+        when given; and whether more are stored."""
+        import sqlalchemy as sa
+
+        cols = (m.ApiFile.id, m.ApiFile.purpose, m.ApiFile.filename, m.ApiFile.bytes, m.ApiFile.created_at)
+        query = sa.select(*cols).order_by(m.ApiFile.created_at.desc(), m.ApiFile.id.desc()).limit(limit + 1)
+        if purpose is not None:
+            query = query.where(m.ApiFile.purpose == purpose)
+        with self.session() as s:
+            rows = s.execute(query).all()
+        return [_info(r) for r in rows[:limit]], len(rows) > limit
+
     def api_file_content(self, file_id: str) -> bytes | None:
         """The file's bytes, or None when no such file is stored."""
         with self.session() as s:
@@ -62,6 +75,7 @@ class ApiFiles(StoreBase):
             return bytes(row.content) if row is not None else None
 
 
-def _info(row: m.ApiFile) -> ApiFileInfo:
+def _info(row) -> ApiFileInfo:
+    """An ``api_files`` row (ORM object or selected columns) as :class:`ApiFileInfo`."""
     return ApiFileInfo(row.id, row.purpose, row.filename, row.bytes,
                        int(row.created_at.replace(tzinfo=UTC).timestamp()))

@@ -433,6 +433,10 @@ def test_a_batch_round_trip_through_the_openai_sdk(client):
     lines.append(_chat_line("too-long", "hi", max_tokens=9000))
     upload = _upload(client, lines)
     assert client.files.retrieve(upload.id).bytes == upload.bytes > 0
+    listed = client.files.list()  # newest first: the upload just made leads
+    assert listed.data[0].id == upload.id and listed.data[0].bytes == upload.bytes
+    assert [f.id for f in client.files.list(purpose="batch").data][0] == upload.id
+    assert client.files.list(purpose="fine-tune").data == []
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
                                   metadata={"team": "search"})
     assert batch.status in ("validating", "in_progress") and batch.request_counts.total == 6

@@ -204,6 +204,16 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
                                    content)
         return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose)
 
+    @app.get("/v1/files", dependencies=[Depends(authorised)])
+    async def list_files(limit: int = 10000, purpose: str | None = None) -> dict:
+        """The uploaded files, newest first (a batch's output and error files are named by its batch)."""
+        if not 1 <= limit <= 10000:
+            raise APIError(400, f"limit: expected 1..10000, got {limit}", param="limit")
+        infos, more = batches.require_store().list_api_files(limit, purpose)
+        data = [_file_object(i.id, i.bytes, i.created_at, i.filename, i.purpose) for i in infos]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": more}
+
     @app.get("/v1/files/{file_id}", dependencies=[Depends(authorised)])
     async def file_info(file_id: str) -> dict:
         store = batches.require_store()

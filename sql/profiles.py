@@ -5,10 +5,13 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from typing import Any
+
+from sqlalchemy import insert, select
 from sqlalchemy.orm import selectinload
 
 from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
+from flexpipe_dag.core.topology import Host, NetworkTier, Topology
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase, get_or_insert, json_ready, next_number
 
@@ -24,9 +27,44 @@ class ProfileVersionInfo:
     measured_at: dt.datetime
 
 
+def _device_row(profile_version_id: int, d: Device) -> dict[str, Any]:
+    return {"profile_version_id": profile_version_id, "device_key": d.device_id, "node_key": d.node_id,
+            "model_name": d.model_name, "generation": d.generation, "kind": d.kind, "memory_gib": d.memory_gib,
+            "peak_tflops": d.peak_tflops, "hbm_bandwidth_gbps": d.hbm_bandwidth_gbps,
+            "compute_score": d.compute_score, "max_micro_batch": d.max_micro_batch,
+            "available_until": d.available_until, "bf16": d.bf16, "op_timings_ms": dict(d.op_timings_ms),
+            "facts": json_ready(d.facts)}
+
+
+def _topology_rows(profile_version_id: int, topology: Topology) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(host rows, tier rows)`` of one topology."""
+    hosts = [{"profile_version_id": profile_version_id, "host_key": h.host_id, "rack_key": h.rack_id,
+              "intra_kind": h.intra_kind, "intra_bandwidth_gbps": h.intra_bandwidth_gbps,
+              "intra_latency_us": h.intra_latency_us} for h in topology.hosts]
+    tiers = [{"profile_version_id": profile_version_id, "tier": name, "bandwidth_gbps": t.bandwidth_gbps,
+              "latency_us": t.latency_us, "oversubscription": t.oversubscription}
+             for name, t in (("inter_node", topology.inter_node), ("inter_rack", topology.inter_rack)) if t is not None]
+    return hosts, tiers
+
+
+def _topology(pv: m.ProfileVersion) -> Topology | None:
+    """The stored topology of ``pv`` (``None``: a profile of explicit links only)."""
+    if not pv.hosts:
+        return None
+    tiers = {t.tier: NetworkTier(bandwidth_gbps=t.bandwidth_gbps, latency_us=t.latency_us,
+                                 oversubscription=t.oversubscription) for t in pv.network_tiers}
+    return Topology(hosts=[Host(host_id=h.host_key, rack_id=h.rack_key, intra_kind=h.intra_kind,
+                                intra_bandwidth_gbps=h.intra_bandwidth_gbps, intra_latency_us=h.intra_latency_us)
+                           for h in pv.hosts],
+                    inter_node=tiers["inter_node"], inter_rack=tiers.get("inter_rack"))
+
+
 class Profiles(StoreBase):
     """Cluster profiles, one version per measurement, never updated (tables ``clusters``,
-    ``profile_versions``, ``devices``, ``links``).
+    ``profile_versions``, ``devices``, ``links``, ``hosts``, ``network_tiers``).
+
+    Rows grow linearly with devices: a profile with a topology stores its hosts and tiers, and
+    ``links`` holds only its explicit pairs (overrides), never every pair.
 
     Raises:
         KeyError: :meth:`load_profile` of a profile version that is not stored.
@@ -42,22 +80,18 @@ class Profiles(StoreBase):
             version = next_number(s, m.ProfileVersion.version, cluster, m.ProfileVersion.cluster_id == cluster.id)
             pv = m.ProfileVersion(cluster_id=cluster.id, version=version, source=profile.source,
                                   measured_at=profile.measured_at, notes=list(profile.notes))
-            pv.devices = [
-                m.DeviceRow(device_key=d.device_id, node_key=d.node_id, model_name=d.model_name,
-                            generation=d.generation, kind=d.kind, memory_gib=d.memory_gib,
-                            peak_tflops=d.peak_tflops, hbm_bandwidth_gbps=d.hbm_bandwidth_gbps,
-                            compute_score=d.compute_score, max_micro_batch=d.max_micro_batch,
-                            available_until=d.available_until, bf16=d.bf16, op_timings_ms=dict(d.op_timings_ms),
-                            facts=json_ready(d.facts))
-                for d in profile.devices
-            ]
-            pv.links = [
-                m.LinkRow(src_device_key=link.src_device_id, dst_device_key=link.dst_device_id,
-                          bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us, kind=link.kind)
-                for link in profile.links
-            ]
             s.add(pv)
-            s.flush()
+            s.flush()  # the version's id, for the rows below; all of them commit together or not at all
+            s.execute(insert(m.DeviceRow), [_device_row(pv.id, d) for d in profile.devices])
+            if profile.links:
+                s.execute(insert(m.LinkRow), [
+                    {"profile_version_id": pv.id, "src_device_key": link.src_device_id,
+                     "dst_device_key": link.dst_device_id, "bandwidth_gbps": link.bandwidth_gbps,
+                     "latency_us": link.latency_us, "kind": link.kind} for link in profile.links])
+            if profile.topology is not None:
+                hosts, tiers = _topology_rows(pv.id, profile.topology)
+                s.execute(insert(m.HostRow), hosts)
+                s.execute(insert(m.NetworkTierRow), tiers)
             return ProfileVersionInfo(pv.id, cluster.cluster_key, pv.version, pv.source, pv.measured_at)
 
     def list_profile_versions(self, cluster_key: str | None = None) -> list[ProfileVersionInfo]:
@@ -73,6 +107,7 @@ class Profiles(StoreBase):
         with self.session() as s:
             pv = s.get(m.ProfileVersion, profile_version_id,
                        options=[selectinload(m.ProfileVersion.devices), selectinload(m.ProfileVersion.links),
+                                selectinload(m.ProfileVersion.hosts), selectinload(m.ProfileVersion.network_tiers),
                                 selectinload(m.ProfileVersion.cluster)])
             if pv is None:
                 raise KeyError(profile_version_id)
@@ -89,6 +124,7 @@ class Profiles(StoreBase):
                 links=[Link(src_device_id=link.src_device_key, dst_device_id=link.dst_device_key,
                             bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us, kind=link.kind)
                        for link in pv.links],
+                topology=_topology(pv),
             )
 
     def latest_profile(self, cluster_key: str | None = None) -> tuple[ProfileVersionInfo, ClusterProfile] | None:

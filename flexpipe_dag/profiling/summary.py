@@ -18,11 +18,17 @@ def device_table(profile: ClusterProfile) -> pd.DataFrame:
     } for d in profile.devices])
 
 
+#: Most devices the link heatmap draws (a fleet's pairs grow with the square of its devices).
+HEATMAP_MAX_DEVICES = 64
+
+
 def link_heatmap(profile: ClusterProfile) -> bytes:
-    """PNG of the pairwise link bandwidth (GB/s) between the profile's devices."""
-    ids = [d.device_id for d in profile.devices]
+    """PNG of the pairwise link bandwidth (GB/s) between the profile's devices (the first
+    :data:`HEATMAP_MAX_DEVICES` of a larger fleet, the title says so)."""
+    ids = [d.device_id for d in profile.devices[:HEATMAP_MAX_DEVICES]]
     grid = [[(link.bandwidth_gbps if (link := profile.link(a, b)) else None) for b in ids] for a in ids]
-    return link_bandwidth_heatmap(ids, grid, f"{profile.cluster_id}: link bandwidth (GB/s)")
+    shown = "" if len(ids) == len(profile.devices) else f" (first {len(ids)} of {len(profile.devices)} devices)"
+    return link_bandwidth_heatmap(ids, grid, f"{profile.cluster_id}: link bandwidth (GB/s){shown}")
 
 
 def profile_problems(profile: ClusterProfile) -> list[str]:

@@ -91,6 +91,7 @@ from flexpipe_dag.core.topology import (
     MAX_HOSTS,
     MAX_LATENCY_US,
     Gbps,
+    FieldsEqual,
     Host,
     LatencyUs,
     NetworkTier,
@@ -211,7 +212,7 @@ class Link(_Strict):
         return self.latency_us / 1e3 + num_bytes / (self.bandwidth_gbps * 1e9) * 1e3
 
 
-class ClusterProfile(_Strict):
+class ClusterProfile(_Strict, FieldsEqual):
     """Devices + their network + provenance. Validated on construction (see module docstring).
 
     The link between two devices (:meth:`link`) is the explicit one in ``links`` when there is one

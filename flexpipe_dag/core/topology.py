@@ -60,6 +60,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
 
 
+class FieldsEqual(BaseModel):
+    """A model whose private attributes are lookup caches: equal when its fields are (pydantic's own
+    ``==`` also compares private attributes, so a profile that was asked for a link would differ from
+    its copy that was not)."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+
 class NetworkTier(_Strict):
     """Per-host figures of one network tier between hosts."""
 
@@ -85,7 +94,7 @@ class Host(_Strict):
     intra_latency_us: LatencyUs = Field(description="latency between two devices of this host, microseconds")
 
 
-class Topology(_Strict):
+class Topology(_Strict, FieldsEqual):
     """Hosts and the network tiers between them (module docstring: how pairs are derived)."""
 
     hosts: list[Host] = Field(min_length=1, max_length=MAX_HOSTS)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+from typing import Any, cast
 
-from typing import Any
-
-from sqlalchemy import Row, insert, select
+from sqlalchemy import Row, Table, insert, select
 from sqlalchemy.orm import Session, selectinload
 
 from flexpipe_dag.core.cluster import ClusterProfile, Device, Link
@@ -47,9 +46,14 @@ def _topology_rows(profile_version_id: int, topology: Topology) -> tuple[list[di
     return hosts, tiers
 
 
+def _table(row_type: type[m.Base]) -> Table:
+    """The Core table of a model (inserts and selects of plain rows: no ORM object per row)."""
+    return cast(Table, row_type.__table__)
+
+
 def _rows(s: Session, row_type: type[m.Base], profile_version_id: int) -> list[Row[Any]]:
     """The rows of one table that belong to a profile version, in insertion order (plain rows, no ORM objects)."""
-    table = row_type.__table__
+    table = _table(row_type)
     return list(s.execute(select(table).where(table.c.profile_version_id == profile_version_id).order_by(table.c.id)))
 
 
@@ -93,16 +97,16 @@ class Profiles(StoreBase):
             s.add(pv)
             s.flush()  # the version's id, for the rows below; all of them commit together or not at all
             # Core inserts (executemany), not ORM objects: 10,000 devices in well under a second
-            s.execute(insert(m.DeviceRow.__table__), [_device_row(pv.id, d) for d in profile.devices])
+            s.execute(insert(_table(m.DeviceRow)), [_device_row(pv.id, d) for d in profile.devices])
             if profile.links:
-                s.execute(insert(m.LinkRow.__table__), [
+                s.execute(insert(_table(m.LinkRow)), [
                     {"profile_version_id": pv.id, "src_device_key": link.src_device_id,
                      "dst_device_key": link.dst_device_id, "bandwidth_gbps": link.bandwidth_gbps,
                      "latency_us": link.latency_us, "kind": link.kind} for link in profile.links])
             if profile.topology is not None:
                 hosts, tiers = _topology_rows(pv.id, profile.topology)
-                s.execute(insert(m.HostRow.__table__), hosts)
-                s.execute(insert(m.NetworkTierRow.__table__), tiers)
+                s.execute(insert(_table(m.HostRow)), hosts)
+                s.execute(insert(_table(m.NetworkTierRow)), tiers)
             return ProfileVersionInfo(pv.id, cluster.cluster_key, pv.version, pv.source, pv.measured_at)
 
     def list_profile_versions(self, cluster_key: str | None = None) -> list[ProfileVersionInfo]:

@@ -87,11 +87,9 @@ from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InputError, shown, validation_input_error
 from flexpipe_dag.core.ids import MAX_ID_CHARS, Identifier
 from flexpipe_dag.core.topology import (
-    MAX_BANDWIDTH_GBPS,
     MAX_HOSTS,
-    MAX_LATENCY_US,
-    Gbps,
     FieldsEqual,
+    Gbps,
     Host,
     LatencyUs,
     NetworkTier,

@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from typing import Literal
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
-from flexpipe_dag.core.topology import Host
 from flexpipe_dag.core.host import cpu_worker_device_id, host_memory_bytes
+from flexpipe_dag.core.topology import Host
 from flexpipe_dag.profiling.microbench import (
     DEFAULT_LAYER,
     LayerShape,

@@ -238,8 +238,9 @@ class ClusterProfile(_Strict, FieldsEqual):
                 raise ValueError(f"devices[{i}].device_id: duplicate device id {d.device_id!r}")
             seen.add(d.device_id)
         if self.topology is not None:
+            host_ids = {h.host_id for h in self.topology.hosts}
             for i, d in enumerate(self.devices):
-                if not self.topology.has_host(d.node_id):
+                if d.node_id not in host_ids:
                     raise ValueError(f"devices[{i}].node_id: host {d.node_id!r} is not in topology.hosts; expected "
                                      f"one of the {len(self.topology.hosts)} hosts named there")
         pairs: set[tuple[str, str]] = set()
@@ -498,6 +499,8 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
     devices: list[Device] = []
     hosts: list[Host] = []
     seen_hosts: dict[str, int] = {}
+    # one validated device per GPU model and availability; its copies differ only in ids built from validated parts
+    templates: dict[tuple[str, dt.datetime | None], Device] = {}
     for i, node in enumerate(form.fleet):
         spec = catalog.get(node.gpu_model)
         if spec is None:
@@ -508,12 +511,13 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
             raise InputError(source, f"fleet[{i}].intra_node", f"{spec.model_name} has no NVLink")
         intra_gbps = spec.nvlink_gbps if kind == "nvlink" and spec.nvlink_gbps else spec.pcie_gbps
         host_ids = _fleet_host_ids(node, i, source)
-        # one validated device per entry; its copies differ only in ids built from validated parts
-        template = Device(
-            device_id=f"{host_ids[0][0]}-gpu0", node_id=host_ids[0][0], model_name=spec.model_name,
-            generation=spec.generation, memory_gib=spec.memory_gib, peak_tflops=spec.peak_tflops,
-            compute_score=spec.compute_score, hbm_bandwidth_gbps=spec.hbm_bandwidth_gbps, bf16=spec.bf16,
-            available_until=node.available_until)
+        template = templates.get((spec.model_name, node.available_until))
+        if template is None:
+            template = templates[(spec.model_name, node.available_until)] = Device(
+                device_id=f"{host_ids[0][0]}-gpu0", node_id=host_ids[0][0], model_name=spec.model_name,
+                generation=spec.generation, memory_gib=spec.memory_gib, peak_tflops=spec.peak_tflops,
+                compute_score=spec.compute_score, hbm_bandwidth_gbps=spec.hbm_bandwidth_gbps, bf16=spec.bf16,
+                available_until=node.available_until)
         for host_id, rack_id in host_ids:
             if host_id in seen_hosts:
                 raise InputError(source, f"fleet[{i}].node_id", f"duplicate host id {host_id!r} (also made by "

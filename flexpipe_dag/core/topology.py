@@ -118,14 +118,6 @@ class Topology(_Strict, FieldsEqual):
             self._by_id = {h.host_id: h for h in self.hosts}
         return self._by_id[host_id]
 
-    def has_host(self, host_id: str) -> bool:
-        """Whether the topology names a host ``host_id``."""
-        try:
-            self.host(host_id)
-        except KeyError:
-            return False
-        return True
-
     def pair_tier(self, src_host_id: str, dst_host_id: str) -> PairTier:
         """Which figures a pair of devices on these hosts takes: ``intra``, ``inter_node`` or ``inter_rack``.
 

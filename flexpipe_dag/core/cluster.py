@@ -592,6 +592,20 @@ class DtypeChoice:
     note: str | None = None
 
 
+#: Most devices a message names one by one; more are counted by GPU model.
+LISTED_DEVICES_MAX = 8
+
+
+def _listed(devices: Sequence[Device]) -> str:
+    """``id (model), ...`` for a few devices; ``N x model (first id, ...)`` per model for many."""
+    if len(devices) <= LISTED_DEVICES_MAX:
+        return ", ".join(f"{d.device_id} ({d.model_name})" for d in devices)
+    by_model: dict[str, list[str]] = {}
+    for d in devices:
+        by_model.setdefault(d.model_name, []).append(d.device_id)
+    return ", ".join(f"{len(ids)} x {model} ({ids[0]} ...)" for model, ids in by_model.items())
+
+
 def choose_gear_dtype(devices: Sequence[Device], dtype: str, fallback: str = "fp16",
                       source: str = "planning") -> DtypeChoice:
     """Decide the dtype of a gear planned on ``devices`` (the usable ones) when ``dtype`` is requested.
@@ -617,7 +631,7 @@ def choose_gear_dtype(devices: Sequence[Device], dtype: str, fallback: str = "fp
     lacking = [d for d in devices if d.lacks_bf16]
     if dtype != "bf16" or not lacking:
         return DtypeChoice(dtype)
-    listed = ", ".join(f"{d.device_id} ({d.model_name})" for d in lacking)
+    listed = _listed(lacking)
     if fallback == "refuse":
         raise InputError(source, "dtype", f"bf16 is not supported on {len(lacking)} device(s): {listed} (compute "
                                           f"capability < 8.0); plan with dtype fp16, or set bf16_fallback to 'fp16' "

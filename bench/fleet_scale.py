@@ -143,7 +143,7 @@ def profile_section() -> None:
         print(f"  {label:38s} {r['devices']:>6} devices: parse+validate {r['parse_validate_s']:.2f} s, "
               f"store {r['store_s']:.2f} s (total {total:.2f} s), load back {r['load_s']:.2f} s{verdict}")
         print(f"  {'':38s} peak RSS {_mib(r['ru_maxrss_bytes'])} (process), tracemalloc peak "
-              f"{_mib(r['tracemalloc_peak_bytes'])} (the step); file {_mib(r['file_bytes'])}, "
+              f"{_mib(r['tracemalloc_peak_bytes'])} (the step); file {int(r['file_bytes']) / 1024:.1f} KiB, "  # type: ignore[call-overload]
               f"database {_mib(r['db_bytes'])}, rows {r['rows']}")
 
 

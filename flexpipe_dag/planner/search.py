@@ -35,8 +35,9 @@ network tiers, no measured pair of their own) are interchangeable: every plan ov
 an equal twin over another. A plan uses at most ``L`` devices (each stage holds a layer) plus at most
 :data:`MAX_REPLICA_ROUNDS` replicas, so the search keeps the first ``L + MAX_REPLICA_ROUNDS`` members
 of each class (in the profile's order, which fills hosts and racks one by one) and leaves the rest
-out (:func:`device_classes`). Feasibility, the least bottleneck and every plan are then those of the
-whole fleet, and the search costs O(classes x (L + replicas)) devices however many the fleet holds:
+out (:func:`device_classes`). Feasibility and the least bottleneck are then those of the whole fleet
+(any covering set needs at most ``L`` members of a class), plans pick among interchangeable devices in
+the profile's order, and the search costs O(classes x (L + replicas)) devices however many the fleet holds:
 10,000 GPUs of four types on a handful of host shapes plan as a few hundred devices. A cluster
 without a topology (explicit links only) has one class per device, which is the plain per-device
 search.

@@ -66,8 +66,9 @@ def _print_table(profile, version) -> None:
                       + (f"; across racks {t.inter_rack.effective_bandwidth_gbps:.3g} GB/s {t.inter_rack.latency_us:.3g} us"
                          f" (oversubscription {t.inter_rack.oversubscription:g})" if t.inter_rack else ""),
                       markup=False)
-    console.print(f"{len(profile.links)} {'override ' if profile.topology is not None else ''}links"
-                  + ("; " if profile.links else "") + "; ".join(f"{link.src_device_id}->{link.dst_device_id} {link.bandwidth_gbps:.3g} GB/s {link.latency_us:.3g} us"
-                              for link in profile.links[:6]) + (" ..." if len(profile.links) > 6 else ""), markup=False)
+    shown = [f"{link.src_device_id}->{link.dst_device_id} {link.bandwidth_gbps:.3g} GB/s {link.latency_us:.3g} us"
+             for link in profile.links[:6]] + (["..."] if len(profile.links) > 6 else [])
+    console.print("; ".join([f"{len(profile.links)} {'override ' if profile.topology is not None else ''}links",
+                             *shown]), markup=False)
     for note in profile.notes:
         console.print(f"note: {note}", markup=False)

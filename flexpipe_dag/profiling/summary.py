@@ -7,7 +7,6 @@ import pandas as pd
 from flexpipe_dag.core.cluster import ClusterProfile
 from flexpipe_dag.plots import link_bandwidth_heatmap
 
-
 #: Most devices listed one per row; a larger fleet is shown one row per group of alike devices.
 TABLE_MAX_DEVICES = 64
 

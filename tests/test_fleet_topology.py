@@ -235,3 +235,17 @@ def test_fleet_gears_plan_with_classes_and_keep_their_figures():
     big = plan_gear_set(parse_cluster_profile(fleet(64), "fleet-2k"), model, workload=SMALL)
     assert [(g.kind, g.num_stages, len(g.device_ids), g.estimate.tokens_per_s) for g in small.gears] == \
            [(g.kind, g.num_stages, len(g.device_ids), g.estimate.tokens_per_s) for g in big.gears]
+
+
+def test_a_calibrated_pair_of_a_topology_becomes_an_override():
+    import datetime as dt
+
+    from flexpipe_dag.calibration.calibrate import Calibration
+    from flexpipe_dag.calibration.links import LinkFit
+
+    cluster = parse_cluster_profile(racked_fleet(), "racked")
+    fit = LinkFit("a100-0-gpu0", "a100-2-gpu1", 5.0, 30.0, 3.5, 55.0, 40, 4, True)
+    calibrated = Calibration("racked", "m", "bf16", {}, [fit], dt.datetime.now(dt.UTC), 40).calibrated_cluster(cluster)
+    assert _figures(calibrated, "a100-0-gpu0", "a100-2-gpu1") == (3.5, 55.0, "calibrated")
+    assert _figures(calibrated, "a100-2-gpu1", "a100-0-gpu0") == (5.0, 30.0, "inter-rack")  # not observed: derived
+    assert cluster.links == [] and calibrated.topology == cluster.topology

@@ -93,7 +93,6 @@ from flexpipe_dag.core.topology import (
     Host,
     LatencyUs,
     NetworkTier,
-    Oversubscription,
     Topology,
 )
 from flexpipe_dag.core.user_yaml import load_user_document
@@ -359,15 +358,6 @@ class _SeedForm(_Strict):
 
 
 # fleet form
-class _FleetLink(_Strict):
-    bandwidth_gbps: Gbps
-    latency_us: LatencyUs
-
-
-class _FleetTier(_FleetLink):
-    oversubscription: Oversubscription = 1.0
-
-
 class _FleetNode(_Strict):
     node_id: FleetNodeId
     gpu_model: str = Field(max_length=MAX_ID_CHARS)
@@ -382,8 +372,8 @@ class _FleetNode(_Strict):
 class _FleetForm(_Strict):
     cluster_id: Identifier
     fleet: list[_FleetNode] = Field(min_length=1, max_length=MAX_HOSTS)
-    inter_node: _FleetLink = _FleetLink(bandwidth_gbps=12.5, latency_us=25.0)
-    inter_rack: _FleetTier | None = None
+    inter_node: NetworkTier = NetworkTier(bandwidth_gbps=12.5, latency_us=25.0)
+    inter_rack: NetworkTier | None = None
     links: list[Link] = Field(default_factory=list, max_length=MAX_LINKS)
     notes: list[str] = Field(default_factory=list)
 
@@ -528,10 +518,7 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
                                               intra_latency_us=INTRA_NODE_LATENCY_US[kind]))
             devices.extend(template.model_copy(update={"device_id": f"{host_id}-gpu{k}", "node_id": host_id})
                            for k in range(node.count))
-    inter_rack = (NetworkTier(**form.inter_rack.model_dump()) if form.inter_rack is not None else None)
-    topology = Topology(hosts=hosts, inter_node=NetworkTier(bandwidth_gbps=form.inter_node.bandwidth_gbps,
-                                                            latency_us=form.inter_node.latency_us),
-                        inter_rack=inter_rack)
+    topology = Topology(hosts=hosts, inter_node=form.inter_node, inter_rack=form.inter_rack)
     return ClusterProfile(cluster_id=form.cluster_id, devices=devices, links=form.links, topology=topology,
                           source="declared",
                           notes=list(form.notes) + [f"links derived from datasheets and the topology; reference "

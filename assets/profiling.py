@@ -34,6 +34,7 @@ def gpu_profile(context: AssetExecutionContext, prober: ProberResource, store: S
         "source": profile.source,
         "num_devices": len(profile.devices),
         "num_links": len(profile.links),
+        "num_hosts": len(profile.topology.hosts) if profile.topology is not None else 0,
         "total_memory_gib": float(sum(d.memory_gib for d in profile.devices)),
         "notes": MetadataValue.md("\n".join(f"- {n}" for n in profile.notes) or "-"),
         "devices": table_metadata(device_table(profile)),

@@ -36,7 +36,8 @@ SMALL = PlanWorkload(context_p95_tokens=2048, concurrency=16, prompt_tokens_mean
                      micro_batch_size_candidates=(1, 4, 16))
 
 
-def random_instances(n: int, seed: int) -> None:
+def random_instances(n: int, seed: int) -> float:
+    """Print the throughput gear / oracle figures on ``n`` seeded random instances; return the least ratio."""
     ratios, plain, capacity, infeasible, t0 = [], [], [], 0, time.perf_counter()
     for i in range(n):
         rng = np.random.default_rng(seed + i)
@@ -69,6 +70,7 @@ def random_instances(n: int, seed: int) -> None:
     c = np.array(capacity)
     print(f"  capacity (1 / least bottleneck, the oracle's own objective) search / oracle: min {c.min():.4f}  "
           f"max {c.max():.4f}  mean {c.mean():.4f}")
+    return float(r.min())
 
 
 def examples() -> None:

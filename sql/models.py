@@ -5,7 +5,7 @@ convention so Alembic migrations are stable on both. ``*_key`` columns hold the 
 (device ids, gear ids, request ids); ``id`` columns are surrogate keys. Status, action and source
 columns hold the values of the enums in :mod:`flexpipe_dag.core.status`; their comments list them.
 
-Tables: clusters, profile_versions, devices, links, models, gears, gear_stages, health_tags,
+Tables: clusters, profile_versions, devices, links, hosts, network_tiers, models, gears, gear_stages, health_tags,
 metric_samples, pipeline_runs, shift_events, inference_jobs, request_results, stage_observations,
 calibrations.
 """
@@ -90,6 +90,9 @@ class ProfileVersion(Base):
     cluster: Mapped[Cluster] = relationship(back_populates="versions")
     devices: Mapped[list[DeviceRow]] = relationship(cascade="all, delete-orphan", order_by="DeviceRow.id")
     links: Mapped[list[LinkRow]] = relationship(cascade="all, delete-orphan", order_by="LinkRow.id")
+    hosts: Mapped[list[HostRow]] = relationship(cascade="all, delete-orphan", order_by="HostRow.id")
+    network_tiers: Mapped[list[NetworkTierRow]] = relationship(cascade="all, delete-orphan",
+                                                                order_by="NetworkTierRow.id")
 
 
 class DeviceRow(Base):
@@ -123,6 +126,33 @@ class LinkRow(Base):
     bandwidth_gbps: Mapped[float] = mapped_column(Float)
     latency_us: Mapped[float] = mapped_column(Float)
     kind: Mapped[str] = mapped_column(String(40))
+
+
+class HostRow(Base):
+    """A host of a profile version's topology: its rack and its intra-host link figures."""
+
+    __tablename__ = "hosts"
+    __table_args__ = (UniqueConstraint("profile_version_id", "host_key"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    profile_version_id: Mapped[int] = mapped_column(ForeignKey("profile_versions.id", ondelete="CASCADE"), index=True)
+    host_key: Mapped[str] = mapped_column(String(200))
+    rack_key: Mapped[str | None] = mapped_column(String(200), comment="rack of the host; NULL: the one default rack")
+    intra_kind: Mapped[str] = mapped_column(String(40))
+    intra_bandwidth_gbps: Mapped[float] = mapped_column(Float)
+    intra_latency_us: Mapped[float] = mapped_column(Float)
+
+
+class NetworkTierRow(Base):
+    """A network tier between the hosts of a profile version's topology (``inter_node``, ``inter_rack``)."""
+
+    __tablename__ = "network_tiers"
+    __table_args__ = (UniqueConstraint("profile_version_id", "tier"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    profile_version_id: Mapped[int] = mapped_column(ForeignKey("profile_versions.id", ondelete="CASCADE"), index=True)
+    tier: Mapped[str] = mapped_column(String(20), comment="inter_node (hosts of one rack) or inter_rack")
+    bandwidth_gbps: Mapped[float] = mapped_column(Float)
+    latency_us: Mapped[float] = mapped_column(Float)
+    oversubscription: Mapped[float] = mapped_column(Float)
 
 
 class ModelRow(Base):

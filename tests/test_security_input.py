@@ -237,9 +237,9 @@ def test_ids_in_gears_are_checked_too(tmp_path):
 
 def test_device_count_is_capped(tmp_path):
     path = tmp_path / "many.yaml"
-    path.write_text("cluster_id: x\nfleet:\n" + "".join(f"- {{node_id: h{i}, gpu_model: T4, count: 64}}\n"
+    path.write_text("cluster_id: x\nfleet:\n" + "".join(f"- {{node_id: h{i}, gpu_model: T4, count: 64, hosts: 3}}\n"
                                                          for i in range(200)))
-    _refused(tmp_path, "profile", "--cluster", str(path), needles=("fleet: 12800 devices; expected at most 512",))
+    _refused(tmp_path, "profile", "--cluster", str(path), needles=("fleet: 38400 devices; expected at most 32768",))
 
 
 def test_the_largest_fleet_allowed_loads_in_bounded_time(tmp_path):

@@ -103,15 +103,14 @@ def _kill_after(target, args, delay_s: float, started=None) -> None:
 
 
 def _assert_whole_versions(store: Store, profile) -> list[int]:
-    """Every stored version of ``profile``'s cluster is whole (all device and link rows); returns the versions."""
+    """Every stored version of ``profile``'s cluster is whole (all device, link and host rows); returns the versions."""
     with store.session() as s:
-        devices = dict(s.execute(select(m.DeviceRow.profile_version_id, func.count()).group_by(
-            m.DeviceRow.profile_version_id)).all())
-        links = dict(s.execute(select(m.LinkRow.profile_version_id, func.count()).group_by(
-            m.LinkRow.profile_version_id)).all())
+        devices, links, hosts = (dict(s.execute(select(row.profile_version_id, func.count()).group_by(
+            row.profile_version_id)).all()) for row in (m.DeviceRow, m.LinkRow, m.HostRow))
     infos = store.list_profile_versions(profile.cluster_id)
+    whole = (len(profile.devices), len(profile.links), len(profile.topology.hosts) if profile.topology else 0)
     for info in infos:
-        assert (devices.get(info.id), links.get(info.id)) == (len(profile.devices), len(profile.links)), info
+        assert (devices.get(info.id, 0), links.get(info.id, 0), hosts.get(info.id, 0)) == whole, info
     return [info.version for info in infos]
 
 
@@ -227,7 +226,10 @@ def test_downgrade_that_drops_data_refuses_without_force_and_names_it(store, lab
     store.get_or_create_job("j1", config={"trace": "azure-conv"})
     bf16 = sum(d.bf16 is not None for d in lab_profile.devices)
     assert bf16 > 0
-    with pytest.raises(InputError, match=rf"downgrade to 0003: would drop data: 0007 -> 0006: devices.bf16, the bf16 "
+    hosts = len(lab_profile.topology.hosts)
+    with pytest.raises(InputError, match=rf"downgrade to 0003: would drop data: 0012 -> 0011: the topology of stored "
+                                         rf"profiles \({hosts} hosts and their network tiers; their device pairs "
+                                         rf"would have no link\); 0007 -> 0006: devices.bf16, the bf16 "
                                          rf"support measured for {bf16} devices; 0004 -> 0003: gears.plan_version: "
                                          r"1 gears of superseded plans would count as current again; expected --force"):
         downgrade(engine, "0003")
@@ -239,8 +241,9 @@ def test_downgrade_that_drops_data_refuses_without_force_and_names_it(store, lab
                  f"table devices ({len(lab_profile.devices)} rows)", "table gears (2 rows)"):
         assert loss in message
     assert current_revision(engine) == head and len(store.load_gears(pv, model_id)) == 1  # nothing happened
-    assert downgrade(engine, "0004", force=True) == [f"0007 -> 0006: devices.bf16, the bf16 support measured for "
-                                                     f"{bf16} devices"]
+    assert downgrade(engine, "0004", force=True) == [
+        f"0012 -> 0011: the topology of stored profiles ({hosts} hosts and their network tiers; their device pairs "
+        f"would have no link)", f"0007 -> 0006: devices.bf16, the bf16 support measured for {bf16} devices"]
     assert current_revision(engine) == "0004"
 
 
@@ -286,7 +289,8 @@ def test_alembic_command_line_downgrade_refuses_without_force(tmp_path, lab_prof
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLEXPIPE_DATABASE_URL": url}
     run = subprocess.run([*alembic, "downgrade", "0006"], env=env, capture_output=True, text=True, timeout=120)
     said = run.stdout + run.stderr  # alembic prints FAILED: ... on stdout
-    assert run.returncode != 0 and "downgrade to 0006 would drop data: 0007 -> 0006: devices.bf16" in said, said
+    assert run.returncode != 0 and "downgrade to 0006 would drop data: 0012 -> 0011: the topology" in said, said
+    assert "0007 -> 0006: devices.bf16" in said, said
     assert current_revision(engine) == head_revisions()[0]
     run = subprocess.run([*alembic, "-x", "force=1", "downgrade", "0006"], env=env, capture_output=True, text=True,
                          timeout=120)

@@ -32,7 +32,7 @@ from flexpipe_dag.calibration.fit import TERMS, FitSettings, TimeScaleFit, fit_t
 from flexpipe_dag.calibration.links import LinkFit, fit_link
 from flexpipe_dag.calibration.observation import StageObservation
 from flexpipe_dag.calibration.work import predict_terms_ms, roofline_terms, step_work_by_class
-from flexpipe_dag.core.cluster import ClusterProfile
+from flexpipe_dag.core.cluster import ClusterProfile, Link
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.cost_model import CostModel, Efficiency, default_efficiency
 from flexpipe_dag.planner.model_spec import ModelSpec
@@ -124,6 +124,11 @@ class Calibration:
         links = [link.model_copy(update={"bandwidth_gbps": fitted[(link.src_device_id, link.dst_device_id)].bandwidth_gbps,
                                       "latency_us": fitted[(link.src_device_id, link.dst_device_id)].latency_us})
                  if (link.src_device_id, link.dst_device_id) in fitted else link for link in cluster.links]
+        # a fitted pair the topology derived becomes an override of its own
+        explicit = {(link.src_device_id, link.dst_device_id) for link in cluster.links}
+        links += [Link(src_device_id=src, dst_device_id=dst, bandwidth_gbps=fit.bandwidth_gbps,
+                       latency_us=fit.latency_us, kind="calibrated")
+                  for (src, dst), fit in sorted(fitted.items()) if (src, dst) not in explicit]
         return cluster.model_copy(update={"links": links, "notes": list(cluster.notes) + [
             f"links calibrated {self.created_at.isoformat(timespec='seconds')} from {self.num_observations} observed steps"]},
             deep=True)

@@ -58,8 +58,17 @@ def _print_table(profile, version) -> None:
     for row in frame.itertuples(index=False):
         table.add_row(*[format_number(v, 2) if isinstance(v, float) or v is None else str(v) for v in row])
     console.print(table)
-    console.print(f"{len(profile.links)} links; "
-                  + "; ".join(f"{link.src_device_id}->{link.dst_device_id} {link.bandwidth_gbps:.3g} GB/s {link.latency_us:.3g} us"
-                              for link in profile.links[:6]) + (" ..." if len(profile.links) > 6 else ""), markup=False)
+    if profile.topology is not None:
+        t = profile.topology
+        racks = len({h.rack_id for h in t.hosts})
+        console.print(f"topology: {len(t.hosts)} hosts in {racks} rack(s); between hosts of a rack "
+                      f"{t.inter_node.effective_bandwidth_gbps:.3g} GB/s {t.inter_node.latency_us:.3g} us"
+                      + (f"; across racks {t.inter_rack.effective_bandwidth_gbps:.3g} GB/s {t.inter_rack.latency_us:.3g} us"
+                         f" (oversubscription {t.inter_rack.oversubscription:g})" if t.inter_rack else ""),
+                      markup=False)
+    shown = [f"{link.src_device_id}->{link.dst_device_id} {link.bandwidth_gbps:.3g} GB/s {link.latency_us:.3g} us"
+             for link in profile.links[:6]] + (["..."] if len(profile.links) > 6 else [])
+    console.print("; ".join([f"{len(profile.links)} {'override ' if profile.topology is not None else ''}links",
+                             *shown]), markup=False)
     for note in profile.notes:
         console.print(f"note: {note}", markup=False)

@@ -51,7 +51,7 @@ MAX_CHUNK_JOBS = 1 << 20
 
 
 def sub_cluster(cluster: ClusterProfile, device_ids: Iterable[str]) -> ClusterProfile:
-    """The cluster cut down to ``device_ids`` (the links among them kept).
+    """The cluster cut down to ``device_ids`` (the links among them and their hosts kept).
 
     Raises:
         InputError: an id not in the cluster, or no ids.
@@ -63,11 +63,7 @@ def sub_cluster(cluster: ClusterProfile, device_ids: Iterable[str]) -> ClusterPr
         raise InputError(cluster.cluster_id, "device_ids", f"unknown devices {unknown}; expected ids of the cluster")
     if not keep:
         raise InputError(cluster.cluster_id, "device_ids", "expected at least one device")
-    return cluster.model_copy(update={
-        "cluster_id": f"{cluster.cluster_id}-free{len(keep)}",
-        "devices": [d for d in cluster.devices if d.device_id in keep],
-        "links": [lk for lk in cluster.links if lk.src_device_id in keep and lk.dst_device_id in keep],
-    })
+    return cluster.restricted(keep, f"{cluster.cluster_id}-free{len(keep)}")
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,7 @@ def _migration_cost(db: GearShiftStore, gears: Sequence[Gear]) -> Callable[[Gear
     return migration_cost_fn(cluster, [spec.layer_weight_bytes(dtype)] * spec.num_layers,
                              embedding_bytes=spec.first_stage_extra_bytes(dtype),
                              lm_head_bytes=spec.last_stage_extra_bytes(dtype),
-                             fallback_bandwidth_gbps=min((link.bandwidth_gbps for link in cluster.links), default=1.0))
+                             fallback_bandwidth_gbps=cluster.min_bandwidth_gbps() or 1.0)
 
 
 def candidate_gears_for(db: GearShiftStore, serving_gear_ids: Iterable[str]) -> list[Gear]:

@@ -21,13 +21,26 @@ Three YAML/JSON forms load into one validated :class:`ClusterProfile`:
   ``memory_gb``; one without ``hbm_bandwidth_gbps`` takes the catalog's bandwidth, and only a GPU the
   catalog does not know gets a bandwidth derived from compute (the profile's notes say so).
 
-* **fleet** (compact: GPU models by host, links derived from datasheets)::
+* **fleet** (compact: GPU models by host, racks and network tiers; a :class:`~flexpipe_dag.core.topology.Topology`
+  every pair's link is derived from, nothing stored per pair)::
 
       cluster_id: lab
       fleet:
         - {node_id: host-a, gpu_model: A100-SXM-80GB, count: 2}
         - {node_id: host-b, gpu_model: T4, count: 2, available_until: 2026-12-01T06:00:00Z}
-      inter_node: {bandwidth_gbps: 12.5, latency_us: 25}
+        - {node_id: t4, gpu_model: T4, count: 4, hosts: 32, hosts_per_rack: 16}
+      inter_node: {bandwidth_gbps: 12.5, latency_us: 25}                        # hosts of one rack
+      inter_rack: {bandwidth_gbps: 12.5, latency_us: 40, oversubscription: 4}   # across racks
+      links:                                                                     # measured pairs: overrides
+        - {src_device_id: host-a-gpu0, dst_device_id: host-b-gpu0, bandwidth_gbps: 9.5, latency_us: 31}
+
+  ``count`` is GPUs per host; ``hosts`` (default 1) identical hosts of that shape: host ids are
+  ``node_id`` for one host, ``<node_id>-<k>`` (``k`` zero-padded) for several, device ids
+  ``<host>-gpu<j>``. ``rack`` puts the entry's hosts in one rack; ``hosts_per_rack`` fills racks
+  ``<rack or node_id>-r<j>`` of that many hosts each; hosts with neither share one default rack.
+  Inside a host, NVLink when the GPU has it (else PCIe; ``intra_node`` chooses), at the datasheet's
+  figure; between hosts of one rack ``inter_node``; across racks ``inter_rack`` (bandwidth divided by
+  its oversubscription; default: ``inter_node``).
 
 Memory: ``Device.memory_gib`` is the total the device reports (GiB = 2^30 bytes): the NVML total
 when profiled, else the catalog's driver-visible total (a "16 GB" T4 shows 15.0 GiB), not the
@@ -60,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, model_validator
 
 from flexpipe_dag.core.catalog import (
     REFERENCE_MODEL,
@@ -73,18 +86,25 @@ from flexpipe_dag.core.catalog import (
 from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InputError, shown, validation_input_error
 from flexpipe_dag.core.ids import MAX_ID_CHARS, Identifier
+from flexpipe_dag.core.topology import (
+    MAX_HOSTS,
+    FieldsEqual,
+    Gbps,
+    Host,
+    LatencyUs,
+    NetworkTier,
+    Topology,
+)
 from flexpipe_dag.core.user_yaml import load_user_document
 
 #: Most memory one device may declare, GiB (16 TiB: above any accelerator, and a large host's RAM for a CPU worker).
 MAX_MEMORY_GIB = 16384.0
 #: Highest dense half-precision TFLOP/s one device may declare (a B200 is about 2,250).
 MAX_TFLOPS = 100_000.0
-#: Highest bandwidth a link or a device's memory may declare, GB/s (a B200's HBM is 8,000).
-MAX_BANDWIDTH_GBPS = 100_000.0
-#: Highest link latency, microseconds (10 s).
-MAX_LATENCY_US = 1e7
-#: Most devices one cluster profile may hold (a fleet form derives n x (n - 1) links from them).
-MAX_DEVICES = 512
+#: Most devices one cluster profile may hold (links are derived from its topology, never stored per pair).
+MAX_DEVICES = 32_768
+#: Most explicit links (measured or declared pairs) one profile may hold: every pair of 512 devices.
+MAX_LINKS = 512 * 511
 #: Largest micro-batch a device may declare, sequences.
 MAX_MICRO_BATCH = 65536
 
@@ -93,8 +113,6 @@ PositiveFloat = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 MemoryGib = Annotated[float, Strict(), Field(gt=0, le=MAX_MEMORY_GIB, allow_inf_nan=False)]
 Tflops = Annotated[float, Strict(), Field(gt=0, le=MAX_TFLOPS, allow_inf_nan=False)]
-Gbps = Annotated[float, Strict(), Field(gt=0, le=MAX_BANDWIDTH_GBPS, allow_inf_nan=False)]
-LatencyUs = Annotated[float, Strict(), Field(ge=0, le=MAX_LATENCY_US, allow_inf_nan=False)]
 Score = Annotated[float, Strict(), Field(gt=0, le=MAX_TFLOPS / 312.0, allow_inf_nan=False)]
 MicroBatch = Annotated[int, Strict(), Field(ge=1, le=MAX_MICRO_BATCH)]
 #: A fleet node's id leaves room for the ``-gpu<k>`` suffix its device ids take.
@@ -191,15 +209,25 @@ class Link(_Strict):
         return self.latency_us / 1e3 + num_bytes / (self.bandwidth_gbps * 1e9) * 1e3
 
 
-class ClusterProfile(_Strict):
-    """Devices + directed links + provenance. Validated on construction (see module docstring)."""
+class ClusterProfile(_Strict, FieldsEqual):
+    """Devices + their network + provenance. Validated on construction (see module docstring).
+
+    The link between two devices (:meth:`link`) is the explicit one in ``links`` when there is one
+    (measured or declared pairs: overrides), else the one ``topology`` derives from the two devices'
+    hosts (:mod:`flexpipe_dag.core.topology`), else none. A profile with a topology stores hosts and
+    tiers, linear in devices; ``links`` then holds only the pairs measured apart from it.
+    """
 
     cluster_id: Identifier
     devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)
-    links: list[Link] = Field(default_factory=list, max_length=MAX_DEVICES * (MAX_DEVICES - 1))
+    links: list[Link] = Field(default_factory=list, max_length=MAX_LINKS,
+                              description="explicit pairs; with a topology, overrides of its derived figures")
+    topology: Topology | None = Field(None, description="hosts and network tiers every pair is derived from")
     measured_at: dt.datetime = Field(default_factory=lambda: dt.datetime.now(dt.UTC))
     source: str = Field("declared", max_length=40)
     notes: list[str] = Field(default_factory=list)
+    # lookups built on first use, rebuilt when a field they index is replaced (identity and length checked)
+    _index: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_refs(self) -> ClusterProfile:
@@ -208,6 +236,12 @@ class ClusterProfile(_Strict):
             if d.device_id in seen:
                 raise ValueError(f"devices[{i}].device_id: duplicate device id {d.device_id!r}")
             seen.add(d.device_id)
+        if self.topology is not None:
+            host_ids = {h.host_id for h in self.topology.hosts}
+            for i, d in enumerate(self.devices):
+                if d.node_id not in host_ids:
+                    raise ValueError(f"devices[{i}].node_id: host {d.node_id!r} is not in topology.hosts; expected "
+                                     f"one of the {len(self.topology.hosts)} hosts named there")
         pairs: set[tuple[str, str]] = set()
         for i, link in enumerate(self.links):
             for end in ("src_device_id", "dst_device_id"):
@@ -222,19 +256,73 @@ class ClusterProfile(_Strict):
         return self
 
     # -- lookups -------------------------------------------------------------------------------
+    def _indexed(self, name: str, values: list[Any], build: Any) -> Any:
+        hit = self._index.get(name)
+        if hit is None or hit[0] is not values or hit[1] != len(values):
+            hit = (values, len(values), build(values))
+            self._index[name] = hit
+        return hit[2]
+
     def device(self, device_id: str) -> Device:
         """The device with this id; ``KeyError`` if absent."""
-        for d in self.devices:
-            if d.device_id == device_id:
-                return d
-        raise KeyError(device_id)
+        by_id: dict[str, Device] = self._indexed("devices", self.devices,
+                                                 lambda ds: {d.device_id: d for d in ds})
+        return by_id[device_id]
+
+    def explicit_link(self, src_device_id: str, dst_device_id: str) -> Link | None:
+        """The pair ``src -> dst`` as ``links`` holds it (measured or declared), or ``None``."""
+        by_pair: dict[tuple[str, str], Link] = self._indexed(
+            "links", self.links, lambda ls: {(lk.src_device_id, lk.dst_device_id): lk for lk in ls})
+        return by_pair.get((src_device_id, dst_device_id))
 
     def link(self, src_device_id: str, dst_device_id: str) -> Link | None:
-        """The directed link ``src -> dst`` or ``None`` when the profile has none."""
-        return self._link_index().get((src_device_id, dst_device_id))
+        """The directed link ``src -> dst``: the explicit one (an override) when ``links`` has it, else
+        the one the topology derives from the devices' hosts, else ``None`` (the pair cannot be adjacent).
 
-    def _link_index(self) -> dict[tuple[str, str], Link]:
-        return {(link.src_device_id, link.dst_device_id): link for link in self.links}
+        Figures in GB/s (``bandwidth_gbps``, one direction) and microseconds (``latency_us``).
+        """
+        explicit = self.explicit_link(src_device_id, dst_device_id)
+        if explicit is not None or self.topology is None or src_device_id == dst_device_id:
+            return explicit
+        try:
+            src, dst = self.device(src_device_id), self.device(dst_device_id)
+        except KeyError:
+            return None
+        bandwidth_gbps, latency_us, kind = self.topology.pair_figures(src.node_id, dst.node_id)
+        # figures come from validated hosts and tiers: no second validation per pair
+        return Link.model_construct(src_device_id=src_device_id, dst_device_id=dst_device_id,
+                                    bandwidth_gbps=bandwidth_gbps, latency_us=latency_us, kind=kind)
+
+    def link_is_overridden(self, device_id: str) -> bool:
+        """Whether ``links`` holds an explicit pair from or to ``device_id`` (its figures are its own)."""
+        ends: set[str] = self._indexed("link_ends", self.links,
+                                       lambda ls: {e for lk in ls for e in (lk.src_device_id, lk.dst_device_id)})
+        return device_id in ends
+
+    def min_bandwidth_gbps(self) -> float | None:
+        """The lowest bandwidth any linked pair of devices has, GB/s (explicit pairs and the topology's
+        tiers and hosts); ``None`` when no pair is linked."""
+        figures = [lk.bandwidth_gbps for lk in self.links]
+        if self.topology is not None and len(self.devices) > 1:
+            used = {d.node_id for d in self.devices}
+            if len(used) > 1:
+                figures += [t.effective_bandwidth_gbps for t in self.topology.tiers()]
+            figures += [h.intra_bandwidth_gbps for h in self.topology.hosts if h.host_id in used]
+        return min(figures, default=None)
+
+    def restricted(self, device_ids: set[str], cluster_id: str | None = None) -> ClusterProfile:
+        """The profile cut down to ``device_ids``: their explicit links and their hosts kept, tiers kept.
+
+        Raises:
+            ValueError: ``device_ids`` holds no device of the profile.
+        """
+        devices = [d for d in self.devices if d.device_id in device_ids]
+        if not devices:
+            raise ValueError(f"none of {sorted(device_ids)[:5]} is a device of {self.cluster_id!r}")
+        topology = (self.topology.subset({d.node_id for d in devices}) if self.topology is not None else None)
+        return self.model_copy(update={
+            "cluster_id": cluster_id or self.cluster_id, "devices": devices, "topology": topology,
+            "links": [lk for lk in self.links if lk.src_device_id in device_ids and lk.dst_device_id in device_ids]})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict in the native form (loads back with :func:`parse_cluster_profile`)."""
@@ -270,23 +358,23 @@ class _SeedForm(_Strict):
 
 
 # fleet form
-class _FleetLink(_Strict):
-    bandwidth_gbps: Gbps
-    latency_us: LatencyUs
-
-
 class _FleetNode(_Strict):
     node_id: FleetNodeId
     gpu_model: str = Field(max_length=MAX_ID_CHARS)
     count: Annotated[int, Strict(), Field(ge=1, le=64)] = 1
+    hosts: Annotated[int, Strict(), Field(ge=1, le=MAX_HOSTS)] = 1
+    rack: Identifier | None = None
+    hosts_per_rack: Annotated[int, Strict(), Field(ge=1, le=MAX_HOSTS)] | None = None
     intra_node: IntraNodeKind | None = None
     available_until: dt.datetime | None = None
 
 
 class _FleetForm(_Strict):
     cluster_id: Identifier
-    fleet: list[_FleetNode] = Field(min_length=1, max_length=MAX_DEVICES)
-    inter_node: _FleetLink = _FleetLink(bandwidth_gbps=12.5, latency_us=25.0)
+    fleet: list[_FleetNode] = Field(min_length=1, max_length=MAX_HOSTS)
+    inter_node: NetworkTier = NetworkTier(bandwidth_gbps=12.5, latency_us=25.0)
+    inter_rack: NetworkTier | None = None
+    links: list[Link] = Field(default_factory=list, max_length=MAX_LINKS)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -368,13 +456,41 @@ def _from_seed(form: _SeedForm, source: str) -> ClusterProfile:
     return ClusterProfile(cluster_id=form.cluster_id, devices=devices, links=links, source="declared", notes=notes)
 
 
+def _fleet_host_ids(node: _FleetNode, i: int, source: str) -> list[tuple[str, str | None]]:
+    """``(host_id, rack_id)`` of each host of one fleet entry (ids in the module docstring)."""
+    if node.hosts_per_rack is not None and node.hosts_per_rack > node.hosts:
+        raise InputError(source, f"fleet[{i}].hosts_per_rack",
+                         f"{node.hosts_per_rack} hosts per rack for {node.hosts} host(s); expected at most hosts")
+    width = len(str(node.hosts - 1))
+    suffix_chars = (1 + width if node.hosts > 1 else 0) + len(f"-gpu{node.count - 1}")
+    if len(node.node_id) + suffix_chars > MAX_ID_CHARS:
+        raise InputError(source, f"fleet[{i}].node_id", f"{len(node.node_id)} characters leave no room for the "
+                                                         f"host and GPU suffixes; expected at most "
+                                                         f"{MAX_ID_CHARS - suffix_chars}")
+    out: list[tuple[str, str | None]] = []
+    for k in range(node.hosts):
+        host_id = node.node_id if node.hosts == 1 else f"{node.node_id}-{k:0{width}d}"
+        rack = node.rack
+        if node.hosts_per_rack is not None:
+            racks = -(-node.hosts // node.hosts_per_rack)
+            rack = f"{node.rack or node.node_id}-r{k // node.hosts_per_rack:0{len(str(racks - 1))}d}"
+            if len(rack) > MAX_ID_CHARS:
+                raise InputError(source, f"fleet[{i}].rack", f"rack ids of {len(rack)} characters; expected at most "
+                                                              f"{MAX_ID_CHARS}")
+        out.append((host_id, rack))
+    return out
+
+
 def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
-    total = sum(node.count for node in form.fleet)
+    total = sum(node.count * node.hosts for node in form.fleet)
     if total > MAX_DEVICES:
         raise InputError(source, "fleet", f"{total} devices; expected at most {MAX_DEVICES} in one cluster profile")
     catalog = gpu_catalog()
     devices: list[Device] = []
-    intra: dict[str, tuple[IntraNodeKind, float]] = {}
+    hosts: list[Host] = []
+    seen_hosts: dict[str, int] = {}
+    # one validated device per GPU model and availability; its copies differ only in ids built from validated parts
+    templates: dict[tuple[str, dt.datetime | None], Device] = {}
     for i, node in enumerate(form.fleet):
         spec = catalog.get(node.gpu_model)
         if spec is None:
@@ -383,32 +499,30 @@ def _from_fleet(form: _FleetForm, source: str) -> ClusterProfile:
         kind: IntraNodeKind = node.intra_node or ("nvlink" if spec.nvlink_gbps else "pcie")
         if kind == "nvlink" and not spec.nvlink_gbps:
             raise InputError(source, f"fleet[{i}].intra_node", f"{spec.model_name} has no NVLink")
-        intra[node.node_id] = (kind, spec.nvlink_gbps if kind == "nvlink" and spec.nvlink_gbps else spec.pcie_gbps)
-        for k in range(node.count):
-            devices.append(Device(
-                device_id=f"{node.node_id}-gpu{k}", node_id=node.node_id, model_name=spec.model_name,
-                generation=spec.generation, memory_gib=spec.memory_gib,
-                peak_tflops=spec.peak_tflops, compute_score=spec.compute_score,
-                hbm_bandwidth_gbps=spec.hbm_bandwidth_gbps, bf16=spec.bf16, available_until=node.available_until))
-    node_ids = [n.node_id for n in form.fleet]
-    for i, nid in enumerate(node_ids):
-        if nid in node_ids[:i]:
-            raise InputError(source, f"fleet[{i}].node_id", f"duplicate node id {nid!r}")
-    links = []
-    for a in devices:
-        for b in devices:
-            if a is b:
-                continue
-            if a.node_id == b.node_id:
-                intra_kind, bw = intra[a.node_id]
-                links.append(Link(src_device_id=a.device_id, dst_device_id=b.device_id, bandwidth_gbps=bw,
-                                  latency_us=INTRA_NODE_LATENCY_US[intra_kind], kind=intra_kind))
-            else:
-                links.append(Link(src_device_id=a.device_id, dst_device_id=b.device_id,
-                                  bandwidth_gbps=form.inter_node.bandwidth_gbps,
-                                  latency_us=form.inter_node.latency_us, kind="network"))
-    return ClusterProfile(cluster_id=form.cluster_id, devices=devices, links=links, source="declared",
-                          notes=list(form.notes) + [f"links derived from datasheets; reference {REFERENCE_MODEL}"])
+        intra_gbps = spec.nvlink_gbps if kind == "nvlink" and spec.nvlink_gbps else spec.pcie_gbps
+        host_ids = _fleet_host_ids(node, i, source)
+        template = templates.get((spec.model_name, node.available_until))
+        if template is None:
+            template = templates[(spec.model_name, node.available_until)] = Device(
+                device_id=f"{host_ids[0][0]}-gpu0", node_id=host_ids[0][0], model_name=spec.model_name,
+                generation=spec.generation, memory_gib=spec.memory_gib, peak_tflops=spec.peak_tflops,
+                compute_score=spec.compute_score, hbm_bandwidth_gbps=spec.hbm_bandwidth_gbps, bf16=spec.bf16,
+                available_until=node.available_until)
+        for host_id, rack_id in host_ids:
+            if host_id in seen_hosts:
+                raise InputError(source, f"fleet[{i}].node_id", f"duplicate host id {host_id!r} (also made by "
+                                                                 f"fleet[{seen_hosts[host_id]}])")
+            seen_hosts[host_id] = i
+            hosts.append(Host.model_construct(host_id=host_id, rack_id=rack_id, intra_kind=kind,
+                                              intra_bandwidth_gbps=intra_gbps,
+                                              intra_latency_us=INTRA_NODE_LATENCY_US[kind]))
+            devices.extend(template.model_copy(update={"device_id": f"{host_id}-gpu{k}", "node_id": host_id})
+                           for k in range(node.count))
+    topology = Topology(hosts=hosts, inter_node=form.inter_node, inter_rack=form.inter_rack)
+    return ClusterProfile(cluster_id=form.cluster_id, devices=devices, links=form.links, topology=topology,
+                          source="declared",
+                          notes=list(form.notes) + [f"links derived from datasheets and the topology; reference "
+                                                    f"{REFERENCE_MODEL}"])
 
 
 def parse_cluster_profile(data: Any, source: str = "<input>") -> ClusterProfile:
@@ -465,6 +579,20 @@ class DtypeChoice:
     note: str | None = None
 
 
+#: Most devices a message names one by one; more are counted by GPU model.
+LISTED_DEVICES_MAX = 8
+
+
+def _listed(devices: Sequence[Device]) -> str:
+    """``id (model), ...`` for a few devices; ``N x model (first id, ...)`` per model for many."""
+    if len(devices) <= LISTED_DEVICES_MAX:
+        return ", ".join(f"{d.device_id} ({d.model_name})" for d in devices)
+    by_model: dict[str, list[str]] = {}
+    for d in devices:
+        by_model.setdefault(d.model_name, []).append(d.device_id)
+    return ", ".join(f"{len(ids)} x {model} ({ids[0]} ...)" for model, ids in by_model.items())
+
+
 def choose_gear_dtype(devices: Sequence[Device], dtype: str, fallback: str = "fp16",
                       source: str = "planning") -> DtypeChoice:
     """Decide the dtype of a gear planned on ``devices`` (the usable ones) when ``dtype`` is requested.
@@ -490,7 +618,7 @@ def choose_gear_dtype(devices: Sequence[Device], dtype: str, fallback: str = "fp
     lacking = [d for d in devices if d.lacks_bf16]
     if dtype != "bf16" or not lacking:
         return DtypeChoice(dtype)
-    listed = ", ".join(f"{d.device_id} ({d.model_name})" for d in lacking)
+    listed = _listed(lacking)
     if fallback == "refuse":
         raise InputError(source, "dtype", f"bf16 is not supported on {len(lacking)} device(s): {listed} (compute "
                                           f"capability < 8.0); plan with dtype fp16, or set bf16_fallback to 'fp16' "

@@ -121,7 +121,7 @@ class CostModel:
         if unknown:
             raise InputError("device_overrides", None, f"unknown device ids {sorted(unknown)}")
         self._devices = {d.device_id: d for d in cluster.devices}
-        self._links = {(link.src_device_id, link.dst_device_id): link for link in cluster.links}
+        self._links: dict[tuple[str, str], Link | None] = {}  # pairs looked up so far (derived ones built once)
         # (device key, work tag, arguments) -> ms, and ("tr", src, dst, tokens) -> ms for transfers
         self._cache: dict[tuple[DeviceKey, str, tuple[float, ...]] | tuple[str, str, str, int], float] = {}
 
@@ -198,8 +198,14 @@ class CostModel:
         return t
 
     def link(self, src_device_id: str, dst_device_id: str) -> Link | None:
-        """The directed link, or ``None`` when the profile has none (the pair cannot be adjacent)."""
-        return self._links.get((src_device_id, dst_device_id))
+        """The directed link (explicit, else derived from the topology: :meth:`ClusterProfile.link`), or
+        ``None`` when the profile has none (the pair cannot be adjacent)."""
+        pair = (src_device_id, dst_device_id)
+        try:
+            return self._links[pair]
+        except KeyError:
+            link = self._links[pair] = self.cluster.link(src_device_id, dst_device_id)
+            return link
 
     def transfer_ms(self, src_device_id: str, dst_device_id: str, num_tokens: int) -> float:
         """Send ``num_tokens`` tokens' activations ``src -> dst``: latency + bytes / bandwidth, ms.
@@ -210,7 +216,7 @@ class CostModel:
         key = ("tr", src_device_id, dst_device_id, num_tokens)
         hit = self._cache.get(key)
         if hit is None:
-            link = self._links.get((src_device_id, dst_device_id))
+            link = self.link(src_device_id, dst_device_id)
             if link is None:
                 raise KeyError(f"no link {src_device_id} -> {dst_device_id}")
             hit = self._cache[key] = link.transfer_ms(num_tokens * self.model.activation_bytes_per_token(self.dtype))

@@ -441,7 +441,7 @@ def plan_gear_set(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "bf
             gears[kind] = gears[kind].model_copy(update={"rps_min": min(0.7 * prev_max, gears[kind].rps_max)})
         prev_max = gears[kind].rps_max
     notes = [f"{kind} collapses into {into} ({gears[into].gear_id}): no distinct configuration of its own on "
-             f"{len(search.pool)} usable device(s) for micro-batches {workload.micro_batch_sizes_to_search()}"
+             f"{len(search.usable)} usable device(s) for micro-batches {workload.micro_batch_sizes_to_search()}"
              for kind, into in collapsed.items()]
     ordered = [gears[k] for k in ("latency", "balanced", "throughput") if k in gears]
     return GearSet(ordered, collapsed, notes)

@@ -28,6 +28,19 @@ that set and gives each stage its capacity, trimming the excess from the slowest
 devices of the same GPU model then become replicas of the bottleneck stage while that lowers it.
 For ``D`` devices and ``L`` layers one bottleneck search costs O(log(D L) * D); exactness against the
 exhaustive oracle is tested on random small instances.
+
+Device classes (fleet scale). Devices of equal profile (cost-model key, usable memory, largest
+micro-batch, bf16) in equal positions (hosts of equal intra-host figures and size, under the same
+network tiers, no measured pair of their own) are interchangeable: every plan over one member has
+an equal twin over another. A plan uses at most ``L`` devices (each stage holds a layer) plus at most
+:data:`MAX_REPLICA_ROUNDS` replicas, so the search keeps the first ``L + MAX_REPLICA_ROUNDS`` members
+of each class (in the profile's order, which fills hosts and racks one by one) and leaves the rest
+out (:func:`device_classes`). Feasibility and the least bottleneck are then those of the whole fleet
+(any covering set needs at most ``L`` members of a class), plans pick among interchangeable devices in
+the profile's order, and the search costs O(classes x (L + replicas)) devices however many the fleet holds:
+10,000 GPUs of four types on a handful of host shapes plan as a few hundred devices. A cluster
+without a topology (explicit links only) has one class per device, which is the plain per-device
+search.
 """
 
 from __future__ import annotations
@@ -35,10 +48,11 @@ from __future__ import annotations
 import datetime as dt
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
-from flexpipe_dag.core.cluster import Device
+from flexpipe_dag.core.cluster import ClusterProfile, Device
 from flexpipe_dag.core.errors import InfeasibleError
 from flexpipe_dag.planner.cost_model import CostModel, DeviceKey
 from flexpipe_dag.planner.model_spec import GIB
@@ -50,6 +64,43 @@ ROLE_FLAGS = {MIDDLE: (False, False), FIRST: (True, False), LAST: (False, True),
 DeviceProfile = tuple[DeviceKey, float, int | None]
 #: What makes two plans the same: (micro-batch size, device ids per stage, layers per stage).
 PlanSignature = tuple[int, tuple[tuple[str, ...], ...], tuple[int, ...]]
+#: Most replicas :meth:`PipelineSearch.add_replicas` gives a plan (one per round).
+MAX_REPLICA_ROUNDS = 64
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """Interchangeable devices: equal profile in equal positions (see the module docstring).
+
+    Attributes:
+        key: what the members share (device profile, bf16, host figures and size; a device id for a
+            device with measured pairs of its own, or on a cluster without a topology).
+        device_ids: every member, in the profile's order.
+        kept: how many of the first members the search plans with.
+    """
+
+    key: tuple[object, ...]
+    device_ids: tuple[str, ...]
+    kept: int
+
+
+def device_classes(cluster: ClusterProfile, devices: list[Device], profile_of: dict[str, DeviceProfile],
+                   members_max: int | None) -> list[DeviceClass]:
+    """Group ``devices`` (of ``cluster``, in its order) into :class:`DeviceClass` es, keeping at most
+    ``members_max`` members of each (``None``: all), in order of each class's first member."""
+    topology = cluster.topology
+    host_size: dict[str, int] = {}
+    for d in devices:
+        host_size[d.node_id] = host_size.get(d.node_id, 0) + 1
+    groups: dict[tuple[object, ...], list[str]] = {}
+    for d in devices:
+        if topology is None or cluster.link_is_overridden(d.device_id):
+            position: tuple[object, ...] = ("device", d.device_id)
+        else:
+            position = (*topology.position_key(d.node_id), host_size[d.node_id])
+        groups.setdefault((profile_of[d.device_id], d.lacks_bf16, *position), []).append(d.device_id)
+    return [DeviceClass(key, tuple(ids), len(ids) if members_max is None else min(len(ids), members_max))
+            for key, ids in groups.items()]
 
 
 @dataclass
@@ -105,13 +156,17 @@ class PipelineSearch:
         exclude_device_ids: devices left out for another reason (a dtype they cannot run), with
             ``notes`` saying why.
         notes: what planning changed on the way (dtype fallback, devices left out), for the user.
+        class_members_max: members of each device class the search plans with (module docstring;
+            default ``L + MAX_REPLICA_ROUNDS``, where no plan can tell the difference; ``None`` keeps
+            every device).
 
     Raises:
         InfeasibleError: no device stays available for ``min_residence_s``.
     """
 
     def __init__(self, cost_model: CostModel, workload: PlanWorkload, now: dt.datetime | None = None,
-                 exclude_device_ids: tuple[str, ...] = (), notes: list[str] | None = None):
+                 exclude_device_ids: tuple[str, ...] = (), notes: list[str] | None = None,
+                 class_members_max: int | None | Literal["default"] = "default"):
         self.cm = cost_model
         self.model = cost_model.model
         self.workload = workload
@@ -122,20 +177,32 @@ class PipelineSearch:
         cluster = cost_model.cluster
         now = now or cluster.measured_at
         self.excluded = [d.device_id for d in cluster.devices if d.available_for_s(now) < workload.min_residence_s]
-        self.excluded_for_dtype = [i for i in exclude_device_ids if i not in self.excluded]
-        self.pool: list[Device] = [d for d in cluster.devices
-                                   if d.device_id not in self.excluded and d.device_id not in self.excluded_for_dtype]
-        if not self.pool:
+        excluded = set(self.excluded)
+        self.excluded_for_dtype = [i for i in exclude_device_ids if i not in excluded]
+        left_out = excluded | set(self.excluded_for_dtype)
+        #: every device the plan may use; the search plans with :attr:`pool`, its classes' kept members
+        self.usable: list[Device] = [d for d in cluster.devices if d.device_id not in left_out]
+        if not self.usable:
             raise InfeasibleError(
                 f"all {len(cluster.devices)} devices become unavailable within the minimum residence of "
                 f"{workload.min_residence_s:.0f} s (available_until)")
         self._profile_of: dict[str, DeviceProfile] = {}
-        for d in self.pool:
+        for d in self.usable:
             self._profile_of[d.device_id] = (cost_model.device_key(d.device_id),
                                              d.usable_memory_gib(workload.reserve_fraction), d.max_micro_batch)
+        members_max = self.num_layers + MAX_REPLICA_ROUNDS if class_members_max == "default" else class_members_max
+        self.classes = device_classes(cluster, self.usable, self._profile_of, members_max)
+        kept = {i for c in self.classes for i in c.device_ids[:c.kept]}
+        self.pool: list[Device] = [d for d in self.usable if d.device_id in kept]
+        if len(self.pool) < len(self.usable):
+            self.notes.append(f"{len(self.usable)} usable devices planned as {len(self.classes)} classes of "
+                              f"interchangeable devices, {len(self.pool)} of them searched (at most "
+                              f"{members_max} per class: {self.num_layers} layers + {MAX_REPLICA_ROUNDS} replicas)")
         self.profiles = sorted(set(self._profile_of.values()), key=repr)
         self._profile_index = np.array([self.profiles.index(self._profile_of[d.device_id]) for d in self.pool])
-        self._rep = {p: next(d.device_id for d in self.pool if self._profile_of[d.device_id] == p) for p in self.profiles}
+        self._rep: dict[DeviceProfile, str] = {}
+        for d in self.pool:
+            self._rep.setdefault(self._profile_of[d.device_id], d.device_id)
         self._tables: dict[tuple[DeviceProfile, int, int], StageTables] = {}
         self._node = {d.device_id: d.node_id for d in self.pool}
         dt_ = cost_model.dtype
@@ -357,7 +424,7 @@ class PipelineSearch:
         return PipelinePlan(micro_batch_size, [[d] for d in order], sizes, busy, links)
 
     # -- replicas -------------------------------------------------------------------------------
-    def add_replicas(self, plan: PipelinePlan, max_rounds: int = 64) -> PipelinePlan:
+    def add_replicas(self, plan: PipelinePlan, max_rounds: int = MAX_REPLICA_ROUNDS) -> PipelinePlan:
         """Give the bottleneck stage data-parallel replicas from unused devices of its profile, while that lowers the bottleneck."""
         used = {d for ds in plan.device_ids for d in ds}
         spare_by_profile: dict[DeviceProfile, list[str]] = {}
@@ -367,6 +434,8 @@ class PipelineSearch:
         device_ids = [list(ds) for ds in plan.device_ids]
         busy = list(plan.stage_busy_ms)
         S = plan.num_stages
+        taken: set[str] = set()
+        by_head: dict[str, list[str]] = {}  # a head's spare devices, its own node first, then by id
         for _ in range(max_rounds):
             s = int(np.argmax(busy))
             if busy[s] < max(plan.link_busy_ms, default=0.0):
@@ -378,12 +447,14 @@ class PipelineSearch:
             new_busy = float(t.busy_ms[role, plan.sizes[s]])
             if not new_busy < busy[s]:
                 break
-            spare = spare_by_profile.get(self._profile_of[head], [])
-            same = sorted(spare, key=lambda d: (self._node[d] != self._node[head], d))
-            pick = next((d for d in same if self._links_ok(d, device_ids, s)), None)
+            same = by_head.get(head)
+            if same is None:
+                same = by_head[head] = sorted(spare_by_profile.get(self._profile_of[head], []),
+                                              key=lambda d: (self._node[d] != self._node[head], d))
+            pick = next((d for d in same if d not in taken and self._links_ok(d, device_ids, s)), None)
             if pick is None:
                 break
-            spare.remove(pick)
+            taken.add(pick)
             device_ids[s].append(pick)
             busy[s] = new_busy
         if device_ids == plan.device_ids:
@@ -411,23 +482,23 @@ class PipelineSearch:
     def explain_infeasible(self) -> str:
         """The binding constraint when no plan exists, in words with numbers."""
         w, L = self.workload, self.num_layers
-        usable = sum(d.usable_memory_gib(w.reserve_fraction) for d in self.pool)
+        usable = sum(d.usable_memory_gib(w.reserve_fraction) for d in self.usable)
         weights = self.model.weight_bytes(self.cm.dtype) / GIB
         excl = f" ({len(self.excluded)} device(s) excluded by available_until)" if self.excluded else ""
         if self.excluded_for_dtype:
             excl += f" ({len(self.excluded_for_dtype)} device(s) left out: no {self.cm.dtype})"
         if weights > usable:
             return (f"model needs {weights:.1f} GiB of weights ({self.cm.dtype}), cluster has {usable:.1f} GiB usable "
-                    f"after the CUDA context and the {w.reserve_fraction:.0%} reserve on {len(self.pool)} device(s){excl}")
+                    f"after the CUDA context and the {w.reserve_fraction:.0%} reserve on {len(self.usable)} device(s){excl}")
         kv = L * w.concurrency * w.context_p95_tokens * self._kv_layer_token / GIB
         if weights + kv > usable:
             return (f"weights {weights:.1f} GiB + KV pool {kv:.1f} GiB (concurrency {w.concurrency} x P95 context "
-                    f"{w.context_p95_tokens} tokens) exceed the {usable:.1f} GiB usable on {len(self.pool)} device(s){excl}")
+                    f"{w.context_p95_tokens} tokens) exceed the {usable:.1f} GiB usable on {len(self.usable)} device(s){excl}")
         one_layer = max((self._layer_w + w.concurrency * w.context_p95_tokens * self._kv_layer_token) / GIB, 0)
-        biggest = max(d.usable_memory_gib(w.reserve_fraction) for d in self.pool)
+        biggest = max(d.usable_memory_gib(w.reserve_fraction) for d in self.usable)
         if one_layer > biggest:
             return (f"one layer's weights + KV pool need {one_layer:.2f} GiB, the largest device has {biggest:.1f} GiB usable")
         extra = max(self._first_w, self._last_w) / GIB
         return (f"no pipeline fits: the first / last stage must hold the embedding / LM head ({extra:.2f} GiB) plus at "
-                f"least one layer with its KV pool, and all {L} layers must fit across {len(self.pool)} device(s){excl}; "
+                f"least one layer with its KV pool, and all {L} layers must fit across {len(self.usable)} device(s){excl}; "
                 f"lower --concurrency or --context-p95, or use a smaller dtype")

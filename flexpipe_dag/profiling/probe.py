@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
 from flexpipe_dag.core.host import cpu_worker_device_id, host_memory_bytes
+from flexpipe_dag.core.topology import Host
 from flexpipe_dag.profiling.microbench import (
     DEFAULT_LAYER,
     LayerShape,
@@ -230,6 +231,19 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
                           measured_at=dt.datetime.now(dt.UTC), notes=notes)
 
 
+def _measured_host(measured: ClusterProfile, node_id: str) -> Host:
+    """A host only measured, for a declared topology: its slowest measured link inside it (GB/s, us),
+    or, with one device, the slowest measured link at all (a one-device host has no pair inside it, so
+    without any measured link its placeholder figures are never used)."""
+    ids = {d.device_id for d in measured.devices if d.node_id == node_id}
+    inside = [lk for lk in measured.links if lk.src_device_id in ids and lk.dst_device_id in ids] or measured.links
+    slowest = min(inside, key=lambda lk: lk.bandwidth_gbps, default=None)
+    if slowest is None:
+        return Host(host_id=node_id, intra_kind="measured", intra_bandwidth_gbps=1.0, intra_latency_us=0.0)
+    return Host(host_id=node_id, intra_kind=slowest.kind, intra_bandwidth_gbps=slowest.bandwidth_gbps,
+                intra_latency_us=slowest.latency_us)
+
+
 def merge_profiles(declared: ClusterProfile, measured: ClusterProfile) -> ClusterProfile:
     """Merge a declared inventory with measurements.
 
@@ -237,7 +251,8 @@ def merge_profiles(declared: ClusterProfile, measured: ClusterProfile) -> Cluste
     micro-batch, bf16 support and facts, and, when measured on a GPU (``kind == "cuda"``), its memory
     (the total the device reports beats the declared or catalog figure); it keeps the declared name
     and ``available_until``. Devices only declared stay as declared; devices only measured are added.
-    Measured links replace declared ones.
+    Measured links replace declared ones (and override what the declared topology derives); a host
+    only measured joins the declared topology with the slowest link measured inside it.
     """
     measured_by_id = {d.device_id: d for d in measured.devices}
     devices = []
@@ -258,6 +273,12 @@ def merge_profiles(declared: ClusterProfile, measured: ClusterProfile) -> Cluste
     devices.extend(measured_by_id.values())
     links = {(link.src_device_id, link.dst_device_id): link for link in declared.links}
     links.update({(link.src_device_id, link.dst_device_id): link for link in measured.links})
+    topology = declared.topology
+    if topology is not None:  # hosts only measured join the declared topology, each with its measured figures
+        known = {h.host_id for h in topology.hosts}
+        extra = [_measured_host(measured, node_id) for node_id in dict.fromkeys(d.node_id for d in devices)
+                 if node_id not in known]
+        topology = topology.model_copy(update={"hosts": topology.hosts + extra}) if extra else topology
     return ClusterProfile(cluster_id=declared.cluster_id, devices=devices, links=list(links.values()),
-                          source="merged", measured_at=measured.measured_at,
+                          topology=topology, source="merged", measured_at=measured.measured_at,
                           notes=declared.notes + measured.notes)

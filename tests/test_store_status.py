@@ -189,7 +189,7 @@ def test_store_facade_keeps_its_public_methods():
         "request_shift", "claim_shift_request", "expire_shift_requests",
         "get_or_create_job", "update_job", "job_status", "jobs", "write_result", "done_request_keys", "results",
         "write_observations", "read_observations", "observed_runs", "save_calibration", "calibrations",
-        "latest_calibration", "save_api_file", "api_file", "api_file_content",
+        "latest_calibration", "save_api_file", "api_file", "api_file_content", "list_api_files",
     }
 
 

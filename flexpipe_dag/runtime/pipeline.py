@@ -498,11 +498,11 @@ class PipelineRuntime:
 
     # -- serving ----------------------------------------------------------------------------------
     @property
-    def longest_request_tokens(self) -> int | None:
+    def longest_request_tokens(self) -> int:
         """Prompt + ``max_new_tokens`` of the longest request this pipeline serves: its context
-        (:attr:`max_context_tokens`) or, when smaller, what one lane of its KV pool holds (a request needs
-        prompt + ``max_new_tokens`` - 1 KV tokens: :func:`~flexpipe_dag.core.kv.kv_tokens_needed`), as
-        vLLM's ``max_model_len`` never exceeds its KV cache. ``None``: neither is known."""
+        (:attr:`max_context_tokens`, when known) or, when smaller, what one lane of its KV pool holds (a
+        request needs prompt + ``max_new_tokens`` - 1 KV tokens: :func:`~flexpipe_dag.core.kv.kv_tokens_needed`),
+        as vLLM's ``max_model_len`` never exceeds its KV cache."""
         lane_tokens = self._layout.blocks_per_lane * self.gear.kv_block_size_tokens + 1
         context = self.max_context_tokens
         return lane_tokens if context is None else min(context, lane_tokens)

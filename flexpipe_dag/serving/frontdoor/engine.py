@@ -183,12 +183,9 @@ class FrontDoorEngine:
         """The longest request (prompt + ``max_tokens``) the live pipeline serves: the context, or less
         where one lane of its KV pool holds less (``/v1/models``' ``max_model_len``, which load tools
         read); the context when no pipeline is live."""
-        lane = self.router.active if self.router is not None else None
-        runtime = getattr(lane, "runtime", None)
-        limit = getattr(runtime, "longest_request_tokens", None)
-        if limit is None:
+        if self.router is None or self.router.active is None:
             return self.max_context_tokens
-        return limit if self.max_context_tokens is None else min(limit, self.max_context_tokens)
+        return self.router.active.runtime.longest_request_tokens  # the context already bounds it
 
     @property
     def pending(self) -> int:

@@ -18,15 +18,16 @@ max_inflight_micro_batches``), ``q`` the smoothed online rate and ``P = pause_ab
     in flight <= floor(seats_fraction x T x max(0, 1 - q / P))   while admitted; nothing new while paused
 
 so the budget is the gear's spare capacity below the pause level, shrinking to nothing as online load
-approaches it (default ``seats_fraction`` 1/16). A latency guard adds nothing new while the online P99
-TTFT or TPOT of the samples (smoothed) is above ``guard_fraction`` (half) of its SLO: a deep pipeline
-whose online TPOT is already near the SLO lends nothing.
+approaches it (default ``seats_fraction`` 1/16). Besides:
 
-at most ``per_step`` (2) new jobs per control step, so long prompts are not prefilled in one burst next
-to online requests (the whole room at once cost online requests their TTFT on the lab fleet's day 0);
-
-and a paused gate lets the requests in flight finish (the runtime does not abort them); the
-simulator's KV eviction preempts them first when online needs the room. What counts: prompt +
+* a latency guard adds nothing new while the online P99 TTFT or TPOT of the samples (smoothed) is
+  above ``guard_fraction`` (half) of its SLO: a deep pipeline whose online TPOT is already near the
+  SLO lends nothing;
+* at most ``per_step`` (2) new jobs per control step, so long prompts are not prefilled in one burst
+  next to online requests (the whole room at once cost online requests their TTFT on the lab fleet's
+  day 0);
+* a paused gate lets the requests in flight finish (the runtime does not abort them); the
+  simulator's KV eviction preempts them first when online needs the room. What counts: prompt +
 output tokens of jobs finished by the end of the day (``until_s``); jobs unfinished then go back to
 the front of the backlog (:meth:`OfflineShare.settle`), so a job completes once or stays in the
 backlog, as on the free devices.

@@ -374,6 +374,16 @@ class Simulator:
         self._wake(self._active, t)
 
     @property
+    def open_requests(self) -> int:
+        """Requests in the system now (arrived or submitted): waiting in the queue or running, not finished."""
+        return len(self._waiting) + self._running
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the admitting gear's KV pool holds (0: unbounded); a request needing more is never admitted."""
+        return self._active.total_blocks * self._active.block
+
+    @property
     def offline_open(self) -> int:
         """Offline requests in the system now: queued or running, not finished or refused."""
         return self._offline_open

@@ -1,0 +1,249 @@
+"""A day of tide-shaped traffic on a whole fleet: fleet gears scaled out and in, window by window.
+
+A day on a 1,000-GPU fleet is tens of millions of requests: too many to simulate one by one in a
+minute. This model plays the day in windows of ``window_s`` (default 60 s) and takes each instance's
+behaviour from its **attainment curve** (:mod:`flexpipe_dag.planner.fleet_curve`: the discrete-event
+simulator's SLO attainment of that instance at each load), so the request-level work is done once per
+instance shape, not once per request:
+
+* the router spreads the window's rate over the admitting instances in proportion to their
+  envelopes (what least outstanding work per unit of capacity converges to, :mod:`flexpipe_dag.sim.fleet`),
+  so every admitting instance runs at the same load fraction ``rho = rate / sum(rps_max)``;
+* the window's attainment is the load-weighted mean of the instances' curves at ``rho``;
+* devices are held from the decision that starts an instance (its warm-up, ``instance_warmup_s``,
+  during which it admits nothing) until ``instance_drain_s`` after the decision that removes it;
+* the policy is a fixed instance count (a static fleet gear) or a :class:`~flexpipe_dag.control.fleet_scaler.FleetScaler`
+  fed the rate observed in the previous window (and a forecast).
+
+What the model leaves out, and how that is checked: a backlog built in an overloaded window is not
+carried into the next (its requests count as misses in the window they arrive), and requests are not
+moved by a change (the exact simulator moves none either). ``tests/test_fleet_day.py`` compares this
+model with the exact fleet simulator (:class:`~flexpipe_dag.sim.fleet.FleetSimulator`, request by
+request) on a small fleet over a compressed tide: attainment and device-hours agree within the
+tolerances stated there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from flexpipe_dag.control.fleet_scaler import FleetDecision, FleetScaler, FleetScalerConfig, ForecastFn
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.planner.fleet import FleetPlan
+from flexpipe_dag.planner.fleet_curve import AttainmentCurve
+from flexpipe_dag.sim.fleet import InstanceChange
+
+
+@dataclass(frozen=True)
+class FleetDayResult:
+    """One day (or any span) of a fleet policy.
+
+    Attributes:
+        policy: ``static-<n>`` or ``dynamic``.
+        window_s: window length, s.
+        offered_rps: shape ``(k,)``, the rate of each window, req/s.
+        admitting: shape ``(k,)``, instances admitting in each window.
+        held_devices: shape ``(k,)``, devices held (serving, warming or draining) in each window.
+        attainment: shape ``(k,)``, share of the window's requests meeting the SLO.
+        instances: one row per instance used: ``instance_id``, ``devices``, ``device_hours``,
+            ``mean_load_fraction`` (its load / its envelope while admitting), ``requests``.
+        decisions: the scaler's changes (empty for a static policy).
+        wall_s: the model's own run time, s.
+    """
+
+    policy: str
+    window_s: float
+    offered_rps: np.ndarray
+    admitting: np.ndarray
+    held_devices: np.ndarray
+    attainment: np.ndarray
+    instances: pd.DataFrame
+    decisions: tuple[FleetDecision, ...] = field(default=())
+    wall_s: float = 0.0
+
+    @property
+    def requests(self) -> float:
+        return float(np.sum(self.offered_rps) * self.window_s)
+
+    @property
+    def slo_attainment(self) -> float:
+        """Share of the day's requests meeting the SLO (windows weighted by their requests)."""
+        w = self.offered_rps * self.window_s
+        return float(np.sum(w * self.attainment) / np.sum(w)) if np.sum(w) > 0 else math.nan
+
+    @property
+    def device_hours(self) -> float:
+        return float(np.sum(self.held_devices) * self.window_s / 3600.0)
+
+    @property
+    def duration_h(self) -> float:
+        return len(self.offered_rps) * self.window_s / 3600.0
+
+    @property
+    def shifts_per_hour(self) -> float:
+        return len(self.decisions) / self.duration_h if self.duration_h > 0 else 0.0
+
+    def summary(self) -> dict[str, float | int | str]:
+        """Plain figures for tables and asset metadata."""
+        return {"policy": self.policy, "slo_attainment": round(self.slo_attainment, 4),
+                "device_hours": round(self.device_hours, 1), "mean_held_devices": round(float(np.mean(self.held_devices)), 1),
+                "peak_held_devices": int(np.max(self.held_devices)), "shifts": len(self.decisions),
+                "shifts_per_hour": round(self.shifts_per_hour, 2), "requests": round(self.requests),
+                "wall_s": round(self.wall_s, 3)}
+
+
+def _check(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], rates_rps: np.ndarray, window_s: float) -> None:
+    if not (math.isfinite(window_s) and window_s > 0):
+        raise InputError("fleet day", "window_s", f"got {window_s}; expected a finite number > 0")
+    if rates_rps.ndim != 1 or rates_rps.size == 0 or not np.all(np.isfinite(rates_rps)) or np.any(rates_rps < 0):
+        raise InputError("fleet day", "rates_rps", "expected a non-empty 1-D array of finite rates >= 0")
+    missing = sorted({i.template for i in plan.instances} - set(curves))
+    if missing:
+        raise InputError("fleet day", "curves", f"no attainment curve for template(s) {missing}")
+
+
+def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], rates_rps: Sequence[float] | np.ndarray,
+                       *, window_s: float = 60.0, static_instances: int | None = None,
+                       scaler_config: FleetScalerConfig | None = None, forecast: ForecastFn | None = None,
+                       ) -> FleetDayResult:
+    """Play ``rates_rps`` (one rate per window, req/s) on ``plan``'s instances (module docstring).
+
+    Args:
+        curves: attainment curve per template index (:attr:`FleetPlan.templates`).
+        static_instances: serve with the first ``n`` instances all day (ready from the start); else
+            the :class:`FleetScaler` with ``scaler_config`` decides (starting with the instances the
+            first window's rate needs, ready) and ``forecast`` is its look-ahead.
+
+    Raises:
+        InputError: bad window, rates, a missing curve, or ``static_instances`` outside 1..instances.
+    """
+    started = time.perf_counter()
+    rates = np.asarray(rates_rps, dtype=float)
+    _check(plan, curves, rates, window_s)
+    n_all = len(plan.instances)
+    rps_max = np.array([i.rps_max for i in plan.instances])
+    devices = np.array([i.num_devices for i in plan.instances], dtype=float)
+    template = np.array([i.template for i in plan.instances])
+    k = rates.size
+    held_from = np.full(n_all, np.inf)   # seconds; an instance holds devices over [held_from, held_to)
+    held_to = np.full(n_all, np.inf)
+    ready_s = np.full(n_all, np.inf)     # admits over [ready_s, stop_s)
+    stop_s = np.full(n_all, np.inf)
+    decisions: list[FleetDecision] = []
+    if static_instances is not None:
+        if not 1 <= static_instances <= n_all:
+            raise InputError("fleet day", "static_instances", f"got {static_instances}; expected 1..{n_all}")
+        held_from[:static_instances] = ready_s[:static_instances] = 0.0
+        policy = f"static-{static_instances}"
+        scaler = None
+    else:
+        scaler = FleetScaler(plan, scaler_config)
+        state = scaler.initial_state(float(rates[0]))
+        held_from[:state.instances] = ready_s[:state.instances] = 0.0
+        policy = "dynamic"
+        cfg = scaler.config
+    admitting = np.zeros(k, dtype=int)
+    held = np.zeros(k)
+    attained = np.ones(k)
+    load_sum = np.zeros(n_all)       # sum of load fractions over windows admitting
+    served = np.zeros(n_all)         # requests routed
+    windows_on = np.zeros(n_all)
+    for w in range(k):
+        t0 = w * window_s
+        if scaler is not None and w > 0:
+            state, d = scaler.decide(state, t0, float(rates[w - 1]), forecast)
+            if d.changed:
+                decisions.append(d)
+                if d.to_instances > d.from_instances:
+                    new = np.arange(d.from_instances, d.to_instances)
+                    # an instance draining (stopped, devices still held) is taken back at once
+                    back = new[(stop_s[new] <= t0) & (held_to[new] > t0)]
+                    stop_s[back] = held_to[back] = np.inf
+                    cold = new[~np.isin(new, back)]
+                    held_from[cold], ready_s[cold] = t0, t0 + cfg.instance_warmup_s
+                    held_to[cold] = stop_s[cold] = np.inf
+                else:
+                    gone = np.arange(d.to_instances, d.from_instances)
+                    stop_s[gone] = t0
+                    held_to[gone] = t0 + cfg.instance_drain_s
+        t1 = t0 + window_s
+        # share of the window each instance admits / holds (changes land on window edges, warm-ups may not)
+        admit_share = np.clip((np.minimum(stop_s, t1) - np.maximum(ready_s, t0)) / window_s, 0.0, 1.0)
+        hold_share = np.clip((np.minimum(held_to, t1) - np.maximum(held_from, t0)) / window_s, 0.0, 1.0)
+        held[w] = float(np.sum(hold_share * devices))
+        cap = float(np.sum(admit_share * rps_max))
+        admitting[w] = int(np.sum(admit_share > 0))
+        if rates[w] <= 0:
+            continue
+        if cap <= 0:
+            attained[w] = 0.0
+            continue
+        rho = rates[w] / cap
+        on = admit_share > 0
+        weight = admit_share[on] * rps_max[on] / cap                # share of the window's requests
+        att = np.array([float(curves[int(t)].at(rho)) for t in template[on]])
+        attained[w] = float(np.sum(weight * att))
+        load_sum[on] += rho * admit_share[on]
+        windows_on[on] += admit_share[on]
+        served[on] += weight * rates[w] * window_s
+    used = np.flatnonzero(np.isfinite(held_from))
+    rows = []
+    for i in used:
+        lo, hi = held_from[i], min(held_to[i], k * window_s)
+        rows.append({"instance_id": plan.instances[i].instance_id, "devices": int(devices[i]),
+                     "device_hours": float(devices[i] * max(0.0, hi - lo) / 3600.0),
+                     "mean_load_fraction": float(load_sum[i] / windows_on[i]) if windows_on[i] > 0 else 0.0,
+                     "requests": float(served[i])})
+    return FleetDayResult(policy=policy, window_s=window_s, offered_rps=rates, admitting=admitting, held_devices=held,
+                          attainment=attained, instances=pd.DataFrame(rows), decisions=tuple(decisions),
+                          wall_s=time.perf_counter() - started)
+
+
+def best_static(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], rates_rps: Sequence[float] | np.ndarray, *,
+                attainment: float, window_s: float = 60.0) -> FleetDayResult:
+    """The static fleet gear with the fewest instances whose day attainment is at least ``attainment``
+    (bisection over the nested prefixes; the whole fleet when none reaches it)."""
+    lo, hi = 1, len(plan.instances)
+    best = simulate_fleet_day(plan, curves, rates_rps, window_s=window_s, static_instances=hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        r = simulate_fleet_day(plan, curves, rates_rps, window_s=window_s, static_instances=mid)
+        if r.slo_attainment >= attainment:
+            best, hi = r, mid
+        else:
+            lo = mid + 1
+    return best
+
+
+def instance_changes(plan: FleetPlan, day: FleetDayResult, *, warmup_s: float) -> list[InstanceChange]:
+    """The adds and removes ``day`` decided, as :class:`~flexpipe_dag.sim.fleet.InstanceChange` s for the exact
+    fleet simulator (the first window's instances added ready at 0; an instance added again after a
+    removal gets the id ``<instance_id>#<k>``)."""
+    changes: list[InstanceChange] = []
+    live: dict[int, str] = {}
+    uses: dict[int, int] = {}
+
+    def add(i: int, t_s: float, ready_in_s: float) -> None:
+        inst = plan.instances[i]
+        uses[i] = uses.get(i, 0) + 1
+        live[i] = inst.instance_id if uses[i] == 1 else f"{inst.instance_id}#{uses[i]}"
+        changes.append(InstanceChange(at_s=t_s, kind="add", instance_id=live[i], gear=inst.gear,
+                                      timing=plan.templates[inst.template].timing, ready_in_s=ready_in_s,
+                                      rps_max=inst.rps_max))
+
+    for i in range(int(day.admitting[0])):
+        add(i, 0.0, 0.0)
+    for d in day.decisions:
+        if d.to_instances > d.from_instances:
+            for i in range(d.from_instances, d.to_instances):
+                add(i, d.t_s, warmup_s)
+        else:
+            for i in range(d.to_instances, d.from_instances):
+                changes.append(InstanceChange(at_s=d.t_s, kind="remove", instance_id=live.pop(i)))
+    return changes

@@ -1,0 +1,190 @@
+"""Scaling a fleet gear out and in: how many instances of the plan serve, decided sample by sample.
+
+Pure and deterministic, like :class:`~flexpipe_dag.control.controller.Controller`: :meth:`FleetScaler.decide`
+takes the previous :class:`FleetScalerState` and one observed request rate and returns the next state
+and a :class:`FleetDecision`. Fleet gears are nested prefixes of :attr:`FleetPlan.instances
+<flexpipe_dag.planner.fleet.FleetPlan.instances>`, so a decision is a target instance count ``n``:
+scaling out starts instances ``n..n'`` (each warms up before it admits); scaling in stops admitting on
+the last ones, which drain and then give their devices back.
+
+Per sample, on the request rate smoothed by an EMA (``rps_ema_alpha``) and the forecast (the highest
+load expected within ``forecast_horizon_s``, as the gear-shift controller's, when one is given):
+
+* **scale out** (``rps_above_envelope``): when the smoothed rate or the forecast exceeds the serving
+  instances' summed envelope x (1 - ``headroom_fraction``) for ``hysteresis_samples`` consecutive
+  samples, to the fewest instances that hold it with that headroom. A load above the envelope must be
+  followed, so there is no payback test (as the controller's ``rps_above_envelope``), only a short
+  dwell between two scale-outs (``scale_out_dwell_s``: the warm-up the last one needs to show its effect).
+* **scale in** (``fewer_instances_hold``, discretionary): when fewer instances hold the smoothed rate
+  *and* the forecast with the wider ``scale_in_headroom_fraction`` (the band between the two headrooms
+  is the hysteresis that keeps a load near an edge from flapping) for ``hysteresis_samples`` samples,
+  outside the dwell (``dwell_s`` after any change), and the move pays back: the smaller gear is
+  expected to hold for ``R`` seconds (the forecast's, looked up in steps of ``sample_period_s`` up to
+  its horizon; without a forecast, one dwell), and its freed devices x ``R`` must exceed the devices
+  x (warm-up + drain) it costs to bring them back: ``R > payback_factor x (instance_warmup_s +
+  instance_drain_s)``.
+
+Every decision carries a one-sentence reason with the figures and a ``reason_kind``
+(``scale_out``, ``scale_in``, ``hold``, ``dwell``, ``payback``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from flexpipe_dag.control.config import Figures
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.planner.fleet import FleetPlan
+
+#: ``forecast(t_s, rps, horizon_s) -> req/s``: the highest load expected within ``horizon_s`` after ``t_s``.
+ForecastFn = Callable[[float, float, float], float]
+FleetReasonKind = Literal["scale_out", "scale_in", "hold", "dwell", "payback"]
+
+
+class FleetScalerConfig(Figures):
+    """Figures of :class:`FleetScaler` (units in the names; module docstring for what each does)."""
+
+    sample_period_s: float = Field(60.0, gt=0, le=86400.0, allow_inf_nan=False)
+    rps_ema_alpha: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)
+    headroom_fraction: float = Field(0.2, ge=0, lt=1, allow_inf_nan=False)
+    scale_in_headroom_fraction: float = Field(0.3, ge=0, lt=1, allow_inf_nan=False)
+    hysteresis_samples: int = Field(2, ge=1, le=1000)
+    dwell_s: float = Field(600.0, ge=0, allow_inf_nan=False)
+    scale_out_dwell_s: float = Field(120.0, ge=0, allow_inf_nan=False)
+    forecast_horizon_s: float = Field(1800.0, ge=0, le=86400.0, allow_inf_nan=False)
+    instance_warmup_s: float = Field(120.0, ge=0, allow_inf_nan=False,
+                                     description="start to first admission of a new instance (weights loaded, warmed)")
+    instance_drain_s: float = Field(60.0, ge=0, allow_inf_nan=False,
+                                    description="last admission to devices freed of a removed instance")
+    payback_factor: float = Field(1.0, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _band(self) -> FleetScalerConfig:
+        if self.scale_in_headroom_fraction < self.headroom_fraction:
+            raise ValueError(f"scale_in_headroom_fraction {self.scale_in_headroom_fraction} is below headroom_fraction "
+                             f"{self.headroom_fraction}; expected >= (the band between them is the hysteresis)")
+        return self
+
+
+@dataclass(frozen=True)
+class FleetScalerState:
+    """What the scaler carries between samples (JSON-able plain figures).
+
+    Attributes:
+        instances: instances serving (the fleet gear ``fleet-<instances>``).
+        ema_rps: smoothed request rate, req/s (None before the first sample).
+        out_count / in_count: consecutive samples the scale-out / scale-in condition held.
+        last_change_s / last_out_s: when the last change / scale-out was decided (-inf: never).
+    """
+
+    instances: int
+    ema_rps: float | None = None
+    out_count: int = 0
+    in_count: int = 0
+    last_change_s: float = -math.inf
+    last_out_s: float = -math.inf
+
+
+@dataclass(frozen=True)
+class FleetDecision:
+    """One sample's verdict: ``instances`` before and after (equal when holding), and why."""
+
+    t_s: float
+    from_instances: int
+    to_instances: int
+    reason_kind: FleetReasonKind
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.to_instances != self.from_instances
+
+
+class FleetScaler:
+    """Decides the serving instance count of a :class:`~flexpipe_dag.planner.fleet.FleetPlan` (module docstring)."""
+
+    def __init__(self, plan: FleetPlan, config: FleetScalerConfig | None = None):
+        if not plan.instances:
+            raise InputError("fleet scaler", "plan", "the plan has no instances")
+        self.plan = plan
+        self.config = config or FleetScalerConfig()
+        self._cum = [0.0]
+        for inst in plan.instances:
+            self._cum.append(self._cum[-1] + inst.rps_max)
+
+    def capacity_rps(self, instances: int) -> float:
+        """Summed envelope of the first ``instances`` instances, req/s."""
+        return self._cum[max(0, min(instances, len(self.plan.instances)))]
+
+    def initial_state(self, rps: float) -> FleetScalerState:
+        """The state for a fleet started for ``rps`` req/s (the fewest instances holding it with headroom)."""
+        return FleetScalerState(instances=max(1, self.plan.instances_for(rps, self.config.headroom_fraction)))
+
+    def _holds_for_s(self, t_s: float, rps: float, capacity: float, forecast: ForecastFn | None) -> float:
+        """How long the forecast says ``capacity`` x (1 - headroom) holds, seconds (one dwell without a forecast)."""
+        c = self.config
+        if forecast is None or c.forecast_horizon_s <= 0:
+            return c.dwell_s
+        limit = capacity * (1.0 - c.headroom_fraction)
+        horizon = 0.0
+        while horizon < c.forecast_horizon_s:
+            nxt = min(c.forecast_horizon_s, horizon + c.sample_period_s)
+            if forecast(t_s, rps, nxt) > limit:
+                return horizon
+            horizon = nxt
+        return horizon
+
+    def decide(self, state: FleetScalerState, t_s: float, rps: float,
+               forecast: ForecastFn | None = None) -> tuple[FleetScalerState, FleetDecision]:
+        """One sample: observed request rate ``rps`` (req/s, >= 0) at ``t_s``; returns the next state and the decision.
+
+        Raises:
+            InputError: ``rps`` negative or not finite.
+        """
+        if not (math.isfinite(rps) and rps >= 0):
+            raise InputError("fleet scaler", "rps", f"got {rps}; expected a finite rate >= 0")
+        c = self.config
+        ema = rps if state.ema_rps is None else c.rps_ema_alpha * rps + (1 - c.rps_ema_alpha) * state.ema_rps
+        fc = forecast(t_s, ema, c.forecast_horizon_s) if forecast is not None and c.forecast_horizon_s > 0 else ema
+        load = max(ema, fc)
+        n = state.instances
+        cap = self.capacity_rps(n)
+        n_out = self.plan.instances_for(load, c.headroom_fraction)
+        n_in = max(1, self.plan.instances_for(load, c.scale_in_headroom_fraction))
+        out_count = state.out_count + 1 if n_out > n else 0
+        in_count = state.in_count + 1 if n_in < n else 0
+        st = replace(state, ema_rps=ema, out_count=out_count, in_count=in_count)
+        figures = f"smoothed {ema:.1f} req/s, forecast {fc:.1f} req/s, {n} instance(s) hold {cap:.1f} req/s"
+
+        def hold(kind: FleetReasonKind, why: str) -> tuple[FleetScalerState, FleetDecision]:
+            return st, FleetDecision(t_s, n, n, kind, f"{why} ({figures})")
+
+        if out_count >= c.hysteresis_samples:
+            if t_s - state.last_out_s < c.scale_out_dwell_s:
+                return hold("dwell", f"scale-out to {n_out} waits: the last scale-out was "
+                                     f"{t_s - state.last_out_s:.0f} s ago (< {c.scale_out_dwell_s:g} s)")
+            new = replace(st, instances=n_out, out_count=0, in_count=0, last_change_s=t_s, last_out_s=t_s)
+            return new, FleetDecision(t_s, n, n_out, "scale_out",
+                                      f"scale out {n} -> {n_out}: load above {1 - c.headroom_fraction:.0%} of the "
+                                      f"envelope for {out_count} samples; {n_out} hold {self.capacity_rps(n_out):.1f} "
+                                      f"req/s ({figures})")
+        if in_count >= c.hysteresis_samples:
+            if t_s - state.last_change_s < c.dwell_s:
+                return hold("dwell", f"scale-in to {n_in} waits: the last change was "
+                                     f"{t_s - state.last_change_s:.0f} s ago (< {c.dwell_s:g} s)")
+            residence = self._holds_for_s(t_s, ema, self.capacity_rps(n_in), forecast)
+            cost = c.payback_factor * (c.instance_warmup_s + c.instance_drain_s)
+            if residence <= cost:
+                return hold("payback", f"scale-in to {n_in} declined: {n_in} instance(s) are expected to hold for "
+                                       f"{residence:.0f} s, not more than the {cost:.0f} s of drain + warm-up it costs")
+            new = replace(st, instances=n_in, out_count=0, in_count=0, last_change_s=t_s)
+            return new, FleetDecision(t_s, n, n_in, "scale_in",
+                                      f"scale in {n} -> {n_in}: {n_in} instance(s) hold the load with "
+                                      f"{c.scale_in_headroom_fraction:.0%} headroom for {in_count} samples and are "
+                                      f"expected to for {residence:.0f} s > {cost:.0f} s of drain + warm-up ({figures})")
+        return hold("hold", f"hold {n} instance(s)")

@@ -1,0 +1,370 @@
+"""Fleet gears: many pipeline instances of different shapes over one fleet, sized for the load.
+
+On a fleet of hundreds of hosts one pipeline is the wrong unit: a gear that spans the fleet runs at
+its slowest stage, and the load a day brings is served by *many* pipelines side by side. A **fleet
+gear** is a set of pipeline instances, each an ordinary :class:`~flexpipe_dag.core.gear.Gear` over
+its own devices; requests are routed across instances (least outstanding work per unit of capacity,
+KV-aware admission: :mod:`flexpipe_dag.sim.fleet` in the simulator, :mod:`flexpipe_dag.shift.instances`
+in the runtime), and its envelope is the **sum** of its instances' measured envelopes.
+
+How the instances are planned (:func:`plan_fleet`):
+
+1. Hosts are grouped by **shape**: the devices they hold (profile, dtype support, in order) and how
+   those devices talk (intra-host figures). A host with a measured pair of its own (a link override)
+   is a shape of its own. Identical hosts in identical positions get identical plans, so planning
+   costs one plan per shape, not per host.
+2. The **unit** of a shape is the fewest hosts of that shape, in one rack, on which the model fits
+   (one host for a model its devices hold; 2, 4, ... for one they do not, up to ``max_unit_hosts``).
+   The planner's operating gears are planned on one unit and their envelopes measured in the
+   simulator on the reference trace (:func:`~flexpipe_dag.planner.envelope.refine_envelopes`); the
+   gear with the most requests/s per device is the shape's **template**.
+3. Every unit of the fleet becomes one instance: the template with its devices mapped by position
+   (host k of the unit, device j of the host). Hosts left over (a rack with fewer hosts than a unit,
+   a shape on which nothing fits the SLO) are listed in :attr:`FleetPlan.notes` and serve nothing.
+4. The instances are ordered by envelope per device, best first (ties: larger envelope, then id).
+   The fleet gear for a load ``L`` is the shortest prefix of that order whose summed envelope, less the
+   headroom, holds ``L``. Fleet gears are *nested*: a larger one is a smaller one plus instances, so
+   shifting between them only adds instances (scale out) or drains and removes them (scale in); the
+   instances that stay are never re-partitioned, and their requests never move.
+
+Re-partitioning one instance (a different gear on the same devices) is the single-pipeline gear
+shift (:mod:`flexpipe_dag.shift.executor`), unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flexpipe_dag.core.cluster import ClusterProfile, Device
+from flexpipe_dag.core.errors import InfeasibleError, InputError
+from flexpipe_dag.core.gear import Gear, StagePlan
+from flexpipe_dag.core.timing import StageTimingModel
+from flexpipe_dag.planner.envelope import refine_envelopes
+from flexpipe_dag.planner.gears import make_search, plan_gear_set
+from flexpipe_dag.planner.model_spec import ModelSpec
+from flexpipe_dag.workload.request import Workload
+
+#: Most hosts one pipeline instance may span (a model that needs more is left unplanned on that shape).
+MAX_UNIT_HOSTS = 16
+#: Share of an envelope a fleet gear plans to use by default: 20 % headroom for bursts and forecast error.
+DEFAULT_HEADROOM_FRACTION = 0.2
+
+HostShape = tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class InstanceTemplate:
+    """The pipeline every unit of one host shape runs.
+
+    Attributes:
+        shape: the host shape key (devices' profiles and intra-host figures).
+        unit_host_ids: the hosts of the unit the template was planned on (``unit_hosts`` of them).
+        gear: the template gear over those hosts' devices, its envelope (``rps_max``, req/s) measured
+            in the simulator.
+        timing: the gear's stage-time model (the simulator's input).
+        candidates: ``(gear_id, devices, rps_max)`` of every operating gear measured on the unit.
+    """
+
+    shape: HostShape
+    unit_host_ids: tuple[str, ...]
+    gear: Gear
+    timing: StageTimingModel
+    candidates: tuple[tuple[str, int, float], ...]
+
+    @property
+    def unit_hosts(self) -> int:
+        return len(self.unit_host_ids)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.gear.device_ids)
+
+    @property
+    def rps_max(self) -> float:
+        return self.gear.rps_max
+
+    @property
+    def rps_per_device(self) -> float:
+        return self.gear.rps_max / max(1, self.num_devices)
+
+
+@dataclass(frozen=True)
+class FleetInstance:
+    """One pipeline instance of the fleet: a gear over its own hosts' devices.
+
+    Attributes:
+        instance_id: ``<first host>-<template gear kind>``, unique in the plan.
+        host_ids: the hosts the instance runs on.
+        gear: the instance's gear (the template's, devices mapped to these hosts), ``rps_max`` in req/s.
+        template: index into :attr:`FleetPlan.templates`.
+    """
+
+    instance_id: str
+    host_ids: tuple[str, ...]
+    gear: Gear
+    template: int
+
+    @property
+    def rps_max(self) -> float:
+        return self.gear.rps_max
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.gear.device_ids)
+
+
+@dataclass(frozen=True)
+class FleetGear:
+    """A set of pipeline instances served together; its envelope is the sum of theirs.
+
+    Attributes:
+        instances: the instances, in the plan's order (a prefix of :attr:`FleetPlan.instances`).
+    """
+
+    instances: tuple[FleetInstance, ...]
+
+    @property
+    def fleet_gear_id(self) -> str:
+        """``fleet-<n>`` for the first ``n`` instances of the plan (fleet gears are nested prefixes)."""
+        return f"fleet-{len(self.instances)}"
+
+    @property
+    def rps_max(self) -> float:
+        """Summed envelope, req/s."""
+        return float(sum(i.rps_max for i in self.instances))
+
+    @property
+    def num_devices(self) -> int:
+        return sum(i.num_devices for i in self.instances)
+
+    @property
+    def device_ids(self) -> list[str]:
+        return [d for i in self.instances for d in i.gear.device_ids]
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """Every instance the fleet can run, best envelope per device first, and how they were planned.
+
+    Attributes:
+        cluster_id: the fleet.
+        templates: one per host shape that serves (see the module docstring).
+        instances: every unit's instance, ordered by ``rps_max`` per device (best first).
+        notes: hosts that serve nothing and why.
+    """
+
+    cluster_id: str
+    templates: tuple[InstanceTemplate, ...]
+    instances: tuple[FleetInstance, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def rps_max(self) -> float:
+        """The whole fleet's summed envelope, req/s."""
+        return float(sum(i.rps_max for i in self.instances))
+
+    def prefix(self, num_instances: int) -> FleetGear:
+        """The fleet gear of the first ``num_instances`` instances (0..len)."""
+        if not 0 <= num_instances <= len(self.instances):
+            raise InputError("fleet gear", "num_instances", f"got {num_instances}; expected 0..{len(self.instances)}")
+        return FleetGear(self.instances[:num_instances])
+
+    def instances_for(self, rps: float, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION) -> int:
+        """The fewest instances (a prefix) whose summed envelope x (1 - headroom) holds ``rps`` req/s; all
+        of them when even the whole fleet does not (the caller sees ``rps`` above :attr:`rps_max`)."""
+        if not 0 <= headroom_fraction < 1:
+            raise InputError("fleet gear", "headroom_fraction", f"got {headroom_fraction}; expected 0 <= h < 1")
+        need = max(0.0, rps) / (1.0 - headroom_fraction)
+        if need <= 0:
+            return 0
+        total = 0.0
+        for n, inst in enumerate(self.instances, start=1):
+            total += inst.rps_max
+            if total >= need:
+                return n
+        return len(self.instances)
+
+    def gear_for(self, rps: float, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION) -> FleetGear:
+        """:meth:`prefix` of :meth:`instances_for` (at least one instance)."""
+        return self.prefix(max(1, self.instances_for(rps, headroom_fraction)))
+
+
+def host_shapes(cluster: ClusterProfile) -> dict[HostShape, list[str]]:
+    """Hosts grouped by shape (module docstring, step 1), each group in the profile's host order.
+
+    The key holds each device's figures (model, memory GiB, TFLOP/s, GB/s, bf16, largest
+    micro-batch, availability), in device order, and the host's intra-host figures; a host with a
+    device whose pairs are overridden is keyed by its own id.
+    """
+    by_host: dict[str, list[Device]] = {}
+    for d in cluster.devices:
+        by_host.setdefault(d.node_id, []).append(d)
+    groups: dict[HostShape, list[str]] = {}
+    for host_id, devices in by_host.items():
+        figures = tuple((d.model_name, d.memory_gib, d.peak_tflops, d.hbm_bandwidth_gbps, d.bf16, d.max_micro_batch,
+                         d.available_until, tuple(sorted(d.op_timings_ms.items()))) for d in devices)
+        if cluster.topology is not None:
+            h = cluster.topology.host(host_id)
+            position: tuple[object, ...] = (h.intra_kind, h.intra_bandwidth_gbps, h.intra_latency_us)
+        else:
+            position = ("host", host_id)
+        if any(cluster.link_is_overridden(d.device_id) for d in devices):
+            position = (*position, "measured", host_id)
+        groups.setdefault((figures, position), []).append(host_id)
+    return groups
+
+
+def _units(cluster: ClusterProfile, host_ids: list[str], unit_hosts: int) -> tuple[list[tuple[str, ...]], list[str]]:
+    """``host_ids`` cut into units of ``unit_hosts`` hosts of one rack, and the hosts left over."""
+    by_rack: dict[object, list[str]] = {}
+    for h in host_ids:
+        rack = cluster.topology.host(h).rack_id if cluster.topology is not None else None
+        by_rack.setdefault(rack, []).append(h)
+    units: list[tuple[str, ...]] = []
+    left: list[str] = []
+    for hosts in by_rack.values():
+        whole = len(hosts) - len(hosts) % unit_hosts
+        units += [tuple(hosts[i:i + unit_hosts]) for i in range(0, whole, unit_hosts)]
+        left += hosts[whole:]
+    return units, left
+
+
+def _devices_by_host(cluster: ClusterProfile) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for d in cluster.devices:
+        out.setdefault(d.node_id, []).append(d.device_id)
+    return out
+
+
+def map_gear(gear: Gear, device_map: dict[str, str], gear_id: str) -> Gear:
+    """A copy of ``gear`` with every device id mapped through ``device_map`` and the id ``gear_id``.
+
+    Raises:
+        InputError: a device of the gear missing from ``device_map``.
+    """
+    missing = [d for d in gear.device_ids if d not in device_map]
+    if missing:
+        raise InputError(gear.gear_id, "device_ids", f"no device to map {missing[:3]} to")
+    stages = [StagePlan(**{**st.model_dump(), "device_ids": [device_map[d] for d in st.device_ids]})
+              for st in gear.stages]
+    return gear.model_copy(update={"gear_id": gear_id, "stages": stages})
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """What the instances are sized for.
+
+    Attributes:
+        slo_ttft_ms / slo_tpot_ms: the SLO each instance's envelope is measured against, ms.
+        attainment: share of requests that must meet it (0..1].
+        num_requests: requests of the reference trace per envelope probe.
+        max_unit_hosts: most hosts one instance may span.
+    """
+
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 200.0
+    attainment: float = 0.95
+    num_requests: int = 1000
+    max_unit_hosts: int = MAX_UNIT_HOSTS
+
+
+def plan_template(cluster: ClusterProfile, spec: ModelSpec, unit: tuple[str, ...], reference: Workload, *,
+                  dtype: str, settings: FleetSettings, shape: HostShape = ()) -> InstanceTemplate:
+    """Plan and measure the operating gears on the hosts ``unit``; the best envelope per device is the template.
+
+    Raises:
+        InfeasibleError: the model does not fit the unit, or no gear meets the SLO at any rate there.
+    """
+    by_host = _devices_by_host(cluster)
+    sub = cluster.restricted({d for h in unit for d in by_host[h]}, cluster_id=f"{cluster.cluster_id}-{unit[0]}")
+    gear_set = plan_gear_set(sub, spec, dtype=dtype)
+    cm = make_search(sub, spec, dtype=dtype).cm
+    gears = refine_envelopes(gear_set.gears, cm, reference, slo_ttft_ms=settings.slo_ttft_ms,
+                             slo_tpot_ms=settings.slo_tpot_ms, attainment=settings.attainment,
+                             num_requests=settings.num_requests)
+    serving = [g for g in gears if g.rps_max > 0 and math.isfinite(g.rps_max)]
+    if not serving:
+        raise InfeasibleError(f"no gear on {len(unit)} host(s) like {unit[0]} meets TTFT {settings.slo_ttft_ms:g} ms / "
+                              f"TPOT {settings.slo_tpot_ms:g} ms for {settings.attainment:.0%} of requests at any rate")
+    best = max(serving, key=lambda g: (g.rps_max / len(g.device_ids), g.rps_max, g.gear_id))
+    return InstanceTemplate(shape=shape, unit_host_ids=unit, gear=best, timing=cm.timings(best),
+                            candidates=tuple((g.gear_id, len(g.device_ids), g.rps_max) for g in gears))
+
+
+def plan_fleet(cluster: ClusterProfile, spec: ModelSpec, reference: Workload, *, dtype: str = "bf16",
+               settings: FleetSettings | None = None) -> FleetPlan:
+    """Plan every pipeline instance of ``cluster`` for ``spec`` (the module docstring's four steps).
+
+    Args:
+        reference: the trace the envelopes are measured on (e.g. ``load_trace("azure-conv")``).
+        settings: SLO, attainment and unit limits (defaults: TTFT 2 s, TPOT 200 ms, 95 %).
+
+    Returns:
+        The :class:`FleetPlan`; its cost is one plan and one envelope measurement per host shape.
+
+    Raises:
+        InfeasibleError: no host shape serves the model within the SLO (each shape's reason listed).
+    """
+    settings = settings or FleetSettings()
+    if not 1 <= settings.max_unit_hosts <= MAX_UNIT_HOSTS:
+        raise InputError("fleet plan", "max_unit_hosts", f"got {settings.max_unit_hosts}; expected 1..{MAX_UNIT_HOSTS}")
+    by_host = _devices_by_host(cluster)
+    templates: list[InstanceTemplate] = []
+    instances: list[FleetInstance] = []
+    notes: list[str] = []
+    for shape, hosts in host_shapes(cluster).items():
+        template, reasons = None, []
+        unit_hosts = 1
+        while unit_hosts <= min(settings.max_unit_hosts, len(hosts)):
+            units, _ = _units(cluster, hosts, unit_hosts)
+            if units:
+                try:
+                    template = plan_template(cluster, spec, units[0], reference, dtype=dtype, settings=settings,
+                                             shape=shape)
+                    break
+                except InfeasibleError as exc:
+                    reasons.append(f"{unit_hosts} host(s): {exc}")
+            unit_hosts *= 2
+        if template is None:
+            notes.append(f"{len(hosts)} host(s) like {hosts[0]} serve nothing: "
+                         + ("; ".join(reasons) if reasons else "no rack holds enough of them for one instance"))
+            continue
+        units, left = _units(cluster, hosts, template.unit_hosts)
+        if left:
+            notes.append(f"{len(left)} host(s) like {hosts[0]} serve nothing: a unit takes {template.unit_hosts} "
+                         f"hosts of one rack ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''})")
+        t_index = len(templates)
+        templates.append(template)
+        src = [d for h in template.unit_host_ids for d in by_host[h]]
+        for unit in units:
+            dst = [d for h in unit for d in by_host[h]]
+            gear = map_gear(template.gear, dict(zip(src, dst)), f"{unit[0]}-{template.gear.kind}")
+            instances.append(FleetInstance(instance_id=f"{unit[0]}-{template.gear.kind}", host_ids=unit, gear=gear,
+                                           template=t_index))
+    if not instances:
+        raise InfeasibleError(f"no host of {cluster.cluster_id} serves {spec.name}: " + " | ".join(notes))
+    instances.sort(key=lambda i: (-i.rps_max / max(1, i.num_devices), -i.rps_max, i.instance_id))
+    return FleetPlan(cluster_id=cluster.cluster_id, templates=tuple(templates), instances=tuple(instances),
+                     notes=tuple(notes))
+
+
+def describe_plan(plan: FleetPlan) -> list[dict[str, object]]:
+    """One row per template for tables: shape's first host, units, devices per instance, envelope, req/s per device."""
+    counts: dict[int, int] = {}
+    for inst in plan.instances:
+        counts[inst.template] = counts.get(inst.template, 0) + 1
+    rows: list[dict[str, object]] = []
+    for i, t in enumerate(plan.templates):
+        rows.append({"like_host": t.unit_host_ids[0], "instances": counts.get(i, 0), "hosts_per_instance": t.unit_hosts,
+                     "devices_per_instance": t.num_devices, "stages": t.gear.num_stages,
+                     "micro_batch_size": t.gear.micro_batch_size, "rps_max": round(t.rps_max, 3),
+                     "rps_per_device": round(t.rps_per_device, 4)})
+    return rows
+
+
+def fleet_gear_ladder(plan: FleetPlan, loads_rps: Sequence[float],
+                      headroom_fraction: float = DEFAULT_HEADROOM_FRACTION) -> list[FleetGear]:
+    """The fleet gear for each load (nested prefixes; see :meth:`FleetPlan.gear_for`)."""
+    return [plan.gear_for(r, headroom_fraction) for r in loads_rps]

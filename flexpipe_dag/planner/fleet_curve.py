@@ -1,0 +1,73 @@
+"""How one instance's SLO attainment falls with its load: the curve the fleet day model reads.
+
+For each instance template (:class:`~flexpipe_dag.planner.fleet.InstanceTemplate`) the discrete-event
+simulator replays the reference trace (the envelope's method: ``num_requests`` requests drawn across
+the trace, time-compressed to the rate, lengths and burstiness kept) at a grid of loads, as fractions
+of the instance's envelope ``rps_max``, and grades every request after the warm-up against the SLO
+(no early stop: the attainment is the full run's). Between grid points the curve is linear; above the
+last point the served share falls as ``1 / load`` (an instance at twice its saturation serves half of
+what arrives in time at best).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.planner.envelope import probe_gear, reference_slice
+from flexpipe_dag.planner.fleet import FleetSettings, InstanceTemplate
+from flexpipe_dag.sim.config import SimConfig
+from flexpipe_dag.workload.request import Workload
+
+#: Loads probed, as fractions of the instance's envelope: dense near it, where the curve bends.
+DEFAULT_LOAD_FRACTIONS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6, 2.0)
+
+
+@dataclass(frozen=True)
+class AttainmentCurve:
+    """SLO attainment (0..1) of one instance against its load, as a fraction of its ``rps_max``.
+
+    Attributes:
+        load_fractions: shape ``(k,)``, increasing, > 0.
+        attainment: shape ``(k,)``, the share of requests meeting the SLO at each load.
+        rps_max: the instance's envelope, req/s.
+    """
+
+    load_fractions: np.ndarray
+    attainment: np.ndarray
+    rps_max: float
+
+    def at(self, load_fraction: np.ndarray | float) -> np.ndarray:
+        """Attainment at ``load_fraction`` (array or scalar): the first point's below it, linear between
+        points, ``last x last_fraction / load`` above the last."""
+        x = np.asarray(load_fraction, dtype=float)
+        inside = np.interp(x, self.load_fractions, self.attainment)
+        top = float(self.load_fractions[-1])
+        beyond = self.attainment[-1] * top / np.maximum(x, top)
+        return np.where(x > top, beyond, inside)
+
+
+def measure_attainment_curve(template: InstanceTemplate, reference: Workload, settings: FleetSettings, *,
+                             load_fractions: Sequence[float] = DEFAULT_LOAD_FRACTIONS,
+                             num_requests: int = 600, warmup_fraction: float = 0.25) -> AttainmentCurve:
+    """Simulate ``template``'s gear at each load fraction of its envelope (module docstring).
+
+    Raises:
+        InputError: no load fractions, one not > 0, not increasing; a template without a finite envelope.
+    """
+    fractions = np.asarray(list(load_fractions), dtype=float)
+    if fractions.size == 0 or np.any(fractions <= 0) or np.any(np.diff(fractions) <= 0):
+        raise InputError("attainment curve", "load_fractions", f"got {list(load_fractions)}; expected increasing values > 0")
+    if not (math.isfinite(template.rps_max) and template.rps_max > 0):
+        raise InputError("attainment curve", template.gear.gear_id, f"rps_max {template.rps_max}; expected a finite envelope > 0")
+    ref, native = reference_slice(reference, num_requests)
+    config = SimConfig(slo_ttft_ms=settings.slo_ttft_ms, slo_tpot_ms=settings.slo_tpot_ms)
+    attained = [probe_gear(template.gear, template.timing, ref, native, float(f) * template.rps_max, config=config,
+                           attainment=settings.attainment, warmup_fraction=warmup_fraction,
+                           early_stop=False).slo_attainment for f in fractions]
+    return AttainmentCurve(load_fractions=fractions, attainment=np.asarray(attained, dtype=float),
+                           rps_max=template.rps_max)

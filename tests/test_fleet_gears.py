@@ -1,0 +1,214 @@
+"""Fleet gears (issue 20, items 3-4): instances planned per host shape, nested fleet gears, the fleet
+scaler, the exact fleet simulator and the fluid day model checked against it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from flexpipe_dag.control.day_setting import tide_day
+from flexpipe_dag.control.fleet_day import best_static, instance_changes, simulate_fleet_day
+from flexpipe_dag.control.fleet_scaler import FleetScaler, FleetScalerConfig
+from flexpipe_dag.core.cluster import load_cluster_profile
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.planner.fleet import FleetInstance, FleetPlan, FleetSettings, host_shapes, plan_fleet
+from flexpipe_dag.planner.fleet_curve import AttainmentCurve, measure_attainment_curve
+from flexpipe_dag.planner.model_spec import load_model_spec
+from flexpipe_dag.sim.config import SimConfig
+from flexpipe_dag.sim.fleet import FleetSimulator, InstanceChange, attainment_after
+from flexpipe_dag.workload import load_trace
+from flexpipe_dag.workload.transform import speedup
+from tests.support import EXAMPLES, enveloped_gear
+
+SETTINGS = FleetSettings(num_requests=400)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """The shipped small fleet (2 hosts of 4 A10, 2 of 4 T4) planned for Llama-3-8B, with attainment curves."""
+    cluster = load_cluster_profile(EXAMPLES / "fleet_small.yaml")
+    ref = load_trace("azure-conv")
+    plan = plan_fleet(cluster, load_model_spec("Llama-3-8B"), ref, settings=SETTINGS)
+    curves = {i: measure_attainment_curve(t, ref, SETTINGS, num_requests=300) for i, t in enumerate(plan.templates)}
+    return cluster, plan, curves
+
+
+def test_instances_are_planned_once_per_host_shape_and_ordered_by_envelope_per_device(small):
+    cluster, plan, _ = small
+    assert len(host_shapes(cluster)) == 2 and len(plan.templates) == 2
+    assert len(plan.instances) == 4 and not plan.notes
+    hosts_of = {d.device_id: d.node_id for d in cluster.devices}
+    used: set[str] = set()
+    for inst in plan.instances:
+        assert {hosts_of[d] for d in inst.gear.device_ids} == set(inst.host_ids)  # on its own hosts
+        assert not used & set(inst.gear.device_ids)                              # disjoint
+        used |= set(inst.gear.device_ids)
+        assert inst.rps_max == plan.templates[inst.template].rps_max > 0
+    per_device = [i.rps_max / i.num_devices for i in plan.instances]
+    assert per_device == sorted(per_device, reverse=True)
+    assert plan.instances[0].host_ids[0].startswith("a10")  # A10s serve more per device than T4s
+    assert plan.rps_max == pytest.approx(sum(i.rps_max for i in plan.instances))
+
+
+def test_fleet_gears_are_nested_prefixes_sized_with_headroom(small):
+    _, plan, _ = small
+    first = plan.instances[0].rps_max
+    assert plan.instances_for(0.0) == 0 and plan.gear_for(0.0).fleet_gear_id == "fleet-1"
+    assert plan.instances_for(0.8 * first, 0.2) == 1
+    assert plan.instances_for(0.81 * first, 0.2) == 2
+    assert plan.instances_for(10 * plan.rps_max) == len(plan.instances)
+    big, smaller = plan.gear_for(plan.rps_max * 0.7, 0.0), plan.gear_for(first * 0.5, 0.0)
+    assert big.instances[:len(smaller.instances)] == smaller.instances
+    assert big.rps_max == pytest.approx(sum(i.rps_max for i in big.instances))
+    with pytest.raises(InputError, match="headroom_fraction"):
+        plan.instances_for(1.0, 1.0)
+
+
+def test_a_shape_that_cannot_serve_is_named_and_left_out():
+    cluster = load_cluster_profile(EXAMPLES / "fleet_small.yaml")
+    spec = load_model_spec("Llama-2-70B")  # 130 GiB of weights: no unit of these hosts within the SLO
+    with pytest.raises(Exception, match="serve") as info:
+        plan_fleet(cluster, spec, load_trace("azure-conv"), settings=FleetSettings(num_requests=200, max_unit_hosts=2))
+    assert "a10-0" in str(info.value) and "t4-0" in str(info.value)
+
+
+def test_fleet_envelope_holds_in_the_exact_fleet_simulator(small):
+    """The promise: all instances behind the router at 80 % of the summed envelope keep >= 90 % attainment."""
+    _, plan, _ = small
+    ref = load_trace("azure-conv")
+    work = ref if len(ref) <= 1500 else type(ref)(name=ref.name, requests=ref.requests[:1500])
+    work = speedup(work, 0.8 * plan.rps_max / work.mean_rate_rps)
+    changes = [InstanceChange(0.0, "add", i.instance_id, i.gear, plan.templates[i.template].timing)
+               for i in plan.instances]
+    result = FleetSimulator(SimConfig(slo_ttft_ms=SETTINGS.slo_ttft_ms, slo_tpot_ms=SETTINGS.slo_tpot_ms)).run(work, changes)
+    assert result.lost == 0
+    assert attainment_after(result, 0.25 * work.duration_s) >= 0.9
+    served = result.requests.groupby("instance_id").size()
+    assert set(served.index) == {i.instance_id for i in plan.instances}  # every instance takes work
+    big, tiny = plan.instances[0].instance_id, plan.instances[-1].instance_id
+    assert served[big] > served[tiny]  # in proportion to capacity, not round robin
+
+
+def test_removing_an_instance_under_load_loses_nothing(small):
+    _, plan, _ = small
+    work = load_trace("azure-conv")
+    work = type(work)(name=work.name, requests=work.requests[:600])
+    work = speedup(work, 0.5 * plan.rps_max / work.mean_rate_rps)
+    mid = work.requests[300].arrival_s
+    a, b = plan.instances[0], plan.instances[1]
+    changes = [InstanceChange(0.0, "add", a.instance_id, a.gear, plan.templates[a.template].timing),
+               InstanceChange(0.0, "add", b.instance_id, b.gear, plan.templates[b.template].timing),
+               InstanceChange(mid, "remove", b.instance_id)]
+    result = FleetSimulator(SimConfig(slo_ttft_ms=2000.0, slo_tpot_ms=200.0)).run(work, changes)
+    assert result.lost == 0 and len(result.requests) == 600
+    assert result.requests["request_id"].is_unique
+    on_b = result.requests[result.requests["instance_id"] == b.instance_id]
+    assert len(on_b) > 0 and on_b["arrival_s"].max() < mid  # nothing routed to it after removal
+    row = result.instances.set_index("instance_id").loc[b.instance_id]
+    assert row["held_until_s"] == pytest.approx(max(mid, on_b["finish_s"].max()))  # held while draining
+
+
+def test_fluid_day_model_agrees_with_the_exact_fleet_simulator(small):
+    """The same compressed tide day and the same scaler decisions, played by the window model and request
+    by request: attainment within 3 points, device-hours within 5 %, and the exact run loses nothing."""
+    _, plan, curves = small
+    duration_s, window_s = 3600.0, 30.0
+    work = tide_day(start_day=1, duration_s=duration_s, peak_rps=0.8 * plan.rps_max)
+    arrivals = np.array([r.arrival_s for r in work.requests])
+    rates = np.bincount((arrivals // window_s).astype(int), minlength=int(duration_s // window_s))
+    rates = rates[:int(duration_s // window_s)] / window_s
+    cfg = FleetScalerConfig(sample_period_s=window_s, dwell_s=300, scale_out_dwell_s=60, instance_warmup_s=30,
+                            instance_drain_s=15, forecast_horizon_s=0)
+    day = simulate_fleet_day(plan, curves, rates, window_s=window_s, scaler_config=cfg)
+    assert day.decisions and all(d.reason for d in day.decisions)
+    changes = instance_changes(plan, day, warmup_s=cfg.instance_warmup_s)
+    exact = FleetSimulator(SimConfig(slo_ttft_ms=SETTINGS.slo_ttft_ms, slo_tpot_ms=SETTINGS.slo_tpot_ms)).run(work, changes)
+    assert exact.lost == 0
+    assert abs(exact.slo_attainment() - day.slo_attainment) <= 0.03
+    held_exact = exact.instances.assign(held=lambda f: np.minimum(f["held_until_s"], duration_s) - f["added_s"])
+    device_hours_exact = float((held_exact["held"].clip(lower=0) * held_exact["devices"]).sum() / 3600.0)
+    assert device_hours_exact == pytest.approx(day.device_hours, rel=0.05)
+    static = best_static(plan, curves, rates, attainment=day.slo_attainment, window_s=window_s)
+    assert static.slo_attainment >= day.slo_attainment
+    assert static.policy.startswith("static-")
+
+
+# ---------------------------------------------------------------------------------------------- scaler
+
+
+def _plan(envelopes: list[float]) -> FleetPlan:
+    instances = tuple(FleetInstance(instance_id=f"i{k}", host_ids=(f"h{k}",),
+                                    gear=enveloped_gear(f"i{k}", "throughput", 0.0, rps, 1), template=0)
+                      for k, rps in enumerate(envelopes))
+    return FleetPlan(cluster_id="fake", templates=(), instances=instances)
+
+
+def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():
+    plan = _plan([10.0, 10.0, 10.0, 10.0])
+    cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=2, dwell_s=600,
+                            scale_out_dwell_s=0, forecast_horizon_s=0)
+    scaler = FleetScaler(plan, cfg)
+    st = scaler.initial_state(5.0)
+    assert st.instances == 1
+    st, d = scaler.decide(st, 60, 25.0)
+    assert not d.changed and d.reason_kind == "hold"          # one sample is not enough
+    st, d = scaler.decide(st, 120, 25.0)
+    assert (d.from_instances, d.to_instances, d.reason_kind) == (1, 4, "scale_out")  # 25 / 0.8 = 31.25 > 30
+    st, d = scaler.decide(st, 180, 5.0)
+    st, d = scaler.decide(st, 240, 5.0)
+    assert not d.changed and d.reason_kind == "dwell" and "600" in d.reason
+    st, d = scaler.decide(st, 780, 5.0)
+    assert (d.to_instances, d.reason_kind) == (1, "scale_in") and "drain + warm-up" in d.reason
+
+
+def test_scaler_declines_a_scale_in_the_forecast_says_will_not_pay_back():
+    plan = _plan([10.0, 10.0])
+    cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=1, dwell_s=0,
+                            forecast_horizon_s=1800, instance_warmup_s=120, instance_drain_s=60)
+    scaler = FleetScaler(plan, cfg)
+    st = scaler.initial_state(15.0)
+
+    def rise_soon(t_s: float, rps: float, horizon_s: float) -> float:   # load returns within 2 min
+        return rps if horizon_s < 120 else 15.0
+
+    def stays_low(t_s: float, rps: float, horizon_s: float) -> float:
+        return rps
+
+    cfg_no_lookahead = cfg.model_copy(update={"scale_in_headroom_fraction": 0.3})
+    # the forecast max over the horizon includes the rise, so scale-in is not even wanted
+    _, d = FleetScaler(plan, cfg_no_lookahead).decide(st, 60, 2.0, rise_soon)
+    assert not d.changed
+    # a forecast that is low over the whole horizon: scale in, with the expected residence in the reason
+    _, d = scaler.decide(st, 60, 2.0, stays_low)
+    assert d.to_instances == 1 and "1800 s" in d.reason
+    # without a forecast the expected residence is one dwell: 0 s here, below 180 s of drain + warm-up
+    _, d = scaler.decide(st, 60, 2.0)
+    assert not d.changed and d.reason_kind == "payback"
+
+
+def test_scaler_refuses_bad_figures():
+    with pytest.raises(ValueError, match="scale_in_headroom_fraction"):
+        FleetScalerConfig(headroom_fraction=0.3, scale_in_headroom_fraction=0.1)
+    scaler = FleetScaler(_plan([1.0]))
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(InputError, match="rps"):
+            scaler.decide(scaler.initial_state(0.5), 0.0, bad)
+
+
+def test_attainment_curve_reads_between_and_beyond_its_points():
+    curve = AttainmentCurve(load_fractions=np.array([0.5, 1.0, 2.0]), attainment=np.array([1.0, 0.9, 0.4]), rps_max=10.0)
+    assert curve.at(0.1) == pytest.approx(1.0)
+    assert curve.at(0.75) == pytest.approx(0.95)
+    assert curve.at(4.0) == pytest.approx(0.2)
+
+
+def test_fluid_day_refuses_bad_input(small):
+    _, plan, curves = small
+    with pytest.raises(InputError, match="rates_rps"):
+        simulate_fleet_day(plan, curves, [1.0, -1.0])
+    with pytest.raises(InputError, match="curves"):
+        simulate_fleet_day(plan, {}, [1.0])
+    with pytest.raises(InputError, match="static_instances"):
+        simulate_fleet_day(plan, curves, [1.0], static_instances=99)

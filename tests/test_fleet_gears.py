@@ -148,7 +148,8 @@ def _plan(envelopes: list[float]) -> FleetPlan:
 def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():
     plan = _plan([10.0, 10.0, 10.0, 10.0])
     cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=2, dwell_s=600,
-                            scale_out_dwell_s=0, forecast_horizon_s=0)
+                            scale_out_dwell_s=0, forecast_horizon_s=0, headroom_fraction=0.2,
+                            scale_in_headroom_fraction=0.3)
     scaler = FleetScaler(plan, cfg)
     st = scaler.initial_state(5.0)
     assert st.instances == 1
@@ -166,7 +167,8 @@ def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():
 def test_scaler_declines_a_scale_in_the_forecast_says_will_not_pay_back():
     plan = _plan([10.0, 10.0])
     cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=1, dwell_s=0,
-                            forecast_horizon_s=1800, instance_warmup_s=120, instance_drain_s=60)
+                            forecast_horizon_s=1800, instance_warmup_s=120, instance_drain_s=60,
+                            headroom_fraction=0.2, scale_in_headroom_fraction=0.3)
     scaler = FleetScaler(plan, cfg)
     st = scaler.initial_state(15.0)
 

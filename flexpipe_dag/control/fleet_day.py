@@ -38,6 +38,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.fleet import FleetPlan
 from flexpipe_dag.planner.fleet_curve import AttainmentCurve
 from flexpipe_dag.sim.fleet import InstanceChange
+from flexpipe_dag.workload import load_tide_trace
 
 
 @dataclass(frozen=True)
@@ -247,3 +248,24 @@ def instance_changes(plan: FleetPlan, day: FleetDayResult, *, warmup_s: float) -
             for i in range(d.to_instances, d.from_instances):
                 changes.append(InstanceChange(at_s=d.t_s, kind="remove", instance_id=live.pop(i)))
     return changes
+
+
+def tide_rates(start_day: int, *, peak_rps: float, window_s: float = 60.0) -> np.ndarray:
+    """Day ``start_day`` of the bundled ServeGen tide (600-s windows) held piecewise-constant on
+    ``window_s`` steps and scaled so its peak is ``peak_rps``: one rate per window, req/s, shape ``(86400 / window_s,)``.
+
+    Raises:
+        InputError: a day outside the tide, ``peak_rps`` or ``window_s`` not > 0.
+    """
+    tide = load_tide_trace()
+    days = int(tide.duration_s // 86400)
+    if not 0 <= start_day < days:
+        raise InputError("fleet day", "start_day", f"the ServeGen tide holds days 0..{days - 1}, got {start_day}")
+    for name, value in (("peak_rps", peak_rps), ("window_s", window_s)):
+        if not (math.isfinite(value) and value > 0):
+            raise InputError("fleet day", name, f"got {value}; expected a finite number > 0")
+    rates = np.asarray(tide.rate_at(86400.0 * start_day + np.arange(0.0, 86400.0, window_s)), dtype=float)
+    top = float(rates.max())
+    if top <= 0:
+        raise InputError("fleet day", "start_day", f"day {start_day} of the tide carries no traffic")
+    return rates * (peak_rps / top)

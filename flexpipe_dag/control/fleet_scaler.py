@@ -47,16 +47,22 @@ FleetReasonKind = Literal["scale_out", "scale_in", "hold", "dwell", "payback"]
 
 
 class FleetScalerConfig(Figures):
-    """Figures of :class:`FleetScaler` (units in the names; module docstring for what each does)."""
+    """Figures of :class:`FleetScaler` (units in the names; module docstring for what each does).
+
+    Defaults: an instance's envelope is already the highest rate at which 95 % of requests meet the SLO,
+    and a fleet's load is spread over many instances, so the fleet plans to use 95 % of its summed
+    envelope (``headroom_fraction`` 0.05) and gives instances back only below 85 % (the band is the
+    hysteresis); the forecast looks 600 s ahead, the warm-up (120 s) plus two samples and a margin.
+    """
 
     sample_period_s: float = Field(60.0, gt=0, le=86400.0, allow_inf_nan=False)
     rps_ema_alpha: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)
-    headroom_fraction: float = Field(0.2, ge=0, lt=1, allow_inf_nan=False)
-    scale_in_headroom_fraction: float = Field(0.3, ge=0, lt=1, allow_inf_nan=False)
+    headroom_fraction: float = Field(0.05, ge=0, lt=1, allow_inf_nan=False)
+    scale_in_headroom_fraction: float = Field(0.15, ge=0, lt=1, allow_inf_nan=False)
     hysteresis_samples: int = Field(2, ge=1, le=1000)
     dwell_s: float = Field(600.0, ge=0, allow_inf_nan=False)
     scale_out_dwell_s: float = Field(120.0, ge=0, allow_inf_nan=False)
-    forecast_horizon_s: float = Field(1800.0, ge=0, le=86400.0, allow_inf_nan=False)
+    forecast_horizon_s: float = Field(600.0, ge=0, le=86400.0, allow_inf_nan=False)
     instance_warmup_s: float = Field(120.0, ge=0, allow_inf_nan=False,
                                      description="start to first admission of a new instance (weights loaded, warmed)")
     instance_drain_s: float = Field(60.0, ge=0, allow_inf_nan=False,

@@ -34,7 +34,6 @@ shift (:mod:`flexpipe_dag.shift.executor`), unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flexpipe_dag.core.cluster import ClusterProfile, Device
@@ -48,8 +47,9 @@ from flexpipe_dag.workload.request import Workload
 
 #: Most hosts one pipeline instance may span (a model that needs more is left unplanned on that shape).
 MAX_UNIT_HOSTS = 16
-#: Share of an envelope a fleet gear plans to use by default: 20 % headroom for bursts and forecast error.
-DEFAULT_HEADROOM_FRACTION = 0.2
+#: Share of a fleet gear's summed envelope held back by default (each envelope is already the rate at which
+#: 95 % of requests meet the SLO; 5 % more covers forecast error across many instances).
+DEFAULT_HEADROOM_FRACTION = 0.05
 
 HostShape = tuple[object, ...]
 
@@ -363,8 +363,3 @@ def describe_plan(plan: FleetPlan) -> list[dict[str, object]]:
                      "rps_per_device": round(t.rps_per_device, 4)})
     return rows
 
-
-def fleet_gear_ladder(plan: FleetPlan, loads_rps: Sequence[float],
-                      headroom_fraction: float = DEFAULT_HEADROOM_FRACTION) -> list[FleetGear]:
-    """The fleet gear for each load (nested prefixes; see :meth:`FleetPlan.gear_for`)."""
-    return [plan.gear_for(r, headroom_fraction) for r in loads_rps]

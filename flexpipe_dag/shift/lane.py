@@ -79,7 +79,8 @@ class Lane:
     Attributes:
         lane_id: unique name, ``"<gear_id>#<n>"``.
         runtime: the started :class:`PipelineRuntime`.
-        state: ``warming`` (shadow, probes only), ``active`` (the entry point), ``draining``
+        state: ``warming`` (shadow, probes only), ``active`` (requests are routed to it: the entry point,
+            or a further instance beside it), ``draining``
             (no new admissions, in-flight requests finish), ``standby`` (drained, kept alive as the
             rollback target), ``retired`` (processes stopped), ``failed``.
         failure: the :class:`StageFailedError` that ended it, if any.

@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InfeasibleError, InputError
+from flexpipe_dag.runtime.pipeline import RuntimeOptions, stage_memory_bytes
 from flexpipe_dag.runtime.scheduler import Request
 from flexpipe_dag.shift import InstanceFleet, ServingRouter, ShiftConfig
 from tests.support import wait_until
@@ -128,3 +129,9 @@ def test_removing_an_instance_that_cannot_drain_in_time_moves_its_requests():
         assert [s.instance_id for s in fleet.instances] == [a]
         with pytest.raises(InputError, match="last live instance"):
             fleet.remove_instance(a)
+        # a third instance that would not fit beside the live one on cpu0 is refused before it starts
+        one = stage_memory_bytes(router.lane(a).gear, checkpoint())[0]["total_bytes"]
+        tight = RuntimeOptions(device_memory_bytes={"cpu0": int(1.5 * one / (1 - FAST.memory_reserve_fraction))})
+        with pytest.raises(InfeasibleError, match=r"does not fit beside the live instances \['a#"):
+            fleet.add_instance(gear([(0, 30)], micro_batch_size=2, gear_id="c"), options=tight)
+        assert [s.instance_id for s in fleet.instances] == [a] and len(router.lanes) == 2

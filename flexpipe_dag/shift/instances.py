@@ -28,7 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flexpipe_dag.core.errors import InfeasibleError
 from flexpipe_dag.shift.executor import GearExecutor, ShiftConfig
+from flexpipe_dag.shift.residency import plan_residency
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexpipe_dag.core.gear import Gear
@@ -127,13 +129,18 @@ class InstanceFleet:
         Returns the new instance's id.
 
         Raises:
-            InputError, InfeasibleError: the gear does not fit its devices (nothing started).
+            InputError, InfeasibleError: the gear does not fit its devices, alone or beside the live
+                instances (:meth:`check_room`; nothing started).
             FlexPipeError: it did not start, warm up or verify within ``config.warmup_timeout_s`` (its
                 processes are stopped, routing is unchanged; the message names the step).
         """
+        from flexpipe_dag.runtime.pipeline import RuntimeOptions
+
+        opts = options or self.options or RuntimeOptions()
         with self._start_lock:
+            self.check_room(gear, opts)
             reference = self.router.active
-            lane = self.executor.start_warm_lane(gear, self.ckpt, options or self.options,
+            lane = self.executor.start_warm_lane(gear, self.ckpt, opts,
                                                  reference if reference is not None and reference.alive else None)
             try:
                 self.router.route_to(lane)
@@ -141,6 +148,37 @@ class InstanceFleet:
                 lane.force_stop()
                 raise
             return lane.lane_id
+
+    def check_room(self, gear: Gear, options: RuntimeOptions) -> None:
+        """Refuse a gear whose weights and full KV pool do not fit beside every live pipeline of the router
+        (each memory pool: a device of ``options.device_memory_bytes``, or this host's memory shared by the
+        others, less ``config.memory_reserve_fraction``; :func:`~flexpipe_dag.shift.residency.plan_residency`).
+
+        Raises:
+            InfeasibleError: naming the pool that is short and the live instances it holds.
+        """
+        from flexpipe_dag.core.host import host_memory_bytes
+        from flexpipe_dag.runtime.pipeline import kv_num_blocks, stage_memory_bytes
+
+        live = [lane for lane in self.router.lanes if lane.alive]
+        if not live:
+            return
+        live_rows = [row for lane in live for row in stage_memory_bytes(lane.gear, self.ckpt, lane.runtime.options.dtype,
+                                                                        lane.runtime.options.device)]
+        new_rows = stage_memory_bytes(gear, self.ckpt, options.dtype, options.device)
+        full_kv_tokens = kv_num_blocks(gear) * gear.kv_block_size_tokens
+        plan = plan_residency(live_rows, new_rows, options.device_memory_bytes or {}, host_memory_bytes(),
+                              full_kv_tokens=full_kv_tokens, block_size_tokens=gear.kv_block_size_tokens,
+                              min_kv_tokens=full_kv_tokens, reserve_fraction=self.config.memory_reserve_fraction)
+        if plan.mode != "shadow":
+            short = [p for p in plan.pools if p["kv_tokens_fit"] is not None and p["kv_tokens_fit"] < full_kv_tokens]
+            pool = short[0] if short else plan.pools[0]
+            raise InfeasibleError(
+                f"gear {gear.gear_id!r} does not fit beside the live instances {[ln.lane_id for ln in live]}: memory "
+                f"pool {pool['pool']!r} has {pool['capacity_bytes'] / 2**30:.2f} GiB after the "
+                f"{self.config.memory_reserve_fraction:.0%} reserve, they hold {pool['old_bytes'] / 2**30:.2f} GiB and "
+                f"it needs {(pool['new_param_bytes'] + pool['new_kv_bytes']) / 2**30:.2f} GiB (weights + "
+                f"{full_kv_tokens}-token KV pool); remove an instance or choose a smaller gear or KV pool")
 
     def remove_instance(self, instance_id: str, drain_timeout_s: float | None = None) -> InstanceRemoval:
         """Stop routing to the instance, let it drain, then shut it down; nothing lost, nothing delivered twice.

@@ -12,14 +12,17 @@ Modules (one job each):
   offline requests, with an atomic switch of the entry point and re-submission on failure.
 * :mod:`~flexpipe_dag.shift.executor` - :class:`GearExecutor`: warm-up, verify, switch, drain,
   health window, release, KV growth, rollback; returns a :class:`ShiftOutcome`.
+* :mod:`~flexpipe_dag.shift.instances` - :class:`InstanceFleet`: several instances behind one router,
+  added (warm-up, verify, then routed to) and removed (withdrawn, drained, shut down) under load.
 
 The runtime (torch) is imported lazily, inside the functions that start pipelines.
 """
 
 from flexpipe_dag.shift.executor import GearExecutor, ShiftConfig, ShiftOutcome
+from flexpipe_dag.shift.instances import InstanceFleet, InstanceRemoval, InstanceStatus
 from flexpipe_dag.shift.ledger import INTERNAL_PREFIX, RequestLedger
 from flexpipe_dag.shift.residency import ResidencyPlan, plan_residency
 from flexpipe_dag.shift.router import ServingRouter
 
-__all__ = ["GearExecutor", "INTERNAL_PREFIX", "RequestLedger", "ResidencyPlan", "ServingRouter", "ShiftConfig",
-           "ShiftOutcome", "plan_residency"]
+__all__ = ["GearExecutor", "INTERNAL_PREFIX", "InstanceFleet", "InstanceRemoval", "InstanceStatus", "RequestLedger",
+           "ResidencyPlan", "ServingRouter", "ShiftConfig", "ShiftOutcome", "plan_residency"]

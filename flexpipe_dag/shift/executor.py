@@ -196,6 +196,53 @@ class GearExecutor:
         finally:
             self._lock.release()
 
+    def start_warm_lane(self, gear: Gear, ckpt, options: RuntimeOptions | None = None,
+                        reference: Lane | None = None) -> Lane:
+        """Steps 1-2 of a shadow shift without the switch: start ``gear``'s pipeline beside the live ones,
+        run the warm-up requests through it and, when a live ``reference`` lane is given, check that its
+        greedy tokens for the known prompt equal the reference's. The returned lane is ``warming`` (it
+        serves probes only) until the caller routes to it (:meth:`ServingRouter.route_to`).
+
+        Args:
+            gear: the gear to start (the fit of its stages is checked first).
+            ckpt: the model's :class:`~flexpipe_dag.runtime.model_loader.Checkpoint`.
+            options: runtime options (default: the executor's); start and step limits as for a shift.
+            reference: a live lane of the same model whose greedy answer the new one must match.
+
+        Raises:
+            InputError, InfeasibleError: the gear does not fit its devices (nothing started).
+            FlexPipeError: the pipeline did not start, warm up or verify within ``warmup_timeout_s``
+                (its processes are stopped; the message names the step).
+            RuntimeError: a shift or another start is running on this executor.
+        """
+        from flexpipe_dag.runtime.pipeline import RuntimeOptions, check_gear_fits
+
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("a shift or an instance start is already running on this executor")
+        try:
+            cfg = self.config
+            opts = self._new_options(options or self.options or RuntimeOptions())
+            check_gear_fits(gear, ckpt, opts)
+            self._verify_request("tokenize", 1, ckpt)  # tokenizer load stays outside the step deadlines
+            deadline = time.monotonic() + cfg.warmup_timeout_s
+            ref_probe = None
+            if reference is not None and reference.alive:
+                ref_probe = self.router.submit_probe(
+                    reference, self._verify_request("ref", cfg.warmup_max_new_tokens, ckpt, priority=1))
+            lane = self._start_lane(gear, ckpt, opts, deadline)
+            try:
+                warm = self._warm_up(lane, ckpt, deadline)
+                if ref_probe is not None:
+                    ref = self._probe_result(ref_probe, deadline, "verify", "reference instance's answer",
+                                             at_fault=False)
+                    self._check_tokens(warm, ref.output_token_ids, "verify")
+            except BaseException:
+                lane.force_stop()
+                raise
+            return lane
+        finally:
+            self._lock.release()
+
     # -- the steps ----------------------------------------------------------------------------------
     def _shift(self, new_gear: Gear, options: RuntimeOptions | None) -> ShiftOutcome:
         from flexpipe_dag.runtime.pipeline import check_gear_fits
@@ -350,7 +397,7 @@ class GearExecutor:
             raise _StepFailed("warmup", reason)
         return self.router.add_lane(rt, state="warming")
 
-    def _warm_up(self, lane: Lane, ckpt, deadline: float, out: ShiftOutcome) -> list[list[int]]:
+    def _warm_up(self, lane: Lane, ckpt, deadline: float, out: ShiftOutcome | None = None) -> list[list[int]]:
         """Warm-up requests one at a time with a duty cycle of ``warmup_compute_fraction``."""
         cfg = self.config
         tokens, busy = [], 0.0
@@ -364,8 +411,9 @@ class GearExecutor:
             if i + 1 < cfg.warmup_requests:
                 idle = took * (1.0 / cfg.warmup_compute_fraction - 1.0)
                 time.sleep(max(0.0, min(idle, deadline - time.monotonic())))
-        out.details.update(warmup_requests=cfg.warmup_requests, warmup_busy_s=round(busy, 4),
-                           warmup_compute_fraction=cfg.warmup_compute_fraction)
+        if out is not None:
+            out.details.update(warmup_requests=cfg.warmup_requests, warmup_busy_s=round(busy, 4),
+                               warmup_compute_fraction=cfg.warmup_compute_fraction)
         return tokens
 
     def _check_tokens(self, got: list[list[int]], want: list[int], step: str) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from flexpipe_dag.shift.ledger import RequestLedger
+from flexpipe_dag.shift.ledger import RequestLedger, request_work_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexpipe_dag.runtime.pipeline import PipelineRuntime
@@ -79,7 +79,8 @@ class Lane:
     Attributes:
         lane_id: unique name, ``"<gear_id>#<n>"``.
         runtime: the started :class:`PipelineRuntime`.
-        state: ``warming`` (shadow, probes only), ``active`` (the entry point), ``draining``
+        state: ``warming`` (shadow, probes only), ``active`` (requests are routed to it: the entry point,
+            or a further instance beside it), ``draining``
             (no new admissions, in-flight requests finish), ``standby`` (drained, kept alive as the
             rollback target), ``retired`` (processes stopped), ``failed``.
         failure: the :class:`StageFailedError` that ended it, if any.
@@ -109,6 +110,18 @@ class Lane:
 
     def start_pump(self) -> None:
         self._thread.start()
+
+    def can_hold(self, request: Any) -> bool:
+        """Whether this lane's pipeline can ever serve ``request``: its prompt + ``max_new_tokens`` within
+        the runtime's :attr:`~flexpipe_dag.runtime.pipeline.PipelineRuntime.longest_request_tokens` (its
+        context and one lane of its KV pool), after the prompt is cut to the context when the runtime
+        truncates (``RuntimeOptions.truncate_context``)."""
+        rt = self.runtime
+        tokens = request_work_tokens(request)
+        context = rt.max_context_tokens
+        if rt.options.truncate_context and context is not None and request.max_new_tokens < context:
+            tokens = min(tokens, context)
+        return tokens <= rt.longest_request_tokens
 
     # -- pump ---------------------------------------------------------------------------------------
     def _pump(self) -> None:

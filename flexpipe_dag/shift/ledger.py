@@ -27,6 +27,12 @@ INTERNAL_PREFIX = "__shift-"
 EntryStatus = Literal["held", "pending", "finished", "refused", "failed"]
 
 
+def request_work_tokens(request: Any) -> int:
+    """Prompt + ``max_new_tokens`` of a request (0 for what has neither): the work it brings to a pipeline."""
+    prompt = getattr(request, "prompt_token_ids", None) or ()
+    return len(prompt) + int(getattr(request, "max_new_tokens", 0) or 0)
+
+
 class Probe:
     """A handle on one internal request: :meth:`result` blocks until it finished, failed or timed out."""
 
@@ -71,6 +77,7 @@ class LedgerEntry:
     lanes: list[str] = field(default_factory=list)  # every lane it was submitted to, in order
     finished_by: str | None = None
     probe: Probe | None = None
+    work_tokens: int = 0  # prompt + max_new_tokens: the work it brings to a lane (routing by load)
 
     @property
     def internal(self) -> bool:
@@ -100,6 +107,7 @@ class RequestLedger:
         self._deliver_lock = threading.Lock()
         self._entries: dict[str, LedgerEntry] = {}
         self._open: dict[str | None, dict[str, LedgerEntry]] = {}  # lane id (None: held) -> open entries
+        self._open_tokens: dict[str | None, int] = {}  # lane id -> sum of its open entries' work_tokens
         self._finished_by: dict[str, int] = {}
         self._admitted_to: dict[str | None, int] = {}
         self.duplicates_dropped = 0
@@ -121,17 +129,20 @@ class RequestLedger:
                 raise InputError(None, f"request {rid}.request_id", "already submitted (ids must be unique)")
             entry = LedgerEntry(request=request, lane_id=lane_id, status="held" if lane_id is None else "pending",
                                 accepted_s=time.monotonic(), lanes=[lane_id] if lane_id else [],
-                                probe=Probe(rid) if internal else None)
+                                probe=Probe(rid) if internal else None, work_tokens=request_work_tokens(request))
             self._entries[rid] = entry
             self._open.setdefault(lane_id, {})[rid] = entry
+            self._open_tokens[lane_id] = self._open_tokens.get(lane_id, 0) + entry.work_tokens
             if not internal:
                 self._admitted_to[lane_id] = self._admitted_to.get(lane_id, 0) + 1
             return entry
 
     def _reindex(self, e: LedgerEntry, old_lane: str | None) -> None:
-        self._open.get(old_lane, {}).pop(e.request.request_id, None)
+        if self._open.get(old_lane, {}).pop(e.request.request_id, None) is not None:
+            self._open_tokens[old_lane] -= e.work_tokens
         if e.status in ("held", "pending"):
             self._open.setdefault(e.lane_id, {})[e.request.request_id] = e
+            self._open_tokens[e.lane_id] = self._open_tokens.get(e.lane_id, 0) + e.work_tokens
 
     def assign(self, request_id: str, lane_id: str) -> LedgerEntry:
         """Put a held or pending request on ``lane_id`` (a re-submission counts as a move)."""
@@ -228,6 +239,12 @@ class RequestLedger:
         """Whether any request (caller or internal) is pending on ``lane_id``."""
         with self._lock:
             return bool(self._open.get(lane_id))
+
+    def open_tokens(self, lane_id: str) -> int:
+        """Outstanding work on ``lane_id``, in tokens: prompt + ``max_new_tokens`` summed over every request
+        (caller or internal) still pending there. The router sends a new request to the instance with the least."""
+        with self._lock:
+            return self._open_tokens.get(lane_id, 0)
 
     def num_finished_by(self, lane_id: str) -> int:
         """Caller requests whose delivered output came from ``lane_id``."""

@@ -15,6 +15,15 @@ set (the executor's double buffer: traffic returns to the old gear), to the entr
 failed lane was not it (e.g. an old gear that died while draining), or held until a pipeline is
 opened (:meth:`ServingRouter.open`) when nothing is left.
 
+Several instances (:meth:`ServingRouter.route_to`, :meth:`ServingRouter.withdraw`; managed by
+:class:`~flexpipe_dag.shift.instances.InstanceFleet`): next to the entry point, further live lanes
+take requests too. Each request goes to the instance with the least outstanding work (prompt +
+``max_new_tokens`` tokens of the requests open there, :meth:`RequestLedger.open_tokens`; ties: fewer
+open requests, then the entry point first) among those whose context and KV pool can ever hold it
+(:meth:`Lane.can_hold`); a request no instance can hold is refused by the router with the numbers. With
+one instance the router adds no check of its own (its runtime refuses what it cannot hold, as before).
+:meth:`ServingRouter.hold` closes the entry point only: further instances keep taking requests.
+
 Priorities: requests carry their own ``priority`` (0 online, larger offline); each runtime's
 scheduler admits online first. The router does not reorder them.
 """
@@ -60,6 +69,8 @@ class ServingRouter:
         ledger: the :class:`RequestLedger`.
         failures: ``(lane_id, reason)`` of every lane that failed, oldest first.
         fallback: the lane traffic returns to if the active lane fails (set by the executor).
+
+    Callbacks never run under the router's lock (a callback may call :meth:`submit`).
     """
 
     def __init__(self, on_result: Callable[[RequestOutput], None] | None = None,
@@ -72,6 +83,8 @@ class ServingRouter:
         self._lock = threading.RLock()
         self._lanes: dict[str, Lane] = {}
         self._active: Lane | None = None
+        self._instances: list[Lane] = []  # further lanes requests are routed to, beside the entry point
+        self._refusals: dict[str, str] = {}  # request id -> reason, refused by the router once its lock is free
         self.fallback: Lane | None = None
         self._holding = False
         self._parked: list[str] = []
@@ -107,17 +120,87 @@ class ServingRouter:
             self._holding = False
             self._flush_held()
             self._flush_parked()
+        self._flush_refusals()
         return lane
 
     @property
     def active(self) -> Lane | None:
-        """The entry-point lane (``None`` before :meth:`open`)."""
-        return self._active
+        """The entry-point lane, the one a gear shift moves (``None`` before :meth:`open`). When it died
+        while further instances serve, the first live one of them."""
+        with self._lock:
+            a = self._active
+            if a is not None and a.alive:
+                return a
+            return next((ln for ln in self._instances if ln.alive), a)
 
     @property
     def lanes(self) -> list[Lane]:
         with self._lock:
             return list(self._lanes.values())
+
+    @property
+    def instances(self) -> list[Lane]:
+        """The live lanes new requests are routed to: the entry point first, then the further instances
+        (:meth:`route_to`), in the order they were added."""
+        with self._lock:
+            entry = self.active
+            lanes = ([entry] if entry is not None else []) + [ln for ln in self._instances if ln is not entry]
+            return [ln for ln in lanes if ln.alive]
+
+    def lane(self, lane_id: str) -> Lane:
+        """The lane named ``lane_id``.
+
+        Raises:
+            InputError: no lane of this router has that id (the message lists them).
+        """
+        with self._lock:
+            found = self._lanes.get(lane_id)
+            if found is None:
+                raise InputError(None, "lane_id", f"no lane {lane_id!r}; this router has {sorted(self._lanes)}")
+            return found
+
+    def route_to(self, lane: Lane) -> None:
+        """Atomically add a live ``lane`` to the instances new requests are routed to, beside the entry
+        point (it becomes the entry point when there is none). Held requests are sent out again.
+
+        Raises:
+            InputError: the lane is retired or failed.
+        """
+        with self._lock:
+            if not lane.alive:
+                raise InputError(None, "lane", f"lane {lane.lane_id} is {lane.state}; cannot route to it")
+            lane.state = "active"
+            entry = self.active
+            if entry is None or not entry.alive:
+                self._active = lane
+            elif lane is not entry and lane not in self._instances:
+                self._instances.append(lane)
+            self._flush_held()
+        self._flush_refusals()
+
+    def withdraw(self, lane: Lane) -> None:
+        """Atomically stop routing new requests to ``lane``; it drains (requests already there finish
+        there). When it was the entry point, the least loaded other instance becomes the entry point.
+
+        Raises:
+            InputError: ``lane`` is the last live instance (add another one first), or not routed to.
+        """
+        with self._lock:
+            routed = self.instances
+            if lane not in routed:
+                raise InputError(None, "lane", f"lane {lane.lane_id} ({lane.state}) is not one of the instances "
+                                 f"requests are routed to: {[ln.lane_id for ln in routed]}")
+            others = [ln for ln in routed if ln is not lane]
+            if not others:
+                raise InputError(None, "lane", f"lane {lane.lane_id} is the last live instance; add another "
+                                 "before withdrawing it (requests would wait with nowhere to go)")
+            if lane in self._instances:
+                self._instances.remove(lane)
+            if lane is self.active:
+                successor = min(others, key=self._load)
+                self._instances.remove(successor)
+                self._active = successor
+            lane.state = "draining"
 
     def switch_to(self, lane: Lane) -> Lane | None:
         """Atomically make ``lane`` the entry point; the previous one starts draining (its requests
@@ -125,13 +208,17 @@ class ServingRouter:
         with self._lock:
             if not lane.alive:
                 raise InputError(None, "lane", f"lane {lane.lane_id} is {lane.state}; cannot switch to it")
-            old, self._active = self._active, lane
+            old, self._active = self.active, lane
             lane.state = "active"
+            if lane in self._instances:
+                self._instances.remove(lane)
             if old is not None and old is not lane and old.alive:
                 old.state = "draining"
-            if not self._holding:
-                self._flush_held()
-            return old
+                if old in self._instances:
+                    self._instances.remove(old)
+            self._flush_held()
+        self._flush_refusals()
+        return old
 
     # -- admission ----------------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> list[str]:
@@ -142,10 +229,19 @@ class ServingRouter:
         """
         reqs = list(requests)
         with self._lock:
-            lane = self._target()
-            entries = [self.ledger.accept(r, lane.lane_id if lane else None) for r in reqs]
-            if lane is not None:
-                lane.runtime.submit([e.request for e in entries])
+            batches: dict[str, tuple[Lane, list[Request]]] = {}
+            try:
+                for r in reqs:
+                    lane, refusal = self._route(r)
+                    self.ledger.accept(r, lane.lane_id if lane else None)
+                    if refusal is not None:
+                        self._refusals[r.request_id] = refusal
+                    elif lane is not None:
+                        batches.setdefault(lane.lane_id, (lane, []))[1].append(r)
+            finally:  # what was accepted before a bad id is served
+                for lane, batch in batches.values():
+                    lane.runtime.submit(batch)
+        self._flush_refusals()
         return [r.request_id for r in reqs]
 
     def probe_id(self, kind: str) -> str:
@@ -162,12 +258,63 @@ class ServingRouter:
         assert entry.probe is not None  # accept(internal=True) always gives the entry a probe
         return entry.probe
 
-    def _target(self) -> Lane | None:
-        a = self._active
-        return None if self._holding or a is None or not a.alive else a
+    def _routable(self, exclude: Lane | None = None) -> list[Lane]:
+        """Live lanes a request may go to now: the entry point (unless held) and the further instances."""
+        lanes = self.instances
+        if self._holding and lanes and lanes[0] is self.active:
+            lanes = lanes[1:]
+        return [ln for ln in lanes if ln is not exclude]
+
+    def _load(self, lane: Lane) -> tuple[int, int]:
+        """Outstanding work on ``lane``: tokens (prompt + ``max_new_tokens``) of its open requests, then their count."""
+        return self.ledger.open_tokens(lane.lane_id), self.ledger.num_open(lane.lane_id)
+
+    def _route(self, request: Request, exclude: Lane | None = None) -> tuple[Lane | None, str | None]:
+        """Where ``request`` goes: ``(lane, None)``; ``(None, None)`` to hold it (nothing to route to);
+        ``(None, reason)`` when no instance can ever hold it (only with several instances)."""
+        lanes = self._routable(exclude)
+        if len(lanes) <= 1:  # one pipeline: its own runtime refuses what it cannot hold (its reason)
+            return (lanes[0] if lanes else None), None
+        fits = [ln for ln in lanes if ln.can_hold(request)] or [ln for ln in lanes if ln.refusal_policy != "final"]
+        if fits:  # (a lane whose refusals are parked holds it until its KV pool grows)
+            return min(fits, key=self._load), None
+        prompt = len(request.prompt_token_ids)
+        limits = ", ".join(f"{ln.lane_id} {ln.runtime.longest_request_tokens}" for ln in lanes)
+        return None, (f"request {request.request_id!r}: prompt {prompt} + max_new_tokens {request.max_new_tokens} = "
+                      f"{prompt + request.max_new_tokens} tokens; no instance can hold it (the longest request each "
+                      f"serves, its context and one lane of its KV pool: {limits} tokens); shorten it or add an "
+                      f"instance with a larger KV pool or context")
+
+    def _dispatch(self, entries: list[LedgerEntry], exclude: Lane | None = None) -> int:
+        """Send each open entry to its instance (:meth:`_route`), hold it, or queue its refusal; returns how
+        many were sent. Caller holds the lock."""
+        batches: dict[str, tuple[Lane, list[Request]]] = {}
+        for e in entries:
+            rid = e.request.request_id
+            if rid in self._refusals:
+                continue
+            lane, refusal = self._route(e.request, exclude)
+            if lane is None:
+                self.ledger.hold(rid)
+                if refusal is not None:
+                    self._refusals[rid] = refusal
+                continue
+            self.ledger.assign(rid, lane.lane_id)
+            batches.setdefault(lane.lane_id, (lane, []))[1].append(e.request)
+        for lane, batch in batches.values():
+            lane.runtime.submit(batch)
+        return sum(len(batch) for _, batch in batches.values())
+
+    def _flush_refusals(self) -> None:
+        """Refuse (and tell the caller) what :meth:`_route` found no instance for; outside the lock."""
+        with self._lock:
+            refusals, self._refusals = self._refusals, {}
+        for rid, reason in refusals.items():
+            self.ledger.refuse(rid, reason)
 
     def hold(self) -> None:
-        """Close the entry point: new requests wait in the router until :meth:`release_held`."""
+        """Close the entry point: new requests wait in the router until :meth:`release_held` (or go to
+        the further instances, when there are any)."""
         with self._lock:
             self._holding = True
 
@@ -175,14 +322,15 @@ class ServingRouter:
         """Open the entry point again; send every held request to it. Returns how many went."""
         with self._lock:
             self._holding = False
-            return self._flush_held()
+            sent = self._flush_held()
+        self._flush_refusals()
+        return sent
 
     def _flush_held(self) -> int:
-        lane = self._target()
-        if lane is None:
+        if not self._routable():
             return 0
         held = self.ledger.open_on(None)
-        return self._send(held, lane) if held else 0
+        return self._dispatch(held) if held else 0
 
     def _send(self, entries: list[LedgerEntry], lane: Lane) -> int:
         for e in entries:
@@ -191,31 +339,35 @@ class ServingRouter:
         return len(entries)
 
     def move_open(self, src: Lane, dst: Lane | None = None) -> int:
-        """Re-submit every caller request open on ``src`` to ``dst`` (default: the entry point, or
-        held if there is none). Only for a lane that will not finish them (failed or killed)."""
+        """Re-submit every caller request open on ``src`` to ``dst`` (default: routed to the other
+        instances, or held if there is none). Only for a lane that will not finish them (failed or killed)."""
         with self._lock:
-            entries = self.ledger.open_on(src.lane_id)
-            if not entries:
-                return 0
-            dst = dst if dst is not None and dst.alive else self._target()
-            if dst is None or dst is src:
-                for e in entries:
-                    self.ledger.hold(e.request.request_id)
-                return len(entries)
+            moved = self._move_open(src, dst)
+        self._flush_refusals()
+        return moved
+
+    def _move_open(self, src: Lane, dst: Lane | None = None) -> int:
+        entries = self.ledger.open_on(src.lane_id)
+        if not entries:
+            return 0
+        if dst is not None and dst.alive and dst is not src:
             return self._send(entries, dst)
+        self._dispatch(entries, exclude=src)
+        return len(entries)
 
     def resubmit_parked(self) -> int:
-        """Send requests parked after a refusal (degraded KV pool, failed health check) to the entry point."""
+        """Send requests parked after a refusal (degraded KV pool, failed health check) to the instances."""
         with self._lock:
-            return self._flush_parked()
+            sent = self._flush_parked()
+        self._flush_refusals()
+        return sent
 
     def _flush_parked(self) -> int:
-        lane = self._target()
-        if lane is None or not self._parked:
+        if not self._routable() or not self._parked:
             return 0
         entries = [self.ledger.get(rid) for rid in self._parked]
         self._parked = []
-        return self._send([e for e in entries if e.status in ("held", "pending")], lane)
+        return self._dispatch([e for e in entries if e.status in ("held", "pending")])
 
     @property
     def parked(self) -> list[str]:
@@ -266,17 +418,21 @@ class ServingRouter:
         reason = f"{type(err).__name__}: {err}"
         self.ledger.fail_internal(lane.lane_id, reason)
         with self._lock:
+            was_entry = lane is self.active
             lane.state = "failed"
             if not lane.forced:
                 self.failures.append((lane.lane_id, reason))
-            if lane is self._active:
+            if lane in self._instances:
+                self._instances.remove(lane)
+            if was_entry:
                 fb = self.fallback
                 if fb is not None and fb.alive and fb is not lane:
                     self._active, fb.state = fb, "active"
                 self.fallback = None
             if self.fallback is lane:
                 self.fallback = None
-            self.move_open(lane)
+            self._move_open(lane)
+        self._flush_refusals()
 
     def lane_refused(self, lane: Lane, refusals: dict[str, str]) -> None:
         """Refuse each request for good (policy ``final``, probes) or park it for a later re-submission
@@ -304,7 +460,10 @@ class ServingRouter:
                 self.fallback = None
             if self._active is lane:
                 self._active = None
-            self.move_open(lane)
+            if lane in self._instances:
+                self._instances.remove(lane)
+            self._move_open(lane)
+        self._flush_refusals()
 
     def _poll_refusals(self) -> None:
         while not self._closed.wait(REFUSAL_POLL_S):

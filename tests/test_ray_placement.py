@@ -31,6 +31,7 @@ from flexpipe_dag.runtime.ray_placement import (
     RESOURCE_PREFIX,
     RayPlacement,
     RayUnavailableError,
+    connect_ray,
     host_resource,
     import_ray,
 )
@@ -125,6 +126,7 @@ def cluster():
     c = LocalRayCluster()
     try:
         c.start()
+        connect_ray(_placement(c))  # this process joins once; the runtimes reuse the connection
     except Exception as exc:
         c.stop()
         pytest.skip(f"cannot start a local Ray cluster here: {exc}")

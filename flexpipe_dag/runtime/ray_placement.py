@@ -314,6 +314,7 @@ class StageWorkers:
         self._actors: list[Any] = []
         self._refs: dict[Any, int] = {}  # serve() ref -> worker slot
         self._where: dict[int, dict] = {}
+        self._where_refs: list[Any] = []
         self._closed = threading.Event()
         self.failures: dict[int, str] = {}
         self._secret, self._device, self._model = secret, device, model
@@ -329,6 +330,7 @@ class StageWorkers:
             actor = cls.options(resources={p.resource: pl.resource_per_worker}, num_cpus=pl.num_cpus,
                                 num_gpus=gpus, name=None).remote()
             self._actors.append(actor)
+            self._where_refs.append(actor.where.remote())  # runs first: the actor's calls run in order
             ref = actor.serve.remote(self.head, p.stage, p.replica, self._model, self._device, secret,
                                      pl.secret_file, dict(pl.env), pl.connect_timeout_s)
             self._refs[ref] = p.worker
@@ -348,7 +350,7 @@ class StageWorkers:
         ray = self._ray
         missing = [w for w in range(len(self._actors)) if w not in self._where]
         if missing:
-            refs = [self._actors[w].where.remote() for w in missing]
+            refs = [self._where_refs[w] for w in missing]  # asked at start, before serve() (which blocks the actor)
             for w, info in zip(missing, ray.get(refs, timeout=timeout_s), strict=True):
                 self._where[w] = info
         return [{"worker": p.worker, "stage": p.stage, "replica": p.replica, "device_id": p.device_id,

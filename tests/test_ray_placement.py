@@ -3,7 +3,8 @@
 A local Ray cluster of two nodes on this host (module fixture, ~15 s): the head node offers the
 custom resource ``flexpipe_host_node-a``, a second node ``flexpipe_host_node-b`` (started in its own
 session, so a test can kill it alone). A 2-stage pipeline puts stage 1 on node B; a gear shift moves
-it to node A; a killed node B is named and its lane's requests finish on the fallback lane. Outputs are
+it to node A; ``flexpipe run --ray --cluster`` places a gear's stages from a cluster profile; a killed node B
+is named and its lane's requests finish on the fallback lane (last: node B does not come back). Outputs are
 compared with single-process transformers greedy ``generate`` (``hf_reference``).
 
 The cluster uses its own port and ``--temp-dir`` and is stopped by killing the process groups this
@@ -63,6 +64,27 @@ def test_missing_ray_is_named_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     with pytest.raises(RayUnavailableError, match=r'pip install "ray\[default\]'):
         import_ray()
+
+
+def test_run_flags_for_ray_placement_are_checked(capsys):
+    from flexpipe_dag.cli import main
+
+    assert main(["run", "--stages", "2", "--trace", "azure-conv", "--ray", "127.0.0.1:1"]) == 2
+    assert "--cluster" in capsys.readouterr().err
+    assert main(["run", "--stages", "2", "--trace", "azure-conv", "--cluster", "c.yaml"]) == 2
+    assert "only with --ray" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: one way of starting the workers
+        main(["run", "--stages", "2", "--trace", "azure-conv", "--ray", "127.0.0.1:1", "--listen", "127.0.0.1:0"])
+    assert "--listen: not allowed with argument --ray" in capsys.readouterr().err
+
+
+#: A fleet-form cluster profile of the two test hosts (devices node-a-gpu0/1, node-b-gpu0/1).
+FLEET = """cluster_id: two-nodes
+fleet:
+  - {node_id: node-a, gpu_model: T4, count: 2}
+  - {node_id: node-b, gpu_model: T4, count: 2}
+inter_node: {bandwidth_gbps: 12.5, latency_us: 25}
+"""
 
 
 # -- a two-node cluster on this host --------------------------------------------------------------
@@ -225,6 +247,33 @@ def test_stage_placed_on_its_host_and_a_shift_moves_it_to_another(cluster):
                    "the old gear's Ray actors to end after its release")
     finally:
         router.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_flexpipe_run_places_stages_with_ray_from_a_cluster_profile(cluster, tmp_path, capsys):
+    import json
+
+    from flexpipe_dag.cli import main
+    from tests.test_runtime_helpers import hf_reference
+
+    profile = tmp_path / "cluster.yaml"
+    profile.write_text(FLEET)
+    gear_file = tmp_path / "gear.json"
+    gear_file.write_text(gear([(0, 10), (10, 30)], micro_batch_size=4, gear_id="cli",
+                              device_ids=[["node-a-gpu0"], ["node-b-gpu0"]]).model_dump_json())
+    reqs = requests(4, prefix="cli-")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": r.request_id, "token_ids": r.prompt_token_ids,
+                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in reqs))
+    out = tmp_path / "out.jsonl"
+    code = main(["run", "--gear", str(gear_file), "--prompts", str(prompts), "--out", str(out), "--ray", cluster.address,
+                 "--cluster", str(profile), "--ray-node-ip", "127.0.0.1", "--max-new-tokens", "64"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert "placing 2 stage workers with Ray" in err
+    rows = {json.loads(line)["id"]: json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()}
+    assert rows == {r.request_id: hf_reference()[r.request_id.split("-")[-1]] for r in reqs}
 
 
 @pytest.mark.slow

@@ -76,6 +76,8 @@ def test_run_flags_for_ray_placement_are_checked(capsys):
     with pytest.raises(SystemExit):  # argparse: one way of starting the workers
         main(["run", "--stages", "2", "--trace", "azure-conv", "--ray", "127.0.0.1:1", "--listen", "127.0.0.1:0"])
     assert "--listen: not allowed with argument --ray" in capsys.readouterr().err
+    assert main(["serve", "--stages", "2", "--no-store", "--ray", "127.0.0.1:1"]) == 2  # every gear it serves
+    assert "--cluster" in capsys.readouterr().err
 
 
 #: A fleet-form cluster profile of the two test hosts (devices node-a-gpu0/1, node-b-gpu0/1).

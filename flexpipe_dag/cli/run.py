@@ -81,6 +81,15 @@ def register(subparsers) -> None:
                             "1 + one per stage replica): rank 0 is the head (scheduler, results), rank w+1 serves "
                             "worker slot w (stages in order, replicas together); the control store listens on "
                             "MASTER_ADDR:MASTER_PORT+1 (or --control-port)")
+    hosts.add_argument("--ray", default=None, metavar="ADDRESS",
+                       help="Ray places and starts the stage workers: one actor per worker, on the host its device "
+                            "belongs to (--cluster), in the Ray cluster at ADDRESS (its GCS, e.g. 10.0.0.1:6379); each "
+                            "host's Ray node offers the resource flexpipe_host_<node_id> (deploy/MULTIHOST.md)")
+    p.add_argument("--cluster", type=Path, default=None,
+                   help="with --ray: the cluster profile (YAML/JSON) saying which host (node_id) holds each device")
+    p.add_argument("--ray-node-ip", default=None, metavar="IP",
+                   help="with --ray: this host's address in the Ray cluster; the head's control store binds it "
+                        "(default: the address Ray reports)")
     p.add_argument("--control-port", type=int, default=None, help="with --launched: the head's control port")
     p.add_argument("--secret-file", type=Path, default=None,
                    help="with --listen / --launched: the run secret every worker must prove (with --listen: read "
@@ -105,6 +114,29 @@ def parse_replicas(text: str | None) -> list[int] | None:
         raise InputError(None, "--stage-replicas", f"expected comma-separated integers, e.g. 1,2; got {text!r}") from None
 
 
+def ray_placement(args: argparse.Namespace):
+    """``--ray ADDRESS --cluster PROFILE``: a :class:`~flexpipe_dag.runtime.ray_placement.RayPlacement`
+    mapping every device of the profile to its host (``None`` without ``--ray``).
+
+    Raises:
+        InputError: ``--cluster`` / ``--ray-node-ip`` without ``--ray``, ``--ray`` without ``--cluster``, or a
+            bad profile.
+    """
+    if args.ray is None:
+        for flag, value in (("--cluster", args.cluster), ("--ray-node-ip", args.ray_node_ip)):
+            if value is not None:
+                raise InputError(None, flag, "only with --ray ADDRESS (stage workers placed by Ray)")
+        return None
+    if args.cluster is None:
+        raise InputError(None, "--cluster", "with --ray: expected the cluster profile that says which host holds "
+                                            "each device of the gear")
+    from flexpipe_dag.core.cluster import load_cluster_profile
+    from flexpipe_dag.runtime.ray_placement import RayPlacement
+
+    return RayPlacement.from_profile(load_cluster_profile(args.cluster), address=args.ray,
+                                     node_ip_address=args.ray_node_ip)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad numbers and an unusable ``--out`` before anything loads or launches.
 
@@ -124,7 +156,7 @@ def check_args(args: argparse.Namespace) -> None:
     if not (args.start_timeout_s > 0 and math.isfinite(args.start_timeout_s)):
         raise InputError(None, "--start-timeout-s", f"expected a positive number of seconds, got {args.start_timeout_s}")
     if args.device == "cuda":
-        check_cuda(remote=bool(args.listen or args.launched))
+        check_cuda(remote=bool(args.listen or args.launched or args.ray))
     if not (args.step_timeout_s > 0 and math.isfinite(args.step_timeout_s)):
         raise InputError(None, "--step-timeout-s", f"expected a positive number of seconds, got {args.step_timeout_s}")
     if not (args.length_scale > 0 and math.isfinite(args.length_scale)):
@@ -293,6 +325,7 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
         raise InputError(None, "--control-port", "only with --launched (with --listen the port is part of HOST:PORT)")
     if args.secret_file is not None and not (args.launched or args.listen):
         raise InputError(None, "--secret-file", "only with --listen or --launched (a one-host run makes its own)")
+    placement = ray_placement(args)
     if args.launched:
         _rank, world, control_address = launched_head(args)
         secret = launched_secret(args)
@@ -300,7 +333,7 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
         from flexpipe_dag.runtime.rendezvous import parse_listen_address
 
         parse_listen_address(control_address, "--listen")
-    if args.score and control_address:
+    if args.score and (control_address or placement is not None):
         raise InputError(None, "--score", "scoring across hosts runs under the launcher as "
                                           "`python -m flexpipe_dag.runtime.score_launch` (deploy/MULTIHOST.md)")
     check_args(args)
@@ -349,7 +382,7 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
         secret = head_secret.secret
     options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
                              control_address=control_address, start_timeout_s=args.start_timeout_s,
-                             truncate_context=args.truncate_context, secret=secret,
+                             truncate_context=args.truncate_context, secret=secret, placement=placement,
                              kv_capacity_knob="--kv-capacity-tokens" + (" (up to the gear's kv_capacity_tokens)"
                                                                         if args.gear else ""))
     runtime = PipelineRuntime(gear, ckpt, options)
@@ -378,6 +411,7 @@ def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, s
         print(f"warning: {workers} stage workers on {os.cpu_count()} CPU cores: they will compete for the cores",
               file=sys.stderr)
     where = (f"waiting for {workers} stage workers at {runtime.listen()}" if control_address  # the bound port
+             else f"placing {workers} stage workers with Ray (cluster at {args.ray})" if args.ray
              else "starting workers")
     if head_secret is not None:
         secret_path = head_secret.publish()  # after the bind: a refused address leaves no file behind

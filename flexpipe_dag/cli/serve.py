@@ -75,6 +75,14 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto",
                    help="fp32, bf16, fp16 or auto (default: fp32 on CPU; bf16 on a GPU that has it, else fp16)")
     p.add_argument("--step-timeout-s", type=float, default=120.0)
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="Ray places the stage workers of every gear served (the first and each gear shift's new "
+                        "one) on the hosts its devices belong to (--cluster), in the Ray cluster at ADDRESS "
+                        "(deploy/MULTIHOST.md)")
+    p.add_argument("--cluster", type=Path, default=None,
+                   help="with --ray: the cluster profile saying which host (node_id) holds each device")
+    p.add_argument("--ray-node-ip", default=None, metavar="IP",
+                   help="with --ray: this host's address in the Ray cluster (the control stores bind it)")
     p.set_defaults(func=serve)
 
 
@@ -176,7 +184,7 @@ def _store_link(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from flexpipe_dag.cli.run import check_cuda
+    from flexpipe_dag.cli.run import check_cuda, ray_placement
     from flexpipe_dag.runtime.model_loader import head_dtype, resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings
@@ -191,8 +199,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.no_store and args.run_key:
         raise InputError(None, "--run-key", "names this server's run in the store: drop --no-store, or the key")
     check_number(args.drain_timeout_s, None, "--drain-timeout-s", ge=0, le=86400, unit="s")
+    placement = ray_placement(args)
     if args.device == "cuda":
-        check_cuda(remote=False)  # serve runs its stages on this host
+        check_cuda(remote=placement is not None)  # without Ray, serve runs its stages on this host
     try:
         args.dtype = head_dtype(args.dtype, args.device)
     except InputError as exc:
@@ -228,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(**{**settings.__dict__, "model_name": args.served_model_name or ckpt.name})
     runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(dtype=args.dtype, device=args.device,
                                                          step_timeout_s=args.step_timeout_s, stream_tokens=True,
-                                                         kv_capacity_knob="--kv-capacity-tokens"))
+                                                         kv_capacity_knob="--kv-capacity-tokens", placement=placement))
     server = FrontDoorServer(runtime, ckpt.tokenizer(), ckpt.eos_token_ids(), runtime.max_context_tokens, settings,
                              link=link)
     print(f"flexpipe serve: model {settings.model_name!r}, gear {gear.gear_id} ({gear.num_stages} stage(s)); "

@@ -68,6 +68,7 @@ from flexpipe_dag.runtime.worker import WorkerSpec
 
 if TYPE_CHECKING:
     from flexpipe_dag.runtime.control_store import ControlStoreServer
+    from flexpipe_dag.runtime.ray_placement import RayPlacement, StageWorkers, WorkerPlacement
     from flexpipe_dag.runtime.remote import ControlServer
 
 #: Default backend on GPUs: NCCL carries activations between stages, gloo the driver's small messages.
@@ -136,6 +137,11 @@ class RuntimeOptions:
     ``max_pending_sends``: micro-batches a stage may have handed to its background sender and not
     yet delivered while it computes the next (hand-offs overlapped with compute); 0 sends each
     before receiving the next.
+    ``placement``: a :class:`~flexpipe_dag.runtime.ray_placement.RayPlacement` to have Ray start
+    every stage worker on the host its device belongs to (one actor per worker, requesting the
+    host's ``flexpipe_host_<node_id>`` resource), instead of spawning them here or waiting for
+    workers started by hand; the head serves them as remote workers (``control_address``, default
+    ``<the placement's head host>:0``). A gear shift's new pipeline inherits it.
     """
 
     dtype: str = "auto"
@@ -157,6 +163,7 @@ class RuntimeOptions:
     kv_capacity_knob: str = "the gear's kv_capacity_tokens"
     stream_tokens: bool = False
     max_pending_sends: int = 2
+    placement: RayPlacement | None = None
 
 
 #: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
@@ -317,6 +324,8 @@ class PipelineRuntime:
         self.secret = self.options.secret or new_secret()
         self._abort_reason: str | None = None
         self._layout = gear_lane_layout(gear)
+        self._placed: StageWorkers | None = None  # stage workers Ray started (options.placement)
+        self._places: list[WorkerPlacement] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _spec(self) -> WorkerSpec:
@@ -359,7 +368,9 @@ class PipelineRuntime:
         from flexpipe_dag.runtime.worker import worker_main
 
         layout = self._layout
-        if self.options.control_address:
+        if self.options.placement is not None:
+            self._check_placement()
+        if self.options.control_address or self.options.placement is not None:
             self.listen()
         else:
             check_gear_fits(self.gear, self.ckpt, self.options)  # remote hosts' memory is not known here
@@ -388,6 +399,11 @@ class PipelineRuntime:
             self._control.start(self._events, self._counters)
             self._procs += self._control.workers
         self._started = True
+        if self._places is not None:
+            try:
+                self._start_placed(spec.device)
+            except Exception as exc:  # the cluster went away between the check and the start
+                self._fail("head", f"Ray could not start the stage workers: {type(exc).__name__}: {exc}")
         info: dict[int, StageInfo] = {}
         deadline = time.monotonic() + self.options.start_timeout_s
         while len(info) < spec.num_workers:
@@ -397,7 +413,12 @@ class PipelineRuntime:
                 culprit = missing[0]
                 control = self._control
                 unclaimed = [w for w in missing if w not in control.claimed()] if control is not None else []
-                if control is not None and unclaimed:  # the others wait for it in the rendezvous: name the absent one
+                if control is not None and unclaimed and self._placed is not None:
+                    culprit = unclaimed[0]
+                    why = (f"no worker joined within {self.options.start_timeout_s:.0f} s: its Ray actor on "
+                           f"{self._placed.describe(culprit)} did not start or could not reach the head at "
+                           f"{control.address} (`ray status` shows pending actors; is that resource taken?)")
+                elif control is not None and unclaimed:  # the others wait for it in the rendezvous: name the absent one
                     culprit = unclaimed[0]
                     stage, replica = layout.locate(culprit)
                     which = f"--stage {stage}" + (f" --replica {replica}" if layout.replicas[stage] > 1 else "")
@@ -420,16 +441,67 @@ class PipelineRuntime:
         Raises:
             InputError: no ``control_address``, a bad one, or its port cannot be bound.
         """
-        if not self.options.control_address:
+        address = self.options.control_address
+        if not address and self.options.placement is not None:
+            address = f"{self._placement_head_host()}:0"
+        if not address:
             raise InputError(None, "control_address", "listen() serves remote stage workers: set "
                                                       "RuntimeOptions.control_address = 'HOST:PORT'")
         if self._control is None:
             from flexpipe_dag.runtime.remote import ControlServer, parse_address
 
-            host, port = parse_address(self.options.control_address, "control_address")
+            host, port = parse_address(address, "control_address")
             self._control = ControlServer(port, self._layout.num_workers, self.options.heartbeat_timeout_s, host=host,
                                           secret=self.secret)
         return self._control.address
+
+    # -- placement by Ray ------------------------------------------------------------------------
+    def _check_placement(self) -> None:
+        """Join the Ray cluster and check that every host of the gear has a node offering its resource."""
+        from flexpipe_dag.runtime.ray_placement import check_hosts
+
+        if self._places is None:
+            assert self.options.placement is not None
+            self._places = check_hosts(self.options.placement, self.gear)
+
+    def _placement_head_host(self) -> str:
+        """The interface the control store binds for Ray-placed workers (``RayPlacement.head_host``,
+        its ``node_ip_address``, else the address Ray reports for this node)."""
+        pl = self.options.placement
+        assert pl is not None
+        if pl.head_host or pl.node_ip_address:
+            return str(pl.head_host or pl.node_ip_address)
+        from flexpipe_dag.runtime.ray_placement import connect_ray
+
+        return str(connect_ray(pl).util.get_node_ip_address())
+
+    def _start_placed(self, device: str) -> None:
+        """Start one Ray actor per stage worker on its host; each runs ``serve_stage`` against our store."""
+        from flexpipe_dag.runtime.ray_placement import StageWorkers
+
+        pl, control, places = self.options.placement, self._control, self._places
+        assert pl is not None and control is not None and places is not None
+
+        def on_failure(worker: int, reason: str) -> None:
+            control.workers[worker].placement_failure = reason
+
+        self._placed = StageWorkers(pl, places, control.address, self.secret, device,
+                                    pl.model or str(self.ckpt.path), on_failure=on_failure)
+        for w, st in enumerate(control.workers):
+            st.placed_on = self._placed.describe(w)
+        self._placed.start()
+
+    @property
+    def placement(self) -> list[dict]:
+        """Where Ray placed each stage worker (``RuntimeOptions.placement``): ``worker``, ``stage``,
+        ``replica``, ``device_id``, ``host``, ``resource``, ``ray_node_id``, ``pid``; empty otherwise."""
+        if self._placed is None:
+            return []
+        locs = self._placed.locations()
+        if self._control is not None:
+            for w, st in enumerate(self._control.workers):
+                st.placed_on = self._placed.describe(w)
+        return locs
 
     @property
     def remote_stages(self) -> list:
@@ -473,6 +545,9 @@ class PipelineRuntime:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if self._placed is not None:  # the workers have left (or were lost): end their Ray actors
+            self._placed.close(grace_s=min(grace_s, 2.0))
+            self._placed = None
         if self._control is not None:
             self._control.abort("the pipeline stopped")
             self._control.close()
@@ -768,15 +843,16 @@ class PipelineRuntime:
         silent = [s for s, code in codes.items() if code is not None and s not in reports]
         now = time.monotonic()
         gone = sorted((i - 1 for i, p in enumerate(self._procs) if hasattr(p, "silent_for_s") and i - 1 not in reports
-                       and p.exitcode is None and p.silent_for_s(now) > SILENT_AT_FAILURE_S),
-                      key=lambda s: -self._procs[s + 1].silent_for_s(now))  # the longest silent went first
+                       and p.exitcode is None and (p.silent_for_s(now) > SILENT_AT_FAILURE_S or p.placement_failure)),
+                      key=lambda s: (not self._procs[s + 1].placement_failure,  # its placer saw it end: first
+                                     -self._procs[s + 1].silent_for_s(now)))  # then the longest silent
         if reason.startswith("watchdog") or stage in gone:
             pass
         elif gone:  # a remote stage went quiet while its neighbours reported broken links: it died
             p = self._procs[gone[0] + 1]
-            culprit, why = gone[0], (f"no heartbeat from {p.host or 'its host'} (pid {p.pid}) for "
-                                     f"{p.silent_for_s(now):.1f} s while its neighbours lost their links: "
-                                     f"process killed or host unreachable")
+            culprit, why = gone[0], p.placement_failure or (
+                f"no heartbeat from {p.placed_on or p.host or 'its host'} (pid {p.pid}) for "
+                f"{p.silent_for_s(now):.1f} s while its neighbours lost their links: process killed or host unreachable")
         elif killed:
             culprit, why = killed[0], f"process killed by signal {-codes[killed[0]]}"
         elif own:

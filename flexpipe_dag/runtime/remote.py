@@ -202,6 +202,10 @@ class RemoteStage:
         self._seq = -1
         self._rows: list = []  # observation rows received, not yet read
         self.dropped = 0  # rows the worker's ring overwrote before they were shipped
+        #: where a placer (Ray) put it, for messages: ``host 'node-b' (Ray node ..., resource ...)``
+        self.placed_on: str | None = None
+        #: why the placer saw its process end (set by :class:`~flexpipe_dag.runtime.ray_placement.StageWorkers`)
+        self.placement_failure: str | None = None
 
     def read_new(self):
         """Observation rows received since the last call, ``(n, NUM_COLUMNS)`` float64 with ``t_end_s``
@@ -221,9 +225,12 @@ class RemoteStage:
 
     @property
     def lost(self) -> str | None:
-        """Why this stage counts as gone (no heartbeat for the timeout), else ``None``."""
+        """Why this stage counts as gone (its placer saw its process end, or no heartbeat for the
+        timeout), else ``None``."""
+        if self.placement_failure is not None and self.exitcode is None:
+            return self.placement_failure
         if self.exitcode is None and self.silent_for_s() > self._server.heartbeat_timeout_s:
-            return (f"no heartbeat from {self.host or 'its host'} (pid {self.pid}) for "
+            return (f"no heartbeat from {self.placed_on or self.host or 'its host'} (pid {self.pid}) for "
                     f"{self.silent_for_s():.1f} s (limit {self._server.heartbeat_timeout_s:.0f} s): "
                     f"process killed, hung or host unreachable")
         return None

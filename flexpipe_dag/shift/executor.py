@@ -621,7 +621,7 @@ def _kill_runtime(rt: PipelineRuntime) -> None:
     import signal
     from contextlib import suppress
 
-    for pid in rt.stage_pids():
+    for pid in ([] if rt.remote_stages else rt.stage_pids()):  # a remote stage's pid is another host's
         with suppress(ProcessLookupError, TypeError):
             os.kill(pid, signal.SIGKILL)
     with suppress(Exception):

@@ -218,3 +218,29 @@ def test_fluid_day_refuses_bad_input(small):
         simulate_fleet_day(plan, {}, [1.0])
     with pytest.raises(InputError, match="static_instances"):
         simulate_fleet_day(plan, curves, [1.0], static_instances=99)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def test_fleet_command_prints_instances_and_the_fleet_gear_for_a_load(capsys):
+    import json
+
+    from flexpipe_dag.cli import main
+
+    assert main(["fleet", "--cluster", str(EXAMPLES / "fleet_small.yaml"), "--model", "Llama-3-8B", "--load-rps", "1.5",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["instances"] == 4 and len(out["templates"]) == 2
+    gear = out["fleet_gear"]
+    assert gear["holds"] and gear["rps_max"] * (1 - gear["headroom"]) >= 1.5
+    assert [i["instance_id"] for i in gear["instances"]][0].startswith("a10")
+
+
+@pytest.mark.parametrize("flags, field", [(["--headroom", "0.95"], "--headroom"), (["--day", "14"], "--day"),
+                                          (["--slo-ttft-ms", "0"], "--slo-ttft-ms"), (["--load-rps", "-1"], "--load-rps")])
+def test_fleet_command_refuses_bad_flags(capsys, flags, field):
+    from flexpipe_dag.cli import main
+
+    assert main(["fleet", "--cluster", str(EXAMPLES / "fleet_small.yaml"), "--model", "Llama-3-8B", *flags]) == 2
+    assert field in capsys.readouterr().err

@@ -16,7 +16,7 @@ from typing import NoReturn
 from flexpipe_dag.core.errors import FlexPipeError, one_line
 
 #: Sub-command modules, in the order ``flexpipe --help`` lists them.
-SUBCOMMAND_MODULES = ("profile", "plan", "capacity", "simulate", "run", "serve", "servers", "loadtest", "worker", "shift",
+SUBCOMMAND_MODULES = ("profile", "plan", "fleet", "capacity", "simulate", "run", "serve", "servers", "loadtest", "worker", "shift",
                       "calibrate", "store", "demo")
 
 

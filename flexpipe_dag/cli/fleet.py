@@ -1,0 +1,116 @@
+"""``flexpipe fleet``: plan a fleet's pipeline instances, the fleet gear for a load, and a day of the tide on them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from flexpipe_dag.core.settings import check_number
+from flexpipe_dag.planner.operating import MAX_SLO_MS
+
+#: Days of the bundled ServeGen tide.
+TIDE_DAYS = 14
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "fleet", help="fleet gears: pipeline instances per host shape, the instances a load needs, a simulated day",
+        description=__doc__.splitlines()[0].replace("``", ""),
+        epilog="Hosts of one shape share one plan and one simulated envelope; every unit of hosts becomes an "
+               "instance. Instances are listed best envelope per device first, and the fleet gear for a load is "
+               "the shortest prefix holding it with the headroom (README, 'Fleet gears').")
+    p.add_argument("--cluster", required=True, help="cluster profile (YAML / JSON; fleet form for large fleets)")
+    p.add_argument("--model", required=True, help="built-in model name, a Hugging Face config.json directory, or a .gguf file")
+    p.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="time-to-first-token SLO, ms (default 2000)")
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="time-per-output-token SLO, ms (default 200)")
+    p.add_argument("--load-rps", type=float, default=None, help="print the fleet gear that holds this load, req/s")
+    p.add_argument("--headroom", type=float, default=None,
+                   help="share of the summed envelope held back, 0..0.9 (default the scaler's, 0.05)")
+    p.add_argument("--day", type=int, default=None,
+                   help=f"simulate day N (0..{TIDE_DAYS - 1}) of the bundled ServeGen tide, peak at --peak-share of the "
+                        "fleet's envelope: the fleet scaler against the best static fleet gear")
+    p.add_argument("--peak-share", type=float, default=0.8, help="the day's peak as a share of the fleet envelope (default 0.8)")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from flexpipe_dag.cli.tables import new_table
+    from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
+    from flexpipe_dag.core.cluster import load_cluster_profile
+    from flexpipe_dag.core.dtypes import canonical_dtype
+    from flexpipe_dag.planner.fleet import FleetSettings, describe_plan, plan_fleet
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.workload import load_trace
+
+    check_number(args.slo_ttft_ms, None, "--slo-ttft-ms", gt=0, le=MAX_SLO_MS, unit="milliseconds")
+    check_number(args.slo_tpot_ms, None, "--slo-tpot-ms", gt=0, le=MAX_SLO_MS, unit="milliseconds")
+    if args.load_rps is not None:
+        check_number(args.load_rps, None, "--load-rps", ge=0, unit="req/s")
+    headroom = FleetScalerConfig().headroom_fraction if args.headroom is None else args.headroom
+    check_number(headroom, None, "--headroom", ge=0, le=0.9, unit="fraction")
+    if args.day is not None:
+        check_number(args.day, None, "--day", integer=True, ge=0, le=TIDE_DAYS - 1, unit="tide day")
+    check_number(args.peak_share, None, "--peak-share", gt=0, le=1.5, unit="fraction")
+    dtype = canonical_dtype(args.dtype, None, "--dtype")
+    cluster = load_cluster_profile(args.cluster)
+    model = load_model_spec(args.model)
+    reference = load_trace("azure-conv")
+    settings = FleetSettings(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    err = Console(stderr=True)
+    with err.status(f"planning instances of {cluster.cluster_id}"):
+        plan = plan_fleet(cluster, model, reference, dtype=dtype, settings=settings)
+    out: dict[str, object] = {"cluster_id": cluster.cluster_id, "model": model.name, "rps_max": plan.rps_max,
+                              "instances": len(plan.instances), "templates": describe_plan(plan), "notes": list(plan.notes)}
+    if args.load_rps is not None:
+        gear = plan.gear_for(args.load_rps, headroom)
+        out["fleet_gear"] = {"fleet_gear_id": gear.fleet_gear_id, "load_rps": args.load_rps, "headroom": headroom,
+                             "rps_max": gear.rps_max, "devices": gear.num_devices,
+                             "holds": gear.rps_max * (1 - headroom) >= args.load_rps,
+                             "instances": [{"instance_id": i.instance_id, "hosts": list(i.host_ids), "devices": i.num_devices,
+                                            "rps_max": i.rps_max, "gear": i.gear.model_dump(mode="json")}
+                                           for i in gear.instances]}
+    if args.day is not None:
+        out["day"] = _day(plan, settings, reference, args.day, args.peak_share, err)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    console = Console()
+    table = new_table(f"{cluster.cluster_id}: {len(plan.instances)} instances of {model.name}, fleet envelope "
+                      f"{plan.rps_max:,.1f} req/s", ["like host", "instances", "hosts each", "devices each", "stages",
+                                                      "micro-batch", "rps_max", "req/s per device"], ids=["like host"])
+    for row in describe_plan(plan):
+        table.add_row(str(row["like_host"]), str(row["instances"]), str(row["hosts_per_instance"]),
+                      str(row["devices_per_instance"]), str(row["stages"]), str(row["micro_batch_size"]),
+                      f"{row['rps_max']:.2f}", f"{row['rps_per_device']:.3f}")
+    console.print(table)
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    if "fleet_gear" in out:
+        g = out["fleet_gear"]
+        assert isinstance(g, dict)
+        verdict = "holds it" if g["holds"] else "does NOT hold it: the whole fleet is too small"
+        console.print(f"{g['fleet_gear_id']} for {args.load_rps:g} req/s with {headroom:.0%} headroom: "
+                      f"{len(g['instances'])} instances, {g['devices']} devices, envelope {g['rps_max']:,.1f} req/s; {verdict}")
+    if "day" in out:
+        for row in out["day"]:  # type: ignore[attr-defined]
+            console.print(f"day {args.day} {row['policy']:11s} attainment {row['slo_attainment']:.4f}  device-hours "
+                          f"{row['device_hours']:,.0f}  mean/peak devices {row['mean_held_devices']:.0f}/"
+                          f"{row['peak_held_devices']}  shifts/h {row['shifts_per_hour']:.2f}")
+    return 0
+
+
+def _day(plan, settings, reference, day: int, peak_share: float, err) -> list[dict[str, float | int | str]]:
+    from flexpipe_dag.control.day_setting import leave_one_out_forecast
+    from flexpipe_dag.control.fleet_day import best_static, simulate_fleet_day, tide_rates
+    from flexpipe_dag.planner.fleet_curve import measure_attainment_curve
+
+    with err.status("measuring attainment curves"):
+        curves = {i: measure_attainment_curve(t, reference, settings) for i, t in enumerate(plan.templates)}
+    rates = tide_rates(day, peak_rps=peak_share * plan.rps_max)
+    dyn = simulate_fleet_day(plan, curves, rates, forecast=leave_one_out_forecast(day, 86400.0))
+    static = best_static(plan, curves, rates, attainment=dyn.slo_attainment - 0.001)
+    return [dyn.summary(), static.summary()]

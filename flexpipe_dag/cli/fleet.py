@@ -111,6 +111,6 @@ def _day(plan, settings, reference, day: int, peak_share: float, err) -> list[di
     with err.status("measuring attainment curves"):
         curves = {i: measure_attainment_curve(t, reference, settings) for i, t in enumerate(plan.templates)}
     rates = tide_rates(day, peak_rps=peak_share * plan.rps_max)
-    dyn = simulate_fleet_day(plan, curves, rates, forecast=leave_one_out_forecast(day, 86400.0))
-    static = best_static(plan, curves, rates, attainment=dyn.slo_attainment - 0.001)
+    dyn = simulate_fleet_day(plan, curves, rates, forecast=leave_one_out_forecast(day, 86400.0), settings=settings)
+    static = best_static(plan, curves, rates, attainment=dyn.slo_attainment - 0.001, settings=settings)
     return [dyn.summary(), static.summary()]

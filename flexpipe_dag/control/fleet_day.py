@@ -9,15 +9,19 @@ instance shape, not once per request:
 * the router spreads the window's rate over the admitting instances in proportion to their
   envelopes (what least outstanding work per unit of capacity converges to, :mod:`flexpipe_dag.sim.fleet`),
   so every admitting instance runs at the same load fraction ``rho = rate / sum(rps_max)``;
-* the window's attainment is the load-weighted mean of the instances' curves at ``rho``;
+* the window's attainment is the load-weighted mean of the instances' curves at ``rho`` (at most at
+  each curve's *saturation*, the load where it falls below the target attainment);
+* beyond saturation a **backlog** builds: requests the instances cannot serve in time queue, carried
+  from window to window and drained when the load falls; a request that arrives behind more queued
+  requests than the instances serve within the TTFT SLO misses it;
 * devices are held from the decision that starts an instance (its warm-up, ``instance_warmup_s``,
   during which it admits nothing) until ``instance_drain_s`` after the decision that removes it;
 * the policy is a fixed instance count (a static fleet gear) or a :class:`~flexpipe_dag.control.fleet_scaler.FleetScaler`
   fed the rate observed in the previous window (and a forecast).
 
-What the model leaves out, and how that is checked: a backlog built in an overloaded window is not
-carried into the next (its requests count as misses in the window they arrive), and requests are not
-moved by a change (the exact simulator moves none either). ``tests/test_fleet_day.py`` compares this
+What the model leaves out, and how that is checked: the backlog is one queue for the whole fleet (in the
+router's instances each holds its own; a new instance drains none of an old one's queue), and latency
+inside a window comes from the curves, not from the window's own burstiness beyond the trace's. ``tests/test_fleet_day.py`` compares this
 model with the exact fleet simulator (:class:`~flexpipe_dag.sim.fleet.FleetSimulator`, request by
 request) on a small fleet over a compressed tide: attainment and device-hours agree within the
 tolerances stated there.
@@ -35,7 +39,7 @@ import pandas as pd
 
 from flexpipe_dag.control.fleet_scaler import FleetDecision, FleetScaler, FleetScalerConfig, ForecastFn
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.planner.fleet import FleetPlan
+from flexpipe_dag.planner.fleet import FleetPlan, FleetSettings
 from flexpipe_dag.planner.fleet_curve import AttainmentCurve
 from flexpipe_dag.sim.fleet import InstanceChange
 from flexpipe_dag.workload import load_tide_trace
@@ -109,14 +113,27 @@ def _check(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], rates_rps: np
         raise InputError("fleet day", "curves", f"no attainment curve for template(s) {missing}")
 
 
+def _late_share(backlog: float, arriving: float, served: float, limit: float) -> float:
+    """Share of a window's arrivals that find more than ``limit`` requests queued ahead of them (they wait past
+    the TTFT SLO), with ``backlog`` queued at its start and the queue moving linearly by ``arriving - served``
+    over the window (requests)."""
+    slope = arriving - served
+    if slope == 0:
+        return 1.0 if backlog > limit else 0.0
+    edge = (limit - backlog) / slope             # the window fraction where the queue crosses the limit
+    return float(np.clip(1.0 - edge, 0.0, 1.0) if slope > 0 else np.clip(edge, 0.0, 1.0))
+
+
 def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], rates_rps: Sequence[float] | np.ndarray,
                        *, window_s: float = 60.0, static_instances: int | None = None,
                        scaler_config: FleetScalerConfig | None = None, forecast: ForecastFn | None = None,
-                       ) -> FleetDayResult:
+                       settings: FleetSettings | None = None) -> FleetDayResult:
     """Play ``rates_rps`` (one rate per window, req/s) on ``plan``'s instances (module docstring).
 
     Args:
         curves: attainment curve per template index (:attr:`FleetPlan.templates`).
+        settings: the SLO and attainment the curves were measured for (their TTFT SLO bounds a backlog's
+            wait; the attainment sets each curve's saturation); default :class:`FleetSettings`'s.
         static_instances: serve with the first ``n`` instances all day (ready from the start); else
             the :class:`FleetScaler` with ``scaler_config`` decides (starting with the instances the
             first window's rate needs, ready) and ``forecast`` is its look-ahead.
@@ -149,6 +166,12 @@ def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], r
         held_from[:state.instances] = ready_s[:state.instances] = 0.0
         policy = "dynamic"
         cfg = scaler.config
+    settings = settings or FleetSettings()
+    slo_ttft_s = settings.slo_ttft_ms / 1000.0
+    saturation = np.zeros(max(curves) + 1 if curves else 0)
+    for t_index, curve in curves.items():
+        saturation[t_index] = curve.saturation_fraction(settings.attainment)
+    backlog = 0.0                    # requests queued beyond what the instances serve in time
     admitting = np.zeros(k, dtype=int)
     held = np.zeros(k)
     attained = np.ones(k)
@@ -180,16 +203,21 @@ def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], r
         held[w] = float(np.sum(hold_share * devices))
         cap = float(np.sum(admit_share * rps_max))
         admitting[w] = int(np.sum(admit_share > 0))
-        if rates[w] <= 0:
-            continue
+        arriving = rates[w] * window_s
         if cap <= 0:
-            attained[w] = 0.0
+            backlog += arriving
+            attained[w] = 0.0 if arriving > 0 else 1.0
+            continue
+        on = admit_share > 0
+        sat = float(np.sum(admit_share[on] * rps_max[on] * saturation[template[on]]))
+        late = _late_share(backlog, arriving, sat * window_s, slo_ttft_s * sat)
+        backlog = max(0.0, backlog + arriving - sat * window_s)
+        if arriving <= 0:
             continue
         rho = rates[w] / cap
-        on = admit_share > 0
         weight = admit_share[on] * rps_max[on] / cap                # share of the window's requests
-        att = np.array([float(curves[int(t)].at(rho)) for t in template[on]])
-        attained[w] = float(np.sum(weight * att))
+        att = np.array([float(curves[int(t)].at(min(rho, saturation[int(t)]))) for t in template[on]])
+        attained[w] = (1.0 - late) * float(np.sum(weight * att))
         load_sum[on] += rho * admit_share[on]
         windows_on[on] += admit_share[on]
         served[on] += weight * rates[w] * window_s
@@ -207,14 +235,14 @@ def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], r
 
 
 def best_static(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], rates_rps: Sequence[float] | np.ndarray, *,
-                attainment: float, window_s: float = 60.0) -> FleetDayResult:
+                attainment: float, window_s: float = 60.0, settings: FleetSettings | None = None) -> FleetDayResult:
     """The static fleet gear with the fewest instances whose day attainment is at least ``attainment``
     (bisection over the nested prefixes; the whole fleet when none reaches it)."""
     lo, hi = 1, len(plan.instances)
-    best = simulate_fleet_day(plan, curves, rates_rps, window_s=window_s, static_instances=hi)
+    best = simulate_fleet_day(plan, curves, rates_rps, window_s=window_s, static_instances=hi, settings=settings)
     while lo < hi:
         mid = (lo + hi) // 2
-        r = simulate_fleet_day(plan, curves, rates_rps, window_s=window_s, static_instances=mid)
+        r = simulate_fleet_day(plan, curves, rates_rps, window_s=window_s, static_instances=mid, settings=settings)
         if r.slo_attainment >= attainment:
             best, hi = r, mid
         else:

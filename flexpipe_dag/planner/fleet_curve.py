@@ -51,6 +51,19 @@ class AttainmentCurve:
         out: np.ndarray = np.where(x > top, beyond, inside)
         return out
 
+    def saturation_fraction(self, attainment: float) -> float:
+        """The load fraction at which the curve first falls below ``attainment`` (linear between points): the
+        most the instance serves in time; the last point's when it never falls below, the first's when
+        it starts below."""
+        a, f = self.attainment, self.load_fractions
+        below = np.flatnonzero(a < attainment)
+        if below.size == 0:
+            return float(f[-1])
+        j = int(below[0])
+        if j == 0:
+            return float(f[0])
+        return float(f[j - 1] + (f[j] - f[j - 1]) * (a[j - 1] - attainment) / (a[j - 1] - a[j]))
+
 
 def measure_attainment_curve(template: InstanceTemplate, reference: Workload, settings: FleetSettings, *,
                              load_fractions: Sequence[float] = DEFAULT_LOAD_FRACTIONS,

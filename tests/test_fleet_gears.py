@@ -254,3 +254,49 @@ def test_fleet_command_refuses_bad_flags(capsys, flags, field):
 
     assert main(["fleet", "--cluster", str(EXAMPLES / "fleet_small.yaml"), "--model", "Llama-3-8B", *flags]) == 2
     assert field in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- live controller
+
+
+class _FakeFleet:
+    """Stands in for InstanceFleet: counts accepted requests, records adds / removes, fails a chosen gear."""
+
+    def __init__(self, fail_gear: str | None = None):
+        from types import SimpleNamespace
+
+        self.accepted = 0
+        self.router = SimpleNamespace(ledger=SimpleNamespace(counts=lambda: {
+            "held": 0, "pending": 0, "finished": self.accepted, "refused": 0, "failed": 0, "moved": 7}))
+        self.fail_gear, self.added, self.removed = fail_gear, [], []
+
+    def add_instance(self, gear, options=None):
+        from flexpipe_dag.core.errors import FlexPipeError
+
+        if gear.gear_id == self.fail_gear:
+            raise FlexPipeError(f"{gear.gear_id} did not warm up")
+        self.added.append(gear.gear_id)
+        return f"lane-{gear.gear_id}"
+
+    def remove_instance(self, instance_id, drain_timeout_s=None):
+        self.removed.append(instance_id)
+
+
+def test_live_controller_measures_the_rate_and_keeps_serving_when_a_start_fails():
+    from flexpipe_dag.shift.fleet_control import FleetController
+
+    clock = [0.0]
+    cfg = FleetScalerConfig(sample_period_s=1, rps_ema_alpha=1.0, hysteresis_samples=1, dwell_s=1, scale_out_dwell_s=0,
+                            forecast_horizon_s=0, payback_factor=0.0)
+    fleet = _FakeFleet(fail_gear="i2")
+    ctl = FleetController(fleet, _plan([10.0, 10.0, 10.0]), cfg, clock=lambda: clock[0])
+    assert ctl.start(5.0) == ["lane-i0"]
+    fleet.accepted, clock[0] = 150, 10.0                     # 150 requests in 10 s: 15 req/s
+    assert ctl.observed_rps() == pytest.approx(15.0)
+    fleet.accepted, clock[0] = 400, 20.0
+    d = ctl.step()                                           # 25 req/s: wants 3, the third fails to start
+    assert d.to_instances == 3 and ctl.lane_ids == ["lane-i0", "lane-i1"] and ctl.state.instances == 2
+    assert ctl.errors and "i2 did not warm up" in ctl.errors[0]
+    fleet.accepted, clock[0] = 410, 30.0
+    d = ctl.step()                                           # 1 req/s: back to one, the last one drains
+    assert d.to_instances == 1 and fleet.removed == ["lane-i1"] and ctl.lane_ids == ["lane-i0"]

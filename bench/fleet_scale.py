@@ -184,6 +184,8 @@ def oracle_section(instances: int) -> None:
 
 
 def day_section(days: list[int]) -> None:
+    import numpy as np
+
     from flexpipe_dag.control.day_setting import leave_one_out_forecast
     from flexpipe_dag.control.fleet_day import best_static, simulate_fleet_day, tide_rates
     from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
@@ -245,6 +247,11 @@ def day_section(days: list[int]) -> None:
         print(f"    dynamic / best static device-hours {ratio:.3f} (goal <= {DEVICE_HOURS_GOAL}, attainment not lower): "
               f"{'MET' if met else 'MISSED'}; vs the peak-holding {holds_peak.policy}: "
               f"{dyn.device_hours / holds_peak.device_hours:.3f}")
+        prefix_devices = np.concatenate([[0], np.cumsum([i.num_devices for i in plan.instances])])
+        oracle_h = float(sum(prefix_devices[plan.instances_for(float(r), 0.0)] for r in rates)) * 60.0 / 3600.0
+        print(f"    bound: the fewest instances each minute at 100 % of their envelopes, started instantly: "
+              f"{oracle_h:,.0f} device-hours, {oracle_h / static.device_hours:.3f} of the best static's "
+              f"({'the goal is reachable' if oracle_h / static.device_hours <= DEVICE_HOURS_GOAL else 'no policy reaches the goal'})")
         print(f"    with 20 % headroom: attainment "
               f"{roomy.slo_attainment:.4f}, device-hours {roomy.device_hours:,.0f}, / best static "
               f"({roomy_static.policy}) {roomy.device_hours / roomy_static.device_hours:.3f}")

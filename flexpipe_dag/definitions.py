@@ -23,7 +23,7 @@ import warnings
 
 from dagster import BetaWarning, Definitions, EnvVar, load_asset_checks_from_modules, load_assets_from_modules
 
-from flexpipe_dag.assets import calibration, capacity, evaluation, health, mixed_day, planning, profiling
+from flexpipe_dag.assets import calibration, capacity, evaluation, fleet, health, mixed_day, planning, profiling
 from flexpipe_dag.core.settings import env_value
 from flexpipe_dag.jobs import config_scaffold
 from flexpipe_dag.jobs.batch import batch_inference
@@ -48,7 +48,7 @@ config_scaffold.install()
 # Dagster's own beta notices (e.g. the sensor `owners` parameter it passes itself) say nothing to a user.
 warnings.filterwarnings("ignore", category=BetaWarning, module=r"dagster\..*")
 
-ASSET_MODULES = [profiling, planning, calibration, evaluation, health, capacity, mixed_day]
+ASSET_MODULES = [profiling, planning, calibration, evaluation, health, capacity, mixed_day, fleet]
 
 
 def build_resources() -> dict:

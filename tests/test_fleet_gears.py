@@ -300,3 +300,23 @@ def test_live_controller_measures_the_rate_and_keeps_serving_when_a_start_fails(
     fleet.accepted, clock[0] = 410, 30.0
     d = ctl.step()                                           # 1 req/s: back to one, the last one drains
     assert d.to_instances == 1 and fleet.removed == ["lane-i1"] and ctl.lane_ids == ["lane-i0"]
+
+
+def test_fleet_day_asset_materialises_with_a_plot(tmp_path, monkeypatch):
+    from dagster import materialize
+
+    from flexpipe_dag.assets.fleet import fleet_day
+    from flexpipe_dag.resources.planning import PlanningSettings
+    from flexpipe_dag.resources.store_resource import StoreResource
+
+    monkeypatch.setenv("FLEXPIPE_HOME", str(tmp_path / "home"))
+    config = {"cluster_file": str(EXAMPLES / "fleet_small.yaml"), "start_day": 1, "envelope_requests": 300}
+    result = materialize([fleet_day], resources={"store": StoreResource(database_url=f"sqlite:///{tmp_path / 'fp.db'}"),
+                                                 "planning": PlanningSettings(model="Llama-3-8B")},
+                         run_config={"ops": {"fleet_day": {"config": config}}})
+    assert result.success
+    meta = result.asset_materializations_for_node("fleet_day")[0].metadata
+    assert meta["instances"].value == 4
+    assert meta["fleet_day_devices_per_hour"].value.startswith("![fleet_day_devices_per_hour](data:image/png;base64,")
+    assert 0 < meta["device_hours_vs_best_static"].value <= 1.5
+    assert "static-" in meta["policies"].value

@@ -163,7 +163,7 @@ def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():
     plan = _plan([10.0, 10.0, 10.0, 10.0])
     cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=2, dwell_s=600,
                             scale_out_dwell_s=0, forecast_horizon_s=0, headroom_fraction=0.2,
-                            scale_in_headroom_fraction=0.3)
+                            scale_in_headroom_fraction=0.3, overload_samples=3)
     scaler = FleetScaler(plan, cfg)
     st = scaler.initial_state(5.0)
     assert st.instances == 1
@@ -176,6 +176,19 @@ def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():
     assert not d.changed and d.reason_kind == "dwell" and "600" in d.reason
     st, d = scaler.decide(st, 780, 5.0)
     assert (d.to_instances, d.reason_kind) == (1, "scale_in") and "drain + warm-up" in d.reason
+
+
+def test_scaler_scales_out_at_once_on_an_overload():
+    """Traffic back after a lull: the raw rate above the whole envelope scales out on the first sample, sized
+    for the raw rate (the EMA would still read half of it)."""
+    plan = _plan([10.0] * 6)
+    scaler = FleetScaler(plan, FleetScalerConfig(rps_ema_alpha=0.5, hysteresis_samples=3, forecast_horizon_s=0))
+    st = scaler.initial_state(0.0)
+    st, d = scaler.decide(st, 60, 0.0)
+    st, d = scaler.decide(st, 120, 40.0)
+    assert (d.to_instances, d.reason_kind) == (5, "scale_out") and "overloaded" in d.reason  # 40 / 0.95 > 40
+    st, d = scaler.decide(st, 130, 55.0)                 # overloaded again within the scale-out dwell: wait
+    assert not d.changed and d.reason_kind == "dwell"
 
 
 def test_scaler_declines_a_scale_in_the_forecast_says_will_not_pay_back():

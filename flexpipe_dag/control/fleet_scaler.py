@@ -15,6 +15,9 @@ load expected within ``forecast_horizon_s``, as the gear-shift controller's, whe
   samples, to the fewest instances that hold it with that headroom. A load above the envelope must be
   followed, so there is no payback test (as the controller's ``rps_above_envelope``), only a short
   dwell between two scale-outs (``scale_out_dwell_s``: the warm-up the last one needs to show its effect).
+  An **overload** (the raw, unsmoothed rate above the whole envelope for ``overload_samples``, default 1)
+  scales out at once, to the instances the raw rate needs: traffic that returns after a lull (or an
+  outage) would otherwise queue for the EMA's lag plus the hysteresis before the warm-up even starts.
 * **scale in** (``fewer_instances_hold``, discretionary): when fewer instances hold the smoothed rate
   *and* the forecast with the wider ``scale_in_headroom_fraction`` (the band between the two headrooms
   is the hysteresis that keeps a load near an edge from flapping) for ``hysteresis_samples`` samples,
@@ -60,6 +63,8 @@ class FleetScalerConfig(Figures):
     headroom_fraction: float = Field(0.05, ge=0, lt=1, allow_inf_nan=False)
     scale_in_headroom_fraction: float = Field(0.15, ge=0, lt=1, allow_inf_nan=False)
     hysteresis_samples: int = Field(2, ge=1, le=1000)
+    overload_samples: int = Field(1, ge=1, le=1000, description="samples a raw rate above the whole envelope needs to "
+                                                                "scale out (an overload is not noise to smooth away)")
     dwell_s: float = Field(600.0, ge=0, allow_inf_nan=False)
     scale_out_dwell_s: float = Field(120.0, ge=0, allow_inf_nan=False)
     forecast_horizon_s: float = Field(600.0, ge=0, le=86400.0, allow_inf_nan=False)
@@ -85,6 +90,7 @@ class FleetScalerState:
         instances: instances serving (the fleet gear ``fleet-<instances>``).
         ema_rps: smoothed request rate, req/s (None before the first sample).
         out_count / in_count: consecutive samples the scale-out / scale-in condition held.
+        over_count: consecutive samples the raw rate was above the whole envelope.
         last_change_s / last_out_s: when the last change / scale-out was decided (-inf: never).
     """
 
@@ -92,6 +98,7 @@ class FleetScalerState:
     ema_rps: float | None = None
     out_count: int = 0
     in_count: int = 0
+    over_count: int = 0
     last_change_s: float = -math.inf
     last_out_s: float = -math.inf
 
@@ -162,22 +169,27 @@ class FleetScaler:
         cap = self.capacity_rps(n)
         n_out = self.plan.instances_for(load, c.headroom_fraction)
         n_in = max(1, self.plan.instances_for(load, c.scale_in_headroom_fraction))
+        over_count = state.over_count + 1 if rps > cap else 0
+        if over_count >= c.overload_samples:     # overloaded now: size for the raw rate, at once
+            n_out = max(n_out, self.plan.instances_for(rps, c.headroom_fraction))
         out_count = state.out_count + 1 if n_out > n else 0
         in_count = state.in_count + 1 if n_in < n else 0
-        st = replace(state, ema_rps=ema, out_count=out_count, in_count=in_count)
+        st = replace(state, ema_rps=ema, out_count=out_count, in_count=in_count, over_count=over_count)
         figures = f"smoothed {ema:.1f} req/s, forecast {fc:.1f} req/s, {n} instance(s) hold {cap:.1f} req/s"
 
         def hold(kind: FleetReasonKind, why: str) -> tuple[FleetScalerState, FleetDecision]:
             return st, FleetDecision(t_s, n, n, kind, f"{why} ({figures})")
 
-        if out_count >= c.hysteresis_samples:
+        if out_count >= c.hysteresis_samples or (over_count >= c.overload_samples and n_out > n):
             if t_s - state.last_out_s < c.scale_out_dwell_s:
                 return hold("dwell", f"scale-out to {n_out} waits: the last scale-out was "
                                      f"{t_s - state.last_out_s:.0f} s ago (< {c.scale_out_dwell_s:g} s)")
-            new = replace(st, instances=n_out, out_count=0, in_count=0, last_change_s=t_s, last_out_s=t_s)
+            new = replace(st, instances=n_out, out_count=0, in_count=0, over_count=0, last_change_s=t_s, last_out_s=t_s)
+            why = (f"overloaded: {rps:.1f} req/s observed above the whole envelope for {over_count} sample(s)"
+                   if over_count >= c.overload_samples else
+                   f"load above {1 - c.headroom_fraction:.0%} of the envelope for {out_count} samples")
             return new, FleetDecision(t_s, n, n_out, "scale_out",
-                                      f"scale out {n} -> {n_out}: load above {1 - c.headroom_fraction:.0%} of the "
-                                      f"envelope for {out_count} samples; {n_out} hold {self.capacity_rps(n_out):.1f} "
+                                      f"scale out {n} -> {n_out}: {why}; {n_out} hold {self.capacity_rps(n_out):.1f} "
                                       f"req/s ({figures})")
         if in_count >= c.hysteresis_samples:
             if t_s - state.last_change_s < c.dwell_s:

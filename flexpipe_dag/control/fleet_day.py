@@ -181,7 +181,7 @@ def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], r
     for w in range(k):
         t0 = w * window_s
         if scaler is not None and w > 0:
-            state, d = scaler.decide(state, t0, float(rates[w - 1]), forecast)
+            state, d = scaler.decide(state, t0, float(rates[w - 1]), forecast, queued=backlog)
             if d.changed:
                 decisions.append(d)
                 if d.to_instances > d.from_instances:

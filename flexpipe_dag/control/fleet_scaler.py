@@ -18,6 +18,9 @@ load expected within ``forecast_horizon_s``, as the gear-shift controller's, whe
   An **overload** (the raw, unsmoothed rate above the whole envelope for ``overload_samples``, default 1)
   scales out at once, to the instances the raw rate needs: traffic that returns after a lull (or an
   outage) would otherwise queue for the EMA's lag plus the hysteresis before the warm-up even starts.
+  Requests already **queued** beyond what the instances serve in time (the caller's measure) add
+  ``queued / backlog_drain_s`` to the load, so a surge's backlog is drained by added instances, not by
+  the few percent of headroom alone.
 * **scale in** (``fewer_instances_hold``, discretionary): when fewer instances hold the smoothed rate
   *and* the forecast with the wider ``scale_in_headroom_fraction`` (the band between the two headrooms
   is the hysteresis that keeps a load near an edge from flapping) for ``hysteresis_samples`` samples,
@@ -73,6 +76,8 @@ class FleetScalerConfig(Figures):
     instance_drain_s: float = Field(60.0, ge=0, allow_inf_nan=False,
                                     description="last admission to devices freed of a removed instance")
     payback_factor: float = Field(1.0, ge=0, allow_inf_nan=False)
+    backlog_drain_s: float = Field(300.0, gt=0, allow_inf_nan=False,
+                                   description="a queue is sized to drain in about this long (its rate is added to the load)")
 
     @model_validator(mode="after")
     def _band(self) -> FleetScalerConfig:
@@ -153,18 +158,25 @@ class FleetScaler:
         return horizon
 
     def decide(self, state: FleetScalerState, t_s: float, rps: float,
-               forecast: ForecastFn | None = None) -> tuple[FleetScalerState, FleetDecision]:
-        """One sample: observed request rate ``rps`` (req/s, >= 0) at ``t_s``; returns the next state and the decision.
+               forecast: ForecastFn | None = None, queued: float = 0.0) -> tuple[FleetScalerState, FleetDecision]:
+        """One sample: observed request rate ``rps`` (req/s, >= 0) at ``t_s`` and ``queued`` requests waiting
+        beyond what the instances serve in time; returns the next state and the decision.
+
+        A queue adds ``queued / backlog_drain_s`` req/s to the load the instances must hold (so a
+        backlog after a surge is drained in about ``backlog_drain_s``, not by the headroom alone).
 
         Raises:
-            InputError: ``rps`` negative or not finite.
+            InputError: ``rps`` or ``queued`` negative or not finite.
         """
-        if not (math.isfinite(rps) and rps >= 0):
-            raise InputError("fleet scaler", "rps", f"got {rps}; expected a finite rate >= 0")
+        for name, value in (("rps", rps), ("queued", queued)):
+            if not (math.isfinite(value) and value >= 0):
+                raise InputError("fleet scaler", name, f"got {value}; expected a finite number >= 0")
         c = self.config
         ema = rps if state.ema_rps is None else c.rps_ema_alpha * rps + (1 - c.rps_ema_alpha) * state.ema_rps
         fc = forecast(t_s, ema, c.forecast_horizon_s) if forecast is not None and c.forecast_horizon_s > 0 else ema
-        load = max(ema, fc)
+        drain_rps = queued / c.backlog_drain_s
+        load = max(ema, fc) + drain_rps
+        rps = rps + drain_rps
         n = state.instances
         cap = self.capacity_rps(n)
         n_out = self.plan.instances_for(load, c.headroom_fraction)
@@ -175,7 +187,9 @@ class FleetScaler:
         out_count = state.out_count + 1 if n_out > n else 0
         in_count = state.in_count + 1 if n_in < n else 0
         st = replace(state, ema_rps=ema, out_count=out_count, in_count=in_count, over_count=over_count)
-        figures = f"smoothed {ema:.1f} req/s, forecast {fc:.1f} req/s, {n} instance(s) hold {cap:.1f} req/s"
+        figures = (f"smoothed {ema:.1f} req/s, forecast {fc:.1f} req/s"
+                   + (f", {queued:.0f} queued (+{drain_rps:.1f} req/s to drain)" if queued > 0 else "")
+                   + f", {n} instance(s) hold {cap:.1f} req/s")
 
         def hold(kind: FleetReasonKind, why: str) -> tuple[FleetScalerState, FleetDecision]:
             return st, FleetDecision(t_s, n, n, kind, f"{why} ({figures})")

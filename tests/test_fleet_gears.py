@@ -189,9 +189,9 @@ def test_scaler_scales_out_at_once_on_an_overload():
     assert (d.to_instances, d.reason_kind) == (5, "scale_out") and "overloaded" in d.reason  # 40 / 0.95 > 40
     st, d = scaler.decide(st, 130, 55.0)                 # overloaded again within the scale-out dwell: wait
     assert not d.changed and d.reason_kind == "dwell"
-    # a queue left by the surge is load too: 30 req/s arriving + 6,000 queued / 300 s = 50 req/s to hold
-    st, d = scaler.decide(st, 300, 30.0, queued=6000.0)
-    assert d.to_instances == 6 and "6000 queued" in d.reason
+    # a queue left by the surge is load too: 30 req/s arriving + 9,000 queued / 300 s = 60 req/s: overloaded
+    st, d = scaler.decide(st, 300, 30.0, queued=9000.0)
+    assert d.to_instances == 6 and "9000 queued" in d.reason
     with pytest.raises(InputError, match="queued"):
         scaler.decide(st, 360, 1.0, queued=-1.0)
 

@@ -284,8 +284,10 @@ class _FakeFleet:
         from types import SimpleNamespace
 
         self.accepted = 0
+        self.open = 0
         self.router = SimpleNamespace(ledger=SimpleNamespace(counts=lambda: {
-            "held": 0, "pending": 0, "finished": self.accepted, "refused": 0, "failed": 0, "moved": 7}))
+            "held": 0, "pending": 0, "finished": self.accepted, "refused": 0, "failed": 0, "moved": 7},
+            num_open=lambda: self.open))
         self.fail_gear, self.added, self.removed = fail_gear, [], []
 
     def add_instance(self, gear, options=None):
@@ -318,6 +320,8 @@ def test_live_controller_measures_the_rate_and_keeps_serving_when_a_start_fails(
     fleet.accepted, clock[0] = 410, 30.0
     d = ctl.step()                                           # 1 req/s: back to one, the last one drains
     assert d.to_instances == 1 and fleet.removed == ["lane-i1"] and ctl.lane_ids == ["lane-i0"]
+    fleet.open = 8 + 50                                      # the one instance runs 8 at once: 50 queued
+    assert ctl.queued() == 50
 
 
 def test_fleet_day_asset_materialises_with_a_plot(tmp_path, monkeypatch):

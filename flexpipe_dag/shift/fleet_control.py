@@ -3,8 +3,9 @@
 The live counterpart of :mod:`flexpipe_dag.control.fleet_day`. :class:`FleetController` holds an
 :class:`~flexpipe_dag.shift.instances.InstanceFleet` (one router, several live pipelines) and a
 :class:`~flexpipe_dag.planner.fleet.FleetPlan`; at each sample it feeds the request rate the router
-accepted to the :class:`~flexpipe_dag.control.fleet_scaler.FleetScaler` (smoothing, hysteresis,
-dwell, payback, forecast) and applies its decision:
+accepted, and the requests queued beyond what the serving instances run at once, to the
+:class:`~flexpipe_dag.control.fleet_scaler.FleetScaler` (smoothing, hysteresis, dwell, payback,
+forecast) and applies its decision:
 
 * scale out to ``n'`` instances: the plan's instances ``n..n'-1`` are started in order, each warmed up
   and checked against a live instance before it is routed to (:meth:`InstanceFleet.add_instance`);
@@ -76,6 +77,13 @@ class FleetController:
         self._last_t, self._last_count = now, count
         return rps
 
+    def queued(self) -> int:
+        """Requests open on the router beyond what the serving instances run at once (each gear's
+        micro-batch size x micro-batches in flight): the queue the scaler sizes a drain for."""
+        running = sum(inst.gear.micro_batch_size * inst.gear.max_inflight_micro_batches
+                      for inst in self.plan.instances[:len(self.lane_ids)])
+        return max(0, self.fleet.router.ledger.num_open() - running)
+
     def start(self, rps: float) -> list[str]:
         """Start the instances ``rps`` req/s needs (at least one); returns their instance ids.
 
@@ -116,7 +124,7 @@ class FleetController:
             raise InputError("fleet controller", "step", "call start() first")
         t = self.clock() if t_s is None else t_s
         rate = self.observed_rps() if rps is None else rps
-        state, decision = self.scaler.decide(self.state, t, rate, self.forecast)
+        state, decision = self.scaler.decide(self.state, t, rate, self.forecast, queued=float(self.queued()))
         if decision.to_instances > decision.from_instances:
             self._grow(decision.to_instances)
         elif decision.to_instances < decision.from_instances:

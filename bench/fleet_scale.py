@@ -15,7 +15,8 @@
 3. Fleet day. The shipped ``examples/clusters/fleet_1k.yaml`` (1,024 GPUs: 32 hosts each of A100-80GB,
    V100-32GB, A10, T4) planned as fleet gears for Llama-3-8B (``plan_fleet``: one plan and one envelope
    per host shape), each shape's attainment curve measured in the discrete-event simulator, then days
-   0, 1 and 3 of the ServeGen tide (600-s windows, held on 60-s steps) scaled so each day's peak is
+   0, 1 and 3 of the ServeGen tide (600-s window means, read linearly between their midpoints on 60-s
+   steps) scaled so each day's peak is
    80 % of the fleet's summed envelope, played by the fluid day model: the fleet scaler (default
    figures, leave-one-out tide forecast) against the best static fleet gear at equal attainment
    (the fewest instances whose day attainment is within 0.1 point of the dynamic's) and the static gear that

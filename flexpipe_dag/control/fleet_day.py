@@ -279,8 +279,13 @@ def instance_changes(plan: FleetPlan, day: FleetDayResult, *, warmup_s: float) -
 
 
 def tide_rates(start_day: int, *, peak_rps: float, window_s: float = 60.0) -> np.ndarray:
-    """Day ``start_day`` of the bundled ServeGen tide (600-s windows) held piecewise-constant on
-    ``window_s`` steps and scaled so its peak is ``peak_rps``: one rate per window, req/s, shape ``(86400 / window_s,)``.
+    """Day ``start_day`` of the bundled ServeGen tide on ``window_s`` steps, scaled so its peak is ``peak_rps``:
+    one rate per window, req/s, shape ``(86400 / window_s,)``.
+
+    ServeGen gives the mean rate of each 600-s window; a step of the sum at a window's edge is an artifact
+    of that averaging, not traffic (it would jump +70 % in one instant). The rate at a time is read
+    linearly between the windows' midpoints (the neighbouring days' windows at the day's ends), which
+    keeps each window's mean within the interpolation's error and the day's shape.
 
     Raises:
         InputError: a day outside the tide, ``peak_rps`` or ``window_s`` not > 0.
@@ -292,8 +297,12 @@ def tide_rates(start_day: int, *, peak_rps: float, window_s: float = 60.0) -> np
     for name, value in (("peak_rps", peak_rps), ("window_s", window_s)):
         if not (math.isfinite(value) and value > 0):
             raise InputError("fleet day", name, f"got {value}; expected a finite number > 0")
-    rates = np.asarray(tide.rate_at(86400.0 * start_day + np.arange(0.0, 86400.0, window_s)), dtype=float)
+    start = 86400.0 * start_day
+    t = start + np.arange(0.0, 86400.0, window_s) + window_s / 2.0
+    centers = start + np.arange(-tide.window_s, 86400.0 + tide.window_s, tide.window_s) + tide.window_s / 2.0
+    rates = np.interp(t, centers, np.asarray(tide.rate_at(centers), dtype=float))
     top = float(rates.max())
     if top <= 0:
         raise InputError("fleet day", "start_day", f"day {start_day} of the tide carries no traffic")
-    return rates * (peak_rps / top)
+    out: np.ndarray = rates * (peak_rps / top)
+    return out

@@ -222,6 +222,39 @@ def test_scaler_declines_a_scale_in_the_forecast_says_will_not_pay_back():
     assert not d.changed and d.reason_kind == "payback"
 
 
+def test_scaler_ignores_a_failing_forecast_and_says_so():
+    scaler = FleetScaler(_plan([10.0, 10.0]), FleetScalerConfig(forecast_horizon_s=600))
+    st = scaler.initial_state(5.0)
+
+    def broken(t_s: float, rps: float, horizon_s: float) -> float:
+        raise ZeroDivisionError("division by zero")
+
+    for forecast, said in ((broken, "raised ZeroDivisionError"), (lambda *_: None, "returned None"),
+                           (lambda *_: float("inf"), "returned inf"), (lambda *_: -5.0, "returned -5.0")):
+        _, d = scaler.decide(st, 60, 5.0, forecast)
+        assert not d.changed and f"forecast ignored: it {said}" in d.reason
+
+
+def test_fleet_plan_and_settings_refuse_bad_values():
+    plan = _plan([10.0, 10.0])
+    for bad in (1.5, True, -1, 3):
+        with pytest.raises(InputError, match="num_instances"):
+            plan.prefix(bad)
+    with pytest.raises(InputError, match="rps"):
+        plan.instances_for(math.nan)
+    for field, value in (("attainment", 0.0), ("attainment", 2.0), ("num_requests", 1), ("max_unit_hosts", True),
+                         ("max_unit_hosts", 1.5), ("slo_ttft_ms", math.nan)):
+        with pytest.raises(InputError, match=field):
+            FleetSettings(**{field: value})
+    scaler = FleetScaler(plan)
+    with pytest.raises(InputError, match="config"):
+        FleetScaler(plan, {"headroom_fraction": 0.1})
+    with pytest.raises(InputError, match="state.instances"):
+        scaler.decide(type(scaler.initial_state(1.0))(instances=-3), 0.0, 1.0)
+    with pytest.raises(InputError, match="t_s"):
+        scaler.decide(scaler.initial_state(1.0), math.nan, 1.0)
+
+
 def test_scaler_refuses_bad_figures():
     with pytest.raises(ValueError, match="scale_in_headroom_fraction"):
         FleetScalerConfig(headroom_fraction=0.3, scale_in_headroom_fraction=0.1)
@@ -259,13 +292,14 @@ def test_fleet_command_prints_instances_and_the_fleet_gear_for_a_load(capsys):
     assert main(["fleet", "--cluster", str(EXAMPLES / "fleet_small.yaml"), "--model", "Llama-3-8B", "--load-rps", "1.5",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["instances"] == 4 and len(out["templates"]) == 2
+    assert out["num_instances"] == 4 and len(out["instances"]) == 4 and len(out["templates"]) == 2
     gear = out["fleet_gear"]
     assert gear["holds"] and gear["rps_max"] * (1 - gear["headroom"]) >= 1.5
     assert [i["instance_id"] for i in gear["instances"]][0].startswith("a10")
 
 
-@pytest.mark.parametrize("flags, field", [(["--headroom", "0.95"], "--headroom"), (["--day", "14"], "--day"),
+@pytest.mark.parametrize("flags, field", [(["--headroom", "0.95", "--day", "1"], "--headroom"), (["--day", "14"], "--day"),
+                                          (["--headroom", "0.1"], "--headroom"), (["--peak-share", "0.5"], "--peak-share"),
                                           (["--slo-ttft-ms", "0"], "--slo-ttft-ms"), (["--load-rps", "-1"], "--load-rps")])
 def test_fleet_command_refuses_bad_flags(capsys, flags, field):
     from flexpipe_dag.cli import main

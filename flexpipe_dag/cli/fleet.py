@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import check_number
 from flexpipe_dag.planner.operating import MAX_SLO_MS
 
@@ -26,11 +27,13 @@ def register(subparsers) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="time-per-output-token SLO, ms (default 200)")
     p.add_argument("--load-rps", type=float, default=None, help="print the fleet gear that holds this load, req/s")
     p.add_argument("--headroom", type=float, default=None,
-                   help="share of the summed envelope held back, 0..0.9 (default the scaler's, 0.05)")
+                   help="with --load-rps or --day: share of the summed envelope held back, 0..0.9 (default the "
+                        "scaler's, 0.05); the scaler gives instances back below 1 - (headroom + 0.1), at least 15 %%")
     p.add_argument("--day", type=int, default=None,
                    help=f"simulate day N (0..{TIDE_DAYS - 1}) of the bundled ServeGen tide, peak at --peak-share of the "
                         "fleet's envelope: the fleet scaler against the best static fleet gear")
-    p.add_argument("--peak-share", type=float, default=0.8, help="the day's peak as a share of the fleet envelope (default 0.8)")
+    p.add_argument("--peak-share", type=float, default=None,
+                   help="with --day: the day's peak as a share of the fleet envelope (default 0.8)")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.set_defaults(func=run)
 
@@ -50,11 +53,19 @@ def run(args: argparse.Namespace) -> int:
     check_number(args.slo_tpot_ms, None, "--slo-tpot-ms", gt=0, le=MAX_SLO_MS, unit="milliseconds")
     if args.load_rps is not None:
         check_number(args.load_rps, None, "--load-rps", ge=0, unit="req/s")
-    headroom = FleetScalerConfig().headroom_fraction if args.headroom is None else args.headroom
+    if args.headroom is not None and args.load_rps is None and args.day is None:
+        raise InputError(None, "--headroom", "applies to --load-rps or --day; give one of them")
+    if args.peak_share is not None and args.day is None:
+        raise InputError(None, "--peak-share", "applies to --day only")
+    default = FleetScalerConfig()
+    headroom = default.headroom_fraction if args.headroom is None else args.headroom
     check_number(headroom, None, "--headroom", ge=0, le=0.9, unit="fraction")
+    scaler = FleetScalerConfig(headroom_fraction=headroom, scale_in_headroom_fraction=max(
+        default.scale_in_headroom_fraction, min(0.95, headroom + 0.1)))
     if args.day is not None:
         check_number(args.day, None, "--day", integer=True, ge=0, le=TIDE_DAYS - 1, unit="tide day")
-    check_number(args.peak_share, None, "--peak-share", gt=0, le=1.5, unit="fraction")
+    peak_share = 0.8 if args.peak_share is None else args.peak_share
+    check_number(peak_share, None, "--peak-share", gt=0, le=1.5, unit="fraction")
     dtype = canonical_dtype(args.dtype, None, "--dtype")
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
@@ -63,22 +74,25 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     with err.status(f"planning instances of {cluster.cluster_id}"):
         plan = plan_fleet(cluster, model, reference, dtype=dtype, settings=settings)
-    out: dict[str, object] = {"cluster_id": cluster.cluster_id, "model": model.name, "rps_max": plan.rps_max,
-                              "instances": len(plan.instances), "templates": describe_plan(plan), "notes": list(plan.notes)}
+    out: dict[str, object] = {
+        "cluster_id": cluster.cluster_id, "model": model.name, "rps_max": plan.rps_max,
+        "num_instances": len(plan.instances), "templates": describe_plan(plan), "notes": list(plan.notes),
+        "instances": [{"instance_id": i.instance_id, "hosts": list(i.host_ids), "devices": i.num_devices,
+                       "rps_max": i.rps_max} for i in plan.instances]}
     if args.load_rps is not None:
         gear = plan.gear_for(args.load_rps, headroom)
         out["fleet_gear"] = {"fleet_gear_id": gear.fleet_gear_id, "load_rps": args.load_rps, "headroom": headroom,
                              "rps_max": gear.rps_max, "devices": gear.num_devices,
-                             "holds": gear.rps_max * (1 - headroom) >= args.load_rps,
+                             "holds": gear.rps_max >= args.load_rps / (1 - headroom),  # the rule instances_for uses
                              "instances": [{"instance_id": i.instance_id, "hosts": list(i.host_ids), "devices": i.num_devices,
                                             "rps_max": i.rps_max, "gear": i.gear.model_dump(mode="json")}
                                            for i in gear.instances]}
     if args.day is not None:
-        out["day"] = _day(plan, settings, reference, args.day, args.peak_share, err)
+        out["day"] = _day(plan, settings, reference, args.day, peak_share, scaler, err)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    console = Console()
+    console = Console(width=max(120, Console().width))
     table = new_table(f"{cluster.cluster_id}: {len(plan.instances)} instances of {model.name}, fleet envelope "
                       f"{plan.rps_max:,.1f} req/s", ["like host", "instances", "hosts each", "devices each", "stages",
                                                       "micro-batch", "rps_max", "req/s per device"], ids=["like host"])
@@ -92,25 +106,40 @@ def run(args: argparse.Namespace) -> int:
     if "fleet_gear" in out:
         g = out["fleet_gear"]
         assert isinstance(g, dict)
-        verdict = "holds it" if g["holds"] else "does NOT hold it: the whole fleet is too small"
+        verdict = ("holds it" if g["holds"] else
+                   f"does NOT hold it: all {len(plan.instances)} instances of the fleet hold {plan.rps_max:,.1f} req/s "
+                   f"x (1 - {headroom:g})")
         console.print(f"{g['fleet_gear_id']} for {args.load_rps:g} req/s with {headroom:.0%} headroom: "
-                      f"{len(g['instances'])} instances, {g['devices']} devices, envelope {g['rps_max']:,.1f} req/s; {verdict}")
+                      f"{_count(len(g['instances']), 'instance')}, {_count(g['devices'], 'device')}, envelope "
+                      f"{g['rps_max']:,.1f} req/s; {verdict}")
     if "day" in out:
-        for row in out["day"]:  # type: ignore[attr-defined]
-            console.print(f"day {args.day} {row['policy']:11s} attainment {row['slo_attainment']:.4f}  device-hours "
-                          f"{row['device_hours']:,.0f}  mean/peak devices {row['mean_held_devices']:.0f}/"
-                          f"{row['peak_held_devices']}  shifts/h {row['shifts_per_hour']:.2f}")
+        day = out["day"]
+        assert isinstance(day, dict)
+        console.print(f"tide day {args.day}, peak {day['peak_rps']:,.1f} req/s ({peak_share:g} x the fleet's envelope), "
+                      f"SLO TTFT {args.slo_ttft_ms:g} ms / TPOT {args.slo_tpot_ms:g} ms, headroom {headroom:g}:")
+        for row in day["policies"]:
+            console.print(f"  {row['policy']:11s} attainment {row['slo_attainment']:.4f}, device-hours "
+                          f"{row['device_hours']:,.0f}, mean / peak devices {row['mean_held_devices']:.0f} / "
+                          f"{row['peak_held_devices']}, shifts/h {row['shifts_per_hour']:.2f}")
+        console.print(f"  dynamic / best static device-hours: {day['device_hours_vs_best_static']:.3f}")
     return 0
 
 
-def _day(plan, settings, reference, day: int, peak_share: float, err) -> list[dict[str, float | int | str]]:
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _day(plan, settings, reference, day: int, peak_share: float, scaler, err) -> dict[str, object]:
     from flexpipe_dag.control.day_setting import leave_one_out_forecast
     from flexpipe_dag.control.fleet_day import best_static, simulate_fleet_day, tide_rates
     from flexpipe_dag.planner.fleet_curve import measure_attainment_curve
 
     with err.status("measuring attainment curves"):
         curves = {i: measure_attainment_curve(t, reference, settings) for i, t in enumerate(plan.templates)}
-    rates = tide_rates(day, peak_rps=peak_share * plan.rps_max)
-    dyn = simulate_fleet_day(plan, curves, rates, forecast=leave_one_out_forecast(day, 86400.0), settings=settings)
+    peak = peak_share * plan.rps_max
+    rates = tide_rates(day, peak_rps=peak)
+    dyn = simulate_fleet_day(plan, curves, rates, forecast=leave_one_out_forecast(day, 86400.0), settings=settings,
+                             scaler_config=scaler)
     static = best_static(plan, curves, rates, attainment=dyn.slo_attainment - 0.001, settings=settings)
-    return [dyn.summary(), static.summary()]
+    return {"peak_rps": peak, "policies": [dyn.summary(), static.summary()],
+            "device_hours_vs_best_static": dyn.device_hours / static.device_hours}

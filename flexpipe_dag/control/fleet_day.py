@@ -155,8 +155,9 @@ def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], r
     stop_s = np.full(n_all, np.inf)
     decisions: list[FleetDecision] = []
     if static_instances is not None:
-        if not 1 <= static_instances <= n_all:
-            raise InputError("fleet day", "static_instances", f"got {static_instances}; expected 1..{n_all}")
+        if isinstance(static_instances, bool) or not isinstance(static_instances, int) \
+                or not 1 <= static_instances <= n_all:
+            raise InputError("fleet day", "static_instances", f"got {static_instances!r}; expected an integer 1..{n_all}")
         held_from[:static_instances] = ready_s[:static_instances] = 0.0
         policy = f"static-{static_instances}"
         scaler = None
@@ -172,6 +173,8 @@ def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], r
     for t_index, curve in curves.items():
         saturation[t_index] = curve.saturation_fraction(settings.attainment)
     backlog = 0.0                    # requests queued beyond what the instances serve in time
+    used_templates = sorted({int(t) for t in template})
+    att_by_template = np.zeros(saturation.size)
     admitting = np.zeros(k, dtype=int)
     held = np.zeros(k)
     attained = np.ones(k)
@@ -216,8 +219,9 @@ def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], r
             continue
         rho = rates[w] / cap
         weight = admit_share[on] * rps_max[on] / cap                # share of the window's requests
-        att = np.array([float(curves[int(t)].at(min(rho, saturation[int(t)]))) for t in template[on]])
-        attained[w] = (1.0 - late) * float(np.sum(weight * att))
+        for t in used_templates:  # one curve read per shape, not per instance
+            att_by_template[t] = float(curves[t].at(min(rho, saturation[t])))
+        attained[w] = (1.0 - late) * float(np.sum(weight * att_by_template[template[on]]))
         load_sum[on] += rho * admit_share[on]
         windows_on[on] += admit_share[on]
         served[on] += weight * rates[w] * window_s
@@ -292,8 +296,8 @@ def tide_rates(start_day: int, *, peak_rps: float, window_s: float = 60.0) -> np
     """
     tide = load_tide_trace()
     days = int(tide.duration_s // 86400)
-    if not 0 <= start_day < days:
-        raise InputError("fleet day", "start_day", f"the ServeGen tide holds days 0..{days - 1}, got {start_day}")
+    if isinstance(start_day, bool) or not isinstance(start_day, int) or not 0 <= start_day < days:
+        raise InputError("fleet day", "start_day", f"the ServeGen tide holds days 0..{days - 1}, got {start_day!r}")
     for name, value in (("peak_rps", peak_rps), ("window_s", window_s)):
         if not (math.isfinite(value) and value > 0):
             raise InputError("fleet day", name, f"got {value}; expected a finite number > 0")

@@ -129,6 +129,8 @@ class FleetScaler:
     def __init__(self, plan: FleetPlan, config: FleetScalerConfig | None = None):
         if not plan.instances:
             raise InputError("fleet scaler", "plan", "the plan has no instances")
+        if config is not None and not isinstance(config, FleetScalerConfig):
+            raise InputError("fleet scaler", "config", f"got a {type(config).__name__}; expected a FleetScalerConfig")
         self.plan = plan
         self.config = config or FleetScalerConfig()
         self._cum = [0.0]
@@ -140,7 +142,13 @@ class FleetScaler:
         return self._cum[max(0, min(instances, len(self.plan.instances)))]
 
     def initial_state(self, rps: float) -> FleetScalerState:
-        """The state for a fleet started for ``rps`` req/s (the fewest instances holding it with headroom)."""
+        """The state for a fleet started for ``rps`` req/s (the fewest instances holding it with headroom).
+
+        Raises:
+            InputError: ``rps`` negative or not finite.
+        """
+        if not (math.isfinite(rps) and rps >= 0):
+            raise InputError("fleet scaler", "rps", f"got {rps}; expected a finite rate >= 0")
         return FleetScalerState(instances=max(1, self.plan.instances_for(rps, self.config.headroom_fraction)))
 
     def _holds_for_s(self, t_s: float, rps: float, capacity: float, forecast: ForecastFn | None) -> float:
@@ -157,6 +165,20 @@ class FleetScaler:
             horizon = nxt
         return horizon
 
+    def _forecast(self, forecast: ForecastFn | None, t_s: float, ema: float) -> tuple[float, str]:
+        """The forecast over the horizon (the smoothed rate without one), and a note when it was ignored: a
+        forecast that raises, or returns anything but a finite rate >= 0, is ignored for that sample."""
+        c = self.config
+        if forecast is None or c.forecast_horizon_s <= 0:
+            return ema, ""
+        try:
+            value = forecast(t_s, ema, c.forecast_horizon_s)
+        except Exception as exc:  # a user's forecast: its failure must not stop the fleet's control
+            return ema, f"; forecast ignored: it raised {type(exc).__name__}: {exc}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+            return ema, f"; forecast ignored: it returned {value!r}, not a finite rate >= 0"
+        return float(value), ""
+
     def decide(self, state: FleetScalerState, t_s: float, rps: float,
                forecast: ForecastFn | None = None, queued: float = 0.0) -> tuple[FleetScalerState, FleetDecision]:
         """One sample: observed request rate ``rps`` (req/s, >= 0) at ``t_s`` and ``queued`` requests waiting
@@ -168,12 +190,15 @@ class FleetScaler:
         Raises:
             InputError: ``rps`` or ``queued`` negative or not finite.
         """
-        for name, value in (("rps", rps), ("queued", queued)):
-            if not (math.isfinite(value) and value >= 0):
-                raise InputError("fleet scaler", name, f"got {value}; expected a finite number >= 0")
+        for name, value in (("rps", rps), ("queued", queued), ("t_s", t_s)):
+            if not (math.isfinite(value) and (value >= 0 or name == "t_s")):
+                raise InputError("fleet scaler", name, f"got {value}; expected a finite number" + (" >= 0" if name != "t_s" else ""))
+        if not 1 <= state.instances <= len(self.plan.instances):
+            raise InputError("fleet scaler", "state.instances",
+                             f"got {state.instances}; expected 1..{len(self.plan.instances)} (the plan's instances)")
         c = self.config
         ema = rps if state.ema_rps is None else c.rps_ema_alpha * rps + (1 - c.rps_ema_alpha) * state.ema_rps
-        fc = forecast(t_s, ema, c.forecast_horizon_s) if forecast is not None and c.forecast_horizon_s > 0 else ema
+        fc, forecast_note = self._forecast(forecast, t_s, ema)
         drain_rps = queued / c.backlog_drain_s
         load = max(ema, fc) + drain_rps
         rps = rps + drain_rps
@@ -189,7 +214,7 @@ class FleetScaler:
         st = replace(state, ema_rps=ema, out_count=out_count, in_count=in_count, over_count=over_count)
         figures = (f"smoothed {ema:.1f} req/s, forecast {fc:.1f} req/s"
                    + (f", {queued:.0f} queued (+{drain_rps:.1f} req/s to drain)" if queued > 0 else "")
-                   + f", {n} instance(s) hold {cap:.1f} req/s")
+                   + f", {n} instance(s) hold {cap:.1f} req/s{forecast_note}")
 
         def hold(kind: FleetReasonKind, why: str) -> tuple[FleetScalerState, FleetDecision]:
             return st, FleetDecision(t_s, n, n, kind, f"{why} ({figures})")
@@ -219,4 +244,9 @@ class FleetScaler:
                                       f"scale in {n} -> {n_in}: {n_in} instance(s) hold the load with "
                                       f"{c.scale_in_headroom_fraction:.0%} headroom for {in_count} samples and are "
                                       f"expected to for {residence:.0f} s > {cost:.0f} s of drain + warm-up ({figures})")
-        return hold("hold", f"hold {n} instance(s)")
+        counting = ""
+        if out_count:
+            counting = f": load above {1 - c.headroom_fraction:.0%} of the envelope, {out_count} of {c.hysteresis_samples} samples"
+        elif in_count:
+            counting = f": {n_in} would hold it, {in_count} of {c.hysteresis_samples} samples"
+        return hold("hold", f"hold {n} instance(s){counting}")

@@ -19,7 +19,9 @@ How the instances are planned (:func:`plan_fleet`):
    simulator on the reference trace (:func:`~flexpipe_dag.planner.envelope.refine_envelopes`); the
    gear with the most requests/s per device is the shape's **template**.
 3. Every unit of the fleet becomes one instance: the template with its devices mapped by position
-   (host k of the unit, device j of the host). Hosts left over (a rack with fewer hosts than a unit,
+   (host k of the unit, device j of the host), when the unit's device pairs have the template unit's
+   link figures; a unit whose links differ (a measured pair, a profile without a topology) is planned
+   on its own. Hosts left over (a rack with fewer hosts than a unit,
    a shape on which nothing fits the SLO) are listed in :attr:`FleetPlan.notes` and serve nothing.
 4. The instances are ordered by envelope per device, best first (ties: larger envelope, then id).
    The fleet gear for a load ``L`` is the shortest prefix of that order whose summed envelope, less the
@@ -167,8 +169,10 @@ class FleetPlan:
 
     def prefix(self, num_instances: int) -> FleetGear:
         """The fleet gear of the first ``num_instances`` instances (0..len)."""
-        if not 0 <= num_instances <= len(self.instances):
-            raise InputError("fleet gear", "num_instances", f"got {num_instances}; expected 0..{len(self.instances)}")
+        if isinstance(num_instances, bool) or not isinstance(num_instances, int) \
+                or not 0 <= num_instances <= len(self.instances):
+            raise InputError("fleet gear", "num_instances",
+                             f"got {num_instances!r}; expected an integer 0..{len(self.instances)}")
         return FleetGear(self.instances[:num_instances])
 
     def instances_for(self, rps: float, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION) -> int:
@@ -176,6 +180,8 @@ class FleetPlan:
         of them when even the whole fleet does not (the caller sees ``rps`` above :attr:`rps_max`)."""
         if not 0 <= headroom_fraction < 1:
             raise InputError("fleet gear", "headroom_fraction", f"got {headroom_fraction}; expected 0 <= h < 1")
+        if not math.isfinite(rps):
+            raise InputError("fleet gear", "rps", f"got {rps}; expected a finite rate")
         need = max(0.0, rps) / (1.0 - headroom_fraction)
         if need <= 0:
             return 0
@@ -195,8 +201,10 @@ def host_shapes(cluster: ClusterProfile) -> dict[HostShape, list[str]]:
     """Hosts grouped by shape (module docstring, step 1), each group in the profile's host order.
 
     The key holds each device's figures (model, memory GiB, TFLOP/s, GB/s, bf16, largest
-    micro-batch, availability), in device order, and the host's intra-host figures; a host with a
-    device whose pairs are overridden is keyed by its own id.
+    micro-batch, availability), in device order, and the host's intra-host figures; with a topology, a
+    host with a device whose pairs are overridden is keyed by its own id. Without one (explicit links
+    only) hosts of equal devices share a shape and :func:`plan_fleet` compares each unit's links with
+    the template's, planning a unit of its own where they differ.
     """
     by_host: dict[str, list[Device]] = {}
     for d in cluster.devices:
@@ -208,10 +216,10 @@ def host_shapes(cluster: ClusterProfile) -> dict[HostShape, list[str]]:
         if cluster.topology is not None:
             h = cluster.topology.host(host_id)
             position: tuple[object, ...] = (h.intra_kind, h.intra_bandwidth_gbps, h.intra_latency_us)
-        else:
-            position = ("host", host_id)
-        if any(cluster.link_is_overridden(d.device_id) for d in devices):
-            position = (*position, "measured", host_id)
+            if any(cluster.link_is_overridden(d.device_id) for d in devices):
+                position = (*position, "measured", host_id)
+        else:  # explicit links only: hosts of equal devices share a shape; each unit's links are compared later
+            position = ("links",)
         groups.setdefault((figures, position), []).append(host_id)
     return groups
 
@@ -269,6 +277,19 @@ class FleetSettings:
     num_requests: int = 1000
     max_unit_hosts: int = MAX_UNIT_HOSTS
 
+    def __post_init__(self) -> None:
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise InputError("fleet settings", name, f"got {value!r}; expected a finite number of ms > 0")
+        a = self.attainment
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0 < a <= 1):
+            raise InputError("fleet settings", "attainment", f"got {a!r}; expected a share in (0, 1]")
+        for name, low, high in (("num_requests", 2, 10**7), ("max_unit_hosts", 1, MAX_UNIT_HOSTS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InputError("fleet settings", name, f"got {value!r}; expected an integer {low}..{high}")
+
 
 def plan_template(cluster: ClusterProfile, spec: ModelSpec, unit: tuple[str, ...], reference: Workload, *,
                   dtype: str, settings: FleetSettings, shape: HostShape = ()) -> InstanceTemplate:
@@ -291,6 +312,44 @@ def plan_template(cluster: ClusterProfile, spec: ModelSpec, unit: tuple[str, ...
     best = max(serving, key=lambda g: (g.rps_max / len(g.device_ids), g.rps_max, g.gear_id))
     return InstanceTemplate(shape=shape, unit_host_ids=unit, gear=best, timing=cm.timings(best),
                             candidates=tuple((g.gear_id, len(g.device_ids), g.rps_max) for g in gears))
+
+
+def _link_figures(cluster: ClusterProfile, device_ids: list[str]) -> list[tuple[float, float] | None]:
+    """Bandwidth and latency of every ordered pair of ``device_ids`` (None: not linked), in pair order."""
+    out: list[tuple[float, float] | None] = []
+    for a in device_ids:
+        for b in device_ids:
+            if a != b:
+                link = cluster.link(a, b)
+                out.append(None if link is None else (link.bandwidth_gbps, link.latency_us))
+    return out
+
+
+def _add_instances(cluster: ClusterProfile, spec: ModelSpec, reference: Workload, dtype: str, settings: FleetSettings,
+                   template: InstanceTemplate, units: list[tuple[str, ...]], by_host: dict[str, list[str]],
+                   templates: list[InstanceTemplate], instances: list[FleetInstance]) -> None:
+    """One instance per unit: the template mapped onto the unit's devices when the unit's links equal the
+    template unit's (pair by pair), else a plan of the unit's own (its links differ: measured pairs, or a
+    profile without a topology). Appends to ``templates`` and ``instances``."""
+    t_index = len(templates)
+    templates.append(template)
+    src = [d for h in template.unit_host_ids for d in by_host[h]]
+    src_links = _link_figures(cluster, src)
+    for unit in units:
+        dst = [d for h in unit for d in by_host[h]]
+        index, own = t_index, template
+        if unit != template.unit_host_ids and _link_figures(cluster, dst) != src_links:
+            try:
+                own = plan_template(cluster, spec, unit, reference, dtype=dtype, settings=settings, shape=template.shape)
+            except InfeasibleError:
+                continue
+            index = len(templates)
+            templates.append(own)
+            gear = own.gear.model_copy(update={"gear_id": f"{unit[0]}-{own.gear.kind}"})
+        else:
+            gear = map_gear(template.gear, dict(zip(src, dst)), f"{unit[0]}-{template.gear.kind}")
+        instances.append(FleetInstance(instance_id=f"{unit[0]}-{own.gear.kind}", host_ids=unit, gear=gear,
+                                       template=index))
 
 
 def plan_fleet(cluster: ClusterProfile, spec: ModelSpec, reference: Workload, *, dtype: str = "bf16",
@@ -335,14 +394,16 @@ def plan_fleet(cluster: ClusterProfile, spec: ModelSpec, reference: Workload, *,
         if left:
             notes.append(f"{len(left)} host(s) like {hosts[0]} serve nothing: a unit takes {template.unit_hosts} "
                          f"hosts of one rack ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''})")
-        t_index = len(templates)
-        templates.append(template)
-        src = [d for h in template.unit_host_ids for d in by_host[h]]
-        for unit in units:
-            dst = [d for h in unit for d in by_host[h]]
-            gear = map_gear(template.gear, dict(zip(src, dst)), f"{unit[0]}-{template.gear.kind}")
-            instances.append(FleetInstance(instance_id=f"{unit[0]}-{template.gear.kind}", host_ids=unit, gear=gear,
-                                           template=t_index))
+        used = template.num_devices
+        per_unit = sum(len(by_host[h]) for h in template.unit_host_ids)
+        if used < per_unit:
+            notes.append(f"instances like {template.unit_host_ids[0]} use {used} of their {per_unit} devices "
+                         f"(the rest add no envelope per device: {template.gear.gear_id})")
+        _add_instances(cluster, spec, reference, dtype, settings, template, units, by_host, templates, instances)
+    leaving = sorted({d.node_id for d in cluster.devices if d.available_until is not None})
+    if leaving:
+        notes.append(f"{len(leaving)} host(s) have devices that leave ({', '.join(leaving[:4])}"
+                     f"{', ...' if len(leaving) > 4 else ''}): instances are planned and simulated as if they stay")
     if not instances:
         raise InfeasibleError(f"no host of {cluster.cluster_id} serves {spec.name}: " + " | ".join(notes))
     instances.sort(key=lambda i: (-i.rps_max / max(1, i.num_devices), -i.rps_max, i.instance_id))

@@ -12,7 +12,7 @@ import pandas as pd
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from flexpipe_dag.assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
+from flexpipe_dag.assets.metadata import cluster_for_run, png_metadata, table_metadata
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
@@ -48,16 +48,12 @@ def fleet_day(context: AssetExecutionContext, config: FleetDayConfig, planning: 
     from flexpipe_dag.control.day_setting import leave_one_out_forecast
     from flexpipe_dag.control.fleet_day import best_static, simulate_fleet_day, tide_rates
     from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
-    from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.fleet import FleetSettings, describe_plan, plan_fleet
     from flexpipe_dag.planner.fleet_curve import measure_attainment_curve
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.plots import reservation_curve_plot
 
-    if config.cluster_file:
-        cluster = load_cluster_profile(config.cluster_file)
-    else:
-        _, cluster = latest_profile_or_fail(store.get_store())
+    cluster = cluster_for_run(config.cluster_file, store)
     spec = load_model_spec(planning.model)
     reference = planning.capped_reference_trace()
     settings = FleetSettings(slo_ttft_ms=planning.slo_ttft_ms, slo_tpot_ms=planning.slo_tpot_ms,

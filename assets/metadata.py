@@ -35,3 +35,13 @@ def latest_profile_or_fail(db):
     if latest is None:
         raise InfeasibleError("no cluster profile stored yet: materialise gpu_profile first")
     return latest
+
+
+def cluster_for_run(cluster_file: str, store):
+    """The ``ClusterProfile`` of a run config's ``cluster_file``, else the newest stored one (``store``: the
+    store resource); InputError for a bad file, InfeasibleError when neither is there."""
+    from flexpipe_dag.core.cluster import load_cluster_profile
+
+    if cluster_file:
+        return load_cluster_profile(cluster_file)
+    return latest_profile_or_fail(store.get_store())[1]

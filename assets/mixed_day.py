@@ -13,7 +13,7 @@ import pandas as pd
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from flexpipe_dag.assets.metadata import latest_profile_or_fail, png_metadata, table_metadata
+from flexpipe_dag.assets.metadata import cluster_for_run, png_metadata, table_metadata
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
@@ -41,16 +41,12 @@ def mixed_day(context: AssetExecutionContext, config: MixedDayConfig, planning: 
     from flexpipe_dag.control import Controller
     from flexpipe_dag.control.day_setting import day_setting, leave_one_out_forecast, operating_gears
     from flexpipe_dag.control.mixed_day import goals, mixed_day_controller_config, run_mixed_day
-    from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.core.settings import flexpipe_home
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.serving.mixed_day_report import mixed_day_figures, write_mixed_day_report
     from flexpipe_dag.workload import Workload, load_trace
 
-    if config.cluster_file:
-        cluster = load_cluster_profile(config.cluster_file)
-    else:
-        _, cluster = latest_profile_or_fail(store.get_store())
+    cluster = cluster_for_run(config.cluster_file, store)
     spec = load_model_spec(planning.model)
     backlog = load_trace(config.offline_trace)
     if config.offline_limit:

@@ -376,3 +376,25 @@ def test_fleet_day_asset_materialises_with_a_plot(tmp_path, monkeypatch):
     assert meta["fleet_day_devices_per_hour"].value.startswith("![fleet_day_devices_per_hour](data:image/png;base64,")
     assert 0 < meta["device_hours_vs_best_static"].value <= 1.5
     assert "static-" in meta["policies"].value
+
+
+def test_without_a_topology_units_with_other_links_are_planned_on_their_own():
+    """Explicit links only: hosts of equal devices share a shape, the template is reused where a unit's links
+    equal the template unit's, and a unit with slower links gets a plan of its own."""
+    from flexpipe_dag.core.cluster import ClusterProfile, Link
+
+    fleet = load_cluster_profile(EXAMPLES / "fleet_small.yaml")
+    devices = [d for d in fleet.devices if d.node_id.startswith("a10")]
+    a10_hosts = sorted({d.node_id for d in devices})
+    links = []
+    for a in devices:
+        for b in devices:
+            if a.device_id != b.device_id and a.node_id == b.node_id:
+                slow = a.node_id == a10_hosts[-1]
+                links.append(Link(src_device_id=a.device_id, dst_device_id=b.device_id,
+                                  bandwidth_gbps=0.5 if slow else 32.0, latency_us=500.0 if slow else 5.0))
+    cluster = ClusterProfile(cluster_id="a10-links", devices=devices, links=links)
+    assert len(host_shapes(cluster)) == 1
+    plan = plan_fleet(cluster, load_model_spec("Llama-3-8B"), load_trace("azure-conv"), settings=SETTINGS)
+    assert len(plan.instances) == 2 and len(plan.templates) == 2
+    assert {i.template for i in plan.instances} == {0, 1}

@@ -10,9 +10,8 @@ in the runtime), and its envelope is the **sum** of its instances' measured enve
 How the instances are planned (:func:`plan_fleet`):
 
 1. Hosts are grouped by **shape**: the devices they hold (profile, dtype support, in order) and how
-   those devices talk (intra-host figures). A host with a measured pair of its own (a link override)
-   is a shape of its own. Identical hosts in identical positions get identical plans, so planning
-   costs one plan per shape, not per host.
+   those devices talk (intra-host figures). Identical hosts in identical positions get identical
+   plans, so planning costs one plan per shape, not per host.
 2. The **unit** of a shape is the fewest hosts of that shape, in one rack, on which the model fits
    (one host for a model its devices hold; 2, 4, ... for one they do not, up to ``max_unit_hosts``).
    The planner's operating gears are planned on one unit and their envelopes measured in the
@@ -201,10 +200,10 @@ def host_shapes(cluster: ClusterProfile) -> dict[HostShape, list[str]]:
     """Hosts grouped by shape (module docstring, step 1), each group in the profile's host order.
 
     The key holds each device's figures (model, memory GiB, TFLOP/s, GB/s, bf16, largest
-    micro-batch, availability), in device order, and the host's intra-host figures; with a topology, a
-    host with a device whose pairs are overridden is keyed by its own id. Without one (explicit links
-    only) hosts of equal devices share a shape and :func:`plan_fleet` compares each unit's links with
-    the template's, planning a unit of its own where they differ.
+    micro-batch, availability), in device order, and the host's intra-host figures (without a topology:
+    explicit links only, hosts of equal devices share a shape). Measured pairs do not split a shape:
+    :func:`plan_fleet` compares each unit's links with the template unit's, pair by pair, and plans a
+    unit of its own where they differ.
     """
     by_host: dict[str, list[Device]] = {}
     for d in cluster.devices:
@@ -216,8 +215,6 @@ def host_shapes(cluster: ClusterProfile) -> dict[HostShape, list[str]]:
         if cluster.topology is not None:
             h = cluster.topology.host(host_id)
             position: tuple[object, ...] = (h.intra_kind, h.intra_bandwidth_gbps, h.intra_latency_us)
-            if any(cluster.link_is_overridden(d.device_id) for d in devices):
-                position = (*position, "measured", host_id)
         else:  # explicit links only: hosts of equal devices share a shape; each unit's links are compared later
             position = ("links",)
         groups.setdefault((figures, position), []).append(host_id)

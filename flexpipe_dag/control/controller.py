@@ -144,6 +144,26 @@ def _pipeline_key(gear: Gear) -> tuple[object, ...]:
             gear.micro_batch_size, gear.max_inflight_micro_batches, gear.kv_capacity_tokens)
 
 
+def read_forecast(forecast: ForecastFn | None, t_s: float, rps: float,
+                  horizon_s: float) -> tuple[float | None, str | None]:
+    """Ask ``forecast`` for the highest req/s expected within ``horizon_s`` after ``t_s`` (smoothed rate ``rps``).
+
+    Returns ``(value, None)``; ``(None, None)`` without a forecast (or a horizon of 0); ``(None, why)``
+    when it raised or returned anything but a finite rate >= 0: a failing forecast is ignored for
+    that sample, never the sample itself.
+    """
+    if forecast is None or horizon_s <= 0:
+        return None, None
+    try:
+        raw = forecast(t_s, rps, horizon_s)
+        value = float(raw)
+    except Exception as exc:
+        return None, f"the forecast raised {type(exc).__name__}: {exc} at t_s={t_s:g}"
+    if not (math.isfinite(value) and value >= 0):
+        return None, f"the forecast returned {raw!r} at t_s={t_s:g}; expected finite req/s >= 0"
+    return value + 0.0, None  # -0.0 -> 0.0
+
+
 def _ema(old: float | None, x: float, alpha: float) -> float:
     return x if old is None else alpha * x + (1.0 - alpha) * old
 
@@ -394,20 +414,8 @@ class Controller:
 
     def _forecast(self, st: ControllerState, forecast: ForecastFn | None, t_s: float, rps: float) -> float | None:
         """The forecast's req/s for this sample; None without one, or when it fails (``st.forecast_error`` says why)."""
-        st.forecast_error = None
-        horizon_s = self.config.forecast_horizon_s
-        if forecast is None or horizon_s <= 0:
-            return None
-        try:
-            raw = forecast(t_s, rps, horizon_s)
-            value = float(raw)
-        except Exception as exc:
-            st.forecast_error = f"the forecast raised {type(exc).__name__}: {exc} at t_s={t_s:g}"
-            return None
-        if not (math.isfinite(value) and value >= 0):
-            st.forecast_error = f"the forecast returned {raw!r} at t_s={t_s:g}; expected finite req/s >= 0"
-            return None
-        return value + 0.0  # -0.0 -> 0.0
+        value, st.forecast_error = read_forecast(forecast, t_s, rps, self.config.forecast_horizon_s)
+        return value
 
     def _decay_escalation(self, st: ControllerState, t_s: float) -> None:
         if st.escalation_steps == 0 or st.last_escalation_s is None:

@@ -37,18 +37,17 @@ Every decision carries a one-sentence reason with the figures and a ``reason_kin
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from flexpipe_dag.control.config import Figures
+from flexpipe_dag.control.controller import ForecastFn, read_forecast
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import check_number
 from flexpipe_dag.planner.fleet import FleetPlan
 
-#: ``forecast(t_s, rps, horizon_s) -> req/s``: the highest load expected within ``horizon_s`` after ``t_s``.
-ForecastFn = Callable[[float, float, float], float]
 FleetReasonKind = Literal["scale_out", "scale_in", "hold", "dwell", "payback"]
 
 
@@ -147,12 +146,12 @@ class FleetScaler:
         Raises:
             InputError: ``rps`` negative or not finite.
         """
-        if not (math.isfinite(rps) and rps >= 0):
-            raise InputError("fleet scaler", "rps", f"got {rps}; expected a finite rate >= 0")
+        check_number(rps, "fleet scaler", "rps", ge=0, unit="req/s")
         return FleetScalerState(instances=max(1, self.plan.instances_for(rps, self.config.headroom_fraction)))
 
     def _holds_for_s(self, t_s: float, rps: float, capacity: float, forecast: ForecastFn | None) -> float:
-        """How long the forecast says ``capacity`` x (1 - headroom) holds, seconds (one dwell without a forecast)."""
+        """How long the forecast says ``capacity`` x (1 - headroom) holds, seconds (one dwell without a forecast,
+        or when it fails on the way: :func:`~flexpipe_dag.control.controller.read_forecast`)."""
         c = self.config
         if forecast is None or c.forecast_horizon_s <= 0:
             return c.dwell_s
@@ -160,24 +159,13 @@ class FleetScaler:
         horizon = 0.0
         while horizon < c.forecast_horizon_s:
             nxt = min(c.forecast_horizon_s, horizon + c.sample_period_s)
-            if forecast(t_s, rps, nxt) > limit:
+            expected, error = read_forecast(forecast, t_s, rps, nxt)
+            if error is not None:
+                return c.dwell_s
+            if expected is not None and expected > limit:
                 return horizon
             horizon = nxt
         return horizon
-
-    def _forecast(self, forecast: ForecastFn | None, t_s: float, ema: float) -> tuple[float, str]:
-        """The forecast over the horizon (the smoothed rate without one), and a note when it was ignored: a
-        forecast that raises, or returns anything but a finite rate >= 0, is ignored for that sample."""
-        c = self.config
-        if forecast is None or c.forecast_horizon_s <= 0:
-            return ema, ""
-        try:
-            value = forecast(t_s, ema, c.forecast_horizon_s)
-        except Exception as exc:  # a user's forecast: its failure must not stop the fleet's control
-            return ema, f"; forecast ignored: it raised {type(exc).__name__}: {exc}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-            return ema, f"; forecast ignored: it returned {value!r}, not a finite rate >= 0"
-        return float(value), ""
 
     def decide(self, state: FleetScalerState, t_s: float, rps: float,
                forecast: ForecastFn | None = None, queued: float = 0.0) -> tuple[FleetScalerState, FleetDecision]:
@@ -190,15 +178,17 @@ class FleetScaler:
         Raises:
             InputError: ``rps`` or ``queued`` negative or not finite.
         """
-        for name, value in (("rps", rps), ("queued", queued), ("t_s", t_s)):
-            if not (math.isfinite(value) and (value >= 0 or name == "t_s")):
-                raise InputError("fleet scaler", name, f"got {value}; expected a finite number" + (" >= 0" if name != "t_s" else ""))
+        check_number(rps, "fleet scaler", "rps", ge=0, unit="req/s")
+        check_number(queued, "fleet scaler", "queued", ge=0, unit="requests")
+        check_number(t_s, "fleet scaler", "t_s", unit="s")
         if not 1 <= state.instances <= len(self.plan.instances):
             raise InputError("fleet scaler", "state.instances",
                              f"got {state.instances}; expected 1..{len(self.plan.instances)} (the plan's instances)")
         c = self.config
         ema = rps if state.ema_rps is None else c.rps_ema_alpha * rps + (1 - c.rps_ema_alpha) * state.ema_rps
-        fc, forecast_note = self._forecast(forecast, t_s, ema)
+        expected, forecast_error = read_forecast(forecast, t_s, ema, c.forecast_horizon_s)
+        fc = ema if expected is None else expected
+        forecast_note = f"; forecast ignored: {forecast_error}" if forecast_error else ""
         drain_rps = queued / c.backlog_drain_s
         load = max(ema, fc) + drain_rps
         rps = rps + drain_rps
@@ -234,7 +224,7 @@ class FleetScaler:
             if t_s - state.last_change_s < c.dwell_s:
                 return hold("dwell", f"scale-in to {n_in} waits: the last change was "
                                      f"{t_s - state.last_change_s:.0f} s ago (< {c.dwell_s:g} s)")
-            residence = self._holds_for_s(t_s, ema, self.capacity_rps(n_in), forecast)
+            residence = self._holds_for_s(t_s, ema, self.capacity_rps(n_in), None if forecast_error else forecast)
             cost = c.payback_factor * (c.instance_warmup_s + c.instance_drain_s)
             if residence <= cost:
                 return hold("payback", f"scale-in to {n_in} declined: {n_in} instance(s) are expected to hold for "

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from flexpipe_dag.core.cluster import ClusterProfile, Device
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear, StagePlan
+from flexpipe_dag.core.settings import check_number
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.planner.envelope import refine_envelopes
 from flexpipe_dag.planner.gears import make_search, plan_gear_set
@@ -168,19 +169,14 @@ class FleetPlan:
 
     def prefix(self, num_instances: int) -> FleetGear:
         """The fleet gear of the first ``num_instances`` instances (0..len)."""
-        if isinstance(num_instances, bool) or not isinstance(num_instances, int) \
-                or not 0 <= num_instances <= len(self.instances):
-            raise InputError("fleet gear", "num_instances",
-                             f"got {num_instances!r}; expected an integer 0..{len(self.instances)}")
+        check_number(num_instances, "fleet gear", "num_instances", integer=True, ge=0, le=len(self.instances))
         return FleetGear(self.instances[:num_instances])
 
     def instances_for(self, rps: float, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION) -> int:
         """The fewest instances (a prefix) whose summed envelope x (1 - headroom) holds ``rps`` req/s; all
         of them when even the whole fleet does not (the caller sees ``rps`` above :attr:`rps_max`)."""
-        if not 0 <= headroom_fraction < 1:
-            raise InputError("fleet gear", "headroom_fraction", f"got {headroom_fraction}; expected 0 <= h < 1")
-        if not math.isfinite(rps):
-            raise InputError("fleet gear", "rps", f"got {rps}; expected a finite rate")
+        check_number(headroom_fraction, "fleet gear", "headroom_fraction", ge=0, lt=1)
+        check_number(rps, "fleet gear", "rps", unit="req/s")
         need = max(0.0, rps) / (1.0 - headroom_fraction)
         if need <= 0:
             return 0
@@ -276,16 +272,10 @@ class FleetSettings:
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise InputError("fleet settings", name, f"got {value!r}; expected a finite number of ms > 0")
-        a = self.attainment
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0 < a <= 1):
-            raise InputError("fleet settings", "attainment", f"got {a!r}; expected a share in (0, 1]")
-        for name, low, high in (("num_requests", 2, 10**7), ("max_unit_hosts", 1, MAX_UNIT_HOSTS)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise InputError("fleet settings", name, f"got {value!r}; expected an integer {low}..{high}")
+            check_number(getattr(self, name), "fleet settings", name, gt=0, unit="ms")
+        check_number(self.attainment, "fleet settings", "attainment", gt=0, le=1, unit="share of requests")
+        check_number(self.num_requests, "fleet settings", "num_requests", integer=True, ge=2, le=10**7)
+        check_number(self.max_unit_hosts, "fleet settings", "max_unit_hosts", integer=True, ge=1, le=MAX_UNIT_HOSTS)
 
 
 def plan_template(cluster: ClusterProfile, spec: ModelSpec, unit: tuple[str, ...], reference: Workload, *,
@@ -364,8 +354,6 @@ def plan_fleet(cluster: ClusterProfile, spec: ModelSpec, reference: Workload, *,
         InfeasibleError: no host shape serves the model within the SLO (each shape's reason listed).
     """
     settings = settings or FleetSettings()
-    if not 1 <= settings.max_unit_hosts <= MAX_UNIT_HOSTS:
-        raise InputError("fleet plan", "max_unit_hosts", f"got {settings.max_unit_hosts}; expected 1..{MAX_UNIT_HOSTS}")
     by_host = _devices_by_host(cluster)
     templates: list[InstanceTemplate] = []
     instances: list[FleetInstance] = []

@@ -24,12 +24,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from flexpipe_dag.control.controller import ForecastFn
 from flexpipe_dag.control.fleet_scaler import (
     FleetDecision,
     FleetScaler,
     FleetScalerConfig,
     FleetScalerState,
-    ForecastFn,
 )
 from flexpipe_dag.core.errors import FlexPipeError, InputError
 

@@ -16,9 +16,6 @@ from flexpipe_dag.assets.metadata import cluster_for_run, png_metadata, table_me
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
-#: Two day attainments this close are equal: the static gear compared is the fewest instances within it.
-EQUAL_ATTAINMENT = 0.001
-
 
 class FleetDayConfig(Config):
     """Run config of ``fleet_day`` (units in the names)."""
@@ -45,11 +42,10 @@ def _per_hour(held_devices: np.ndarray, window_s: float) -> list[float]:
                    "scaler vs the best static fleet gear; devices held per hour.")
 def fleet_day(context: AssetExecutionContext, config: FleetDayConfig, planning: PlanningSettings,
               store: StoreResource) -> MaterializeResult:
-    from flexpipe_dag.control.day_setting import leave_one_out_forecast
-    from flexpipe_dag.control.fleet_day import best_static, simulate_fleet_day, tide_rates
+    from flexpipe_dag.control.fleet_day import compare_day
     from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
     from flexpipe_dag.planner.fleet import FleetSettings, describe_plan, plan_fleet
-    from flexpipe_dag.planner.fleet_curve import measure_attainment_curve
+    from flexpipe_dag.planner.fleet_curve import measure_attainment_curves
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.plots import reservation_curve_plot
 
@@ -61,18 +57,17 @@ def fleet_day(context: AssetExecutionContext, config: FleetDayConfig, planning: 
     plan = plan_fleet(cluster, spec, reference, dtype=planning.dtype, settings=settings)
     context.log.info(f"{len(plan.instances)} instances from {len(plan.templates)} host shapes, envelope "
                      f"{plan.rps_max:.2f} req/s")
-    curves = {i: measure_attainment_curve(t, reference, settings) for i, t in enumerate(plan.templates)}
-    rates = tide_rates(config.start_day, peak_rps=config.peak_share * plan.rps_max)
+    curves = measure_attainment_curves(plan, reference, settings)
     scaler = FleetScalerConfig(headroom_fraction=config.headroom_fraction,
                                scale_in_headroom_fraction=config.scale_in_headroom_fraction)
-    dyn = simulate_fleet_day(plan, curves, rates, scaler_config=scaler, settings=settings,
-                             forecast=leave_one_out_forecast(config.start_day, 86400.0))
-    static = best_static(plan, curves, rates, attainment=dyn.slo_attainment - EQUAL_ATTAINMENT, settings=settings)
+    run = compare_day(plan, curves, config.start_day, peak_rps=config.peak_share * plan.rps_max, settings=settings,
+                      scaler_config=scaler)
+    dyn, static = run.dynamic, run.static
     title = f"{spec.name} on {cluster.cluster_id}, tide day {config.start_day}"
     png = reservation_curve_plot({"dynamic": _per_hour(dyn.held_devices, dyn.window_s),
                                   static.policy: _per_hour(static.held_devices, static.window_s)},
                                  sum(i.num_devices for i in plan.instances), f"devices held per hour ({title})")
-    ratio = dyn.device_hours / static.device_hours if static.device_hours > 0 else float("nan")
+    ratio = run.device_hours_ratio
     context.log.info(f"fleet day {title}: dynamic {dyn.summary()}; {static.policy} {static.summary()}")
     return MaterializeResult(metadata={
         "instances": MetadataValue.int(len(plan.instances)),

@@ -50,8 +50,6 @@ GIB = 2**30
 #: Goals of issue 20 at 10,000 devices.
 PROFILE_GOAL_S, PROFILE_GOAL_BYTES, PLAN_GOAL_S, ORACLE_GOAL = 10.0, 1 * GIB, 10.0, 0.98
 DAY_GOAL_S, DEVICE_HOURS_GOAL = 60.0, 0.60
-#: Two day attainments this close are equal (0.1 point): the static gear compared is the fewest instances within it.
-EQUAL_ATTAINMENT = 0.001
 FLEET_FILE = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "fleet_1k.yaml"
 
 
@@ -187,12 +185,11 @@ def oracle_section(instances: int) -> None:
 def day_section(days: list[int]) -> None:
     import numpy as np
 
-    from flexpipe_dag.control.day_setting import leave_one_out_forecast
-    from flexpipe_dag.control.fleet_day import best_static, simulate_fleet_day, tide_rates
+    from flexpipe_dag.control.fleet_day import EQUAL_ATTAINMENT, compare_day, simulate_fleet_day
     from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.fleet import FleetSettings, describe_plan, plan_fleet
-    from flexpipe_dag.planner.fleet_curve import measure_attainment_curve
+    from flexpipe_dag.planner.fleet_curve import measure_attainment_curves
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.workload import load_trace
 
@@ -213,23 +210,19 @@ def day_section(days: list[int]) -> None:
     for note in plan.notes:
         print(f"    note: {note}")
     t0 = time.perf_counter()
-    curves = {i: measure_attainment_curve(t, reference, settings) for i, t in enumerate(plan.templates)}
+    curves = measure_attainment_curves(plan, reference, settings)
     curves_s = time.perf_counter() - t0
     print(f"  attainment curves: {len(curves)} shapes x {len(next(iter(curves.values())).load_fractions)} loads "
           f"in {curves_s:.1f} s")
     peak = 0.8 * plan.rps_max
     for day in days:
-        rates = tide_rates(day, peak_rps=peak)
-        dyn = simulate_fleet_day(plan, curves, rates, forecast=leave_one_out_forecast(day, 86400.0), settings=settings)
-        static = best_static(plan, curves, rates, attainment=dyn.slo_attainment - EQUAL_ATTAINMENT, settings=settings)
+        day_run = compare_day(plan, curves, day, peak_rps=peak, settings=settings)
+        rates, dyn, static = day_run.rates_rps, day_run.dynamic, day_run.static
         holds_peak = simulate_fleet_day(plan, curves, rates, static_instances=plan.instances_for(peak, 0.0),
                                         settings=settings)
-        roomy = simulate_fleet_day(plan, curves, rates, forecast=leave_one_out_forecast(day, 86400.0),
-                                   scaler_config=FleetScalerConfig(headroom_fraction=0.2, scale_in_headroom_fraction=0.3),
-                                   settings=settings)
-        roomy_static = best_static(plan, curves, rates, attainment=roomy.slo_attainment - EQUAL_ATTAINMENT,
-                                   settings=settings)
-        ratio = dyn.device_hours / static.device_hours
+        roomy = compare_day(plan, curves, day, peak_rps=peak, settings=settings,
+                            scaler_config=FleetScalerConfig(headroom_fraction=0.2, scale_in_headroom_fraction=0.3))
+        ratio = day_run.device_hours_ratio
         met = dyn.slo_attainment >= static.slo_attainment - EQUAL_ATTAINMENT and ratio <= DEVICE_HOURS_GOAL
         sim_s = curves_s + dyn.wall_s
         print(f"  day {day}: {dyn.requests / 1e6:.1f} M requests, peak {peak:,.0f} req/s; simulated in {dyn.wall_s:.2f} s "
@@ -254,8 +247,8 @@ def day_section(days: list[int]) -> None:
               f"{oracle_h:,.0f} device-hours, {oracle_h / static.device_hours:.3f} of the best static's "
               f"({'the goal is reachable' if oracle_h / static.device_hours <= DEVICE_HOURS_GOAL else 'no policy reaches the goal'})")
         print(f"    with 20 % headroom: attainment "
-              f"{roomy.slo_attainment:.4f}, device-hours {roomy.device_hours:,.0f}, / best static "
-              f"({roomy_static.policy}) {roomy.device_hours / roomy_static.device_hours:.3f}")
+              f"{roomy.dynamic.slo_attainment:.4f}, device-hours {roomy.dynamic.device_hours:,.0f}, / best static "
+              f"({roomy.static.policy}) {roomy.device_hours_ratio:.3f}")
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from flexpipe_dag.control.fleet_scaler import FleetScaler, FleetScalerConfig
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.fleet import FleetInstance, FleetPlan, FleetSettings, host_shapes, plan_fleet
-from flexpipe_dag.planner.fleet_curve import AttainmentCurve, measure_attainment_curve
+from flexpipe_dag.planner.fleet_curve import AttainmentCurve, measure_attainment_curves
 from flexpipe_dag.planner.model_spec import load_model_spec
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.sim.fleet import FleetSimulator, InstanceChange, attainment_after
@@ -31,7 +31,7 @@ def small():
     cluster = load_cluster_profile(EXAMPLES / "fleet_small.yaml")
     ref = load_trace("azure-conv")
     plan = plan_fleet(cluster, load_model_spec("Llama-3-8B"), ref, settings=SETTINGS)
-    curves = {i: measure_attainment_curve(t, ref, SETTINGS, num_requests=300) for i, t in enumerate(plan.templates)}
+    curves = measure_attainment_curves(plan, ref, SETTINGS, num_requests=300)
     return cluster, plan, curves
 
 
@@ -229,10 +229,10 @@ def test_scaler_ignores_a_failing_forecast_and_says_so():
     def broken(t_s: float, rps: float, horizon_s: float) -> float:
         raise ZeroDivisionError("division by zero")
 
-    for forecast, said in ((broken, "raised ZeroDivisionError"), (lambda *_: None, "returned None"),
+    for forecast, said in ((broken, "raised ZeroDivisionError"), (lambda *_: None, "raised TypeError"),
                            (lambda *_: float("inf"), "returned inf"), (lambda *_: -5.0, "returned -5.0")):
         _, d = scaler.decide(st, 60, 5.0, forecast)
-        assert not d.changed and f"forecast ignored: it {said}" in d.reason
+        assert not d.changed and f"forecast ignored: the forecast {said}" in d.reason
 
 
 def test_fleet_plan_and_settings_refuse_bad_values():

@@ -130,16 +130,11 @@ def _count(n: int, noun: str) -> str:
 
 
 def _day(plan, settings, reference, day: int, peak_share: float, scaler, err) -> dict[str, object]:
-    from flexpipe_dag.control.day_setting import leave_one_out_forecast
-    from flexpipe_dag.control.fleet_day import best_static, simulate_fleet_day, tide_rates
-    from flexpipe_dag.planner.fleet_curve import measure_attainment_curve
+    from flexpipe_dag.control.fleet_day import compare_day
+    from flexpipe_dag.planner.fleet_curve import measure_attainment_curves
 
     with err.status("measuring attainment curves"):
-        curves = {i: measure_attainment_curve(t, reference, settings) for i, t in enumerate(plan.templates)}
-    peak = peak_share * plan.rps_max
-    rates = tide_rates(day, peak_rps=peak)
-    dyn = simulate_fleet_day(plan, curves, rates, forecast=leave_one_out_forecast(day, 86400.0), settings=settings,
-                             scaler_config=scaler)
-    static = best_static(plan, curves, rates, attainment=dyn.slo_attainment - 0.001, settings=settings)
-    return {"peak_rps": peak, "policies": [dyn.summary(), static.summary()],
-            "device_hours_vs_best_static": dyn.device_hours / static.device_hours}
+        curves = measure_attainment_curves(plan, reference, settings)
+    run = compare_day(plan, curves, day, peak_rps=peak_share * plan.rps_max, settings=settings, scaler_config=scaler)
+    return {"peak_rps": run.peak_rps, "policies": [run.dynamic.summary(), run.static.summary()],
+            "device_hours_vs_best_static": run.device_hours_ratio}

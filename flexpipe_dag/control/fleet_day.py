@@ -37,8 +37,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from flexpipe_dag.control.fleet_scaler import FleetDecision, FleetScaler, FleetScalerConfig, ForecastFn
+from flexpipe_dag.control.controller import ForecastFn
+from flexpipe_dag.control.day_setting import leave_one_out_forecast
+from flexpipe_dag.control.fleet_scaler import FleetDecision, FleetScaler, FleetScalerConfig
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import check_number
 from flexpipe_dag.planner.fleet import FleetPlan, FleetSettings
 from flexpipe_dag.planner.fleet_curve import AttainmentCurve
 from flexpipe_dag.sim.fleet import InstanceChange
@@ -104,8 +107,7 @@ class FleetDayResult:
 
 
 def _check(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], rates_rps: np.ndarray, window_s: float) -> None:
-    if not (math.isfinite(window_s) and window_s > 0):
-        raise InputError("fleet day", "window_s", f"got {window_s}; expected a finite number > 0")
+    check_number(window_s, "fleet day", "window_s", gt=0, unit="s")
     if rates_rps.ndim != 1 or rates_rps.size == 0 or not np.all(np.isfinite(rates_rps)) or np.any(rates_rps < 0):
         raise InputError("fleet day", "rates_rps", "expected a non-empty 1-D array of finite rates >= 0")
     missing = sorted({i.template for i in plan.instances} - set(curves))
@@ -155,9 +157,7 @@ def simulate_fleet_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], r
     stop_s = np.full(n_all, np.inf)
     decisions: list[FleetDecision] = []
     if static_instances is not None:
-        if isinstance(static_instances, bool) or not isinstance(static_instances, int) \
-                or not 1 <= static_instances <= n_all:
-            raise InputError("fleet day", "static_instances", f"got {static_instances!r}; expected an integer 1..{n_all}")
+        check_number(static_instances, "fleet day", "static_instances", integer=True, ge=1, le=n_all)
         held_from[:static_instances] = ready_s[:static_instances] = 0.0
         policy = f"static-{static_instances}"
         scaler = None
@@ -254,6 +254,47 @@ def best_static(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], rates_rp
     return best
 
 
+#: Two day attainments this close are equal (0.1 point): the static fleet gear a day is compared with is
+#: the fewest instances whose attainment is within it of the dynamic one's.
+EQUAL_ATTAINMENT = 0.001
+
+
+@dataclass(frozen=True)
+class DayComparison:
+    """One tide day on a fleet: the scaler's policy and the best static fleet gear at equal attainment.
+
+    Attributes:
+        peak_rps: the day's peak, req/s. rates_rps: the day's rate per window, req/s.
+        dynamic / static: the two policies' days.
+    """
+
+    peak_rps: float
+    rates_rps: np.ndarray
+    dynamic: FleetDayResult
+    static: FleetDayResult
+
+    @property
+    def device_hours_ratio(self) -> float:
+        """Dynamic device-hours / the best static's (the bench goal: <= 0.6)."""
+        return self.dynamic.device_hours / self.static.device_hours if self.static.device_hours > 0 else math.nan
+
+
+def compare_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], start_day: int, *, peak_rps: float,
+                settings: FleetSettings | None = None, scaler_config: FleetScalerConfig | None = None) -> DayComparison:
+    """Day ``start_day`` of the tide (:func:`tide_rates`, peak ``peak_rps``) under the fleet scaler, with the
+    leave-one-out tide forecast (the other days' profile), against :func:`best_static` at equal attainment
+    (within :data:`EQUAL_ATTAINMENT`).
+
+    Raises:
+        InputError: as :func:`tide_rates` and :func:`simulate_fleet_day`.
+    """
+    rates = tide_rates(start_day, peak_rps=peak_rps)
+    dynamic = simulate_fleet_day(plan, curves, rates, scaler_config=scaler_config, settings=settings,
+                                 forecast=leave_one_out_forecast(start_day, 86400.0))
+    static = best_static(plan, curves, rates, attainment=dynamic.slo_attainment - EQUAL_ATTAINMENT, settings=settings)
+    return DayComparison(peak_rps=peak_rps, rates_rps=rates, dynamic=dynamic, static=static)
+
+
 def instance_changes(plan: FleetPlan, day: FleetDayResult, *, warmup_s: float) -> list[InstanceChange]:
     """The adds and removes ``day`` decided, as :class:`~flexpipe_dag.sim.fleet.InstanceChange` s for the exact
     fleet simulator (the first window's instances added ready at 0; an instance added again after a
@@ -296,11 +337,9 @@ def tide_rates(start_day: int, *, peak_rps: float, window_s: float = 60.0) -> np
     """
     tide = load_tide_trace()
     days = int(tide.duration_s // 86400)
-    if isinstance(start_day, bool) or not isinstance(start_day, int) or not 0 <= start_day < days:
-        raise InputError("fleet day", "start_day", f"the ServeGen tide holds days 0..{days - 1}, got {start_day!r}")
-    for name, value in (("peak_rps", peak_rps), ("window_s", window_s)):
-        if not (math.isfinite(value) and value > 0):
-            raise InputError("fleet day", name, f"got {value}; expected a finite number > 0")
+    check_number(start_day, "fleet day", "start_day", integer=True, ge=0, le=days - 1, unit="a day of the ServeGen tide")
+    check_number(peak_rps, "fleet day", "peak_rps", gt=0, unit="req/s")
+    check_number(window_s, "fleet day", "window_s", gt=0, unit="s")
     start = 86400.0 * start_day
     t = start + np.arange(0.0, 86400.0, window_s) + window_s / 2.0
     centers = start + np.arange(-tide.window_s, 86400.0 + tide.window_s, tide.window_s) + tide.window_s / 2.0

@@ -19,7 +19,7 @@ import numpy as np
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.envelope import probe_gear, reference_slice
-from flexpipe_dag.planner.fleet import FleetSettings, InstanceTemplate
+from flexpipe_dag.planner.fleet import FleetPlan, FleetSettings, InstanceTemplate
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.workload.request import Workload
 
@@ -85,3 +85,10 @@ def measure_attainment_curve(template: InstanceTemplate, reference: Workload, se
                            early_stop=False).slo_attainment for f in fractions]
     return AttainmentCurve(load_fractions=fractions, attainment=np.asarray(attained, dtype=float),
                            rps_max=template.rps_max)
+
+
+def measure_attainment_curves(plan: FleetPlan, reference: Workload, settings: FleetSettings, *,
+                              num_requests: int = 600) -> dict[int, AttainmentCurve]:
+    """:func:`measure_attainment_curve` for every template of ``plan``, by template index."""
+    return {i: measure_attainment_curve(t, reference, settings, num_requests=num_requests)
+            for i, t in enumerate(plan.templates)}

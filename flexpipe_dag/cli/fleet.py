@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         gear = plan.gear_for(args.load_rps, headroom)
         out["fleet_gear"] = {"fleet_gear_id": gear.fleet_gear_id, "load_rps": args.load_rps, "headroom": headroom,
                              "rps_max": gear.rps_max, "devices": gear.num_devices,
-                             "holds": gear.rps_max >= args.load_rps / (1 - headroom),  # the rule instances_for uses
+                             "holds": gear.holds(args.load_rps, headroom),
                              "instances": [{"instance_id": i.instance_id, "hosts": list(i.host_ids), "devices": i.num_devices,
                                             "rps_max": i.rps_max, "gear": i.gear.model_dump(mode="json")}
                                            for i in gear.instances]}

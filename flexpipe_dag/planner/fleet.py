@@ -145,6 +145,21 @@ class FleetGear:
     def device_ids(self) -> list[str]:
         return [d for i in self.instances for d in i.gear.device_ids]
 
+    def holds(self, rps: float, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION) -> bool:
+        """Whether the summed envelope x (1 - headroom) holds ``rps`` req/s (the rule :meth:`FleetPlan.instances_for` sizes by)."""
+        return self.rps_max >= needed_rps(rps, headroom_fraction)
+
+
+def needed_rps(rps: float, headroom_fraction: float) -> float:
+    """The summed envelope, req/s, that holds ``rps`` with ``headroom_fraction`` of it kept free.
+
+    Raises:
+        InputError: ``rps`` not finite, or the headroom outside [0, 1).
+    """
+    check_number(headroom_fraction, "fleet gear", "headroom_fraction", ge=0, lt=1)
+    check_number(rps, "fleet gear", "rps", unit="req/s")
+    return max(0.0, rps) / (1.0 - headroom_fraction)
+
 
 @dataclass(frozen=True)
 class FleetPlan:
@@ -175,9 +190,7 @@ class FleetPlan:
     def instances_for(self, rps: float, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION) -> int:
         """The fewest instances (a prefix) whose summed envelope x (1 - headroom) holds ``rps`` req/s; all
         of them when even the whole fleet does not (the caller sees ``rps`` above :attr:`rps_max`)."""
-        check_number(headroom_fraction, "fleet gear", "headroom_fraction", ge=0, lt=1)
-        check_number(rps, "fleet gear", "rps", unit="req/s")
-        need = max(0.0, rps) / (1.0 - headroom_fraction)
+        need = needed_rps(rps, headroom_fraction)
         if need <= 0:
             return 0
         total = 0.0

@@ -134,8 +134,10 @@ def test_fluid_day_model_agrees_with_the_exact_fleet_simulator(small, headroom, 
     device_hours_exact = float((held_exact["held"].clip(lower=0) * held_exact["devices"]).sum() / 3600.0)
     assert device_hours_exact == pytest.approx(day.device_hours, rel=0.05)
     static = best_static(plan, curves, rates, attainment=day.slo_attainment, window_s=window_s, settings=SETTINGS)
-    assert static.slo_attainment >= day.slo_attainment
+    # the fewest static instances reaching the dynamic day's attainment, or the whole plan when none does (a
+    # plan's last instances can miss the SLO even at low load, and the scaler may never start them)
     assert static.policy.startswith("static-")
+    assert static.slo_attainment >= day.slo_attainment or static.policy == f"static-{len(plan.instances)}"
 
 
 def test_a_backlog_is_carried_across_windows(small):
@@ -161,8 +163,8 @@ def _plan(envelopes: list[float]) -> FleetPlan:
 
 def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():
     plan = _plan([10.0, 10.0, 10.0, 10.0])
-    cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=2, dwell_s=600,
-                            scale_out_dwell_s=0, forecast_horizon_s=0, headroom_fraction=0.2,
+    cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=2, scale_out_samples=2,
+                            dwell_s=600, forecast_horizon_s=0, headroom_fraction=0.2, trend_beta=0.0,
                             scale_in_headroom_fraction=0.3, overload_samples=3)
     scaler = FleetScaler(plan, cfg)
     st = scaler.initial_state(5.0)
@@ -182,7 +184,8 @@ def test_scaler_scales_out_at_once_on_an_overload():
     """Traffic back after a lull: the raw rate above the whole envelope scales out on the first sample, sized
     for the raw rate (the EMA would still read half of it)."""
     plan = _plan([10.0] * 6)
-    scaler = FleetScaler(plan, FleetScalerConfig(rps_ema_alpha=0.5, hysteresis_samples=3, forecast_horizon_s=0))
+    scaler = FleetScaler(plan, FleetScalerConfig(rps_ema_alpha=0.5, scale_out_samples=3, forecast_horizon_s=0,
+                                                 trend_beta=0.0, scale_out_dwell_s=120))
     st = scaler.initial_state(0.0)
     st, d = scaler.decide(st, 60, 0.0)
     st, d = scaler.decide(st, 120, 40.0)
@@ -194,6 +197,44 @@ def test_scaler_scales_out_at_once_on_an_overload():
     assert d.to_instances == 6 and "9000 queued" in d.reason
     with pytest.raises(InputError, match="queued"):
         scaler.decide(st, 360, 1.0, queued=-1.0)
+
+
+def test_scaler_sizes_a_rising_load_for_when_new_instances_serve():
+    """On a ramp the scaler orders the instances the load will need once they have warmed up (Holt's trend x
+    (warm-up + one sample)), not those the smoothed rate needs now: a fleet sized for now is a warm-up behind."""
+    plan = _plan([10.0] * 20)
+    cfg = FleetScalerConfig(sample_period_s=60, instance_warmup_s=120, headroom_fraction=0.0,
+                            scale_in_headroom_fraction=0.1, forecast_horizon_s=0)
+    trend = FleetScaler(plan, cfg)
+    level = FleetScaler(plan, cfg.model_copy(update={"trend_beta": 0.0}))
+    st_t, st_l = trend.initial_state(20.0), level.initial_state(20.0)
+    for k in range(1, 9):                                 # +5 req/s per minute
+        rate = 20.0 + 5.0 * k
+        st_t, d_t = trend.decide(st_t, 60.0 * k, rate)
+        st_l, d_l = level.decide(st_l, 60.0 * k, rate)
+    assert st_t.trend_rps_per_s * 60 == pytest.approx(5.0, rel=0.1)
+    assert "rising" in d_t.reason or "rising" in trend.decide(st_t, 540.0, 65.0)[1].reason
+    ahead = 60.0 + 5.0 * 3                                # the rate 3 minutes after the last sample (60 req/s)
+    assert trend.capacity_rps(st_t.instances) >= ahead > level.capacity_rps(st_l.instances)
+    # a falling load is not extrapolated: the scale-in target holds the smoothed rate, not a projection below it
+    st, d = trend.decide(st_t, 600.0, 30.0)
+    assert trend.capacity_rps(st.instances) >= st.ema_rps
+
+
+def test_scaler_scale_in_lands_in_the_middle_of_the_band():
+    """Scale-in is triggered below the scale-in headroom (here 30 %) and lands at the middle of the band (20 %):
+    the fewest instances holding the load at 80 % of their envelope, not at 70 %."""
+    plan = _plan([10.0] * 10)
+    cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=1, dwell_s=60, trend_beta=0.0,
+                            forecast_horizon_s=0, instance_warmup_s=0, instance_drain_s=0, payback_factor=0.0,
+                            headroom_fraction=0.1, scale_in_headroom_fraction=0.3)
+    scaler = FleetScaler(plan, cfg)
+    st = scaler.initial_state(90.0)
+    assert st.instances == 10
+    st, d = scaler.decide(st, 60, 40.0)        # 40 / 0.7 = 57 -> 6 would hold at 30 %; 40 / 0.8 = 50 -> 5 at 20 %
+    assert (d.to_instances, d.reason_kind) == (5, "scale_in") and "20%" in d.reason
+    st, d = scaler.decide(st, 180, 44.0)       # 44 / 50 = 88 %: inside the band, neither rule
+    assert not d.changed
 
 
 def test_scaler_declines_a_scale_in_the_forecast_says_will_not_pay_back():

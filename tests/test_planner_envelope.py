@@ -14,10 +14,14 @@ import pytest
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import GearEstimate
 from flexpipe_dag.planner.envelope import (
+    MAX_PROBE_REQUESTS,
+    PROBE_RESOLUTION,
     GearEnvelope,
     apply_envelopes,
     measure_envelope,
     probe_gear,
+    probe_length,
+    probe_reference,
     reference_slice,
     refine_envelopes,
 )
@@ -367,3 +371,19 @@ def test_a_single_worker_plan_cut_by_the_candidate_cap_still_comes_back_as_the_c
     gears = candidate_gears(cluster, load_model_spec("SmolLM2-135M"), dtype="fp32", workload=workload, replicas=False)
     assert len(gears) > 6 and [len(g.device_ids) for g in gears[6:]] == [1]  # beyond the cap of 6: one compact
     assert min(len(g.device_ids) for g in gears[:6]) == 2
+
+
+def test_a_fast_gear_is_probed_long_enough_for_a_backlog_to_miss_the_slo():
+    """A gear serving 200 req/s under a 2 s TTFT SLO: 1,000 requests last 5 s there, and a 30 % overload
+    builds only 1.2 s of queueing in them, so a 1,000-request probe passed rates far above saturation. A
+    probe now replays ``slo_ttft_s x rate / PROBE_RESOLUTION`` requests (the trace repeated), and the
+    envelope ends at the saturation rate."""
+    gear = manual_gear([4], gear_id="fast", micro_batch_size=1, max_inflight_micro_batches=1)
+    env = measure_envelope(gear, _timing(5.0), _uniform_trace(1000), slo_ttft_ms=2000.0, slo_tpot_ms=1000.0,
+                           start_rps=150.0, rel_tol=0.01)
+    assert 190.0 <= env.rps_max <= 200.0 * (1 + PROBE_RESOLUTION) + 1.0
+    assert probe_length(1000, 260.0, 2000.0) == 10_400 and probe_length(1000, 10.0, 2000.0) == 1000
+    assert probe_length(1000, 1e6, 2000.0) == MAX_PROBE_REQUESTS
+    ref, native = probe_reference(_uniform_trace(1000), 1000, 260.0, 2000.0)
+    assert len(ref) == 10_400 and len({r.request_id for r in ref.requests}) == 10_400
+    assert native == pytest.approx(1.0, rel=0.01)   # repeated at the trace's own pace

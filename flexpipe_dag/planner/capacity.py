@@ -45,7 +45,7 @@ from flexpipe_dag.core.cluster import ClusterProfile, parse_cluster_profile
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.planner.capacity_math import DEFAULT_RESERVE, CapacityNeed, capacity_need, cards_by_memory, need_steps
 from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix
-from flexpipe_dag.planner.envelope import probe_gear, reference_slice, screen_zero_load
+from flexpipe_dag.planner.envelope import probe_gear, probe_reference, reference_slice, screen_zero_load
 from flexpipe_dag.planner.envelope_model import estimate_envelope
 from flexpipe_dag.planner.gears import candidate_plans, make_search, to_gear
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
@@ -387,7 +387,9 @@ def confirm_mix(mix: Mix, need: CapacityNeed, reference: Workload, *, num_reques
             raise InputError(option.gpu_type, "gear", "this instance option was not planned by plan_capacity")
         rate = need.load_rps * option.rps_max / mix.rps_max
         # the trace replays no slower than MIN_SPEEDUP x its own rate: a smaller share is replayed there (more load)
-        probe = probe_gear(option.gear, option.timing, ref, native, max(rate, native * MIN_SPEEDUP), config=config,
+        probe_rate = max(rate, native * MIN_SPEEDUP)
+        probe_ref, probe_native = probe_reference(reference, num_requests, probe_rate, need.slo_ttft_ms)
+        probe = probe_gear(option.gear, option.timing, probe_ref, probe_native, probe_rate, config=config,
                            attainment=slo_attainment, early_stop=False)
         weight = rate * count
         met += probe.slo_attainment * weight

@@ -18,7 +18,12 @@ Method, per gear:
    growing backlog count: above saturation the queueing delay grows by ``1/mu - 1/lambda`` per
    request, so the later requests miss the TTFT SLO. The resolution this gives is about
    ``slo_ttft_s x mu / n`` above the saturation rate ``mu`` (2 % for 1,000 requests at 10 req/s
-   with a 2 s SLO).
+   with a 2 s SLO), so a probe at ``lambda`` replays at least ``slo_ttft_s x lambda /``
+   :data:`PROBE_RESOLUTION` requests (:func:`probe_reference`: 2,000 at 50 req/s, 10,000 at 250 req/s),
+   the trace repeated when it is shorter, up to :data:`MAX_PROBE_REQUESTS`. Before this rule every
+   probe replayed ``num_requests`` (1,000): a gear serving 250 req/s was probed for 4 s, too short for
+   any backlog to pass a 2 s TTFT SLO, and an 8 x H100 Llama-3-8B instance was promised 251 req/s
+   that a 40-s replay shows it holds only up to about 130.
 3. A gear on which more requests than the attainment allows miss the SLO even at zero load
    (:func:`zero_load_misses`, no simulation) gets ``rps_max = 0`` at once. Otherwise ``rps_max`` is
    the highest passing rate: from a start rate (the gear's analytic envelope, else its analytic
@@ -60,7 +65,7 @@ from flexpipe_dag.sim.engine import Simulator
 from flexpipe_dag.sim.evaluate import estimate_from_result
 from flexpipe_dag.sim.results import SimResult
 from flexpipe_dag.workload.request import Request, Workload
-from flexpipe_dag.workload.transform import MIN_SPEEDUP, sample_chunks, speedup
+from flexpipe_dag.workload.transform import MIN_SPEEDUP, repeat_to, sample_chunks, speedup
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -195,6 +200,36 @@ def _timing_source(cost_model: TimingProvider | TimingSource) -> TimingSource:
         return cost_model
     raise InputError("refine_envelopes", "cost_model",
                      "expected an object with .timings(gear) (e.g. planner CostModel) or a callable gear -> timing")
+
+
+#: Resolution of a probe above the saturation rate (module docstring, step 2): the overload share that
+#: must push the graded requests' queueing delay past the TTFT SLO within the probe.
+PROBE_RESOLUTION = 0.05
+#: Most requests one probe replays (bounds its cost: above ``MAX_PROBE_REQUESTS x PROBE_RESOLUTION /
+#: slo_ttft_s`` req/s, 625 req/s with a 2 s SLO, the resolution coarsens in proportion).
+MAX_PROBE_REQUESTS = 25_000
+
+
+def probe_length(num_requests: int, rate_rps: float, slo_ttft_ms: float) -> int:
+    """Requests a probe at ``rate_rps`` (req/s) replays: at least ``num_requests``, and enough that an overload
+    of :data:`PROBE_RESOLUTION` misses the ``slo_ttft_ms`` SLO (``slo_ttft_s x rate / resolution``), at
+    most :data:`MAX_PROBE_REQUESTS` (or ``num_requests`` if that is more)."""
+    need = math.ceil(slo_ttft_ms / 1000.0 * rate_rps / PROBE_RESOLUTION) if math.isfinite(rate_rps) else num_requests
+    return max(num_requests, min(need, MAX_PROBE_REQUESTS))
+
+
+def probe_reference(reference: Workload, num_requests: int, rate_rps: float,
+                    slo_ttft_ms: float) -> tuple[Workload, float]:
+    """:func:`reference_slice` of :func:`probe_length` requests for a probe at ``rate_rps``: the trace
+    repeated (:func:`~flexpipe_dag.workload.transform.repeat_to`) when it has fewer.
+
+    Raises:
+        InputError: as :func:`reference_slice`.
+    """
+    n = probe_length(num_requests, rate_rps, slo_ttft_ms)
+    if n > num_requests and n > len(reference) >= 2:
+        return reference_slice(repeat_to(reference, n), n)
+    return reference_slice(reference, n)
 
 
 def reference_slice(reference: Workload, num_requests: int) -> tuple[Workload, float]:
@@ -417,7 +452,8 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
     probes: list[EnvelopeProbe] = []
 
     def run(rate: float) -> EnvelopeProbe:
-        p = probe_gear(gear, timing, ref, native, rate, config=config, attainment=attainment,
+        probe_ref, probe_native = probe_reference(reference, num_requests, rate, slo_ttft_ms)
+        p = probe_gear(gear, timing, probe_ref, probe_native, rate, config=config, attainment=attainment,
                        warmup_fraction=warmup_fraction)
         probes.append(p)
         return p
@@ -755,9 +791,9 @@ def check_promise(gear: Gear, timing: StageTimingModel, workload: Workload, *, s
         raise InputError(gear.gear_id, "min_attainment", f"got {min_attainment}; expected 0 < attainment <= 1")
     if not (math.isfinite(gear.rps_max) and gear.rps_max > 0):
         raise InputError(gear.gear_id, "rps_max", f"got {gear.rps_max}; a promise check needs a finite envelope > 0")
-    ref, native = reference_slice(workload, len(workload))
     config = dataclasses.replace(sim_config or SimConfig(), slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     rate = load_share * gear.rps_max
+    ref, native = probe_reference(workload, len(workload), rate, slo_ttft_ms)  # repeated if too short for the rate
     p, result = _probe(gear, timing, ref, native, rate, config=config, attainment=min_attainment,
                        warmup_fraction=0.25, early_stop=False)
     return PromiseCheck(gear_id=gear.gear_id, workload=ref.name, rate_rps=rate, slo_attainment=p.slo_attainment,

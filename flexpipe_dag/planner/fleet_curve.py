@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.planner.envelope import probe_gear, reference_slice
+from flexpipe_dag.planner.envelope import probe_gear, probe_reference
 from flexpipe_dag.planner.fleet import FleetPlan, FleetSettings, InstanceTemplate
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.workload.request import Workload
@@ -78,11 +78,14 @@ def measure_attainment_curve(template: InstanceTemplate, reference: Workload, se
         raise InputError("attainment curve", "load_fractions", f"got {list(load_fractions)}; expected increasing values > 0")
     if not (math.isfinite(template.rps_max) and template.rps_max > 0):
         raise InputError("attainment curve", template.gear.gear_id, f"rps_max {template.rps_max}; expected a finite envelope > 0")
-    ref, native = reference_slice(reference, num_requests)
     config = SimConfig(slo_ttft_ms=settings.slo_ttft_ms, slo_tpot_ms=settings.slo_tpot_ms)
-    attained = [probe_gear(template.gear, template.timing, ref, native, float(f) * template.rps_max, config=config,
-                           attainment=settings.attainment, warmup_fraction=warmup_fraction,
-                           early_stop=False).slo_attainment for f in fractions]
+    attained = []
+    for f in fractions:
+        rate = float(f) * template.rps_max
+        ref, native = probe_reference(reference, num_requests, rate, settings.slo_ttft_ms)  # long enough for the rate
+        attained.append(probe_gear(template.gear, template.timing, ref, native, rate, config=config,
+                                   attainment=settings.attainment, warmup_fraction=warmup_fraction,
+                                   early_stop=False).slo_attainment)
     return AttainmentCurve(load_fractions=fractions, attainment=np.asarray(attained, dtype=float),
                            rps_max=template.rps_max)
 

@@ -113,6 +113,39 @@ def sample_chunks(workload: Workload, n: int, *, chunk_requests: int = 100, phas
                                                                              "phase": phase}})
 
 
+def repeat_to(workload: Workload, n: int) -> Workload:
+    """``n`` requests: ``workload``'s requests pass after pass, each pass starting one mean inter-arrival gap
+    after the previous pass's last arrival; request ids of pass ``k >= 1`` end in ``~k`` (unique).
+
+    For a replay that must last longer than the trace does at a high rate (an envelope probe,
+    :func:`~flexpipe_dag.planner.envelope.probe_reference`). A workload of at least ``n`` requests gives
+    its first ``n``.
+
+    Raises:
+        InputError: ``n`` < 1, or an empty workload.
+    """
+    where = workload.source or workload.name
+    if n < 1:
+        raise InputError(where, "n", f"got {n}; expected >= 1")
+    reqs = workload.requests
+    if not reqs:
+        raise InputError(where, None, "an empty workload cannot be repeated")
+    if len(reqs) >= n:
+        return head(workload, n)
+    t0 = reqs[0].arrival_s
+    span_s = reqs[-1].arrival_s - t0
+    gap_s = span_s / (len(reqs) - 1) if len(reqs) > 1 and span_s > 0 else 1.0
+    out: list[Request] = []
+    offset_s = 0.0
+    for k in range(-(-n // len(reqs))):
+        suffix = f"~{k}" if k else ""
+        out.extend(dataclasses.replace(r, request_id=f"{r.request_id}{suffix}", arrival_s=offset_s + r.arrival_s - t0)
+                   for r in reqs[:n - len(out)])
+        offset_s += span_s + gap_s
+    return Workload(name=f"{workload.name}[repeated to {n}]", requests=tuple(out), source=workload.source,
+                    meta={**workload.meta, "repeated_to": n})
+
+
 def as_class(workload: Workload, klass: str, *, priority: int | None = None, arrival_s: float | None = None) -> Workload:
     """Relabel every request as ``klass`` (optionally set priority, or queue all at ``arrival_s``)."""
     if klass not in ("online", "offline"):

@@ -27,6 +27,7 @@
    random small instances (goal: min >= 0.98, as before).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/fleet_scale.py [--repeat 3] [--instances 200] [--only day]
+        [--days 0,1,3 | all] [--cluster FLEET.yaml --model MODEL]   # the day section on another fleet
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def oracle_section(instances: int) -> None:
     print(f"  min throughput gear / oracle {ratio:.4f}: goal >= {ORACLE_GOAL}: {'MET' if ratio >= ORACLE_GOAL else 'MISSED'}")
 
 
-def day_section(days: list[int]) -> None:
+def day_section(days: list[int], fleet_file: Path = FLEET_FILE, model: str = "Llama-3-8B") -> None:
     import numpy as np
 
     from flexpipe_dag.control.fleet_day import EQUAL_ATTAINMENT, compare_day, simulate_fleet_day
@@ -194,12 +195,12 @@ def day_section(days: list[int]) -> None:
     from flexpipe_dag.workload import load_trace
 
     settings = FleetSettings()
-    print(f"fleet day: {FLEET_FILE.name}, Llama-3-8B bf16, SLO TTFT {settings.slo_ttft_ms:g} ms / TPOT "
+    print(f"fleet day: {fleet_file.name}, {model} bf16, SLO TTFT {settings.slo_ttft_ms:g} ms / TPOT "
           f"{settings.slo_tpot_ms:g} ms at {settings.attainment:.0%}")
     reference = load_trace("azure-conv")
     t0 = time.perf_counter()
-    cluster = load_cluster_profile(FLEET_FILE)
-    plan = plan_fleet(cluster, load_model_spec("Llama-3-8B"), reference, settings=settings)
+    cluster = load_cluster_profile(fleet_file)
+    plan = plan_fleet(cluster, load_model_spec(model), reference, settings=settings)
     plan_s = time.perf_counter() - t0
     print(f"  plan_fleet: {len(plan.instances)} instances from {len(plan.templates)} host shapes in {plan_s:.1f} s; "
           f"fleet envelope {plan.rps_max:,.0f} req/s")
@@ -258,6 +259,8 @@ def main() -> None:
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=("profile", "plan", "day", "oracle"), help="run one section")
     parser.add_argument("--days", default="0,1,3", help="tide days of the fleet day section (comma-separated, or all)")
+    parser.add_argument("--cluster", type=Path, default=FLEET_FILE, help="fleet file of the fleet day section")
+    parser.add_argument("--model", default="Llama-3-8B", help="model of the fleet day section")
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
@@ -266,7 +269,8 @@ def main() -> None:
         print(json.dumps(out))
         return
     sections = {"profile": profile_section, "plan": lambda: plan_section(args.repeat),
-                "day": lambda: day_section(list(range(14)) if args.days == "all" else [int(d) for d in args.days.split(",")]),
+                "day": lambda: day_section(list(range(14)) if args.days == "all" else [int(d) for d in args.days.split(",")],
+                                           args.cluster, args.model),
                 "oracle": lambda: oracle_section(args.instances)}
     for name, run in sections.items():
         if args.only in (None, name):

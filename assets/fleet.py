@@ -13,6 +13,7 @@ from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataVa
 from pydantic import Field
 
 from flexpipe_dag.assets.metadata import cluster_for_run, png_metadata, table_metadata
+from flexpipe_dag.planner.fleet import DEFAULT_HEADROOM_FRACTION
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
 
@@ -25,7 +26,8 @@ class FleetDayConfig(Config):
     start_day: int = Field(default=0, ge=0, le=13, description="day of the 14-day ServeGen tide")
     peak_share: float = Field(default=0.8, gt=0, le=1.5, description="the day's peak as a share of the fleet's summed "
                                                                      "envelope")
-    headroom_fraction: float = Field(default=0.05, ge=0, lt=1, description="share of the envelope the scaler keeps free")
+    headroom_fraction: float = Field(default=DEFAULT_HEADROOM_FRACTION, ge=0, lt=1,
+                                     description="share of the envelope the scaler keeps free")
     scale_in_headroom_fraction: float = Field(default=0.15, ge=0, lt=1,
                                               description="the scaler gives instances back only below 1 - this")
     envelope_requests: int = Field(default=1000, ge=50, le=100000, description="trace requests per envelope probe")

@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--load-rps", type=float, default=None, help="print the fleet gear that holds this load, req/s")
     p.add_argument("--headroom", type=float, default=None,
                    help="with --load-rps or --day: share of the summed envelope held back, 0..0.9 (default the "
-                        "scaler's, 0.05); the scaler gives instances back below 1 - (headroom + 0.1), at least 15 %%")
+                        "scaler's, 0.10); the scaler gives instances back below 1 - (headroom + 0.1), at least 20 %%")
     p.add_argument("--day", type=int, default=None,
                    help=f"simulate day N (0..{TIDE_DAYS - 1}) of the bundled ServeGen tide, peak at --peak-share of the "
                         "fleet's envelope: the fleet scaler against the best static fleet gear")

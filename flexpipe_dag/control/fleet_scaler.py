@@ -67,7 +67,7 @@ from flexpipe_dag.control.config import Figures
 from flexpipe_dag.control.controller import ForecastFn, read_forecast
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import check_number
-from flexpipe_dag.planner.fleet import FleetPlan
+from flexpipe_dag.planner.fleet import DEFAULT_HEADROOM_FRACTION, FleetPlan
 
 FleetReasonKind = Literal["scale_out", "scale_in", "hold", "dwell", "payback"]
 
@@ -75,10 +75,10 @@ FleetReasonKind = Literal["scale_out", "scale_in", "hold", "dwell", "payback"]
 class FleetScalerConfig(Figures):
     """Figures of :class:`FleetScaler` (units in the names; module docstring for what each does).
 
-    Defaults: an instance's envelope is already the highest rate at which 95 % of requests meet the SLO,
-    and a fleet's load is spread over many instances, so the fleet plans to use 95 % of its summed
-    envelope (``headroom_fraction`` 0.05) and gives instances back only below 85 % (the band is the
-    hysteresis; a scale-in lands in its middle); the payback test reads the forecast 600 s ahead, the
+    Defaults: an instance's envelope is the edge of its attainment cliff, so the fleet plans to use 90 %
+    of its summed envelope (``headroom_fraction`` 0.10,
+    :data:`~flexpipe_dag.planner.fleet.DEFAULT_HEADROOM_FRACTION`) and gives instances back only below
+    80 % (the band is the hysteresis; a scale-in lands in its middle, 85 %); the payback test reads the forecast 600 s ahead, the
     warm-up (120 s) plus two samples and a margin; sizing follows the observed level and trend
     (``trend_beta`` 0.5: on fleet_1k's worst tide day 0.3 gave attainment 0.95 and 0.2 gave 0.93, against
     0.97), not the forecast (``sizing_lead_s`` 0).
@@ -86,8 +86,8 @@ class FleetScalerConfig(Figures):
 
     sample_period_s: float = Field(60.0, gt=0, le=86400.0, allow_inf_nan=False)
     rps_ema_alpha: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)
-    headroom_fraction: float = Field(0.05, ge=0, lt=1, allow_inf_nan=False)
-    scale_in_headroom_fraction: float = Field(0.15, ge=0, lt=1, allow_inf_nan=False)
+    headroom_fraction: float = Field(DEFAULT_HEADROOM_FRACTION, ge=0, lt=1, allow_inf_nan=False)
+    scale_in_headroom_fraction: float = Field(DEFAULT_HEADROOM_FRACTION + 0.10, ge=0, lt=1, allow_inf_nan=False)
     hysteresis_samples: int = Field(2, ge=1, le=1000, description="samples fewer instances must hold the load "
                                                                    "before a scale-in")
     scale_out_samples: int = Field(1, ge=1, le=1000, description="samples the load must be above the envelope x "

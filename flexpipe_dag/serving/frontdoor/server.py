@@ -441,5 +441,9 @@ class FrontDoorServer:
 
         self.uvicorn = DrainingServer(config)
         with hold_runtime_lock(f"flexpipe serve (pid {os.getpid()})", self.log):
-            self.uvicorn.run()
+            try:
+                self.uvicorn.run()
+            except SystemExit:  # uvicorn's own exit (status 3) when the startup failed: ours says 1 and why
+                if self.startup_failure is None:
+                    raise
         return 1 if self.engine.failure or self.startup_failure else 0

@@ -192,3 +192,21 @@ def test_an_extra_instance_that_cannot_start_stops_the_server_with_the_reason(tm
     assert "startup failed: InfeasibleError: gear 'uniform-1' does not fit beside the live instances" in log, \
         log[-3000:]
     assert srv.url is None  # never bound
+
+
+def test_a_server_of_several_instances_fails_the_gear_shifts_asked_of_it(store):
+    """A `gear_shift` run's request would move the entry point only: it is failed with the reason, never applied."""
+    from types import SimpleNamespace
+
+    from flexpipe_dag.serving.live_control import LiveControl
+
+    event = store.record_shift_event("shift", "decided", "r", from_gear_key="uniform-1", to_gear_key="uniform-2",
+                                     run_key="serve-1", decision_key="k")
+    store.request_shift(event, "serve-1", 60)
+    router = SimpleNamespace(active=SimpleNamespace(gear=SimpleNamespace(gear_id="uniform-1")))
+    live = LiveControl(store, None, router, None, (), "serve-1", inline_control=False, log=lambda line: None,
+                       shifts_refused="this server runs several instances of its gear")
+    live.step()
+    ev = store.get_shift_event(event)
+    assert (ev.status, ev.details["error"]) == ("failed", "this server runs several instances of its gear")
+    assert live.shift_thread is None and [s["status"] for s in live.shifts] == ["failed"]

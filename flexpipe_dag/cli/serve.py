@@ -16,7 +16,9 @@ and the shifts ``gear_shift`` runs request for it are applied live (warm-up, dra
 while clients keep streaming; with ``--inline-control`` the server decides its shifts itself, with the
 same controller, and needs no Dagster daemon. ``--gear latency`` (or ``balanced``, ``throughput``, or a
 stored gear's id) starts on a gear of the newest stored plan, the plan's other gears being where a shift
-may go. ``--no-store`` serves one gear stand-alone.
+may go. ``--no-store`` serves one gear stand-alone. ``--instances N`` serves N instances of the gear behind
+the one router; ``--max-instances M`` scales them between 1 and M with the fleet scaler (the gear needs its
+measured envelope, ``rps_max``).
 """
 
 from __future__ import annotations

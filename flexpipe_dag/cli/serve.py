@@ -35,6 +35,8 @@ from flexpipe_dag.core.settings import check_number
 
 
 def register(subparsers) -> None:
+    from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
+
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, streaming, "
                                             "metrics) over a live pipeline")
     src = p.add_mutually_exclusive_group(required=True)
@@ -78,9 +80,12 @@ def register(subparsers) -> None:
                         "scaler; needs the gear's measured envelope (rps_max, from `flexpipe plan`)")
     p.add_argument("--scale-interval-s", type=float, default=None,
                    help="with --max-instances: seconds between two fleet scaler samples (default 2)")
+    scaler = FleetScalerConfig()
     p.add_argument("--scale-dwell-s", type=float, default=None,
-                   help="with --max-instances: seconds after a change before instances are given back (default "
-                        "600; scale-in also needs it above the 180 s an instance's warm-up + drain are counted)")
+                   help=f"with --max-instances: seconds after a change before instances are given back (default "
+                        f"{scaler.dwell_s:g}; scale-in also needs it above the "
+                        f"{scaler.instance_warmup_s + scaler.instance_drain_s:g} s an instance's warm-up + drain are "
+                        "counted to cost)")
     p.add_argument("--batch-inflight", type=int, default=8, help="Batch API lines on the pipeline at once")
     p.add_argument("--batch-pause-above", type=int, default=8,
                    help="open online requests above which no Batch API line is submitted")
@@ -196,10 +201,6 @@ def _store_link(args: argparse.Namespace):
                      batch_pause_above=args.batch_pause_above, inline_control=args.inline_control)
 
 
-#: Default ``--scale-interval-s``: seconds between two fleet scaler samples (the runtime's metric period).
-SCALE_INTERVAL_S = 2.0
-
-
 def instance_settings(args: argparse.Namespace):
     """The :class:`~flexpipe_dag.serving.frontdoor.server.InstanceSettings` of ``--instances``,
     ``--max-instances``, ``--scale-interval-s`` and ``--scale-dwell-s`` (checked, before any model loads;
@@ -209,7 +210,7 @@ def instance_settings(args: argparse.Namespace):
         InputError: naming the flag.
     """
     from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
-    from flexpipe_dag.serving.frontdoor.server import InstanceSettings
+    from flexpipe_dag.serving.frontdoor.server import SCALE_INTERVAL_S, InstanceSettings
 
     for flag, value in (("--scale-interval-s", args.scale_interval_s), ("--scale-dwell-s", args.scale_dwell_s)):
         if value is not None and args.max_instances is None:

@@ -87,6 +87,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+#: Default seconds between two fleet scaler samples of a server (``--scale-interval-s``; the runtime's metric period).
+SCALE_INTERVAL_S = 2.0
+
+
 @dataclass(frozen=True)
 class InstanceSettings:
     """How many pipeline instances of the served gear run behind the router.
@@ -104,7 +108,7 @@ class InstanceSettings:
 
     instances: int = 1
     max_instances: int | None = None
-    scaler: FleetScalerConfig = field(default_factory=lambda: FleetScalerConfig(sample_period_s=2.0))
+    scaler: FleetScalerConfig = field(default_factory=lambda: FleetScalerConfig(sample_period_s=SCALE_INTERVAL_S))
     shift: ShiftConfig = field(default_factory=ShiftConfig)
 
     def check(self, gear=None) -> None:

@@ -210,3 +210,48 @@ def test_a_server_of_several_instances_fails_the_gear_shifts_asked_of_it(store):
     ev = store.get_shift_event(event)
     assert (ev.status, ev.details["error"]) == ("failed", "this server runs several instances of its gear")
     assert live.shift_thread is None and [s["status"] for s in live.shifts] == ["failed"]
+
+
+#: A server of two instances of a gear with a large envelope whose scaler gives one back at its first sample (3 s
+#: after startup: while the test's first requests run), the payback test passed by a 1-s dwell over no cost.
+SCALE_IN_SERVER = """
+import sys
+from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
+from flexpipe_dag.core.gear_builders import even_gear
+from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
+from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, InstanceSettings, ServerSettings
+from tests.test_runtime_helpers import checkpoint
+ckpt = checkpoint()
+gear = even_gear(ckpt.num_layers, 1, ckpt.name, 8, None, 4096).model_copy(update={"rps_max": 100.0})
+quick = FleetScalerConfig(sample_period_s=3.0, hysteresis_samples=1, dwell_s=1.0, forecast_horizon_s=0.0,
+                          instance_warmup_s=0.0, instance_drain_s=0.0, payback_factor=0.0)
+server = FrontDoorServer(PipelineRuntime(gear, ckpt, RuntimeOptions(stream_tokens=True)), ckpt.tokenizer(),
+                         ckpt.eos_token_ids(), 8192, ServerSettings(port=0, model_name=ckpt.name),
+                         instances=InstanceSettings(instances=2, max_instances=2, scaler=quick))
+sys.exit(server.run())
+"""
+
+
+@pytest.mark.slow
+def test_the_fleet_scaler_gives_an_instance_back_and_what_it_held_is_answered_once(tmp_path):
+    hf_reference()
+    checkpoint()
+    srv = Server(env={"FLEXPIPE_HOME": str(tmp_path)}, command=[sys.executable, "-c", SCALE_IN_SERVER])
+    try:
+        url = srv.wait_bound(START_TIMEOUT_S)
+        client = _client(url)
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: _greedy(client, i), range(16)))
+        wait_until(lambda: httpx.get(url + "/health").json()["instances"] == 1, 60.0,
+                   "the scaler to give an instance back")
+        results += [_greedy(client, i) for i in range(2)]  # the one left serves on
+        _check_exact(results)
+        metrics = _metrics(url)
+        assert metrics[("flexpipe_instance_changes_total", "in")] == 1
+        assert metrics[("flexpipe_instance_changes_total", "out")] == 0
+        assert metrics[("flexpipe_e2e_request_latency_seconds_count", "online")] == len(results)  # each once
+        assert [s["instance_id"] for s in _instances(url)] == ["uniform-1#1"]  # the entry point stays
+    finally:
+        assert srv.stop() == 0
+    log = "\n".join(srv.lines)
+    assert "scale in 2 -> 1" in log, log[-3000:]

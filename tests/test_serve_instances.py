@@ -61,7 +61,7 @@ def _serve_args(*args: str) -> argparse.Namespace:
 def test_two_instances_answer_concurrent_greedy_requests_exactly_and_both_serve(tmp_path):
     hf_reference()
     checkpoint()  # converted once into the shared cache before the server reads it
-    srv = Server("--stages", "1", "--instances", "2", "--no-store", "--port", "0",
+    srv = Server("--stages", "1", "--instances", "2", "--port", "0",  # a serving run of the store (SQLite) too
                  env={"FLEXPIPE_HOME": str(tmp_path)})
     try:
         url = srv.wait_bound(START_TIMEOUT_S)
@@ -81,7 +81,7 @@ def test_two_instances_answer_concurrent_greedy_requests_exactly_and_both_serve(
     finally:
         assert srv.stop() == 0
     log = "\n".join(srv.lines)
-    assert "instance 2 of 2 live" in log, log[-3000:]
+    assert "instance 2 of 2 live" in log and "samples to the store, shifts from gear_shift runs" in log, log[-3000:]
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -111,6 +111,11 @@ class InstanceSettings:
     scaler: FleetScalerConfig = field(default_factory=lambda: FleetScalerConfig(sample_period_s=SCALE_INTERVAL_S))
     shift: ShiftConfig = field(default_factory=ShiftConfig)
 
+    @property
+    def several(self) -> bool:
+        """More than one instance may serve (``instances`` > 1, or a scaler)."""
+        return self.instances > 1 or self.max_instances is not None
+
     def check(self, gear=None) -> None:
         """Raises:
             InputError: ``instances`` below 1, ``max_instances`` below ``instances``, or ``max_instances``
@@ -172,8 +177,7 @@ def check_several(instances: InstanceSettings, *, inline_control: bool, ray: boo
     Raises:
         InputError: naming ``--instances`` / ``--max-instances``.
     """
-    several = instances.instances > 1 or instances.max_instances is not None
-    if not several:
+    if not instances.several:
         return
     flag = "--max-instances" if instances.max_instances is not None else "--instances"
     if inline_control:
@@ -315,12 +319,11 @@ class FrontDoorServer:
         task = None
         if self.link is not None:
             executor = GearExecutor(self.router, options=self.runtime.options)
-            several = self.instances.instances > 1 or self.instances.max_instances is not None
+            refused = ("this server runs several instances of its gear; a gear shift would move only one of them"
+                       if self.instances.several else None)
             self.live = LiveControl(self.link.store, self.link.control, self.router, executor, self.link.gears,
                                     self.link.run_key, inline_control=self.link.inline_control, log=self.log,
-                                    on_shift_done=self._on_shift_done,
-                                    shifts_refused="this server runs several instances of its gear; a gear shift "
-                                                   "would move only one of them" if several else None)
+                                    on_shift_done=self._on_shift_done, shifts_refused=refused)
             task = asyncio.create_task(self._control_loop())
             deciding = "decided here (inline control)" if self.link.inline_control else "from gear_shift runs"
             self.log(f"serving run {self.link.run_key}: samples to the store, shifts {deciding}")

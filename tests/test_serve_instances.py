@@ -143,7 +143,9 @@ def test_the_fleet_scaler_scales_out_under_load_and_every_request_is_answered_on
         with ThreadPoolExecutor(4) as pool:
             load = [pool.submit(clients, w) for w in range(4)]
             try:  # ~1 req/s against an envelope of 0.05: the scaler's first sample overloads
-                wait_until(lambda: len(_instances(url)) == 2, START_TIMEOUT_S, "the scaler to add an instance")
+                wait_until(lambda: _metrics(url)[("flexpipe_instance_changes_total", "out")] == 1, START_TIMEOUT_S,
+                           "the scaler to add an instance")
+                assert len(_instances(url)) == 2
                 wait_until(lambda: min(s["requests_finished"] for s in _instances(url)) >= 1, START_TIMEOUT_S,
                            "the added instance to finish a request")
             finally:
@@ -242,12 +244,12 @@ def test_the_fleet_scaler_gives_an_instance_back_and_what_it_held_is_answered_on
         client = _client(url)
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda i: _greedy(client, i), range(16)))
-        wait_until(lambda: httpx.get(url + "/health").json()["instances"] == 1, 60.0,
-                   "the scaler to give an instance back")
+        wait_until(lambda: _metrics(url)[("flexpipe_instance_changes_total", "in")] == 1, 60.0,
+                   "the scaler to give an instance back (withdrawn, drained, shut down)")
+        assert httpx.get(url + "/health").json()["instances"] == 1
         results += [_greedy(client, i) for i in range(2)]  # the one left serves on
         _check_exact(results)
         metrics = _metrics(url)
-        assert metrics[("flexpipe_instance_changes_total", "in")] == 1
         assert metrics[("flexpipe_instance_changes_total", "out")] == 0
         assert metrics[("flexpipe_e2e_request_latency_seconds_count", "online")] == len(results)  # each once
         assert [s["instance_id"] for s in _instances(url)] == ["uniform-1#1"]  # the entry point stays

@@ -71,7 +71,7 @@ def test_models_health_and_ready(server, client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "instances": 1}
     ready = httpx.get(server.url + "/ready")
     assert ready.status_code == 200 and ready.json()["gear_id"] == "uniform-2"
 
@@ -281,12 +281,12 @@ def test_aiperf_profiles_the_server_and_its_counts_match_the_servers_metrics(ser
 
 
 def _metrics(url: str) -> dict[tuple[str, str], float]:
-    """``(sample name, its priority_class / gear_id label) -> value`` from ``GET /metrics``."""
+    """``(sample name, its priority_class / gear_id / direction label) -> value`` from ``GET /metrics``."""
     text = httpx.get(url + "/metrics").text
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):  # parses, or raises
         for s in family.samples:
-            label = s.labels.get("priority_class") or s.labels.get("gear_id") or ""
+            label = s.labels.get("priority_class") or s.labels.get("gear_id") or s.labels.get("direction") or ""
             out[(s.name, label)] = out.get((s.name, label), 0.0) + s.value
     return out
 

@@ -16,7 +16,9 @@ and the shifts ``gear_shift`` runs request for it are applied live (warm-up, dra
 while clients keep streaming; with ``--inline-control`` the server decides its shifts itself, with the
 same controller, and needs no Dagster daemon. ``--gear latency`` (or ``balanced``, ``throughput``, or a
 stored gear's id) starts on a gear of the newest stored plan, the plan's other gears being where a shift
-may go. ``--no-store`` serves one gear stand-alone.
+may go. ``--no-store`` serves one gear stand-alone. ``--instances N`` serves N instances of the gear behind
+the one router; ``--max-instances M`` scales them between 1 and M with the fleet scaler (the gear needs its
+measured envelope, ``rps_max``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from flexpipe_dag.core.settings import check_number
 
 
 def register(subparsers) -> None:
+    from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
+
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, streaming, "
                                             "metrics) over a live pipeline")
     src = p.add_mutually_exclusive_group(required=True)
@@ -68,6 +72,20 @@ def register(subparsers) -> None:
     p.add_argument("--dwell-s", type=float, default=None,
                    help="controller dwell after a shift, seconds (default: FLEXPIPE_DWELL_S, else the control file's "
                         "or the seed's 600 s)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="pipeline instances of the gear started on this host behind the one router (each warmed up "
+                        "and verified before requests reach it; default 1)")
+    p.add_argument("--max-instances", type=int, default=None,
+                   help="scale between 1 and this many instances (>= --instances) on the request rate, with the fleet "
+                        "scaler; needs the gear's measured envelope (rps_max, from `flexpipe plan`)")
+    p.add_argument("--scale-interval-s", type=float, default=None,
+                   help="with --max-instances: seconds between two fleet scaler samples (default 2)")
+    scaler = FleetScalerConfig()
+    p.add_argument("--scale-dwell-s", type=float, default=None,
+                   help=f"with --max-instances: seconds after a change before instances are given back (default "
+                        f"{scaler.dwell_s:g}; scale-in also needs it above the "
+                        f"{scaler.instance_warmup_s + scaler.instance_drain_s:g} s an instance's warm-up + drain are "
+                        "counted to cost)")
     p.add_argument("--batch-inflight", type=int, default=8, help="Batch API lines on the pipeline at once")
     p.add_argument("--batch-pause-above", type=int, default=8,
                    help="open online requests above which no Batch API line is submitted")
@@ -183,11 +201,37 @@ def _store_link(args: argparse.Namespace):
                      batch_pause_above=args.batch_pause_above, inline_control=args.inline_control)
 
 
+def instance_settings(args: argparse.Namespace):
+    """The :class:`~flexpipe_dag.serving.frontdoor.server.InstanceSettings` of ``--instances``,
+    ``--max-instances``, ``--scale-interval-s`` and ``--scale-dwell-s`` (checked, before any model loads;
+    the gear's envelope is checked once the gear is known).
+
+    Raises:
+        InputError: naming the flag.
+    """
+    from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
+    from flexpipe_dag.serving.frontdoor.server import SCALE_INTERVAL_S, InstanceSettings
+
+    for flag, value in (("--scale-interval-s", args.scale_interval_s), ("--scale-dwell-s", args.scale_dwell_s)):
+        if value is not None and args.max_instances is None:
+            raise InputError(None, flag, "only means something with --max-instances")
+    interval_s = SCALE_INTERVAL_S if args.scale_interval_s is None else args.scale_interval_s
+    check_number(interval_s, None, "--scale-interval-s", gt=0, le=3600, unit="s")
+    figures = {"sample_period_s": interval_s}
+    if args.scale_dwell_s is not None:
+        check_number(args.scale_dwell_s, None, "--scale-dwell-s", ge=0, le=86400, unit="s")
+        figures["dwell_s"] = args.scale_dwell_s
+    settings = InstanceSettings(instances=args.instances, max_instances=args.max_instances,
+                                scaler=FleetScalerConfig(**figures))
+    settings.check()
+    return settings
+
+
 def serve(args: argparse.Namespace) -> int:
     from flexpipe_dag.cli.run import check_cuda, ray_placement
     from flexpipe_dag.runtime.model_loader import head_dtype, resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
-    from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings
+    from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings, check_several
 
     for name in ("micro_batch_size", "max_pending", "batch_inflight", "kv_capacity_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -199,6 +243,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.no_store and args.run_key:
         raise InputError(None, "--run-key", "names this server's run in the store: drop --no-store, or the key")
     check_number(args.drain_timeout_s, None, "--drain-timeout-s", ge=0, le=86400, unit="s")
+    instances = instance_settings(args)
+    check_several(instances, inline_control=args.inline_control and not args.no_store, ray=args.ray is not None)
     placement = ray_placement(args)
     if args.device == "cuda":
         check_cuda(remote=placement is not None)  # without Ray, serve runs its stages on this host
@@ -234,13 +280,15 @@ def serve(args: argparse.Namespace) -> int:
     else:
         gear = even_gear(ckpt.num_layers, args.stages, ckpt.name, args.micro_batch_size, args.inflight,
                          args.kv_capacity_tokens or 8192)
+    instances.check(gear)  # --max-instances needs the gear's envelope
     settings = ServerSettings(**{**settings.__dict__, "model_name": args.served_model_name or ckpt.name})
     runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(dtype=args.dtype, device=args.device,
                                                          step_timeout_s=args.step_timeout_s, stream_tokens=True,
                                                          kv_capacity_knob="--kv-capacity-tokens", placement=placement))
     server = FrontDoorServer(runtime, ckpt.tokenizer(), ckpt.eos_token_ids(), runtime.max_context_tokens, settings,
-                             link=link)
-    print(f"flexpipe serve: model {settings.model_name!r}, gear {gear.gear_id} ({gear.num_stages} stage(s)); "
+                             link=link, instances=instances)
+    count = f"{args.instances} instance(s)" + (f", up to {args.max_instances}" if args.max_instances else "")
+    print(f"flexpipe serve: model {settings.model_name!r}, gear {gear.gear_id} ({gear.num_stages} stage(s), {count}); "
           f"starting the pipeline, then http://{args.host}:{args.port or 'PORT'}/v1"
           + (" (a free port, named in the 'Uvicorn running on' line)" if not args.port else ""),
           file=sys.stderr, flush=True)

@@ -209,6 +209,33 @@ class FleetPlan:
         return self.prefix(max(1, self.instances_for(rps, headroom_fraction)))
 
 
+def replicated_plan(gear: Gear, num_instances: int, host_id: str = "localhost") -> FleetPlan:
+    """A fleet plan of ``num_instances`` identical copies of ``gear`` on one host: what a server that runs
+    several instances of its one gear scales over (``flexpipe serve --max-instances``).
+
+    Every copy keeps the gear (its stages, devices and envelope, ``rps_max`` req/s); instance ``k`` is
+    ``<gear_id>-<k>``. The plan has no templates (nothing was planned per host shape here), so it serves
+    the scaler's sizing (:meth:`FleetPlan.instances_for`), not :func:`describe_plan`.
+
+    Args:
+        gear: the served gear; its ``rps_max`` must be a measured envelope (finite, > 0).
+        num_instances: copies, the most the scaler may run (>= 1).
+        host_id: the host they all run on.
+
+    Raises:
+        InputError: ``num_instances`` below 1, or a gear without a measured envelope (``rps_max`` 0 or
+            unbounded: plan the gear first).
+    """
+    check_number(num_instances, "fleet plan", "num_instances", integer=True, ge=1, le=10**6)
+    if not (math.isfinite(gear.rps_max) and gear.rps_max > 0):
+        raise InputError(gear.gear_id, "rps_max", f"the gear has no measured envelope (rps_max {gear.rps_max:g} "
+                                                  "req/s): plan it first (`flexpipe plan`), or give a gear whose "
+                                                  "rps_max is set")
+    instances = tuple(FleetInstance(instance_id=f"{gear.gear_id}-{k}", host_ids=(host_id,), gear=gear, template=0)
+                      for k in range(num_instances))
+    return FleetPlan(cluster_id=host_id, templates=(), instances=instances)
+
+
 def host_shapes(cluster: ClusterProfile) -> dict[HostShape, list[str]]:
     """Hosts grouped by shape (module docstring, step 1), each group in the profile's host order.
 

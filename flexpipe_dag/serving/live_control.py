@@ -44,6 +44,8 @@ class LiveControl:
         log: called with one line per event worth telling the user.
         on_shift_done: called with a shift's record once it has its final ``status`` (done,
             rolled_back, failed), from the shift's thread.
+        shifts_refused: why this run takes no gear shift (each one asked of it is failed with this reason),
+            or None.
 
     Attributes:
         samples, shifts, declines: what was stored, shifted (each a dict with ``status`` and
@@ -54,11 +56,13 @@ class LiveControl:
 
     def __init__(self, store, control: ResolvedControlSettings, router, executor, gears: Sequence[Gear],
                  run_key: str, *, inline_control: bool = True, forecast: Callable[[], Any] | None = None,
-                 log: Callable[[str], None] = print, on_shift_done: Callable[[dict[str, Any]], None] | None = None):
+                 log: Callable[[str], None] = print, on_shift_done: Callable[[dict[str, Any]], None] | None = None,
+                 shifts_refused: str | None = None):
         self.db, self.control, self.router, self.executor = store, control, router, executor
         self.gears = {g.gear_id: g for g in gears}
         self.run_key, self.inline_control, self.forecast, self.log = run_key, inline_control, forecast, log
         self.on_shift_done = on_shift_done
+        self.shifts_refused = shifts_refused
         self.samples: list[MetricSample] = []
         self.shifts: list[dict[str, Any]] = []
         self.declines: list[dict[str, Any]] = []
@@ -155,7 +159,7 @@ class LiveControl:
         record = {"t_s": t_s, "from_gear": from_gear, "to_gear": to_gear, "trigger": trigger, "reason": reason,
                   "status": "running", "event_id": event_id}
         self.shifts.append(record)
-        stale = self._stale_request(from_gear, to_gear)
+        stale = self.shifts_refused or self._stale_request(from_gear, to_gear)
         if gear is None or stale is not None:
             error = stale or f"unknown gear {to_gear}"
             record.update(status="failed", outcome=error)

@@ -96,9 +96,34 @@ class FleetController:
         self._grow(state.instances)
         if not self.lane_ids:
             raise FlexPipeError("fleet controller: no instance started: " + "; ".join(self.errors))
+        self._begin()
+        return list(self.lane_ids)
+
+    def _begin(self) -> None:
+        """The scaler's state for the instances in :attr:`lane_ids`; the request rate counts from now."""
         self.state = FleetScalerState(instances=len(self.lane_ids))
         self._last_t, self._last_count = self.clock(), self._accepted()
-        return list(self.lane_ids)
+
+    def adopt(self, lane_ids: list[str]) -> None:
+        """Take over instances already serving on the router as the plan's first ``len(lane_ids)`` instances
+        (in that order; e.g. a server's entry point and the instances it started itself), instead of
+        :meth:`start`. Scaling in never removes ``lane_ids[0]``.
+
+        Raises:
+            InputError: already started, no lane or more lanes than the plan has instances, or a lane the
+                router does not route requests to.
+        """
+        if self.state is not None:
+            raise InputError("fleet controller", "adopt", "already started")
+        if not 1 <= len(lane_ids) <= len(self.plan.instances):
+            raise InputError("fleet controller", "lane_ids", f"got {len(lane_ids)} lanes; expected "
+                             f"1..{len(self.plan.instances)} (the plan's instances)")
+        routed = [ln.lane_id for ln in self.fleet.router.instances]
+        stray = [lid for lid in lane_ids if lid not in routed]
+        if stray:
+            raise InputError("fleet controller", "lane_ids", f"{stray} are not serving; the router routes to {routed}")
+        self.lane_ids = list(lane_ids)
+        self._begin()
 
     def _grow(self, target: int) -> None:
         while len(self.lane_ids) < target:

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template applied;
 ``stream: true`` answers server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
-``GET /health`` (the process is up), ``GET /ready`` (a pipeline takes requests), ``GET /metrics``
+``GET /health`` (the process is up; how many pipeline instances serve), ``GET /ready`` (a pipeline
+takes requests; each instance's open and finished requests), ``GET /metrics``
 (Prometheus text). Errors use OpenAI's shape and status codes: 400 bad JSON, bad field or context
 too long, 401 no or wrong API key, 404 unknown model, 429 too many open requests, 503 draining.
 With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY``; health, readiness and
@@ -152,12 +153,13 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
     async def health() -> JSONResponse:
         if engine.failure:
             return JSONResponse({"status": "failed", "reason": engine.failure}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "instances": engine.num_instances})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         live = engine.router.active.gear.gear_id if engine.ready and engine.router else None
-        return JSONResponse({"ready": engine.ready, "gear_id": live, "pending": engine.pending},
+        return JSONResponse({"ready": engine.ready, "gear_id": live, "pending": engine.pending,
+                             "instances": engine.instance_status()},
                             status_code=200 if engine.ready else 503)
 
     @app.get("/metrics")

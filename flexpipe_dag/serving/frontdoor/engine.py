@@ -120,6 +120,8 @@ class FrontDoorEngine:
         self.metrics = metrics
         self.max_pending = max_pending
         self.router = None
+        #: the :class:`~flexpipe_dag.shift.instances.InstanceFleet` over the router, once the server made one
+        self.fleet = None
         self.draining = False
         #: why the pipeline failed (the server then stops), or None
         self.failure: str | None = None
@@ -177,6 +179,18 @@ class FrontDoorEngine:
         """A pipeline takes requests and the server is not draining."""
         return (self.router is not None and not self.draining and self.router.active is not None
                 and self.router.active.alive)
+
+    @property
+    def num_instances(self) -> int:
+        """Pipeline instances requests are routed to now (0 before the pipeline is live)."""
+        return len(self.router.instances) if self.router is not None else 0
+
+    def instance_status(self) -> list[dict]:
+        """Per serving instance: its id, gear, open requests and requests finished there (``/ready``)."""
+        if self.fleet is None:
+            return []
+        return [{"instance_id": st.instance_id, "gear_id": st.gear_id, "open_requests": st.open_requests,
+                 "requests_finished": st.requests_finished} for st in self.fleet.instances]
 
     @property
     def max_model_len(self) -> int | None:

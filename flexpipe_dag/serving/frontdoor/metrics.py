@@ -18,6 +18,8 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 #: Histogram buckets of the time per output token, seconds.
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 CLASSES = ("online", "offline")
+#: ``direction`` labels of ``flexpipe_instance_changes_total``.
+DIRECTIONS = ("out", "in")
 
 
 class FrontDoorMetrics:
@@ -52,6 +54,12 @@ class FrontDoorMetrics:
         self.live_gear = Gauge("flexpipe_live_gear_info", "1 for the gear serving now", ["gear_id"], registry=r)
         self.shifts = Counter("flexpipe_gear_shifts_total", "Gear shifts, by reason and outcome",
                               ["reason", "outcome"], registry=r)
+        self.instances = Gauge("flexpipe_instances", "Pipeline instances requests are routed to", registry=r)
+        self.instance_changes = Counter("flexpipe_instance_changes_total",
+                                        "Fleet scaling decisions applied, by direction (out: instances added, "
+                                        "in: instances drained and removed)", ["direction"], registry=r)
+        for direction in DIRECTIONS:
+            self.instance_changes.labels(direction)
         for cls in CLASSES:  # every class's series exists from the start (a scraper sees zeros, not gaps)
             self.running.labels(cls).set(0)
             for histogram in (self.ttft, self.tpot, self.e2e):

@@ -1,9 +1,13 @@
-"""Run the front door: one live pipeline behind a :class:`ServingRouter`, the API app, uvicorn.
+"""Run the front door: live pipeline instances behind a :class:`ServingRouter`, the API app, uvicorn.
 
 The pipeline starts before the port is bound (uvicorn runs the app's lifespan first), so a client
-that can connect finds it ready. SIGINT / SIGTERM drain: new requests get 503, open ones finish for
-up to ``drain_timeout_s``, then the pipeline stops. The server holds this host's pipeline-runtime
-lock (:mod:`flexpipe_dag.runtime.host_lock`) for its life, as the Dagster runtime ops do.
+that can connect finds it ready. With :class:`InstanceSettings` ``instances`` > 1, further instances
+of the same gear start after it (:meth:`~flexpipe_dag.shift.instances.InstanceFleet.add_instance`:
+each warmed up and verified before it is routed to), and with ``max_instances`` a
+:class:`~flexpipe_dag.shift.fleet_control.FleetController` scales them out and in on the request rate,
+in a background thread. SIGINT / SIGTERM drain: the scaler stops, new requests get 503, open ones
+finish for up to ``drain_timeout_s``, then the pipelines stop. The server holds this host's
+pipeline-runtime lock (:mod:`flexpipe_dag.runtime.host_lock`) for its life, as the Dagster runtime ops do.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import sys
+import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import check_number
+from flexpipe_dag.shift.executor import ShiftConfig
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,59 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+#: Default seconds between two fleet scaler samples of a server (``--scale-interval-s``; the runtime's metric period).
+SCALE_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class InstanceSettings:
+    """How many pipeline instances of the served gear run behind the router.
+
+    Attributes:
+        instances: instances started before the port is bound: the entry point and ``instances - 1``
+            more of the same gear (>= 1).
+        max_instances: None: the count stays. Else a fleet controller scales between 1 and this many
+            (>= ``instances``) on the request rate the router accepts, over
+            :func:`~flexpipe_dag.planner.fleet.replicated_plan` of the gear (which needs its measured
+            envelope, ``rps_max`` req/s).
+        scaler: the fleet scaler's figures (``sample_period_s`` is the scale interval, seconds).
+        shift: warm-up, verify and drain figures of an instance's start and removal.
+    """
+
+    instances: int = 1
+    max_instances: int | None = None
+    scaler: FleetScalerConfig = field(default_factory=lambda: FleetScalerConfig(sample_period_s=SCALE_INTERVAL_S))
+    shift: ShiftConfig = field(default_factory=ShiftConfig)
+
+    @property
+    def several(self) -> bool:
+        """More than one instance may serve (``instances`` > 1, or a scaler)."""
+        return self.instances > 1 or self.max_instances is not None
+
+    def check(self, gear=None) -> None:
+        """Raises:
+            InputError: ``instances`` below 1, ``max_instances`` below ``instances``, or ``max_instances``
+                for a ``gear`` without a measured envelope (naming the flag)."""
+        from flexpipe_dag.planner.fleet import replicated_plan
+
+        check_number(self.instances, None, "--instances", integer=True, ge=1, le=1024, unit="pipeline instances")
+        if self.max_instances is None:
+            return
+        check_number(self.max_instances, None, "--max-instances", integer=True, ge=self.instances, le=1024,
+                     unit=f"pipeline instances, at least --instances {self.instances}")
+        if gear is not None:
+            try:
+                replicated_plan(gear, self.max_instances)
+            except InputError as exc:
+                raise InputError(None, "--max-instances", f"gear {gear.gear_id}: {exc.problem}") from None
+
+    def plan(self, gear):
+        """The plan the scaler sizes over: ``max_instances`` copies of ``gear`` (None without ``max_instances``)."""
+        from flexpipe_dag.planner.fleet import replicated_plan
+
+        return None if self.max_instances is None else replicated_plan(gear, self.max_instances)
+
+
 @dataclass(frozen=True)
 class StoreLink:
     """How the front door joins the SQL store as a serving run (see
@@ -108,6 +169,25 @@ class StoreLink:
     inline_control: bool = False
 
 
+def check_several(instances: InstanceSettings, *, inline_control: bool, ray: bool) -> None:
+    """Refuse what several instances do not mean one thing with: the controller's gear shifts (they move
+    the entry point only, the others would stay on the old gear) and Ray placement (every instance would
+    be placed on the same devices).
+
+    Raises:
+        InputError: naming ``--instances`` / ``--max-instances``.
+    """
+    if not instances.several:
+        return
+    flag = "--max-instances" if instances.max_instances is not None else "--instances"
+    if inline_control:
+        raise InputError(None, flag, "several instances and --inline-control do not mix: a gear shift moves the "
+                                     "entry point only, the other instances would stay on the old gear; drop one")
+    if ray:
+        raise InputError(None, flag, "several instances and --ray do not mix: every instance would be placed on the "
+                                     "gear's same devices; serve one instance per gear with Ray")
+
+
 class FrontDoorServer:
     """The API server over ``runtime`` (a not yet started :class:`PipelineRuntime` built with
     ``stream_tokens=True``), for ``settings``; :meth:`run` blocks until a signal stops it.
@@ -118,17 +198,34 @@ class FrontDoorServer:
         settings: :class:`ServerSettings`.
         link: the store to register in and take shifts from (None: a stand-alone server, one gear).
         log: where startup and shutdown lines go (stderr by default).
+        instances: how many instances of ``runtime``'s gear serve, and whether a fleet controller scales
+            them (default: one instance).
+
+    Attributes:
+        fleet: the :class:`~flexpipe_dag.shift.instances.InstanceFleet` over the router (once serving).
+        scaler: the :class:`~flexpipe_dag.shift.fleet_control.FleetController` (with ``max_instances``).
+        startup_failure: why the pipelines did not start (then :meth:`run` returns 1), or None.
     """
 
     def __init__(self, runtime, tokenizer, eos_token_ids: tuple[int, ...], max_context_tokens: int | None,
-                 settings: ServerSettings, link: StoreLink | None = None, log=None):
+                 settings: ServerSettings, link: StoreLink | None = None, log=None,
+                 instances: InstanceSettings | None = None):
         from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine
         from flexpipe_dag.serving.frontdoor.metrics import FrontDoorMetrics
 
         settings.check()
         if not runtime.options.stream_tokens:
             raise InputError(None, "runtime", "the front door needs a runtime built with stream_tokens=True")
+        self.instances = instances or InstanceSettings()
+        self.instances.check(runtime.gear)
+        check_several(self.instances, inline_control=link is not None and link.inline_control,
+                      ray=runtime.options.placement is not None)
         self.runtime, self.settings, self.link = runtime, settings, link
+        self.fleet: Any = None
+        self.scaler: Any = None
+        self.startup_failure: str | None = None
+        self._scaler_stop = threading.Event()
+        self._scaler_thread: threading.Thread | None = None
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.engine = FrontDoorEngine(tokenizer, eos_token_ids, max_context_tokens, FrontDoorMetrics(),
                                       max_pending=settings.max_pending)
@@ -208,17 +305,25 @@ class FrontDoorServer:
         from flexpipe_dag.shift.router import ServingRouter
 
         self.router = ServingRouter(**{**self.engine.router_callbacks(), "on_metrics": self._on_metrics})
-        await asyncio.to_thread(self.router.open, self.runtime)  # loads the stages: tens of seconds
+        try:
+            await asyncio.to_thread(self._start_pipelines)  # loads the stages: tens of seconds per instance
+        except BaseException as exc:
+            self.startup_failure = f"{type(exc).__name__}: {exc}"
+            self.log(f"startup failed: {self.startup_failure}; stopping the pipelines (exit status 1)")
+            await asyncio.to_thread(self.router.close)
+            raise
         self.engine.attach(self.router)
         self.engine.metrics.set_live_gear(self.runtime.gear.gear_id)
-        self.log(f"gear {self.runtime.gear.gear_id} live: stages {self.runtime.gear.layer_ranges()}")
         watch = asyncio.create_task(self._watch_pipeline())
+        self._start_scaler()
         task = None
         if self.link is not None:
             executor = GearExecutor(self.router, options=self.runtime.options)
+            refused = ("this server runs several instances of its gear; a gear shift would move only one of them"
+                       if self.instances.several else None)
             self.live = LiveControl(self.link.store, self.link.control, self.router, executor, self.link.gears,
                                     self.link.run_key, inline_control=self.link.inline_control, log=self.log,
-                                    on_shift_done=self._on_shift_done)
+                                    on_shift_done=self._on_shift_done, shifts_refused=refused)
             task = asyncio.create_task(self._control_loop())
             deciding = "decided here (inline control)" if self.link.inline_control else "from gear_shift runs"
             self.log(f"serving run {self.link.run_key}: samples to the store, shifts {deciding}")
@@ -226,15 +331,70 @@ class FrontDoorServer:
         try:
             yield
         finally:
+            self._scaler_stop.set()  # no instance is added or removed while the server drains
             if self.batch_api.runner is not None:
                 self.batch_api.runner.stop()  # its lines in flight have no result row: the next server serves them
             cut = await self.engine.drain(self.settings.drain_timeout_s)
             self.log(f"draining done ({cut} request(s) cut off); stopping the pipeline")
             watch.cancel()
+            if self._scaler_thread is not None:  # a start under way ends within its warm-up deadline
+                await asyncio.to_thread(self._scaler_thread.join)
             if task is not None:
                 task.cancel()
                 await asyncio.to_thread(self._wait_shift_then_end)
             await asyncio.to_thread(self.router.close)
+
+    def _start_pipelines(self) -> None:
+        """Open the entry point, then start the further instances of its gear one by one (each warmed up
+        and verified before it is routed to).
+
+        Raises:
+            FlexPipeError: a pipeline did not start (the message says which and why).
+        """
+        from flexpipe_dag.shift.instances import InstanceFleet
+
+        gear = self.runtime.gear
+        self.router.open(self.runtime)
+        self.log(f"gear {gear.gear_id} live: stages {gear.layer_ranges()}")
+        self.fleet = InstanceFleet(self.router, self.runtime.ckpt, self.runtime.options, self.instances.shift)
+        self.engine.fleet = self.fleet
+        self.engine.metrics.instances.set_function(lambda: len(self.router.instances))
+        for k in range(2, self.instances.instances + 1):
+            lane_id = self.fleet.add_instance(gear)
+            self.log(f"instance {k} of {self.instances.instances} live: {lane_id}")
+
+    def _start_scaler(self) -> None:
+        """With ``max_instances``: a fleet controller over the serving instances, sampling in a thread."""
+        from flexpipe_dag.shift.fleet_control import FleetController
+
+        plan = self.instances.plan(self.runtime.gear)
+        if plan is None:
+            return
+        self.scaler = FleetController(self.fleet, plan, self.instances.scaler)
+        self.scaler.adopt([lane.lane_id for lane in self.router.instances])
+        self._scaler_thread = threading.Thread(target=self._scale, name="flexpipe-fleet-scaler", daemon=True)
+        self._scaler_thread.start()
+        c = self.instances.scaler
+        self.log(f"fleet scaler: 1..{self.instances.max_instances} instances of {plan.instances[0].rps_max:g} req/s "
+                 f"each, a sample every {c.sample_period_s:g} s, dwell {c.dwell_s:g} s")
+
+    def _scale(self) -> None:
+        """The scaler's thread: one step per ``sample_period_s`` until the server stops; each applied
+        change is logged and counted in ``flexpipe_instance_changes_total``."""
+        ctl, stop = self.scaler, self._scaler_stop
+        while not stop.wait(self.instances.scaler.sample_period_s):
+            before, errors = len(ctl.lane_ids), len(ctl.errors)
+            try:
+                decision = ctl.step()
+            except Exception as exc:  # e.g. an instance that died meanwhile: the next sample tries again
+                self.log(f"fleet scaler step failed: {type(exc).__name__}: {exc}")
+                continue
+            after = len(ctl.lane_ids)
+            for error in ctl.errors[errors:]:
+                self.log(f"fleet scaler: {error}")
+            if after != before:
+                self.engine.metrics.instance_changes.labels("out" if after > before else "in").inc()
+                self.log(f"fleet scaler: {decision.reason}; serving {ctl.lane_ids}")
 
     def _start_batches(self) -> None:
         from flexpipe_dag.serving.frontdoor.batches import BatchRunner
@@ -256,7 +416,7 @@ class FrontDoorServer:
 
     def run(self) -> int:
         """Serve until SIGINT / SIGTERM (holding this host's pipeline-runtime lock meanwhile); returns the
-        exit status: 0, or 1 when the pipeline failed."""
+        exit status: 0, or 1 when the pipeline failed or a pipeline instance did not start."""
         import os
         import signal
 
@@ -288,5 +448,9 @@ class FrontDoorServer:
 
         self.uvicorn = DrainingServer(config)
         with hold_runtime_lock(f"flexpipe serve (pid {os.getpid()})", self.log):
-            self.uvicorn.run()
-        return 1 if self.engine.failure else 0
+            try:
+                self.uvicorn.run()
+            except SystemExit:  # uvicorn's own exit (status 3) when the startup failed: ours says 1 and why
+                if self.startup_failure is None:
+                    raise
+        return 1 if self.engine.failure or self.startup_failure else 0

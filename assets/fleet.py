@@ -13,6 +13,7 @@ from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataVa
 from pydantic import Field
 
 from flexpipe_dag.assets.metadata import cluster_for_run, png_metadata, table_metadata
+from flexpipe_dag.control.fleet_scaler import DEFAULT_SCALE_IN_HEADROOM_FRACTION
 from flexpipe_dag.planner.fleet import DEFAULT_HEADROOM_FRACTION
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
@@ -28,7 +29,7 @@ class FleetDayConfig(Config):
                                                                      "envelope")
     headroom_fraction: float = Field(default=DEFAULT_HEADROOM_FRACTION, ge=0, lt=1,
                                      description="share of the envelope the scaler keeps free")
-    scale_in_headroom_fraction: float = Field(default=0.15, ge=0, lt=1,
+    scale_in_headroom_fraction: float = Field(default=DEFAULT_SCALE_IN_HEADROOM_FRACTION, ge=0, lt=1,
                                               description="the scaler gives instances back only below 1 - this")
     envelope_requests: int = Field(default=1000, ge=50, le=100000, description="trace requests per envelope probe")
 

@@ -69,6 +69,10 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import check_number
 from flexpipe_dag.planner.fleet import DEFAULT_HEADROOM_FRACTION, FleetPlan
 
+#: Below 1 - this share of the envelope the scaler gives instances back (the band above it, up to
+#: 1 - :data:`~flexpipe_dag.planner.fleet.DEFAULT_HEADROOM_FRACTION`, is the hysteresis).
+DEFAULT_SCALE_IN_HEADROOM_FRACTION = DEFAULT_HEADROOM_FRACTION + 0.10
+
 FleetReasonKind = Literal["scale_out", "scale_in", "hold", "dwell", "payback"]
 
 
@@ -87,7 +91,7 @@ class FleetScalerConfig(Figures):
     sample_period_s: float = Field(60.0, gt=0, le=86400.0, allow_inf_nan=False)
     rps_ema_alpha: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)
     headroom_fraction: float = Field(DEFAULT_HEADROOM_FRACTION, ge=0, lt=1, allow_inf_nan=False)
-    scale_in_headroom_fraction: float = Field(DEFAULT_HEADROOM_FRACTION + 0.10, ge=0, lt=1, allow_inf_nan=False)
+    scale_in_headroom_fraction: float = Field(DEFAULT_SCALE_IN_HEADROOM_FRACTION, ge=0, lt=1, allow_inf_nan=False)
     hysteresis_samples: int = Field(2, ge=1, le=1000, description="samples fewer instances must hold the load "
                                                                    "before a scale-in")
     scale_out_samples: int = Field(1, ge=1, le=1000, description="samples the load must be above the envelope x "

@@ -337,6 +337,10 @@ def test_fleet_command_prints_instances_and_the_fleet_gear_for_a_load(capsys):
     gear = out["fleet_gear"]
     assert gear["holds"] and gear["rps_max"] * (1 - gear["headroom"]) >= 1.5
     assert [i["instance_id"] for i in gear["instances"]][0].startswith("a10")
+    # a load the whole fleet does not hold: said, and exit status 1 (a script can tell)
+    assert main(["fleet", "--cluster", str(EXAMPLES / "fleet_small.yaml"), "--model", "Llama-3-8B", "--load-rps",
+                 "100000", "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["fleet_gear"]["holds"]
 
 
 @pytest.mark.parametrize("flags, field", [(["--headroom", "0.95", "--day", "1"], "--headroom"), (["--day", "14"], "--day"),

@@ -92,6 +92,7 @@ def test_two_instances_answer_concurrent_greedy_requests_exactly_and_both_serve(
                                                 ".*`flexpipe plan`"),
     (["--stages", "1", "--scale-interval-s", "1"], "--scale-interval-s: only means something with --max-instances"),
     (["--stages", "1", "--max-instances", "2", "--scale-interval-s", "0"], "--scale-interval-s: expected"),
+    (["--stages", "1", "--max-instances", "2", "--scale-dwell-s", "60"], "--scale-dwell-s: .*never given back"),
     (["--stages", "1", "--instances", "2", "--inline-control"], "--instances: several instances and --inline-control"),
     (["--stages", "1", "--instances", "2", "--ray", "127.0.0.1:1"], "--instances: several instances and --ray"),
 ])

@@ -19,7 +19,8 @@ def register(subparsers) -> None:
         description=__doc__.splitlines()[0].replace("``", ""),
         epilog="Hosts of one shape share one plan and one simulated envelope; every unit of hosts becomes an "
                "instance. Instances are listed best envelope per device first, and the fleet gear for a load is "
-               "the shortest prefix holding it with the headroom (README, 'Fleet gears').")
+               "the shortest prefix holding it with the headroom (README, 'Fleet gears'). Exit status 1 when even "
+               "the whole fleet does not hold --load-rps.")
     p.add_argument("--cluster", required=True, help="cluster profile (YAML / JSON; fleet form for large fleets)")
     p.add_argument("--model", required=True, help="built-in model name, a Hugging Face config.json directory, or a .gguf file")
     p.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
@@ -89,9 +90,10 @@ def run(args: argparse.Namespace) -> int:
                                            for i in gear.instances]}
     if args.day is not None:
         out["day"] = _day(plan, settings, reference, args.day, peak_share, scaler, err)
+    holds = not isinstance(out.get("fleet_gear"), dict) or bool(out["fleet_gear"]["holds"])  # type: ignore[index]
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return 0 if holds else 1
     console = Console(width=max(120, Console().width))
     table = new_table(f"{cluster.cluster_id}: {len(plan.instances)} instances of {model.name}, fleet envelope "
                       f"{plan.rps_max:,.1f} req/s", ["like host", "instances", "hosts each", "devices each", "stages",
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{row['device_hours']:,.0f}, mean / peak devices {row['mean_held_devices']:.0f} / "
                           f"{row['peak_held_devices']}, shifts/h {row['shifts_per_hour']:.2f}")
         console.print(f"  dynamic / best static device-hours: {day['device_hours_vs_best_static']:.3f}")
-    return 0
+    return 0 if holds else 1
 
 
 def _count(n: int, noun: str) -> str:

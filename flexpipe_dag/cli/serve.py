@@ -221,8 +221,13 @@ def instance_settings(args: argparse.Namespace):
     if args.scale_dwell_s is not None:
         check_number(args.scale_dwell_s, None, "--scale-dwell-s", ge=0, le=86400, unit="s")
         figures["dwell_s"] = args.scale_dwell_s
-    settings = InstanceSettings(instances=args.instances, max_instances=args.max_instances,
-                                scaler=FleetScalerConfig(**figures))
+    scaler = FleetScalerConfig(**figures)
+    cost_s = scaler.payback_factor * (scaler.instance_warmup_s + scaler.instance_drain_s)
+    if scaler.dwell_s <= cost_s:  # without a forecast a scale-in is expected to hold one dwell: it would never pay back
+        raise InputError(None, "--scale-dwell-s", f"got {scaler.dwell_s:g} s; expected more than the {cost_s:g} s of "
+                                                  "warm-up + drain a scale-in must pay back (else instances are never "
+                                                  "given back)")
+    settings = InstanceSettings(instances=args.instances, max_instances=args.max_instances, scaler=scaler)
     settings.check()
     return settings
 
@@ -290,6 +295,6 @@ def serve(args: argparse.Namespace) -> int:
     count = f"{args.instances} instance(s)" + (f", up to {args.max_instances}" if args.max_instances else "")
     print(f"flexpipe serve: model {settings.model_name!r}, gear {gear.gear_id} ({gear.num_stages} stage(s), {count}); "
           f"starting the pipeline, then http://{args.host}:{args.port or 'PORT'}/v1"
-          + (" (a free port, named in the 'Uvicorn running on' line)" if not args.port else ""),
+          + (" (a free port: uvicorn's startup line below names it)" if not args.port else ""),
           file=sys.stderr, flush=True)
     return server.run()

@@ -178,7 +178,8 @@ class InstanceFleet:
                 f"pool {pool['pool']!r} has {pool['capacity_bytes'] / 2**30:.2f} GiB after the "
                 f"{self.config.memory_reserve_fraction:.0%} reserve, they hold {pool['old_bytes'] / 2**30:.2f} GiB and "
                 f"it needs {(pool['new_param_bytes'] + pool['new_kv_bytes']) / 2**30:.2f} GiB (weights + "
-                f"{full_kv_tokens}-token KV pool); remove an instance or choose a smaller gear or KV pool")
+                f"{full_kv_tokens}-token KV pool); remove an instance or choose a smaller gear or KV pool "
+                "(flexpipe serve --kv-capacity-tokens)")
 
     def remove_instance(self, instance_id: str, drain_timeout_s: float | None = None) -> InstanceRemoval:
         """Stop routing to the instance, let it drain, then shut it down; nothing lost, nothing delivered twice.

@@ -65,3 +65,33 @@ def test_the_fleet_scaler_adds_and_removes_live_instances_under_load():
         assert [s.instance_id for s in fleet.instances] == [first] and ctl.lane_ids == [first]
         assert all(led.get(rid).lanes == [first] for rid in load.submitted[after:])
         assert [d.reason_kind for d in ctl.decisions] == ["scale_out", "scale_in"] and not ctl.errors
+
+
+def test_a_start_that_fails_is_retried_after_a_warm_up_not_at_every_sample():
+    """An instance that cannot start (no room) is recorded once, the fleet keeps what serves, and the next
+    attempt waits one warm-up: a server sampling every 2 s logged the same refusal at every sample."""
+    from types import SimpleNamespace
+
+    from flexpipe_dag.core.errors import InfeasibleError
+
+    class NoRoom:
+        def __init__(self):
+            ledger = SimpleNamespace(counts=lambda: dict.fromkeys(("held", "pending", "finished", "refused", "failed"), 0),
+                                     num_open=lambda: 0)
+            self.router = SimpleNamespace(ledger=ledger, instances=[SimpleNamespace(lane_id="a")])
+            self.attempts = 0
+
+        def add_instance(self, gear, options=None):
+            self.attempts += 1
+            raise InfeasibleError("no room for another instance")
+
+    fleet = NoRoom()
+    cfg = QUICK.model_copy(update={"instance_warmup_s": 30.0, "trend_beta": 0.0})
+    ctl = FleetController(fleet, _plan(), cfg, clock=lambda: 0.0)  # type: ignore[arg-type]
+    ctl.adopt(["a"])
+    for t in (1.0, 2.0, 3.0, 20.0):
+        ctl.step(t, rps=5.0)
+    assert fleet.attempts == 1 and len(ctl.errors) == 1 and "no room" in ctl.errors[0]
+    assert ctl.state is not None and ctl.state.instances == 1 and ctl.lane_ids == ["a"]
+    ctl.step(31.5, rps=5.0)
+    assert fleet.attempts == 2

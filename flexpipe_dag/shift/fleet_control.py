@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from flexpipe_dag.control.controller import ForecastFn
@@ -62,6 +63,7 @@ class FleetController:
         self.lane_ids: list[str] = []          # the live instance of plan index i is lane_ids[i]
         self.decisions: list[FleetDecision] = []
         self.errors: list[str] = []
+        self._retry_after_s = -float("inf")    # no new start before this (clock s) after one failed
         self._last_count = 0
         self._last_t = clock()
 
@@ -150,13 +152,15 @@ class FleetController:
         t = self.clock() if t_s is None else t_s
         rate = self.observed_rps() if rps is None else rps
         state, decision = self.scaler.decide(self.state, t, rate, self.forecast, queued=float(self.queued()))
-        if decision.to_instances > decision.from_instances:
+        if decision.to_instances > decision.from_instances and t >= self._retry_after_s:
+            failed = len(self.errors)
             self._grow(decision.to_instances)
+            if len(self.errors) > failed:  # the same start would fail again at once: retry after one warm-up
+                self._retry_after_s = t + max(self.scaler.config.instance_warmup_s, self.scaler.config.sample_period_s)
         elif decision.to_instances < decision.from_instances:
             self._shrink(decision.to_instances, drain_timeout_s)
-        if len(self.lane_ids) != decision.to_instances:  # a start failed: the scaler counts what serves
-            state = FleetScalerState(instances=len(self.lane_ids), ema_rps=state.ema_rps,
-                                     last_change_s=state.last_change_s, last_out_s=state.last_out_s)
+        if len(self.lane_ids) != decision.to_instances:  # a start failed or waits: the scaler counts what serves
+            state = replace(state, instances=len(self.lane_ids), out_count=0, in_count=0, over_count=0)
         self.state = state
         if decision.changed:
             self.decisions.append(decision)

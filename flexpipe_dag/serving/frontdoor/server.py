@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import sys
 import threading
 from contextlib import asynccontextmanager
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.settings import check_number
 from flexpipe_dag.shift.executor import ShiftConfig
 
@@ -224,6 +225,7 @@ class FrontDoorServer:
         self.fleet: Any = None
         self.scaler: Any = None
         self.startup_failure: str | None = None
+        self.startup_refused = False  # the failure is a FlexPipeError: its reason alone is reported
         self._scaler_stop = threading.Event()
         self._scaler_thread: threading.Thread | None = None
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -308,7 +310,10 @@ class FrontDoorServer:
         try:
             await asyncio.to_thread(self._start_pipelines)  # loads the stages: tens of seconds per instance
         except BaseException as exc:
-            self.startup_failure = f"{type(exc).__name__}: {exc}"
+            # a FlexPipeError is a refusal with its reason (no room, a bad gear): the reason is the message,
+            # and uvicorn's copy of the traceback is left out (_QuietStartupFailure); anything else keeps both
+            self.startup_refused = isinstance(exc, FlexPipeError)
+            self.startup_failure = str(exc) if self.startup_refused else f"{type(exc).__name__}: {exc}"
             self.log(f"startup failed: {self.startup_failure}; stopping the pipelines (exit status 1)")
             await asyncio.to_thread(self.router.close)
             raise
@@ -447,6 +452,8 @@ class FrontDoorServer:
                     self.should_exit = True
 
         self.uvicorn = DrainingServer(config)
+        quiet = _QuietStartupFailure(self)
+        logging.getLogger("uvicorn.error").addFilter(quiet)
         with hold_runtime_lock(f"flexpipe serve (pid {os.getpid()})", self.log):
             try:
                 self.uvicorn.run()
@@ -454,3 +461,19 @@ class FrontDoorServer:
                 if self.startup_failure is None:
                     raise
         return 1 if self.engine.failure or self.startup_failure else 0
+
+
+class _QuietStartupFailure(logging.Filter):
+    """Drops uvicorn's report of a startup the server refused with a reason (a
+    :class:`~flexpipe_dag.core.errors.FlexPipeError`, already logged in one line): its traceback and
+    "Application startup failed" line. Other failures keep them."""
+
+    def __init__(self, server: FrontDoorServer):
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(self.server, "startup_refused", False):
+            return True
+        message = record.getMessage()
+        return not (message.startswith("Traceback") or "Application startup failed" in message)

@@ -79,6 +79,7 @@ def fleet_day(context: AssetExecutionContext, config: FleetDayConfig, planning: 
         "notes": MetadataValue.md("\n".join(f"- {n}" for n in plan.notes) or "every host serves"),
         "policies": table_metadata(pd.DataFrame([dyn.summary(), static.summary()])),
         "device_hours_vs_best_static": MetadataValue.float(ratio),
+        "bound_vs_best_static": MetadataValue.float(run.bound_ratio),
         "dynamic_slo_attainment": MetadataValue.float(dyn.slo_attainment),
         "decisions": MetadataValue.md("\n".join(f"- {d.t_s / 3600:.2f} h: {d.reason}" for d in dyn.decisions[:50])
                                       or "no change"),

@@ -161,6 +161,15 @@ def _plan(envelopes: list[float]) -> FleetPlan:
     return FleetPlan(cluster_id="fake", templates=(), instances=instances)
 
 
+def test_the_bound_holds_the_fewest_instances_each_window_at_their_envelopes():
+    from flexpipe_dag.control.fleet_day import bound_device_hours
+
+    plan = _plan([10.0, 10.0, 10.0])
+    d = plan.instances[0].num_devices
+    # hour by hour: 5 req/s -> 1 instance, 15 -> 2, 25 -> 3, 0 -> none (no headroom, no warm-up)
+    assert bound_device_hours(plan, [5.0, 15.0, 25.0, 0.0], window_s=3600.0) == pytest.approx(6.0 * d)
+
+
 def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():
     plan = _plan([10.0, 10.0, 10.0, 10.0])
     cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=2, scale_out_samples=2,
@@ -420,6 +429,7 @@ def test_fleet_day_asset_materialises_with_a_plot(tmp_path, monkeypatch):
     assert meta["instances"].value == 4
     assert meta["fleet_day_devices_per_hour"].value.startswith("![fleet_day_devices_per_hour](data:image/png;base64,")
     assert 0 < meta["device_hours_vs_best_static"].value <= 1.5
+    assert 0 < meta["bound_vs_best_static"].value <= 1.5
     assert "static-" in meta["policies"].value
 
 

@@ -123,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"  {row['policy']:11s} attainment {row['slo_attainment']:.4f}, device-hours "
                           f"{row['device_hours']:,.0f}, mean / peak devices {row['mean_held_devices']:.0f} / "
                           f"{row['peak_held_devices']}, shifts/h {row['shifts_per_hour']:.2f}")
-        console.print(f"  dynamic / best static device-hours: {day['device_hours_vs_best_static']:.3f}")
+        console.print(f"  dynamic / best static device-hours: {day['device_hours_vs_best_static']:.3f} (bound: "
+                      f"{day['bound_vs_best_static']:.3f}, the fewest instances each minute at 100 % of their "
+                      "envelopes, started instantly)")
     return 0 if holds else 1
 
 
@@ -138,5 +140,8 @@ def _day(plan, settings, reference, day: int, peak_share: float, scaler, err) ->
     with err.status("measuring attainment curves"):
         curves = measure_attainment_curves(plan, reference, settings)
     run = compare_day(plan, curves, day, peak_rps=peak_share * plan.rps_max, settings=settings, scaler_config=scaler)
-    return {"peak_rps": run.peak_rps, "policies": [run.dynamic.summary(), run.static.summary()],
-            "device_hours_vs_best_static": run.device_hours_ratio}
+    return {"tide_day": day, "peak_share": peak_share, "peak_rps": run.peak_rps,
+            "headroom": scaler.headroom_fraction, "scale_in_headroom": scaler.scale_in_headroom_fraction,
+            "slo_ttft_ms": settings.slo_ttft_ms, "slo_tpot_ms": settings.slo_tpot_ms,
+            "policies": [run.dynamic.summary(), run.static.summary()],
+            "device_hours_vs_best_static": run.device_hours_ratio, "bound_vs_best_static": run.bound_ratio}

@@ -266,17 +266,34 @@ class DayComparison:
     Attributes:
         peak_rps: the day's peak, req/s. rates_rps: the day's rate per window, req/s.
         dynamic / static: the two policies' days.
+        bound_device_hours: no policy holds fewer: the fewest instances each window at 100 % of their
+            envelopes, started and stopped instantly, device-hours.
     """
 
     peak_rps: float
     rates_rps: np.ndarray
     dynamic: FleetDayResult
     static: FleetDayResult
+    bound_device_hours: float = math.nan
 
     @property
     def device_hours_ratio(self) -> float:
         """Dynamic device-hours / the best static's (the bench goal: <= 0.6)."""
         return self.dynamic.device_hours / self.static.device_hours if self.static.device_hours > 0 else math.nan
+
+    @property
+    def bound_ratio(self) -> float:
+        """:attr:`bound_device_hours` / the best static's: a goal on :attr:`device_hours_ratio` below it is
+        out of any policy's reach."""
+        return self.bound_device_hours / self.static.device_hours if self.static.device_hours > 0 else math.nan
+
+
+def bound_device_hours(plan: FleetPlan, rates_rps: Sequence[float] | np.ndarray, window_s: float = 60.0) -> float:
+    """Device-hours of the fewest nested instances holding each window's rate at 100 % of their envelopes,
+    started and stopped instantly (no headroom, warm-up or drain): a floor under every policy's."""
+    prefix_devices = np.concatenate([[0], np.cumsum([i.num_devices for i in plan.instances])])
+    held = sum(prefix_devices[plan.instances_for(float(r), 0.0)] for r in np.asarray(rates_rps, dtype=float))
+    return float(held) * window_s / 3600.0
 
 
 def compare_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], start_day: int, *, peak_rps: float,
@@ -292,7 +309,8 @@ def compare_day(plan: FleetPlan, curves: Mapping[int, AttainmentCurve], start_da
     dynamic = simulate_fleet_day(plan, curves, rates, scaler_config=scaler_config, settings=settings,
                                  forecast=leave_one_out_forecast(start_day, 86400.0))
     static = best_static(plan, curves, rates, attainment=dynamic.slo_attainment - EQUAL_ATTAINMENT, settings=settings)
-    return DayComparison(peak_rps=peak_rps, rates_rps=rates, dynamic=dynamic, static=static)
+    return DayComparison(peak_rps=peak_rps, rates_rps=rates, dynamic=dynamic, static=static,
+                         bound_device_hours=bound_device_hours(plan, rates))
 
 
 def instance_changes(plan: FleetPlan, day: FleetDayResult, *, warmup_s: float) -> list[InstanceChange]:

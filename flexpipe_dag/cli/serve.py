@@ -84,7 +84,7 @@ def register(subparsers) -> None:
     p.add_argument("--scale-dwell-s", type=float, default=None,
                    help=f"with --max-instances: seconds after a change before instances are given back (default "
                         f"{scaler.dwell_s:g}; scale-in also needs it above the "
-                        f"{scaler.instance_warmup_s + scaler.instance_drain_s:g} s an instance's warm-up + drain are "
+                        f"{scaler.scale_in_cost_s:g} s an instance's warm-up + drain are "
                         "counted to cost)")
     p.add_argument("--batch-inflight", type=int, default=8, help="Batch API lines on the pipeline at once")
     p.add_argument("--batch-pause-above", type=int, default=8,
@@ -221,13 +221,8 @@ def instance_settings(args: argparse.Namespace):
     if args.scale_dwell_s is not None:
         check_number(args.scale_dwell_s, None, "--scale-dwell-s", ge=0, le=86400, unit="s")
         figures["dwell_s"] = args.scale_dwell_s
-    scaler = FleetScalerConfig(**figures)
-    cost_s = scaler.payback_factor * (scaler.instance_warmup_s + scaler.instance_drain_s)
-    if scaler.dwell_s <= cost_s:  # without a forecast a scale-in is expected to hold one dwell: it would never pay back
-        raise InputError(None, "--scale-dwell-s", f"got {scaler.dwell_s:g} s; expected more than the {cost_s:g} s of "
-                                                  "warm-up + drain a scale-in must pay back (else instances are never "
-                                                  "given back)")
-    settings = InstanceSettings(instances=args.instances, max_instances=args.max_instances, scaler=scaler)
+    settings = InstanceSettings(instances=args.instances, max_instances=args.max_instances,
+                                scaler=FleetScalerConfig(**figures))
     settings.check()
     return settings
 

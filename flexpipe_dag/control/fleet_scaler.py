@@ -117,6 +117,12 @@ class FleetScalerConfig(Figures):
     backlog_drain_s: float = Field(300.0, gt=0, allow_inf_nan=False,
                                    description="a queue is sized to drain in about this long (its rate is added to the load)")
 
+    @property
+    def scale_in_cost_s(self) -> float:
+        """Seconds a scale-in must be expected to hold to pay back: ``payback_factor x (instance_warmup_s +
+        instance_drain_s)`` (module docstring)."""
+        return self.payback_factor * (self.instance_warmup_s + self.instance_drain_s)
+
     @model_validator(mode="after")
     def _band(self) -> FleetScalerConfig:
         if self.scale_in_headroom_fraction < self.headroom_fraction:
@@ -291,7 +297,7 @@ class FleetScaler:
                                      f"{t_s - state.last_change_s:.0f} s ago (< {c.dwell_s:g} s)")
             n_in = max(1, self.plan.instances_for(load, landing_headroom))  # the band's middle: <= n_in < n
             residence = self._holds_for_s(t_s, ema, self.capacity_rps(n_in), None if forecast_error else forecast)
-            cost = c.payback_factor * (c.instance_warmup_s + c.instance_drain_s)
+            cost = c.scale_in_cost_s
             if residence <= cost:
                 return hold("payback", f"scale-in to {n_in} declined: {n_in} instance(s) are expected to hold for "
                                        f"{residence:.0f} s, not more than the {cost:.0f} s of drain + warm-up it costs")

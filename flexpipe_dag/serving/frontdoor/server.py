@@ -119,18 +119,22 @@ class InstanceSettings:
 
     def check(self, gear=None) -> None:
         """Raises:
-            InputError: ``instances`` below 1, ``max_instances`` below ``instances``, or ``max_instances``
-                for a ``gear`` without a measured envelope (naming the flag)."""
-        from flexpipe_dag.planner.fleet import replicated_plan
-
+            InputError: ``instances`` below 1, ``max_instances`` below ``instances``, a scaler dwell that
+                never lets a scale-in pay back, or ``max_instances`` for a ``gear`` without a measured
+                envelope (naming the flag)."""
         check_number(self.instances, None, "--instances", integer=True, ge=1, le=1024, unit="pipeline instances")
         if self.max_instances is None:
             return
         check_number(self.max_instances, None, "--max-instances", integer=True, ge=self.instances, le=1024,
                      unit=f"pipeline instances, at least --instances {self.instances}")
+        cost_s = self.scaler.scale_in_cost_s
+        if self.scaler.dwell_s <= cost_s:  # without a forecast a scale-in is expected to hold one dwell
+            raise InputError(None, "--scale-dwell-s", f"got {self.scaler.dwell_s:g} s; expected more than the "
+                                                      f"{cost_s:g} s of warm-up + drain a scale-in must pay back "
+                                                      "(else instances are never given back)")
         if gear is not None:
             try:
-                replicated_plan(gear, self.max_instances)
+                self.plan(gear)
             except InputError as exc:
                 raise InputError(None, "--max-instances", f"gear {gear.gear_id}: {exc.problem}") from None
 

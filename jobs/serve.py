@@ -29,7 +29,8 @@ class ServeTraceConfig(Config):
     tide_start_h: float = Field(default=2.0, ge=0, lt=24, description="tide hour the replay starts at")
     mean_rps: float = Field(default=0.0, ge=0, description="mean online arrival rate; 0 = 1.5 x the first gear's "
                                                            "rps_max (the tide's peak then overloads it, its trough "
-                                                           "does not)")
+                                                           "does not), lowered so that the peak stays within 80 % of "
+                                                           "the largest gear's envelope")
     max_prompt_tokens: int = Field(default=96, ge=1, description="cap on each request's prompt tokens (CPU-sized)")
     max_new_tokens: int = Field(default=12, ge=1, description="cap on each request's generated tokens")
     offline_trace: str = Field(default="arxiv-summarization", description="trace whose lengths shape the offline "
@@ -80,6 +81,39 @@ def check_context(config: ServeTraceConfig, max_context_tokens: int | None, mode
                          f"context of {max_context_tokens} tokens; expected at most {max_context_tokens}")
 
 
+#: Share of the largest planned envelope the default day's peak (its busiest 20 s) may reach: above it no gear
+#: holds the peak, the queue grows for the rest of the day and the front door refuses requests (429).
+PEAK_ENVELOPE_SHARE = 0.8
+#: Window over which the day's peak rate is read (seconds of the compressed day).
+PEAK_WINDOW_S = 20.0
+
+
+def day_mean_rps(config: ServeTraceConfig, gears, first) -> float:
+    """The day's mean online rate (req/s): ``config.mean_rps`` when set; else 1.5 x ``first``'s ``rps_max``
+    (the tide's rise then overloads the gear the day starts on, so the controller must shift up), lowered
+    where the day's peak (its busiest :data:`PEAK_WINDOW_S`, read from the shaped trace) would exceed
+    :data:`PEAK_ENVELOPE_SHARE` of the largest envelope among ``gears``: a plan whose gears all hold about
+    the same rate (or that has one gear) is still served a day it can hold.
+
+    Raises:
+        InfeasibleError: no gear has a positive envelope."""
+    from flexpipe_dag.core.errors import InfeasibleError
+
+    if config.mean_rps:
+        return config.mean_rps
+    largest = max(g.rps_max for g in gears)
+    if not largest > 0:
+        raise InfeasibleError(f"no planned gear holds any load (largest envelope {largest} req/s): re-plan the gears")
+    mean_rps, cap_rps = 1.5 * first.rps_max, PEAK_ENVELOPE_SHARE * largest
+    for _ in range(4):  # the arrivals are the trace's own, so the peak is only about proportional to the mean
+        online, _, _ = build_workloads(config, mean_rps)
+        peak_rps = online.peak_rate_rps(PEAK_WINDOW_S)
+        if peak_rps <= cap_rps:
+            break
+        mean_rps *= 0.97 * cap_rps / peak_rps
+    return mean_rps
+
+
 def build_workloads(config: ServeTraceConfig, mean_rps: float):
     """(online workload shaped by the tide, offline length-only workload)."""
     from flexpipe_dag.workload.bundled import load_tide_trace, load_trace
@@ -121,7 +155,7 @@ def serve(context: OpExecutionContext, config: ServeTraceConfig, store: StoreRes
     if not gears:
         raise InfeasibleError(f"no runnable gears stored for profile version {info.id}: materialise candidate_gears")
     first = next((g for g in gears if g.kind == config.initial_gear_kind), gears[0])
-    mean_rps = config.mean_rps or 1.5 * first.rps_max
+    mean_rps = day_mean_rps(config, gears, first)
     online_wl, offline_wl, compression = build_workloads(config, mean_rps)
     ckpt = resolve_checkpoint(None if planning.model == "SmolLM2-135M" else planning.model)
     check_context(config, ckpt.max_context_tokens, ckpt.name)

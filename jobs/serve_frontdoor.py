@@ -16,7 +16,7 @@ from dagster import MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
 from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL
-from flexpipe_dag.jobs.serve import ServeTraceConfig, build_workloads, check_context, day_notes
+from flexpipe_dag.jobs.serve import ServeTraceConfig, build_workloads, check_context, day_mean_rps, day_notes
 from flexpipe_dag.resources.control import ControlSettings
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.resources.store_resource import StoreResource
@@ -35,6 +35,17 @@ class ServeFrontdoorConfig(ServeTraceConfig):
                                             "which, if the controller has shifted nothing yet, the job asks the "
                                             "server for a shift by hand (as an operator's gear_shift run does) to "
                                             "the plan's largest other gear; unset: never (flexpipe demo: 0.55)")
+
+
+def failure_kinds(failed: list[dict], most: int = 3) -> str:
+    """``"; errors: 12 x HTTP 429: ..., ..."``: the commonest error texts of the failed requests, for the
+    run's one-line failure (CI shows its tail); empty when none failed."""
+    from collections import Counter
+
+    if not failed:
+        return ""
+    common = Counter(str(f.get("error"))[:160] for f in failed).most_common(most)
+    return "; errors: " + "; ".join(f"{n} x {text}" for text, n in common)
 
 
 def server_args(config: ServeFrontdoorConfig, gear_id: str, run_key: str, model: str | None,
@@ -104,7 +115,7 @@ def serve_http(context: OpExecutionContext, config: ServeFrontdoorConfig, store:
     if not gears:
         raise InfeasibleError(f"no gears stored for profile version {latest[0].id}: materialise candidate_gears")
     first = next((g for g in gears if g.kind == config.initial_gear_kind), gears[0])
-    mean_rps = config.mean_rps or 1.5 * first.rps_max
+    mean_rps = day_mean_rps(config, gears, first)
     online_wl, offline_wl, compression = build_workloads(config, mean_rps)
     model = None if planning.model == "SmolLM2-135M" else planning.model
     ckpt = resolve_checkpoint(model)
@@ -155,7 +166,7 @@ def serve_http(context: OpExecutionContext, config: ServeFrontdoorConfig, store:
         "batch": MetadataValue.json(summary["batch"]), "output_tokens_per_s": summary["output_tokens_per_s"]})
     if summary["lost"] or summary["failed"] or summary["duplicates"] or exit_status != 0:
         raise RuntimeError(f"{summary['lost']} request(s) lost, {summary['failed']} failed, {summary['duplicates']} "
-                           f"duplicated, server exit status {exit_status}; see {path}")
+                           f"duplicated, server exit status {exit_status}{failure_kinds(day.failed)}; see {path}")
     return {"report": str(path), "summary": summary}
 
 

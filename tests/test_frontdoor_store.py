@@ -161,3 +161,32 @@ def test_the_operator_drill_asks_the_live_server_for_one_shift_only_when_none_wa
     assert ev.status == ShiftEventStatus.REQUESTED.value and "operator drill" in ev.reason
     assert operator_drill(store, "fd-1", gears, 0.0, threading.Event(), said.append) is None  # a shift was made
     assert said[-1] == "operator drill: not needed, the controller has shifted"
+
+
+def test_the_default_day_starts_above_the_first_gear_and_peaks_within_the_largest_envelope():
+    """1.5 x the first gear's envelope, unless the tide's peak would then exceed 80 % of the largest
+    envelope (a plan of one gear, or of gears of about one rate): then the day is lowered to fit."""
+    from flexpipe_dag.jobs.serve import (
+        PEAK_ENVELOPE_SHARE,
+        PEAK_WINDOW_S,
+        ServeTraceConfig,
+        build_workloads,
+        day_mean_rps,
+    )
+
+    config = ServeTraceConfig()
+    small, large = SimpleNamespace(rps_max=0.4), SimpleNamespace(rps_max=1.2)
+    assert day_mean_rps(config, [small, large], small) == pytest.approx(0.6)  # its peak fits in 1.2
+    mean = day_mean_rps(config, [large], large)  # one gear: 1.8 req/s would overload it all day
+    assert mean < 1.5 * large.rps_max
+    online, _, _ = build_workloads(config, mean)
+    assert online.peak_rate_rps(PEAK_WINDOW_S) <= PEAK_ENVELOPE_SHARE * large.rps_max * 1.03
+    assert day_mean_rps(ServeTraceConfig(mean_rps=3.0), [large], large) == 3.0  # asked for: kept
+
+
+def test_a_failed_day_names_its_commonest_errors_in_one_line():
+    from flexpipe_dag.jobs.serve_frontdoor import failure_kinds
+
+    assert failure_kinds([]) == ""
+    failed = [{"error": "HTTP 429: queue full"}] * 3 + [{"error": "HTTP 503: draining"}]
+    assert failure_kinds(failed) == "; errors: 3 x HTTP 429: queue full; 1 x HTTP 503: draining"

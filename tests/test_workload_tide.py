@@ -104,3 +104,18 @@ def test_shape_by_tide_keeps_lengths_and_follows_rate():
 def test_bad_compression():
     with pytest.raises(InputError, match="compression"):
         tide_arrivals(load_tide_trace(), load_trace("azure-code"), duration_s=10, compression=0)
+
+
+def test_peak_rate_is_the_busiest_window_and_the_mean_when_shorter_than_one():
+    from flexpipe_dag.workload import Request, Workload
+
+    def wl(arrivals):
+        return Workload.from_requests([Request(f"r{i}", t, 8, 4) for i, t in enumerate(arrivals)], "w")
+
+    burst = wl([0.0, 1.0, 2.0, 10.0, 10.5, 11.0, 11.5, 12.0, 30.0])  # 5 arrivals within [10, 12]
+    assert burst.peak_rate_rps(5.0) == pytest.approx(5 / 5.0)
+    assert burst.peak_rate_rps(1.0) == pytest.approx(2 / 1.0)  # a window is half-open: 10.0 and 10.5
+    short = wl([0.0, 1.0, 2.0])
+    assert short.peak_rate_rps(60.0) == pytest.approx(short.mean_rate_rps)
+    with pytest.raises(ValueError, match="window_s"):
+        burst.peak_rate_rps(0.0)

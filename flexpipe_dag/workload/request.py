@@ -92,6 +92,22 @@ class Workload:
         d = self.duration_s
         return (len(self.requests) - 1) / d if d > 0 else 0.0
 
+    def peak_rate_rps(self, window_s: float) -> float:
+        """Most arrivals in any ``window_s`` seconds (a window starting at an arrival), per second; the
+        mean rate when the workload spans less than one window.
+
+        Raises:
+            ValueError: ``window_s`` is not a positive finite number."""
+        import numpy as np
+
+        if not (window_s > 0 and np.isfinite(window_s)):
+            raise ValueError(f"window_s: expected a positive number of seconds, got {window_s}")
+        if self.duration_s < window_s:
+            return self.mean_rate_rps
+        arrivals = np.sort(np.fromiter((r.arrival_s for r in self.requests), dtype=float, count=len(self.requests)))
+        in_window = np.searchsorted(arrivals, arrivals + window_s, side="left") - np.arange(len(arrivals))
+        return float(in_window.max()) / window_s
+
     def check_horizon(self) -> None:
         """Refuse an arrival that is not finite or is later than :data:`MAX_ARRIVAL_S`.
 

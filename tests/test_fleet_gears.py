@@ -174,7 +174,7 @@ def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():
     plan = _plan([10.0, 10.0, 10.0, 10.0])
     cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=2, scale_out_samples=2,
                             dwell_s=600, forecast_horizon_s=0, headroom_fraction=0.2, trend_beta=0.0,
-                            scale_in_headroom_fraction=0.3, overload_samples=3)
+                            scale_in_headroom_fraction=0.3, overload_samples=3, scale_in_max_fraction=1.0)
     scaler = FleetScaler(plan, cfg)
     st = scaler.initial_state(5.0)
     assert st.instances == 1
@@ -236,7 +236,7 @@ def test_scaler_scale_in_lands_in_the_middle_of_the_band():
     plan = _plan([10.0] * 10)
     cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=1, dwell_s=60, trend_beta=0.0,
                             forecast_horizon_s=0, instance_warmup_s=0, instance_drain_s=0, payback_factor=0.0,
-                            headroom_fraction=0.1, scale_in_headroom_fraction=0.3)
+                            headroom_fraction=0.1, scale_in_headroom_fraction=0.3, scale_in_max_fraction=1.0)
     scaler = FleetScaler(plan, cfg)
     st = scaler.initial_state(90.0)
     assert st.instances == 10
@@ -244,6 +244,27 @@ def test_scaler_scale_in_lands_in_the_middle_of_the_band():
     assert (d.to_instances, d.reason_kind) == (5, "scale_in") and "20%" in d.reason
     st, d = scaler.decide(st, 180, 44.0)       # 44 / 50 = 88 %: inside the band, neither rule
     assert not d.changed
+
+
+def test_scaler_gives_back_at_most_a_third_of_the_envelope_per_scale_in_when_traffic_vanishes():
+    """An outage (the rate drops to 0) is not a tide: one scale-in keeps two thirds of the envelope, the next
+    (a dwell later) two thirds of that; a fleet of two still gives one instance back."""
+    plan = _plan([10.0] * 12)
+    cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=1, dwell_s=300, trend_beta=0.0,
+                            forecast_horizon_s=0, instance_warmup_s=0, instance_drain_s=0, payback_factor=0.0)
+    scaler = FleetScaler(plan, cfg)
+    st = scaler.initial_state(100.0)
+    assert st.instances == 12
+    st, d = scaler.decide(st, 60, 0.0)
+    assert (d.to_instances, d.reason_kind) == (8, "scale_in") and "at most 33% of the envelope" in d.reason
+    st, d = scaler.decide(st, 120, 0.0)
+    assert d.reason_kind == "dwell"
+    st, d = scaler.decide(st, 360, 0.0)
+    assert d.to_instances == 6                                   # ceil(2/3 x 80 / 10)
+    unlimited = FleetScaler(plan, cfg.model_copy(update={"scale_in_max_fraction": 1.0}))
+    assert unlimited.decide(unlimited.initial_state(100.0), 60, 0.0)[1].to_instances == 1
+    pair = FleetScaler(_plan([10.0, 10.0]), cfg)
+    assert pair.decide(pair.initial_state(15.0), 60, 0.0)[1].to_instances == 1
 
 
 def test_scaler_declines_a_scale_in_the_forecast_says_will_not_pay_back():

@@ -105,6 +105,18 @@ def test_type_without_price_is_refused(tmp_path):
         load_prices(path).price("L4")
 
 
+def test_type_without_price_names_the_price_file_not_its_provenance(tmp_path):
+    # the file's ``source`` (where its prices come from) was named as if it were the file
+    path = tmp_path / "p.yaml"
+    path.write_text('per_gpu_hour:\n  T4: 0.5\nsource: "my quote"\n')
+    with pytest.raises(InputError) as exc:
+        load_prices(path).price("L4")
+    assert exc.value.source == str(path) and exc.value.field == "per_gpu_hour.L4"
+    with pytest.raises(InputError) as exc:
+        load_prices().price("H200-SXM")
+    assert exc.value.source == "flexpipe_dag/data/gpu_prices.yaml"
+
+
 # -- the exact ILP ---------------------------------------------------------------------------------
 def _opt(gpu: str, cards: int, rps: float, price: float, kv: int = 10**6) -> InstanceOption:
     return InstanceOption(gpu_type=gpu, cards=cards, rps_max=rps, kv_capacity_tokens=kv, price_per_card_hour=price)

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from flexpipe_dag.core.catalog import gpu_catalog
 from flexpipe_dag.core.errors import InputError, shown, validation_input_error
@@ -45,15 +45,17 @@ class GpuPrices(BaseModel):
     as_of: str = Field("", max_length=40)
     source: str = Field("", max_length=400)
     per_gpu_hour: dict[str, PricePerHour] = Field(min_length=1)
+    #: the file the prices were read from, for messages (``source`` is their provenance, not a file)
+    _file: str = PrivateAttr("prices")
 
     def price(self, gpu_type: str) -> float:
         """Price of one ``gpu_type`` card for one hour, in :attr:`currency`.
 
         Raises:
-            InputError: the file has no price for that type (the types it has are named).
+            InputError: the file has no price for that type (the file and the types it has are named).
         """
         if gpu_type not in self.per_gpu_hour:
-            raise InputError(self.source or "prices", f"per_gpu_hour.{gpu_type}",
+            raise InputError(self._file, f"per_gpu_hour.{gpu_type}",
                              f"no price for {gpu_type}; the file prices {', '.join(self.per_gpu_hour)}")
         return float(self.per_gpu_hour[gpu_type])
 
@@ -79,9 +81,11 @@ def parse_prices(data: Any, source: str) -> GpuPrices:
                 raise InputError(source, field, f"expected a price per GPU-hour > 0 and <= {MAX_PRICE_PER_GPU_HOUR:g}, "
                                                 f"got {price!r}")
     try:
-        return GpuPrices.model_validate(data)
+        prices = GpuPrices.model_validate(data)
     except ValidationError as err:
         raise validation_input_error(source, err) from None
+    prices._file = source
+    return prices
 
 
 def load_prices(path: str | Path | None = None) -> GpuPrices:
@@ -93,5 +97,6 @@ def load_prices(path: str | Path | None = None) -> GpuPrices:
     """
     if path is None:
         text = importlib.resources.files("flexpipe_dag.data").joinpath(BUNDLED_PRICE_FILE).read_text()
-        return parse_prices(load_user_yaml(text, BUNDLED_PRICE_FILE), BUNDLED_PRICE_FILE)
+        source = f"flexpipe_dag/data/{BUNDLED_PRICE_FILE}"
+        return parse_prices(load_user_yaml(text, source), source)
     return parse_prices(load_user_document(path, "price file"), str(path))

@@ -67,6 +67,17 @@ def test_reserve_outside_the_design_range_is_refused():
         check_reserve(0.2)
 
 
+def test_load_beyond_the_ceiling_is_refused_not_overflowed(capsys):
+    # 1e300 req/s overflowed the card arithmetic (OverflowError traceback)
+    with pytest.raises(InputError, match=r"--load-rps: expected a load > 0 and <= 1e\+06 req/s, got 1e\+300"):
+        capacity_need(ModelSpec.from_builtin("Llama-3-8B"), dtype="bf16", load_rps=1e300, slo_ttft_ms=1000.0,
+                      slo_tpot_ms=50.0, context_p95_tokens=400, output_p95_tokens=100)
+    rc = main(["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100", "--load-rps",
+               "1e300", "--gpu-types", "T4", "--no-simulate"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("flexpipe capacity: error: --load-rps: ") and len(err.splitlines()) == 1
+
+
 def test_output_p95_over_context_is_refused():
     with pytest.raises(InputError, match="--output-p95: 500 tokens exceeds the P95 context of 400"):
         capacity_need(ModelSpec.from_builtin("Llama-3-8B"), dtype="bf16", load_rps=1.0, slo_ttft_ms=1000.0,

@@ -34,6 +34,9 @@ from flexpipe_dag.planner.model_spec import GIB, ModelSpec
 #: The design's memory reserve range ("keep 10-15 % of device memory in reserve").
 RESERVE_MIN, RESERVE_MAX = 0.10, 0.15
 DEFAULT_RESERVE = 0.15
+#: Highest load a capacity plan is asked for, req/s: a typo guard (a million req/s is far above any one
+#: model's deployment; beyond ~1e290 the arithmetic overflows).
+MAX_LOAD_RPS = 1e6
 
 
 def check_reserve(reserve_fraction: float, source: str | None = None, field: str = "--reserve") -> float:
@@ -102,12 +105,12 @@ def capacity_need(model: ModelSpec, *, dtype: str, load_rps: float, slo_ttft_ms:
     """Steps 1-4 of the module docstring for ``model`` at ``load_rps`` and the SLO.
 
     Raises:
-        InputError: a figure out of range (load < 0, SLO <= 0, token counts < 1, output P95 above the
+        InputError: a figure out of range (load <= 0 or above :data:`MAX_LOAD_RPS`, SLO <= 0, token counts < 1, output P95 above the
             context P95, reserve outside 10-15 %), named.
     """
     check_reserve(reserve_fraction)
-    if not (math.isfinite(load_rps) and load_rps > 0):
-        raise InputError(None, "--load-rps", f"expected a load > 0 req/s, got {load_rps!r}")
+    if not (math.isfinite(load_rps) and 0 < load_rps <= MAX_LOAD_RPS):
+        raise InputError(None, "--load-rps", f"expected a load > 0 and <= {MAX_LOAD_RPS:g} req/s, got {load_rps!r}")
     for name, value in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
         if not (math.isfinite(value) and value > 0):
             raise InputError(None, name, f"expected a positive number of ms, got {value!r}")

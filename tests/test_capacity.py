@@ -184,6 +184,14 @@ def test_infeasible_tpot_is_refused_with_the_reason(capsys):
     assert "ms per output token even unloaded" in err
 
 
+def test_gpu_type_named_twice_is_refused(capsys):
+    # T4,T4 planned T4 twice and printed two identical rows
+    rc = main(["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100", "--load-rps", "1",
+               "--gpu-types", "T4,L4,T4", "--no-simulate"])
+    assert rc == 2
+    assert "--gpu-types: GPU type 'T4' named twice; expected each type once" in capsys.readouterr().err
+
+
 def test_bad_price_file_exits_2_naming_it(tmp_path, capsys):
     path = tmp_path / "p.yaml"
     path.write_text("per_gpu_hour:\n  A100-SXM-80GB: -3\n")

@@ -341,14 +341,16 @@ def plan_capacity(model: ModelSpec, need: CapacityNeed, workload: PlanWorkload, 
         reference: the trace; when given, pipelines marginal on it at zero load are left out (:func:`plan_type`).
 
     Raises:
-        InputError: an unknown type or one without a price.
+        InputError: an unknown type, one named twice, or one without a price.
         InfeasibleError: no type serves the load within the SLO (the reason named).
     """
     types = list(gpu_types) if gpu_types else list(prices.per_gpu_hour)
     catalog = gpu_catalog()
-    for name in types:
+    for i, name in enumerate(types):
         if name not in catalog:
             raise InputError(None, "--gpu-types", f"unknown GPU type {name!r}; expected one of {', '.join(catalog)}")
+        if name in types[:i]:
+            raise InputError(None, "--gpu-types", f"GPU type {name!r} named twice; expected each type once")
     priced = {name: prices.price(name) for name in types}
     w = dataclasses.replace(workload, slo_ttft_ms=need.slo_ttft_ms, slo_tpot_ms=need.slo_tpot_ms,
                             reserve_fraction=need.reserve_fraction, context_p95_tokens=need.context_p95_tokens,

@@ -233,3 +233,17 @@ def test_demo_gives_dagster_a_persistent_home_when_none_is_set(tmp_path, monkeyp
     (mine / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     monkeypatch.setenv("DAGSTER_HOME", str(mine))
     assert dagster_home() == mine and (mine / "dagster.yaml").read_text() == "telemetry:\n  enabled: false\n"
+
+
+def test_flexpipe_home_that_is_a_file_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    # a FLEXPIPE_HOME naming a file crashed every store command with a FileExistsError traceback
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    monkeypatch.setenv("FLEXPIPE_HOME", str(home))
+    monkeypatch.delenv("FLEXPIPE_DATABASE_URL", raising=False)
+    assert cli_main(["profile", "--cluster", str(EXAMPLES / "fleet_small.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("flexpipe profile: error: environment variable FLEXPIPE_HOME: cannot use ")
+    assert str(home) in err and "expected a directory" in err
+    assert home.read_text() == "not a directory"

@@ -38,9 +38,19 @@ _T = TypeVar("_T", int, float, bool)
 
 
 def flexpipe_home() -> Path:
-    """The FlexPipe home directory (created if missing)."""
+    """The FlexPipe home directory (created if missing).
+
+    Raises:
+        InputError: it is not a directory and cannot be made one (a file of that name, no permission),
+            naming ``FLEXPIPE_HOME`` and the path.
+    """
     home = Path(os.environ.get("FLEXPIPE_HOME") or Path.home() / ".flexpipe").expanduser()
-    home.mkdir(parents=True, exist_ok=True)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError("environment variable FLEXPIPE_HOME", None,
+                         f"cannot use {str(home)!r} as the FlexPipe home ({exc.strerror or type(exc).__name__}); "
+                         "expected a directory FlexPipe can create or write") from None
     return home
 
 

@@ -150,6 +150,18 @@ def test_unknown_bundled_name():
         load_trace("no-such-trace")
 
 
+def test_tide_as_a_request_trace_says_what_to_give_not_a_python_function():
+    # `capacity --trace servegen-tide` said "load it with load_tide_trace", and the list of traces offered
+    # for a missing file named the tide among them
+    with pytest.raises(InputError) as exc:
+        load_trace("servegen-tide")
+    assert "rate series (tide), not requests; expected a request trace" in exc.value.problem
+    assert "load_tide_trace" not in exc.value.problem and "servegen-tide" not in exc.value.problem
+    with pytest.raises(InputError) as exc:
+        load_trace("no-such-trace")
+    assert "azure-conv" in exc.value.problem and "servegen-tide" not in exc.value.problem
+
+
 def test_workload_from_requests_sorts():
     w = Workload.from_requests([Request("b", 2.0, 1, 1), Request("a", 1.0, 1, 1)], name="x")
     assert [r.request_id for r in w] == ["a", "b"]

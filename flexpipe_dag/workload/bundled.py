@@ -65,15 +65,17 @@ def load_trace(name_or_path: str | Path) -> Workload:
     """
     key = str(name_or_path)
     path = bundled_path(key) if key in BUNDLED_TRACES else Path(key)
+    requests = sorted(n for n, (_, fmt) in BUNDLED_TRACES.items() if fmt != "tide")
     if not path.exists():
-        raise InputError(str(path), None, f"file not found; expected a trace path or one of {sorted(BUNDLED_TRACES)}")
+        raise InputError(str(path), None, f"file not found; expected a trace path or one of {requests}")
     fmt = _detect_format(path)
     if fmt == "azure":
         return load_azure_trace(path, name=key if key in BUNDLED_TRACES else None)
     if fmt == "lengths":
         return load_length_file(path, name=key if key in BUNDLED_TRACES else None)
     if fmt == "tide":
-        raise InputError(str(path), None, "this is a rate series (tide), not requests; load it with load_tide_trace")
+        raise InputError(str(path), None, f"this is a rate series (tide), not requests; expected a request trace "
+                                          f"(a file, or one of {requests})")
     return load_request_file(path)
 
 

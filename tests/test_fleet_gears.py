@@ -74,6 +74,16 @@ def test_a_shape_that_cannot_serve_is_named_and_left_out():
     assert "a10-0" in str(info.value) and "t4-0" in str(info.value)
 
 
+def test_racks_too_small_for_a_unit_are_named_as_the_reason(tmp_path):
+    # one T4 per rack cannot hold Llama-3-8B; two could, but the refusal only said the model did not fit one T4
+    path = tmp_path / "racks.yaml"
+    path.write_text("cluster_id: r1\nfleet:\n  - {node_id: t, gpu_model: T4, count: 1, hosts: 4, hosts_per_rack: 1}\n")
+    with pytest.raises(Exception, match="serve") as info:
+        plan_fleet(load_cluster_profile(path), load_model_spec("Llama-3-8B"), load_trace("azure-conv"),
+                   settings=FleetSettings(num_requests=200))
+    assert "2 host(s): no rack holds 2 of these hosts" in str(info.value)
+
+
 def test_fleet_envelope_holds_in_the_exact_fleet_simulator(small):
     """The promise: all instances behind the router at 80 % of the summed envelope keep >= 90 % attainment."""
     _, plan, _ = small

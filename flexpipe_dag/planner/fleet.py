@@ -407,13 +407,15 @@ def plan_fleet(cluster: ClusterProfile, spec: ModelSpec, reference: Workload, *,
         unit_hosts = 1
         while unit_hosts <= min(settings.max_unit_hosts, len(hosts)):
             units, _ = _units(cluster, hosts, unit_hosts)
-            if units:
-                try:
-                    template = plan_template(cluster, spec, units[0], reference, dtype=dtype, settings=settings,
-                                             shape=shape)
-                    break
-                except InfeasibleError as exc:
-                    reasons.append(f"{unit_hosts} host(s): {exc}")
+            if not units:  # racks are fixed: none holds a larger unit either
+                reasons.append(f"{unit_hosts} host(s): no rack holds {unit_hosts} of these hosts")
+                break
+            try:
+                template = plan_template(cluster, spec, units[0], reference, dtype=dtype, settings=settings,
+                                         shape=shape)
+                break
+            except InfeasibleError as exc:
+                reasons.append(f"{unit_hosts} host(s): {exc}")
             unit_hosts *= 2
         if template is None:
             notes.append(f"{len(hosts)} host(s) like {hosts[0]} serve nothing: "

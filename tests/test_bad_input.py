@@ -60,6 +60,20 @@ def test_non_utf8_cluster_file(tmp_path, capsys):
     _one_line_error(capsys, str(bad), "not UTF-8")
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_empty_cluster_and_price_files_say_so(text, tmp_path, capsys):
+    # an empty file was refused as "expected a mapping at the top level, got NoneType"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    assert cli_main(["profile", "--cluster", str(empty), "--no-store"]) == 2
+    err = _one_line_error(capsys, str(empty), "the file holds no document; expected a mapping with 'devices'")
+    assert "NoneType" not in err
+    assert cli_main(["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100",
+                     "--load-rps", "1", "--price-file", str(empty)]) == 2
+    err = _one_line_error(capsys, str(empty), "the file holds no document; expected a mapping with per_gpu_hour")
+    assert "NoneType" not in err
+
+
 def test_printed_json_loads_back(tmp_path, capsys):
     assert cli_main(["profile", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--json"]) == 0
     out = tmp_path / "printed.json"

@@ -535,6 +535,9 @@ def parse_cluster_profile(data: Any, source: str = "<input>") -> ClusterProfile:
     Raises:
         InputError: naming ``source``, the field path and what was expected.
     """
+    if data is None:  # an empty file, or one holding only comments
+        raise InputError(source, None, "the file holds no document; expected a mapping with 'devices', 'nodes' or "
+                                       "'fleet' at the top level")
     if not isinstance(data, dict):
         raise InputError(source, None, f"expected a mapping at the top level, got {type(data).__name__}")
     try:

@@ -66,6 +66,8 @@ def parse_prices(data: Any, source: str) -> GpuPrices:
     Raises:
         InputError: naming ``source``, the field (``per_gpu_hour`` ...) and what was expected.
     """
+    if data is None:  # an empty file, or one holding only comments
+        raise InputError(source, None, "the file holds no document; expected a mapping with per_gpu_hour")
     if not isinstance(data, dict):
         raise InputError(source, None, f"expected a mapping with per_gpu_hour, got {type(data).__name__}")
     table = data.get("per_gpu_hour")

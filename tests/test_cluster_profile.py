@@ -114,3 +114,26 @@ def test_available_until_models_time_fragments():
                                         "available_until": "2026-12-01T00:00:00Z"}]})
     now = dt.datetime(2026, 11, 30, 23, 0, tzinfo=dt.UTC)
     assert p.devices[0].available_for_s(now) == 3600
+
+
+@pytest.mark.parametrize("where, field", [
+    ({"notes": ["\x1b[31mred\x1b[0m"]}, "notes[0]"),
+    ({"fleet": [{"node_id": "a", "gpu_model": "T4", "count": 1}], "notes": ["ok", "\u202eevil"]}, "notes[1]"),
+])
+def test_terminal_escapes_in_fleet_notes_are_refused(where, field, tmp_path):
+    # notes are printed as they are by `flexpipe profile`: an ESC sequence recoloured the terminal / set its title
+    doc = {"cluster_id": "t", "fleet": [{"node_id": "a", "gpu_model": "T4", "count": 1}], **where}
+    with pytest.raises(InputError) as err:
+        parse_cluster_profile(doc, "c.yaml")
+    assert err.value.field == field and "expected printable text" in err.value.problem
+
+
+@pytest.mark.parametrize("key", ["model_name", "generation"])
+def test_terminal_escapes_in_native_device_text_are_refused(key):
+    doc = load_cluster_profile(EXAMPLES / "seed_example.yaml").to_dict()
+    doc["devices"][0][key] = "A100\x1b]0;pwned\x07"
+    with pytest.raises(InputError) as err:
+        parse_cluster_profile(doc, "c.json")
+    assert err.value.field == f"devices[0].{key}" and "expected printable text" in err.value.problem
+    doc["devices"][0][key] = "NVIDIA A100-SXM4-80GB"  # spaces and the usual NVML names stay accepted
+    assert parse_cluster_profile(doc, "c.json").devices[0].model_name

@@ -85,7 +85,7 @@ from flexpipe_dag.core.catalog import (
 )
 from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InputError, shown, validation_input_error
-from flexpipe_dag.core.ids import MAX_ID_CHARS, Identifier
+from flexpipe_dag.core.ids import MAX_ID_CHARS, Identifier, PrintableText
 from flexpipe_dag.core.topology import (
     MAX_HOSTS,
     FieldsEqual,
@@ -146,8 +146,8 @@ class Device(_Strict):
 
     device_id: Identifier
     node_id: Identifier = Field(description="host that holds the device")
-    model_name: str = Field("unknown", max_length=MAX_ID_CHARS)
-    generation: str | None = Field(None, max_length=100)
+    model_name: PrintableText = Field("unknown", max_length=MAX_ID_CHARS)
+    generation: PrintableText | None = Field(None, max_length=100)
     kind: Literal["cuda", "cpu-worker", "declared"] = "declared"
     memory_gib: MemoryGib = Field(
         description="device memory total the device reports, GiB (NVML when profiled, else the catalog's "
@@ -202,7 +202,7 @@ class Link(_Strict):
     dst_device_id: Identifier
     bandwidth_gbps: Gbps = Field(description="GB/s, one direction")
     latency_us: LatencyUs
-    kind: str = Field("declared", max_length=40)
+    kind: PrintableText = Field("declared", max_length=40)
 
     def transfer_ms(self, num_bytes: float) -> float:
         """Time to move ``num_bytes`` over this link, ms: latency + bytes / bandwidth."""
@@ -224,8 +224,8 @@ class ClusterProfile(_Strict, FieldsEqual):
                               description="explicit pairs; with a topology, overrides of its derived figures")
     topology: Topology | None = Field(None, description="hosts and network tiers every pair is derived from")
     measured_at: dt.datetime = Field(default_factory=lambda: dt.datetime.now(dt.UTC))
-    source: str = Field("declared", max_length=40)
-    notes: list[str] = Field(default_factory=list)
+    source: PrintableText = Field("declared", max_length=40)
+    notes: list[PrintableText] = Field(default_factory=list)
     # lookups built on first use, rebuilt when a field they index is replaced (identity and length checked)
     _index: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -339,8 +339,8 @@ class _SeedLink(_Strict):
 class _SeedNode(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     node_id: Identifier
-    generation: str | None = Field(None, max_length=100)
-    model_name: str | None = Field(None, max_length=MAX_ID_CHARS)
+    generation: PrintableText | None = Field(None, max_length=100)
+    model_name: PrintableText | None = Field(None, max_length=MAX_ID_CHARS)
     host: Identifier | None = None
     memory_gb: MemoryGib = Field(description="datasheet label, GB (e.g. 16 for a T4)")
     memory_gib: MemoryGib | None = Field(None, description="the total the device reports (nvidia-smi), GiB")
@@ -375,7 +375,7 @@ class _FleetForm(_Strict):
     inter_node: NetworkTier = NetworkTier(bandwidth_gbps=12.5, latency_us=25.0)
     inter_rack: NetworkTier | None = None
     links: list[Link] = Field(default_factory=list, max_length=MAX_LINKS)
-    notes: list[str] = Field(default_factory=list)
+    notes: list[PrintableText] = Field(default_factory=list)
 
 
 def _resolve_peer(key: str, ids: list[str], own: str, source: str, field: str) -> str:

@@ -63,3 +63,16 @@ def _validate(value: str) -> str:
 
 #: A pydantic ``str`` field holding an id (validated as :func:`check_id` does).
 Identifier = Annotated[str, AfterValidator(_validate)]
+
+
+def _printable(value: str) -> str:
+    for i, ch in enumerate(value):
+        if not ch.isprintable():
+            raise ValueError(f"{shown(value)} holds {shown(ch)} at character {i + 1}; expected printable text (no "
+                             "control, line-break or bidirectional characters)")
+    return value
+
+
+#: A pydantic ``str`` field of free text shown on terminals and in tables (model names, notes): any
+#: printable character, spaces included, but no control, line-break or bidirectional characters.
+PrintableText = Annotated[str, AfterValidator(_printable)]

@@ -35,7 +35,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, model_validator
 
-from flexpipe_dag.core.ids import Identifier
+from flexpipe_dag.core.ids import Identifier, PrintableText
 
 #: Highest bandwidth a link or a tier may declare, GB/s (a B200's HBM is 8,000).
 MAX_BANDWIDTH_GBPS = 100_000.0
@@ -89,7 +89,7 @@ class Host(_Strict):
 
     host_id: Identifier
     rack_id: Identifier | None = Field(None, description="rack (top-of-rack switch) of the host; None = the one default rack")
-    intra_kind: str = Field("pcie", max_length=40, description="how the host's devices talk: nvlink, pcie, ...")
+    intra_kind: PrintableText = Field("pcie", max_length=40, description="how the host's devices talk: nvlink, pcie, ...")
     intra_bandwidth_gbps: Gbps = Field(description="GB/s between two devices of this host, one direction")
     intra_latency_us: LatencyUs = Field(description="latency between two devices of this host, microseconds")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device, Link
+from flexpipe_dag.core.errors import one_line
 from flexpipe_dag.core.host import cpu_worker_device_id, host_memory_bytes
 from flexpipe_dag.core.topology import Host
 from flexpipe_dag.profiling.microbench import (
@@ -185,7 +186,7 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
     nvml = read_nvml_facts()
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
     world = torch.cuda.device_count() if use_cuda else settings.num_cpu_workers
-    notes = [f"pynvml: {e}" for e in nvml.errors]
+    notes = [one_line(f"pynvml: {e}") for e in nvml.errors]  # a profile's notes are printable text
     if not use_cuda:
         notes.append(f"no CUDA device: measured {world} CPU worker processes as devices "
                      f"({max(1, (os.cpu_count() or 1) // world)} threads each, fp32)")

@@ -99,6 +99,13 @@ def test_unknown_gpu_with_compute_score_only_gets_a_derived_bandwidth_and_a_note
     assert any("memory_gb 32" in n for n in p.notes)  # memory derived from the label, said too
 
 
+def test_unnamed_gpu_note_does_not_call_it_gpu_none():
+    # a seed node with compute_score but neither generation nor model_name was noted as "GPU None not in the catalog"
+    p = parse_cluster_profile(_seed({"node_id": "x", "memory_gb": 32, "compute_score": 0.5}))
+    note = next(n for n in p.notes if "hbm_bandwidth_gbps derived from compute_score" in n)
+    assert "None" not in note and "no generation or model_name given" in note
+
+
 def test_memory_bound_operators_are_priced_with_the_device_bandwidth():
     model = load_model_spec("Llama-3-8B")
     fast = Device(device_id="fast", node_id="h", memory_gib=40, peak_tflops=150, hbm_bandwidth_gbps=1392,

@@ -430,8 +430,9 @@ def _seed_device(n: _SeedNode, i: int, source: str, notes: list[str]) -> Device:
             hbm_gbps = spec.hbm_bandwidth_gbps
         else:
             hbm_gbps = REFERENCE_HBM_GBPS * score
+            which = f"GPU {name!r} not in the catalog" if name else "no generation or model_name given"
             notes.append(f"{where} ({n.node_id}): hbm_bandwidth_gbps derived from compute_score as {hbm_gbps:.0f} GB/s "
-                         f"(GPU {name!r} not in the catalog); give hbm_bandwidth_gbps from its datasheet")
+                         f"({which}); give hbm_bandwidth_gbps from its datasheet")
     bf16 = n.bf16 if n.bf16 is not None else (spec.bf16 if spec is not None else None)
     model_name = n.model_name or (spec.model_name if spec else n.generation or "unknown")
     return Device(device_id=n.node_id, node_id=n.host or n.node_id, generation=n.generation, memory_gib=memory_gib,

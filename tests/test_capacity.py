@@ -99,6 +99,7 @@ def test_bundled_prices_are_examples_for_catalog_types():
     ("per_gpu_hour:\n  T4: cheap\n", "per_gpu_hour.T4", "expected a price per GPU-hour (a number > 0), got 'cheap'"),
     ("per_gpu_hour:\n  T4: 1.0\ndiscount: 0.1\n", "discount", "Extra inputs are not permitted"),
     ("currency: USD\n", "per_gpu_hour", "Field required"),
+    ("per_gpu_hour:\n  T4: 1" + "0" * 400 + "\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0 and <= 10000"),
 ])
 def test_price_file_validation_names_file_and_field(tmp_path, body, field, problem):
     path = tmp_path / "prices.yaml"

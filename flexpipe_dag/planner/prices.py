@@ -79,9 +79,10 @@ def parse_prices(data: Any, source: str) -> GpuPrices:
                 raise InputError(source, field, f"unknown GPU type {shown(name)}; expected one of {', '.join(catalog)}")
             if isinstance(price, bool) or not isinstance(price, (int, float)):
                 raise InputError(source, field, f"expected a price per GPU-hour (a number > 0), got {shown(price)}")
-            if not math.isfinite(price) or not 0 < price <= MAX_PRICE_PER_GPU_HOUR:
+            # the range first: an integer too large for a float (10**400) makes math.isfinite raise OverflowError
+            if not 0 < price <= MAX_PRICE_PER_GPU_HOUR or not math.isfinite(price):
                 raise InputError(source, field, f"expected a price per GPU-hour > 0 and <= {MAX_PRICE_PER_GPU_HOUR:g}, "
-                                                f"got {price!r}")
+                                                f"got {shown(price)}")
     try:
         prices = GpuPrices.model_validate(data)
     except ValidationError as err:

@@ -207,6 +207,11 @@ def test_prompts_with_huge_numbers_run_nothing_and_exit_2(tmp_path, capsys):
     ("arrival_s,input_tokens,output_tokens,priority\n0,3,4,1e30\n", "row 1.priority", "-2147483647..2147483647"),
     ("request_id,arrival_s,input_tokens,output_tokens\n" + "r" * 201 + ",0,3,4\n", "row 1.request_id",
      "expected at most 200"),
+    # integers too large for a float: pandas reads them as Python ints and its to_numeric raised OverflowError
+    ("arrival_s,input_tokens,output_tokens\n0,3,1" + "0" * 400 + "\n", "row 1.output_tokens", "<= 2147483647"),
+    ("arrival_s,input_tokens,output_tokens\n0,3,4\n1" + "0" * 400 + ",3,4\n", "row 2.arrival_s", "(31 days)"),
+    ("arrival_s,input_tokens,output_tokens,priority\n0,3,4,-1" + "0" * 400 + "\n", "row 1.priority",
+     "-2147483647..2147483647"),
 ])
 def test_trace_files_with_out_of_range_integers(tmp_path, text, field, needle):
     from flexpipe_dag.workload.loaders import load_request_file

@@ -66,9 +66,19 @@ def _row_field(idx: int, column: str) -> str:
     return f"row {idx + 1}.{column}"
 
 
+def _to_numeric(values: pd.Series) -> pd.Series:
+    """``pd.to_numeric(values, errors="coerce")``, also for integers too large for a float: pandas reads those
+    as Python ints and raises OverflowError on them; read from their text they become inf, which every
+    caller's range refuses."""
+    try:
+        return pd.to_numeric(values, errors="coerce")
+    except OverflowError:
+        return pd.to_numeric(values.astype(str), errors="coerce")
+
+
 def _token_column(frame: pd.DataFrame, column: str, source: str) -> np.ndarray:
     """The column as int64, every value an integer >= 1."""
-    values = pd.to_numeric(frame[column], errors="coerce")
+    values = _to_numeric(frame[column])
     bad = values.isna() | (values < 1) | (values != np.floor(values)) | (values > INT32_MAX)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
@@ -149,7 +159,7 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
     source = str(path)
     frame = _read_table(path)
     _require_columns(frame, ("arrival_s", "input_tokens", "output_tokens"), source)
-    arrival = pd.to_numeric(frame["arrival_s"], errors="coerce")
+    arrival = _to_numeric(frame["arrival_s"])
     bad = arrival.isna() | ~np.isfinite(arrival.fillna(0)) | (arrival < 0) | (arrival > MAX_ARRIVAL_S)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
@@ -161,7 +171,7 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
         i = int(np.flatnonzero(bad.to_numpy())[0])
         raise InputError(source, _row_field(i, "class"), f"got {shown(frame['class'].iloc[i])}; expected one of {list(REQUEST_CLASSES)}")
     if "priority" in frame.columns:
-        prio = pd.to_numeric(frame["priority"], errors="coerce")
+        prio = _to_numeric(frame["priority"])
         bad = prio.isna() | (prio != np.floor(prio.fillna(0))) | (prio.abs() > INT32_MAX)
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])

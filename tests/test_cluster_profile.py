@@ -137,3 +137,17 @@ def test_terminal_escapes_in_native_device_text_are_refused(key):
     assert err.value.field == f"devices[0].{key}" and "expected printable text" in err.value.problem
     doc["devices"][0][key] = "NVIDIA A100-SXM4-80GB"  # spaces and the usual NVML names stay accepted
     assert parse_cluster_profile(doc, "c.json").devices[0].model_name
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"cluster_id": "t", "fleet": [None]}, "fleet[0]"),
+    ({"cluster_id": "t", "fleet": [["a", "T4"]]}, "fleet[0]"),
+    ({"nodes": [{"node_id": "g", "generation": "A100", "memory_gb": 80, "interconnect": {"to_h": 5}}]},
+     "nodes[0].interconnect.to_h"),
+])
+def test_an_entry_that_is_not_a_mapping_is_not_named_by_our_class(doc, field):
+    # pydantic said "Input should be a valid dictionary or instance of _FleetNode": a private class, not the file's
+    with pytest.raises(InputError) as err:
+        parse_cluster_profile(doc, "c.yaml")
+    assert err.value.field == field and "instance of" not in err.value.problem and "_" not in err.value.problem
+    assert err.value.problem.startswith("Input should be a valid dictionary (a mapping of fields)")

@@ -101,6 +101,8 @@ def validation_input_error(source: str, err: ValidationError) -> InputError:
     first = err.errors()[0]
     field = _loc(first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "model_type":  # pydantic names the model class ("... or instance of _FleetNode"): ours, not the file's
+        msg = "Input should be a valid dictionary (a mapping of fields)"
     if first["type"] in ("too_long", "too_short") and isinstance(first.get("input"), list):
         msg = msg.replace("List", "list")  # says how many items; the items are not echoed
     elif "input" in first and first["type"] not in ("missing", "value_error") and not isinstance(first["input"], dict):

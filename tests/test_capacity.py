@@ -193,6 +193,19 @@ def test_gpu_type_named_twice_is_refused(capsys):
     assert "--gpu-types: GPU type 'T4' named twice; expected each type once" in capsys.readouterr().err
 
 
+def test_a_trace_of_a_handful_of_requests_confirms_nothing(tmp_path, capsys):
+    # a 3-request trace was "confirmed in the simulator: SLO attainment 1.000 (promised >= 0.95)"
+    trace = tmp_path / "t.csv"
+    trace.write_text("request_id,arrival_s,input_tokens,output_tokens\n1,0,10,10\n2,1,10,10\n3,2,10,10\n")
+    argv = ["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100", "--load-rps", "1",
+            "--gpu-types", "L40S", "--trace", str(trace)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{trace}: requests: the trace has 3 request(s)" in err
+    assert "needs at least 50" in err and "--no-simulate" in err
+    assert main([*argv, "--no-simulate"]) == 0  # the arithmetic alone still runs on it
+
+
 def test_bad_price_file_exits_2_naming_it(tmp_path, capsys):
     path = tmp_path / "p.yaml"
     path.write_text("per_gpu_hour:\n  A100-SXM-80GB: -3\n")

@@ -49,6 +49,7 @@ from flexpipe_dag.planner.envelope import probe_gear, probe_reference, reference
 from flexpipe_dag.planner.envelope_model import estimate_envelope
 from flexpipe_dag.planner.gears import candidate_plans, make_search, to_gear
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
+from flexpipe_dag.planner.operating import MIN_REFERENCE_REQUESTS
 from flexpipe_dag.planner.prices import GpuPrices
 from flexpipe_dag.planner.workload import PlanWorkload
 from flexpipe_dag.sim.config import SimConfig
@@ -418,9 +419,16 @@ def capacity_report(model: ModelSpec, trace: Workload, prices: GpuPrices, *, loa
         confirm_requests: requests of the trace replayed per instance in the simulator (None: skip).
 
     Raises:
-        InputError: a bad figure (named). InfeasibleError: no type serves the load within the SLO.
+        InputError: a bad figure (named); with ``confirm_requests``, a trace of fewer than
+            :data:`~flexpipe_dag.planner.operating.MIN_REFERENCE_REQUESTS` requests the model can serve (a
+            replay of a handful of requests confirms nothing). InfeasibleError: no type serves the load within the SLO.
     """
     figures = trace_figures(trace, model)
+    if confirm_requests is not None and len(figures.served) < MIN_REFERENCE_REQUESTS:
+        raise InputError(trace.source or trace.name, "requests",
+                         f"the trace has {len(figures.served)} request(s) the model can serve; confirming a plan in the "
+                         f"simulator needs at least {MIN_REFERENCE_REQUESTS} (a replay of a handful of requests is no "
+                         f"confirmation); give a longer trace, or --no-simulate")
     context = context_p95_tokens if context_p95_tokens is not None else figures.context_p95_tokens
     if model.max_context_tokens and context > model.max_context_tokens:
         raise InputError(None, "--context-p95", f"{context} tokens exceeds {model.name}'s max context of "

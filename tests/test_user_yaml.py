@@ -59,3 +59,10 @@ def test_cluster_files_refuse_duplicate_nodes_keys(tmp_path):
     path.write_text("cluster_id: a\ncluster_id: b\nnodes: []\n")
     with pytest.raises(InputError, match="duplicate key 'cluster_id'"):
         load_cluster_profile(path)
+
+
+def test_an_empty_file_name_is_not_read_as_the_working_directory():
+    # `--cluster ""` was refused as ".: is a directory", naming a directory the user never gave
+    with pytest.raises(InputError) as err:
+        load_cluster_profile("")
+    assert str(err.value) == "an empty file name; expected the path of a cluster profile"

@@ -212,9 +212,11 @@ def load_user_document(path: str | Path, what: str) -> Any:
         what: what it should hold, for messages (``"cluster profile"``).
 
     Raises:
-        InputError: missing, not a regular file, over the cap, not UTF-8, or not valid JSON / YAML
-            (file named).
+        InputError: an empty path, missing, not a regular file, over the cap, not UTF-8, or not valid
+            JSON / YAML (file named).
     """
+    if str(path) == "":  # Path("") is ".", the working directory: the user named no file
+        raise InputError(None, None, f"an empty file name; expected the path of a {what}")
     path = Path(path)
     is_json = path.suffix.lower() == ".json"
     what = f"{what} ({'JSON' if is_json else 'YAML or JSON'})"

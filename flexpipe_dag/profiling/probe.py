@@ -219,7 +219,7 @@ def probe_host(cluster_id: str | None = None, settings: ProbeSettings | None = N
         else:
             name, dev_id, kind = f"cpu-worker ({_cpu_name()})", cpu_worker_device_id(host, r["rank"]), "cpu-worker"
         devices.append(Device(
-            device_id=dev_id, node_id=host, model_name=name, generation=None, kind=kind,
+            device_id=dev_id, node_id=host, model_name=one_line(name), generation=None, kind=kind,
             memory_gib=memory_gib, peak_tflops=r["gemm_tflops"], bf16=r["bf16"],
             compute_score=r["gemm_tflops"] / REFERENCE_TFLOPS, hbm_bandwidth_gbps=r["memory_bandwidth_gbps"],
             max_micro_batch=max(1, r["max_micro_batch"]), op_timings_ms=r["op_timings_ms"], facts=facts))

@@ -45,6 +45,7 @@ from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.planner.envelope import refine_envelopes
 from flexpipe_dag.planner.gears import make_search, plan_gear_set
 from flexpipe_dag.planner.model_spec import ModelSpec
+from flexpipe_dag.planner.workload import PlanWorkload
 from flexpipe_dag.workload.request import Workload
 
 #: Most hosts one pipeline instance may span (a model that needs more is left unplanned on that shape).
@@ -240,18 +241,24 @@ def host_shapes(cluster: ClusterProfile) -> dict[HostShape, list[str]]:
     """Hosts grouped by shape (module docstring, step 1), each group in the profile's host order.
 
     The key holds each device's figures (model, memory GiB, TFLOP/s, GB/s, bf16, largest
-    micro-batch, availability), in device order, and the host's intra-host figures (without a topology:
-    explicit links only, hosts of equal devices share a shape). Measured pairs do not split a shape:
-    :func:`plan_fleet` compares each unit's links with the template unit's, pair by pair, and plans a
-    unit of its own where they differ.
+    micro-batch, and whether the planner may use it: available for at least the planner's minimum
+    residence, :attr:`PlanWorkload.min_residence_s <flexpipe_dag.planner.workload.PlanWorkload>`, from
+    the profile's ``measured_at``), in device order, and the host's intra-host figures (without a
+    topology: explicit links only, hosts of equal devices share a shape). The availability enters as
+    that yes / no, not as the date: the planner reads nothing else of it, so spot hosts that each leave
+    at their own time still share one plan. Measured pairs do not split a shape: :func:`plan_fleet`
+    compares each unit's links with the template unit's, pair by pair, and plans a unit of its own
+    where they differ.
     """
     by_host: dict[str, list[Device]] = {}
     for d in cluster.devices:
         by_host.setdefault(d.node_id, []).append(d)
+    residence_s = PlanWorkload.min_residence_s  # the default plan_gear_set plans each unit with
     groups: dict[HostShape, list[str]] = {}
     for host_id, devices in by_host.items():
         figures = tuple((d.model_name, d.memory_gib, d.peak_tflops, d.hbm_bandwidth_gbps, d.bf16, d.max_micro_batch,
-                         d.available_until, tuple(sorted(d.op_timings_ms.items()))) for d in devices)
+                         d.available_for_s(cluster.measured_at) >= residence_s,
+                         tuple(sorted(d.op_timings_ms.items()))) for d in devices)
         if cluster.topology is not None:
             h = cluster.topology.host(host_id)
             position: tuple[object, ...] = (h.intra_kind, h.intra_bandwidth_gbps, h.intra_latency_us)

@@ -167,19 +167,22 @@ def opening_errors(shown: str, url: str | None = None) -> Iterator[None]:
     ``url``'s passwords and of any URL or DSN password (:func:`scrubbed`) before it is cut to its first line.
 
     Raises:
-        InputError: ``FLEXPIPE_DATABASE_URL`` named; no driver for the URL's dialect, or the database cannot
-            be reached or opened.
+        InputError: ``FLEXPIPE_DATABASE_URL`` named (or the store under ``FLEXPIPE_HOME``, when the URL is
+            that default: :func:`~flexpipe_dag.core.settings.database_url_source`); no driver for the URL's
+            dialect, or the database cannot be reached or opened.
     """
     from sqlalchemy.exc import DBAPIError, NoSuchModuleError
+
+    from flexpipe_dag.core.settings import database_url_source
 
     try:
         yield
     except (NoSuchModuleError, ModuleNotFoundError) as exc:
-        raise InputError("FLEXPIPE_DATABASE_URL", None, f"no driver for {shown}: {scrubbed(str(exc), url)}; "
+        raise InputError(database_url_source(url), None, f"no driver for {shown}: {scrubbed(str(exc), url)}; "
                          "use sqlite:/// or postgresql+psycopg2:// (pip install -e .[postgres])") from None
     except DBAPIError as exc:
         reason = first_line(exc, scrubbed(str(exc.orig) if exc.orig else str(exc), url))
-        raise InputError("FLEXPIPE_DATABASE_URL", None, f"cannot open the store at {shown}: {reason}") from None
+        raise InputError(database_url_source(url), None, f"cannot open the store at {shown}: {reason}") from None
 
 
 def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:

@@ -247,3 +247,18 @@ def test_flexpipe_home_that_is_a_file_is_refused_in_one_line(tmp_path, monkeypat
     assert err.startswith("flexpipe profile: error: environment variable FLEXPIPE_HOME: cannot use ")
     assert str(home) in err and "expected a directory" in err
     assert home.read_text() == "not a directory"
+
+
+def test_a_corrupt_store_under_flexpipe_home_is_not_blamed_on_flexpipe_database_url(tmp_path, monkeypatch, capsys):
+    # with FLEXPIPE_DATABASE_URL unset the store is FLEXPIPE_HOME's SQLite file: the message named the variable
+    # the user never set
+    (tmp_path / "flexpipe.db").write_bytes(b"this is not an SQLite database" * 100)
+    monkeypatch.setenv("FLEXPIPE_HOME", str(tmp_path))
+    monkeypatch.delenv("FLEXPIPE_DATABASE_URL", raising=False)
+    assert cli_main(["store", "status"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "the store under FLEXPIPE_HOME: cannot open the store at " in err and "FLEXPIPE_DATABASE_URL" not in err
+    monkeypatch.setenv("FLEXPIPE_DATABASE_URL", f"sqlite:///{tmp_path / 'flexpipe.db'}")  # the same file, named
+    assert cli_main(["store", "status"]) == 2
+    assert "FLEXPIPE_DATABASE_URL: cannot open the store at " in capsys.readouterr().err

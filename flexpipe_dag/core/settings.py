@@ -54,9 +54,21 @@ def flexpipe_home() -> Path:
     return home
 
 
+def _home_sqlite_url() -> str:
+    return f"sqlite:///{flexpipe_home() / 'flexpipe.db'}"
+
+
 def database_url() -> str:
     """The store's SQLAlchemy URL: ``FLEXPIPE_DATABASE_URL`` or SQLite under :func:`flexpipe_home`."""
-    return os.environ.get("FLEXPIPE_DATABASE_URL") or f"sqlite:///{flexpipe_home() / 'flexpipe.db'}"
+    return os.environ.get("FLEXPIPE_DATABASE_URL") or _home_sqlite_url()
+
+
+def database_url_source(url: str | None) -> str:
+    """What a message about the store at ``url`` names as its origin: ``FLEXPIPE_DATABASE_URL``, except
+    for the SQLite store under :func:`flexpipe_home` while that variable is unset (``FLEXPIPE_HOME``'s)."""
+    if url is not None and not os.environ.get("FLEXPIPE_DATABASE_URL") and url == _home_sqlite_url():
+        return "the store under FLEXPIPE_HOME"
+    return "FLEXPIPE_DATABASE_URL"
 
 
 def model_cache_dir() -> Path:

@@ -387,3 +387,15 @@ def test_a_fast_gear_is_probed_long_enough_for_a_backlog_to_miss_the_slo():
     ref, native = probe_reference(_uniform_trace(1000), 1000, 260.0, 2000.0)
     assert len(ref) == 10_400 and len({r.request_id for r in ref.requests}) == 10_400
     assert native == pytest.approx(1.0, rel=0.01)   # repeated at the trace's own pace
+
+
+def test_a_trace_too_sparse_for_the_rate_is_refused_in_its_own_terms_not_as_a_speedup():
+    # two requests a month apart replayed at 1 req/s: refused as "speedup: got 2.68e+06", a figure nobody set
+    sparse = Workload(name="sparse", source="sparse.csv",
+                      requests=(Request("a", 0.0, 64, 16), Request("b", 31 * 86400.0, 64, 16)))
+    gear = manual_gear([4], gear_id="one", micro_batch_size=1, max_inflight_micro_batches=1)
+    with pytest.raises(InputError) as err:
+        probe_gear(gear, _timing(100.0), sparse, 2 / (31 * 86400.0), 1.0, config=SimConfig())
+    message = str(err.value)
+    assert message.startswith("sparse.csv: arrival_s: 2 request(s) arriving at ") and "compress time" in message
+    assert "speedup" not in message and "closer together" in message

@@ -65,7 +65,7 @@ from flexpipe_dag.sim.engine import Simulator
 from flexpipe_dag.sim.evaluate import estimate_from_result
 from flexpipe_dag.sim.results import SimResult
 from flexpipe_dag.workload.request import Request, Workload
-from flexpipe_dag.workload.transform import MIN_SPEEDUP, repeat_to, sample_chunks, speedup
+from flexpipe_dag.workload.transform import MAX_SPEEDUP, MIN_SPEEDUP, repeat_to, sample_chunks, speedup
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -273,7 +273,17 @@ def _probe(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps
            config: SimConfig, attainment: float, warmup_fraction: float,
            early_stop: bool) -> tuple[EnvelopeProbe, SimResult]:
     """:func:`probe_gear` and the simulation result it graded."""
-    w = speedup(reference, rate_rps / native_rps)
+    factor = rate_rps / native_rps
+    if not MIN_SPEEDUP <= factor <= MAX_SPEEDUP:  # say it in the trace's terms: nobody asked for a speedup
+        raise InputError(reference.source or reference.name, "arrival_s",
+                         f"{len(reference)} request(s) arriving at {native_rps:.3g} req/s on average; replaying them "
+                         f"at {rate_rps:.3g} req/s would compress time {factor:.3g}x, beyond {MAX_SPEEDUP:g}x; "
+                         "expected a trace whose requests arrive closer together (more of them, or a shorter span)"
+                         if factor > MAX_SPEEDUP else
+                         f"{len(reference)} request(s) arriving at {native_rps:.3g} req/s on average; replaying them "
+                         f"at {rate_rps:.3g} req/s would stretch time {1 / factor:.3g}x, beyond {1 / MIN_SPEEDUP:g}x; "
+                         "expected a lower rate, or a trace whose requests arrive further apart")
+    w = speedup(reference, factor)
     sim = Simulator(w, gear, timing, config)
     first, allowed = _measured_window(len(w), warmup_fraction, attainment)
     stopped_s: float | None = None

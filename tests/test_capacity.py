@@ -145,6 +145,19 @@ def test_ilp_picks_the_cheaper_mix_over_either_type_alone():
     assert mix.rps_with_reserve == pytest.approx(8.5)
 
 
+def test_ilp_takes_the_roomiest_of_the_sets_that_cost_the_same():
+    # seen: with A100 and T4 priced, "A100 alone" was 1 x 2 A100 (7.33 req/s) while two 1-card A100
+    # pipelines carry 11.43 req/s on the same 2 cards for the same price; ties went whichever way HiGHS found
+    pair, single = _opt("A100", 2, 7.33, 5.12), _opt("A100", 1, 5.715, 5.12)
+    for options in ([pair, single], [single, pair]):
+        mix = cheapest_mix(options, load_rps=6.0, kv_need_tokens=1, reserve_fraction=0.15)
+        assert mix.cost_per_hour == pytest.approx(10.24) and [(o.cards, k) for o, k in mix.instances] == [(1, 2)]
+        assert mix.rps_with_reserve == pytest.approx(2 * 5.715 * 0.85)
+    # a cheaper set still wins over a roomier dearer one
+    dear = _opt("H100", 1, 50.0, 11.0)
+    assert cheapest_mix([pair, dear], load_rps=6.0, kv_need_tokens=1, reserve_fraction=0.15).cards_by_type() == {"A100": 2}
+
+
 def test_ilp_respects_the_kv_need_and_skips_options_without_envelope():
     fast_small = _opt("A", 1, 100.0, 1.0, kv=1000)
     roomy = _opt("B", 2, 1.0, 1.0, kv=50_000)

@@ -13,7 +13,9 @@ each instance its share), so capacities add up. With ``x_o`` instances of option
 with ``K'_o = min(K_o, X_o (1 - reserve) x kv_need_tokens / load_rps)``: an instance's pool counts
 only up to what its own share of the load keeps in flight. Solved exactly by branch and bound
 (HiGHS through ``scipy.optimize.milp``); a tiny second term ``1e-6 x cards`` breaks cost ties
-toward fewer cards. Restricting the options to one GPU type gives
+toward fewer cards, and a second solve, held to that cost and card count, takes the set with the most
+capacity among them (ties are common: two 1-card pipelines or one 2-card pipeline of the same type
+cost the same and rarely carry the same). Restricting the options to one GPU type gives
 that type alone; all options together give the cheapest mix. The model is additive by construction:
 what it does not capture is a pipeline spanning two types (the gear planner's job on a given fleet).
 
@@ -155,6 +157,17 @@ def cheapest_mix(options: Sequence[InstanceOption], *, load_rps: float, kv_need_
     x = _milp(cost, np.vstack([rps, kv]), np.array([load_rps, float(kv_need_tokens)]), np.full(2, np.inf), ub)
     if x is None:
         return None
+    # among the sets of that cost and card count, the one with the most SLO capacity (2 x 1 A100 over 1 x 2
+    # A100: the same cards and price, more req/s): a second, exact solve, not a weight the first one's
+    # optimality gap could swallow
+    per_hour = np.array([o.cost_per_hour for o in usable])
+    n = np.array([float(o.cards) for o in usable])
+    best_cost, best_cards = float(per_hour @ x), float(n @ x)
+    roomier = _milp(-rps, np.vstack([rps, kv, per_hour, n]),
+                    np.array([load_rps, float(kv_need_tokens), -np.inf, -np.inf]),
+                    np.array([np.inf, np.inf, best_cost * (1 + 1e-9) + 1e-9, best_cards]), ub)
+    if roomier is not None and float(rps @ roomier) > float(rps @ x):
+        x = roomier
     return Mix([(o, int(k)) for o, k in zip(usable, x) if k > 0], reserve_fraction)
 
 

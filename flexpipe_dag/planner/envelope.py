@@ -275,14 +275,13 @@ def _probe(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps
     """:func:`probe_gear` and the simulation result it graded."""
     factor = rate_rps / native_rps
     if not MIN_SPEEDUP <= factor <= MAX_SPEEDUP:  # say it in the trace's terms: nobody asked for a speedup
+        why = (f"compress time {factor:.3g}x, beyond {MAX_SPEEDUP:g}x; expected a trace whose requests arrive "
+               "closer together (more of them, or a shorter span)" if factor > MAX_SPEEDUP else
+               f"stretch time {1 / factor:.3g}x, beyond {1 / MIN_SPEEDUP:g}x; expected a lower rate, or a trace whose "
+               "requests arrive further apart")
         raise InputError(reference.source or reference.name, "arrival_s",
                          f"{len(reference)} request(s) arriving at {native_rps:.3g} req/s on average; replaying them "
-                         f"at {rate_rps:.3g} req/s would compress time {factor:.3g}x, beyond {MAX_SPEEDUP:g}x; "
-                         "expected a trace whose requests arrive closer together (more of them, or a shorter span)"
-                         if factor > MAX_SPEEDUP else
-                         f"{len(reference)} request(s) arriving at {native_rps:.3g} req/s on average; replaying them "
-                         f"at {rate_rps:.3g} req/s would stretch time {1 / factor:.3g}x, beyond {1 / MIN_SPEEDUP:g}x; "
-                         "expected a lower rate, or a trace whose requests arrive further apart")
+                         f"at {rate_rps:.3g} req/s would {why}")
     w = speedup(reference, factor)
     sim = Simulator(w, gear, timing, config)
     first, allowed = _measured_window(len(w), warmup_fraction, attainment)

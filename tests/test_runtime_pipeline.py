@@ -125,6 +125,16 @@ def test_single_stage_pipeline_and_live_metrics():
     assert any(s.stages[0].busy_fraction > 0 for s in samples)
 
 
+def test_chunked_prefill_through_two_stage_processes_matches_hf_generate():
+    """The driver's scheduler cuts prompts into 7-token chunks that share micro-batches with decodes
+    (two in flight); the stage workers reproduce transformers exactly."""
+    hf_reference()
+    opts = RuntimeOptions(max_tokens_per_micro_batch=7, chunked_prefill=True)
+    with PipelineRuntime(gear(UNEVEN2, micro_batch_size=4), checkpoint(), opts) as rt:
+        reqs = requests(prefix="chunk-")
+        _check(rt.generate(reqs), reqs)
+
+
 def test_hung_stage_is_named_by_the_watchdog(two_stage):
     """Last user of ``two_stage``: the watchdog ends that pipeline."""
     _use(two_stage, [(0, 20), (20, 30)], 2, "hang")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.runtime.kv_blocks import BlockAllocator, KVCapacityError
 from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, PRIORITY_ONLINE, Request, Scheduler
 
@@ -95,6 +96,35 @@ def test_token_budget_splits_prefills():
     first = s.schedule()
     assert len(first.seqs) == 1
     assert len(s.schedule().seqs) == 1
+
+
+def test_chunked_prefill_fills_the_budget_after_decodes_and_samples_only_from_the_last_chunk():
+    clock = Clock()
+    s = Scheduler(BlockAllocator(64, 4), 4, 1, 6, clock=clock, chunked_prefill=True)
+    s.add_request(req("a", n_prompt=3, max_new=4))
+    mb = s.schedule()
+    assert [q.token_ids for q in mb.seqs] == [[1, 2, 3]]
+    s.update_from_output(mb.mb_id, [7])
+    s.add_request(req("b", n_prompt=13, max_new=2))
+    s.add_request(req("c", n_prompt=2, max_new=2))
+    got = []  # (request, index, token) as streamed
+    chunks = []
+    for tok in (8, 9, 10):
+        mb = s.schedule()
+        chunks.append([(q.seq_id, q.start_pos, len(q.token_ids)) for q in mb.seqs])
+        assert mb.num_tokens <= 6
+        clock.t += 1.0
+        s.update_from_output(mb.mb_id, [tok] * len(mb.seqs), on_token=lambda r, i, t: got.append((r, i, t)))
+    # the decode of a comes first; b's prompt fills the rest of each budget (5, 5, then its last 3),
+    # c waits behind b (a part-done prompt goes before a new one) and starts with what is left
+    assert chunks == [[(0, 3, 1), (1, 0, 5)], [(0, 4, 1), (1, 5, 5)], [(0, 5, 1), (1, 10, 3), (2, 0, 2)]]
+    assert got == [("a", 1, 8), ("a", 2, 9), ("a", 3, 10), ("b", 0, 10), ("c", 0, 10)]  # b's first token: its last chunk's
+    assert s.allocator.num_tokens(1) == 13
+
+
+def test_chunked_prefill_needs_a_budget_of_at_least_one_token():
+    with pytest.raises(InputError, match="max_tokens_per_micro_batch"):
+        Scheduler(BlockAllocator(64, 4), 4, 1, 0, chunked_prefill=True)
 
 
 def test_output_count_mismatch_raises():

@@ -91,7 +91,8 @@ class Driver:
                                    max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
                                    max_context_tokens=config.max_context_tokens,
                                    stage_replicas=self.layout.replicas,
-                                   kv_capacity_knob=config.kv_capacity_knob)
+                                   kv_capacity_knob=config.kv_capacity_knob,
+                                   chunked_prefill=config.chunked_prefill)
         self.metrics = LiveMetrics(gear_id, time.monotonic())
         self.inbox: queue.Queue = queue.Queue()  # (MessageKind, payload) from the last stage, or an exception
         self.next_sample = time.monotonic() + metrics_period_s

@@ -53,15 +53,20 @@ class LocalPipeline:
         return sample_tokens(x, batch.seqs)
 
     def generate(self, requests: Iterable[Request], micro_batch_size: int = 8,
-                 on_result: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+                 on_result: Callable[[RequestOutput], None] | None = None, *,
+                 max_tokens_per_micro_batch: int = 2048, chunked_prefill: bool = False) -> list[RequestOutput]:
         """Serve ``requests`` to completion with continuous batching; results in finishing order.
+
+        ``max_tokens_per_micro_batch`` and ``chunked_prefill``: as the
+        :class:`~flexpipe_dag.runtime.scheduler.Scheduler` takes them.
 
         Raises:
             ContextLengthError: a request's prompt + ``max_new_tokens`` exceed :attr:`max_context_tokens`.
             KVCapacityError: a request's KV need (prompt + ``max_new_tokens`` - 1) exceeds the pool.
         """
         sched = Scheduler(BlockAllocator(self.num_blocks, self.block_size_tokens), micro_batch_size, 1,
-                          max_context_tokens=self.max_context_tokens)
+                          max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                          max_context_tokens=self.max_context_tokens, chunked_prefill=chunked_prefill)
         sched.add_requests(requests)
         done: list[RequestOutput] = []
         while sched.has_unfinished():

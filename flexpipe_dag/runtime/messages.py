@@ -107,6 +107,8 @@ class SchedulerConfig:
         kv_capacity_knob: what a KV refusal tells the user to raise (the entry point's flag or field).
         stream_tokens: report every sampled token as it comes (:class:`TokensGenerated`), for streaming
             front ends; off, only finished requests are reported.
+        chunked_prefill: cut prompts into chunks that fill the token budget
+            (:class:`~flexpipe_dag.runtime.scheduler.Scheduler`).
 
     Raises:
         ValueError: a number below 1.
@@ -118,6 +120,7 @@ class SchedulerConfig:
     max_context_tokens: int | None = None
     kv_capacity_knob: str = "the gear's kv_capacity_tokens"
     stream_tokens: bool = False
+    chunked_prefill: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -134,6 +134,9 @@ class RuntimeOptions:
     raise (``--kv-capacity-tokens`` for ``flexpipe run``, ``kv_pool_tokens_max`` for ``batch_inference``).
     ``stream_tokens``: :meth:`PipelineRuntime.wait` hands every sampled token to its ``on_tokens``
     as the step that sampled it ends (a streaming front end); off, only finished requests come back.
+    ``max_tokens_per_micro_batch``: the token budget of one micro-batch (prompt tokens + one per
+    decode); with ``chunked_prefill`` prompts are cut into chunks that fill it, so every micro-batch
+    costs about the same (:class:`~flexpipe_dag.runtime.scheduler.Scheduler`).
     ``max_pending_sends``: micro-batches a stage may have handed to its background sender and not
     yet delivered while it computes the next (hand-offs overlapped with compute); 0 sends each
     before receiving the next.
@@ -151,6 +154,7 @@ class RuntimeOptions:
     start_timeout_s: float = 300.0
     metrics_period_s: float = SAMPLE_PERIOD_S
     max_tokens_per_micro_batch: int = 2048
+    chunked_prefill: bool = False
     threads_per_rank: int = 1
     device_memory_bytes: dict[str, int] | None = None
     fault: dict = field(default_factory=dict)
@@ -384,7 +388,8 @@ class PipelineRuntime:
                                     max_tokens_per_micro_batch=self.options.max_tokens_per_micro_batch,
                                     max_context_tokens=self.max_context_tokens,
                                     kv_capacity_knob=self.options.kv_capacity_knob,
-                                    stream_tokens=self.options.stream_tokens)
+                                    stream_tokens=self.options.stream_tokens,
+                                    chunked_prefill=self.options.chunked_prefill)
         self._procs = [ctx.Process(target=driver_main, name="flexpipe-driver", daemon=True,
                                    args=(spec, self.gear.gear_id, sched_cfg, self._cmds, self._events,
                                          self._counters, self.options.metrics_period_s))]

@@ -17,6 +17,12 @@ Policy:
 * a micro-batch takes running sequences not in flight (decode, 1 token each) in priority order,
   then newly admitted ones (whole-prompt prefill) while ``max_tokens_per_micro_batch`` allows
   (a lone prefill larger than the budget still runs alone);
+* with ``chunked_prefill`` a prompt is instead cut into chunks that fill what the budget leaves
+  after the decodes (Sarathi-Serve's stall-free batching, OSDI'24; vLLM's
+  ``enable_chunked_prefill``): a sequence part-way through its prompt continues before a new one
+  starts, its chunks sample nothing, and the first token comes out of the last chunk. Every
+  micro-batch then costs about the same, so a long prompt neither stalls the decodes that share
+  its micro-batch nor leaves the other stages idle while it passes;
 * a request whose prompt + ``max_new_tokens`` exceed the model's max context
   (:class:`ContextLengthError`), or whose :func:`~flexpipe_dag.core.kv.kv_tokens_needed` could never fit one lane of the
   pool (:class:`~flexpipe_dag.runtime.kv_blocks.KVCapacityError`, naming the binding lane, stage and
@@ -157,6 +163,13 @@ class _Seq:
         return (self.req.priority, self.order)
 
 
+def _phase(s: _Seq) -> int:
+    """Order within a micro-batch: decodes (0), then prompts part-way through their chunks (1), then new ones (2)."""
+    if s.num_computed == 0:
+        return 2
+    return 1 if s.num_computed < len(s.req.prompt_token_ids) else 0
+
+
 class Scheduler:
     """Continuous-batching scheduler over one KV :class:`BlockAllocator`.
 
@@ -176,12 +189,16 @@ class Scheduler:
         stage_replicas: replicas per stage of the gear the allocator's lanes come from (names the
             binding stage and replica in a KV refusal); empty: not known (one lane: not needed).
         kv_capacity_knob: what a KV refusal tells the user to raise (the entry point's flag or field).
+        chunked_prefill: cut prompts into chunks that fill the token budget (see the module's policy).
     """
 
     def __init__(self, allocator: BlockAllocator, micro_batch_size: int, max_inflight_micro_batches: int,
                  max_tokens_per_micro_batch: int = 2048, clock: Callable[[], float] = time.monotonic,
                  max_context_tokens: int | None = None, stage_replicas: tuple[int, ...] = (),
-                 kv_capacity_knob: str = KV_CAPACITY_KNOB):
+                 kv_capacity_knob: str = KV_CAPACITY_KNOB, chunked_prefill: bool = False):
+        if max_tokens_per_micro_batch < 1:
+            raise InputError(None, "max_tokens_per_micro_batch", f"expected >= 1, got {max_tokens_per_micro_batch}")
+        self.chunked_prefill = chunked_prefill
         self.allocator = allocator
         self.kv_capacity_knob = kv_capacity_knob
         self.max_context_tokens = max_context_tokens
@@ -296,14 +313,16 @@ class Scheduler:
 
     def _micro_batch(self, lane: int) -> MicroBatch | None:
         ready = sorted((s for s in self._running.values() if not s.in_flight and s.lane == lane),
-                       key=lambda s: (s.num_computed == 0, s.sort_key))  # decodes first, then prefills
+                       key=lambda s: (_phase(s), s.sort_key))
         picked: list[ScheduledSeq] = []
         budget = self.max_tokens_per_micro_batch
         for s in ready:
-            if len(picked) >= self.micro_batch_size:
+            if len(picked) >= self.micro_batch_size or (self.chunked_prefill and budget < 1):
                 break
-            if s.num_computed == 0:
-                tokens = list(s.req.prompt_token_ids)
+            prompt = s.req.prompt_token_ids
+            if s.num_computed < len(prompt):  # (the rest of) the prompt
+                end = len(prompt) if not self.chunked_prefill else min(len(prompt), s.num_computed + budget)
+                tokens = list(prompt[s.num_computed:end])
             else:
                 tokens = [s.outputs[-1]]
             if len(tokens) > budget and picked:
@@ -343,6 +362,8 @@ class Scheduler:
         for seq_id, tok in zip(seq_ids, sampled_token_ids):
             s = self._running[seq_id]
             s.in_flight = False
+            if s.num_computed < len(s.req.prompt_token_ids):
+                continue  # a prompt chunk before the last: its sample is not a token of the output
             s.outputs.append(int(tok))
             if on_token is not None:
                 on_token(s.req.request_id, len(s.outputs) - 1, int(tok))

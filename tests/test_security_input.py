@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -231,7 +232,7 @@ def test_ids_in_gears_are_checked_too(tmp_path):
         load_gear(gear)
     doc["gear_id"], doc["stages"][0]["device_ids"] = "hand-2", ["w\x1b[0m"]
     gear.write_text(json.dumps(doc))
-    with pytest.raises(InputError, match=r"stages\.0\.device_ids\.0: 'w\\x1b\[0m' holds"):
+    with pytest.raises(InputError, match=r"stages\[0\]\.device_ids\[0\]: 'w\\x1b\[0m' holds"):
         load_gear(gear)
 
 
@@ -445,14 +446,26 @@ def test_gear_json_is_strict_and_its_figures_bounded(tmp_path):
     with pytest.raises(InputError, match=r"duplicate key 'gear_id'"):
         load_gear(gear)
     for field, value, needle in [("micro_batch_size", 10**18, "65536"), ("max_inflight_micro_batches", 10**18, "4096"),
-                                 ("kv_block_size_tokens", 10**23, "65536"), ("stages.0.est_stage_ms", -1.0, "0")]:
+                                 ("kv_block_size_tokens", 10**23, "65536"), ("stages[0].est_stage_ms", -1.0, "0")]:
         doc = json.loads(good)
         head, _, leaf = field.rpartition(".")
         (doc["stages"][0] if head else doc)[leaf] = value
         gear.write_text(json.dumps(doc))
-        with pytest.raises(InputError, match=rf"^{gear}: {field}: .*{needle}") as err:
+        with pytest.raises(InputError, match=rf"^{gear}: {re.escape(field)}: .*{needle}.*\(got ") as err:
             load_gear(gear)
         assert "\n" not in str(err.value)
+    # an empty file, a list, a list where the stages go: said in the file's terms, never a private class name
+    as_yaml = gear.with_suffix(".yaml")
+    for path, text, field, needle in [
+            (as_yaml, "", None, "holds no document; expected a mapping of a gear's fields"),
+            (as_yaml, "# nothing but a comment\n", None, "holds no document"),
+            (gear, "[1, 2]", None, "holds a list; expected a mapping"),
+            (gear, good.replace('"stages":[', '"stages":[7,', 1), "stages[0]",
+             r"a valid dictionary \(a mapping of fields\) \(got 7\)")]:
+        path.write_text(text)
+        with pytest.raises(InputError, match=needle) as err:
+            load_gear(path)
+        assert err.value.field == field and "StagePlan" not in str(err.value) and "Gear" not in str(err.value)
 
 
 @pytest.mark.parametrize("text, tag", [("a: !!binary aGVsbG8=", "'binary'"), ("a: !!set {x}", "'set'"),

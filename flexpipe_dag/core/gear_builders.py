@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.errors import InputError, validation_input_error
 from flexpipe_dag.core.gear import Gear, StagePlan
 from flexpipe_dag.core.user_yaml import load_user_document
 
@@ -93,7 +93,8 @@ def load_gear(path: str | Path) -> Gear:
         InputError: the file is missing or unreadable, not a regular file, over
             :data:`~flexpipe_dag.core.user_files.MAX_JSON_BYTES` (JSON) or
             :data:`~flexpipe_dag.core.user_files.MAX_YAML_BYTES` (YAML), not UTF-8, not strict JSON / YAML,
-            or a field is invalid (named by its path, e.g. ``stages.0.est_stage_ms``).
+            an empty document or not a mapping, or a field is invalid (named by its path, e.g.
+            ``stages[0].est_stage_ms``, with the value given: :func:`~flexpipe_dag.core.errors.validation_input_error`).
     """
     from pydantic import ValidationError
 
@@ -101,9 +102,11 @@ def load_gear(path: str | Path) -> Gear:
     if not path.exists():
         raise InputError(str(path), None, "file not found; expected a gear as JSON or YAML")
     data = load_user_document(path, "gear")
+    if not isinstance(data, dict):  # None: an empty file, or one holding only comments
+        got = "no document" if data is None else f"a {type(data).__name__}"
+        raise InputError(str(path), None, f"the file holds {got}; expected a mapping of a gear's fields "
+                                          "(gear_id, model_name, num_layers, stages, micro_batch_size, ...)")
     try:
         return Gear.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise InputError(str(path), ".".join(str(x) for x in err["loc"]) or None,
-                         err["msg"].removeprefix("Value error, ")) from None
+        raise validation_input_error(str(path), exc) from None

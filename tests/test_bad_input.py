@@ -99,6 +99,8 @@ def test_bad_database_url_is_one_line(url, needle, monkeypatch, capsys):
     (["--max-new-tokens", "-1"], "--max-new-tokens"),
     (["--dtype", "fp7"], "unknown dtype 'fp7'"),
     (["--step-timeout-s", "-1"], "--step-timeout-s"),
+    (["--chunked-prefill-tokens", "0"], "expected 1..1048576 tokens per micro-batch, got 0"),
+    (["--chunked-prefill-tokens", "64", "--score"], "is for generation"),
 ])
 def test_run_refuses_bad_flags_before_launch(flags, needle, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"

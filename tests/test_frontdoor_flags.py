@@ -51,3 +51,14 @@ def test_a_drain_timeout_that_is_not_a_finite_duration_is_refused_before_the_mod
     args = parser.parse_args(["serve", "--stages", "2", "--no-store", "--drain-timeout-s", value])
     with pytest.raises(InputError, match="--drain-timeout-s: expected a finite number >= 0"):
         args.func(args)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", str((1 << 20) + 1)])
+def test_a_chunked_prefill_budget_out_of_range_is_refused_before_the_model_loads(value):
+    from flexpipe_dag.cli.serve import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--stages", "2", "--no-store", "--chunked-prefill-tokens", value])
+    with pytest.raises(InputError, match=f"--chunked-prefill-tokens: expected 1..1048576 tokens per micro-batch, got {value}"):
+        args.func(args)

@@ -122,9 +122,15 @@ def test_chunked_prefill_fills_the_budget_after_decodes_and_samples_only_from_th
     assert s.allocator.num_tokens(1) == 13
 
 
-def test_chunked_prefill_needs_a_budget_of_at_least_one_token():
+def test_chunked_prefill_budget_below_the_micro_batch_size_caps_its_sequences():
     with pytest.raises(InputError, match="max_tokens_per_micro_batch"):
         Scheduler(BlockAllocator(64, 4), 4, 1, 0, chunked_prefill=True)
+    s = Scheduler(BlockAllocator(64, 4), 4, 1, 2, chunked_prefill=True)
+    s.add_requests([req(x, n_prompt=1, max_new=3) for x in "abc"])
+    mb = s.schedule()
+    assert [q.token_ids for q in mb.seqs] == [[1], [1]]  # two of the three one-token prompts
+    s.update_from_output(mb.mb_id, [5, 6])
+    assert [q.token_ids for q in s.schedule().seqs] == [[5], [6]]  # the two decodes fill the budget
 
 
 def test_output_count_mismatch_raises():

@@ -110,3 +110,41 @@ def test_kv_capacity_from_config_override():
     w = Workload.from_requests([Request("a", 0, 100, 100)], name="x")
     assert simulate(w, gear, timing).summary["rejected"] == 0  # 0 = unbounded pool
     assert simulate(w, gear, timing, SimConfig(kv_capacity_tokens=64)).summary["rejected"] == 1
+
+
+def test_chunked_prefill_cuts_a_long_prompt_and_bounds_the_decode_stall():
+    """One stage, one slot of 4; a short request decoding, then a 1,000-token prompt at 20 ms. Whole-prompt
+    prefill stalls the short request's next token for the whole prompt; with a 100-token budget each
+    iteration carries 99 prompt tokens next to the decode, then 100 once the short one is done, the long
+    prompt's first token comes out of its last chunk, and every request produces exactly its tokens."""
+    costs = StageCosts(prefill_fixed_ms=1.0, prefill_per_token_ms=0.1, decode_fixed_ms=5.0, decode_per_seq_ms=0.0,
+                       decode_per_context_token_ms=0.0)
+    timing = LinearStageTiming([costs])
+    gear = manual_gear([2], micro_batch_size=4, max_inflight_micro_batches=1)
+    w = Workload.from_requests([Request("short", 0.0, 10, 8), Request("long", 0.02, 1000, 5)], name="two")
+    whole = simulate(w, gear, timing).requests.set_index("request_id")
+    chunked = simulate(w, gear, timing, SimConfig(prefill_token_budget=100, chunked_prefill=True)).requests.set_index("request_id")
+    pf, dec = (lambda n: timing.prefill_ms(0, n)), timing.decode_ms(0, 1, 0)
+    first_short = pf(10)  # the short request's first token (2 ms); decodes every 5 ms after it
+    admit = first_short + 4 * dec  # the long prompt joins at the first iteration boundary after 20 ms: 22 ms
+    # whole: one iteration of the decode + the 1,000-token prompt, then the short one's last two tokens
+    assert whole.loc["long", "ttft_ms"] == pytest.approx(admit + dec + pf(1000) - 20.0)
+    assert whole.loc["short", "tpot_ms"] == pytest.approx((admit + dec + pf(1000) + 2 * dec - first_short) / 7)
+    # chunked: three iterations of (99 prompt tokens + the decode) finish the short one, then 7 x 100 + 3
+    short_done = admit + 3 * (dec + pf(99))
+    assert chunked.loc["short", "tpot_ms"] == pytest.approx((short_done - first_short) / 7)
+    assert chunked.loc["long", "ttft_ms"] == pytest.approx(short_done + 7 * pf(100) + pf(3) - 20.0)
+    assert chunked.loc["short", "tpot_ms"] < 0.6 * whole.loc["short", "tpot_ms"]
+    for res in (whole, chunked):
+        assert list(res.loc[["short", "long"], "output_tokens"]) == [8, 5]
+
+
+def test_chunked_prefill_budget_is_required_and_caps_the_sequences_per_micro_batch():
+    with pytest.raises(InputError, match="prefill_token_budget"):
+        SimConfig(chunked_prefill=True)
+    timing = LinearStageTiming([StageCosts(prefill_fixed_ms=1.0, decode_fixed_ms=1.0)])
+    gear = manual_gear([2], micro_batch_size=8, max_inflight_micro_batches=1)
+    w = Workload.from_requests([Request(f"r{i}", 0.0, 1, 2) for i in range(4)], name="four")
+    res = simulate(w, gear, timing, SimConfig(prefill_token_budget=2, chunked_prefill=True)).requests
+    # two sequences per iteration: r0, r1 prefill then decode (2 ms), then r2, r3 (4 ms)
+    assert sorted(res["finish_s"] * 1e3) == pytest.approx([2.0, 2.0, 4.0, 4.0])

@@ -25,6 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flexpipe_dag.cli.chunked_prefill import (
+    add_chunked_prefill_argument,
+    chunked_prefill_tokens,
+    chunked_runtime_options,
+)
 from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.gear_builders import even_gear, load_gear
 from flexpipe_dag.runtime.chat_template import CHAT_TEMPLATE_MODES, PromptFormat, resolve_chat_template
@@ -63,6 +68,7 @@ def register(subparsers) -> None:
                         "e.g. a GPU-planned gear on a CPU host)")
     p.add_argument("--stage-replicas", default=None, metavar="R0,R1,...",
                    help="with --stages: replicas per stage (one worker each), e.g. 1,2 for a doubled last stage")
+    add_chunked_prefill_argument(p)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default="auto",
                    help="fp32, bf16, fp16 or auto (default: fp32 on CPU; bf16 on a GPU that has it, else fp16)")
@@ -153,6 +159,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise InputError(None, flag, f"expected an integer >= {low}, got {value}")
     if args.inflight is not None and args.inflight < 1:
         raise InputError(None, "--inflight", f"expected an integer >= 1, got {args.inflight}")
+    if chunked_prefill_tokens(args) is not None and args.score:
+        raise InputError(None, "--chunked-prefill-tokens", "is for generation; --score runs each prompt whole through "
+                                                           "DeepSpeed's pipeline")
     if not (args.start_timeout_s > 0 and math.isfinite(args.start_timeout_s)):
         raise InputError(None, "--start-timeout-s", f"expected a positive number of seconds, got {args.start_timeout_s}")
     if args.device == "cuda":
@@ -380,7 +389,8 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
     if args.listen:  # the file is written once the port is bound, and a generated one removed at the end
         head_secret = HeadSecret.resolve(args.secret_file)
         secret = head_secret.secret
-    options = RuntimeOptions(dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
+    options = RuntimeOptions(**chunked_runtime_options(args),
+                             dtype=args.dtype, device=args.device, step_timeout_s=args.step_timeout_s,
                              control_address=control_address, start_timeout_s=args.start_timeout_s,
                              truncate_context=args.truncate_context, secret=secret, placement=placement,
                              kv_capacity_knob="--kv-capacity-tokens" + (" (up to the gear's kv_capacity_tokens)"

@@ -28,6 +28,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from flexpipe_dag.cli.chunked_prefill import (
+    add_chunked_prefill_argument,
+    chunked_prefill_tokens,
+    chunked_runtime_options,
+)
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.gear_builders import even_gear, load_gear
@@ -57,6 +62,7 @@ def register(subparsers) -> None:
                    help="file holding the API key clients must send (Authorization: Bearer KEY)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="with --stages")
     p.add_argument("--inflight", type=int, default=None, help="max in-flight micro-batches (default: stages)")
+    add_chunked_prefill_argument(p)
     p.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV pool per lane, tokens (default 8192 with --stages; a gear file's own, or less)")
     p.add_argument("--max-pending", type=int, default=256, help="open requests above which new ones get 429")
@@ -243,6 +249,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.no_store and args.run_key:
         raise InputError(None, "--run-key", "names this server's run in the store: drop --no-store, or the key")
     check_number(args.drain_timeout_s, None, "--drain-timeout-s", ge=0, le=86400, unit="s")
+    chunked_prefill_tokens(args)
     instances = instance_settings(args)
     check_several(instances, inline_control=args.inline_control and not args.no_store, ray=args.ray is not None)
     placement = ray_placement(args)
@@ -282,7 +289,7 @@ def serve(args: argparse.Namespace) -> int:
                          args.kv_capacity_tokens or 8192)
     instances.check(gear)  # --max-instances needs the gear's envelope
     settings = ServerSettings(**{**settings.__dict__, "model_name": args.served_model_name or ckpt.name})
-    runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(dtype=args.dtype, device=args.device,
+    runtime = PipelineRuntime(gear, ckpt, RuntimeOptions(**chunked_runtime_options(args), dtype=args.dtype, device=args.device,
                                                          step_timeout_s=args.step_timeout_s, stream_tokens=True,
                                                          kv_capacity_knob="--kv-capacity-tokens", placement=placement))
     server = FrontDoorServer(runtime, ckpt.tokenizer(), ckpt.eos_token_ids(), runtime.max_context_tokens, settings,

@@ -37,6 +37,7 @@ from typing import Any
 from rich.console import RenderableType
 from rich.text import Text
 
+from flexpipe_dag.cli.chunked_prefill import add_chunked_prefill_argument, chunked_prefill_tokens
 from flexpipe_dag.cli.simulate_day import add_day_arguments, run_day
 from flexpipe_dag.cli.tables import PIPE_WIDTH, IdTable, cli_console, format_number, new_table, render_text
 from flexpipe_dag.core.errors import InputError
@@ -87,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"TPOT SLO, ms (default: the gear's envelope_basis, else {SimConfig.slo_tpot_ms:g})")
     p.add_argument("--micro-batch-size", type=int, help="override the gear's sequences per micro-batch")
     p.add_argument("--max-inflight", type=int, help="override the gear's max in-flight micro-batches")
+    add_chunked_prefill_argument(p)
     p.add_argument("--kv-capacity-tokens", type=int, help="override the gear's KV pool size")
     p.add_argument("--max-context-tokens", type=int,
                    help="max context (prompt + output tokens) requests must fit; default the model's own, at most it")
@@ -193,13 +195,14 @@ def check_flags(args: argparse.Namespace) -> None:
         InputError: naming the flag and what was expected (``--speedup`` > 0, ``--window-s`` START >= 0
             and END > START, ``--tide-compression`` > 0, ``--offline-limit`` >= 1 and only with
             ``--offline``, SLOs > 0, micro-batch / in-flight / KV overrides >= 1, a writable
-            ``--timeseries-csv`` path, a known ``--dtype``).
+            ``--timeseries-csv`` path, a known ``--dtype``, ``--chunked-prefill-tokens`` 1..2**20).
     """
     from flexpipe_dag.core.dtypes import canonical_dtype
 
     if args.dtype is not None:
         args.dtype = canonical_dtype(args.dtype, None, "--dtype")
     check_number(args.speedup, None, "--speedup", gt=0, unit="factor")
+    chunked_prefill_tokens(args)
     check_number(args.speedup, None, "--speedup", ge=MIN_SPEEDUP, le=MAX_SPEEDUP, unit="factor")
     if args.window_s:
         start_s, end_s = args.window_s
@@ -344,9 +347,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {args.gear_file} has no envelope_basis: its rps_min..rps_max ({gear.rps_min:g}..{gear.rps_max:g} "
               f"req/s) was not measured by `flexpipe plan`; scored at TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms",
               file=sys.stderr)
+    budget = chunked_prefill_tokens(args)
     config = SimConfig(slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, micro_batch_size=args.micro_batch_size,
                        max_inflight_micro_batches=args.max_inflight, kv_capacity_tokens=args.kv_capacity_tokens,
-                       max_context_tokens=max_context, context_policy="truncate" if args.truncate_context else "refuse")
+                       max_context_tokens=max_context, context_policy="truncate" if args.truncate_context else "refuse",
+                       prefill_token_budget=budget, chunked_prefill=budget is not None)
     sim = Simulator(workload, gear, timing, config)
     result = sim.run()
     if args.timeseries_csv:

@@ -58,7 +58,8 @@ def check_day_flags(args: argparse.Namespace) -> None:
     for flag in ("cluster", "model"):
         if not getattr(args, flag):
             raise InputError(None, f"--{flag}", "--day needs --cluster FILE and --model MODEL")
-    for flag in ("gear", "gear_file", "timing", "trace", "window_s", "tide_compression", "timeseries_csv"):
+    for flag in ("gear", "gear_file", "timing", "trace", "window_s", "tide_compression", "timeseries_csv",
+                 "micro_batch_size", "max_inflight", "kv_capacity_tokens", "chunked_prefill_tokens"):
         if getattr(args, flag, None):
             raise InputError(None, f"--{flag.replace('_', '-')}", "is for a single-gear replay; --day shapes its own "
                                                                   "online day from the tide and picks its gears")

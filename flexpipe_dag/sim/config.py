@@ -24,7 +24,13 @@ class SimConfig:
         kv_capacity_tokens: KV pool size (default: ``gear.kv_capacity_tokens``, else the minimum of
             the stages' ``kv_capacity_tokens``; 0 / unknown everywhere means an unbounded pool).
         prefill_token_budget: most prompt tokens admitted into one micro-batch iteration (one
-            prompt is always allowed); ``None`` = no limit beyond ``micro_batch_size``.
+            prompt is always allowed); ``None`` = no limit beyond ``micro_batch_size``. With
+            ``chunked_prefill``: the token budget of one iteration, one per decode plus prompt chunks.
+        chunked_prefill: prompts are cut into chunks that fill what ``prefill_token_budget`` leaves
+            after the decodes, oldest prompt first, and a prompt's first token comes out of its last
+            chunk: the runtime scheduler's ``chunked_prefill`` (Sarathi-Serve, OSDI'24). A budget below
+            the micro-batch size caps the sequences per micro-batch. A chunk is timed as a prefill of
+            its own tokens (the context before it is not charged).
         decode_context_quantum_tokens: decode times are memoised on a grid of this many context
             tokens and linearly interpolated (exact for costs linear in context; 0 = no memo).
         preempt_offline_for_online: an online request that cannot get KV blocks may preempt
@@ -47,6 +53,7 @@ class SimConfig:
     max_inflight_micro_batches: int | None = None
     kv_capacity_tokens: int | None = None
     prefill_token_budget: int | None = None
+    chunked_prefill: bool = False
     preempt_offline_for_online: bool = True
     decode_context_quantum_tokens: int = 64
     max_context_tokens: int | None = None
@@ -67,5 +74,7 @@ class SimConfig:
         for name, ok in checks.items():
             if not ok:
                 raise InputError("SimConfig", name, f"got {getattr(self, name)!r}; expected a positive value")
+        if self.chunked_prefill and self.prefill_token_budget is None:
+            raise InputError("SimConfig", "prefill_token_budget", "expected a token budget with chunked_prefill, got None")
         check_max_context_tokens(self.max_context_tokens, "SimConfig")
         check_context_policy(self.context_policy, "SimConfig")

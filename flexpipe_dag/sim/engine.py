@@ -70,7 +70,7 @@ _SeqKey = tuple[int, int, float, int]
 
 class _Seq:
     __slots__ = ("idx", "key", "online", "inp", "out", "gen", "blocks", "first_s", "finish_s", "preempt", "rejected",
-                 "reason", "gear_id", "pf")
+                 "reason", "gear_id", "pf_left")
 
     def __init__(self, idx: int, key: _SeqKey, online: bool, inp: int, out: int):
         self.idx = idx
@@ -86,7 +86,7 @@ class _Seq:
         self.rejected = False
         self.reason = ""  # why it was rejected: "context" (over the model's max context) or "kv_capacity"
         self.gear_id = ""
-        self.pf = False  # prefill (of input + generated tokens) due in the next iteration
+        self.pf_left = 0  # prompt tokens (input + generated, after a preemption) still to prefill
 
 
 class _Stage:
@@ -133,6 +133,8 @@ class _Pipeline:
         self.num_stages = gear.num_stages
         self.stages = [_Stage(st.replicas) for st in gear.stages]
         self.micro_batch_size = config.micro_batch_size or gear.micro_batch_size  # sequences per slot
+        if config.chunked_prefill:  # a decode takes a token of the budget, as in the runtime scheduler
+            self.micro_batch_size = min(self.micro_batch_size, cast(int, config.prefill_token_budget))
         n_slots = config.max_inflight_micro_batches or gear.max_inflight_micro_batches
         self.slots: list[list[_Seq]] = [[] for _ in range(n_slots)]
         self.idle: list[int] = list(range(n_slots))  # slots with nothing in flight and no sequences
@@ -570,6 +572,9 @@ class Simulator:
             w.tokens += len(mb.seqs)
         keep: list[_Seq] = []
         for s in mb.seqs:
+            if s.pf_left:  # part-way through its prompt's chunks: no token yet
+                keep.append(s)
+                continue
             s.gen += 1
             if s.first_s < 0.0:
                 s.first_s = t
@@ -639,6 +644,7 @@ class Simulator:
         waiting = self._waiting
         if pipe.admitting and waiting and len(seqs) < pipe.micro_batch_size:
             budget = self.config.prefill_token_budget
+            chunked = self.config.chunked_prefill
             prefill_tokens = 0
             admitted = False
             while waiting and len(seqs) < pipe.micro_batch_size:
@@ -650,7 +656,10 @@ class Simulator:
                     self._offline_open -= not s.online
                     continue
                 tokens = s.inp + s.gen
-                if budget is not None and prefill_tokens and prefill_tokens + tokens > budget:
+                if chunked:  # a new prompt starts only while this iteration's budget has room left
+                    if budget - sum(x.pf_left or 1 for x in seqs) <= 0:
+                        break
+                elif budget is not None and prefill_tokens and prefill_tokens + tokens > budget:
                     break
                 need = pipe.blocks_for(tokens + 1) if bounded else 0
                 if need > pipe.free_blocks and not (
@@ -660,7 +669,7 @@ class Simulator:
                 if bounded:
                     pipe.free_blocks -= need
                     s.blocks = need
-                s.pf = True
+                s.pf_left = tokens
                 self._running += 1
                 prefill_tokens += tokens
                 seqs.append(s)
@@ -670,15 +679,22 @@ class Simulator:
         if not seqs:
             pipe.idle.append(slot)
             return
-        # 3. compose the micro-batch: prefill tokens, decode sequences and their context
+        # 3. compose the micro-batch: prefill tokens, decode sequences and their context; with chunked
+        #    prefill the decodes take one token each of the budget and prompts (oldest first) the rest
         prefill_tokens = 0
         n_dec = 0
         ctx = 0
         gid = pipe.gear_id
+        room = None
+        if self.config.chunked_prefill:
+            room = cast(int, self.config.prefill_token_budget) - sum(1 for s in seqs if not s.pf_left)
         for s in seqs:
-            if s.pf:
-                prefill_tokens += s.inp + s.gen
-                s.pf = False
+            if s.pf_left:
+                chunk = s.pf_left if room is None else max(0, min(s.pf_left, room))
+                if room is not None:
+                    room -= chunk
+                prefill_tokens += chunk
+                s.pf_left -= chunk
                 s.gear_id = gid
             else:
                 n_dec += 1

@@ -83,7 +83,16 @@ def test_step_work_matches_cost_model_for_decode_and_single_prefill():
     cluster = cpu_cluster()
     cm = CostModel(SPEC, cluster, dtype="fp32")
     d = cluster.device("cpu0")
+    # a mixed step (3 prompts of 40 tokens, or chunks, beside 5 decodes of 100 cached tokens each) in one
+    # pass: what the runtime records and the simulator prices through stage_step_ms
+    mixed = StageObservation(gear_id="g", stage_index=0, device_id="cpu0", is_first=True, is_last=True,
+                             layer_start=0, layer_end=12, kind="mixed", num_seqs=8, prefill_seqs=3, prompt_tokens=120,
+                             decode_tokens=5, kv_context_tokens=620, attended_pairs=3 * 40 * 41 // 2 + 500, wall_ms=1.0,
+                             send_ms=None, send_bytes=0, dst_device_id=None)
+    assert cm.stage_step_ms("cpu0", 12, True, True, 120, 3, 5, 500) < (
+        cm.stage_prefill_ms("cpu0", 12, True, True, 120, 3) + cm.stage_decode_ms("cpu0", 12, True, True, 5, 500))
     for o, want in [
+        (mixed, cm.stage_step_ms("cpu0", 12, True, True, 120, 3, 5, 500)),
         (obs("cpu0", 0, "decode", 4, 1, 100, layers=(0, 12), first=True, last=False),
          cm.stage_decode_ms("cpu0", 12, True, False, 4, 400)),
         (obs("cpu0", 0, "prefill", 1, 77, 0, layers=(3, 30), first=False, last=True),

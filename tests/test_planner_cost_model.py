@@ -60,6 +60,21 @@ def test_timings_follow_the_gear(lab):
     assert timing.decode_ms(0, gear.micro_batch_size, 1) <= timing.decode_ms(0, gear.micro_batch_size, 10**6)
 
 
+def test_a_micro_batch_of_prompts_attends_within_each_prompt(lab):
+    """8 prompts of 2,000 tokens score 8 x 2,000 x 2,001 / 2 query-key pairs, not those of one 16,000-token
+    prompt (64x fewer pairs): the simulator passes the prompts of each iteration, the gear timing prices them
+    as the cost model does, and the last stage computes one logit row per prompt."""
+    model = load_model_spec("Llama-3-8B")
+    gear = plan_gears(lab, model, concurrency=16)[1]
+    cm = CostModel(model, lab)
+    timing = cm.timings(gear)
+    for i, st in enumerate(gear.stages):
+        first, last = i == 0, i == gear.num_stages - 1
+        assert timing.prefill_ms(i, 16_000, 8) == cm.stage_prefill_ms(st.device_ids[0], st.num_layers, first, last, 16_000, 8)
+        assert timing.prefill_ms(i, 16_000, 8) < 0.9 * timing.prefill_ms(i, 16_000)  # one prompt: quadratic attention
+        assert timing.prefill_ms(i, 16_000) == timing.prefill_ms(i, 16_000, 1)
+
+
 def test_shipped_efficiency_file_matches_a_fresh_fit():
     fits = fit_efficiency()
     shipped = default_efficiency()
@@ -68,3 +83,14 @@ def test_shipped_efficiency_file_matches_a_fresh_fit():
         assert shipped[cls].compute == pytest.approx(row["compute"], abs=1e-3)
         assert shipped[cls].memory == pytest.approx(row["memory"], abs=1e-3)
     assert fits["gemm"].mape < 0.15                             # GEMMs dominate stage time
+
+
+def test_a_step_prices_decode_only_and_one_prompt_as_the_dedicated_methods(lab):
+    model = load_model_spec("Llama-3-8B")
+    cm = CostModel(model, lab)
+    dev = lab.devices[0].device_id
+    for first, last in ((True, False), (False, True), (True, True)):
+        assert cm.stage_step_ms(dev, 8, first, last, 0, 0, 16, 16 * 900) == pytest.approx(
+            cm.stage_decode_ms(dev, 8, first, last, 16, 16 * 900), rel=1e-12)
+        assert cm.stage_step_ms(dev, 8, first, last, 700, 1, 0, 0) == pytest.approx(
+            cm.stage_prefill_ms(dev, 8, first, last, 700), rel=1e-12)

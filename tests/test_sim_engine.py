@@ -148,3 +148,48 @@ def test_chunked_prefill_budget_is_required_and_caps_the_sequences_per_micro_bat
     res = simulate(w, gear, timing, SimConfig(prefill_token_budget=2, chunked_prefill=True)).requests
     # two sequences per iteration: r0, r1 prefill then decode (2 ms), then r2, r3 (4 ms)
     assert sorted(res["finish_s"] * 1e3) == pytest.approx([2.0, 2.0, 4.0, 4.0])
+
+
+class _Recording(LinearStageTiming):
+    """A linear timing model that records the (tokens, prompts) of every prefill it prices."""
+
+    def __init__(self, costs):
+        super().__init__(costs)
+        self.prefills: list[tuple[int, int]] = []
+
+    def prefill_ms(self, stage_index, num_tokens, num_prompts=1):
+        self.prefills.append((num_tokens, num_prompts))
+        return super().prefill_ms(stage_index, num_tokens, num_prompts)
+
+
+@pytest.mark.parametrize("config, expected", [
+    (SimConfig(decode_context_quantum_tokens=0), [(60, 3)]),  # the three prompts share one iteration
+    # chunks of a 25-token budget, as the runtime scheduler cuts them: 10 + 15; r10's decode, 5 + 19; r20's decode, 11
+    (SimConfig(prefill_token_budget=25, chunked_prefill=True, decode_context_quantum_tokens=0),
+     [(25, 2), (24, 2), (11, 1)]),
+])
+def test_each_iteration_tells_the_timing_model_how_many_prompts_share_its_prefill(config, expected):
+    timing = _Recording([StageCosts(prefill_fixed_ms=1.0, prefill_per_token_ms=0.1, decode_fixed_ms=1.0)])
+    w = Workload.from_requests([Request(f"r{n}", 0.0, n, 2) for n in (10, 20, 30)], name="three")
+    simulate(w, manual_gear([2], micro_batch_size=4, max_inflight_micro_batches=1), timing, config)
+    assert timing.prefills == expected
+
+
+def test_the_runtime_scheduler_cuts_the_same_chunks_as_the_simulator():
+    """The same three prompts and budget through the runtime's scheduler: its micro-batches carry the
+    prompt tokens and prompts the simulator priced above."""
+    from flexpipe_dag.runtime.kv_blocks import BlockAllocator
+    from flexpipe_dag.runtime.observations import micro_batch_counts
+    from flexpipe_dag.runtime.scheduler import Request as RuntimeRequest
+    from flexpipe_dag.runtime.scheduler import Scheduler
+
+    sched = Scheduler(BlockAllocator(64, 16), 4, 1, 25, chunked_prefill=True)
+    sched.add_requests([RuntimeRequest(f"r{n}", list(range(1, n + 1)), 2) for n in (10, 20, 30)])
+    seen = []
+    while sched.has_unfinished():
+        mb = sched.schedule()
+        _, prefill_seqs, prompt_tokens, _, _, _ = micro_batch_counts(mb.seqs)
+        if prefill_seqs:
+            seen.append((prompt_tokens, prefill_seqs))
+        sched.update_from_output(mb.mb_id, [7] * len(mb.seqs))
+    assert seen == [(25, 2), (24, 2), (11, 1)]

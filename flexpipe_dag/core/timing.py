@@ -18,8 +18,14 @@ class StageTimingModel(Protocol):
 
     num_stages: int
 
-    def prefill_ms(self, stage_index: int, num_tokens: int) -> float:
-        """Time for the stage to run prefill over ``num_tokens`` prompt tokens (summed over the micro-batch)."""
+    def prefill_ms(self, stage_index: int, num_tokens: int, num_prompts: int = 1) -> float:
+        """Time for the stage to run prefill over ``num_tokens`` prompt tokens, summed over the
+        ``num_prompts`` prompts (or prompt chunks) of the micro-batch that share the step.
+
+        The prompts matter where attention does (each attends within its own prompt: ``num_prompts``
+        prompts of ``n`` tokens score ``num_prompts x n (n + 1) / 2`` query-key pairs, one prompt of
+        all the tokens scores far more) and on the last stage (one logit row per prompt).
+        """
         ...
 
     def decode_ms(self, stage_index: int, num_seqs: int, context_tokens: int) -> float:
@@ -28,6 +34,14 @@ class StageTimingModel(Protocol):
         ``num_seqs`` is the sequences decoding in this step: the decoding members of one micro-batch,
         so at most the gear's ``micro_batch_size`` (the planner prices a full micro-batch).
         """
+        ...
+
+    def step_ms(self, stage_index: int, prefill_tokens: int, num_prompts: int, num_seqs: int,
+                context_tokens: int) -> float:
+        """Time of a mixed step: ``prefill_tokens`` of ``num_prompts`` prompts (or chunks) and one
+        decode token for each of ``num_seqs`` sequences (``context_tokens`` KV tokens in total), in
+        one pass over all the tokens as the runtime runs it (one weight read, one set of kernels),
+        not a prefill followed by a decode."""
         ...
 
     def transfer_ms(self, stage_index: int, num_tokens: int) -> float:

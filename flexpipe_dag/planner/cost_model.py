@@ -172,20 +172,49 @@ class CostModel:
         return self._time(device_id, "head", lambda n: head_work_by_class(self.model, n, self.dtype), float(num_logit_tokens))
 
     # -- stages ----------------------------------------------------------------------------------
+    def layer_step_ms(self, device_id: str, num_tokens: int, attended_pairs: float, kv_tokens: int) -> float:
+        """One decoder layer over a micro-batch packed as the runtime packs it: ``num_tokens`` new tokens
+        in one ``[T, hidden]`` pass, attention scoring ``attended_pairs`` query-key pairs and reading
+        ``kv_tokens`` cached + new tokens, ms (:func:`~flexpipe_dag.planner.operators.layer_work_by_class`)."""
+        return self._time(device_id, "ls", lambda t, p, k: layer_work_by_class(self.model, t, p, k, self.dtype),
+                          float(num_tokens), float(attended_pairs), float(kv_tokens))
+
+    def stage_step_ms(self, device_id: str, num_layers: int, first: bool, last: bool, prefill_tokens: int,
+                      num_prompts: int, num_decode: int, context_tokens: int) -> float:
+        """One micro-batch step on a stage, in one pass over all its tokens (the runtime's layout), ms.
+
+        The step prefills ``prefill_tokens`` tokens of ``num_prompts`` prompts (or prompt chunks), taken
+        as equal and each attending within itself, and decodes ``num_decode`` sequences holding
+        ``context_tokens`` KV tokens in total. Projections and MLPs run once over all the tokens (one
+        weight read, one set of kernels), attention scores ``p n (n + 1) / 2`` prompt pairs plus one
+        per context token, the first stage embeds every token and the last computes one logit row per
+        sequence. A decode-only step is :meth:`stage_decode_ms`; one whole prompt is :meth:`stage_prefill_ms`.
+        """
+        prompts = max(1, num_prompts) if prefill_tokens else 0
+        per_prompt = prefill_tokens / prompts if prompts else 0.0
+        pairs = prompts * per_prompt * (per_prompt + 1) / 2 + context_tokens
+        tokens = prefill_tokens + num_decode
+        t = num_layers * self.layer_step_ms(device_id, tokens, pairs, prefill_tokens + context_tokens)
+        if first:
+            t += self.first_extra_ms(device_id, tokens)
+        if last:
+            t += self.last_extra_ms(device_id, prompts + num_decode)
+        return t
+
     def stage_prefill_ms(self, device_id: str, num_layers: int, first: bool, last: bool, num_tokens: int,
                          num_prompts: int = 1) -> float:
         """Prefill of ``num_tokens`` prompt tokens on a stage of ``num_layers`` layers, ms.
 
-        The attention term treats the tokens as ``num_prompts`` equal causal prompts.
+        The tokens are ``num_prompts`` equal causal prompts in one pass (:meth:`stage_step_ms`).
         """
-        num_prompts = max(1, num_prompts)
-        per_prompt = max(1, round(num_tokens / num_prompts))
-        t = num_layers * num_prompts * self.layer_prefill_ms(device_id, per_prompt)
-        if first:
-            t += self.first_extra_ms(device_id, num_tokens)
-        if last:
-            t += self.last_extra_ms(device_id, num_prompts)
-        return t
+        if num_prompts <= 1:
+            t = num_layers * self.layer_prefill_ms(device_id, num_tokens)
+            if first:
+                t += self.first_extra_ms(device_id, num_tokens)
+            if last:
+                t += self.last_extra_ms(device_id, 1)
+            return t
+        return self.stage_step_ms(device_id, num_layers, first, last, num_tokens, num_prompts, 0, 0)
 
     def stage_decode_ms(self, device_id: str, num_layers: int, first: bool, last: bool, num_seqs: int,
                         context_tokens: int) -> float:
@@ -257,13 +286,19 @@ class GearTiming:
         st = self.gear.stages[i]
         return st.device_ids[0], st.num_layers, i == 0, i == self.num_stages - 1
 
-    def prefill_ms(self, stage_index: int, num_tokens: int) -> float:
+    def prefill_ms(self, stage_index: int, num_tokens: int, num_prompts: int = 1) -> float:
         dev, k, first, last = self._stage(stage_index)
-        return self.cost_model.stage_prefill_ms(dev, k, first, last, int(num_tokens))
+        return self.cost_model.stage_prefill_ms(dev, k, first, last, int(num_tokens), int(num_prompts))
 
     def decode_ms(self, stage_index: int, num_seqs: int, context_tokens: int) -> float:
         dev, k, first, last = self._stage(stage_index)
         return self.cost_model.stage_decode_ms(dev, k, first, last, int(num_seqs), int(context_tokens))
+
+    def step_ms(self, stage_index: int, prefill_tokens: int, num_prompts: int, num_seqs: int,
+                context_tokens: int) -> float:
+        dev, k, first, last = self._stage(stage_index)
+        return self.cost_model.stage_step_ms(dev, k, first, last, int(prefill_tokens), int(num_prompts),
+                                             int(num_seqs), int(context_tokens))
 
     def transfer_ms(self, stage_index: int, num_tokens: int) -> float:
         if stage_index >= self.num_stages - 1:

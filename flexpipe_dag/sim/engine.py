@@ -10,8 +10,9 @@ Model (one gear = one pipeline):
   *prefill* (the whole prompt; the first token comes out of prefill) next to the slot's *decode*
   sequences.
 * **Stages.** Stage ``s`` has ``r_s`` replicas (servers) and a FIFO queue of micro-batches. An
-  iteration's service time at stage ``s`` is ``prefill_ms(s, P) + decode_ms(s, n, ctx)`` (``P``
-  prompt tokens, ``n`` decode sequences with ``ctx`` context tokens in total); after stage ``s`` the
+  iteration's service time at stage ``s`` is ``prefill_ms(s, P, p) + decode_ms(s, n, ctx)`` (``P``
+  prompt tokens of ``p`` prompts, each attending within itself; ``n`` decode sequences with ``ctx``
+  context tokens in total); after stage ``s`` the
   activations take ``transfer_ms(s, P + n)`` to reach stage ``s+1`` (a delay, links are not
   contended). Times come only from the :class:`~flexpipe_dag.core.timing.StageTimingModel`.
 * **Paged KV.** A pool of ``kv_capacity_tokens // kv_block_size_tokens`` blocks (vLLM
@@ -147,12 +148,15 @@ class _Pipeline:
         self.drained_s: float | None = None
         self._prefill = timing.prefill_ms
         self._decode = timing.decode_ms
+        self._step = timing.step_ms
         self._transfer = timing.transfer_ms
         self.ctx_quantum = config.decode_context_quantum_tokens
-        self._pcache: list[dict[int, float]] = [{} for _ in range(self.num_stages)]           # prefill tokens -> ms
-        self._dcache: list[dict[tuple[int, int], float]] = [{} for _ in range(self.num_stages)]  # (seqs, ctx) -> ms
+        self._pcache: list[dict[tuple[int, int], float]] = [{} for _ in range(self.num_stages)]  # (tokens, prompts) -> ms
+        self._dcache: list[dict[tuple[int, ...], float]] = [{} for _ in range(self.num_stages)]  # (seqs, ctx) -> ms
+        # (prompt tokens, prompts, decode seqs, ctx) -> ms of a mixed step
+        self._mcache: list[dict[tuple[int, ...], float]] = [{} for _ in range(self.num_stages)]
         self._tcache: list[dict[int, float]] = [{} for _ in range(self.num_stages)]           # tokens -> s
-        self._iter_cache: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}
+        self._iter_cache: dict[tuple[int, int, int, int], tuple[list[float], list[float]]] = {}
 
     @property
     def used_blocks(self) -> int:
@@ -161,15 +165,20 @@ class _Pipeline:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block)
 
-    def iteration_times(self, prefill_tokens: int, n_decode: int, ctx_tokens: int) -> tuple[list[float], list[float]]:
+    def iteration_times(self, prefill_tokens: int, n_decode: int, ctx_tokens: int,
+                        n_prefill: int = 1) -> tuple[list[float], list[float]]:
         """Per-stage service seconds and per-hop transfer seconds of one iteration (memoised).
 
-        Prefill and transfer times are cached by exact token count. Decode times are cached on a
-        grid of ``ctx_quantum`` context tokens and linearly interpolated between grid points (exact
-        for costs linear in context, as in the roofline and linear models; ``ctx_quantum`` 0 = call
-        the timing model every time).
+        ``prefill_tokens`` are the prompt tokens of ``n_prefill`` prompts (or chunks), each attending
+        within itself (:meth:`~flexpipe_dag.core.timing.StageTimingModel.prefill_ms`).
+        A step with both prompt and decode tokens is priced as one pass
+        (:meth:`~flexpipe_dag.core.timing.StageTimingModel.step_ms`), as the runtime runs it.
+        Prefill and transfer times are cached by exact token (and prompt) count. Decode and mixed
+        times are cached on a grid of ``ctx_quantum`` context tokens and linearly interpolated between
+        grid points (exact for costs linear in context, as in the roofline and linear models;
+        ``ctx_quantum`` 0 = call the timing model every time).
         """
-        key = (prefill_tokens, n_decode, ctx_tokens)
+        key = (prefill_tokens, n_decode, ctx_tokens, n_prefill)
         hit = self._iter_cache.get(key)
         if hit is not None:
             return hit
@@ -179,29 +188,27 @@ class _Pipeline:
         last = self.num_stages - 1
         q = self.ctx_quantum
         for s in range(self.num_stages):
-            ms = 0.0
-            if prefill_tokens:
+            if prefill_tokens and not n_decode:
                 pc = self._pcache[s]
-                v = pc.get(prefill_tokens)
-                if v is None:
-                    v = pc[prefill_tokens] = self._prefill(s, prefill_tokens)
-                ms += v
-            if n_decode:
-                if q:
-                    lo = ctx_tokens - ctx_tokens % q
-                    dc = self._dcache[s]
-                    a = dc.get((n_decode, lo))
-                    if a is None:
-                        a = dc[(n_decode, lo)] = self._decode(s, n_decode, lo)
-                    if lo == ctx_tokens:
-                        ms += a
-                    else:
-                        b = dc.get((n_decode, lo + q))
-                        if b is None:
-                            b = dc[(n_decode, lo + q)] = self._decode(s, n_decode, lo + q)
-                        ms += a + (b - a) * (ctx_tokens - lo) / q
-                else:
-                    ms += self._decode(s, n_decode, ctx_tokens)
+                ms = pc.get((prefill_tokens, n_prefill))
+                if ms is None:
+                    ms = pc[(prefill_tokens, n_prefill)] = self._prefill(s, prefill_tokens, n_prefill)
+            elif prefill_tokens:  # a mixed step: one pass over the prompt and decode tokens
+                ms = self._on_context_grid(self._mcache[s], (prefill_tokens, n_prefill, n_decode), ctx_tokens,
+                                           lambda c, s=s: self._step(s, prefill_tokens, n_prefill, n_decode, c))
+            elif q:  # decode only: the hot path, inlined
+                lo = ctx_tokens - ctx_tokens % q
+                dc = self._dcache[s]
+                ms = dc.get((n_decode, lo))
+                if ms is None:
+                    ms = dc[(n_decode, lo)] = self._decode(s, n_decode, lo)
+                if lo != ctx_tokens:
+                    b = dc.get((n_decode, lo + q))
+                    if b is None:
+                        b = dc[(n_decode, lo + q)] = self._decode(s, n_decode, lo + q)
+                    ms += (b - ms) * (ctx_tokens - lo) / q
+            else:
+                ms = self._decode(s, n_decode, ctx_tokens)
             times.append(ms / 1000.0)
             if s < last:
                 tc = self._tcache[s]
@@ -215,6 +222,23 @@ class _Pipeline:
         if not n_decode:
             self._iter_cache[key] = out
         return out
+
+    def _on_context_grid(self, cache: dict, head: tuple[int, ...], ctx_tokens: int, price) -> float:
+        """``price(ctx_tokens)`` from memoised points on a grid of ``ctx_quantum`` context tokens,
+        linearly interpolated between them (``ctx_quantum`` 0: priced every time)."""
+        q = self.ctx_quantum
+        if not q:
+            return price(ctx_tokens)
+        lo = ctx_tokens - ctx_tokens % q
+        a = cache.get(head + (lo,))
+        if a is None:
+            a = cache[head + (lo,)] = price(lo)
+        if lo == ctx_tokens:
+            return a
+        b = cache.get(head + (lo + q,))
+        if b is None:
+            b = cache[head + (lo + q,)] = price(lo + q)
+        return a + (b - a) * (ctx_tokens - lo) / q
 
 
 #: A queued event: (time_s, tie-break counter, kind, pipeline, micro-batch or switch-request time).
@@ -682,6 +706,7 @@ class Simulator:
         # 3. compose the micro-batch: prefill tokens, decode sequences and their context; with chunked
         #    prefill the decodes take one token each of the budget and prompts (oldest first) the rest
         prefill_tokens = 0
+        n_pf = 0
         n_dec = 0
         ctx = 0
         gid = pipe.gear_id
@@ -694,12 +719,13 @@ class Simulator:
                 if room is not None:
                     room -= chunk
                 prefill_tokens += chunk
+                n_pf += chunk > 0
                 s.pf_left -= chunk
                 s.gear_id = gid
             else:
                 n_dec += 1
                 ctx += s.inp + s.gen
-        times, xfer = pipe.iteration_times(prefill_tokens, n_dec, ctx)
+        times, xfer = pipe.iteration_times(prefill_tokens, n_dec, ctx, max(1, n_pf))
         pipe.inflight += 1
         self._stage_arrive(pipe, _MicroBatch(slot, times, xfer, seqs), t)
 

@@ -63,11 +63,18 @@ class LinearStageTiming:
         self._tf = tuple(s.transfer_fixed_ms for s in self.stages)
         self._tt = tuple(s.transfer_per_token_ms for s in self.stages)
 
-    def prefill_ms(self, stage_index: int, num_tokens: int) -> float:
+    def prefill_ms(self, stage_index: int, num_tokens: int, num_prompts: int = 1) -> float:
+        """Fixed + per-token time: linear in the tokens, the same however many prompts share them."""
         return self._pf[stage_index] + self._pt[stage_index] * num_tokens
 
     def decode_ms(self, stage_index: int, num_seqs: int, context_tokens: int) -> float:
         return self._df[stage_index] + self._ds[stage_index] * num_seqs + self._dc[stage_index] * context_tokens
+
+    def step_ms(self, stage_index: int, prefill_tokens: int, num_prompts: int, num_seqs: int,
+                context_tokens: int) -> float:
+        """Prefill + decode: the linear model prices the two parts of a mixed step apart, by definition."""
+        return self.prefill_ms(stage_index, prefill_tokens, num_prompts) + self.decode_ms(stage_index, num_seqs,
+                                                                                          context_tokens)
 
     def transfer_ms(self, stage_index: int, num_tokens: int) -> float:
         if stage_index >= self.num_stages - 1:

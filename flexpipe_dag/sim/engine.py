@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypedDict, cast
 
 import numpy as np
@@ -194,8 +194,8 @@ class _Pipeline:
                 if ms is None:
                     ms = pc[(prefill_tokens, n_prefill)] = self._prefill(s, prefill_tokens, n_prefill)
             elif prefill_tokens:  # a mixed step: one pass over the prompt and decode tokens
-                ms = self._on_context_grid(self._mcache[s], (prefill_tokens, n_prefill, n_decode), ctx_tokens,
-                                           lambda c, s=s: self._step(s, prefill_tokens, n_prefill, n_decode, c))
+                ms = self._on_context_grid(self._mcache[s], (s, prefill_tokens, n_prefill, n_decode), ctx_tokens,
+                                           self._step_at)
             elif q:  # decode only: the hot path, inlined
                 lo = ctx_tokens - ctx_tokens % q
                 dc = self._dcache[s]
@@ -223,21 +223,27 @@ class _Pipeline:
             self._iter_cache[key] = out
         return out
 
-    def _on_context_grid(self, cache: dict, head: tuple[int, ...], ctx_tokens: int, price) -> float:
-        """``price(ctx_tokens)`` from memoised points on a grid of ``ctx_quantum`` context tokens,
+    def _step_at(self, key: tuple[int, ...], ctx_tokens: int) -> float:
+        """The mixed step ``key`` = (stage, prompt tokens, prompts, decode sequences) at ``ctx_tokens``."""
+        s, prefill_tokens, n_prefill, n_decode = key
+        return float(self._step(s, prefill_tokens, n_prefill, n_decode, ctx_tokens))
+
+    def _on_context_grid(self, cache: dict[tuple[int, ...], float], head: tuple[int, ...], ctx_tokens: int,
+                         price: Callable[[tuple[int, ...], int], float]) -> float:
+        """``price(head, ctx_tokens)`` from memoised points on a grid of ``ctx_quantum`` context tokens,
         linearly interpolated between them (``ctx_quantum`` 0: priced every time)."""
         q = self.ctx_quantum
         if not q:
-            return price(ctx_tokens)
+            return price(head, ctx_tokens)
         lo = ctx_tokens - ctx_tokens % q
         a = cache.get(head + (lo,))
         if a is None:
-            a = cache[head + (lo,)] = price(lo)
+            a = cache[head + (lo,)] = price(head, lo)
         if lo == ctx_tokens:
             return a
         b = cache.get(head + (lo + q,))
         if b is None:
-            b = cache[head + (lo + q,)] = price(lo + q)
+            b = cache[head + (lo + q,)] = price(head, lo + q)
         return a + (b - a) * (ctx_tokens - lo) / q
 
 
@@ -681,7 +687,7 @@ class Simulator:
                     continue
                 tokens = s.inp + s.gen
                 if chunked:  # a new prompt starts only while this iteration's budget has room left
-                    if budget - sum(x.pf_left or 1 for x in seqs) <= 0:
+                    if cast(int, budget) - sum(x.pf_left or 1 for x in seqs) <= 0:
                         break
                 elif budget is not None and prefill_tokens and prefill_tokens + tokens > budget:
                     break

@@ -153,8 +153,8 @@ class _Pipeline:
         self.ctx_quantum = config.decode_context_quantum_tokens
         self._pcache: list[dict[tuple[int, int], float]] = [{} for _ in range(self.num_stages)]  # (tokens, prompts) -> ms
         self._dcache: list[dict[tuple[int, ...], float]] = [{} for _ in range(self.num_stages)]  # (seqs, ctx) -> ms
-        # (prompt tokens, prompts, decode seqs, ctx) -> ms of a mixed step
-        self._mcache: list[dict[tuple[int, ...], float]] = [{} for _ in range(self.num_stages)]
+        # (stage, prompt tokens, prompts, decode seqs, ctx) -> ms of a mixed step
+        self._mcache: dict[tuple[int, ...], float] = {}
         self._tcache: list[dict[int, float]] = [{} for _ in range(self.num_stages)]           # tokens -> s
         self._iter_cache: dict[tuple[int, int, int, int], tuple[list[float], list[float]]] = {}
 
@@ -194,7 +194,7 @@ class _Pipeline:
                 if ms is None:
                     ms = pc[(prefill_tokens, n_prefill)] = self._prefill(s, prefill_tokens, n_prefill)
             elif prefill_tokens:  # a mixed step: one pass over the prompt and decode tokens
-                ms = self._on_context_grid(self._mcache[s], (s, prefill_tokens, n_prefill, n_decode), ctx_tokens,
+                ms = self._on_context_grid(self._mcache, (s, prefill_tokens, n_prefill, n_decode), ctx_tokens,
                                            self._step_at)
             elif q:  # decode only: the hot path, inlined
                 lo = ctx_tokens - ctx_tokens % q

@@ -13,7 +13,7 @@ from flexpipe_dag.core.gear import EnvelopeBasis
 from flexpipe_dag.planner.cost_model import CostModel
 from flexpipe_dag.planner.envelope import check_promise, holdout_reference
 from flexpipe_dag.planner.model_spec import load_model_spec
-from flexpipe_dag.planner.operating import recommend_gear, short_probe_note
+from flexpipe_dag.planner.operating import recommend_gear, small_sample_note
 from flexpipe_dag.resources.planning import PlanningSettings
 from flexpipe_dag.sim import manual_gear
 from tests.support import EXAMPLES
@@ -71,10 +71,10 @@ def test_recommendation_is_the_fewest_devices_that_hold_the_load():
             recommend_gear([small], bad)
 
 
-def test_short_probes_are_flagged_when_they_cannot_show_a_backlog():
+def test_envelopes_measured_on_a_small_sample_are_flagged():
     basis = EnvelopeBasis(source="simulator", slo_ttft_ms=2000.0, slo_tpot_ms=200.0, attainment=0.95,
-                          workload="azure-conv", num_requests=100)
-    fast = _gear("fast-1s-a", 1, 25.0)
-    note = short_probe_note([fast], basis)
-    assert note and "at least 334" in note  # 2 s x 25 req/s / 0.15
-    assert short_probe_note([fast], basis.model_copy(update={"num_requests": 1000})) is None
+                          workload="azure-conv", num_requests=400)
+    note = small_sample_note(basis, 19_366)
+    assert note and "400 requests of azure-conv" in note and "at least 1000" in note
+    assert small_sample_note(basis.model_copy(update={"num_requests": 1000}), 19_366) is None
+    assert small_sample_note(basis, 400) is None  # the whole of a short trace: its own sample

@@ -61,7 +61,12 @@ gearbox: the nearest gear in the trigger's direction), then net payback, which c
 the devices it holds (``device_weight``). The best one that passes
 the payback test (:mod:`flexpipe_dag.control.payback`) is shifted to, unless inside the dwell.
 Outside a failing gear, at most one shift happens per ``dwell_s``: with the seed 10 min, at most
-6 per hour by construction.
+6 per hour by construction. With ``rising_dwell_s`` set, a shift up that the rising load fires
+(``rps_above_envelope``, ``forecast_above_envelope``) waits only that long after the last shift, as
+Kubernetes' HPA scales up without the stabilisation window it keeps for scaling down: a shift down
+the load proves wrong is undone before a queue builds, not after a dwell of SLO misses. Every other
+shift still waits ``dwell_s`` after any shift, so a shift down is never followed by another shift
+down within ``dwell_s``.
 
 Every decision, taken or declined, carries a one-sentence ``reason`` naming the trigger, the
 smoothed figures against their thresholds, and the payback arithmetic or why the shift was
@@ -225,9 +230,16 @@ class Controller:
         q, r = state.ema_queue_length, state.ema_running
         return q is not None and q > max(1.0, r or 0.0)
 
-    def in_dwell(self, state: ControllerState, t_s: float) -> bool:
-        """True while less than ``dwell_s`` has passed since the last shift decision."""
-        return state.last_shift_s is not None and t_s - state.last_shift_s < self.config.dwell_s
+    def dwell_for(self, trigger: str | None) -> float:
+        """The dwell ``trigger`` waits out after the last shift, s: ``rising_dwell_s`` for a trigger the
+        rising load fires (:data:`_RISING`, which moves only to a gear with more capacity) when set, else ``dwell_s``."""
+        cfg = self.config
+        return cfg.rising_dwell_s if trigger in _RISING and cfg.rising_dwell_s is not None else cfg.dwell_s
+
+    def in_dwell(self, state: ControllerState, t_s: float, trigger: str | None = None) -> bool:
+        """True while less than :meth:`dwell_for` ``trigger`` (``dwell_s`` for none) has passed since the last
+        shift decision."""
+        return state.last_shift_s is not None and t_s - state.last_shift_s < self.dwell_for(trigger)
 
     # ------------------------------------------------------------------------------------------
     def observe(self, state: ControllerState | None, samples: Iterable[MetricSample], gears: Sequence[Gear], *,
@@ -362,7 +374,8 @@ class Controller:
             return None
         need = self.required_samples(st)
         fresh = [t for t in TRIGGER_PRIORITY if t not in _NO_ESCALATION and st.counts.get(t, 0) >= need
-                 and t not in st.escalated and self._rank_candidates(st, gear, t, by_id, unhealthy, cost_fn)]
+                 and t not in st.escalated and self.in_dwell(st, t_s, t)
+                 and self._rank_candidates(st, gear, t, by_id, unhealthy, cost_fn)]
         if not fresh:
             return None
         st.escalated = sorted(set(st.escalated) | set(fresh))
@@ -662,14 +675,14 @@ class Controller:
             return Decision(action="hold", trigger=trigger, declined=True, reason_kind="no_candidate",
                             reason=note + self._nowhere_text(st, gear, trigger, why, unhealthy, by_id), **base)
 
-        if not forced and self.in_dwell(st, now_s):
+        if not forced and self.in_dwell(st, now_s, trigger):
             best = ranked[0]
             since = now_s - (st.last_shift_s or 0.0)
             raised = (f"threshold raised to {need} samples" if raised_by is not None
                       else f"threshold stays at {need} samples")
             return Decision(action="hold", to_gear_id=best.gear.gear_id, trigger=trigger, declined=True,
                             reason=note + f"declined: {why}; inside dwell ({_fmt_min(since)} of "
-                                          f"{_fmt_min(cfg.dwell_s)} min), {raised}",
+                                          f"{_fmt_min(self.dwell_for(trigger))} min), {raised}",
                             estimated_gain_fraction=best.gain_fraction, migration_cost_s=best.migration_cost_s,
                             expected_residence_s=best.residence_s, reason_kind="dwell", **base)
 

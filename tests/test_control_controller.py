@@ -212,15 +212,15 @@ def test_sustained_trigger_shifts_when_the_dwell_ends():
     assert all("in progress" in d.reason for d in ds[at + 1:])
 
 
-def test_a_shift_up_the_rising_load_fires_waits_only_the_rising_dwell():
+def test_a_shift_up_the_overload_fires_waits_only_the_overload_dwell():
     """A shift to bal at t=6, then the load overruns bal (12 req/s > 10) 2 min later. With the seed
-    dwell the shift up to thr is declined for 10 minutes; with ``rising_dwell_s`` 60 it goes as soon as
+    dwell the shift up to thr is declined for 10 minutes; with ``overload_dwell_s`` 60 it goes as soon as
     the trigger has held 3 samples past 60 s. A shift down inside the dwell is still declined."""
     seed = Controller(EXACT)
     st = _shift_to_bal(seed)
     _, ds = feed(seed, st, GEARS, [_bal(t, 12.0) for t in (120, 122, 124)])
     assert ds[-1].declined and ds[-1].trigger == "rps_above_envelope" and "inside dwell (2.0 of 10.0 min)" in ds[-1].reason
-    rising = Controller(EXACT.model_copy(update={"rising_dwell_s": 60.0}))
+    rising = Controller(EXACT.model_copy(update={"overload_dwell_s": 60.0}))
     st = _shift_to_bal(rising)
     st_up, ds = feed(rising, st, GEARS, [_bal(t, 12.0) for t in (50, 52, 54)])
     assert ds[-1].declined and "inside dwell (0.8 of 1.0 min)" in ds[-1].reason  # 48 s after the shift

@@ -109,12 +109,12 @@ class ControllerConfig(Figures):
     hysteresis_samples: Annotated[int, Field(ge=1)] = 3
     hysteresis_max_samples: Annotated[int, Field(ge=1)] = 10
     dwell_s: NonNegFloat = 600.0
-    rising_dwell_s: NonNegFloat | None = Field(
-        None, description="the dwell a shift up waits out when the rising load fires it (rps_above_envelope, "
-                          "forecast_above_envelope: only to a gear with more capacity), s; every other shift waits "
-                          "dwell_s. Like the Kubernetes HPA, which scales up at once and holds scale-down for a "
-                          "stabilisation window: a shift down the load proves wrong is undone before the queue "
-                          "builds. None (the seeds) = dwell_s")
+    overload_dwell_s: NonNegFloat | None = Field(
+        None, description="the dwell a shift up waits out when the request rate itself is over the serving gear's "
+                          "envelope (rps_above_envelope: only to a gear with more capacity), s; every other shift, a "
+                          "forecast's included, waits dwell_s. Like the Kubernetes HPA, which scales up at once and "
+                          "holds scale-down for a stabilisation window: a shift down the load proves wrong is undone "
+                          "before the queue builds. None (the seeds) = dwell_s")
     dwell_escalation_samples: Annotated[int, Field(ge=0)] = 1
     escalation_decay_s: PositiveFloat = 600.0
 

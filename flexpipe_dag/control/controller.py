@@ -61,12 +61,12 @@ gearbox: the nearest gear in the trigger's direction), then net payback, which c
 the devices it holds (``device_weight``). The best one that passes
 the payback test (:mod:`flexpipe_dag.control.payback`) is shifted to, unless inside the dwell.
 Outside a failing gear, at most one shift happens per ``dwell_s``: with the seed 10 min, at most
-6 per hour by construction. With ``rising_dwell_s`` set, a shift up that the rising load fires
-(``rps_above_envelope``, ``forecast_above_envelope``) waits only that long after the last shift, as
-Kubernetes' HPA scales up without the stabilisation window it keeps for scaling down: a shift down
-the load proves wrong is undone before a queue builds, not after a dwell of SLO misses. Every other
-shift still waits ``dwell_s`` after any shift, so a shift down is never followed by another shift
-down within ``dwell_s``.
+6 per hour by construction. With ``overload_dwell_s`` set, a shift up that the load itself fires
+(``rps_above_envelope``: the request rate over the serving gear's envelope) waits only that long
+after the last shift, as Kubernetes' HPA scales up without the stabilisation window it keeps for
+scaling down: a shift down the load proves wrong is undone before a queue builds, not after a dwell
+of SLO misses. Every other shift, a forecast's included (a forecast is a guess; on openb day 3 one
+moved to the 8-device gear hours early and missed more), still waits ``dwell_s`` after any shift.
 
 Every decision, taken or declined, carries a one-sentence ``reason`` naming the trigger, the
 smoothed figures against their thresholds, and the payback arithmetic or why the shift was
@@ -231,10 +231,13 @@ class Controller:
         return q is not None and q > max(1.0, r or 0.0)
 
     def dwell_for(self, trigger: str | None) -> float:
-        """The dwell ``trigger`` waits out after the last shift, s: ``rising_dwell_s`` for a trigger the
-        rising load fires (:data:`_RISING`, which moves only to a gear with more capacity) when set, else ``dwell_s``."""
+        """The dwell ``trigger`` waits out after the last shift, s: ``overload_dwell_s`` for
+        ``rps_above_envelope`` (the load itself over the serving gear's envelope; it moves only to a gear
+        with more capacity) when set, else ``dwell_s``."""
         cfg = self.config
-        return cfg.rising_dwell_s if trigger in _RISING and cfg.rising_dwell_s is not None else cfg.dwell_s
+        if trigger == "rps_above_envelope" and cfg.overload_dwell_s is not None:
+            return cfg.overload_dwell_s
+        return cfg.dwell_s
 
     def in_dwell(self, state: ControllerState, t_s: float, trigger: str | None = None) -> bool:
         """True while less than :meth:`dwell_for` ``trigger`` (``dwell_s`` for none) has passed since the last

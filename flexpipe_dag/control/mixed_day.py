@@ -85,9 +85,10 @@ MIXED_DAY_CONTROLLER: dict[str, tuple[float, str]] = {
                                        "105 %: an envelope is measured at 95 % SLO attainment (seed 0 = off)"),
     "forecast_horizon_s": (300.0, "look-ahead of the load forecast, simulated s: 2 h of a day compressed into an "
                                   "hour (the tide replays' 600 s shifted up hours before rises day 0 did not have)"),
-    "rising_dwell_s": (0.0, "a shift up the rising load fires waits out no dwell (seed: dwell_s), as Kubernetes' HPA "
-                            "scales up: on lab day 0 a shift down the load then overran (7.5 req/s on a 6.1 req/s gear) "
-                            "held for the 600-s dwell, 4 hours of the compressed day, and missed 3.2 % of the requests"),
+    "overload_dwell_s": (0.0, "a shift up the load over the envelope fires waits out no dwell (seed: dwell_s), as "
+                              "Kubernetes' HPA scales up: on lab day 0 a shift down the load then overran (7.5 req/s on "
+                              "a 6.1 req/s gear) held for the 600-s dwell, 4 hours of the compressed day, and missed "
+                              "3.2 % of the requests"),
 }
 
 

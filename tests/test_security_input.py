@@ -410,6 +410,23 @@ def test_a_timing_table_that_is_a_device_is_refused(tmp_path):
              needles=("/dev/zero: is a device; expected a regular file holding a stage timing table",))
 
 
+@pytest.mark.parametrize("cell", ["True", "false"])
+def test_a_timing_table_boolean_is_no_number_of_ms(tmp_path, cell):
+    """``True`` in a stage timing table is refused by row and column, not priced as 1 ms (a column of
+    booleans only: pandas reads it as bool, which ``pd.to_numeric`` turned into 1 / 0)."""
+    from tests.test_sim_cli import _files
+
+    gear, timing = _files(tmp_path)
+    lines = timing.read_text().splitlines()
+    column = lines[0].split(",").index("decode_fixed_ms")
+    rows = [line.split(",") for line in lines[1:]]
+    for row in rows:
+        row[column] = cell
+    timing.write_text("\n".join([lines[0], *(",".join(row) for row in rows)]) + "\n")
+    _refused(tmp_path, "simulate", "--gear-file", str(gear), "--timing", str(timing), "--trace", "azure-conv",
+             needles=(f"row 1.decode_fixed_ms: got {cell.capitalize()}; expected a number of ms",))
+
+
 def test_the_batch_job_refuses_an_unprintable_job_key_before_the_store(tmp_path):
     from flexpipe_dag.jobs.batch import batch_inference
     from flexpipe_dag.resources.store_resource import StoreResource

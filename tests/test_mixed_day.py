@@ -208,7 +208,16 @@ def test_cli_simulate_day_json_shape(tmp_path, capsys):
                                           (["--start-day", "14"], "--start-day"),
                                           (["--slo-tpot-ms", "1e300"], "--slo-tpot-ms"),
                                           (["--report", "."], r"--report: is a directory"),
-                                          (["--report", "/nonexistent-dir/x.html"], "directory /nonexistent-dir does not exist")])
+                                          (["--report", "/nonexistent-dir/x.html"], "directory /nonexistent-dir does not exist"),
+                                          # single-gear flags are refused whatever their value, a falsy 0 too
+                                          (["--micro-batch-size", "0"], "--micro-batch-size: is for a single-gear"),
+                                          (["--max-inflight", "0"], "--max-inflight: is for a single-gear"),
+                                          (["--kv-capacity-tokens", "0"], "--kv-capacity-tokens: is for a single-gear"),
+                                          (["--chunked-prefill-tokens", "0"], "--chunked-prefill-tokens: is for a single"),
+                                          (["--tide-compression", "0"], "--tide-compression: is for a single-gear"),
+                                          (["--speedup", "4"], "--speedup: is for a single-gear"),
+                                          (["--max-context-tokens", "512"], "--max-context-tokens: is for a single-gear"),
+                                          (["--truncate-context"], "--truncate-context: is for a single-gear")])
 def test_cli_simulate_day_refuses_bad_flags(flags, field):
     import argparse
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from flexpipe_dag.core.errors import InfeasibleError, InputError
-from flexpipe_dag.runtime.batch import JsonlSink, read_prompts
+from flexpipe_dag.runtime.batch import JsonlSink, prompts_from_trace, read_prompts
 
 
 def test_jsonl_prompts_count_malformed_rows(tmp_path):
@@ -105,3 +105,23 @@ def test_unknown_start_method_is_refused_before_launch():
     with pytest.raises(InputError, match="start_method: expected 'forkserver' or 'spawn'"):
         rt.start()
     assert rt.stage_pids() == []
+
+
+@pytest.mark.parametrize("cells, field", [("abc,5", "row 2.ContextTokens"), (",5", "row 2.ContextTokens"),
+                                          ("10.5,5", "row 2.ContextTokens"), ("-50,5", "row 2.ContextTokens"),
+                                          ("10,0", "row 2.GeneratedTokens")])
+def test_trace_rows_with_bad_token_counts_are_named(tmp_path, cells, field):
+    """``run --trace``: a token count that is not an integer >= 1 is an InputError naming the row and the
+    column (it was a ValueError traceback, and a negative count silently became 1)."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,12,3\n"
+                     f"2023-11-16 18:15:47.0000000,{cells}\n")
+
+    def tokenizer(text, add_special_tokens=False):
+        return {"input_ids": list(range(100))}
+
+    with pytest.raises(InputError) as e:
+        prompts_from_trace(trace, tokenizer, num_requests=2, max_prompt_tokens=64, max_new_tokens=8)
+    assert e.value.source == str(trace) and e.value.field == field
+    rows = prompts_from_trace(trace, tokenizer, num_requests=1, max_prompt_tokens=64, max_new_tokens=8)
+    assert [(len(r.token_ids), r.max_new_tokens) for r in rows] == [(12, 3)]  # rows not used are not read

@@ -410,6 +410,23 @@ def test_a_timing_table_that_is_a_device_is_refused(tmp_path):
              needles=("/dev/zero: is a device; expected a regular file holding a stage timing table",))
 
 
+@pytest.mark.parametrize("cell", ["True", "false"])
+def test_a_timing_table_boolean_is_no_number_of_ms(tmp_path, cell):
+    """``True`` in a stage timing table is refused by row and column, not priced as 1 ms (a column of
+    booleans only: pandas reads it as bool, which ``pd.to_numeric`` turned into 1 / 0)."""
+    from tests.test_sim_cli import _files
+
+    gear, timing = _files(tmp_path)
+    lines = timing.read_text().splitlines()
+    column = lines[0].split(",").index("decode_fixed_ms")
+    rows = [line.split(",") for line in lines[1:]]
+    for row in rows:
+        row[column] = cell
+    timing.write_text("\n".join([lines[0], *(",".join(row) for row in rows)]) + "\n")
+    _refused(tmp_path, "simulate", "--gear-file", str(gear), "--timing", str(timing), "--trace", "azure-conv",
+             needles=(f"row 1.decode_fixed_ms: got {cell.capitalize()}; expected a number of ms",))
+
+
 def test_the_batch_job_refuses_an_unprintable_job_key_before_the_store(tmp_path):
     from flexpipe_dag.jobs.batch import batch_inference
     from flexpipe_dag.resources.store_resource import StoreResource
@@ -466,6 +483,33 @@ def test_gear_json_is_strict_and_its_figures_bounded(tmp_path):
         with pytest.raises(InputError, match=needle) as err:
             load_gear(path)
         assert err.value.field == field and "StagePlan" not in str(err.value) and "Gear" not in str(err.value)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("micro_batch_size", True, "Input should be a valid integer (got True)"),
+    ("micro_batch_size", "32", "Input should be a valid integer (got '32')"),
+    ("micro_batch_size", 16.0, "Input should be a valid integer (got 16.0)"),
+    ("stages[0].stage_index", False, "Input should be a valid integer (got False)"),
+    ("rps_min", True, "Input should be a valid number (got True)"),
+])
+def test_gear_figures_are_strict_numbers(tmp_path, field, value, needle):
+    """A boolean or a string where a gear's number belongs is refused, as in a cluster profile, not read as
+    1 / 0 / 32 (``micro_batch_size: true`` planned and simulated a micro-batch of 1)."""
+    from flexpipe_dag.core.gear_builders import load_gear
+    from tests.test_sim_cli import _files
+
+    gear, _ = _files(tmp_path)
+    doc = json.loads(gear.read_text())
+    head, _, leaf = field.rpartition(".")
+    (doc["stages"][0] if head else doc)[leaf] = value
+    gear.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=rf"^{gear}: {re.escape(field)}: {re.escape(needle)}$"):
+        load_gear(gear)
+    if field == "micro_batch_size" and value is True:  # YAML's yes is a boolean too
+        as_yaml = gear.with_suffix(".yaml")
+        as_yaml.write_text(json.dumps(doc).replace("true", "yes"))
+        with pytest.raises(InputError, match="micro_batch_size: Input should be a valid integer"):
+            load_gear(as_yaml)
 
 
 @pytest.mark.parametrize("text, tag", [("a: !!binary aGVsbG8=", "'binary'"), ("a: !!set {x}", "'set'"),

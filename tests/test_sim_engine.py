@@ -112,6 +112,19 @@ def test_kv_capacity_from_config_override():
     assert simulate(w, gear, timing, SimConfig(kv_capacity_tokens=64)).summary["rejected"] == 1
 
 
+@pytest.mark.parametrize("pool_tokens", [1, 15])
+def test_kv_pool_under_one_block_is_one_block_not_unbounded(pool_tokens):
+    """A pool smaller than a block (16 tokens) holds one block, as the runtime sizes it: a request needing
+    more is rejected, one that fits in the block is served (it used to read as 0 blocks = unbounded)."""
+    timing = LinearStageTiming.uniform(1, prefill_fixed_ms=1, decode_fixed_ms=1)
+    gear = manual_gear([1], micro_batch_size=8, kv_capacity_tokens=0)
+    w = Workload.from_requests([Request("big", 0, 100, 10), Request("small", 1, 4, 4)], name="x")
+    summary = simulate(w, gear, timing, SimConfig(kv_capacity_tokens=pool_tokens)).summary
+    assert (summary["rejected"], summary["completed"]) == (1, 1)
+    on_gear = manual_gear([1], micro_batch_size=8, kv_capacity_tokens=pool_tokens)
+    assert simulate(w, on_gear, timing).summary["rejected"] == 1
+
+
 def test_chunked_prefill_cuts_a_long_prompt_and_bounds_the_decode_stall():
     """One stage, one slot of 4; a short request decoding, then a 1,000-token prompt at 20 ms. Whole-prompt
     prefill stalls the short request's next token for the whole prompt; with a 100-token budget each

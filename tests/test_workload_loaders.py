@@ -109,6 +109,31 @@ def test_unsorted_is_sorted_with_warning(tmp_path):
     assert [r.request_id for r in w] == ["b", "a", "c"]
 
 
+@pytest.mark.parametrize("name, text", [("e.csv", "request_id,arrival_s,input_tokens,output_tokens\n,0,5,5\nb,1,5,5\n"),
+                                        ("n.jsonl", '{"request_id": null, "arrival_s": 0, "input_tokens": 5, "output_tokens": 5}\n'),
+                                        ("s.jsonl", '{"request_id": "  ", "arrival_s": 0, "input_tokens": 5, "output_tokens": 5}\n')])
+def test_empty_request_id_is_refused_by_row(tmp_path, name, text):
+    """An empty id cell (or JSON null) is named by row, not a TypeError out of pandas."""
+    with pytest.raises(InputError, match="empty; expected an id") as e:
+        load_request_file(_write(tmp_path, name, text))
+    assert e.value.field == "row 1.request_id"
+
+
+@pytest.mark.parametrize("text, field", [
+    ('{"arrival_s": 0, "input_tokens": 5, "output_tokens": 5}\n{"arrival_s": 1, "input_tokens": true, "output_tokens": 5}\n',
+     "row 2.input_tokens"),
+    ('{"arrival_s": true, "input_tokens": 5, "output_tokens": 5}\n', "row 1.arrival_s"),
+    ('{"arrival_s": 0, "input_tokens": 5, "output_tokens": 5, "priority": false}\n', "row 1.priority")])
+def test_booleans_are_not_numbers(tmp_path, text, field):
+    """JSON true / false where a number belongs is refused, not read as 1 / 0."""
+    with pytest.raises(InputError, match="got True|got False") as e:
+        load_request_file(_write(tmp_path, "b.jsonl", text))
+    assert e.value.field == field
+    csv_bools = _write(tmp_path, "b.csv", "arrival_s,input_tokens,output_tokens\n0,True,5\n1,False,5\n")
+    with pytest.raises(InputError, match="row 1.input_tokens"):
+        load_request_file(csv_bools)
+
+
 def test_generic_class_priority_and_bad_class(tmp_path):
     p = _write(tmp_path, "g.csv", "arrival_s,input_tokens,output_tokens,class,priority\n0,5,5,offline,3\n1,5,5,online,0\n")
     w = load_request_file(p)

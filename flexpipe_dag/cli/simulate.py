@@ -76,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         + " (ms); without it --cluster prices the gear with the planner's cost model")
     bundled = ", ".join(n for n in BUNDLED_TRACES if n != "servegen-tide")
     p.add_argument("--trace", help=f"trace file or bundled name ({bundled}); required unless --day")
-    p.add_argument("--speedup", type=float, default=1.0, help="compress arrival times by this factor (default 1)")
+    p.add_argument("--speedup", type=float, default=None, help="compress arrival times by this factor (default 1)")
     p.add_argument("--window-s", type=float, nargs=2, metavar=("START", "END"), help="only requests arriving in [START, END) s")
     p.add_argument("--tide-compression", type=float,
                    help="shape the trace by the bundled ServeGen daily tide, this many tide seconds per trace second")
@@ -201,9 +201,10 @@ def check_flags(args: argparse.Namespace) -> None:
 
     if args.dtype is not None:
         args.dtype = canonical_dtype(args.dtype, None, "--dtype")
-    check_number(args.speedup, None, "--speedup", gt=0, unit="factor")
     chunked_prefill_tokens(args)
-    check_number(args.speedup, None, "--speedup", ge=MIN_SPEEDUP, le=MAX_SPEEDUP, unit="factor")
+    if args.speedup is not None:  # None: not given, the trace's own pace
+        check_number(args.speedup, None, "--speedup", gt=0, unit="factor")
+        check_number(args.speedup, None, "--speedup", ge=MIN_SPEEDUP, le=MAX_SPEEDUP, unit="factor")
     if args.window_s:
         start_s, end_s = args.window_s
         check_number(start_s, None, "--window-s START", ge=0, unit="trace seconds")
@@ -265,7 +266,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
                              f"the trace spans 0..{span_s:.0f} s")
     if args.tide_compression is not None:
         w = shape_by_tide(w, load_tide_trace(), compression=args.tide_compression)
-    if args.speedup != 1.0:
+    if args.speedup is not None and args.speedup != 1.0:
         w = speedup(w, args.speedup)
     if args.offline:
         off = load_trace(args.offline)

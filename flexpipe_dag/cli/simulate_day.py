@@ -22,6 +22,11 @@ from flexpipe_dag.core.user_files import check_output_file
 
 #: The offline backlog when ``--offline`` is not given.
 DEFAULT_BACKLOG = "arxiv-summarization"
+#: ``flexpipe simulate`` flags (argparse dests) of the single-gear replay that ``--day`` refuses rather than
+#: ignores; each defaults to ``None`` (``False`` for ``--truncate-context``), so any value given is caught.
+SINGLE_GEAR_FLAGS = ("gear", "gear_file", "timing", "trace", "window_s", "tide_compression", "speedup",
+                     "timeseries_csv", "micro_batch_size", "max_inflight", "kv_capacity_tokens",
+                     "chunked_prefill_tokens", "max_context_tokens", "truncate_context")
 
 
 def add_day_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,9 +63,9 @@ def check_day_flags(args: argparse.Namespace) -> None:
     for flag in ("cluster", "model"):
         if not getattr(args, flag):
             raise InputError(None, f"--{flag}", "--day needs --cluster FILE and --model MODEL")
-    for flag in ("gear", "gear_file", "timing", "trace", "window_s", "tide_compression", "timeseries_csv",
-                 "micro_batch_size", "max_inflight", "kv_capacity_tokens", "chunked_prefill_tokens"):
-        if getattr(args, flag, None):
+    for flag in SINGLE_GEAR_FLAGS:  # given at all (``--micro-batch-size 0`` too), not merely truthy
+        value = getattr(args, flag, None)
+        if value is not None and value is not False:  # identity: 0 == False would let a 0 through
             raise InputError(None, f"--{flag.replace('_', '-')}", "is for a single-gear replay; --day shapes its own "
                                                                   "online day from the tide and picks its gears")
     check_number(args.duration_s, None, "--duration-s", gt=0, le=86400.0, unit="simulated seconds")

@@ -88,6 +88,9 @@ def load_gear(path: str | Path) -> Gear:
     Read through the capped reader and parsed strictly (:func:`~flexpipe_dag.core.user_yaml.load_user_document`):
     a duplicate key (two ``gear_id``), ``NaN`` / ``Infinity``, an alias or a non-standard YAML tag is refused,
     and every figure is checked against the bounds of :class:`Gear` (e.g. ``micro_batch_size`` 1..65536).
+    Validation is strict, as a cluster profile's numbers are: a boolean (YAML's ``yes`` / ``true``), a string
+    (``"32"``) or a float (``32.0``) where an integer belongs is refused, not converted (``true`` read as a
+    micro-batch of 1, ``false`` as stage 0).
 
     Raises:
         InputError: the file is missing or unreadable, not a regular file, over
@@ -107,6 +110,6 @@ def load_gear(path: str | Path) -> Gear:
         raise InputError(str(path), None, f"the file holds {got}; expected a mapping of a gear's fields "
                                           "(gear_id, model_name, num_layers, stages, micro_batch_size, ...)")
     try:
-        return Gear.model_validate(data)
+        return Gear.model_validate(data, strict=True)
     except ValidationError as exc:
         raise validation_input_error(str(path), exc) from None

@@ -270,8 +270,12 @@ def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests:
     ``num_requests`` trace rows are used.
 
     Raises:
-        InputError: the trace lacks the columns or has fewer rows than asked.
+        InputError: the trace lacks the columns or has fewer rows than asked, or one of the rows used has a
+            token count that is not an integer in ``1..INT32_MAX`` (named by row and column, as the trace
+            loaders name it).
     """
+    from flexpipe_dag.workload.loaders import _token_column
+
     df = read_user_frame(Path(trace_csv), "Azure LLM trace (CSV)", comment="#")
     for col in ("ContextTokens", "GeneratedTokens"):
         if col not in df.columns:
@@ -282,9 +286,9 @@ def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests:
     rows: list[PromptRow] = []
     offset = 0
     head = df.head(num_requests)
-    # plain Python scalars (tolist), so int() sees ints / floats / strings, not pandas scalar types
-    contexts: list[Any] = head["ContextTokens"].tolist()
-    generated: list[Any] = head["GeneratedTokens"].tolist()
+    # checked before int(): 'abc' or an empty cell is an InputError, not a ValueError; -5 is not silently 1
+    contexts: list[int] = _token_column(head, "ContextTokens", str(trace_csv)).tolist()
+    generated: list[int] = _token_column(head, "GeneratedTokens", str(trace_csv)).tolist()
     for i, (context_tokens, generated_tokens) in enumerate(zip(contexts, generated)):
         n = max(1, min(math.ceil(int(context_tokens) * length_scale), max_prompt_tokens, len(corpus)))
         if offset + n > len(corpus):

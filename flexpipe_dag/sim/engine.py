@@ -15,7 +15,7 @@ Model (one gear = one pipeline):
   context tokens in total); after stage ``s`` the
   activations take ``transfer_ms(s, P + n)`` to reach stage ``s+1`` (a delay, links are not
   contended). Times come only from the :class:`~flexpipe_dag.core.timing.StageTimingModel`.
-* **Paged KV.** A pool of ``kv_capacity_tokens // kv_block_size_tokens`` blocks (vLLM
+* **Paged KV.** A pool of ``kv_capacity_tokens // kv_block_size_tokens`` blocks, at least one (vLLM
   PagedAttention, SOSP'23). Before each iteration a sequence holds blocks for
   ``input + generated + 1`` tokens; admission needs them free. When a running sequence cannot grow,
   the lowest-priority sequence of its micro-batch is preempted by *recompute*: its blocks are
@@ -142,7 +142,9 @@ class _Pipeline:
         self.inflight = 0
         self.block = gear.kv_block_size_tokens
         cap_tokens = _kv_capacity_tokens(gear, config)
-        self.total_blocks = cap_tokens // self.block if cap_tokens else 0  # 0 = unbounded
+        # 0 = unbounded; a pool under one block is one block, as the runtime sizes it (kv_num_blocks), not
+        # 0 blocks, which would read as unbounded and admit everything
+        self.total_blocks = max(1, cap_tokens // self.block) if cap_tokens else 0
         self.free_blocks = self.total_blocks if self.total_blocks else 1 << 62
         self.admitting = True
         self.drained_s: float | None = None

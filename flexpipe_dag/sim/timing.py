@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from flexpipe_dag.core.errors import InputError, shown
@@ -91,7 +92,8 @@ class LinearStageTiming:
         """One row per stage (ordered by ``stage_index`` when present); missing cost columns are 0.
 
         Raises:
-            InputError: unknown column, non-numeric value, stage_index not 0..n-1.
+            InputError: unknown column, non-numeric value (a boolean too: ``True`` is no number of ms),
+                stage_index not 0..n-1.
         """
         unknown = [c for c in frame.columns if c not in COST_FIELDS and c != "stage_index"]
         if unknown:
@@ -106,7 +108,8 @@ class LinearStageTiming:
             vals = {}
             for c in COST_FIELDS:
                 if c in frame.columns:
-                    v = pd.to_numeric(pd.Series([row[c]]), errors="coerce").iloc[0]
+                    is_bool = isinstance(row[c], (bool, np.bool_))  # pd.to_numeric would read True as 1
+                    v = float("nan") if is_bool else pd.to_numeric(pd.Series([row[c]]), errors="coerce").iloc[0]
                     if pd.isna(v):
                         raise InputError(source, f"row {i + 1}.{c}", f"got {shown(row[c])}; expected a number of ms")
                     vals[c] = float(v)

@@ -69,7 +69,9 @@ def _row_field(idx: int, column: str) -> str:
 def _to_numeric(values: pd.Series) -> pd.Series:
     """``pd.to_numeric(values, errors="coerce")``, also for integers too large for a float: pandas reads those
     as Python ints and raises OverflowError on them; read from their text they become inf, which every
-    caller's range refuses."""
+    caller's range refuses. A boolean (JSON ``true`` / ``false``, a CSV column of ``True`` / ``False``) is no
+    number: it becomes NaN, which every caller refuses too (``pd.to_numeric`` would keep it, read as 1 / 0)."""
+    values = values.mask(values.map(lambda v: isinstance(v, (bool, np.bool_))).astype(bool))
     try:
         return pd.to_numeric(values, errors="coerce")
     except OverflowError:
@@ -153,7 +155,8 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
     Raises:
         InputError: empty file, missing column, arrival not a finite number >= 0, token count not an
             integer in ``1..INT32_MAX``, class not online/offline, priority not an integer in
-            ``-INT32_MAX..INT32_MAX``, request_id over :data:`MAX_REQUEST_ID_CHARS` or duplicated.
+            ``-INT32_MAX..INT32_MAX`` (a boolean is no number), request_id empty, over
+            :data:`MAX_REQUEST_ID_CHARS` or duplicated.
     """
     path = Path(path)
     source = str(path)
@@ -182,6 +185,13 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
         prio = pd.Series(0, index=frame.index, dtype=np.int64)
     ids = (frame["request_id"].astype(str) if "request_id" in frame.columns
            else pd.Series([f"{path.stem}-{i:06d}" for i in range(len(frame))]))
+    empty = ids.isna() | (ids.str.strip() == "")
+    if "request_id" in frame.columns:
+        empty |= frame["request_id"].isna()  # pandas < 3 spells a missing id "nan" once cast to str
+    if empty.any():  # an empty CSV cell or a JSON null: no id to key the request's result by
+        i = int(np.flatnonzero(empty.to_numpy())[0])
+        raise InputError(source, _row_field(i, "request_id"),
+                         "empty; expected an id on every row (or no request_id column: ids are then generated)")
     too_long = ids.str.len() > MAX_REQUEST_ID_CHARS
     if too_long.any():
         i = int(np.flatnonzero(too_long.to_numpy())[0])

@@ -100,3 +100,12 @@ def test_simulate_chunked_prefill_flag(tmp_path, capsys):
     assert "--chunked-prefill-tokens: expected 1..1048576 tokens per micro-batch, got 0" in capsys.readouterr().err
     assert main(["simulate", "--day", "--cluster", "x.yaml", "--model", "m", "--chunked-prefill-tokens", "64"]) == 2
     assert "--chunked-prefill-tokens: is for a single-gear replay" in capsys.readouterr().err
+
+
+def test_an_unsorted_trace_is_one_warning_line_not_python_s_source_listing(tmp_path, capsys):
+    gear_path, timing_path = _files(tmp_path)
+    trace = tmp_path / "u.csv"
+    trace.write_text("request_id,arrival_s,input_tokens,output_tokens\nr1,5,10,10\nr2,1,10,10\n")
+    assert main(["simulate", "--gear-file", str(gear_path), "--timing", str(timing_path), "--trace", str(trace)]) == 0
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "warning" in line.lower()]
+    assert err == [f"flexpipe simulate: warning: {trace}: 1 row arrives before the row above them; sorted by arrival_s"]

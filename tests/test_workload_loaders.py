@@ -104,7 +104,7 @@ def test_missing_column(tmp_path):
 
 def test_unsorted_is_sorted_with_warning(tmp_path):
     p = _write(tmp_path, "u.csv", "request_id,arrival_s,input_tokens,output_tokens\na,2.0,5,5\nb,1.0,6,6\nc,3.0,7,7\n")
-    with pytest.warns(UnsortedTraceWarning, match="1 rows"):
+    with pytest.warns(UnsortedTraceWarning, match="1 row arrives before"):
         w = load_request_file(p)
     assert [r.request_id for r in w] == ["b", "a", "c"]
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import NoReturn
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from flexpipe_dag.core.errors import FlexPipeError, one_line
 
@@ -46,14 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line_warnings(command: str) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints FlexPipe's own warnings (categories defined under
+    ``flexpipe_dag``, e.g. an unsorted trace) as ``flexpipe COMMAND: warning: MESSAGE``, one line like its
+    errors, without the source file and line Python's default format shows; others as Python does."""
+    default = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if category.__module__.startswith("flexpipe_dag."):
+            print(f"flexpipe {command}: warning: {one_line(str(message))}", file=file or sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flexpipe`` script; returns the process exit status."""
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except FlexPipeError as exc:
-        print(f"flexpipe {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = one_line_warnings(args.command)
+        try:
+            return int(args.func(args) or 0)
+        except FlexPipeError as exc:
+            print(f"flexpipe {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -109,3 +109,12 @@ def test_an_unsorted_trace_is_one_warning_line_not_python_s_source_listing(tmp_p
     assert main(["simulate", "--gear-file", str(gear_path), "--timing", str(timing_path), "--trace", str(trace)]) == 0
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "warning" in line.lower()]
     assert err == [f"flexpipe simulate: warning: {trace}: 1 row arrives before the row above them; sorted by arrival_s"]
+
+
+def test_a_timing_table_with_the_wrong_number_of_stages_is_named_by_its_file(tmp_path, capsys):
+    gear_path, _ = _files(tmp_path)
+    one_row = tmp_path / "one.csv"
+    LinearStageTiming.uniform(1, decode_fixed_ms=6).to_frame().to_csv(one_row, index=False)
+    assert main(["simulate", "--gear-file", str(gear_path), "--timing", str(one_row), "--trace", "azure-conv"]) == 2
+    err = capsys.readouterr().err
+    assert f"{one_row}: stages: 1 row(s); expected one per stage of {gear_path} (2)" in err

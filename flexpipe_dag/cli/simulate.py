@@ -179,7 +179,11 @@ def _gear_and_timing(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
                              f"STAGES.csv with one row per stage and columns {', '.join(COST_FIELDS)} (ms)")
         gear = load_gear_file(args.gear_file)
         if args.timing:
-            return gear, LinearStageTiming.from_csv(args.timing)
+            timing = LinearStageTiming.from_csv(args.timing)
+            if timing.num_stages != gear.num_stages:
+                raise InputError(args.timing, "stages", f"{timing.num_stages} row(s); expected one per stage of "
+                                                        f"{args.gear_file} ({gear.num_stages})")
+            return gear, timing
         return gear, price_gear_file(gear, args.gear_file, args.cluster, args.model, args.dtype)
     missing = [f"--{n}" for n in ("cluster", "model", "gear") if not getattr(args, n)]
     if missing:

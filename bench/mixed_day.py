@@ -26,16 +26,15 @@ guard), so the figures below are not held-out ones.
 
 Cases (setting, day) run in ``--jobs`` processes (default 2); the figures do not depend on it.
 
-Measured 2026-12-02, once, on a 2-core host shared with another engineer's tests (load 4-6): dynamic
-reservation share of static / offline multiple of static (of which shared in the online gears' spare
-capacity) / attainment vs static's / shifts per hour, the oracle's share and multiple in brackets:
-openb day 0 46.0 % / 2.71x (0.45x) / 0.9990 vs 0.9996 / 3 (38.9 %, 2.99x); day 1 41.5 % / 2.80x (0.34x)
-/ 0.9990 vs 0.9990 / 3 (27.8 %, 3.27x): met; day 3 85.6 % / 1.33x (0.36x) / 0.9543 vs 0.9607 / 2 (52.8 %,
-1.99x); lab day 0 87.1 % / 1.30x (0.11x) / 1.0000 vs 1.0000 / 1 (75.0 %, 1.42x); day 1 82.1 % / 1.35x
-(0.10x) / 1.0000 vs 1.0000 / 1 (66.7 %, 1.54x); day 3 98.0 % / 1.01x (0.05x) / 0.9799 vs 0.9799 / 1
-(83.3 %, 1.25x). Lost and duplicated 0 everywhere; the goal is met on openb day 1 only (README, "The
-mixed day", says why for each case). The whole default run took 1233 s wall (gear selection 298 s
-openb, 64 s lab) where the previous code took 1791 s on the same busy host (279 s on a quiet one).
+Measured 2026-12-03 (after the step-pricing fix and overload_dwell_s; deterministic), dynamic
+reservation share of static / offline multiple of static / attainment vs static's / shifts per hour,
+the oracle's share and multiple in brackets: openb (gears on 3 / 4 / 8 devices) day 0 59.7 % / 1.86x /
+0.9988 vs 0.9989 / 3 (41.7 %, 2.07x); day 1 58.2 % / 1.82x / 0.9986 vs 0.9988 / 2 (41.7 %, 2.05x);
+day 3 88.3 % / 1.21x / 0.9350 vs 0.9203 / 2 (70.8 %, 1.49x); lab day 0 80.7 % / 1.36x / 0.9999 vs
+1.0000 / 3 (75.0 %, 1.46x); day 1 81.2 % / 1.40x / 1.0000 vs 1.0000 / 1 (75.0 %, 1.48x); day 3 98.0 % /
+1.03x / 0.9923 vs 0.9923 / 1 (91.7 %, 1.15x). Lost and duplicated 0 everywhere; the goal is met on no
+case (README, "The mixed day", says why for each). The whole default run took 225 s wall (gear
+selection 61 s openb, 16 s lab).
 """
 
 from __future__ import annotations

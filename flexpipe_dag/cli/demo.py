@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 #: The demo's CPU-sized service (environment read by the code location): SmolLM2 in fp32 on CPU
 #: workers, lengths capped, an SLO a CPU can meet, the dwell shortened for a compressed day.
 DEMO_ENV = {"FLEXPIPE_MODEL": "SmolLM2-135M", "FLEXPIPE_PLAN_DTYPE": "fp32", "FLEXPIPE_MAX_PROMPT_TOKENS": "96",
-            "FLEXPIPE_MAX_NEW_TOKENS": "12", "FLEXPIPE_PLAN_CONCURRENCY": "16", "FLEXPIPE_REFERENCE_REQUESTS": "400",
+            "FLEXPIPE_MAX_NEW_TOKENS": "12", "FLEXPIPE_PLAN_CONCURRENCY": "16", "FLEXPIPE_REFERENCE_REQUESTS": "1000",
             "FLEXPIPE_SLO_TTFT_MS": "4000", "FLEXPIPE_SLO_TPOT_MS": "600", "FLEXPIPE_PROBE": "1",
             "FLEXPIPE_STAGE_REPLICAS": "0"}
 

@@ -41,6 +41,7 @@ from flexpipe_dag.runtime.results_file import JsonlSink as JsonlSink  # re-expor
 from flexpipe_dag.runtime.results_file import repair_torn_tail as repair_torn_tail
 from flexpipe_dag.runtime.scheduler import CONTEXT_REFUSAL, PRIORITY_OFFLINE, Request, RequestOutput
 from flexpipe_dag.workload.files import read_user_frame
+from flexpipe_dag.workload.loaders import token_column
 
 _log = logging.getLogger(__name__)
 
@@ -274,8 +275,6 @@ def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests:
             token count that is not an integer in ``1..INT32_MAX`` (named by row and column, as the trace
             loaders name it).
     """
-    from flexpipe_dag.workload.loaders import _token_column
-
     df = read_user_frame(Path(trace_csv), "Azure LLM trace (CSV)", comment="#")
     for col in ("ContextTokens", "GeneratedTokens"):
         if col not in df.columns:
@@ -287,8 +286,8 @@ def prompts_from_trace(trace_csv: str | os.PathLike, tokenizer, *, num_requests:
     offset = 0
     head = df.head(num_requests)
     # checked before int(): 'abc' or an empty cell is an InputError, not a ValueError; -5 is not silently 1
-    contexts: list[int] = _token_column(head, "ContextTokens", str(trace_csv)).tolist()
-    generated: list[int] = _token_column(head, "GeneratedTokens", str(trace_csv)).tolist()
+    contexts: list[int] = token_column(head, "ContextTokens", str(trace_csv)).tolist()
+    generated: list[int] = token_column(head, "GeneratedTokens", str(trace_csv)).tolist()
     for i, (context_tokens, generated_tokens) in enumerate(zip(contexts, generated)):
         n = max(1, min(math.ceil(int(context_tokens) * length_scale), max_prompt_tokens, len(corpus)))
         if offset + n > len(corpus):

@@ -78,8 +78,13 @@ def _to_numeric(values: pd.Series) -> pd.Series:
         return pd.to_numeric(values.astype(str), errors="coerce")
 
 
-def _token_column(frame: pd.DataFrame, column: str, source: str) -> np.ndarray:
-    """The column as int64, every value an integer >= 1."""
+def token_column(frame: pd.DataFrame, column: str, source: str) -> np.ndarray:
+    """``frame[column]`` as int64 token counts, shape ``(len(frame),)``.
+
+    Raises:
+        InputError: a value that is not an integer in ``1..INT32_MAX`` (text, empty, a fraction, a boolean),
+            named by ``source``, row and column.
+    """
     values = _to_numeric(frame[column])
     bad = values.isna() | (values < 1) | (values != np.floor(values)) | (values > INT32_MAX)
     if bad.any():
@@ -138,8 +143,8 @@ def load_azure_trace(path: str | Path, *, name: str | None = None, id_prefix: st
     out = pd.DataFrame({
         "request_id": [f"{prefix}-{i:06d}" for i in range(len(frame))],
         "arrival_s": (ns - ns.min()) / 1e9,
-        "input_tokens": _token_column(frame, "ContextTokens", source),
-        "output_tokens": _token_column(frame, "GeneratedTokens", source),
+        "input_tokens": token_column(frame, "ContextTokens", source),
+        "output_tokens": token_column(frame, "GeneratedTokens", source),
         "class": "online",
         "priority": 0,
     })
@@ -206,8 +211,8 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
     out = pd.DataFrame({
         "request_id": ids.to_numpy(),
         "arrival_s": arrival.to_numpy(dtype=float),
-        "input_tokens": _token_column(frame, "input_tokens", source),
-        "output_tokens": _token_column(frame, "output_tokens", source),
+        "input_tokens": token_column(frame, "input_tokens", source),
+        "output_tokens": token_column(frame, "output_tokens", source),
         "class": klass.to_numpy(),
         "priority": prio.to_numpy(),
     })
@@ -248,8 +253,8 @@ def load_length_file(
     out = pd.DataFrame({
         "request_id": [f"{prefix}-{i:06d}" for i in range(len(frame))],
         "arrival_s": float(arrival_s),
-        "input_tokens": _token_column(frame, "num_prefill_tokens", source),
-        "output_tokens": _token_column(frame, "num_decode_tokens", source),
+        "input_tokens": token_column(frame, "num_prefill_tokens", source),
+        "output_tokens": token_column(frame, "num_decode_tokens", source),
         "class": "offline",
         "priority": int(priority),
     })

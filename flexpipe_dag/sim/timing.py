@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from flexpipe_dag.core.errors import InputError, shown
 from flexpipe_dag.workload.files import read_user_frame
+from flexpipe_dag.workload.loaders import to_numeric
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,7 @@ class LinearStageTiming:
             vals = {}
             for c in COST_FIELDS:
                 if c in frame.columns:
-                    is_bool = isinstance(row[c], (bool, np.bool_))  # pd.to_numeric would read True as 1
-                    v = float("nan") if is_bool else pd.to_numeric(pd.Series([row[c]]), errors="coerce").iloc[0]
+                    v = to_numeric(pd.Series([row[c]])).iloc[0]  # a boolean is NaN here, not 1 / 0 ms
                     if pd.isna(v):
                         raise InputError(source, f"row {i + 1}.{c}", f"got {shown(row[c])}; expected a number of ms")
                     vals[c] = float(v)

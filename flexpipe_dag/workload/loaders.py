@@ -66,7 +66,7 @@ def _row_field(idx: int, column: str) -> str:
     return f"row {idx + 1}.{column}"
 
 
-def _to_numeric(values: pd.Series) -> pd.Series:
+def to_numeric(values: pd.Series) -> pd.Series:
     """``pd.to_numeric(values, errors="coerce")``, also for integers too large for a float: pandas reads those
     as Python ints and raises OverflowError on them; read from their text they become inf, which every
     caller's range refuses. A boolean (JSON ``true`` / ``false``, a CSV column of ``True`` / ``False``) is no
@@ -85,7 +85,7 @@ def token_column(frame: pd.DataFrame, column: str, source: str) -> np.ndarray:
         InputError: a value that is not an integer in ``1..INT32_MAX`` (text, empty, a fraction, a boolean),
             named by ``source``, row and column.
     """
-    values = _to_numeric(frame[column])
+    values = to_numeric(frame[column])
     bad = values.isna() | (values < 1) | (values != np.floor(values)) | (values > INT32_MAX)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
@@ -168,7 +168,7 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
     source = str(path)
     frame = _read_table(path)
     _require_columns(frame, ("arrival_s", "input_tokens", "output_tokens"), source)
-    arrival = _to_numeric(frame["arrival_s"])
+    arrival = to_numeric(frame["arrival_s"])
     bad = arrival.isna() | ~np.isfinite(arrival.fillna(0)) | (arrival < 0) | (arrival > MAX_ARRIVAL_S)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
@@ -180,7 +180,7 @@ def load_request_file(path: str | Path, *, name: str | None = None, rebase: bool
         i = int(np.flatnonzero(bad.to_numpy())[0])
         raise InputError(source, _row_field(i, "class"), f"got {shown(frame['class'].iloc[i])}; expected one of {list(REQUEST_CLASSES)}")
     if "priority" in frame.columns:
-        prio = _to_numeric(frame["priority"])
+        prio = to_numeric(frame["priority"])
         bad = prio.isna() | (prio != np.floor(prio.fillna(0))) | (prio.abs() > INT32_MAX)
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])

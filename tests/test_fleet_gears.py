@@ -277,12 +277,18 @@ def test_scaler_scale_in_lands_in_the_middle_of_the_band():
     assert not d.changed
 
 
+def _vanishing_config(outage_hold_s: float) -> FleetScalerConfig:
+    """Raw rates (no smoothing or trend), one sample to scale in, a 300-s dwell, scale-ins free to pay back."""
+    return FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=1, dwell_s=300, trend_beta=0.0,
+                             forecast_horizon_s=0, instance_warmup_s=0, instance_drain_s=0, payback_factor=0.0,
+                             outage_hold_s=outage_hold_s)
+
+
 def test_scaler_gives_back_at_most_a_third_of_the_envelope_per_scale_in_when_traffic_vanishes():
     """An outage (the rate drops to 0) is not a tide: one scale-in keeps two thirds of the envelope, the next
-    (a dwell later) two thirds of that; a fleet of two still gives one instance back."""
-    plan = _plan([10.0] * 12)
-    cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=1.0, hysteresis_samples=1, dwell_s=300, trend_beta=0.0,
-                            forecast_horizon_s=0, instance_warmup_s=0, instance_drain_s=0, payback_factor=0.0)
+    (a dwell later) two thirds of that; a fleet of two still gives one instance back (here with no outage hold:
+    the next test has it)."""
+    plan, cfg = _plan([10.0] * 12), _vanishing_config(outage_hold_s=0.0)
     scaler = FleetScaler(plan, cfg)
     st = scaler.initial_state(100.0)
     assert st.instances == 12
@@ -296,6 +302,48 @@ def test_scaler_gives_back_at_most_a_third_of_the_envelope_per_scale_in_when_tra
     assert unlimited.decide(unlimited.initial_state(100.0), 60, 0.0)[1].to_instances == 1
     pair = FleetScaler(_plan([10.0, 10.0]), cfg)
     assert pair.decide(pair.initial_state(15.0), 60, 0.0)[1].to_instances == 1
+
+
+def test_scaler_holds_its_instances_through_an_outage_then_gives_back_a_third_per_dwell():
+    """Traffic that vanishes (the raw rate under 10 % of the envelope) comes back at its level: scale-ins wait out
+    ``outage_hold_s``; a return at a lower level is scaled in to as soon as it is seen; after the hold the fleet is
+    given back a third per dwell as without it."""
+    plan, cfg = _plan([10.0] * 12), _vanishing_config(outage_hold_s=1800.0)
+    scaler = FleetScaler(plan, cfg)
+    start = scaler.initial_state(100.0)
+    st, d = scaler.decide(start, 60, 0.0)
+    assert (d.changed, d.reason_kind) == (False, "outage") and "an outage for 0 s" in d.reason, d.reason
+    st, d = scaler.decide(st, 1200, 0.0)
+    assert (d.changed, d.reason_kind) == (False, "outage") and "for 1140 s" in d.reason
+    st, d = scaler.decide(st, 1860, 0.0)                 # held 1,800 s: a third of the envelope goes back
+    assert (d.to_instances, d.reason_kind) == (8, "scale_in") and st.outage_since_s == 60
+    # the traffic returns at its level within the hold: nothing was given back, nothing to order
+    st, d = scaler.decide(scaler.decide(start, 60, 0.0)[0], 600, 95.0)
+    assert not d.changed and st.outage_since_s is None and st.instances == 12
+    # it returns at half its level: that is a load like any other, scaled in to once seen
+    st, d = scaler.decide(scaler.decide(start, 60, 0.0)[0], 600, 50.0)
+    assert (d.to_instances, d.reason_kind) == (8, "scale_in")
+    no_hold = FleetScaler(plan, cfg.model_copy(update={"outage_hold_s": 0.0}))
+    assert no_hold.decide(no_hold.initial_state(100.0), 60, 0.0)[1].to_instances == 8
+
+
+def test_a_tide_falling_to_its_trough_is_not_an_outage_and_the_smoothed_rate_stays_non_negative():
+    """A tide falls by at most a third of its rate in a dwell and the scaler follows it down, so the rate stays
+    well above 10 % of the envelope and no scale-in waits for an outage; Holt's level of a rate that falls to
+    0 stays >= 0 (a negative level used to make the tide forecast fail on the way)."""
+    plan = _plan([10.0] * 12)
+    scaler = FleetScaler(plan, FleetScalerConfig(sample_period_s=60, dwell_s=300, forecast_horizon_s=0,
+                                                 instance_warmup_s=0, instance_drain_s=0))
+    st, kinds = scaler.initial_state(100.0), []
+    for k in range(1, 101):                              # -3 % a minute: 100 -> 4.8 req/s over 100 minutes
+        st, d = scaler.decide(st, 60.0 * k, 100.0 * 0.97 ** k)
+        kinds.append(d.reason_kind)
+    assert "outage" not in kinds and kinds.count("scale_in") >= 5 and st.instances <= 2
+    falling = FleetScaler(plan, FleetScalerConfig())
+    st = falling.initial_state(100.0)
+    for k, rate in enumerate([100.0, 60.0, 20.0, 0.0, 0.0, 0.0, 0.0], start=1):
+        st, d = falling.decide(st, 60.0 * k, rate)
+        assert st.ema_rps >= 0.0 and "smoothed -" not in d.reason
 
 
 def test_scaler_declines_a_scale_in_the_forecast_says_will_not_pay_back():
@@ -457,8 +505,8 @@ def test_live_controller_measures_the_rate_and_keeps_serving_when_a_start_fails(
     d = ctl.step()                                           # 25 req/s: wants 3, the third fails to start
     assert d.to_instances == 3 and ctl.lane_ids == ["lane-i0", "lane-i1"] and ctl.state.instances == 2
     assert ctl.errors and "i2 did not warm up" in ctl.errors[0]
-    fleet.accepted, clock[0] = 410, 30.0
-    d = ctl.step()                                           # 1 req/s: back to one, the last one drains
+    fleet.accepted, clock[0] = 430, 30.0
+    d = ctl.step()                                           # 3 req/s: back to one, the last one drains
     assert d.to_instances == 1 and fleet.removed == ["lane-i1"] and ctl.lane_ids == ["lane-i0"]
     fleet.open = 8 + 50                                      # the one instance runs 8 at once: 50 queued
     assert ctl.queued() == 50

@@ -93,6 +93,8 @@ def test_two_instances_answer_concurrent_greedy_requests_exactly_and_both_serve(
     (["--stages", "1", "--scale-interval-s", "1"], "--scale-interval-s: only means something with --max-instances"),
     (["--stages", "1", "--max-instances", "2", "--scale-interval-s", "0"], "--scale-interval-s: expected"),
     (["--stages", "1", "--max-instances", "2", "--scale-dwell-s", "60"], "--scale-dwell-s: .*never given back"),
+    (["--stages", "1", "--scale-outage-hold-s", "0"], "--scale-outage-hold-s: only means something with --max-"),
+    (["--stages", "1", "--max-instances", "2", "--scale-outage-hold-s", "-1"], "--scale-outage-hold-s: expected"),
     (["--stages", "1", "--instances", "2", "--inline-control"], "--instances: several instances and --inline-control"),
     (["--stages", "1", "--instances", "2", "--ray", "127.0.0.1:1"], "--instances: several instances and --ray"),
 ])
@@ -227,7 +229,8 @@ from tests.test_runtime_helpers import checkpoint
 ckpt = checkpoint()
 gear = even_gear(ckpt.num_layers, 1, ckpt.name, 8, None, 4096).model_copy(update={"rps_max": 100.0})
 quick = FleetScalerConfig(sample_period_s=3.0, hysteresis_samples=1, dwell_s=1.0, forecast_horizon_s=0.0,
-                          instance_warmup_s=0.0, instance_drain_s=0.0, payback_factor=0.0)
+                          instance_warmup_s=0.0, instance_drain_s=0.0, payback_factor=0.0,
+                          outage_hold_s=0.0)  # the load ends: no outage hold, give an instance back
 server = FrontDoorServer(PipelineRuntime(gear, ckpt, RuntimeOptions(stream_tokens=True)), ckpt.tokenizer(),
                          ckpt.eos_token_ids(), 8192, ServerSettings(port=0, model_name=ckpt.name),
                          instances=InstanceSettings(instances=2, max_instances=2, scaler=quick))

@@ -92,6 +92,10 @@ def register(subparsers) -> None:
                         f"{scaler.dwell_s:g}; scale-in also needs it above the "
                         f"{scaler.scale_in_cost_s:g} s an instance's warm-up + drain are "
                         "counted to cost)")
+    p.add_argument("--scale-outage-hold-s", type=float, default=None,
+                   help=f"with --max-instances: when the rate falls under {scaler.outage_fraction:.0%} of the "
+                        f"instances' envelope at once (an outage, not a tide), seconds the instances are held for "
+                        f"its return before any is given back (default {scaler.outage_hold_s:g}; 0: no hold)")
     p.add_argument("--batch-inflight", type=int, default=8, help="Batch API lines on the pipeline at once")
     p.add_argument("--batch-pause-above", type=int, default=8,
                    help="open online requests above which no Batch API line is submitted")
@@ -209,7 +213,8 @@ def _store_link(args: argparse.Namespace):
 
 def instance_settings(args: argparse.Namespace):
     """The :class:`~flexpipe_dag.serving.frontdoor.server.InstanceSettings` of ``--instances``,
-    ``--max-instances``, ``--scale-interval-s`` and ``--scale-dwell-s`` (checked, before any model loads;
+    ``--max-instances``, ``--scale-interval-s``, ``--scale-dwell-s`` and ``--scale-outage-hold-s`` (checked,
+    before any model loads;
     the gear's envelope is checked once the gear is known).
 
     Raises:
@@ -218,7 +223,8 @@ def instance_settings(args: argparse.Namespace):
     from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
     from flexpipe_dag.serving.frontdoor.server import SCALE_INTERVAL_S, InstanceSettings
 
-    for flag, value in (("--scale-interval-s", args.scale_interval_s), ("--scale-dwell-s", args.scale_dwell_s)):
+    for flag, value in (("--scale-interval-s", args.scale_interval_s), ("--scale-dwell-s", args.scale_dwell_s),
+                        ("--scale-outage-hold-s", args.scale_outage_hold_s)):
         if value is not None and args.max_instances is None:
             raise InputError(None, flag, "only means something with --max-instances")
     interval_s = SCALE_INTERVAL_S if args.scale_interval_s is None else args.scale_interval_s
@@ -227,6 +233,9 @@ def instance_settings(args: argparse.Namespace):
     if args.scale_dwell_s is not None:
         check_number(args.scale_dwell_s, None, "--scale-dwell-s", ge=0, le=86400, unit="s")
         figures["dwell_s"] = args.scale_dwell_s
+    if args.scale_outage_hold_s is not None:
+        check_number(args.scale_outage_hold_s, None, "--scale-outage-hold-s", ge=0, le=86400, unit="s")
+        figures["outage_hold_s"] = args.scale_outage_hold_s
     settings = InstanceSettings(instances=args.instances, max_instances=args.max_instances,
                                 scaler=FleetScalerConfig(**figures))
     settings.check()

@@ -358,7 +358,12 @@ def run(args: argparse.Namespace) -> int:
                        max_context_tokens=max_context, context_policy="truncate" if args.truncate_context else "refuse",
                        prefill_token_budget=budget, chunked_prefill=budget is not None)
     sim = Simulator(workload, gear, timing, config)
-    result = sim.run()
+    try:
+        result = sim.run()
+    except InputError as exc:
+        if not (args.timing and exc.field and exc.field.endswith("step time")):
+            raise
+        raise InputError(args.timing, exc.field, exc.problem) from exc  # the table the step times came from
     if args.timeseries_csv:
         result.timeseries().to_csv(args.timeseries_csv, index=False)
     summary = {"trace": str(args.trace), "workload_requests": len(workload), **result.summary}

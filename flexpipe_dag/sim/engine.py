@@ -65,6 +65,16 @@ from flexpipe_dag.workload.request import Request, Workload
 _ARRIVE, _DONE, _SWITCH = 0, 1, 2
 _INF = float("inf")
 
+#: A run that emits metric samples stops with an error when a stage step would end later than the last
+#: arrival + this many times the arrivals' span, or + :data:`DRAIN_FLOOR_S`, whichever is later: its samples
+#: (one per ``sample_period_s``) would otherwise grow with a clock that stage times of hours or more push
+#: out without bound (a timing table's coefficient of 1e300 ms ran until memory ran out). An overloaded
+#: gear drains its backlog in about (offered / served rate - 1) x the span, so 10x is a gear serving at
+#: under a tenth of the offered load.
+DRAIN_SPAN_FACTOR = 10.0
+#: The least a sampled run may go on past its last arrival, s (a day).
+DRAIN_FLOOR_S = 86400.0
+
 #: A sequence's place in the waiting queue: (0 online / 1 offline, -priority, arrival_s, request index).
 _SeqKey = tuple[int, int, float, int]
 
@@ -342,6 +352,8 @@ class Simulator:
         self._win: dict[int, _Window] = {}  # window index -> what happened in it
         self._pending_switch = 0
         self._last_event_s = 0.0
+        self._arrival_span_s = (min(self._arrival_s, default=0.0), max(self._arrival_s, default=0.0))
+        self._horizon_s = self._drain_horizon_s()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -405,6 +417,9 @@ class Simulator:
                 continue
             self._offline_open += not s.online
             heapq.heappush(self._waiting, (s.key, s))
+        first, last = self._arrival_span_s
+        self._arrival_span_s = (min(first, t), max(last, t))
+        self._horizon_s = self._drain_horizon_s()
         self._wake(self._active, t)
 
     @property
@@ -558,6 +573,11 @@ class Simulator:
         else:
             st.queue.append(mb)
 
+    def _drain_horizon_s(self) -> float:
+        """The latest a sampled run's stage step may end, s (:data:`DRAIN_SPAN_FACTOR`)."""
+        first, last = self._arrival_span_s
+        return last + max(DRAIN_FLOOR_S, DRAIN_SPAN_FACTOR * (last - first))
+
     def _serve(self, pipe: _Pipeline, st: _Stage, mb: _MicroBatch, t: float) -> None:
         d = mb.times_s[mb.stage]
         end = t + d
@@ -565,6 +585,12 @@ class Simulator:
         if not self._sampling:
             self._push(end, _DONE, pipe, mb)
             return
+        if not end <= self._horizon_s:
+            raise InputError(f"gear {pipe.gear_id}", f"stage {mb.stage} step time",
+                             f"a step of {d:.4g} s at {t:.4g} s of simulated time would end past {self._horizon_s:.4g} s "
+                             f"(the last arrival + {DRAIN_SPAN_FACTOR:g}x the arrivals' span, at least + "
+                             f"{DRAIN_FLOOR_S:g} s): expected stage times a pipeline takes (ms to s per step); check "
+                             "the timing's coefficients")
         period = self._period
         k = int(t // period)
         bw = st.busy_win

@@ -232,7 +232,9 @@ def test_cli_json_shape_and_simulator_confirmation(capsys):
     rc = main(["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100", "--load-rps", "2",
                "--gpu-types", f"{A100},A10", "--context-p95", "2048", "--output-p95", "400", "--requests", "60", "--json"])
     assert rc == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "warning: the plan was confirmed on 60 requests of azure-conv: a sample this small" in captured.err
     assert set(out) >= {"need", "types", "mix", "confirmation", "steps", "currency", "price_source"}
     need = out["need"]
     assert need["kv_bytes_per_token"] == 131072 and need["concurrency"] == 84  # ceil(2 x (2 s + 400 x 0.1 s))

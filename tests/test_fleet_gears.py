@@ -261,6 +261,22 @@ def test_scaler_sizes_a_rising_load_for_when_new_instances_serve():
     assert trend.capacity_rps(st.instances) >= st.ema_rps
 
 
+def test_a_scale_out_is_sized_for_the_latest_rate_but_only_the_smoothed_one_triggers_it():
+    """On a ramp's onset the latest sample is above the smoothed rate: a scale-out the smoothed load asks for is
+    sized for the latest rate (one warm-up sooner); a sample above the trigger while the smoothed load is not does
+    nothing (a noisy sample cannot order instances)."""
+    plan = _plan([10.0] * 20)
+    cfg = FleetScalerConfig(sample_period_s=60, rps_ema_alpha=0.5, trend_beta=0.0, headroom_fraction=0.3,
+                            scale_in_headroom_fraction=0.4, forecast_horizon_s=0)
+    scaler = FleetScaler(plan, cfg)
+    start, _ = scaler.decide(scaler.initial_state(30.0), 0, 30.0)   # 30 / 0.7 -> 5 instances, 50 req/s
+    assert start.instances == 5 and start.ema_rps == 30.0
+    st, d = scaler.decide(start, 60, 49.0)              # smoothed 39.5 / 0.7 = 56 -> 6 asked; 49 / 0.7 = 70 -> 7
+    assert (d.to_instances, d.reason_kind) == (7, "scale_out") and st.ema_rps == pytest.approx(39.5)
+    st, d = scaler.decide(start, 60, 39.0)              # smoothed 34.5 / 0.7 = 49.3: the 5 hold it; 39 alone would not
+    assert not d.changed and d.reason_kind == "hold"
+
+
 def test_scaler_scale_in_lands_in_the_middle_of_the_band():
     """Scale-in is triggered below the scale-in headroom (here 30 %) and lands at the middle of the band (20 %):
     the fewest instances holding the load at 80 % of their envelope, not at 70 %."""

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.core.dtypes import canonical_dtype
     from flexpipe_dag.planner.capacity import capacity_report
     from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.planner.operating import small_sample_warning
     from flexpipe_dag.planner.prices import load_prices
     from flexpipe_dag.workload.bundled import load_trace
 
@@ -91,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     except InfeasibleError as exc:
         print(f"flexpipe capacity: infeasible: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_INFEASIBLE
+    small = None if args.no_simulate else small_sample_warning(requests, trace.name, len(trace), "the plan was confirmed")
+    if small:
+        print(f"flexpipe capacity: warning: {small}", file=sys.stderr)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
         return 0

@@ -18,7 +18,10 @@ is a floor of the load (default 0; see below).
 * **scale out** (``rps_above_envelope``): when the load exceeds the serving instances' summed envelope
   x (1 - ``headroom_fraction``) for ``scale_out_samples`` (default 1) samples, to the fewest instances
   that hold it with that headroom. Instances still warming up count as serving, so a higher target
-  means more is needed and no dwell separates two scale-outs (``scale_out_dwell_s`` default 0). A load
+  means more is needed and no dwell separates two scale-outs (``scale_out_dwell_s`` default 0). A
+  scale-out the smoothed load asks for is sized for the latest sample's rate (plus the same rise) when that
+  is higher: on a ramp's onset the smoothing lags by a sample or two, and each lag is a warm-up late (a
+  sample alone never triggers one, so a noisy sample cannot order instances). A load
   above the envelope must be followed, so there is no payback test (as the controller's
   ``rps_above_envelope``). An **overload** (the raw, unsmoothed rate above the whole envelope for
   ``overload_samples``, default 1) scales out at once, to the instances the raw rate needs: traffic
@@ -298,11 +301,14 @@ class FleetScaler:
         forecast_note = f"; forecast ignored: {forecast_error}" if forecast_error else ""
         drain_rps = queued / c.backlog_drain_s
         lead_s = c.instance_warmup_s + c.sample_period_s  # until capacity ordered now serves, and the next look
-        load = max(ema + max(0.0, trend) * lead_s, fc) + drain_rps
+        rise_rps = max(0.0, trend) * lead_s
+        load = max(ema + rise_rps, fc) + drain_rps
         observed, rps = rps, rps + drain_rps
         n = state.instances
         cap = self.capacity_rps(n)
         n_out = self.plan.instances_for(load, c.headroom_fraction)
+        if n_out > n and rps > ema:  # a scale-out is sized for the latest rate when it is above the smoothed one
+            n_out = max(n_out, self.plan.instances_for(max(rps + rise_rps, load), c.headroom_fraction))
         n_in = max(1, self.plan.instances_for(load, c.scale_in_headroom_fraction))
         landing_headroom = (c.headroom_fraction + c.scale_in_headroom_fraction) / 2
         over_count = state.over_count + 1 if rps > cap else 0

@@ -96,7 +96,7 @@ DEFAULT_SCALE_IN_HEADROOM_FRACTION = DEFAULT_HEADROOM_FRACTION + 0.10
 #: device-hours (``bench/fleet_scale.py``, both fleets).
 DEFAULT_SCALE_IN_MAX_FRACTION = 1.0 / 3.0
 
-#: A raw rate below this share of the serving instances' summed envelope is an **outage**: the traffic vanished
+#: A rate (raw or smoothed) below this share of the serving instances' summed envelope is an **outage**: the traffic vanished
 #: faster than any tide falls (a tide's steepest fall within a dwell is 38 %, and the scaler follows it down, so a
 #: tide keeps the rate above about half the envelope), and it comes back at its level when the cause is fixed.
 DEFAULT_OUTAGE_FRACTION = 0.10
@@ -150,8 +150,8 @@ class FleetScalerConfig(Figures):
     backlog_drain_s: float = Field(300.0, gt=0, allow_inf_nan=False,
                                    description="a queue is sized to drain in about this long (its rate is added to the load)")
     outage_fraction: float = Field(DEFAULT_OUTAGE_FRACTION, ge=0, lt=1, allow_inf_nan=False,
-                                   description="a raw rate below this share of the serving envelope is an outage "
-                                               "(0: never)")
+                                   description="a rate (raw or smoothed) below this share of the serving envelope "
+                                               "is an outage (0: never)")
     outage_hold_s: float = Field(DEFAULT_OUTAGE_HOLD_S, ge=0, allow_inf_nan=False,
                                  description="how long an outage holds the instances serving when it began, s "
                                              "(scale-ins wait; 0: no hold)")
@@ -186,7 +186,8 @@ class FleetScalerState:
         out_count / in_count: consecutive samples the scale-out / scale-in condition held.
         over_count: consecutive samples the raw rate was above the whole envelope.
         last_change_s / last_out_s: when the last change / scale-out was decided (-inf: never).
-        outage_since_s: when the raw rate fell below ``outage_fraction`` of the envelope (None: no outage).
+        outage_since_s: when the rate (raw or smoothed) fell below ``outage_fraction`` of the envelope (None:
+            no outage now).
     """
 
     instances: int

@@ -185,7 +185,7 @@ def oracle_section(instances: int) -> None:
 
 def day_section(days: list[int], fleet_file: Path = FLEET_FILE, model: str = "Llama-3-8B") -> None:
 
-    from flexpipe_dag.control.fleet_day import EQUAL_ATTAINMENT, compare_day, simulate_fleet_day
+    from flexpipe_dag.control.fleet_day import EQUAL_ATTAINMENT, bound_device_hours, compare_day, simulate_fleet_day
     from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.fleet import FleetSettings, describe_plan, plan_fleet
@@ -244,6 +244,10 @@ def day_section(days: list[int], fleet_file: Path = FLEET_FILE, model: str = "Ll
         print(f"    bound: the fewest instances each minute at 100 % of their envelopes, started instantly: "
               f"{day_run.bound_device_hours:,.0f} device-hours, {day_run.bound_ratio:.3f} of the best static's "
               f"({'the goal is reachable' if day_run.bound_ratio <= DEVICE_HOURS_GOAL else 'no policy reaches the goal'})")
+        headroom = FleetScalerConfig().headroom_fraction
+        tracked = bound_device_hours(plan, rates, headroom_fraction=headroom)
+        print(f"    the same at the scaler's {headroom:.0%} headroom (sized perfectly each minute): {tracked:,.0f} "
+              f"device-hours, {tracked / static.device_hours:.3f} of the best static's")
         print(f"    with 20 % headroom: attainment "
               f"{roomy.dynamic.slo_attainment:.4f}, device-hours {roomy.dynamic.device_hours:,.0f}, / best static "
               f"({roomy.static.policy}) {roomy.device_hours_ratio:.3f}")

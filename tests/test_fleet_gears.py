@@ -199,6 +199,8 @@ def test_the_bound_holds_the_fewest_instances_each_window_at_their_envelopes():
     d = plan.instances[0].num_devices
     # hour by hour: 5 req/s -> 1 instance, 15 -> 2, 25 -> 3, 0 -> none (no headroom, no warm-up)
     assert bound_device_hours(plan, [5.0, 15.0, 25.0, 0.0], window_s=3600.0) == pytest.approx(6.0 * d)
+    # at 10 % headroom 9.5 req/s needs 2 instances (9.5 / 0.9 > 10), 25 still 3 (25 / 0.9 < 30)
+    assert bound_device_hours(plan, [9.5, 25.0], window_s=3600.0, headroom_fraction=0.1) == pytest.approx(5.0 * d)
 
 
 def test_scaler_scales_out_after_hysteresis_and_in_after_dwell_and_payback():

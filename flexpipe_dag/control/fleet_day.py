@@ -288,11 +288,15 @@ class DayComparison:
         return self.bound_device_hours / self.static.device_hours if self.static.device_hours > 0 else math.nan
 
 
-def bound_device_hours(plan: FleetPlan, rates_rps: Sequence[float] | np.ndarray, window_s: float = 60.0) -> float:
-    """Device-hours of the fewest nested instances holding each window's rate at 100 % of their envelopes,
-    started and stopped instantly (no headroom, warm-up or drain): a floor under every policy's."""
+def bound_device_hours(plan: FleetPlan, rates_rps: Sequence[float] | np.ndarray, window_s: float = 60.0,
+                       headroom_fraction: float = 0.0) -> float:
+    """Device-hours of the fewest nested instances holding each window's rate at 100 % of their envelopes
+    (``headroom_fraction`` 0), started and stopped instantly (no warm-up or drain): a floor under every
+    policy's. With ``headroom_fraction`` > 0, the floor under a policy that keeps that headroom (the fleet
+    scaler's 10 %: what perfect tracking at that headroom holds)."""
     prefix_devices = np.concatenate([[0], np.cumsum([i.num_devices for i in plan.instances])])
-    held = sum(prefix_devices[plan.instances_for(float(r), 0.0)] for r in np.asarray(rates_rps, dtype=float))
+    held = sum(prefix_devices[plan.instances_for(float(r), headroom_fraction)]
+               for r in np.asarray(rates_rps, dtype=float))
     return float(held) * window_s / 3600.0
 
 

@@ -344,8 +344,10 @@ def test_simulate_offline_limit_limits(sim_files, capsys):
     assert json.loads(capsys.readouterr().out)["by_class"]["offline"]["requests"] == 3
 
 
-@pytest.mark.parametrize("decode_fixed_ms", [1e300, 1e8])
-def test_stage_times_no_pipeline_takes_stop_the_run_naming_the_timing_file(decode_fixed_ms, tmp_path, capsys):
+@pytest.mark.parametrize(("costs", "what"), [({"decode_fixed_ms": 1e300}, "step"), ({"decode_fixed_ms": 1e8}, "step"),
+                                             ({"transfer_fixed_ms": 1e300}, "transfer"),
+                                             ({"transfer_per_token_ms": 1e300}, "transfer")])
+def test_stage_times_no_pipeline_takes_stop_the_run_naming_the_timing_file(costs, what, tmp_path, capsys):
     """A timing table whose steps take hours or more used to push the sampled clock out without bound (1e300 ms
     ran until memory ran out); the run now stops at the drain horizon, naming the table and the stage."""
     from flexpipe_dag.core.gear_builders import manual_gear
@@ -353,10 +355,11 @@ def test_stage_times_no_pipeline_takes_stop_the_run_naming_the_timing_file(decod
 
     gear_path, timing_path = tmp_path / "gear.json", tmp_path / "huge.csv"
     gear_path.write_text(manual_gear([15, 15], gear_id="hand-2", micro_batch_size=16).model_dump_json())
-    LinearStageTiming.uniform(2, prefill_fixed_ms=2, prefill_per_token_ms=0.02, decode_fixed_ms=decode_fixed_ms,
-                              decode_per_seq_ms=0.1, transfer_fixed_ms=0.3).to_frame().to_csv(timing_path, index=False)
+    LinearStageTiming.uniform(2, **{"prefill_fixed_ms": 2, "prefill_per_token_ms": 0.02, "decode_fixed_ms": 6,
+                                    "decode_per_seq_ms": 0.1, "transfer_fixed_ms": 0.3, **costs}
+                              ).to_frame().to_csv(timing_path, index=False)
     argv = ["simulate", "--gear-file", str(gear_path), "--timing", str(timing_path), "--trace", "azure-conv",
             "--window-s", "0", "30", "--json"]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]   # (above it: the note that the gear has no envelope)
-    assert f"error: {timing_path}: stage 0 step time: a step of " in err and "check the timing's coefficients" in err
+    assert f"error: {timing_path}: stage 0 {what} time: a {what} of " in err and "check the timing's coefficients" in err

@@ -345,6 +345,23 @@ def test_scaler_holds_its_instances_through_an_outage_then_gives_back_a_third_pe
     assert no_hold.decide(no_hold.initial_state(100.0), 60, 0.0)[1].to_instances == 8
 
 
+def test_a_reading_soon_after_the_last_is_no_surge_and_samples_out_of_order_or_absurd_rates_are_refused():
+    """30 -> 31 req/s one millisecond later used to read as a trend of +1,000 req/s per s and scale a fleet of 4
+    out to all 12; a sample before the last one's time made an outage (and a dwell) of negative seconds; a rate
+    of 1e300 req/s was smoothed and printed with 300 digits."""
+    scaler = FleetScaler(_plan([10.0] * 12), FleetScalerConfig())
+    st, _ = scaler.decide(scaler.initial_state(30.0), 60, 30.0)
+    assert st.instances == 4
+    st, d = scaler.decide(st, 60.001, 31.0)
+    assert not d.changed and d.reason_kind == "hold", d.reason
+    with pytest.raises(InputError, match="t_s: got 0, before the last sample's 60.001 s; expected samples in time"):
+        scaler.decide(st, 0.0, 30.0)
+    assert not scaler.decide(st, 60.001, 30.0)[1].changed          # the same time again is a sample, not an error
+    for field, kwargs in (("rps", {"rps": 1e300}), ("queued", {"rps": 30.0, "queued": 1e300})):
+        with pytest.raises(InputError, match=f"fleet scaler: {field}: expected a finite number >= 0 and <= 1e"):
+            scaler.decide(st, 120, **kwargs)
+
+
 def test_a_tide_falling_to_its_trough_is_not_an_outage_and_the_smoothed_rate_stays_non_negative():
     """A tide falls by at most a third of its rate in a dwell and the scaler follows it down, so the rate stays
     well above 10 % of the envelope and no scale-in waits for an outage; Holt's level of a rate that falls to

@@ -98,7 +98,13 @@ def test_two_instances_answer_concurrent_greedy_requests_exactly_and_both_serve(
     (["--stages", "1", "--instances", "2", "--inline-control"], "--instances: several instances and --inline-control"),
     (["--stages", "1", "--instances", "2", "--ray", "127.0.0.1:1"], "--instances: several instances and --ray"),
 ])
-def test_unclear_or_bad_instance_flags_are_refused_before_a_model_loads(argv, message):
+def test_unclear_or_bad_instance_flags_are_refused_before_a_model_loads(argv, message, monkeypatch):
+    import flexpipe_dag.runtime.model_loader as model_loader
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the checkpoint was read before the flags were checked")
+
+    monkeypatch.setattr(model_loader, "resolve_checkpoint", no_load)
     args = _serve_args(*argv, *(["--no-store"] if "--inline-control" not in argv else []))
     with pytest.raises(InputError, match=message):
         args.func(args)

@@ -277,6 +277,11 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(None, "--load-rps", "only means something with --plan")
     if args.plan and args.no_store:
         raise InputError(None, "--plan", "the plan is read from the store: drop --no-store")
+    if instances.max_instances is not None and not (args.gear or args.plan):
+        # the --stages gear is never measured: refuse before the checkpoint is read (a GGUF is converted)
+        raise InputError(None, "--max-instances", f"gear uniform-{args.stages}: the gear has no measured envelope "
+                                                  "(a --stages gear has no rps_max): give --gear with a gear "
+                                                  "planned by `flexpipe plan`, or --plan")
     link = None if args.no_store else _store_link(args)
     ckpt = resolve_checkpoint(args.model)
     candidates: tuple[Gear, ...] = ()

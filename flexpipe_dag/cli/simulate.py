@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = sim.run()
     except InputError as exc:
-        if not (args.timing and exc.field and exc.field.endswith("step time")):
+        if not (args.timing and exc.field and exc.field.endswith(("step time", "transfer time"))):
             raise
         raise InputError(args.timing, exc.field, exc.problem) from exc  # the table the step times came from
     if args.timeseries_csv:

@@ -78,7 +78,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from flexpipe_dag.control.config import Figures
+from flexpipe_dag.control.config import MAX_FIGURE, Figures
 from flexpipe_dag.control.controller import ForecastFn, read_forecast
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import check_number
@@ -271,7 +271,10 @@ class FleetScaler:
         if state.ema_rps is None:
             return rps, 0.0
         a, b = c.rps_ema_alpha, c.trend_beta
-        dt = t_s - state.last_sample_s if state.last_sample_s is not None and t_s > state.last_sample_s else c.sample_period_s
+        if state.last_sample_s is None or t_s <= state.last_sample_s:
+            dt = c.sample_period_s
+        else:  # a reading much sooner than a period apart is no rate of change: 30 -> 31 req/s 1 ms later is not
+            dt = max(t_s - state.last_sample_s, 0.5 * c.sample_period_s)  # +1,000 req/s per s (a scale-out to all)
         if b <= 0:
             return a * rps + (1 - a) * state.ema_rps, 0.0
         level = max(0.0, a * rps + (1 - a) * (state.ema_rps + state.trend_rps_per_s * dt))  # a rate is never < 0
@@ -286,11 +289,15 @@ class FleetScaler:
         backlog after a surge is drained in about ``backlog_drain_s``, not by the headroom alone).
 
         Raises:
-            InputError: ``rps`` or ``queued`` negative or not finite.
+            InputError: ``rps`` or ``queued`` negative, not finite or beyond
+                :data:`~flexpipe_dag.control.config.MAX_FIGURE`; ``t_s`` not finite or before the last sample's.
         """
-        check_number(rps, "fleet scaler", "rps", ge=0, unit="req/s")
-        check_number(queued, "fleet scaler", "queued", ge=0, unit="requests")
+        check_number(rps, "fleet scaler", "rps", ge=0, le=MAX_FIGURE, unit="req/s")
+        check_number(queued, "fleet scaler", "queued", ge=0, le=MAX_FIGURE, unit="requests")
         check_number(t_s, "fleet scaler", "t_s", unit="s")
+        if state.last_sample_s is not None and t_s < state.last_sample_s:  # an outage / dwell of negative seconds
+            raise InputError("fleet scaler", "t_s", f"got {t_s:g}, before the last sample's {state.last_sample_s:g} s; "
+                                                    "expected samples in time order")
         if not 1 <= state.instances <= len(self.plan.instances):
             raise InputError("fleet scaler", "state.instances",
                              f"got {state.instances}; expected 1..{len(self.plan.instances)} (the plan's instances)")

@@ -578,6 +578,14 @@ class Simulator:
         first, last = self._arrival_span_s
         return last + max(DRAIN_FLOOR_S, DRAIN_SPAN_FACTOR * (last - first))
 
+    def _past_horizon(self, pipe: _Pipeline, field: str, what: str, d: float, t: float) -> None:
+        """Raise: a stage's ``what`` (step / transfer) of ``d`` s from ``t`` would end past the drain horizon."""
+        raise InputError(f"gear {pipe.gear_id}", field,
+                         f"a {what} of {d:.4g} s at {t:.4g} s of simulated time would end past {self._horizon_s:.4g} s "
+                         f"(the last arrival + {DRAIN_SPAN_FACTOR:g}x the arrivals' span, at least + "
+                         f"{DRAIN_FLOOR_S:g} s): expected stage times a pipeline takes (ms to s per step); check "
+                         "the timing's coefficients")
+
     def _serve(self, pipe: _Pipeline, st: _Stage, mb: _MicroBatch, t: float) -> None:
         d = mb.times_s[mb.stage]
         end = t + d
@@ -586,11 +594,7 @@ class Simulator:
             self._push(end, _DONE, pipe, mb)
             return
         if not end <= self._horizon_s:
-            raise InputError(f"gear {pipe.gear_id}", f"stage {mb.stage} step time",
-                             f"a step of {d:.4g} s at {t:.4g} s of simulated time would end past {self._horizon_s:.4g} s "
-                             f"(the last arrival + {DRAIN_SPAN_FACTOR:g}x the arrivals' span, at least + "
-                             f"{DRAIN_FLOOR_S:g} s): expected stage times a pipeline takes (ms to s per step); check "
-                             "the timing's coefficients")
+            self._past_horizon(pipe, f"stage {mb.stage} step time", "step", d, t)
         period = self._period
         k = int(t // period)
         bw = st.busy_win
@@ -615,6 +619,8 @@ class Simulator:
             mb.stage = s + 1
             x = mb.xfer_s[s]
             if x > 0.0:
+                if self._sampling and not t + x <= self._horizon_s:  # a transfer pushes the clock out as a step does
+                    self._past_horizon(pipe, f"stage {s} transfer time", "transfer", x, t)
                 self._push(t + x, _ARRIVE, pipe, mb)
             else:
                 self._stage_arrive(pipe, mb, t)

@@ -234,7 +234,8 @@ def test_cli_json_shape_and_simulator_confirmation(capsys):
     assert rc == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
-    assert "warning: the plan was confirmed on 60 requests of azure-conv: a sample this small" in captured.err
+    assert ("warning: the plan was confirmed on replays, per instance, of 60 requests of azure-conv: a sample under "
+            "1000 requests may not represent the trace") in captured.err
     assert set(out) >= {"need", "types", "mix", "confirmation", "steps", "currency", "price_source"}
     need = out["need"]
     assert need["kv_bytes_per_token"] == 131072 and need["concurrency"] == 84  # ceil(2 x (2 s + 400 x 0.1 s))

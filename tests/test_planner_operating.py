@@ -75,6 +75,6 @@ def test_envelopes_measured_on_a_small_sample_are_flagged():
     basis = EnvelopeBasis(source="simulator", slo_ttft_ms=2000.0, slo_tpot_ms=200.0, attainment=0.95,
                           workload="azure-conv", num_requests=400)
     note = small_sample_note(basis, 19_366)
-    assert note and "400 requests of azure-conv" in note and "at least 1000" in note
+    assert note and "samples of 400 requests of azure-conv" in note and "at least 1000 requests" in note
     assert small_sample_note(basis.model_copy(update={"num_requests": 1000}), 19_366) is None
     assert small_sample_note(basis, 400) is None  # the whole of a short trace: its own sample

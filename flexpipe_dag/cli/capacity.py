@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     except InfeasibleError as exc:
         print(f"flexpipe capacity: infeasible: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_INFEASIBLE
-    small = None if args.no_simulate else small_sample_warning(requests, trace.name, len(trace), "the plan was confirmed")
+    small = None if args.no_simulate else small_sample_warning(requests, trace.name, len(trace),
+                                                                  "the plan was confirmed on replays, per instance, of")
     if small:
         print(f"flexpipe capacity: warning: {small}", file=sys.stderr)
     if args.json:

@@ -138,18 +138,20 @@ def small_sample_note(basis: EnvelopeBasis, trace_requests: int) -> str | None:
     overstatement was put down to probe length: replaying the 400 requests 3-13 times over, long enough
     for a micro-batch-64 gear's 256 batch slots to fill, still overstated by 10-46 %.
     """
-    return small_sample_warning(basis.num_requests, basis.workload, trace_requests, "envelopes were measured")
+    return small_sample_warning(basis.num_requests, basis.workload, trace_requests,
+                                "envelopes were measured on samples of")
 
 
 def small_sample_warning(num_requests: int, workload: str, trace_requests: int, what: str) -> str | None:
-    """:func:`small_sample_note` for any figure ``what`` (``"envelopes were measured"``, ``"the plan was
-    confirmed"``) replayed on ``num_requests`` requests of ``workload`` (``trace_requests`` long); None when the
-    sample is :data:`DEFAULT_REFERENCE_REQUESTS` or more, or the whole trace."""
+    """:func:`small_sample_note` for any figure replayed on ``num_requests`` requests of ``workload``
+    (``trace_requests`` long); ``what`` says what was replayed (``"envelopes were measured on samples of"``,
+    ``"the plan was confirmed on replays, per instance, of"``). None when the sample is
+    :data:`DEFAULT_REFERENCE_REQUESTS` or more, or the whole trace."""
     if num_requests >= min(DEFAULT_REFERENCE_REQUESTS, trace_requests):
         return None
-    return (f"{what} on {num_requests} requests of {workload}: a sample this small may not represent the trace, "
-            f"and envelopes measured on one have been up to 64 % above those of {DEFAULT_REFERENCE_REQUESTS} "
-            f"requests; use at least {DEFAULT_REFERENCE_REQUESTS} requests per probe (--requests / "
+    return (f"{what} {num_requests} requests of {workload}: a sample under {DEFAULT_REFERENCE_REQUESTS} requests may "
+            f"not represent the trace, and envelopes measured on 400 have been up to 64 % above those of "
+            f"{DEFAULT_REFERENCE_REQUESTS}; use at least {DEFAULT_REFERENCE_REQUESTS} requests (--requests / "
             "FLEXPIPE_REFERENCE_REQUESTS) before relying on them")
 
 

@@ -410,10 +410,12 @@ def test_a_timing_table_that_is_a_device_is_refused(tmp_path):
              needles=("/dev/zero: is a device; expected a regular file holding a stage timing table",))
 
 
-@pytest.mark.parametrize("cell", ["True", "false"])
-def test_a_timing_table_boolean_is_no_number_of_ms(tmp_path, cell):
+@pytest.mark.parametrize(("cell", "got"), [("True", "True"), ("false", "False"), ("", "an empty (or NaN / NA) cell"),
+                                         ("nan", "an empty (or NaN / NA) cell")])
+def test_a_timing_table_boolean_is_no_number_of_ms(tmp_path, cell, got):
     """``True`` in a stage timing table is refused by row and column, not priced as 1 ms (a column of
-    booleans only: pandas reads it as bool, which ``pd.to_numeric`` turned into 1 / 0)."""
+    booleans only: pandas reads it as bool, which ``pd.to_numeric`` turned into 1 / 0); an empty or NaN cell is
+    named as one, not as ``got nan``."""
     from tests.test_sim_cli import _files
 
     gear, timing = _files(tmp_path)
@@ -424,7 +426,7 @@ def test_a_timing_table_boolean_is_no_number_of_ms(tmp_path, cell):
         row[column] = cell
     timing.write_text("\n".join([lines[0], *(",".join(row) for row in rows)]) + "\n")
     _refused(tmp_path, "simulate", "--gear-file", str(gear), "--timing", str(timing), "--trace", "azure-conv",
-             needles=(f"row 1.decode_fixed_ms: got {cell.capitalize()}; expected a number of ms",))
+             needles=(f"row 1.decode_fixed_ms: got {got}; expected a number of ms",))
 
 
 def test_the_batch_job_refuses_an_unprintable_job_key_before_the_store(tmp_path):

@@ -110,7 +110,8 @@ class LinearStageTiming:
                 if c in frame.columns:
                     v = to_numeric(pd.Series([row[c]])).iloc[0]  # a boolean is NaN here, not 1 / 0 ms
                     if pd.isna(v):
-                        raise InputError(source, f"row {i + 1}.{c}", f"got {shown(row[c])}; expected a number of ms")
+                        got = "an empty (or NaN / NA) cell" if pd.isna(row[c]) else shown(row[c])
+                        raise InputError(source, f"row {i + 1}.{c}", f"got {got}; expected a number of ms")
                     vals[c] = float(v)
             rows.append(StageCosts(**vals))
         return cls(rows, source=source)

@@ -46,6 +46,7 @@ from flexpipe_dag.core.gear_builders import load_gear
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
+from flexpipe_dag.sim.engine import DrainHorizonError
 from flexpipe_dag.sim.timing import COST_FIELDS
 from flexpipe_dag.workload import (
     BUNDLED_TRACES,
@@ -360,10 +361,10 @@ def run(args: argparse.Namespace) -> int:
     sim = Simulator(workload, gear, timing, config)
     try:
         result = sim.run()
-    except InputError as exc:
-        if not (args.timing and exc.field and exc.field.endswith(("step time", "transfer time"))):
+    except DrainHorizonError as exc:
+        if not args.timing:
             raise
-        raise InputError(args.timing, exc.field, exc.problem) from exc  # the table the step times came from
+        raise InputError(args.timing, exc.field, exc.problem) from exc  # the table the stage times came from
     if args.timeseries_csv:
         result.timeseries().to_csv(args.timeseries_csv, index=False)
     summary = {"trace": str(args.trace), "workload_requests": len(workload), **result.summary}

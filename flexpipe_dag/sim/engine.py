@@ -75,6 +75,12 @@ DRAIN_SPAN_FACTOR = 10.0
 #: The least a sampled run may go on past its last arrival, s (a day).
 DRAIN_FLOOR_S = 86400.0
 
+
+class DrainHorizonError(InputError):
+    """A sampled run's stage step or stage-to-stage transfer would end past the drain horizon
+    (:data:`DRAIN_SPAN_FACTOR`): the stage timing's figures are not a pipeline's. ``field`` names the stage
+    and ``step time`` / ``transfer time``; a caller that knows the timing's file re-raises naming it."""
+
 #: A sequence's place in the waiting queue: (0 online / 1 offline, -priority, arrival_s, request index).
 _SeqKey = tuple[int, int, float, int]
 
@@ -580,11 +586,11 @@ class Simulator:
 
     def _past_horizon(self, pipe: _Pipeline, field: str, what: str, d: float, t: float) -> None:
         """Raise: a stage's ``what`` (step / transfer) of ``d`` s from ``t`` would end past the drain horizon."""
-        raise InputError(f"gear {pipe.gear_id}", field,
-                         f"a {what} of {d:.4g} s at {t:.4g} s of simulated time would end past {self._horizon_s:.4g} s "
-                         f"(the last arrival + {DRAIN_SPAN_FACTOR:g}x the arrivals' span, at least + "
-                         f"{DRAIN_FLOOR_S:g} s): expected stage times a pipeline takes (ms to s per step); check "
-                         "the timing's coefficients")
+        raise DrainHorizonError(f"gear {pipe.gear_id}", field,
+                                f"a {what} of {d:.4g} s at {t:.4g} s of simulated time would end past "
+                                f"{self._horizon_s:.4g} s (the last arrival + {DRAIN_SPAN_FACTOR:g}x the arrivals' "
+                                f"span, at least + {DRAIN_FLOOR_S:g} s): expected stage times a pipeline takes (ms to "
+                                "s per step); check the timing's coefficients")
 
     def _serve(self, pipe: _Pipeline, st: _Stage, mb: _MicroBatch, t: float) -> None:
         d = mb.times_s[mb.stage]

@@ -11,7 +11,7 @@ import pytest
 
 from flexpipe_dag.control.day_setting import tide_day
 from flexpipe_dag.control.fleet_day import best_static, instance_changes, simulate_fleet_day
-from flexpipe_dag.control.fleet_scaler import FleetScaler, FleetScalerConfig
+from flexpipe_dag.control.fleet_scaler import FleetScaler, FleetScalerConfig, FleetScalerState
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.fleet import FleetInstance, FleetPlan, FleetSettings, host_shapes, plan_fleet
@@ -438,6 +438,28 @@ def test_fleet_plan_and_settings_refuse_bad_values():
         scaler.decide(type(scaler.initial_state(1.0))(instances=-3), 0.0, 1.0)
     with pytest.raises(InputError, match="t_s"):
         scaler.decide(scaler.initial_state(1.0), math.nan, 1.0)
+
+
+def test_a_hand_built_scaler_state_is_checked_and_the_states_the_scaler_makes_pass():
+    """instances=2.5 used to raise a raw TypeError in decide (a list index) and ema_rps=-50 was smoothed as given;
+    the scaler's own states (a falling trend is negative, 'never' is -inf) and numpy numbers still pass."""
+    for field, value, expected in (("instances", 2.5, "an integer >= 0"), ("instances", True, "an integer >= 0"),
+                                   ("instances", -1, "an integer >= 0"), ("in_count", 1.0, "an integer >= 0"),
+                                   ("ema_rps", -50.0, "a finite number >= 0 \\(req/s\\)"),
+                                   ("ema_rps", math.nan, "a finite number >= 0"),
+                                   ("trend_rps_per_s", math.inf, "a finite number \\(req/s per s\\)"),
+                                   ("last_sample_s", "60", "a finite number"),
+                                   ("outage_since_s", -math.inf, "a finite number"),
+                                   ("last_change_s", math.inf, "a finite number \\(s; or -inf: never\\)"),
+                                   ("last_out_s", math.nan, "a finite number")):
+        with pytest.raises(InputError, match=f"^fleet scaler: state.{field}: expected {expected}"):
+            FleetScalerState(**{"instances": 2, field: value})
+    scaler = FleetScaler(_plan([10.0] * 12), FleetScalerConfig())
+    st = scaler.initial_state(100.0)
+    for k, rate in enumerate([100.0, 60.0, 20.0, 0.0], start=1):
+        st, _ = scaler.decide(st, 60.0 * k, rate)
+    assert st.trend_rps_per_s < 0 and st.last_out_s == -math.inf
+    assert FleetScalerState(instances=np.int64(2), ema_rps=np.float64(3.0), last_sample_s=-5).instances == 2
 
 
 def test_scaler_refuses_bad_figures():

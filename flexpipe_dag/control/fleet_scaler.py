@@ -73,6 +73,7 @@ Every decision carries a one-sentence reason with the figures and a ``reason_kin
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -81,7 +82,7 @@ from pydantic import Field, model_validator
 from flexpipe_dag.control.config import MAX_FIGURE, Figures
 from flexpipe_dag.control.controller import ForecastFn, read_forecast
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.settings import check_number
+from flexpipe_dag.core.settings import INT64_MAX, check_number
 from flexpipe_dag.planner.fleet import DEFAULT_HEADROOM_FRACTION, FleetPlan
 
 #: Below 1 - this share of the envelope the scaler gives instances back (the band above it, up to
@@ -188,6 +189,11 @@ class FleetScalerState:
         last_change_s / last_out_s: when the last change / scale-out was decided (-inf: never).
         outage_since_s: when the rate (raw or smoothed) fell below ``outage_fraction`` of the envelope (None:
             no outage now).
+
+    Raises:
+        InputError: a count (``instances``, ``*_count``) not an integer >= 0 (a boolean is refused),
+            ``ema_rps`` negative or not finite, ``trend_rps_per_s`` or a time not finite (the trend may be
+            negative; ``last_change_s`` / ``last_out_s`` may be -inf, never); the field is named.
     """
 
     instances: int
@@ -200,6 +206,57 @@ class FleetScalerState:
     trend_rps_per_s: float = 0.0
     last_sample_s: float | None = None
     outage_since_s: float | None = None
+
+    def __post_init__(self) -> None:
+        # Every decide makes one or two states (a day plays thousands): plain int / float values pass on a few
+        # comparisons (about 1 us), and only a state that fails them is checked field by field for the message.
+        ema, last, since = self.ema_rps, self.last_sample_s, self.outage_since_s
+        change, out = self.last_change_s, self.last_out_s
+        if not (_is_count(self.instances) and _is_count(self.out_count) and _is_count(self.in_count)
+                and _is_count(self.over_count) and (ema is None or (_is_finite(ema) and ema >= 0))
+                and _is_finite(self.trend_rps_per_s) and (last is None or _is_finite(last))
+                and (since is None or _is_finite(since)) and _is_time_or_never(change)
+                and _is_time_or_never(out)):
+            _check_state(self)
+
+
+#: The number types :meth:`FleetScalerState.__post_init__` passes on comparisons alone (``type`` is
+#: matched exactly: a ``bool`` is no number here; others, numpy's, are checked by :func:`_check_state`).
+_PLAIN = (int, float)
+
+
+def _is_count(value: object) -> bool:
+    """Whether ``value`` is a plain ``int`` in 0..:data:`~flexpipe_dag.core.settings.INT64_MAX` (not a ``bool``)."""
+    return type(value) is int and 0 <= value <= INT64_MAX
+
+
+def _is_finite(value: object) -> bool:
+    """Whether ``value`` is a plain ``int`` or ``float`` and finite (not a ``bool``, not NaN)."""
+    return type(value) in _PLAIN and -math.inf < value < math.inf  # type: ignore[operator]
+
+
+def _is_time_or_never(value: object) -> bool:
+    """Whether ``value`` is a plain ``int`` or ``float``, finite or -inf (never)."""
+    return type(value) in _PLAIN and -math.inf <= value < math.inf  # type: ignore[operator]
+
+
+def _check_state(state: FleetScalerState) -> None:
+    """Check every field of ``state`` (:class:`FleetScalerState`, Raises), naming the first bad one.
+
+    Raises:
+        InputError: ``fleet scaler: state.<field>: expected ..., got ...``.
+    """
+    for name in ("instances", "out_count", "in_count", "over_count"):
+        check_number(getattr(state, name), "fleet scaler", f"state.{name}", integer=True, ge=0)
+    if state.ema_rps is not None:
+        check_number(state.ema_rps, "fleet scaler", "state.ema_rps", ge=0, unit="req/s")
+    check_number(state.trend_rps_per_s, "fleet scaler", "state.trend_rps_per_s", unit="req/s per s")
+    for name in ("last_sample_s", "outage_since_s"):
+        if getattr(state, name) is not None:
+            check_number(getattr(state, name), "fleet scaler", f"state.{name}", unit="s; or None")
+    for name in ("last_change_s", "last_out_s"):
+        if not (isinstance(getattr(state, name), numbers.Real) and getattr(state, name) == -math.inf):
+            check_number(getattr(state, name), "fleet scaler", f"state.{name}", unit="s; or -inf: never")
 
 
 @dataclass(frozen=True)

@@ -465,6 +465,13 @@ def test_a_hand_built_scaler_state_is_checked_and_the_states_the_scaler_makes_pa
 def test_scaler_refuses_bad_figures():
     with pytest.raises(ValueError, match="scale_in_headroom_fraction"):
         FleetScalerConfig(headroom_fraction=0.3, scale_in_headroom_fraction=0.1)
+    # numbers are strict (pydantic's lax mode read "0.5" as 0.5 and 2.0 as a count of 2); an int is a float
+    for field, value, expected in (("rps_ema_alpha", "0.5", "a valid number"), ("dwell_s", "600", "a valid number"),
+                                   ("hysteresis_samples", "2", "a valid integer"),
+                                   ("hysteresis_samples", 2.0, "a valid integer")):
+        with pytest.raises(ValueError, match=f"{field}\n  Input should be {expected}"):
+            FleetScalerConfig(**{field: value})
+    assert FleetScalerConfig(dwell_s=600, rps_ema_alpha=1).dwell_s == 600.0
     scaler = FleetScaler(_plan([1.0]))
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(InputError, match="rps"):

@@ -237,7 +237,7 @@ def instance_settings(args: argparse.Namespace):
         check_number(args.scale_outage_hold_s, None, "--scale-outage-hold-s", ge=0, le=86400, unit="s")
         figures["outage_hold_s"] = args.scale_outage_hold_s
     settings = InstanceSettings(instances=args.instances, max_instances=args.max_instances,
-                                scaler=FleetScalerConfig(**figures))
+                                scaler=FleetScalerConfig.model_validate(figures))
     settings.check()
     return settings
 

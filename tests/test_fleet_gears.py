@@ -11,7 +11,7 @@ import pytest
 
 from flexpipe_dag.control.day_setting import tide_day
 from flexpipe_dag.control.fleet_day import best_static, instance_changes, simulate_fleet_day
-from flexpipe_dag.control.fleet_scaler import FleetScaler, FleetScalerConfig, FleetScalerState
+from flexpipe_dag.control.fleet_scaler import MAX_OUTAGE_HOLD_S, FleetScaler, FleetScalerConfig, FleetScalerState
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.fleet import FleetInstance, FleetPlan, FleetSettings, host_shapes, plan_fleet
@@ -472,6 +472,10 @@ def test_scaler_refuses_bad_figures():
         with pytest.raises(ValueError, match=f"{field}\n  Input should be {expected}"):
             FleetScalerConfig(**{field: value})
     assert FleetScalerConfig(dwell_s=600, rps_ema_alpha=1).dwell_s == 600.0
+    # the outage hold has the bound of `flexpipe serve --scale-outage-hold-s` (it took up to 1e9 s)
+    assert FleetScalerConfig(outage_hold_s=MAX_OUTAGE_HOLD_S).outage_hold_s == MAX_OUTAGE_HOLD_S == 86400
+    with pytest.raises(ValueError, match="outage_hold_s\n  Input should be less than or equal to 86400"):
+        FleetScalerConfig(outage_hold_s=MAX_OUTAGE_HOLD_S + 1)
     scaler = FleetScaler(_plan([1.0]))
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(InputError, match="rps"):

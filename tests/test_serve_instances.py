@@ -95,6 +95,8 @@ def test_two_instances_answer_concurrent_greedy_requests_exactly_and_both_serve(
     (["--stages", "1", "--max-instances", "2", "--scale-dwell-s", "60"], "--scale-dwell-s: .*never given back"),
     (["--stages", "1", "--scale-outage-hold-s", "0"], "--scale-outage-hold-s: only means something with --max-"),
     (["--stages", "1", "--max-instances", "2", "--scale-outage-hold-s", "-1"], "--scale-outage-hold-s: expected"),
+    (["--stages", "1", "--max-instances", "2", "--scale-outage-hold-s", "86401"],
+     "--scale-outage-hold-s: expected a finite number >= 0 and <= 86400 \\(s\\), got 86401"),
     (["--stages", "1", "--instances", "2", "--inline-control"], "--instances: several instances and --inline-control"),
     (["--stages", "1", "--instances", "2", "--ray", "127.0.0.1:1"], "--instances: several instances and --ray"),
 ])

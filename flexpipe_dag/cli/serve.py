@@ -220,7 +220,7 @@ def instance_settings(args: argparse.Namespace):
     Raises:
         InputError: naming the flag.
     """
-    from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
+    from flexpipe_dag.control.fleet_scaler import MAX_OUTAGE_HOLD_S, FleetScalerConfig
     from flexpipe_dag.serving.frontdoor.server import SCALE_INTERVAL_S, InstanceSettings
 
     for flag, value in (("--scale-interval-s", args.scale_interval_s), ("--scale-dwell-s", args.scale_dwell_s),
@@ -234,7 +234,7 @@ def instance_settings(args: argparse.Namespace):
         check_number(args.scale_dwell_s, None, "--scale-dwell-s", ge=0, le=86400, unit="s")
         figures["dwell_s"] = args.scale_dwell_s
     if args.scale_outage_hold_s is not None:
-        check_number(args.scale_outage_hold_s, None, "--scale-outage-hold-s", ge=0, le=86400, unit="s")
+        check_number(args.scale_outage_hold_s, None, "--scale-outage-hold-s", ge=0, le=MAX_OUTAGE_HOLD_S, unit="s")
         figures["outage_hold_s"] = args.scale_outage_hold_s
     settings = InstanceSettings(instances=args.instances, max_instances=args.max_instances,
                                 scaler=FleetScalerConfig.model_validate(figures))

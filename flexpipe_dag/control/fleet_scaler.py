@@ -79,7 +79,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from flexpipe_dag.control.config import MAX_FIGURE, Figures
+from flexpipe_dag.control.config import DAY_S, MAX_FIGURE, Figures
 from flexpipe_dag.control.controller import ForecastFn, read_forecast
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT64_MAX, check_number
@@ -106,6 +106,10 @@ DEFAULT_OUTAGE_FRACTION = 0.10
 #: traffic away for minutes to an hour or two (the ServeGen tide's six outages last 10-90 minutes) come back to
 #: a fleet that still holds them; a longer one is given back a third per dwell as before.
 DEFAULT_OUTAGE_HOLD_S = 7200.0
+
+#: The longest outage hold, s (``outage_hold_s`` and ``flexpipe serve --scale-outage-hold-s``): a day, the
+#: tide's period; traffic gone longer than that is not an incident it returns from at its level.
+MAX_OUTAGE_HOLD_S = DAY_S
 
 FleetReasonKind = Literal["scale_out", "scale_in", "hold", "dwell", "payback", "outage"]
 
@@ -161,7 +165,7 @@ class FleetScalerConfig(Figures):
     outage_fraction: float = Field(DEFAULT_OUTAGE_FRACTION, ge=0, lt=1, allow_inf_nan=False,
                                    description="a rate (raw or smoothed) below this share of the serving envelope "
                                                "is an outage (0: never)")
-    outage_hold_s: float = Field(DEFAULT_OUTAGE_HOLD_S, ge=0, allow_inf_nan=False,
+    outage_hold_s: float = Field(DEFAULT_OUTAGE_HOLD_S, ge=0, le=MAX_OUTAGE_HOLD_S, allow_inf_nan=False,
                                  description="how long an outage holds the instances serving when it began, s "
                                              "(scale-ins wait; 0: no hold)")
     scale_in_max_fraction: float = Field(DEFAULT_SCALE_IN_MAX_FRACTION, gt=0, le=1, allow_inf_nan=False,

@@ -219,6 +219,17 @@ def test_a_trace_of_a_handful_of_requests_confirms_nothing(tmp_path, capsys):
     assert main([*argv, "--no-simulate"]) == 0  # the arithmetic alone still runs on it
 
 
+def test_requests_are_checked_only_when_the_simulator_replays_them(capsys, monkeypatch):
+    # --requests 49 --no-simulate was refused although nothing is replayed without the simulator
+    argv = ["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100", "--load-rps", "1",
+            "--gpu-types", "T4", "--requests", "49"]
+    assert main(argv) == 2
+    assert "--requests: expected an integer >= 50" in capsys.readouterr().err
+    assert main([*argv, "--no-simulate"]) == 0
+    monkeypatch.setenv("FLEXPIPE_REFERENCE_REQUESTS", "10")  # nor is the variable read then
+    assert main([*argv[:-2], "--no-simulate"]) == 0
+
+
 def test_bad_price_file_exits_2_naming_it(tmp_path, capsys):
     path = tmp_path / "p.yaml"
     path.write_text("per_gpu_hour:\n  A100-SXM-80GB: -3\n")

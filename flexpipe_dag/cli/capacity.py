@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                    help=f"memory kept free per card and envelope headroom per instance, 0.10..0.15 (default {DEFAULT_RESERVE:g})")
     p.add_argument("--requests", type=int, default=None,
                    help=f"trace requests replayed per instance in the simulator (default {DEFAULT_REFERENCE_REQUESTS}, "
-                        "or FLEXPIPE_REFERENCE_REQUESTS)")
+                        "or FLEXPIPE_REFERENCE_REQUESTS; unused with --no-simulate)")
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator replay")
     p.add_argument("--json", action="store_true", help="print the plan (with its steps) as JSON")
     p.set_defaults(func=run)
@@ -73,9 +73,11 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             check_number(value, None, flag, integer=True, ge=1, le=INT32_MAX, unit="tokens")
     reserve = check_reserve(args.reserve)
-    requests = args.requests if args.requests is not None else env_value(
-        "FLEXPIPE_REFERENCE_REQUESTS", int, DEFAULT_REFERENCE_REQUESTS, ge=50)
-    check_number(requests, None, "--requests", integer=True, ge=50, le=INT32_MAX, unit="requests")
+    requests = None  # replays per instance: the simulator's alone, so --no-simulate ignores them
+    if not args.no_simulate:
+        requests = args.requests if args.requests is not None else env_value(
+            "FLEXPIPE_REFERENCE_REQUESTS", int, DEFAULT_REFERENCE_REQUESTS, ge=50)
+        check_number(requests, None, "--requests", integer=True, ge=50, le=INT32_MAX, unit="requests")
     dtype = canonical_dtype(args.dtype, None, "--dtype")
     prices = load_prices(args.price_file)
     model = load_model_spec(args.model)
@@ -87,13 +89,13 @@ def run(args: argparse.Namespace) -> int:
                                    slo_tpot_ms=args.slo_tpot_ms, dtype=dtype, context_p95_tokens=args.context_p95,
                                    output_p95_tokens=args.output_p95, reserve_fraction=reserve,
                                    gpu_types=_gpu_types(args.gpu_types),
-                                   confirm_requests=None if args.no_simulate else requests,
+                                   confirm_requests=requests,
                                    progress=lambda line: status.update(line))
     except InfeasibleError as exc:
         print(f"flexpipe capacity: infeasible: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_INFEASIBLE
-    small = None if args.no_simulate else small_sample_warning(requests, trace.name, len(trace),
-                                                                  "the plan was confirmed on replays, per instance, of")
+    small = None if requests is None else small_sample_warning(requests, trace.name, len(trace),
+                                                                "the plan was confirmed on replays, per instance, of")
     if small:
         print(f"flexpipe capacity: warning: {small}", file=sys.stderr)
     if args.json:

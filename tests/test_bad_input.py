@@ -324,7 +324,7 @@ def sim_files(tmp_path):
     (["--offline", "arxiv-summarization", "--offline-limit", "-5"], "--offline-limit: expected an integer >= 1"),
     (["--offline", "arxiv-summarization", "--offline-limit", "0"], "--offline-limit: expected an integer >= 1"),
     (["--offline-limit", "3"], "--offline-limit: needs --offline"),
-    (["--speedup", "0"], "--speedup: expected a finite number > 0"),
+    (["--speedup", "0"], "--speedup: expected a finite number >= 0.001 and <= 1e+06 (factor), got 0"),  # the range
     (["--tide-compression", "0"], "--tide-compression: expected a finite number > 0"),
     (["--slo-ttft-ms", "-1"], "--slo-ttft-ms: expected a finite number > 0"),
     (["--kv-capacity-tokens", "0"], "--kv-capacity-tokens: expected an integer >= 1"),

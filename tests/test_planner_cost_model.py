@@ -94,3 +94,26 @@ def test_a_step_prices_decode_only_and_one_prompt_as_the_dedicated_methods(lab):
             cm.stage_decode_ms(dev, 8, first, last, 16, 16 * 900), rel=1e-12)
         assert cm.stage_step_ms(dev, 8, first, last, 700, 1, 0, 0) == pytest.approx(
             cm.stage_prefill_ms(dev, 8, first, last, 700), rel=1e-12)
+
+
+def test_a_single_prompt_prefill_is_exactly_a_one_prompt_step_and_its_layer_pieces(lab):
+    """stage_prefill_ms of one prompt equals, bit for bit, stage_step_ms of that prompt alone and the sum of its
+    pieces (layers of layer_prefill_ms, the embedding, one logit row) on every device type of the lab, with and
+    without a calibration override, for any layer count, prompt length and stage position."""
+    model = load_model_spec("Llama-3-8B")
+    slow = {"attention": Efficiency(compute=0.3, memory=0.4, overhead_us=7.0)}
+    devices = sorted({d.device_id for d in lab.devices}, key=lambda d: CostModel(model, lab).device_key(d))
+    for cm in (CostModel(model, lab), CostModel(model, lab, device_overrides={devices[0]: slow})):
+        for dev in devices:
+            for layers in (1, 8, 32):
+                for tokens in (1, 2, 17, 700, 4096, 16_000):
+                    for first in (False, True):
+                        for last in (False, True):
+                            pieces = layers * cm.layer_prefill_ms(dev, tokens)
+                            if first:
+                                pieces += cm.first_extra_ms(dev, tokens)
+                            if last:
+                                pieces += cm.last_extra_ms(dev, 1)
+                            for prompts in (1, 0):
+                                assert cm.stage_prefill_ms(dev, layers, first, last, tokens, prompts) == pieces
+                            assert cm.stage_step_ms(dev, layers, first, last, tokens, 1, 0, 0) == pieces

@@ -205,15 +205,10 @@ class CostModel:
                          num_prompts: int = 1) -> float:
         """Prefill of ``num_tokens`` prompt tokens on a stage of ``num_layers`` layers, ms.
 
-        The tokens are ``num_prompts`` equal causal prompts in one pass (:meth:`stage_step_ms`).
+        The tokens are ``num_prompts`` equal causal prompts in one pass: :meth:`stage_step_ms` with no decode.
+        One prompt (``num_prompts`` <= 1) is ``num_layers`` x :meth:`layer_prefill_ms` plus the embedding
+        (first stage) and one logit row (last stage), to the bit (the same figures, tested).
         """
-        if num_prompts <= 1:
-            t = num_layers * self.layer_prefill_ms(device_id, num_tokens)
-            if first:
-                t += self.first_extra_ms(device_id, num_tokens)
-            if last:
-                t += self.last_extra_ms(device_id, 1)
-            return t
         return self.stage_step_ms(device_id, num_layers, first, last, num_tokens, num_prompts, 0, 0)
 
     def stage_decode_ms(self, device_id: str, num_layers: int, first: bool, last: bool, num_seqs: int,

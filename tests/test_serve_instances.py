@@ -112,6 +112,29 @@ def test_unclear_or_bad_instance_flags_are_refused_before_a_model_loads(argv, me
         args.func(args)
 
 
+def test_a_stages_gear_and_a_gear_without_an_envelope_are_refused_in_the_same_words(monkeypatch):
+    """The early refusal of a --stages gear (before the checkpoint is read) copied replicated_plan's wording;
+    both now say no_envelope_problem, after the gear's id, on --max-instances."""
+    import flexpipe_dag.runtime.model_loader as model_loader
+    from flexpipe_dag.planner.fleet import no_envelope_problem
+    from flexpipe_dag.serving.frontdoor.server import InstanceSettings
+    from tests.support import enveloped_gear
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the checkpoint was read before the flags were checked")
+
+    monkeypatch.setattr(model_loader, "resolve_checkpoint", no_load)
+    args = _serve_args("--stages", "2", "--max-instances", "2", "--no-store")
+    with pytest.raises(InputError) as stages:
+        args.func(args)
+    gear = enveloped_gear("g", "latency", 0.0, 0.0, 1)
+    with pytest.raises(InputError) as unmeasured:
+        InstanceSettings(max_instances=2).check(gear)
+    assert (stages.value.field, unmeasured.value.field) == ("--max-instances", "--max-instances")
+    assert stages.value.problem == f"gear uniform-2: {no_envelope_problem(None)}"
+    assert unmeasured.value.problem == f"gear g: {no_envelope_problem(0.0)}"
+
+
 def test_a_replicated_plan_needs_the_gears_envelope():
     from flexpipe_dag.planner.fleet import replicated_plan
     from tests.support import enveloped_gear

@@ -244,6 +244,7 @@ def instance_settings(args: argparse.Namespace):
 
 def serve(args: argparse.Namespace) -> int:
     from flexpipe_dag.cli.run import check_cuda, ray_placement
+    from flexpipe_dag.planner.fleet import no_envelope_problem
     from flexpipe_dag.runtime.model_loader import head_dtype, resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings, check_several
@@ -279,9 +280,7 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(None, "--plan", "the plan is read from the store: drop --no-store")
     if instances.max_instances is not None and not (args.gear or args.plan):
         # the --stages gear is never measured: refuse before the checkpoint is read (a GGUF is converted)
-        raise InputError(None, "--max-instances", f"gear uniform-{args.stages}: the gear has no measured envelope "
-                                                  "(a --stages gear has no rps_max): give --gear with a gear "
-                                                  "planned by `flexpipe plan`, or --plan")
+        raise InputError(None, "--max-instances", f"gear uniform-{args.stages}: {no_envelope_problem(None)}")
     link = None if args.no_store else _store_link(args)
     ckpt = resolve_checkpoint(args.model)
     candidates: tuple[Gear, ...] = ()

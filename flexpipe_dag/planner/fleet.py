@@ -210,6 +210,19 @@ class FleetPlan:
         return self.prefix(max(1, self.instances_for(rps, headroom_fraction)))
 
 
+def no_envelope_problem(rps_max: float | None) -> str:
+    """What is wrong with scaling a gear that has no measured envelope, and what to do instead: the one wording of
+    :func:`replicated_plan` and of ``flexpipe serve --max-instances``, which refuses a ``--stages`` gear before
+    its checkpoint is read.
+
+    Args:
+        rps_max: the gear's ``rps_max`` (0 or unbounded), or None for a gear that has none (a ``--stages`` one).
+    """
+    held = "a --stages gear has no rps_max" if rps_max is None else f"rps_max {rps_max:g} req/s"
+    return (f"the gear has no measured envelope ({held}): give --gear with a gear planned by `flexpipe plan` "
+            "(or one whose rps_max is set), or --plan")
+
+
 def replicated_plan(gear: Gear, num_instances: int, host_id: str = "localhost") -> FleetPlan:
     """A fleet plan of ``num_instances`` identical copies of ``gear`` on one host: what a server that runs
     several instances of its one gear scales over (``flexpipe serve --max-instances``).
@@ -229,9 +242,7 @@ def replicated_plan(gear: Gear, num_instances: int, host_id: str = "localhost") 
     """
     check_number(num_instances, "fleet plan", "num_instances", integer=True, ge=1, le=10**6)
     if not (math.isfinite(gear.rps_max) and gear.rps_max > 0):
-        raise InputError(gear.gear_id, "rps_max", f"the gear has no measured envelope (rps_max {gear.rps_max:g} "
-                                                  "req/s): plan it first (`flexpipe plan`), or give a gear whose "
-                                                  "rps_max is set")
+        raise InputError(gear.gear_id, "rps_max", no_envelope_problem(gear.rps_max))
     instances = tuple(FleetInstance(instance_id=f"{gear.gear_id}-{k}", host_ids=(host_id,), gear=gear, template=0)
                       for k in range(num_instances))
     return FleetPlan(cluster_id=host_id, templates=(), instances=instances)

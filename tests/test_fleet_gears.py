@@ -11,7 +11,13 @@ import pytest
 
 from flexpipe_dag.control.day_setting import tide_day
 from flexpipe_dag.control.fleet_day import best_static, instance_changes, simulate_fleet_day
-from flexpipe_dag.control.fleet_scaler import MAX_OUTAGE_HOLD_S, FleetScaler, FleetScalerConfig, FleetScalerState
+from flexpipe_dag.control.fleet_scaler import (
+    MAX_DWELL_S,
+    MAX_OUTAGE_HOLD_S,
+    FleetScaler,
+    FleetScalerConfig,
+    FleetScalerState,
+)
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.fleet import FleetInstance, FleetPlan, FleetSettings, host_shapes, plan_fleet
@@ -476,6 +482,10 @@ def test_scaler_refuses_bad_figures():
     assert FleetScalerConfig(outage_hold_s=MAX_OUTAGE_HOLD_S).outage_hold_s == MAX_OUTAGE_HOLD_S == 86400
     with pytest.raises(ValueError, match="outage_hold_s\n  Input should be less than or equal to 86400"):
         FleetScalerConfig(outage_hold_s=MAX_OUTAGE_HOLD_S + 1)
+    # so has the dwell that of `--scale-dwell-s`
+    assert FleetScalerConfig(dwell_s=MAX_DWELL_S).dwell_s == MAX_DWELL_S == 86400
+    with pytest.raises(ValueError, match="dwell_s\n  Input should be less than or equal to 86400"):
+        FleetScalerConfig(dwell_s=1e9)
     scaler = FleetScaler(_plan([1.0]))
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(InputError, match="rps"):

@@ -77,12 +77,12 @@ def loadtest(args: argparse.Namespace) -> int:
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.serving import loadtest as lt
     from flexpipe_dag.workload import head, load_trace
+    from flexpipe_dag.workload.transform import MAX_SPEEDUP, MIN_SPEEDUP
 
     for name in ("requests", "max_prompt_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             raise InputError(None, "--" + name.replace("_", "-"), f"expected >= 1, got {getattr(args, name)}")
-    if not args.speedup > 0:
-        raise InputError(None, "--speedup", f"expected > 0, got {args.speedup}")
+    check_number(args.speedup, None, "--speedup", ge=MIN_SPEEDUP, le=MAX_SPEEDUP, unit="factor")
     for flag in ("slo_ttft_ms", "slo_tpot_ms"):
         check_number(getattr(args, flag), None, "--" + flag.replace("_", "-"), gt=0, unit="milliseconds")
     levels = _levels(args.concurrency)

@@ -220,7 +220,7 @@ def instance_settings(args: argparse.Namespace):
     Raises:
         InputError: naming the flag.
     """
-    from flexpipe_dag.control.fleet_scaler import MAX_OUTAGE_HOLD_S, FleetScalerConfig
+    from flexpipe_dag.control.fleet_scaler import MAX_DWELL_S, MAX_OUTAGE_HOLD_S, FleetScalerConfig
     from flexpipe_dag.serving.frontdoor.server import SCALE_INTERVAL_S, InstanceSettings
 
     for flag, value in (("--scale-interval-s", args.scale_interval_s), ("--scale-dwell-s", args.scale_dwell_s),
@@ -231,7 +231,7 @@ def instance_settings(args: argparse.Namespace):
     check_number(interval_s, None, "--scale-interval-s", gt=0, le=3600, unit="s")
     figures = {"sample_period_s": interval_s}
     if args.scale_dwell_s is not None:
-        check_number(args.scale_dwell_s, None, "--scale-dwell-s", ge=0, le=86400, unit="s")
+        check_number(args.scale_dwell_s, None, "--scale-dwell-s", ge=0, le=MAX_DWELL_S, unit="s")
         figures["dwell_s"] = args.scale_dwell_s
     if args.scale_outage_hold_s is not None:
         check_number(args.scale_outage_hold_s, None, "--scale-outage-hold-s", ge=0, le=MAX_OUTAGE_HOLD_S, unit="s")

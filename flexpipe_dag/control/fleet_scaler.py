@@ -111,6 +111,9 @@ DEFAULT_OUTAGE_HOLD_S = 7200.0
 #: tide's period; traffic gone longer than that is not an incident it returns from at its level.
 MAX_OUTAGE_HOLD_S = DAY_S
 
+#: The longest dwell after a change, s (``dwell_s`` and ``flexpipe serve --scale-dwell-s``): a day.
+MAX_DWELL_S = DAY_S
+
 FleetReasonKind = Literal["scale_out", "scale_in", "hold", "dwell", "payback", "outage"]
 
 
@@ -146,7 +149,7 @@ class FleetScalerConfig(Figures):
                               description="smoothing of the load's trend (Holt's beta; 0: no trend, size for the level)")
     overload_samples: int = Field(1, ge=1, le=1000, description="samples a raw rate above the whole envelope needs to "
                                                                 "scale out (an overload is not noise to smooth away)")
-    dwell_s: float = Field(600.0, ge=0, allow_inf_nan=False)
+    dwell_s: float = Field(600.0, ge=0, le=MAX_DWELL_S, allow_inf_nan=False)
     scale_out_dwell_s: float = Field(0.0, ge=0, allow_inf_nan=False,
                                      description="least time between two scale-outs (instances warming up are already "
                                                  "counted as serving, so none is needed to avoid ordering twice)")

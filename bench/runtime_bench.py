@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--score", action="store_true", help="also bench the DeepSpeed scoring path")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", default="auto", help="fp32, bf16, fp16 or auto (fp32 on CPU, bf16/fp16 on GPU)")
+    ap.add_argument("--decode-graphs", default="auto", choices=("auto", "off", "eager"),
+                    help="decode steps as CUDA graphs (auto: on a GPU; with --device cuda the run also prints "
+                         "local_1stage without them, local_1stage_nographs, for the gain)")
     ap.add_argument("--hbm-gbps", type=float, default=None,
                     help="GPU memory bandwidth, GB/s, for the weights-read bound (default: the catalog's figure for "
                          "the GPU's name, e.g. 4800 for an H200)")
@@ -116,11 +119,16 @@ def main() -> None:
             res = runs[b]
             res.setdefault("hf_generate", []).append(hf_generate(ckpt, rows, b, args.baseline_threads, dev, dtype, sync))
             torch.set_num_threads(1)
-            res.setdefault("local_1stage", []).append(local_generate(ckpt, requests(f"l{rnd}"), b, dev, dtype, sync))
+            res.setdefault("local_1stage", []).append(local_generate(ckpt, requests(f"l{rnd}"), b, dev, dtype, sync,
+                                                                     args.decode_graphs))
+            if args.device == "cuda" and args.decode_graphs != "off":
+                res.setdefault("local_1stage_nographs", []).append(
+                    local_generate(ckpt, requests(f"n{rnd}"), b, dev, dtype, sync, "off"))
             for n in depths:
                 gear = manual_gear(splits[n], gear_id=f"bench-{n}", model_name=ckpt.name, micro_batch_size=b,
                                    max_inflight_micro_batches=n, kv_capacity_tokens=16384)
-                with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device, dtype=args.dtype)) as rt:
+                with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device, dtype=args.dtype,
+                                                               decode_graphs=args.decode_graphs)) as rt:
                     t0 = time.perf_counter()
                     outs = rt.generate(requests(f"p{rnd}"))
                     tps = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
@@ -175,19 +183,21 @@ def hf_generate(ckpt, rows, batch: int, threads: int, dev: str, dtype: str, sync
     return produced / (time.perf_counter() - t0)
 
 
-def _local(ckpt, dev: str, dtype: str):
+def _local(ckpt, dev: str, dtype: str, decode_graphs: str = "auto"):
     from flexpipe_dag.runtime.local import LocalPipeline
 
     local = LocalPipeline.from_layer_ranges(ckpt, [(0, ckpt.num_layers)], num_blocks=1024, block_size_tokens=16,
-                                            dtype=dtype)
+                                            dtype=dtype, decode_graphs=decode_graphs)
     if dev != "cpu":
-        local = LocalPipeline([st.to(dev) for st in local.stages], 1024, 16)
+        local = LocalPipeline([st.to(dev) for st in local.stages], 1024, 16, decode_graphs)
     return local
 
 
-def local_generate(ckpt, reqs, batch: int, dev: str, dtype: str, sync) -> float:
-    """Output tokens/s of FlexPipe's stage code and scheduler in this process (one stage, micro-batches of ``batch``)."""
-    local = _local(ckpt, dev, dtype)
+def local_generate(ckpt, reqs, batch: int, dev: str, dtype: str, sync, decode_graphs: str = "auto") -> float:
+    """Output tokens/s of FlexPipe's stage code and scheduler in this process (one stage, micro-batches of
+    ``batch``; ``decode_graphs`` as ``RuntimeOptions.decode_graphs``). The first steps of each decode shape
+    capture its graph inside the timed run, as a server's first requests would."""
+    local = _local(ckpt, dev, dtype, decode_graphs)
     sync()
     t0 = time.perf_counter()
     outs = local.generate(reqs, micro_batch_size=batch)
@@ -203,7 +213,7 @@ def step_profile(ckpt, rows, batch_sizes, dev: str, dtype: str, hbm_gbps: float 
     from flexpipe_dag.runtime.kv_blocks import BlockAllocator
     from flexpipe_dag.runtime.scheduler import Request, Scheduler
 
-    local = _local(ckpt, dev, dtype)
+    local = _local(ckpt, dev, dtype, "off")  # no CUDA graphs: the profiler attributes every kernel
     gemm = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
     attention = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
     weights = sum(st.param_bytes() for st in local.stages)
@@ -212,7 +222,8 @@ def step_profile(ckpt, rows, batch_sizes, dev: str, dtype: str, hbm_gbps: float 
         gbps = hbm_gbps or _catalog_bandwidth_gbps(torch.cuda.get_device_name(0))
         if gbps:
             bound = f"; weights-read bound {weights / (gbps * 1e9) * 1e3:.3f} ms ({weights / 2**20:.0f} MiB at {gbps:g} GB/s)"
-    print(f"\none local_1stage decode step (median of 8 after warm-up; torch.profiler self time{bound}):")
+    print(f"\none local_1stage decode step without CUDA graphs (median of 8 after warm-up; torch.profiler self "
+          f"time{bound}):")
     print(f"{'batch':>5} {'step ms':>9} {'matmul ms':>10} {'attention ms':>13} {'other ms':>9}  other = norms, rotary, "
           "gathers, sampling, Python dispatch")
     sync = torch.cuda.synchronize if dev != "cpu" else (lambda: None)

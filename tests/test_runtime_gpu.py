@@ -1,5 +1,7 @@
 """The pipeline on CUDA (``gpu`` marker): greedy output identical to ``transformers`` ``generate`` on
-the same GPU, for 1, 2 and 3 stages, even and uneven, batch 1 and 8. Stages take
+the same GPU (both fp32: ``auto`` would compute in bf16), for 1, 2 and 3 stages, even and uneven, batch 1 and
+8, with decode steps replayed as CUDA graphs (the default); and those graphs captured and replayed in one
+process, outputs unchanged. Stages take
 ``cuda:<stage mod GPU count>``; with a GPU per stage activations move over NCCL, with fewer GPUs
 the stages share them and talk over gloo. Skips, saying so, without CUDA."""
 
@@ -43,7 +45,7 @@ def test_cuda_pipeline_matches_hf_generate(ranges, micro_batch_size):
     ref = hf_reference_cuda()
     reqs = requests(8 if micro_batch_size == 8 else 3, prefix=f"gpu{len(ranges)}{ranges[0][1]}{micro_batch_size}-")
     with PipelineRuntime(gear(ranges, micro_batch_size=micro_batch_size), checkpoint(),
-                         RuntimeOptions(device="cuda", start_timeout_s=600)) as rt:
+                         RuntimeOptions(device="cuda", dtype="fp32", start_timeout_s=600)) as rt:
         outs = rt.generate(reqs)
     got = {o.request_id: o.output_token_ids for o in outs}
     assert got == {r.request_id: ref[r.request_id.split("-")[-1]] for r in reqs}, \
@@ -53,3 +55,21 @@ def test_cuda_pipeline_matches_hf_generate(ranges, micro_batch_size):
 def test_cuda_backend_choice():
     assert cuda_backend(2, gpus=2) == "cpu:gloo,cuda:nccl"
     assert cuda_backend(3, gpus=1) == "gloo"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("micro_batch_size", [8, 3])
+def test_decode_graphs_are_captured_once_per_shape_and_replayed_with_exact_outputs(micro_batch_size):
+    from flexpipe_dag.runtime.local import LocalPipeline
+    from flexpipe_dag.runtime.model_loader import load_stage_module
+
+    ranges = [(0, 10), (10, 30)]
+    stages = [load_stage_module(checkpoint(), a, b, first=i == 0, last=i == len(ranges) - 1, dtype="fp32").to("cuda:0")
+              for i, (a, b) in enumerate(ranges)]
+    pipe = LocalPipeline(stages, num_blocks=128, block_size_tokens=16, decode_graphs="auto")
+    outs = pipe.generate(requests(), micro_batch_size=micro_batch_size)
+    assert {o.request_id: o.output_token_ids for o in outs} == hf_reference_cuda()
+    for graphs in pipe.graphs:
+        assert graphs is not None and graphs.capture
+        assert graphs.captures == len(graphs.buckets) > 0 and graphs.replays > 0 and graphs.eager_steps == 0

@@ -75,12 +75,17 @@ class BatchIndex:
         new_slots: ``int64 [T]`` pool slot each new token's K/V is written to.
         last_rows: ``int64 [S]`` row of each sequence's last new token (the one the head samples from).
         groups: the padded attention problems (at most two).
+        write_rows: ``int64 [len(new_slots)]`` the row of the packed ``[T, ...]`` tensors whose K/V goes
+            to each of ``new_slots``, or None (row ``i`` to ``new_slots[i]``): a micro-batch padded to a
+            static shape (:mod:`~flexpipe_dag.runtime.decode_graphs`) writes a real row's K/V again to
+            that row's slot for each padding row, never a padding row's own.
     """
 
     positions: torch.Tensor
     new_slots: torch.Tensor
     last_rows: torch.Tensor
     groups: list[AttentionGroup]
+    write_rows: torch.Tensor | None = None
 
 
 @dataclass

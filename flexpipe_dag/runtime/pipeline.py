@@ -64,7 +64,7 @@ from flexpipe_dag.runtime.messages import (
 from flexpipe_dag.runtime.model_loader import Checkpoint, memory_dtype, resolve_checkpoint, stage_param_bytes
 from flexpipe_dag.runtime.remote import SILENT_AT_FAILURE_S
 from flexpipe_dag.runtime.scheduler import Request, RequestOutput
-from flexpipe_dag.runtime.worker import WorkerSpec
+from flexpipe_dag.runtime.worker import DECODE_GRAPH_MODES, WorkerSpec
 
 if TYPE_CHECKING:
     from flexpipe_dag.runtime.control_store import ControlStoreServer
@@ -140,6 +140,9 @@ class RuntimeOptions:
     ``max_pending_sends``: micro-batches a stage may have handed to its background sender and not
     yet delivered while it computes the next (hand-offs overlapped with compute); 0 sends each
     before receiving the next.
+    ``decode_graphs``: ``auto`` (default: a stage on a CUDA device replays a CUDA graph per padded
+    decode shape, :mod:`~flexpipe_dag.runtime.decode_graphs`; a CPU stage runs as before), ``off``
+    (no graphs), or ``eager`` (the padded static-shape decode path without capture, on any device).
     ``placement``: a :class:`~flexpipe_dag.runtime.ray_placement.RayPlacement` to have Ray start
     every stage worker on the host its device belongs to (one actor per worker, requesting the
     host's ``flexpipe_host_<node_id>`` resource), instead of spawning them here or waiting for
@@ -167,6 +170,7 @@ class RuntimeOptions:
     kv_capacity_knob: str = "the gear's kv_capacity_tokens"
     stream_tokens: bool = False
     max_pending_sends: int = 2
+    decode_graphs: str = "auto"
     placement: RayPlacement | None = None
 
 
@@ -311,6 +315,9 @@ class PipelineRuntime:
         self.gear = gear
         self.ckpt = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
         self.options = options or RuntimeOptions()
+        if self.options.decode_graphs not in DECODE_GRAPH_MODES:
+            raise InputError(None, "decode_graphs", f"expected one of {', '.join(DECODE_GRAPH_MODES)}, "
+                                                    f"got {self.options.decode_graphs!r}")
         #: per worker (stage order, replicas together): what it reported once loaded; empty before start
         self.worker_infos: list[StageInfo] = []
         self._procs: list = []  # [driver, stage 0, stage 1, ...]
@@ -345,7 +352,7 @@ class PipelineRuntime:
                           threads_per_rank=o.threads_per_rank, fault=dict(o.fault),
                           replicas=[st.replicas for st in self.gear.stages],
                           checkpoint_fingerprint=self.ckpt.fingerprint if self._control else "",
-                          max_pending_sends=o.max_pending_sends)
+                          max_pending_sends=o.max_pending_sends, decode_graphs=o.decode_graphs)
 
     def _store_address(self) -> str:
         """``HOST:PORT`` of the control store the ranks rendezvous through: the remote head's, or a

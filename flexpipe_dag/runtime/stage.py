@@ -13,7 +13,7 @@ Single process, no communication: chaining stages in one process reproduces HF g
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from flexpipe_dag.runtime.attention import BatchIndex, build_index, paged_attent
 from flexpipe_dag.runtime.kv_cache import PagedKVPool
 from flexpipe_dag.runtime.scheduler import MicroBatch
 from flexpipe_dag.runtime.transport import batch_input_ids  # noqa: F401 - re-exported (the driver's input)
+
+if TYPE_CHECKING:
+    from flexpipe_dag.runtime.decode_graphs import DecodeGraphs
 
 
 class StageModule(nn.Module):
@@ -77,11 +80,26 @@ class StageModule(nn.Module):
                            dtype=p.dtype, device=p.device)
 
     @torch.inference_mode()
-    def forward(self, batch: MicroBatch, x: torch.Tensor, pool: PagedKVPool) -> torch.Tensor:
+    def forward(self, batch: MicroBatch, x: torch.Tensor, pool: PagedKVPool,
+                graphs: DecodeGraphs | None = None) -> torch.Tensor:
+        """The stage's output for ``batch`` (see the class); ``graphs``: run a micro-batch of decodes
+        only at a padded static shape, replaying a CUDA graph (:class:`DecodeGraphs`; None: never)."""
         if self.rotary_emb is None:
             raise RuntimeError("StageModule has no rotary embedding: build it with load_stage_module")
-        device = pool.k.device
         index = build_index(batch.seqs, pool.slot_rows)
+        if graphs is not None and graphs.accepts(index):
+            out = graphs.run(x, index)
+        else:
+            out = self.forward_index(x, index, pool)
+        pool.slot_rows.end_step()
+        return out
+
+    def forward_index(self, x: torch.Tensor, index: BatchIndex, pool: PagedKVPool) -> torch.Tensor:
+        """:meth:`forward` of a micro-batch whose layout ``index`` is built (``x``: ``[T]`` token ids or
+        ``[T, hidden]``; the output as :meth:`forward`'s, one head row per ``index.last_rows``). Pure
+        tensor work on ``x``, ``index`` and the pool, so it can be captured in a CUDA graph."""
+        assert self.rotary_emb is not None
+        device = pool.k.device
         if self.embed_tokens is not None:  # the first stage (embed_tokens is set exactly when first)
             h = self.embed_tokens(x.to(device))
         else:
@@ -92,7 +110,6 @@ class StageModule(nn.Module):
             h = residual + self._attention(li, layer.self_attn, layer.input_layernorm(h), cos, sin, index, pool)
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
-        pool.slot_rows.end_step()
         if self.norm is None or self.lm_head is None:  # not the last stage (both are set exactly when last)
             return h
         return self.lm_head(self.norm(h.index_select(0, index.last_rows)))
@@ -108,6 +125,9 @@ class StageModule(nn.Module):
         k = attn.k_proj(hn).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(hn).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        pool.write(li, index.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        if index.write_rows is not None:  # padded rows write copies of a real row's K/V to its slot
+            k_new, v_new = k_new.index_select(0, index.write_rows), v_new.index_select(0, index.write_rows)
+        pool.write(li, index.new_slots, k_new, v_new)
         o = paged_attention(q[0].transpose(0, 1), pool.k[li], pool.v[li], index, attn.scaling)
         return attn.o_proj(o)

@@ -44,9 +44,15 @@ from flexpipe_dag.runtime.messages import (
 )
 
 if TYPE_CHECKING:
+    from flexpipe_dag.runtime.decode_graphs import DecodeGraphs
     from flexpipe_dag.runtime.kv_cache import PagedKVPool
     from flexpipe_dag.runtime.lanes import LaneLayout
     from flexpipe_dag.runtime.stage import StageModule
+
+#: ``RuntimeOptions.decode_graphs`` / ``WorkerSpec.decode_graphs`` values: ``auto`` (CUDA graphs for decode
+#: steps on CUDA devices, none on a CPU), ``off``, ``eager`` (the padded static-shape decode path without
+#: capture, on any device; :mod:`~flexpipe_dag.runtime.decode_graphs`).
+DECODE_GRAPH_MODES = ("auto", "off", "eager")
 
 
 @dataclass
@@ -85,6 +91,8 @@ class WorkerSpec:
     #: the next micro-batch (:class:`~flexpipe_dag.runtime.transport.BackgroundSender`); 0 sends
     #: each one before receiving the next
     max_pending_sends: int = 2
+    #: CUDA graphs for decode steps (:data:`~flexpipe_dag.runtime.decode_graphs.DECODE_GRAPH_MODES`)
+    decode_graphs: str = "auto"
 
     @property
     def num_stages(self) -> int:
@@ -173,6 +181,8 @@ class StageRunner:
         self.worker = spec.layout().rank(stage, replica) - 1
         self.module: StageModule | None = None
         self.pool: PagedKVPool | None = None
+        #: decode steps at padded static shapes, replayed as CUDA graphs (None: not on this device / off)
+        self.graphs: DecodeGraphs | None = None
         #: the stage's observation ring (set by :func:`worker_main` once its recorder exists)
         self.observations_path: str | None = None
         self.load(spec.ranges, spec.num_blocks, spec.block_size_tokens, spec.checkpoint_path)
@@ -182,9 +192,10 @@ class StageRunner:
         """Load this stage's layers of ``ranges`` and a pool for its lanes' share of ``num_blocks``."""
         import gc
 
+        from flexpipe_dag.runtime.decode_graphs import make_decode_graphs
         from flexpipe_dag.runtime.model_loader import Checkpoint, load_stage_module, resolve_dtype
 
-        self.module = self.pool = None
+        self.module = self.pool = self.graphs = None
         gc.collect()
         a, b = ranges[self.stage]
         n = len(ranges)
@@ -195,6 +206,7 @@ class StageRunner:
         self.module = module = module.to(device)
         self.layout = self.spec.layout(num_blocks)
         self.pool = module.new_kv_pool(self.layout.replica_blocks(self.stage), block_size_tokens)
+        self.graphs = make_decode_graphs(self.spec.decode_graphs, module, self.pool)
         self.ranges: list[tuple[int, int]] = list(ranges)
         return runner_info(self)
 
@@ -308,7 +320,7 @@ def worker_main(worker: int, spec: WorkerSpec, events, counters) -> None:
             if spec.fault.get("stage") == stage and steps >= spec.fault.get("raise_after_steps", 1 << 60):
                 raise RuntimeError(f"injected fault after {steps} steps")
             module, pool = runner.loaded()
-            out = module(runner.local_batch(meta), x, pool)
+            out = module(runner.local_batch(meta), x, pool, runner.graphs)
             next_rank = layout.lane_rank(stage + 1, meta.lane)
             if last:
                 tokens = sample_tokens(out, meta.seqs)

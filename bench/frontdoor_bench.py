@@ -38,6 +38,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+#: The goal (issue #14): HTTP's TTFT p50 under this multiple of direct calls', and its time per output token
+#: under direct's + this many ms.
+TTFT_GOAL_RATIO = 1.05
+TPOT_GOAL_MS = 2.0
+
+
 def _rows(args):
     from flexpipe_dag.runtime.batch import prompts_from_trace
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
@@ -192,6 +198,17 @@ def main() -> None:
         print(f"{c:>7} | {d['ttft_p50_ms']:>12.1f} ms {h['ttft_p50_ms']:>10.1f} ms {h['ttft_p50_ms'] / d['ttft_p50_ms']:>6.3f} | "
               f"{d['tpot_p50_ms']:>12.1f} ms {h['tpot_p50_ms']:>10.1f} ms {h['tpot_p50_ms'] - d['tpot_p50_ms']:>+9.2f} | "
               f"{d['req_per_s']:>12.2f} {h['req_per_s']:>10.2f}")
+    print(f"goal (HTTP TTFT p50 < {TTFT_GOAL_RATIO:g}x direct and < +{TPOT_GOAL_MS:g} ms per token), on the medians; "
+          "in brackets each round's own HTTP / direct pair (the two paths ran back to back), lowest to highest:")
+    for c in levels:
+        ratio = front[c]["ttft_p50_ms"] / base[c]["ttft_p50_ms"]
+        extra = front[c]["tpot_p50_ms"] - base[c]["tpot_p50_ms"]
+        pairs = list(zip(runs["direct"][c], runs["http"][c], strict=True))
+        ratios = sorted(h["ttft_p50_ms"] / d["ttft_p50_ms"] for d, h in pairs)
+        extras = sorted(h["tpot_p50_ms"] - d["tpot_p50_ms"] for d, h in pairs)
+        met = ratio < TTFT_GOAL_RATIO and extra < TPOT_GOAL_MS
+        print(f"{c:>7} client(s): TTFT {ratio:.3f}x [{', '.join(f'{r:.3f}' for r in ratios)}], "
+              f"{extra:+.2f} ms/token [{', '.join(f'{e:+.1f}' for e in extras)}]: {'MET' if met else 'MISSED'}")
     from flexpipe_dag.serving.loadtest import KNEE_SHARE, knee
 
     print(f"knee (HTTP; the fewest clients within {1 - KNEE_SHARE:.0%} of the best req/s, as `flexpipe loadtest` "

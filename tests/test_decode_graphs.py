@@ -14,6 +14,7 @@ from flexpipe_dag.runtime.decode_graphs import (  # noqa: E402
     DecodeGraphs,
     batch_bucket,
     context_bucket,
+    graph_safe_rope,
     make_decode_graphs,
 )
 from flexpipe_dag.runtime.local import LocalPipeline  # noqa: E402
@@ -43,6 +44,14 @@ def test_modes_are_checked_and_capture_needs_a_cuda_pool():
         DecodeGraphs(stage, pool, capture=True)
     with pytest.raises(InputError, match="decode_graphs: expected one of auto, off, eager, got 'fast'"):
         PipelineRuntime(gear([(0, 30)]), checkpoint(), RuntimeOptions(decode_graphs="fast"))
+    # buckets pad at most to the pool's slots, or to the model's context where the pool holds more
+    assert DecodeGraphs(stage, pool, capture=False).max_context_tokens == 64
+    big = stage.new_kv_pool(1024, 16)
+    assert DecodeGraphs(stage, big, capture=False).max_context_tokens == stage.config.max_position_embeddings == 8192
+    # a dynamic RoPE cannot be captured (its update syncs with the CPU and swaps its buffer): no graphs
+    assert graph_safe_rope(stage) and stage.rotary_emb.rope_type == "default"
+    stage.rotary_emb.rope_type = "dynamic"
+    assert not graph_safe_rope(stage)
 
 
 @pytest.mark.parametrize("ranges,micro_batch_size", [([(0, 30)], 8), ([(0, 4), (4, 30)], 3)])

@@ -57,19 +57,45 @@ def test_cuda_backend_choice():
     assert cuda_backend(3, gpus=1) == "gloo"
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("micro_batch_size", [8, 3])
-def test_decode_graphs_are_captured_once_per_shape_and_replayed_with_exact_outputs(micro_batch_size):
+def _local_cuda(dtype: str, decode_graphs: str, devices: tuple[str, ...] = ("cuda:0", "cuda:0")):
     from flexpipe_dag.runtime.local import LocalPipeline
     from flexpipe_dag.runtime.model_loader import load_stage_module
 
     ranges = [(0, 10), (10, 30)]
-    stages = [load_stage_module(checkpoint(), a, b, first=i == 0, last=i == len(ranges) - 1, dtype="fp32").to("cuda:0")
-              for i, (a, b) in enumerate(ranges)]
-    pipe = LocalPipeline(stages, num_blocks=128, block_size_tokens=16, decode_graphs="auto")
+    stages = [load_stage_module(checkpoint(), a, b, first=i == 0, last=i == len(ranges) - 1, dtype=dtype).to(dev)
+              for i, ((a, b), dev) in enumerate(zip(ranges, devices))]
+    return LocalPipeline(stages, num_blocks=128, block_size_tokens=16, decode_graphs=decode_graphs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("micro_batch_size", [8, 3])
+def test_decode_graphs_are_captured_once_per_shape_and_replayed_with_exact_outputs(micro_batch_size):
+    pipe = _local_cuda("fp32", "auto")
     outs = pipe.generate(requests(), micro_batch_size=micro_batch_size)
     assert {o.request_id: o.output_token_ids for o in outs} == hf_reference_cuda()
     for graphs in pipe.graphs:
         assert graphs is not None and graphs.capture
         assert graphs.captures == len(graphs.buckets) > 0 and graphs.replays > 0 and graphs.eager_steps == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_replayed_graphs_compute_what_the_padded_path_computes_eagerly(dtype):
+    """The same kernels on the same padded shapes: graphs and the eager padded path agree exactly in 16 bits
+    (where a comparison with an fp32 reference could not be exact)."""
+    if dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    graphs = _local_cuda(dtype, "auto").generate(requests(), micro_batch_size=8)
+    eager = _local_cuda(dtype, "eager").generate(requests(), micro_batch_size=8)
+    assert {o.request_id: o.output_token_ids for o in graphs} == {o.request_id: o.output_token_ids for o in eager}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_decode_graphs_capture_on_a_stage_that_is_not_on_the_current_device():
+    pipe = _local_cuda("fp32", "auto", devices=("cuda:0", "cuda:1"))  # the current device stays cuda:0
+    outs = pipe.generate(requests(), micro_batch_size=8)
+    assert {o.request_id: o.output_token_ids for o in outs} == hf_reference_cuda()
+    assert all(g is not None and g.replays > 0 for g in pipe.graphs)

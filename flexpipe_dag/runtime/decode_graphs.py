@@ -8,8 +8,8 @@ same for FlexPipe's stage forward (:meth:`~flexpipe_dag.runtime.stage.StageModul
 * a micro-batch of decodes only (every sequence one new token) of ``S`` sequences whose longest
   context is ``L`` tokens is padded to a **bucket** ``(S_b, L_b)``: ``S_b`` the next of
   :data:`DECODE_GRAPH_BATCH_SIZES`, ``L_b`` the next power of two from
-  :data:`MIN_CONTEXT_BUCKET_TOKENS` (at most the pool's capacity); prefill and mixed steps, and
-  larger ones, run as before;
+  :data:`MIN_CONTEXT_BUCKET_TOKENS` (at most the pool's capacity or the model's context); prefill and
+  mixed steps, and larger ones, run as before;
 * the step's inputs are copied into the bucket's static buffers: padding rows repeat row 0 (its
   token or hidden state, position, slot and context), so their keys / values are row 0's again,
   written to row 0's slot (``BatchIndex.write_rows``: the copy is of row 0's own K/V, bit for bit);
@@ -105,8 +105,16 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need the KV pool on a CUDA device, not {pool.k.device}")
         self.module, self.pool, self.capture = module, pool, capture
         self.device = pool.k.device
+        #: the longest context a bucket pads to: the pool's slots, or the model's context when shorter (no
+        #: sequence is longer, and every bucket's scratch stays in the graphs' shared memory pool)
+        self.max_context_tokens = min(pool.capacity_tokens,
+                                      int(getattr(module.config, "max_position_embeddings", 0) or pool.capacity_tokens))
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
+        #: every capture on one stream of the stage's own device (graphs sharing a pool should be captured
+        #: on the same stream, torch.cuda.graph's docs); torch's default capture stream is on the current
+        #: device, which for a stage on cuda:1 would be cuda:0
+        self._capture_stream = torch.cuda.Stream(self.device) if capture else None
         self.captures = self.replays = self.eager_steps = 0
 
     @property
@@ -120,7 +128,7 @@ class DecodeGraphs:
             return False
         group = index.groups[0]
         return (batch_bucket(group.num_seqs) is not None
-                and context_bucket(group.ctx_len, self.pool.capacity_tokens) is not None)
+                and context_bucket(group.ctx_len, self.max_context_tokens) is not None)
 
     def run(self, x: torch.Tensor, index: BatchIndex) -> torch.Tensor:
         """The stage's output for the decode micro-batch ``index`` (:meth:`accepts` it) with input ``x``
@@ -129,7 +137,7 @@ class DecodeGraphs:
         group = index.groups[0]
         s = group.num_seqs
         s_b = batch_bucket(s)
-        l_b = context_bucket(group.ctx_len, self.pool.capacity_tokens)
+        l_b = context_bucket(group.ctx_len, self.max_context_tokens)
         assert s_b is not None and l_b is not None, "run() a micro-batch accepts() took"
         bucket = self._buckets.get((s_b, l_b))
         if bucket is None:
@@ -140,7 +148,8 @@ class DecodeGraphs:
             return self._step(bucket)[:s]
         if bucket.graph is None:
             return self._capture(bucket)[:s]
-        bucket.graph.replay()
+        with torch.cuda.device(self.device):
+            bucket.graph.replay()
         self.replays += 1
         assert bucket.out is not None
         return bucket.out[:s].clone()
@@ -181,15 +190,21 @@ class DecodeGraphs:
             return self.module.forward_index(b.x, b.index(), self.pool)
 
     def _capture(self, b: _Bucket) -> torch.Tensor:
-        """Warm up on a side stream (this step's result), then capture ``b``'s step into its graph."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            result = self._step(b).clone()  # the K/V writes repeat identically in the capture's replays
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            b.out = self._step(b)
+        """Warm up on a side stream (this step's result), then capture ``b``'s step into its graph.
+
+        All of it with the stage's device current (``torch.cuda.graph`` synchronises and captures on the
+        current device), and ``thread_local`` capture errors: the worker's background sender may call
+        into CUDA / NCCL from its own thread meanwhile, which ``global`` mode would make fail."""
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                result = self._step(b).clone()  # the K/V writes repeat identically in the capture's replays
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, stream=self._capture_stream,
+                                  capture_error_mode="thread_local"):
+                b.out = self._step(b)
         b.graph = graph
         self.captures += 1
         return result
@@ -197,13 +212,22 @@ class DecodeGraphs:
 
 def make_decode_graphs(mode: str, module, pool: PagedKVPool) -> DecodeGraphs | None:
     """The :class:`DecodeGraphs` a stage runs with for ``mode`` (:data:`~flexpipe_dag.runtime.worker.DECODE_GRAPH_MODES`): ``auto``
-    captures on a CUDA pool and runs none on a CPU; ``eager`` pads without capture; ``off``: None.
+    captures on a CUDA pool (not with a ``dynamic`` RoPE, :func:`graph_safe_rope`) and runs none on a CPU;
+    ``eager`` pads without capture; ``off``: None.
 
     Raises:
         ValueError: an unknown ``mode``.
     """
     if mode not in DECODE_GRAPH_MODES:
         raise ValueError(f"decode_graphs: expected one of {', '.join(DECODE_GRAPH_MODES)}, got {mode!r}")
-    if mode == "off" or (mode == "auto" and pool.k.device.type != "cuda"):
+    if mode == "off" or (mode == "auto" and (pool.k.device.type != "cuda" or not graph_safe_rope(module))):
         return None
     return DecodeGraphs(module, pool, capture=mode == "auto")
+
+
+def graph_safe_rope(module) -> bool:
+    """Whether the stage's rotary embedding can be captured: not a ``dynamic`` RoPE type, whose
+    ``transformers`` update compares the sequence length with its cache (a GPU -> CPU sync) and swaps
+    its ``inv_freq`` buffer (a graph would keep reading the old one); default, ``llama3`` and
+    ``longrope`` update nothing or update in place."""
+    return "dynamic" not in str(getattr(getattr(module, "rotary_emb", None), "rope_type", "default"))

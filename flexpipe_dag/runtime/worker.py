@@ -201,6 +201,10 @@ class StageRunner:
         n = len(ranges)
         ckpt = Checkpoint(path=Path(checkpoint_path), name=self.spec.checkpoint_name)
         device = stage_device(self.spec, self.worker)
+        if device.startswith("cuda"):  # this stage's GPU current: CUDA graphs capture on the current device
+            import torch
+
+            torch.cuda.set_device(device)
         module = load_stage_module(ckpt, a, b, first=self.stage == 0, last=self.stage == n - 1,
                                    dtype=resolve_dtype(self.spec.dtype, device))
         self.module = module = module.to(device)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from flexpipe_dag.runtime.attention import AttentionGroup, BatchIndex
+from flexpipe_dag.runtime.graph_modes import DECODE_GRAPH_MODES
 from flexpipe_dag.runtime.kv_cache import PagedKVPool
-from flexpipe_dag.runtime.worker import DECODE_GRAPH_MODES
 
 #: Sequences per decode micro-batch a graph is captured for; a step is padded up to the next one, and
 #: a larger step runs without a graph. The sizes vLLM captures by default start the same way.
@@ -211,7 +211,8 @@ class DecodeGraphs:
 
 
 def make_decode_graphs(mode: str, module, pool: PagedKVPool) -> DecodeGraphs | None:
-    """The :class:`DecodeGraphs` a stage runs with for ``mode`` (:data:`~flexpipe_dag.runtime.worker.DECODE_GRAPH_MODES`): ``auto``
+    """The :class:`DecodeGraphs` a stage runs with for ``mode``
+    (:data:`~flexpipe_dag.runtime.graph_modes.DECODE_GRAPH_MODES`): ``auto``
     captures on a CUDA pool (not with a ``dynamic`` RoPE, :func:`graph_safe_rope`) and runs none on a CPU;
     ``eager`` pads without capture; ``off``: None.
 

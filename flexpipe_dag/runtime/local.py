@@ -23,7 +23,7 @@ class LocalPipeline:
     Args:
         stages: first has the embedding, last the norm + head.
         num_blocks, block_size_tokens: KV pool geometry.
-        decode_graphs: ``auto`` / ``off`` / ``eager`` (:data:`~flexpipe_dag.runtime.worker.DECODE_GRAPH_MODES`,
+        decode_graphs: ``auto`` / ``off`` / ``eager`` (:data:`~flexpipe_dag.runtime.graph_modes.DECODE_GRAPH_MODES`,
             as ``RuntimeOptions.decode_graphs``: CUDA graphs for decode steps of stages on a GPU).
 
     Raises:

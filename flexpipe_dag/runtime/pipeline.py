@@ -40,6 +40,7 @@ from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.host import host_memory_bytes, process_stopped
 from flexpipe_dag.core.metrics import SAMPLE_PERIOD_S, MetricSample
 from flexpipe_dag.runtime.control_auth import new_secret
+from flexpipe_dag.runtime.graph_modes import DECODE_GRAPH_MODES
 from flexpipe_dag.runtime.messages import (
     COUNTER_SLOTS,
     AddRequests,
@@ -64,7 +65,7 @@ from flexpipe_dag.runtime.messages import (
 from flexpipe_dag.runtime.model_loader import Checkpoint, memory_dtype, resolve_checkpoint, stage_param_bytes
 from flexpipe_dag.runtime.remote import SILENT_AT_FAILURE_S
 from flexpipe_dag.runtime.scheduler import Request, RequestOutput
-from flexpipe_dag.runtime.worker import DECODE_GRAPH_MODES, WorkerSpec
+from flexpipe_dag.runtime.worker import WorkerSpec
 
 if TYPE_CHECKING:
     from flexpipe_dag.runtime.control_store import ControlStoreServer

@@ -49,11 +49,6 @@ if TYPE_CHECKING:
     from flexpipe_dag.runtime.lanes import LaneLayout
     from flexpipe_dag.runtime.stage import StageModule
 
-#: ``RuntimeOptions.decode_graphs`` / ``WorkerSpec.decode_graphs`` values: ``auto`` (CUDA graphs for decode
-#: steps on CUDA devices, none on a CPU), ``off``, ``eager`` (the padded static-shape decode path without
-#: capture, on any device; :mod:`~flexpipe_dag.runtime.decode_graphs`).
-DECODE_GRAPH_MODES = ("auto", "off", "eager")
-
 
 @dataclass
 class WorkerSpec:
@@ -91,7 +86,7 @@ class WorkerSpec:
     #: the next micro-batch (:class:`~flexpipe_dag.runtime.transport.BackgroundSender`); 0 sends
     #: each one before receiving the next
     max_pending_sends: int = 2
-    #: CUDA graphs for decode steps (:data:`~flexpipe_dag.runtime.decode_graphs.DECODE_GRAPH_MODES`)
+    #: CUDA graphs for decode steps (:data:`~flexpipe_dag.runtime.graph_modes.DECODE_GRAPH_MODES`)
     decode_graphs: str = "auto"
 
     @property

@@ -69,7 +69,6 @@ class _Bucket:
     positions: torch.Tensor  # int64 [S_b]
     slots: torch.Tensor  # int64 [S_b] the new tokens' pool slots (padding: row 0's)
     write_rows: torch.Tensor  # int64 [S_b] row whose K/V each slot gets (padding: 0)
-    lengths: torch.Tensor  # int64 [S_b] context length including the new token
     ctx_slots: torch.Tensor  # int64 [S_b, L_b]
     key_pos: torch.Tensor  # int64 [L_b] 0 .. L_b - 1
     rows: torch.Tensor  # int64 [S_b] 0 .. S_b - 1
@@ -79,7 +78,7 @@ class _Bucket:
     def index(self) -> BatchIndex:
         """The padded micro-batch's layout, computed from the buffers (inside a capture, too)."""
         s_b, l_b = self.ctx_slots.shape
-        mask = (self.key_pos[None, :] < self.lengths[:, None])[:, None, None, :]
+        mask = (self.key_pos[None, :] <= self.positions[:, None])[:, None, None, :]  # up to the new token
         group = AttentionGroup(self.rows, None, self.ctx_slots, mask, False, s_b, 1, l_b)
         return BatchIndex(self.positions, self.slots, self.rows, [group], write_rows=self.write_rows)
 
@@ -163,7 +162,7 @@ class DecodeGraphs:
         def longs(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=torch.long, device=dev)
 
-        return _Bucket(torch.zeros(shape, dtype=dtype, device=dev), longs(s_b), longs(s_b), longs(s_b), longs(s_b),
+        return _Bucket(torch.zeros(shape, dtype=dtype, device=dev), longs(s_b), longs(s_b), longs(s_b),
                        longs(s_b, l_b), torch.arange(l_b, device=dev), torch.arange(s_b, device=dev))
 
     def _fill(self, b: _Bucket, x: torch.Tensor, index: BatchIndex, s: int) -> None:
@@ -179,8 +178,6 @@ class DecodeGraphs:
         b.slots[s:] = index.new_slots[0]
         b.write_rows[:s] = b.rows[:s]
         b.write_rows[s:] = 0
-        b.lengths[:s] = index.positions + 1
-        b.lengths[s:] = index.positions[0] + 1
         b.ctx_slots.zero_()
         b.ctx_slots[:s, :ctx.shape[1]] = ctx
         b.ctx_slots[s:] = b.ctx_slots[0]

@@ -14,11 +14,6 @@ level by level, for --rounds rounds; the figures are medians over the rounds. Th
 by 10-25 % over minutes, which a single direct run followed by a single HTTP run cannot tell from
 what HTTP adds.
 
-Once both pipelines are up, this process's clients (both paths') drop to the nice value `flexpipe serve` gives
-its front end (+10), below the stage workers: on a host this small the load generator shares the stages'
-cores, and the CPU it spends per token is the client's, not what HTTP adds to the server (a user's clients
-run elsewhere). `--client-nice 0` keeps them at the stage workers' priority.
-
 Goal (issue #14): HTTP adds under 5 % to TTFT p50 and under 2 ms per token.
 
 Usage: OMP_NUM_THREADS=1 python bench/frontdoor_bench.py [--num-requests 32] [--concurrency 1,4,16] [--rounds 3]
@@ -174,8 +169,6 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every level and path")
-    p.add_argument("--client-nice", type=int, default=None,
-                   help="nice steps the clients drop once the pipelines run (default: the server front end's)")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     ckpt, rows = _rows(args)
@@ -183,12 +176,6 @@ def main() -> None:
           f"{args.max_new_tokens}; {args.stages}-stage CPU pipeline; closed loop; {args.rounds} interleaved round(s)",
           flush=True)
     paths = {"direct": Direct(ckpt, args.stages), "http": Http(ckpt, args.stages)}
-    from flexpipe_dag.serving.frontdoor.priority import lower_thread_priority
-    from flexpipe_dag.serving.frontdoor.server import ServerSettings
-
-    nice = lower_thread_priority(ServerSettings.frontend_nice if args.client_nice is None else args.client_nice)
-    print(f"clients at nice {nice} (the server's front end at nice +{ServerSettings.frontend_nice}, its stage "
-          "workers and the direct path's at the nice value this bench started with)", flush=True)
     runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in paths}
     try:
         for rnd in range(args.rounds):

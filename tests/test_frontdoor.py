@@ -76,18 +76,6 @@ def test_models_health_and_ready(server, client):
     assert ready.status_code == 200 and ready.json()["gear_id"] == "uniform-2"
 
 
-def test_the_front_door_runs_below_the_stage_workers_cpu_priority(server):
-    import psutil
-
-    base = os.getpriority(os.PRIO_PROCESS, 0)  # the server started from this thread, at its nice value
-    want = min(19, base + 10)  # --frontend-nice's default
-    assert os.getpriority(os.PRIO_PROCESS, server.proc.pid) == want  # its main thread runs the event loop
-    assert f"front door at nice {want}, below the stage workers" in "\n".join(server.lines)
-    workers = psutil.Process(server.proc.pid).children(recursive=True)
-    assert len(workers) >= 3  # the driver and two stage processes, beside the forkserver
-    assert {w.nice() for w in workers} == {base}  # forked from the forkserver, which started at the old value
-
-
 def test_greedy_output_through_the_endpoint_equals_transformers_generate(client):
     ref = hf_reference()
     tok = checkpoint().tokenizer()

@@ -62,38 +62,3 @@ def test_a_chunked_prefill_budget_out_of_range_is_refused_before_the_model_loads
     args = parser.parse_args(["serve", "--stages", "2", "--no-store", "--chunked-prefill-tokens", value])
     with pytest.raises(InputError, match=f"--chunked-prefill-tokens: expected 1..1048576 tokens per micro-batch, got {value}"):
         args.func(args)
-
-
-@pytest.mark.parametrize("value", ["-1", "20"])
-def test_a_frontend_nice_outside_0_to_19_is_refused_before_the_model_loads(value):
-    from flexpipe_dag.cli.serve import register
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--stages", "2", "--no-store", "--frontend-nice", value])
-    with pytest.raises(InputError, match=f"--frontend-nice: expected an integer 0..19, got {value}"):
-        args.func(args)
-    with pytest.raises(InputError, match="--frontend-nice"):
-        ServerSettings(port=0, model_name="m", frontend_nice=True).check()  # type: ignore[arg-type]
-
-
-def test_lowering_the_front_doors_priority_moves_only_the_calling_thread():
-    import threading
-
-    from flexpipe_dag.serving.frontdoor.priority import lower_thread_priority
-
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    seen: dict[str, int | None] = {}
-
-    def lowered() -> None:
-        seen["now"] = lower_thread_priority(5)
-        seen["again"] = lower_thread_priority(19)  # capped at 19, the lowest priority
-        seen["same"] = lower_thread_priority(0)
-
-    t = threading.Thread(target=lowered)
-    t.start()
-    t.join()
-    assert seen == {"now": min(19, base + 5), "again": 19, "same": 19}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # this thread kept its value
-    with pytest.raises(ValueError, match="increment: expected 0..19, got 20"):
-        lower_thread_priority(20)

@@ -68,9 +68,6 @@ def register(subparsers) -> None:
     p.add_argument("--max-pending", type=int, default=256, help="open requests above which new ones get 429")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGINT / SIGTERM, how long open requests may finish")
-    p.add_argument("--frontend-nice", type=int, default=10,
-                   help="nice steps (0..19) the HTTP front end drops below the stage workers once they run, so a "
-                        "decode step wins the CPU over one stream's chunk on a busy host (0: same priority)")
     p.add_argument("--run-key", default=None,
                    help="this server's serving-run key in the store (default: frontdoor-HOST-PID)")
     p.add_argument("--no-store", action="store_true",
@@ -273,8 +270,7 @@ def serve(args: argparse.Namespace) -> int:
     except InputError as exc:
         raise InputError(None, "--dtype", exc.problem) from None
     settings = ServerSettings(host=args.host, port=args.port, api_key=read_api_key(args.api_key_file),
-                              model_name="", max_pending=args.max_pending, drain_timeout_s=args.drain_timeout_s,
-                              frontend_nice=args.frontend_nice)
+                              model_name="", max_pending=args.max_pending, drain_timeout_s=args.drain_timeout_s)
     settings.check()  # before a model loads
     if args.inline_control and args.no_store:
         raise InputError(None, "--inline-control", "shifts need the store: drop --no-store")

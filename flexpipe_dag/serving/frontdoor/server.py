@@ -24,7 +24,6 @@ from typing import Any
 from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
 from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.settings import check_number
-from flexpipe_dag.serving.frontdoor.priority import MAX_NICE, lower_thread_priority
 from flexpipe_dag.shift.executor import ShiftConfig
 
 
@@ -39,10 +38,6 @@ class ServerSettings:
         model_name: the id clients send as ``model`` and ``/v1/models`` lists.
         max_pending: open requests above which new ones get 429.
         drain_timeout_s: how long a shutdown waits for open requests.
-        frontend_nice: nice steps (0..19) the server's event-loop thread (HTTP, SSE, and the threads it
-            starts) drops below the stage workers once the pipeline is up, so that a decode step, which
-            every stream waits for, wins a short CPU over one stream's chunk (see
-            :mod:`~flexpipe_dag.serving.frontdoor.priority`); 0: the same priority.
     """
 
     host: str = "127.0.0.1"
@@ -51,17 +46,12 @@ class ServerSettings:
     model_name: str = "SmolLM2-135M-Instruct"
     max_pending: int = 256
     drain_timeout_s: float = 30.0
-    frontend_nice: int = 10
 
     def check(self) -> None:
         """Raises:
-            InputError: a non-loopback ``host`` without an API key, a port outside 0..65535, or a
-            ``frontend_nice`` outside 0..19."""
+            InputError: a non-loopback ``host`` without an API key, or a port outside 0..65535."""
         if not 0 <= self.port <= 65535:
             raise InputError(None, "--port", f"expected 0..65535, got {self.port}")
-        if isinstance(self.frontend_nice, bool) or not isinstance(self.frontend_nice, int) \
-                or not 0 <= self.frontend_nice <= MAX_NICE:
-            raise InputError(None, "--frontend-nice", f"expected an integer 0..{MAX_NICE}, got {self.frontend_nice!r}")
         _check_bindable(self.host)
         if self.api_key is None and not _is_loopback(self.host):
             raise InputError(None, "--host", f"binding {self.host} exposes the API beyond this host: give "
@@ -331,10 +321,6 @@ class FrontDoorServer:
             self.log(f"startup failed: {self.startup_failure}; stopping the pipelines (exit status 1)")
             await asyncio.to_thread(self.router.close)
             raise
-        if self.settings.frontend_nice:
-            nice = lower_thread_priority(self.settings.frontend_nice)  # the stage processes exist by now
-            self.log(f"front door at nice {nice}, below the stage workers" if nice is not None
-                     else "front door at the stage workers' CPU priority (this host keeps none per thread)")
         self.engine.attach(self.router)
         self.engine.metrics.set_live_gear(self.runtime.gear.gear_id)
         watch = asyncio.create_task(self._watch_pipeline())

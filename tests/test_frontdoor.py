@@ -112,6 +112,26 @@ def test_streaming_sends_the_same_text_piece_by_piece_then_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_the_pipelines_own_timings_come_with_the_last_chunk_and_the_response(client):
+    kwargs = dict(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=12, temperature=0)
+    sent = time.monotonic()
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    ended = time.monotonic()
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert [c for c in chunks if c.model_extra.get("pipeline_timings")] == [last]  # on the finish chunk only
+    t = last.model_extra["pipeline_timings"]
+    assert 0 < t["ttft_ms"] <= t["e2e_ms"] <= 1e3 * (ended - sent)
+    tokens = chunks[-1].usage.completion_tokens
+    assert t["tpot_ms"] == pytest.approx((t["e2e_ms"] - t["ttft_ms"]) / (tokens - 1), abs=0.01)
+    whole = client.completions.create(**kwargs)
+    w = whole.model_extra["pipeline_timings"]
+    assert 0 < w["ttft_ms"] <= w["e2e_ms"] and w["tpot_ms"] > 0
+    one = client.completions.create(**{**kwargs, "max_tokens": 1}).model_extra["pipeline_timings"]
+    assert one["tpot_ms"] is None and 0 < one["ttft_ms"] <= one["e2e_ms"]  # the result comes after the token
+    cut = client.completions.create(**kwargs, stop=["3"]).model_extra["pipeline_timings"]  # ends before the result
+    assert 0 < cut["ttft_ms"] <= cut["e2e_ms"]
+
+
 def test_a_stop_sequence_ends_the_text_before_it(client):
     base = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=12, temperature=0)
     text = base.choices[0].text
@@ -526,6 +546,10 @@ def test_loadtest_replays_a_trace_and_sweeps_concurrency_against_the_server(serv
         assert run["requests"] == 8 and run["failed"] == 0
         assert run["ttft_ms"]["p50"] > 0 and run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
         assert 0 <= run["goodput_req_per_s"] <= run["req_per_s"]
+        # each request's client figures against the server's pipeline_timings for it: HTTP adds >= 0 to TTFT
+        assert 0 < run["pipeline_ttft_ms"]["p50"] <= run["ttft_ms"]["p50"]
+        assert run["http_added_ttft_ms"]["p50"] >= 0 and run["http_added_tpot_ms"]["p50"] is not None
+    assert "HTTP added (each request's figure minus the server's pipeline_timings, p50): TTFT +" in cli.stdout
     assert report["knee"] in (1, 4) and png.stat().st_size > 1000 and "knee:" in cli.stdout
     bad = subprocess.run([sys.executable, "-m", "flexpipe_dag.cli", "loadtest", "--url", "http://127.0.0.1:9/v1"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)

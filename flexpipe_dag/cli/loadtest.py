@@ -135,5 +135,11 @@ def _print(report: dict) -> None:
                      s["goodput_req_per_s"], s["slo_attainment"]])
     print(tabulate(rows, headers=["run", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                                   "TPOT p99 ms", "e2e p50 ms", "req/s", "tok/s", "goodput req/s", "SLO att."]))
+    for name, s in runs:
+        added_ttft, added_tpot = s.get("http_added_ttft_ms", {}).get("p50"), s.get("http_added_tpot_ms", {}).get("p50")
+        if added_ttft is not None:
+            tpot = f", TPOT {added_tpot:+.2f} ms" if added_tpot is not None else ""
+            print(f"{name}: HTTP added (each request's figure minus the server's pipeline_timings, p50): TTFT "
+                  f"{added_ttft:+.2f} ms{tpot}")
     if report["knee"] is not None:
         print(f"knee: {report['knee']} concurrent clients (within 10 % of the best req/s)")

@@ -35,13 +35,20 @@ class LoadRequest:
 
 @dataclass(frozen=True)
 class Measured:
-    """What the client saw of one request (seconds); ``error`` is None when it succeeded."""
+    """What the client saw of one request (seconds); ``error`` is None when it succeeded.
+
+    ``pipeline_ttft_s`` / ``pipeline_tpot_s``: the same request's latencies as the server measured them
+    where the pipeline's tokens reach it (a FlexPipe server's ``pipeline_timings``; None from a server
+    that sends none): the client's figure minus the pipeline's is what HTTP added.
+    """
 
     ttft_s: float | None
     tpot_s: float | None
     e2e_s: float
     output_tokens: int
     error: str | None = None
+    pipeline_ttft_s: float | None = None
+    pipeline_tpot_s: float | None = None
 
 
 def requests_from_workload(workload, tokenizer, *, max_prompt_tokens: int, max_tokens: int,
@@ -61,6 +68,7 @@ async def _one(client, url: str, model: str, req: LoadRequest, headers: dict) ->
     sent = time.monotonic()
     first = last = None
     tokens = 0
+    timings: dict = {}
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -78,12 +86,21 @@ async def _one(client, url: str, model: str, req: LoadRequest, headers: dict) ->
                     now = time.monotonic()
                     first = first if first is not None else now
                     last = now
+                    timings = chunk.get("pipeline_timings") or timings
     except Exception as exc:  # a broken connection is a failed request, counted
         return Measured(None, None, time.monotonic() - sent, tokens, f"{type(exc).__name__}: {exc}")
     if first is None:
         return Measured(None, None, time.monotonic() - sent, tokens, "no token received")
     assert last is not None
-    return Measured(first - sent, (last - first) / (tokens - 1) if tokens > 1 else None, last - sent, tokens)
+    return Measured(first - sent, (last - first) / (tokens - 1) if tokens > 1 else None, last - sent, tokens,
+                    pipeline_ttft_s=_seconds(timings.get("ttft_ms")), pipeline_tpot_s=_seconds(timings.get("tpot_ms")))
+
+
+def _seconds(ms: object) -> float | None:
+    """A ``pipeline_timings`` figure (ms) in seconds; None when absent or not a finite number >= 0."""
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms < float("inf"):
+        return None
+    return ms / 1e3
 
 
 async def replay(url: str, model: str, requests: Sequence[LoadRequest], api_key: str | None = None,
@@ -136,6 +153,9 @@ def summarize(measured: Sequence[Measured], wall_s: float, slo_ttft_ms: float, s
         arr = 1e3 * np.asarray(values)
         return {f"p{q}": round(float(np.percentile(arr, q)), 2) for q in (50, 90, 99)}
 
+    # what HTTP added to each request: its client figure minus the server's pipeline figure (paired)
+    added_ttft = [m.ttft_s - m.pipeline_ttft_s for m in ok if m.ttft_s is not None and m.pipeline_ttft_s is not None]
+    added_tpot = [m.tpot_s - m.pipeline_tpot_s for m in ok if m.tpot_s is not None and m.pipeline_tpot_s is not None]
     good = [m for m in ok if m.ttft_s is not None and 1e3 * m.ttft_s <= slo_ttft_ms
             and (m.tpot_s is None or 1e3 * m.tpot_s <= slo_tpot_ms)]
     return {"requests": len(measured), "failed": len(measured) - len(ok),
@@ -143,6 +163,9 @@ def summarize(measured: Sequence[Measured], wall_s: float, slo_ttft_ms: float, s
             "ttft_ms": pct([m.ttft_s for m in ok if m.ttft_s is not None]),
             "tpot_ms": pct([m.tpot_s for m in ok if m.tpot_s is not None]),
             "e2e_ms": pct([m.e2e_s for m in ok]),
+            "pipeline_ttft_ms": pct([m.pipeline_ttft_s for m in ok if m.pipeline_ttft_s is not None]),
+            "pipeline_tpot_ms": pct([m.pipeline_tpot_s for m in ok if m.pipeline_tpot_s is not None]),
+            "http_added_ttft_ms": pct(added_ttft), "http_added_tpot_ms": pct(added_tpot),
             "req_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
             "output_tokens_per_s": round(sum(m.output_tokens for m in ok) / wall_s, 2) if wall_s > 0 else 0.0,
             "goodput_req_per_s": round(len(good) / wall_s, 3) if wall_s > 0 else 0.0,

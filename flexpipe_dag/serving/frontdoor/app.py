@@ -8,6 +8,12 @@ takes requests; each instance's open and finished requests), ``GET /metrics``
 too long, 401 no or wrong API key, 404 unknown model, 429 too many open requests, 503 draining.
 With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY``; health, readiness and
 metrics stay open, as in vLLM.
+
+A generation's response, and a stream's chunk that carries its ``finish_reason``, add one field to
+OpenAI's shape, as llama.cpp's server adds ``timings``: ``pipeline_timings`` (``ttft_ms``, ``tpot_ms``,
+``e2e_ms``), the pipeline's own latencies measured where its tokens reach this server, before the event
+loop, SSE and the network (:func:`~flexpipe_dag.serving.frontdoor.engine.pipeline_timings`). A client's
+own figures minus these are what HTTP added to that request.
 """
 
 from __future__ import annotations
@@ -285,7 +291,8 @@ async def _respond(engine: FrontDoorEngine, gen: Generation, body: _Sampling, en
         async for piece in pieces:
             text, last = text + piece.text, piece
         engine.metrics.requests.labels(endpoint, last.finish_reason or "stop").inc()
-        return shapes.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return {**shapes.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens),
+                "pipeline_timings": last.pipeline_timings}
 
     async def events() -> AsyncIterator[str]:
         outcome = "aborted"
@@ -294,6 +301,8 @@ async def _respond(engine: FrontDoorEngine, gen: Generation, body: _Sampling, en
             while True:
                 chunk = {**shapes.head(shapes.chunk_obj),
                          "choices": [shapes.delta(piece.text, piece.finish_reason, is_first)]}
+                if piece.finish_reason is not None:
+                    chunk["pipeline_timings"] = piece.pipeline_timings
                 yield f"data: {json.dumps(chunk)}\n\n"
                 is_first = False
                 if piece.finish_reason is not None:

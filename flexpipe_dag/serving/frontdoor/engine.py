@@ -59,6 +59,7 @@ class Piece:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    pipeline_timings: dict[str, float | None] | None = None  # on the last piece: see :func:`pipeline_timings`
 
 
 @dataclass
@@ -73,6 +74,18 @@ class _Stream:
     closed: str | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_s: float | None = None
+    submitted_s: float | None = None  # handed to the router
+    # when the pipeline's first and latest token (or its result) reached this process, on the pump
+    # threads' clock, before the event loop and HTTP: what a caller of the router directly measures
+    pipeline_first_s: float | None = None
+    pipeline_last_s: float | None = None
+
+    def arrived(self, method: str, at_s: float) -> None:
+        """Note when a pipeline event for this stream reached the server (``at_s``, monotonic)."""
+        if method in ("on_token", "on_output"):
+            if self.pipeline_first_s is None:
+                self.pipeline_first_s = at_s
+            self.pipeline_last_s = at_s
 
     def on_token(self, index: int, token_id: int) -> None:
         if index == len(self.tokens):  # the next one; an index seen before (a restart elsewhere) is not resent
@@ -133,7 +146,7 @@ class FrontDoorEngine:
         self.other_requests: tuple[Callable, Callable] | None = None
         # events for streams, in arrival order, handed to the loop in one wake-up per burst (a pipeline
         # step samples a token for every sequence: one wake-up for all of them, not one each)
-        self._pending: list[tuple[_Stream, str, tuple]] = []
+        self._pending: list[tuple[_Stream, str, tuple, float]] = []
         self._flush_scheduled = False
 
     # -- router side (pump threads) -----------------------------------------------------------------
@@ -149,7 +162,7 @@ class FrontDoorEngine:
             with self._lock:
                 stream = self._streams.get(rid)
                 if stream is not None and self._loop is not None:
-                    self._pending.append((stream, method, payload))
+                    self._pending.append((stream, method, payload, time.monotonic()))
                     if self._flush_scheduled:
                         return
                     self._flush_scheduled = True
@@ -165,7 +178,8 @@ class FrontDoorEngine:
         with self._lock:
             items, self._pending = self._pending, []
             self._flush_scheduled = False
-        for stream, method, payload in items:
+        for stream, method, payload, at_s in items:
+            stream.arrived(method, at_s)
             getattr(stream, method)(*payload)
 
     def attach(self, router) -> None:
@@ -278,6 +292,7 @@ class FrontDoorEngine:
         cls = gen.priority_class
         self.metrics.running.labels(cls).inc()
         try:
+            stream.submitted_s = time.monotonic()
             self.router.submit([Request(request_id, list(gen.prompt_token_ids), gen.max_tokens,
                                         priority=PRIORITY_ONLINE if cls == "online" else PRIORITY_OFFLINE,
                                         temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
@@ -322,7 +337,8 @@ class FrontDoorEngine:
             self.metrics.generation_tokens.labels(gen.priority_class).inc(new_tokens)
             if done:
                 self._observe(stream, completion_tokens)
-                yield Piece(piece, finish, len(gen.prompt_token_ids), completion_tokens)
+                yield Piece(piece, finish, len(gen.prompt_token_ids), completion_tokens,
+                            pipeline_timings(stream, len(tokens)))
                 return
             if piece:
                 yield Piece(piece)
@@ -336,6 +352,27 @@ class FrontDoorEngine:
         if completion_tokens > 1:
             self.metrics.tpot.labels(cls).observe((now - first) / (completion_tokens - 1))
         self.metrics.prompt_tokens.labels(cls).inc(len(stream.gen.prompt_token_ids))
+
+
+def pipeline_timings(stream: _Stream, output_tokens: int) -> dict[str, float | None]:
+    """The pipeline's own latencies for a finished ``stream``, ms, as a caller of the router in this
+    process would measure them: from the hand-over to the router to the first token (``ttft_ms``) and to
+    the result (``e2e_ms``) reaching the server, and ``tpot_ms`` = (result - first token) /
+    (``output_tokens`` - 1) (None for one token). HTTP's share of a client's latency is the client's
+    figure minus these: request parsing and admission before; the event loop, SSE and network after.
+
+    ``output_tokens``: the tokens received by then. A stop sequence ends a response at the token that
+    completes it, before the pipeline's result: the figures then end at that token.
+    """
+    assert stream.submitted_s is not None and stream.pipeline_first_s is not None \
+        and stream.pipeline_last_s is not None, "a finished stream has had a token or its result"
+    first, done = stream.pipeline_first_s, stream.pipeline_last_s
+
+    def ms(seconds: float) -> float:
+        return round(1e3 * seconds, 3)
+
+    return {"ttft_ms": ms(first - stream.submitted_s), "e2e_ms": ms(done - stream.submitted_s),
+            "tpot_ms": ms((done - first) / (output_tokens - 1)) if output_tokens > 1 else None}
 
 
 class IncrementalDetokenizer:

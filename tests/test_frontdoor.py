@@ -128,8 +128,11 @@ def test_the_pipelines_own_timings_come_with_the_last_chunk_and_the_response(cli
     assert 0 < w["ttft_ms"] <= w["e2e_ms"] and w["tpot_ms"] > 0
     one = client.completions.create(**{**kwargs, "max_tokens": 1}).model_extra["pipeline_timings"]
     assert one["tpot_ms"] is None and 0 < one["ttft_ms"] <= one["e2e_ms"]  # the result comes after the token
-    cut = client.completions.create(**kwargs, stop=["3"]).model_extra["pipeline_timings"]  # ends before the result
-    assert 0 < cut["ttft_ms"] <= cut["e2e_ms"]
+    cut = client.completions.create(**kwargs, stop=["6"])  # ends at the token that completes the stop
+    c, k = cut.model_extra["pipeline_timings"], cut.usage.completion_tokens
+    assert cut.choices[0].finish_reason == "stop" and 1 < k < 12
+    assert 0 < c["ttft_ms"] < c["e2e_ms"] < w["e2e_ms"]
+    assert c["tpot_ms"] == pytest.approx((c["e2e_ms"] - c["ttft_ms"]) / (k - 1), abs=0.01)
 
 
 def test_a_stop_sequence_ends_the_text_before_it(client):

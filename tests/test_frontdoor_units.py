@@ -87,3 +87,27 @@ def test_lone_surrogates_are_refused_naming_the_field_and_strict_fields_are_not_
             CompletionRequest.model_validate({"model": "m", "prompt": "p", field: value})
         assert verr.value.errors()[0]["loc"][0] == field
     assert CompletionRequest.model_validate({"model": "m", "prompt": "p", "temperature": 0}).temperature == 0.0
+
+
+def test_pipeline_timings_count_each_token_once_and_end_a_cut_at_the_stop_token():
+    from flexpipe_dag.runtime.scheduler import RequestOutput
+    from flexpipe_dag.serving.frontdoor.engine import Generation, _Stream, pipeline_timings
+
+    stream = _Stream(Generation([1, 2, 3], 8), accepted_s=0.0)
+    stream.submitted_s = 1.0
+    for index, token, at_s in [(0, 10, 1.5), (1, 11, 1.6), (1, 11, 1.9), (2, 12, 1.7)]:  # index 1 re-sent late
+        stream.on_token(index, token)
+        stream.arrived("on_token", at_s)
+    assert stream.token_arrival_s == [1.5, 1.6, 1.7]  # the re-sent index adds no arrival
+    cut = pipeline_timings(stream, completion_tokens=2, cut=True)  # the stop completed at the 2nd token
+    assert cut == {"ttft_ms": 500.0, "e2e_ms": 600.0, "tpot_ms": 100.0}
+    out = RequestOutput("r", [1, 2, 3], [10, 11, 12, 13], "length", 0.0, 0.1, 0.2)  # one token not streamed
+    stream.on_output(out)
+    stream.arrived("on_output", 2.0)
+    assert stream.token_arrival_s == [1.5, 1.6, 1.7, 2.0]
+    assert pipeline_timings(stream, completion_tokens=4) == {"ttft_ms": 500.0, "e2e_ms": 1000.0, "tpot_ms": 166.667}
+    only = _Stream(Generation([1], 1), accepted_s=0.0)
+    only.submitted_s = 0.0
+    only.on_output(out)
+    only.arrived("on_output", 0.25)  # no token streamed first: the result brings them all
+    assert pipeline_timings(only, completion_tokens=1)["tpot_ms"] is None

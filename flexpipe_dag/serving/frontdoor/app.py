@@ -11,9 +11,10 @@ metrics stay open, as in vLLM.
 
 A generation's response, and a stream's chunk that carries its ``finish_reason``, add one field to
 OpenAI's shape, as llama.cpp's server adds ``timings``: ``pipeline_timings`` (``ttft_ms``, ``tpot_ms``,
-``e2e_ms``), the pipeline's own latencies measured where its tokens reach this server, before the event
-loop, SSE and the network (:func:`~flexpipe_dag.serving.frontdoor.engine.pipeline_timings`). A client's
-own figures minus these are what HTTP added to that request.
+``e2e_ms``), the pipeline's own latencies measured where its tokens reach this server's pump threads,
+before the event loop, SSE and the network (:func:`~flexpipe_dag.serving.frontdoor.engine.pipeline_timings`).
+A client's own figures minus these are at least what HTTP added to that request. Batch API output lines
+do not carry it.
 """
 
 from __future__ import annotations

@@ -75,17 +75,17 @@ class _Stream:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_s: float | None = None
     submitted_s: float | None = None  # handed to the router
-    # when the pipeline's first and latest token (or its result) reached this process, on the pump
-    # threads' clock, before the event loop and HTTP: what a caller of the router directly measures
-    pipeline_first_s: float | None = None
-    pipeline_last_s: float | None = None
+    # when each token and the result reached this process (monotonic, taken on the pump threads before
+    # the event loop and HTTP): what a caller of the router directly measures
+    token_arrival_s: list[float] = field(default_factory=list)
+    result_s: float | None = None
 
     def arrived(self, method: str, at_s: float) -> None:
-        """Note when a pipeline event for this stream reached the server (``at_s``, monotonic)."""
-        if method in ("on_token", "on_output"):
-            if self.pipeline_first_s is None:
-                self.pipeline_first_s = at_s
-            self.pipeline_last_s = at_s
+        """After ``method`` was applied: note when its new tokens (a re-sent index adds none) and the
+        result reached the server (``at_s``)."""
+        self.token_arrival_s.extend([at_s] * (len(self.tokens) - len(self.token_arrival_s)))
+        if method == "on_output":
+            self.result_s = at_s
 
     def on_token(self, index: int, token_id: int) -> None:
         if index == len(self.tokens):  # the next one; an index seen before (a restart elsewhere) is not resent
@@ -179,8 +179,8 @@ class FrontDoorEngine:
             items, self._pending = self._pending, []
             self._flush_scheduled = False
         for stream, method, payload, at_s in items:
-            stream.arrived(method, at_s)
             getattr(stream, method)(*payload)
+            stream.arrived(method, at_s)
 
     def attach(self, router) -> None:
         """Serve on ``router`` (its pipeline open) from the running event loop."""
@@ -338,7 +338,7 @@ class FrontDoorEngine:
             if done:
                 self._observe(stream, completion_tokens)
                 yield Piece(piece, finish, len(gen.prompt_token_ids), completion_tokens,
-                            pipeline_timings(stream, len(tokens)))
+                            pipeline_timings(stream, completion_tokens, cut=cut is not None))
                 return
             if piece:
                 yield Piece(piece)
@@ -354,25 +354,32 @@ class FrontDoorEngine:
         self.metrics.prompt_tokens.labels(cls).inc(len(stream.gen.prompt_token_ids))
 
 
-def pipeline_timings(stream: _Stream, output_tokens: int) -> dict[str, float | None]:
+def pipeline_timings(stream: _Stream, completion_tokens: int, cut: bool = False) -> dict[str, float | None]:
     """The pipeline's own latencies for a finished ``stream``, ms, as a caller of the router in this
     process would measure them: from the hand-over to the router to the first token (``ttft_ms``) and to
     the result (``e2e_ms``) reaching the server, and ``tpot_ms`` = (result - first token) /
-    (``output_tokens`` - 1) (None for one token). HTTP's share of a client's latency is the client's
-    figure minus these: request parsing and admission before; the event loop, SSE and network after.
+    (``completion_tokens`` - 1) (None for one token). With ``cut`` (a stop sequence ended the response
+    before the pipeline's result) the figures end at the arrival of token ``completion_tokens``, the one
+    that completed the stop.
 
-    ``output_tokens``: the tokens received by then. A stop sequence ends a response at the token that
-    completes it, before the pipeline's result: the figures then end at that token.
+    HTTP's share of a client's latency is at least the client's figure minus these: request parsing and
+    admission before the hand-over; the event loop, SSE and the network after the arrival. At least: a
+    pump thread notes an arrival once it holds the GIL, so event-loop work that keeps it waiting
+    (up to the interpreter's 5-ms switch interval, more when the host's cores are short) counts as the
+    pipeline's here.
     """
-    assert stream.submitted_s is not None and stream.pipeline_first_s is not None \
-        and stream.pipeline_last_s is not None, "a finished stream has had a token or its result"
-    first, done = stream.pipeline_first_s, stream.pipeline_last_s
+    arrivals = stream.token_arrival_s
+    assert stream.submitted_s is not None and (arrivals or stream.result_s is not None), \
+        "a finished stream has had a token or its result"
+    first = arrivals[0] if arrivals else stream.result_s
+    done = arrivals[min(completion_tokens, len(arrivals)) - 1] if cut or stream.result_s is None else stream.result_s
+    assert first is not None and done is not None
 
     def ms(seconds: float) -> float:
         return round(1e3 * seconds, 3)
 
     return {"ttft_ms": ms(first - stream.submitted_s), "e2e_ms": ms(done - stream.submitted_s),
-            "tpot_ms": ms((done - first) / (output_tokens - 1)) if output_tokens > 1 else None}
+            "tpot_ms": ms((done - first) / (completion_tokens - 1)) if completion_tokens > 1 else None}
 
 
 class IncrementalDetokenizer:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import re
 import statistics
@@ -163,7 +164,7 @@ class Http:
         self.proc.wait(timeout=120)
 
     def run(self, rows, clients: int) -> dict:
-        from flexpipe_dag.serving.loadtest import LoadRequest, closed_loop
+        from flexpipe_dag.serving.loadtest import LoadRequest, closed_loop, summarize
 
         reqs = [LoadRequest(ids, max_new) for ids, max_new in rows]
         server = psutil.Process(self.proc.pid)  # the API process alone (cpu_times leaves its children out)
@@ -172,12 +173,12 @@ class Http:
         server_cpu_s = sum(server.cpu_times()[:2]) - cpu0
         assert all(m.error is None for m in measured), [m.error for m in measured if m.error][:3]
         assert all(m.pipeline_ttft_s is not None for m in measured), "the server sent no pipeline_timings"
-        pipeline = _summary([(m.pipeline_ttft_s, m.pipeline_tpot_s, m.output_tokens) for m in measured], wall)
-        return {**_summary([(m.ttft_s, m.tpot_s, m.output_tokens) for m in measured], wall),
-                "pipeline_ttft_p50_ms": pipeline["ttft_p50_ms"], "pipeline_tpot_p50_ms": pipeline["tpot_p50_ms"],
-                "front_cpu_ms_per_token": 1e3 * server_cpu_s / max(1, pipeline["tokens"]),
-                "added_tpot_p50_ms": 1e3 * statistics.median(m.tpot_s - m.pipeline_tpot_s for m in measured
-                                                             if m.tpot_s is not None and m.pipeline_tpot_s is not None)}
+        paired = summarize(measured, wall, math.inf, math.inf)  # `flexpipe loadtest`'s pairing, per request
+        summary = _summary([(m.ttft_s, m.tpot_s, m.output_tokens) for m in measured], wall)
+        return {**summary, "pipeline_ttft_p50_ms": paired["pipeline_ttft_ms"]["p50"],
+                "pipeline_tpot_p50_ms": paired["pipeline_tpot_ms"]["p50"],
+                "added_tpot_p50_ms": paired["http_added_tpot_ms"]["p50"],
+                "front_cpu_ms_per_token": 1e3 * server_cpu_s / max(1, summary["tokens"])}
 
 
 def _median_runs(runs: list[dict]) -> dict:

@@ -204,3 +204,27 @@ def test_gear_file_prices_like_the_planner_gear(tmp_path, capsys, monkeypatch):
     assert by_planner["gear_id"] == gear["gear_id"]  # one code path: simulate --gear KIND is plan's gear
     for key in ("makespan_s", "ttft_ms", "tpot_ms", "completed"):
         assert by_file[key] == by_planner[key]
+
+
+def _subparsers(parser) -> dict:
+    import argparse
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices
+    return {}
+
+
+def test_every_command_help_renders():
+    """Every ``flexpipe COMMAND --help`` (and nested ones) formats: a help string with a bare ``%`` (a
+    percentage) breaks argparse's formatter only when ``--help`` is asked for."""
+    from flexpipe_dag.cli import build_parser
+
+    todo = [("flexpipe", build_parser())]
+    seen = 0
+    while todo:
+        name, parser = todo.pop()
+        text = parser.format_help()
+        assert text.startswith("usage:"), name
+        seen += 1
+        todo.extend((f"{name} {sub}", p) for sub, p in _subparsers(parser).items())
+    assert seen > 10

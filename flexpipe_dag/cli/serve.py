@@ -93,7 +93,7 @@ def register(subparsers) -> None:
                         f"{scaler.scale_in_cost_s:g} s an instance's warm-up + drain are "
                         "counted to cost)")
     p.add_argument("--scale-outage-hold-s", type=float, default=None,
-                   help=f"with --max-instances: when the rate falls under {scaler.outage_fraction:.0%} of the "
+                   help=f"with --max-instances: when the rate falls under {100 * scaler.outage_fraction:g}%% of the "
                         f"instances' envelope at once (an outage, not a tide), seconds the instances are held for "
                         f"its return before any is given back (default {scaler.outage_hold_s:g}; 0: no hold)")
     p.add_argument("--batch-inflight", type=int, default=8, help="Batch API lines on the pipeline at once")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -211,6 +212,13 @@ def test_resolve_control_settings_overrides_and_errors(tmp_path):
         resolve_control_settings(dwell_s=-1.0)  # no sentinel: a negative dwell is refused
     cfg.write_text("tide:\n  admit_below_fraction: 0.9\n  pause_above_fraction: 0.5\n")
     with pytest.raises(InputError, match="pause_above_fraction must exceed"):
+        resolve_control_settings(str(cfg))
+    # figures are strict: a quoted number or a fractional count is refused, naming the file and the field
+    cfg.write_text('controller:\n  dwell_s: "120"\n')
+    with pytest.raises(InputError, match=rf"^{re.escape(str(cfg))}: controller\.dwell_s: Input should be a valid number"):
+        resolve_control_settings(str(cfg))
+    cfg.write_text("tide:\n  hysteresis_samples: 3.0\n  horizon_s: '600'\n")
+    with pytest.raises(InputError, match=r"tide\.horizon_s: .*valid number; also tide\.hysteresis_samples: .*valid integer"):
         resolve_control_settings(str(cfg))
     cfg.write_text("gears: {}\n")
     with pytest.raises(InputError, match="expected a mapping with 'controller' and/or 'tide' sections"):

@@ -59,9 +59,13 @@ MAX_FIGURE = 1e9
 
 class Figures(BaseModel):
     """Base of the control figure models: frozen, unknown keys refused, no booleans where numbers belong,
-    and no number beyond :data:`MAX_FIGURE`."""
+    and no number beyond :data:`MAX_FIGURE`.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Numbers are strict, as a cluster profile's and a gear file's are: a string (``"0.5"``, a quoted YAML
+    figure) is refused, not converted, and so is a float where a count belongs (``hysteresis_samples``
+    3.0); an int is a float."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     @field_validator("*", mode="before")
     @classmethod

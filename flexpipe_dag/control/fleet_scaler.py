@@ -77,7 +77,7 @@ import numbers
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from flexpipe_dag.control.config import DAY_S, MAX_FIGURE, Figures
 from flexpipe_dag.control.controller import ForecastFn, read_forecast
@@ -128,14 +128,11 @@ class FleetScalerConfig(Figures):
     (``trend_beta`` 0.5: on fleet_1k's worst tide day 0.3 gave attainment 0.95 and 0.2 gave 0.93, against
     0.97), not the forecast (``sizing_lead_s`` 0).
 
-    Numbers are strict, as a cluster profile's and a gear file's are: a string (``"0.5"``) is refused, not
-    converted, and so is a float where a count belongs (``hysteresis_samples`` 2.0); an int is a float.
+    Numbers are strict (:class:`~flexpipe_dag.control.config.Figures`).
 
     Raises:
         pydantic.ValidationError: a figure of the wrong type or out of range, naming it.
     """
-
-    model_config = ConfigDict(strict=True)  # merged with Figures': frozen, unknown keys and booleans refused
 
     sample_period_s: float = Field(60.0, gt=0, le=86400.0, allow_inf_nan=False)
     rps_ema_alpha: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)

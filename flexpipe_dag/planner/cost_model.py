@@ -149,19 +149,19 @@ class CostModel:
         return hit
 
     def layer_prefill_ms(self, device_id: str, num_tokens: int) -> float:
-        """One decoder layer over one causal prompt of ``num_tokens`` tokens, ms."""
+        """One decoder layer over one causal prompt of ``num_tokens`` tokens, ms: :meth:`layer_step_ms` with
+        ``n (n + 1) / 2`` attended pairs."""
         n = float(num_tokens)
-        return self._time(device_id, "lp", lambda n: layer_work_by_class(self.model, n, n * (n + 1) / 2, n, self.dtype), n)
+        return self.layer_step_ms(device_id, num_tokens, n * (n + 1) / 2, num_tokens)
 
     def layer_decode_ms(self, device_id: str, num_seqs: int, context_tokens: int) -> float:
         """One decoder layer, one decode step of ``num_seqs`` sequences holding ``context_tokens`` KV tokens in total, ms.
 
         ``num_seqs`` is the sequences decoding in the step; the search passes a full micro-batch
-        (``micro_batch_size``), the simulator the micro-batch's decoding members.
+        (``micro_batch_size``), the simulator the micro-batch's decoding members. :meth:`layer_step_ms`
+        with one attended pair per context token.
         """
-        return self._time(device_id, "ld",
-                          lambda b, c: layer_work_by_class(self.model, b, c, c, self.dtype),
-                          float(num_seqs), float(context_tokens))
+        return self.layer_step_ms(device_id, num_seqs, context_tokens, context_tokens)
 
     def first_extra_ms(self, device_id: str, num_tokens: int) -> float:
         """Embedding gather for ``num_tokens`` tokens (first stage only), ms."""

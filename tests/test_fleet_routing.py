@@ -44,6 +44,8 @@ class StandInRuntime:
         self.serving = threading.Event()
         self.stopped = False
         self.crash: str | None = None  # the next wait raises this (a stage failure)
+        self.cancelled: list[str] = []
+        self.aborts: list[str] = []
         self._queue: queue.Queue = queue.Queue()
 
     def submit(self, reqs):
@@ -56,12 +58,23 @@ class StandInRuntime:
             raise RuntimeError(self.crash)
         if not self.serving.wait(0.02):
             return
+        while self.aborts:
+            on_result(Out(self.aborts.pop(0)))
         while True:
             try:
                 r = self._queue.get_nowait()
             except queue.Empty:
                 return
             on_result(Out(r.request_id, [len(r.prompt_token_ids)]))
+
+    @property
+    def num_outstanding(self):
+        return self._queue.qsize() + len(self.aborts)
+
+    def cancel(self, request_ids):
+        """As the real one: each id still queued comes back as an abort output (on the next serving wait)."""
+        self.cancelled.extend(request_ids)
+        self.aborts.extend(request_ids)
 
     def shutdown(self, timeout_s: float = 30.0):
         self.stopped = True
@@ -167,3 +180,50 @@ def test_a_failed_entry_point_hands_its_requests_and_the_entry_to_another_instan
     b.serving.set()
     assert router.wait_idle(5.0)
     assert set(got) == set(submitted) and set(got.values()) == {1} and router.ledger.counts()["moved"] == 2
+
+
+def test_a_cancelled_request_leaves_its_lane_at_once_and_is_never_delivered_or_moved(fleet):
+    router, (la, lb), (a, b), got, refused = fleet
+    router.submit([_req("keep", 10, 10), _req("gone", 10, 10)])  # one on each instance
+    gone_lane = router.ledger.get("gone").lane_id
+    gone_rt = a if gone_lane == la.lane_id else b
+    before = router.ledger.open_tokens(gone_lane)
+    assert router.cancel("gone") is True
+    assert gone_rt.cancelled == ["gone"] and router.ledger.open_tokens(gone_lane) == before - 20
+    assert router.ledger.get("gone").status == "cancelled" and router.ledger.num_open() == 1
+    assert router.cancel("gone") is False and router.cancel("unknown") is False  # nothing to do twice
+    gone_rt.crash = "stage 1 crashed"  # its lane fails: a cancelled request is not moved to the other
+    other = b if gone_rt is a else a
+    other.serving.set()
+    assert router.wait_idle(5.0)
+    counts = router.ledger.counts()
+    assert got == {"keep": 1} and not refused and "gone" not in other.submitted
+    assert counts["cancelled"] == 1 and counts["moved"] == 0 and counts["duplicates_dropped"] == 0
+
+
+def test_an_abort_output_after_a_cancel_is_dropped_without_counting_as_a_duplicate():
+    got = collections.Counter()
+    router = ServingRouter(on_result=lambda out: got.update([out.request_id]))
+    rt = StandInRuntime("only")
+    with router:
+        router.route_to(router.add_lane(rt))
+        router.submit([_req("r", 5, 5), _req("s", 5, 5)])
+        router.cancel("r")
+        router.submit([_req("t", 5, 5)])
+        rt.serving.set()  # serves "r"'s abort, then what was queued ("r" too: it was not taken out)
+        assert router.wait_idle(5.0)
+        wait_until(lambda: not rt.aborts, 5.0, "the abort output")
+    assert got == {"s": 1, "t": 1} and router.ledger.counts()["duplicates_dropped"] == 0
+
+
+def test_a_held_request_cancelled_is_never_sent():
+    router = ServingRouter()
+    with router:
+        router.submit([_req("waits", 5, 5), _req("stays", 5, 5)])  # no pipeline yet: both held
+        assert router.cancel("waits")
+        rt = StandInRuntime("late")
+        rt.stage_info = ["started"]  # open() starts a runtime without any
+        router.open(rt)
+        rt.serving.set()
+        assert router.wait_idle(5.0)
+    assert rt.submitted == ["stays"] and rt.cancelled == []

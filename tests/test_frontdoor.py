@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flexpipe_dag.serving.frontdoor.process import ServerProcess
-from tests.support import MODEL_CACHE, REPO
+from tests.support import MODEL_CACHE, REPO, wait_until
 from tests.test_runtime_helpers import MAX_NEW_TOKENS, PROMPTS, checkpoint, hf_reference, prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -154,6 +154,28 @@ def test_a_stop_sequence_ends_the_text_before_it(client):
         chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text[:start], stop
         assert 1 <= whole.usage.completion_tokens == chunks[-1].usage.completion_tokens <= 12
+
+
+def test_a_client_that_goes_away_and_a_stop_sequence_cancel_the_request_in_the_pipeline(server, client):
+    """The pipeline's side (the request ends within a step, its KV blocks freed) is
+    tests/test_runtime_pipeline.py's; here: the server cancels exactly those requests and serves on."""
+    def cancelled() -> float:
+        return _metrics(server.url)[("flexpipe_requests_cancelled_total", "online")]
+
+    start = cancelled()
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3, 4,", "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # the client goes away with 1,500 tokens to come
+    wait_until(lambda: cancelled() == start + 1, 10.0, "the server to cancel the abandoned request")
+    cut = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=40, temperature=0, stop=["6"])
+    assert cut.choices[0].finish_reason == "stop" and cancelled() == start + 2  # ended at the stop, not at 40
+    whole = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=4, temperature=0)
+    assert whole.choices[0].finish_reason == "length" and cancelled() == start + 2  # a finished one is not
+    assert _metrics(server.url)[("flexpipe_requests_running", "online")] == 0
 
 
 def test_tokens_through_stop_counts_to_the_token_that_completes_the_stop():

@@ -11,13 +11,19 @@ pytest.importorskip("torch")
 from flexpipe_dag.runtime.driver import Driver
 from flexpipe_dag.runtime.messages import (
     COUNTER_SLOTS,
+    AbortRequests,
+    AddRequests,
     MessageKind,
     Reconfigure,
     Reconfigured,
+    RequestFinished,
     SchedulerConfig,
     StageInfo,
     StageReload,
+    StepResult,
+    TokensGenerated,
 )
+from flexpipe_dag.runtime.scheduler import Request
 from flexpipe_dag.runtime.worker import WorkerSpec
 
 
@@ -63,3 +69,29 @@ def test_reconfiguration_messages_without_one_pending_are_refused_by_name():
     assert not sent
     with pytest.raises(RuntimeError, match="none is pending"):
         driver.on_reconfigured(StageReload(Reconfigure("g1", ((0, 1), (1, 4)), 16, 8, 3, 1), (info(0, 0, 1),)))
+
+
+def test_an_abort_ends_queued_and_running_requests_now_and_in_flight_ones_when_their_step_returns():
+    driver, events, sent = make_driver()
+    driver.stream_tokens = True
+    cmds: queue.Queue = queue.Queue()
+    cmds.put(AddRequests(tuple(Request(rid, [1, 2, 3], 10) for rid in ("a", "b"))))  # 3 of the 8 blocks each
+    driver.take_commands(cmds)
+    driver.dispatch()  # one micro-batch of both (micro-batch size 2)
+    (batch,) = [payload for _, kind, payload in sent if kind == MessageKind.BATCH]
+    cmds.put(AbortRequests(("a", "unknown")))
+    driver.take_commands(cmds)
+    assert events.empty()  # "a" is in flight: it ends when its step comes back
+    driver.on_result(StepResult(batch.mb_id, (11, 12)))
+    tokens, finished = events.get_nowait(), events.get_nowait()
+    assert isinstance(tokens, TokensGenerated) and tokens.tokens == (("b", 0, 12),)  # "a"'s token is not sent
+    assert isinstance(finished, RequestFinished) and finished.output.request_id == "a"
+    assert finished.output.finish_reason == "abort" and finished.output.output_token_ids == []
+    cmds.put(AbortRequests(("b",)))  # not in flight now: ends at once, with its token
+    driver.take_commands(cmds)
+    out = events.get_nowait().output
+    assert (out.request_id, out.finish_reason, out.output_token_ids) == ("b", "abort", [12])
+    assert driver.drained and driver.scheduler.allocator.num_used_blocks == 0
+    sample = driver.metrics.sample(1.0, queue_length=0, running=0, kv_blocks_used=0, kv_blocks_total=8,
+                                   micro_batches_sent=1, stages=[])
+    assert sample.completed == 0 and sample.ttft_p99_ms is None  # an aborted request is not a completed one

@@ -21,7 +21,15 @@ pytest.importorskip("torch")
 
 from flexpipe_dag.runtime.batch import JsonlSink, PromptRow, prompts_from_trace, run_batch_job
 from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, StageFailedError
-from tests.test_runtime_helpers import checkpoint, gear, hf_reference, prompt_ids, requests, signal_after_first_result
+from tests.test_runtime_helpers import (
+    MAX_NEW_TOKENS,
+    checkpoint,
+    gear,
+    hf_reference,
+    prompt_ids,
+    requests,
+    signal_after_first_result,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +83,31 @@ def test_64_prompts_from_azure_conv_trace_through_two_stages(two_stage, tmp_path
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     by_id = {r.request_id: r for r in rows}
     assert all(1 <= o["output_tokens"] <= by_id[o["id"]].max_new_tokens for o in out)
+
+
+def test_a_cancelled_request_ends_within_a_step_and_the_others_are_untouched(two_stage):
+    from flexpipe_dag.runtime.scheduler import Request
+
+    _use(two_stage, EVEN2, 8, "g2-2-8")
+    reqs = requests(3, prefix="cancel-")
+    long_one = Request("cancel-long", list(prompt_ids()[0]), 1500)  # no EOS: it would run 1500 steps
+    ended: list = []
+
+    def on_result(out):
+        ended.append(out)
+        if len(ended) == 1:  # the first of the others finished: the long one is running
+            two_stage.cancel(["cancel-long", "never-submitted"])
+
+    outs = two_stage.generate([long_one, *reqs], on_result=on_result)
+    by_id = {o.request_id: o for o in outs}
+    assert set(by_id) == {"cancel-long", *(r.request_id for r in reqs)} and two_stage.num_outstanding == 0
+    aborted = by_id.pop("cancel-long")
+    assert aborted.finish_reason == "abort" and 1 <= len(aborted.output_token_ids) <= 2 * MAX_NEW_TOKENS
+    ref, got = hf_reference()["0"], aborted.output_token_ids
+    n = min(len(ref), len(got))
+    assert got[:n] == ref[:n]  # what it had sampled is kept (greedy: the reference's tokens)
+    _check(list(by_id.values()), reqs)
+    _check(two_stage.generate(reqs2 := requests(3, prefix="after-cancel-")), reqs2)  # its KV blocks were freed
 
 
 def test_three_stages_match_hf_then_killed_stage_fails_cleanly_and_rerun_finishes_only_missing(two_stage, tmp_path):

@@ -54,6 +54,34 @@ def test_eos_stops_and_frees_blocks():
     assert s.allocator.num_used_blocks == 0 and s.allocator.num_reserved_blocks == 0
 
 
+def test_abort_ends_queued_running_and_in_flight_requests_and_frees_their_blocks():
+    s, clock = make(num_blocks=8, bs=4, mbs=1, inflight=2)
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, n_prompt=4, max_new=8))  # 11 KV tokens = 3 blocks each: a and b fit, c waits
+    first = s.schedule()  # a's prefill
+    second = s.schedule()  # b's prefill
+    assert [q.seq_id for q in first.seqs + second.seqs] == [0, 1] and s.num_waiting == 1
+    s.update_from_output(first.mb_id, [7])  # a has one token and is not in flight; b is
+    clock.t = 2.0
+    ended = s.abort(["a", "b", "c", "never-submitted"])
+    # a (running, idle) and c (queued) end now; b ends when its micro-batch comes back
+    assert [(o.request_id, o.finish_reason, o.output_token_ids) for o in ended] == [("c", "abort", []),
+                                                                                   ("a", "abort", [7])]
+    assert ended[0].first_token_s == 2.0 and s.num_waiting == 0 and s.num_running == 1
+    assert s.allocator.num_reserved_blocks == 3  # b's blocks: the stages still write them
+    assert s.schedule() is None  # an aborted sequence is never scheduled again
+    tokens = []
+    (out,) = s.update_from_output(second.mb_id, [9], on_token=lambda *t: tokens.append(t))
+    assert (out.request_id, out.finish_reason, out.output_token_ids, tokens) == ("b", "abort", [], [])
+    assert not s.has_unfinished() and s.allocator.num_used_blocks == 0 and s.allocator.num_reserved_blocks == 0
+    assert s.abort(["a", "b"]) == []  # already ended: ignored
+    s.add_request(req("a", n_prompt=4, max_new=2))  # its id is free again
+    mb = s.schedule()
+    s.update_from_output(mb.mb_id, [5])
+    (out,) = s.update_from_output(s.schedule().mb_id, [6])
+    assert out.finish_reason == "length" and out.output_token_ids == [5, 6]
+
+
 def test_several_micro_batches_in_flight_hold_disjoint_sequences():
     s, _ = make(mbs=2, inflight=3)
     for r in "abcdef":

@@ -3,6 +3,8 @@
 Commands arrive from the parent on ``cmd_q`` (:mod:`~flexpipe_dag.runtime.messages`):
 
 * :class:`~flexpipe_dag.runtime.messages.AddRequests` - queue requests;
+* :class:`~flexpipe_dag.runtime.messages.AbortRequests` - end requests nobody waits for (their KV
+  blocks freed);
 * :class:`~flexpipe_dag.runtime.messages.Reconfigure` - pause admission, drain running sequences
   (in-flight work finishes), send ``RECONFIGURE`` down the stages, resume with a fresh KV allocator
   once every last-stage replica confirms; queued requests wait meanwhile;
@@ -27,6 +29,7 @@ from typing import Any
 
 from flexpipe_dag.runtime.lifeline import follow_parent
 from flexpipe_dag.runtime.messages import (
+    AbortRequests,
     AddRequests,
     DriverCounter,
     FlushMetrics,
@@ -105,8 +108,8 @@ class Driver:
         # what add_request raises for a request it will not serve (ValueError covers ContextLengthError, InputError)
         self._refusals = (KVCapacityError, ValueError)
         self._handlers: dict[type, Callable[[Any], None]] = {
-            AddRequests: self.on_add, Reconfigure: self.on_reconfigure, FlushMetrics: self.on_flush,
-            StopPipeline: self.on_stop}
+            AddRequests: self.on_add, AbortRequests: self.on_abort, Reconfigure: self.on_reconfigure,
+            FlushMetrics: self.on_flush, StopPipeline: self.on_stop}
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self, cmd_q) -> None:
@@ -175,6 +178,11 @@ class Driver:
                 self.scheduler.add_request(req)
             except self._refusals as exc:
                 self.evt_q.put(RequestRefused(req.request_id, str(exc)))
+
+    def on_abort(self, cmd: AbortRequests) -> None:
+        """End the requests (those in a micro-batch in flight end when it comes back: :meth:`on_result`)."""
+        for out in self.scheduler.abort(cmd.request_ids):
+            self.evt_q.put(RequestFinished(out))
 
     def on_reconfigure(self, cmd: Reconfigure) -> None:
         """Pause admission; the stages reload once running sequences drained (:meth:`send_reconfigure`)."""
@@ -262,7 +270,8 @@ class Driver:
         if sampled:  # before the finished requests: a stream sees its last token, then the end
             self.evt_q.put(TokensGenerated(tuple(sampled)))
         for out in finished:
-            self.metrics.record_finished(out.ttft_s, out.tpot_s, out.e2e_s, out.priority)
+            if out.finish_reason != "abort":  # an aborted request's latencies are not the pipeline's
+                self.metrics.record_finished(out.ttft_s, out.tpot_s, out.e2e_s, out.priority)
             self.evt_q.put(RequestFinished(out))
         self.counters[counter_index(0, DriverCounter.MICRO_BATCHES_DONE)] += 1
 

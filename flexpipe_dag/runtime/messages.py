@@ -3,7 +3,7 @@
 Three channels carry them:
 
 * **parent -> driver** (a ``multiprocessing`` queue, this host): :class:`AddRequests`,
-  :class:`Reconfigure`, :class:`FlushMetrics`, :class:`StopPipeline`;
+  :class:`AbortRequests`, :class:`Reconfigure`, :class:`FlushMetrics`, :class:`StopPipeline`;
 * **driver / workers -> parent** (the same kind of queue, or for workers on other hosts the
   head's control store): :class:`StageReady`, :class:`ProcessFailed`, :class:`RequestFinished`,
   :class:`MetricsSampled`, :class:`Reconfigured`, :class:`RequestRefused`, :class:`Stopped`;
@@ -178,6 +178,14 @@ class AddRequests:
 
 
 @dataclass(frozen=True)
+class AbortRequests:
+    """End these requests (:meth:`~flexpipe_dag.runtime.scheduler.Scheduler.abort`): each comes back as a
+    :class:`RequestFinished` with ``finish_reason`` ``"abort"``, unless it finished or was refused first."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Reconfigure:
     """Move the running processes to a new gear: pause admission, drain, reload every stage, resume.
 
@@ -208,7 +216,7 @@ class StopPipeline:
     """Drain running sequences, then stop every stage (queued requests are dropped)."""
 
 
-DriverCommand = AddRequests | Reconfigure | FlushMetrics | StopPipeline
+DriverCommand = AddRequests | AbortRequests | Reconfigure | FlushMetrics | StopPipeline
 
 
 # -- between ranks ---------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from flexpipe_dag.runtime.control_auth import new_secret
 from flexpipe_dag.runtime.graph_modes import DECODE_GRAPH_MODES
 from flexpipe_dag.runtime.messages import (
     COUNTER_SLOTS,
+    AbortRequests,
     AddRequests,
     DriverCounter,
     FlushMetrics,
@@ -654,6 +655,15 @@ class PipelineRuntime:
         self._cmds.put(AddRequests(tuple(reqs)))
         return ids
 
+    def cancel(self, request_ids: Iterable[str]) -> None:
+        """End submitted requests nobody waits for any more (non-blocking; any thread): the driver frees
+        their KV blocks (:meth:`~flexpipe_dag.runtime.scheduler.Scheduler.abort`) and each comes back, through
+        the waiting call's ``on_result``, as an output with ``finish_reason`` ``"abort"`` and the tokens it
+        had. One that finished or was refused first comes back as that instead. Ids never submitted are ignored."""
+        ids = tuple(request_ids)
+        if ids:
+            self._cmds.put(AbortRequests(ids))
+
     def generate(self, requests: Iterable[Request], on_result: Callable[[RequestOutput], None] | None = None,
                  on_metrics: Callable[[MetricSample], None] | None = None) -> list[RequestOutput]:
         """Serve ``requests`` and block until all finished; results in finishing order.
@@ -726,6 +736,11 @@ class PipelineRuntime:
         self._metrics.append(sample)
         if on_metrics:
             on_metrics(sample)
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests submitted and not yet finished or refused (a cancelled one until its abort came back)."""
+        return len(self._outstanding)
 
     @property
     def refused(self) -> dict[str, str]:

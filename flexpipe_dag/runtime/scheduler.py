@@ -3,7 +3,8 @@
 Shape follows vLLM v1 (``vllm/v1/core/sched/interface.py``): :meth:`Scheduler.schedule` returns
 the next micro-batch to push into the pipeline, or ``None``; when the last stage's sampled tokens
 come back, :meth:`Scheduler.update_from_output` appends them, stops sequences on EOS or
-``max_new_tokens`` and frees their KV blocks. Several micro-batches are in flight at once (up to
+``max_new_tokens`` and frees their KV blocks; :meth:`Scheduler.abort` ends requests nobody waits for
+(vLLM's ``finish_abort``). Several micro-batches are in flight at once (up to
 ``max_inflight_micro_batches``) so stages overlap; a sequence is in at most one of them, since
 its next token depends on the previous one.
 
@@ -126,7 +127,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens) or "abort" (Scheduler.abort)
     arrival_s: float
     first_token_s: float
     finish_s: float
@@ -157,6 +158,7 @@ class _Seq:
     in_flight: bool = False
     first_token_s: float | None = None
     lane: int = 0
+    aborted: bool = False  # aborted while in flight: ends when its micro-batch comes back
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -362,6 +364,9 @@ class Scheduler:
         for seq_id, tok in zip(seq_ids, sampled_token_ids):
             s = self._running[seq_id]
             s.in_flight = False
+            if s.aborted:  # its token is not sent: the request ended when it was aborted
+                finished.append(self._end(s, "abort", now))
+                continue
             if s.num_computed < len(s.req.prompt_token_ids):
                 continue  # a prompt chunk before the last: its sample is not a token of the output
             s.outputs.append(int(tok))
@@ -375,12 +380,43 @@ class Scheduler:
             elif len(s.outputs) >= s.req.max_new_tokens:
                 reason = "length"
             if reason:
-                del self._running[seq_id]
-                self.allocator.free(seq_id)
-                self._request_ids.discard(s.req.request_id)
-                finished.append(RequestOutput(s.req.request_id, list(s.req.prompt_token_ids), list(s.outputs),
-                                              reason, s.arrival_s, s.first_token_s, now, s.req.priority))
+                finished.append(self._end(s, reason, now))
         return finished
+
+    def _end(self, s: _Seq, reason: str, now: float) -> RequestOutput:
+        """Take ``s`` out of the scheduler (its KV blocks freed, if it held any) as finished for ``reason``."""
+        if self._running.pop(s.seq_id, None) is not None:
+            self.allocator.free(s.seq_id)
+        self._request_ids.discard(s.req.request_id)
+        first = s.first_token_s if s.first_token_s is not None else now
+        return RequestOutput(s.req.request_id, list(s.req.prompt_token_ids), list(s.outputs), reason, s.arrival_s,
+                             first, now, s.req.priority)
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """End requests nobody waits for any more (a client went away, a stop sequence was reached).
+
+        A queued request leaves the queue, and a running one frees its KV blocks now. A request in a micro-batch
+        that is still in the pipeline ends when that batch comes back, and :meth:`update_from_output`
+        returns it then. Its blocks stay reserved until then, because the stages still write them, and its
+        sampled token is dropped. Ids that are not queued or running are ignored: they already finished or
+        were refused.
+
+        Returns:
+            The requests that ended now, each with ``finish_reason`` ``"abort"`` and the tokens it had
+            sampled (``first_token_s`` is the abort time when it had none).
+        """
+        wanted = set(request_ids) & self._request_ids
+        if not wanted:
+            return []
+        now = self.clock()
+        ended = [self._end(s, "abort", now) for s in self._waiting if s.req.request_id in wanted]
+        self._waiting = [s for s in self._waiting if s.req.request_id not in wanted]
+        for s in [s for s in self._running.values() if s.req.request_id in wanted]:
+            if s.in_flight:
+                s.aborted = True
+            else:
+                ended.append(self._end(s, "abort", now))
+        return ended
 
     def abort_inflight(self) -> list[str]:
         """Forget every in-flight micro-batch (after a pipeline failure); returns affected request ids."""

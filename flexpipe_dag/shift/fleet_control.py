@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flexpipe_dag.runtime.pipeline import RuntimeOptions
     from flexpipe_dag.shift.instances import InstanceFleet
 
-_COUNTED = ("held", "pending", "finished", "refused", "failed")
+_COUNTED = ("held", "pending", "finished", "refused", "failed", "cancelled")
 
 
 class FleetController:

@@ -129,8 +129,8 @@ class Lane:
 
         ledger = self.owner.ledger
         while not self._stop.is_set():
-            if not ledger.has_open(self.lane_id):
-                time.sleep(0.02)
+            if not ledger.has_open(self.lane_id) and not self.runtime.num_outstanding:  # (a cancelled
+                time.sleep(0.02)                     # request is not open, but its abort is still to collect)
                 continue
             if not self._rt_lock.acquire(timeout=0.05):
                 continue

@@ -9,6 +9,10 @@ race, finish on both; the second output is counted and dropped, never delivered)
 Internal requests (the executor's warm-up, verification and health probes) live in the same
 ledger but are never delivered to the caller: their output is handed to a :class:`Probe` the
 executor waits on. Their ids start with :data:`INTERNAL_PREFIX`, which callers may not use.
+
+A caller request nobody waits for any more is *cancelled* (:meth:`RequestLedger.cancel`): it leaves
+its lane's open work at once, is never moved or delivered, and the output its lane still sends
+(its abort) is dropped without counting as a duplicate.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from flexpipe_dag.core.errors import InputError
 #: Request-id prefix reserved for the executor's own probe requests.
 INTERNAL_PREFIX = "__shift-"
 
-EntryStatus = Literal["held", "pending", "finished", "refused", "failed"]
+EntryStatus = Literal["held", "pending", "finished", "refused", "failed", "cancelled"]
+#: Statuses that end an entry: nothing more is delivered for it.
+_ENDED = ("finished", "refused", "failed", "cancelled")
 
 
 def request_work_tokens(request: Any) -> int:
@@ -175,8 +181,8 @@ class RequestLedger:
         rid = output.request_id
         with self._lock:
             e = self._entries.get(rid)
-            if e is None or e.status in ("finished", "refused", "failed"):
-                self.duplicates_dropped += e is not None
+            if e is None or e.status in _ENDED:
+                self.duplicates_dropped += e is not None and e.status != "cancelled"
                 return False
             old = e.lane_id
             e.status, e.finished_by, e.lane_id = "finished", lane_id, lane_id
@@ -194,7 +200,7 @@ class RequestLedger:
         """A request is finally refused (told to the caller once). Returns True if it was open."""
         with self._lock:
             e = self._entries.get(request_id)
-            if e is None or e.status in ("finished", "refused", "failed"):
+            if e is None or e.status in _ENDED:
                 return False
             e.status = "refused"
             self._reindex(e, e.lane_id)
@@ -204,6 +210,22 @@ class RequestLedger:
             with self._deliver_lock:
                 self._on_refused(request_id, reason)
         return True
+
+    def cancel(self, request_id: str) -> tuple[bool, str | None]:
+        """A caller request nobody waits for any more: ended, nothing delivered for it from now on.
+
+        Returns:
+            ``(was_open, lane_id)``: whether it was held or pending (False: unknown, an internal probe, or
+            already ended), and the lane that holds it (None while held), whose runtime should be told.
+        """
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.internal or e.status in _ENDED:
+                return False, None
+            lane_id = e.lane_id
+            e.status = "cancelled"
+            self._reindex(e, lane_id)
+            return True, lane_id
 
     def fail_internal(self, lane_id: str, reason: str) -> int:
         """Fail every open internal request on ``lane_id`` (its lane died); returns how many."""
@@ -263,9 +285,9 @@ class RequestLedger:
             return sum(1 for pool in pools for e in pool.values() if not e.internal)
 
     def counts(self) -> dict[str, int]:
-        """Caller requests per status, plus ``moved`` and ``duplicates_dropped``."""
+        """Caller requests per status (``cancelled`` included), plus ``moved`` and ``duplicates_dropped``."""
         with self._lock:
-            out = {s: 0 for s in ("held", "pending", "finished", "refused", "failed")}
+            out = {s: 0 for s in ("held", "pending", *_ENDED)}
             for e in self._entries.values():
                 if not e.internal:
                     out[e.status] += 1

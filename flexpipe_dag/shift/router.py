@@ -26,6 +26,9 @@ one instance the router adds no check of its own (its runtime refuses what it ca
 
 Priorities: requests carry their own ``priority`` (0 online, larger offline); each runtime's
 scheduler admits online first. The router does not reorder them.
+
+Cancelling (:meth:`ServingRouter.cancel`): a request nobody waits for any more leaves the ledger and
+its lane's scheduler at once, its KV blocks freed.
 """
 
 from __future__ import annotations
@@ -243,6 +246,24 @@ class ServingRouter:
                     lane.runtime.submit(batch)
         self._flush_refusals()
         return [r.request_id for r in reqs]
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop serving a caller request nobody waits for any more (its client went away, or a stop sequence
+        ended its response): nothing is delivered for it from now on, it is never moved to another lane, and
+        the lane that holds it is told to end it and free its KV blocks
+        (:meth:`~flexpipe_dag.runtime.pipeline.PipelineRuntime.cancel`). Any thread; non-blocking.
+
+        Returns:
+            True if it was open (held or on a lane); False for an unknown id, a probe, or one that had
+            already finished, been refused or been cancelled.
+        """
+        with self._lock:
+            was_open, lane_id = self.ledger.cancel(request_id)
+            self._refusals.pop(request_id, None)
+            lane = self._lanes.get(lane_id) if lane_id is not None else None
+        if lane is not None and lane.alive:
+            lane.runtime.cancel([request_id])
+        return was_open
 
     def probe_id(self, kind: str) -> str:
         """A fresh id for an internal request (unique within this router)."""

@@ -7,8 +7,9 @@ on pump threads (``stream_tokens``), are handed to the event loop with ``call_so
 ends inside a multi-byte character waits for the next token), cut at the first stop sequence, each
 token index taken once (a request moved to another lane starts again there; what was sent stands).
 
-Limits, stated: a stop sequence or a client that goes away ends the *response*; the runtime has no
-per-request cancel yet, so the request keeps its KV blocks until it reaches ``max_tokens`` or EOS.
+A response that ends before its request finished (a stop sequence reached, a client that went away, a
+server that is closing) cancels the request (:meth:`~flexpipe_dag.shift.router.ServingRouter.cancel`):
+the pipeline stops generating for it and frees its KV blocks within a step.
 """
 
 from __future__ import annotations
@@ -303,6 +304,9 @@ class FrontDoorEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
             self.metrics.running.labels(cls).dec()
+            if stream.output is None and stream.refusal is None:  # a stop sequence, or the client left
+                self.router.cancel(request_id)
+                self.metrics.cancelled.labels(cls).inc()
 
     async def _pieces(self, stream: _Stream) -> AsyncIterator[Piece]:
         gen, sent_text, counted = stream.gen, "", 0

@@ -45,6 +45,10 @@ class FrontDoorMetrics:
                                      ["priority_class"], registry=r)
         self.generation_tokens = Counter("flexpipe_generation_tokens_total", "Output tokens sent to clients",
                                          ["priority_class"], registry=r)
+        self.cancelled = Counter("flexpipe_requests_cancelled_total",
+                                 "Requests whose response ended before the pipeline finished them (a stop "
+                                 "sequence, a client that went away), cancelled in the pipeline",
+                                 ["priority_class"], registry=r)
         self.kv_blocks_used = Gauge("flexpipe_kv_blocks_used", "KV blocks in use, per stage (last sample)",
                                     ["stage"], registry=r)
         self.kv_blocks_free = Gauge("flexpipe_kv_blocks_free", "KV blocks free, per stage (last sample)",
@@ -66,6 +70,7 @@ class FrontDoorMetrics:
                 histogram.labels(cls)
             self.prompt_tokens.labels(cls)
             self.generation_tokens.labels(cls)
+            self.cancelled.labels(cls)
         self._gear: str | None = None
 
     def observe_sample(self, sample: MetricSample) -> None:

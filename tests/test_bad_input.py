@@ -132,19 +132,27 @@ def test_prompt_rows_with_infinite_numbers_or_string_ids_are_malformed(tmp_path)
 
 
 def test_prompt_rows_hold_documented_ids_numbers_not_strings_and_one_prompt(tmp_path):
+    from flexpipe_dag.core.settings import INT32_MAX
     from flexpipe_dag.runtime.batch import read_prompts
 
     p = tmp_path / "p.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in [
         {"id": "ok-1", "prompt": "hi", "max_new_tokens": 4}, {"id": 7, "token_ids": [1, 2]},
         {"id": "bad id with space", "prompt": "hi"}, {"id": "s", "prompt": "hi", "max_new_tokens": "4"},
-        {"id": "p", "priority": "1", "prompt": "hi"}, {"id": "both", "prompt": "hi", "token_ids": [1, 2]}]) + "\n")
+        {"id": "p", "priority": "1", "prompt": "hi"}, {"id": "both", "prompt": "hi", "token_ids": [1, 2]},
+        {"id": "f", "prompt": "hi", "max_new_tokens": 3.0}, {"id": "e", "prompt": "hi", "max_new_tokens": 1e3},
+        {"id": "t", "token_ids": [1, 2.0]}]) + "\n" + '{"id": "n", "prompt": "hi", "max_new_tokens": NaN}\n'
+        + '{"id": NaN, "prompt": "hi"}\n{"id": "i", "prompt": "hi", "priority": -Infinity}\n')
     rows, bad = read_prompts(p)
-    assert [r.request_id for r in rows] == ["ok-1", "7"]
+    assert [r.request_id for r in rows] == ["ok-1"]  # types are JSON's, strictly: nothing is converted
     reasons = {b.line: b.reason for b in bad}
+    assert reasons[2] == "field 'id': expected a string, got 7"
     assert "holds ' ' at character 4" in reasons[3]
     assert "max_new_tokens': expected an integer" in reasons[4] and "priority': expected an integer" in reasons[5]
     assert reasons[6] == "both 'prompt' and 'token_ids'; expected one of them"
+    assert reasons[7].endswith("got 3.0") and reasons[8].endswith("got 1000.0") and "token_ids" in reasons[9]
+    assert reasons[10] == f"field 'max_new_tokens': expected an integer 1..{INT32_MAX}, got NaN"  # not the default
+    assert reasons[11] == "field 'id': expected a string, got NaN" and reasons[12].endswith("got -Infinity")
 
 
 def test_out_of_vocabulary_token_ids_are_a_malformed_row_not_a_crash():
@@ -184,15 +192,15 @@ def test_prompt_rows_with_integers_too_large_for_the_store_are_malformed(tmp_pat
         {"id": "mnt", "prompt": "hi", "max_new_tokens": big}, {"id": "prio", "prompt": "hi", "priority": big},
         {"id": "tok", "token_ids": [1, big]}, {"id": "frac", "token_ids": [1, 2.5]},
         {"id": "x" * 201, "prompt": "hi"}, {"id": "cont", "prompt": "hi", "continuations": [[big]]},
-        {"id": big, "prompt": "a numeric id is kept as text"}]) + "\n")
+        {"id": big, "prompt": "a numeric id is refused: ids are strings"}]) + "\n")
     rows, bad = read_prompts(p)
-    assert [r.request_id for r in rows] == ["ok", str(big)]
+    assert [r.request_id for r in rows] == ["ok"]
     reasons = {b.line: b.reason for b in bad}
     assert f"'max_new_tokens': expected an integer 1..{INT32_MAX}, got {big}" in reasons[2]
     assert f"'priority': expected an integer 0..{INT32_MAX}" in reasons[3]
     assert "'token_ids'" in reasons[4] and "'token_ids'" in reasons[5]
     assert "'id': 201 characters; expected at most 200" in reasons[6]
-    assert "'continuations'" in reasons[7]
+    assert "'continuations'" in reasons[7] and reasons[8].startswith("field 'id': expected a string")
 
 
 def test_prompts_with_huge_numbers_run_nothing_and_exit_2(tmp_path, capsys):

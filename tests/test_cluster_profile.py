@@ -61,6 +61,9 @@ BAD_SEEDS = {
     "negative bandwidth": (lambda d: d["nodes"][0]["interconnect"]["to_gpu_002"].update(bandwidth_gbps=-3),
                            "nodes[0].interconnect.to_gpu_002.bandwidth_gbps"),
     "unknown field": (lambda d: d["nodes"][0].update(memroy_gb=3), "nodes[0].memroy_gb"),
+    # a number is no date-time (pydantic would read it as seconds since 1970: a device gone in 1970)
+    "numeric available_until": (lambda d: d["nodes"][2].update(available_until=12345), "nodes[2].available_until"),
+    "boolean available_until": (lambda d: d["nodes"][2].update(available_until=True), "nodes[2].available_until"),
 }
 
 

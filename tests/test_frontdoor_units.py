@@ -63,7 +63,14 @@ def test_a_batch_file_is_checked_whole_naming_the_line():
                             (json.dumps({**line, "method": "GET"}).encode(), "line 1: method: expected POST"),
                             # JSON's escapes allow a lone surrogate, UTF-8 does not (it once stalled the runner)
                             (b'{"custom_id": "\\ud800", "method": "POST", "url": "/v1/completions", "body": {}}',
-                             "line 1: custom_id: holds a lone UTF-16 surrogate")):
+                             "line 1: custom_id: holds a lone UTF-16 surrogate"),
+                            # which of a repeated key's values was meant is not known
+                            (b'{"custom_id": "a", "custom_id": "b", "method": "POST", "url": "/v1/completions", '
+                             b'"body": {}}', "line 1: not valid JSON: duplicate key 'custom_id'"),
+                            (json.dumps({**line, "body": {"prompt": "p", "temperature": float("nan")}}).encode(),
+                             "line 1: not valid JSON: NaN is not a number JSON allows"),
+                            (json.dumps({**line, "custom_id": "a b\u202e"}).encode(),
+                             "line 1: custom_id: 'a b\\u202e' holds '\\u202e' at character 4")):
         with pytest.raises(APIError, match=re.escape(needle)) as err:
             parse_batch_input(content, "/v1/completions", "f")
         assert err.value.status == 400 and err.value.param == "input_file_id"

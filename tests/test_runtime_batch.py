@@ -39,6 +39,12 @@ def test_parquet_prompts(tmp_path):
     rows, bad = read_prompts(p)
     assert [(r.request_id, r.token_ids, r.max_new_tokens) for r in rows] == [("x", None, 3), ("y", [5, 6], 4)]
     assert bad == []
+    # an integer id column is its text; an integer column with a gap reads as floats: the gap is the default
+    q = tmp_path / "gaps.parquet"
+    pd.DataFrame({"id": [10, 11, 12], "prompt": ["a", "b", "c"], "max_new_tokens": [3, None, 2.5]}).to_parquet(q)
+    rows, bad = read_prompts(q, max_new_tokens=8)
+    assert [(r.request_id, r.max_new_tokens) for r in rows] == [("10", 3), ("11", 8)]
+    assert [b.line for b in bad] == [3] and bad[0].reason.endswith("got 2.5")
 
 
 def test_bad_prompts_file_names_the_file(tmp_path):

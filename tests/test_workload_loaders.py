@@ -134,6 +134,20 @@ def test_booleans_are_not_numbers(tmp_path, text, field):
         load_request_file(csv_bools)
 
 
+@pytest.mark.parametrize("text, field", [
+    ('{"arrival_s": 0, "input_tokens": 5, "output_tokens": 5}\n{"arrival_s": 1, "input_tokens": "10", "output_tokens": 5}\n',
+     "row 2.input_tokens"),
+    ('{"arrival_s": "0.5", "input_tokens": 5, "output_tokens": 5}\n', "row 1.arrival_s"),
+    ('{"arrival_s": 0, "input_tokens": 5, "output_tokens": 5, "priority": "1"}\n', "row 1.priority")])
+def test_quoted_numbers_in_a_jsonl_trace_are_refused(tmp_path, text, field):
+    """JSON has numbers: a string of one is refused as the cluster and gear files refuse it (CSV is text: parsed)."""
+    with pytest.raises(InputError, match="got the string .*; expected a JSON number") as e:
+        load_request_file(_write(tmp_path, "q.jsonl", text))
+    assert e.value.field == field
+    csv = _write(tmp_path, "q.csv", "arrival_s,input_tokens,output_tokens,priority\n0.5,10,5,1\n")
+    assert load_request_file(csv).requests[0].input_tokens == 10
+
+
 def test_generic_class_priority_and_bad_class(tmp_path):
     p = _write(tmp_path, "g.csv", "arrival_s,input_tokens,output_tokens,class,priority\n0,5,5,offline,3\n1,5,5,online,0\n")
     w = load_request_file(p)

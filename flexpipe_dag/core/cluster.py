@@ -73,7 +73,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    ValidationError,
+    model_validator,
+)
 
 from flexpipe_dag.core.catalog import (
     REFERENCE_MODEL,
@@ -115,6 +124,19 @@ MemoryGib = Annotated[float, Strict(), Field(gt=0, le=MAX_MEMORY_GIB, allow_inf_
 Tflops = Annotated[float, Strict(), Field(gt=0, le=MAX_TFLOPS, allow_inf_nan=False)]
 Score = Annotated[float, Strict(), Field(gt=0, le=MAX_TFLOPS / 312.0, allow_inf_nan=False)]
 MicroBatch = Annotated[int, Strict(), Field(ge=1, le=MAX_MICRO_BATCH)]
+
+
+def _date_time_not_a_number(value: Any) -> Any:
+    """``available_until`` is a date-time: a number (pydantic would read it as seconds since 1970) is refused."""
+    if isinstance(value, (int, float)):  # booleans too
+        kind = "boolean" if isinstance(value, bool) else "number"
+        raise ValueError(f"got the {kind} {shown(value)}; expected an ISO 8601 date-time such as 2026-12-01T06:00:00Z")
+    return value
+
+
+#: When a device stops being available: an ISO 8601 date-time (YAML's unquoted timestamp or a string;
+#: no time zone = UTC), never a number.
+AvailableUntil = Annotated[dt.datetime, BeforeValidator(_date_time_not_a_number)]
 #: A fleet node's id leaves room for the ``-gpu<k>`` suffix its device ids take.
 FleetNodeId = Annotated[Identifier, Field(max_length=MAX_ID_CHARS - 8)]
 
@@ -157,7 +179,7 @@ class Device(_Strict):
     compute_score: Score = Field(description="peak_tflops relative to A100-SXM-80GB = 1.0")
     max_micro_batch: MicroBatch | None = Field(
         None, description="largest micro_batch_size (sequences) the device takes; the search skips larger ones")
-    available_until: dt.datetime | None = None
+    available_until: AvailableUntil | None = None
     bf16: bool | None = Field(
         None, description="whether the device computes in bfloat16 (compute capability >= 8.0): from the catalog, "
                           "or torch.cuda.is_bf16_supported() when profiled; None = not known (planned as able)")
@@ -348,7 +370,7 @@ class _SeedNode(BaseModel):
     bf16: bool | None = None
     max_batch_microbatch: MicroBatch | None = None  # the seed file's name for Device.max_micro_batch
     hbm_bandwidth_gbps: Gbps | None = None
-    available_until: dt.datetime | None = None
+    available_until: AvailableUntil | None = None
     interconnect: dict[str, _SeedLink] = Field(default_factory=dict)
 
 
@@ -366,7 +388,7 @@ class _FleetNode(_Strict):
     rack: Identifier | None = None
     hosts_per_rack: Annotated[int, Strict(), Field(ge=1, le=MAX_HOSTS)] | None = None
     intra_node: IntraNodeKind | None = None
-    available_until: dt.datetime | None = None
+    available_until: AvailableUntil | None = None
 
 
 class _FleetForm(_Strict):

@@ -65,11 +65,20 @@ def _validate(value: str) -> str:
 Identifier = Annotated[str, AfterValidator(_validate)]
 
 
-def _printable(value: str) -> str:
+def printable_problem(value: str) -> str | None:
+    """Why ``value`` is not printable text (one sentence: the first control, line-break or bidirectional
+    character and where it is), or None when it is."""
     for i, ch in enumerate(value):
         if not ch.isprintable():
-            raise ValueError(f"{shown(value)} holds {shown(ch)} at character {i + 1}; expected printable text (no "
-                             "control, line-break or bidirectional characters)")
+            return (f"{shown(value, 60)} holds {shown(ch)} at character {i + 1}; expected printable text (no "
+                    "control, line-break or bidirectional characters)")
+    return None
+
+
+def _printable(value: str) -> str:
+    problem = printable_problem(value)
+    if problem:
+        raise ValueError(problem)
     return value
 
 

@@ -174,12 +174,26 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows; expected a finite number")
 
 
+class NonFiniteConstant:
+    """A ``NaN`` / ``Infinity`` / ``-Infinity`` read with ``load_user_json(constants=True)``: a value no field
+    check accepts (not a float, so not mistaken for a missing value; not a string), shown by its name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 def load_user_json(text: str, source: str, *, constants: bool = False) -> Any:
     """Parse ``text`` as JSON from the user file ``source``: duplicate keys, ``NaN`` / ``Infinity`` refused.
 
     Args:
-        constants: accept ``NaN`` / ``Infinity`` (for callers that check every number themselves and
-            name the field, as the prompts reader does).
+        constants: read ``NaN`` / ``Infinity`` as a :class:`NonFiniteConstant` instead of refusing the
+            document (for callers that check every field themselves and name the bad one, as the prompts
+            reader does).
 
     Returns:
         The document.
@@ -190,7 +204,7 @@ def load_user_json(text: str, source: str, *, constants: bool = False) -> Any:
     """
     try:
         if constants:
-            return json.loads(text, object_pairs_hook=_refuse_duplicates)
+            return json.loads(text, object_pairs_hook=_refuse_duplicates, parse_constant=NonFiniteConstant)
         return json.loads(text, object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         raise InputError(source, None, f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None

@@ -6,7 +6,10 @@ job's ``max_new_tokens``, which also caps a larger value), ``priority`` (int, op
 :data:`~flexpipe_dag.runtime.scheduler.PRIORITY_OFFLINE`),
 ``continuations`` (optional, scoring jobs only: a list of strings or token-id lists, each scored given
 the prompt). Integers are bounded by :data:`~flexpipe_dag.core.settings.INT32_MAX` (what the store's
-integer columns and torch index tensors hold). A malformed row (bad JSON, missing, duplicate,
+integer columns and torch index tensors hold). Types are JSON's, strictly: an id is a string, a count or
+token id an integer (``3.0``, ``"3"``, ``NaN`` and ``true`` are refused, naming the field); in Parquet an
+integer id column is read as its decimal text, and an integer column with gaps (read as floats) as integers
+with the gaps missing. A malformed row (bad JSON, missing, duplicate,
 unprintable or over-long id, no prompt, a prompt over :data:`MAX_PROMPT_BYTES` bytes or
 :data:`MAX_PROMPT_TOKENS` token ids, bad or out-of-range numbers) is counted and reported with its line
 and reason, never fatal. The file itself must be a regular file of at most
@@ -88,41 +91,43 @@ class ResultSink(Protocol):
 
 
 def _as_token_id(t: Any) -> int:
-    """One token id: an integer 0..INT32_MAX (an integral float such as ``5.0`` is accepted; ``True`` is not)."""
-    if isinstance(t, bool):
-        raise TypeError("a boolean")
-    if isinstance(t, float):
-        if not t.is_integer():
-            raise ValueError(f"{t!r} is not an integer")
-        t = int(t)
-    value = int(t) if hasattr(t, "__index__") else None
-    if value is None:
+    """One token id: an integer 0..INT32_MAX (not a float such as ``5.0``, not ``True``)."""
+    if isinstance(t, bool) or not hasattr(t, "__index__"):
         raise TypeError(f"{t!r} is not an integer")
+    value = int(t)
     if not 0 <= value <= INT32_MAX:
         raise ValueError(f"{value} is outside 0..{INT32_MAX}")
     return value
 
 
 def _bounded_int(value: Any, low: int) -> int:
-    """``value`` as an int in ``low..INT32_MAX`` (an integral float is accepted); ValueError / TypeError otherwise."""
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError("a boolean or a string, not a number")
-    number = float(value)
-    if not math.isfinite(number) or number != int(value):
-        raise ValueError
-    value = int(value)
+    """``value``, an int in ``low..INT32_MAX``; TypeError (a float, a string, a boolean) / ValueError otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError("not an integer")
     if not low <= value <= INT32_MAX:
         raise ValueError
     return value
 
 
+def _from_parquet(value: Any) -> Any:
+    """A Parquet cell as JSON would give it: NaN (pandas' missing value) is None, an integral float (an integer
+    column with gaps reads as float64) is an int, a numpy integer an int, an array a list."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float) and (math.isnan(value) or (math.isfinite(value) and value == int(value))):
+        return None if math.isnan(value) else int(value)
+    return value
+
+
 def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> PromptRow | MalformedRow:
+    """One prompts row (JSON's types: Parquet cells go through :func:`_from_parquet` first) or why it is malformed."""
     if not isinstance(raw, dict):
         return MalformedRow(where, "expected a JSON object")
     rid = raw.get("id")
-    if rid is None or (isinstance(rid, float) and math.isnan(rid)) or str(rid).strip() == "":
+    if rid is None or (isinstance(rid, str) and rid.strip() == ""):
         return MalformedRow(where, "missing field 'id'")
-    rid = str(rid)
+    if not isinstance(rid, str):
+        return MalformedRow(where, f"field 'id': expected a string, got {_short(rid)}")
     if len(rid) > MAX_REQUEST_ID_CHARS:
         return MalformedRow(where, f"field 'id': {len(rid)} characters; expected at most {MAX_REQUEST_ID_CHARS}")
     problem = id_problem(rid, MAX_REQUEST_ID_CHARS)
@@ -139,7 +144,7 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
                                    "bytes of UTF-8 (checked before tokenising)")
     if isinstance(token_ids, list) and len(token_ids) > MAX_PROMPT_TOKENS:
         return MalformedRow(where, f"field 'token_ids': {len(token_ids)} ids; expected at most {MAX_PROMPT_TOKENS}")
-    if token_ids is not None and not (isinstance(token_ids, float) and math.isnan(token_ids)):
+    if token_ids is not None:
         try:
             if isinstance(token_ids, str):
                 raise TypeError("a string, not a list")
@@ -156,22 +161,19 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
     mnt = raw.get("max_new_tokens", max_new_tokens)
     prio = raw.get("priority", PRIORITY_OFFLINE)
     try:
-        mnt = max_new_tokens if mnt is None or (isinstance(mnt, float) and math.isnan(mnt)) else mnt
+        mnt = max_new_tokens if mnt is None else mnt
         mnt = min(_bounded_int(mnt, 1), max_new_tokens)  # the job's figure is the default and the cap
     except (TypeError, ValueError, OverflowError):
         return MalformedRow(where, f"field 'max_new_tokens': expected an integer 1..{INT32_MAX}, "
                                    f"got {_short(raw.get('max_new_tokens'))}")
     try:
-        prio = PRIORITY_OFFLINE if prio is None or (isinstance(prio, float) and math.isnan(prio)) else prio
+        prio = PRIORITY_OFFLINE if prio is None else prio
         prio = _bounded_int(prio, 0)
     except (TypeError, ValueError, OverflowError):
         return MalformedRow(where, f"field 'priority': expected an integer 0..{INT32_MAX}, "
                                    f"got {_short(raw.get('priority'))}")
     conts = raw.get("continuations")
-    if conts is None or (isinstance(conts, float) and math.isnan(conts)):
-        conts = None
-    else:
-        conts = conts.tolist() if hasattr(conts, "tolist") else conts
+    if conts is not None:
         ok = isinstance(conts, list) and conts and all(
             (isinstance(c, str) and c) or (isinstance(c, list) and c and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in c))
@@ -185,8 +187,8 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
 
 
 def _given(value: Any) -> bool:
-    """A field is given: present, not null, not a Parquet NaN."""
-    return value is not None and not (isinstance(value, float) and math.isnan(value))
+    """A field is given: present and not null."""
+    return value is not None
 
 
 def _short(value: Any) -> str:
@@ -246,8 +248,9 @@ def read_prompts(path: str | os.PathLike, max_new_tokens: int = 16) -> tuple[lis
         if "id" not in df.columns:
             raise InputError(str(p), "id", f"expected an 'id' column, found {list(df.columns)}")
         for i, raw in enumerate(df.to_dict(orient="records"), start=1):
-            if raw.get("token_ids") is not None and hasattr(raw["token_ids"], "tolist"):
-                raw["token_ids"] = raw["token_ids"].tolist()
+            raw = {key: _from_parquet(value) for key, value in raw.items()}
+            if isinstance(raw.get("id"), int) and not isinstance(raw["id"], bool):
+                raw["id"] = str(raw["id"])  # an integer id column: its decimal text
             r = _parse_row(raw, i, max_new_tokens, seen)
             if isinstance(r, PromptRow):
                 rows.append(r)

@@ -34,7 +34,7 @@ import pandas as pd
 
 from flexpipe_dag.core.errors import InputError, shown
 from flexpipe_dag.core.settings import INT32_MAX, check_number
-from flexpipe_dag.workload.files import read_user_frame
+from flexpipe_dag.workload.files import is_jsonl, read_user_frame
 from flexpipe_dag.workload.request import GENERIC_COLUMNS, MAX_ARRIVAL_S, REQUEST_CLASSES, Workload
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -47,12 +47,28 @@ class UnsortedTraceWarning(UserWarning):
     """A trace's arrivals were not in time order; the loader sorted them."""
 
 
+#: Columns that hold numbers in every trace form: in JSONL each must be a JSON number, not a string of one.
+NUMBER_COLUMNS = ("arrival_s", "input_tokens", "output_tokens", "priority", *AZURE_COLUMNS[1:], *LENGTH_COLUMNS)
+
+
 def _read_table(path: Path) -> pd.DataFrame:
-    """Read CSV or JSONL into a DataFrame (size-capped, :func:`~flexpipe_dag.workload.files.read_user_frame`);
-    empty files raise InputError."""
+    """Read CSV or JSONL into a DataFrame (size-capped, :func:`~flexpipe_dag.workload.files.read_user_frame`).
+
+    Raises:
+        InputError: the file is empty, or (JSONL) a number column holds a string (``"input_tokens": "10"``):
+            JSON has numbers, and a quoted one is refused as the cluster and gear files refuse it (row and
+            column named). CSV is text throughout; its columns are parsed as numbers by the loaders.
+    """
     frame = read_user_frame(path, "request trace (CSV or JSONL)", skipinitialspace=True)
     if frame.empty:
         raise InputError(str(path), None, "no requests (only a header); expected at least one data row")
+    if is_jsonl(path):
+        for column in (c for c in NUMBER_COLUMNS if c in frame.columns):
+            quoted = frame[column].map(lambda v: isinstance(v, str)).to_numpy(dtype=bool)
+            if quoted.any():
+                i = int(np.flatnonzero(quoted)[0])
+                raise InputError(str(path), _row_field(i, column),
+                                 f"got the string {shown(frame[column].iloc[i])}; expected a JSON number")
     return frame
 
 

@@ -32,7 +32,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.ids import printable_problem
 from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY, InferenceJobKind, InferenceJobStatus, RequestResultStatus
+from flexpipe_dag.core.user_yaml import load_user_json
 from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
 from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, _first_stop, tokens_through_stop
 from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
@@ -88,15 +91,18 @@ def parse_batch_input(content: bytes, endpoint: str, file_id: str) -> list[Batch
             continue
         where = f"file {file_id} line {n}"
         try:
-            row = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise APIError(400, f"{where}: not valid JSON ({exc.msg})", param="input_file_id") from None
+            row = load_user_json(raw, where)  # a repeated key is refused: which value was meant is not known
+        except InputError as exc:
+            raise APIError(400, f"{where}: {exc.problem}", param="input_file_id") from None
         if not isinstance(row, dict):
             raise APIError(400, f"{where}: expected a JSON object", param="input_file_id")
         refuse_lone_surrogates(row, f"{where}: ", param="input_file_id")
         cid = row.get("custom_id")
         if not isinstance(cid, str) or not cid or len(cid) > 200:
             raise APIError(400, f"{where}: custom_id: expected a string of 1-200 characters", param="input_file_id")
+        problem = printable_problem(cid)  # it is echoed in the output file, the store and terminals
+        if problem:
+            raise APIError(400, f"{where}: custom_id: {problem}", param="input_file_id")
         if cid in seen:
             raise APIError(400, f"{where}: custom_id {cid!r} is repeated; each line needs its own",
                            param="input_file_id")

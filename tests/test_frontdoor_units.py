@@ -118,3 +118,25 @@ def test_pipeline_timings_count_each_token_once_and_end_a_cut_at_the_stop_token(
     only.on_output(out)
     only.arrived("on_output", 0.25)  # no token streamed first: the result brings them all
     assert pipeline_timings(only, completion_tokens=1)["tpot_ms"] is None
+
+
+def test_an_uploaded_files_name_is_listed_without_directories_or_unprintable_characters():
+    from flexpipe_dag.serving.frontdoor.app import upload_filename
+
+    assert upload_filename("../../etc/passwd\x01") == "passwd"
+    assert upload_filename("C:\\batches\\day 1.jsonl") == "day 1.jsonl"
+    assert upload_filename("a\u202eb.jsonl") == "ab.jsonl"
+    assert [upload_filename(n) for n in (None, "", "..", " \x00 ")] == ["upload.jsonl"] * 4
+    assert len(upload_filename("x" * 1000)) == 255
+
+
+def test_batch_metadata_has_openais_limits():
+    from pydantic import ValidationError
+
+    from flexpipe_dag.serving.frontdoor.protocol import BatchCreateRequest
+
+    ok = {"input_file_id": "file-1", "endpoint": "/v1/completions"}
+    assert BatchCreateRequest(**ok, metadata={f"k{i}": "v" * 512 for i in range(16)}).metadata["k15"] == "v" * 512
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        with pytest.raises(ValidationError, match="metadata"):
+            BatchCreateRequest(**ok, metadata=metadata)

@@ -209,8 +209,7 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         content = await file.read(limit + 1)
         if len(content) > limit:
             raise APIError(413, f"file larger than {limit} bytes", param="file", code="file_too_large")
-        info = store.save_api_file(f"file-{uuid.uuid4().hex}", purpose, (file.filename or "upload.jsonl")[:255],
-                                   content)
+        info = store.save_api_file(f"file-{uuid.uuid4().hex}", purpose, upload_filename(file.filename), content)
         return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose)
 
     @app.get("/v1/files", dependencies=[Depends(authorised)])
@@ -264,6 +263,15 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         return cancel_batch(batches.require_store(), batch_id, batches.runner)
 
     return app
+
+
+def upload_filename(name: str | None) -> str:
+    """The name an uploaded file is listed under: the client's name without any directory part, its
+    unprintable characters (control, line-break, bidirectional) dropped, at most 255 characters;
+    ``upload.jsonl`` when nothing is left. Only ever shown: the content is stored in the database, not a file."""
+    base = (name or "").replace("\\", "/").rsplit("/", 1)[-1]
+    clean = "".join(ch for ch in base if ch.isprintable()).strip()[:255]
+    return clean if clean not in ("", ".", "..") else "upload.jsonl"
 
 
 def _file_object(file_id: str, size: int, created_at: int, filename: str, purpose: str) -> dict:

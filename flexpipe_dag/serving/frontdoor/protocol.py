@@ -9,7 +9,7 @@ extension (the SDK sends it with ``extra_body``; the ``X-FlexPipe-Priority`` hea
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
@@ -235,4 +235,6 @@ class BatchCreateRequest(_Body):
     input_file_id: str = Field(min_length=1, max_length=64)
     endpoint: str
     completion_window: str = "24h"
-    metadata: dict[str, str] | None = None
+    #: OpenAI's limits on ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)

@@ -154,3 +154,10 @@ def test_an_entry_that_is_not_a_mapping_is_not_named_by_our_class(doc, field):
         parse_cluster_profile(doc, "c.yaml")
     assert err.value.field == field and "instance of" not in err.value.problem and "_" not in err.value.problem
     assert err.value.problem.startswith("Input should be a valid dictionary (a mapping of fields)")
+
+
+def test_a_profile_mixing_two_forms_says_so(tmp_path):
+    path = tmp_path / "mixed.yaml"
+    path.write_text("cluster_id: x\nfleet:\n  - {node_id: a, gpu_model: T4}\nnodes:\n  - {node_id: b, memory_gb: 16}\n")
+    with pytest.raises(InputError, match="holds 'nodes' and 'fleet'; expected one form of profile"):
+        load_cluster_profile(path)

@@ -372,8 +372,9 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
     if not rows:
         for m in malformed[:20]:
             print(f"malformed row {m.line}: {m.reason}", file=sys.stderr)
-        raise InputError(str(args.prompts or args.trace), None,
-                         f"no valid request ({len(malformed)} malformed row(s), listed above)")
+        why = (f"{len(malformed)} malformed row(s), listed above" if malformed
+               else "the file holds no rows; expected one JSON object per line")
+        raise InputError(str(args.prompts or args.trace), None, f"no valid request ({why})")
     prompt_format = resolve_chat_template(args.chat_template, ckpt.tokenizer(), ckpt.name,
                                           [r.prompt if r.token_ids is None else None for r in rows],
                                           source="--chat-template")

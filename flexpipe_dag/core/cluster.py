@@ -563,6 +563,10 @@ def parse_cluster_profile(data: Any, source: str = "<input>") -> ClusterProfile:
                                        "'fleet' at the top level")
     if not isinstance(data, dict):
         raise InputError(source, None, f"expected a mapping at the top level, got {type(data).__name__}")
+    forms = [key for key in ("devices", "nodes", "fleet") if key in data]
+    if len(forms) > 1:
+        raise InputError(source, None, f"holds {' and '.join(repr(k) for k in forms)}; expected one form of profile: "
+                                       "'devices' (native), 'nodes' (seed) or 'fleet' (fleet)")
     try:
         if "devices" in data:
             return ClusterProfile.model_validate(data)

@@ -304,8 +304,8 @@ class FrontDoorEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
             self.metrics.running.labels(cls).dec()
-            if stream.output is None and stream.refusal is None:  # a stop sequence, or the client left
-                self.router.cancel(request_id)
+            # a stop sequence, or the client left (False: its result was on its way, not yet applied here)
+            if stream.output is None and stream.refusal is None and self.router.cancel(request_id):
                 self.metrics.cancelled.labels(cls).inc()
 
     async def _pieces(self, stream: _Stream) -> AsyncIterator[Piece]:

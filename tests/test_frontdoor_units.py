@@ -50,6 +50,10 @@ def test_request_checks_name_the_field():
                               ).messages[0].text()
     assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a"}], max_tokens=5,
                                  max_completion_tokens=7).requested_max_tokens == 7
+    for tools in ([], [{"type": "function", "function": {"name": "f"}}]):  # OpenAI refuses an empty list too
+        assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a"}],
+                                     tools=tools).unsupported()[0] == "tools"
+    assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a"}], tools=None).unsupported() is None
     assert _first_stop("abc STOP def END", ("END", "STOP"), 0) == 4 and _first_stop("abc", ("x",), 0) is None
 
 
@@ -140,3 +144,26 @@ def test_batch_metadata_has_openais_limits():
     for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
         with pytest.raises(ValidationError, match="metadata"):
             BatchCreateRequest(**ok, metadata=metadata)
+
+
+def test_max_tokens_is_checked_against_the_served_length_and_its_default_is_a_fair_share_of_a_kv_lane():
+    from types import SimpleNamespace
+
+    from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine
+    from flexpipe_dag.serving.frontdoor.metrics import FrontDoorMetrics
+
+    engine = FrontDoorEngine(None, (0,), 8192, FrontDoorMetrics())
+    assert engine.check_context(100, None, "messages") == 8092  # no pipeline yet: the context's rest
+    # a pipeline whose KV lane holds less than the context: /v1/models says max_model_len 1025
+    engine.router = SimpleNamespace(active=SimpleNamespace(gear=SimpleNamespace(micro_batch_size=8),
+                                                           runtime=SimpleNamespace(longest_request_tokens=1025)))
+    assert engine.max_model_len == 1025 and engine.fair_share_tokens == 128
+    assert engine.check_context(39, None, "messages") == 128  # not 8153: the context would never fit the lane
+    assert engine.check_context(950, None, "messages") == 75  # what the served length leaves
+    assert engine.check_context(39, 986, "messages") == 986
+    for prompt, max_tokens in ((39, 987), (1025, None)):
+        with pytest.raises(APIError, match="maximum context length is 1025 tokens") as err:
+            engine.check_context(prompt, max_tokens, "messages")
+        assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+    engine.default_max_tokens = 500  # flexpipe serve --default-max-tokens 500
+    assert engine.check_context(39, None, "messages") == 500 and engine.check_context(900, None, "messages") == 125

@@ -57,6 +57,10 @@ def test_simulate_bad_inputs_exit_2(tmp_path, capsys):
     assert "nope.csv" in capsys.readouterr().err
     assert main(["simulate", "--trace", "azure-conv"]) == 2
     assert "--cluster" in capsys.readouterr().err
+    partial = tmp_path / "partial.csv"  # a cost left out would be priced at 0 ms without a word
+    partial.write_text("stage_index,prefill_fixed_ms\n0,2\n1,2\n")
+    assert main(["simulate", "--gear-file", str(gear_path), "--timing", str(partial), "--trace", "azure-conv"]) == 2
+    assert "partial.csv: prefill_per_token_ms: missing column(s) ['prefill_per_token_ms'," in capsys.readouterr().err
 
 
 def test_simulate_with_planner_gear(capsys, monkeypatch):

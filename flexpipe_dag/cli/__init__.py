@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         except FlexPipeError as exc:
             print(f"flexpipe {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
             return 2
+        except BrokenPipeError:  # `flexpipe ... | head`: the reader left; no traceback (Python's own recipe)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+            return 141  # 128 + SIGPIPE, as a shell reports a command the pipe stopped
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -66,6 +66,9 @@ def register(subparsers) -> None:
     p.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV pool per lane, tokens (default 8192 with --stages; a gear file's own, or less)")
     p.add_argument("--max-pending", type=int, default=256, help="open requests above which new ones get 429")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of a chat or batch line that sets none (default: one KV lane's tokens / the gear's "
+                        "micro-batch size, so a micro-batch of them fits; a request's KV is reserved whole at admission)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGINT / SIGTERM, how long open requests may finish")
     p.add_argument("--run-key", default=None,
@@ -249,7 +252,7 @@ def serve(args: argparse.Namespace) -> int:
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings, check_several
 
-    for name in ("micro_batch_size", "max_pending", "batch_inflight", "kv_capacity_tokens"):
+    for name in ("micro_batch_size", "max_pending", "batch_inflight", "kv_capacity_tokens", "default_max_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InputError(None, "--" + name.replace("_", "-"), f"expected >= 1, got {getattr(args, name)}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -270,7 +273,8 @@ def serve(args: argparse.Namespace) -> int:
     except InputError as exc:
         raise InputError(None, "--dtype", exc.problem) from None
     settings = ServerSettings(host=args.host, port=args.port, api_key=read_api_key(args.api_key_file),
-                              model_name="", max_pending=args.max_pending, drain_timeout_s=args.drain_timeout_s)
+                              model_name="", max_pending=args.max_pending, drain_timeout_s=args.drain_timeout_s,
+                              default_max_tokens=args.default_max_tokens or 0)
     settings.check()  # before a model loads
     if args.inline_control and args.no_store:
         raise InputError(None, "--inline-control", "shifts need the store: drop --no-store")

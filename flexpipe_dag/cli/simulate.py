@@ -73,8 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="weight dtype for the cost model (default bf16; with --gear-file the gear's dtype)")
     p.add_argument("--gear-file", help="a Gear as JSON or YAML (instead of --gear), with --cluster or --timing")
     p.add_argument("--timing", metavar="STAGES.csv",
-                   help="measured stage times for --gear-file: one row per stage, columns " + ", ".join(COST_FIELDS)
-                        + " (ms); without it --cluster prices the gear with the planner's cost model")
+                   help="measured stage times for --gear-file: one row per stage, every one of the columns " + ", ".join(COST_FIELDS)
+                        + " (ms; 0 where a cost does not apply); without it --cluster prices the gear with the planner's cost model")
     bundled = ", ".join(n for n in BUNDLED_TRACES if n != "servegen-tide")
     p.add_argument("--trace", help=f"trace file or bundled name ({bundled}); required unless --day")
     p.add_argument("--speedup", type=float, default=None, help="compress arrival times by this factor (default 1)")

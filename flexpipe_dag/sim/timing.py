@@ -120,15 +120,23 @@ class LinearStageTiming:
     def from_csv(cls, path: str | Path) -> LinearStageTiming:
         """Read a measured table (CSV, one row per stage); see :meth:`from_frame`.
 
+        Unlike :meth:`from_frame`, every cost column must be present: a measured table that leaves one out
+        would price that cost at 0 ms without a word (write 0 where a cost does not apply).
+
         Raises:
             InputError: missing, not a regular file, over the trace size cap, empty, not UTF-8 or not
-                CSV (:func:`~flexpipe_dag.workload.files.read_user_frame`), or a bad row (named).
+                CSV (:func:`~flexpipe_dag.workload.files.read_user_frame`), a cost column missing, or a bad row
+                (named).
         """
         path = Path(path)
         if not path.exists():
             raise InputError(str(path), None, f"missing or empty; expected a CSV with columns {list(COST_FIELDS)}")
-        return cls.from_frame(read_user_frame(path, f"stage timing table (CSV with columns {', '.join(COST_FIELDS)})"),
-                              source=str(path))
+        frame = read_user_frame(path, f"stage timing table (CSV with columns {', '.join(COST_FIELDS)})")
+        missing = [c for c in COST_FIELDS if c not in frame.columns]
+        if missing:
+            raise InputError(str(path), missing[0], f"missing column(s) {missing}; expected every cost column "
+                                                    f"{list(COST_FIELDS)} (0 where a cost does not apply)")
+        return cls.from_frame(frame, source=str(path))
 
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame([{"stage_index": i, **asdict(s)} for i, s in enumerate(self.stages)])

@@ -121,18 +121,20 @@ class FrontDoorEngine:
         max_context_tokens: prompt + ``max_tokens`` limit (None: unchecked here).
         metrics: where latencies and counts go.
         max_pending: requests accepted and unfinished above which :meth:`check_admission` raises 429.
+        default_max_tokens: ``max_tokens`` of a chat that sets none (0: :meth:`fair_share_tokens`).
 
     Call :meth:`attach` with the router (built with this engine's :meth:`router_callbacks`) once its
     pipeline is open, from the thread of the event loop that will serve.
     """
 
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_context_tokens: int | None,
-                 metrics: FrontDoorMetrics, max_pending: int = DEFAULT_MAX_PENDING):
+                 metrics: FrontDoorMetrics, max_pending: int = DEFAULT_MAX_PENDING, default_max_tokens: int = 0):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context_tokens = max_context_tokens
         self.metrics = metrics
         self.max_pending = max_pending
+        self.default_max_tokens = default_max_tokens
         self.router = None
         #: the :class:`~flexpipe_dag.shift.instances.InstanceFleet` over the router, once the server made one
         self.fleet = None
@@ -233,19 +235,34 @@ class FrontDoorEngine:
             raise APIError(429, f"{self.pending} requests are open (limit {self.max_pending}); retry later",
                            type="rate_limit_error", code="queue_full")
 
+    @property
+    def fair_share_tokens(self) -> int | None:
+        """What a request that sets no ``max_tokens`` may generate by default: :attr:`max_model_len` divided by
+        the live gear's micro-batch size (at least 16), so a full micro-batch of such requests fits one lane of
+        the KV pool together. The scheduler reserves a request's whole prompt + ``max_tokens`` at admission
+        (no preemption), so the rest of the context as a default would let one such request hold the
+        pool and keep every other request waiting. None before a pipeline is live."""
+        limit = self.max_model_len
+        if limit is None or self.router is None or self.router.active is None:
+            return None
+        return max(16, limit // max(1, self.router.active.gear.micro_batch_size))
+
     def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
-        """The request's ``max_tokens`` (the context's remainder when None).
+        """The request's ``max_tokens``: when None, ``default_max_tokens`` (else :attr:`fair_share_tokens`), cut
+        to what :attr:`max_model_len` leaves after the prompt.
 
         Raises:
-            APIError: 400 ``context_length_exceeded`` when prompt + ``max_tokens`` exceed the context.
+            APIError: 400 ``context_length_exceeded`` when prompt + ``max_tokens`` exceed :attr:`max_model_len`
+                (the context, or one lane of the KV pool when that holds less: what ``/v1/models`` advertises).
         """
-        limit = self.max_context_tokens
+        limit = self.max_model_len
         if limit is None:
             if max_tokens is None:
                 raise APIError(400, "max_tokens is required (this model's context length is unknown)",
                                param="max_tokens")
             return max_tokens
-        wanted = max_tokens if max_tokens is not None else limit - prompt_tokens
+        default = self.default_max_tokens or self.fair_share_tokens or limit
+        wanted = max_tokens if max_tokens is not None else min(default, limit - prompt_tokens)
         if prompt_tokens + max(wanted, 1) > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{prompt_tokens + max(wanted, 1)} tokens ({prompt_tokens} in the {param}, "

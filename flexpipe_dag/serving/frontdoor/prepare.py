@@ -58,7 +58,8 @@ def completion_generation(engine: FrontDoorEngine, body: CompletionRequest) -> G
 
 def chat_generation(engine: FrontDoorEngine, body: ChatCompletionRequest) -> Generation:
     """A ``/v1/chat/completions`` body as a generation: the messages in the model's chat template
-    (``developer`` sent as ``system``), ``max_tokens`` the rest of the context when unset.
+    (``developer`` sent as ``system``), ``max_tokens`` the server's default when unset
+    (:meth:`~flexpipe_dag.serving.frontdoor.engine.FrontDoorEngine.check_context`).
 
     Raises:
         APIError: 400: a model without a chat template, a non-text content part, or prompt +

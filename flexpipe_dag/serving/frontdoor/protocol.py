@@ -217,7 +217,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
+        if self.tools is not None:  # an empty list too: OpenAI refuses one ("expected an array with minimum length 1")
             return "tools", "tool calls are not supported by FlexPipe"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format", "only response_format type 'text' is served"

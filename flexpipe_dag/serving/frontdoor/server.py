@@ -38,6 +38,8 @@ class ServerSettings:
         model_name: the id clients send as ``model`` and ``/v1/models`` lists.
         max_pending: open requests above which new ones get 429.
         drain_timeout_s: how long a shutdown waits for open requests.
+        default_max_tokens: ``max_tokens`` of a chat (or batch line) that sets none; 0: the fair share of one KV
+            lane (:attr:`~flexpipe_dag.serving.frontdoor.engine.FrontDoorEngine.fair_share_tokens`).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +48,7 @@ class ServerSettings:
     model_name: str = "SmolLM2-135M-Instruct"
     max_pending: int = 256
     drain_timeout_s: float = 30.0
+    default_max_tokens: int = 0
 
     def check(self) -> None:
         """Raises:
@@ -234,7 +237,7 @@ class FrontDoorServer:
         self._scaler_thread: threading.Thread | None = None
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.engine = FrontDoorEngine(tokenizer, eos_token_ids, max_context_tokens, FrontDoorMetrics(),
-                                      max_pending=settings.max_pending)
+                                      max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens)
         self.router: Any = None
         self.uvicorn: Any = None
         self.live: Any = None
@@ -426,7 +429,6 @@ class FrontDoorServer:
     def run(self) -> int:
         """Serve until SIGINT / SIGTERM (holding this host's pipeline-runtime lock meanwhile); returns the
         exit status: 0, or 1 when the pipeline failed or a pipeline instance did not start."""
-        import os
         import signal
 
         import uvicorn
@@ -458,7 +460,7 @@ class FrontDoorServer:
         self.uvicorn = DrainingServer(config)
         quiet = _QuietStartupFailure(self)
         logging.getLogger("uvicorn.error").addFilter(quiet)
-        with hold_runtime_lock(f"flexpipe serve (pid {os.getpid()})", self.log):
+        with hold_runtime_lock("flexpipe serve", self.log):  # the holder line adds pid, host, since
             try:
                 self.uvicorn.run()
             except SystemExit:  # uvicorn's own exit (status 3) when the startup failed: ours says 1 and why

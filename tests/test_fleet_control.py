@@ -12,7 +12,7 @@ from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.fleet import FleetInstance, FleetPlan
 from flexpipe_dag.shift import InstanceFleet, ServingRouter
-from flexpipe_dag.shift.fleet_control import FleetController
+from flexpipe_dag.shift.fleet_control import _COUNTED, FleetController
 from tests.support import wait_until
 from tests.test_fleet_instances import FAST
 from tests.test_runtime_helpers import checkpoint, gear, hf_reference
@@ -76,7 +76,7 @@ def test_a_start_that_fails_is_retried_after_a_warm_up_not_at_every_sample():
 
     class NoRoom:
         def __init__(self):
-            ledger = SimpleNamespace(counts=lambda: dict.fromkeys(("held", "pending", "finished", "refused", "failed"), 0),
+            ledger = SimpleNamespace(counts=lambda: dict.fromkeys(_COUNTED, 0),
                                      num_open=lambda: 0)
             self.router = SimpleNamespace(ledger=ledger, instances=[SimpleNamespace(lane_id="a")])
             self.attempts = 0

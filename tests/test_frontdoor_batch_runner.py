@@ -56,7 +56,7 @@ class _Engine:
     def __init__(self, router: _Router):
         self.router, self.draining, self.pending = router, False, 0
         self.tokenizer, self.metrics, self.eos_token_ids = _Tokenizer(), FrontDoorMetrics(), [0]
-        self.max_context_tokens = self.max_model_len = 2048
+        self.max_context_tokens = self.served_limit_tokens = 2048
         self.default_max_tokens, self.fair_share_tokens = 0, None
 
 

@@ -155,8 +155,9 @@ def test_max_tokens_is_checked_against_the_served_length_and_its_default_is_a_fa
     engine = FrontDoorEngine(None, (0,), 8192, FrontDoorMetrics())
     assert engine.check_context(100, None, "messages") == 8092  # no pipeline yet: the context's rest
     # a pipeline whose KV lane holds less than the context: /v1/models says max_model_len 1025
-    engine.router = SimpleNamespace(active=SimpleNamespace(gear=SimpleNamespace(micro_batch_size=8),
-                                                           runtime=SimpleNamespace(longest_request_tokens=1025)))
+    lane = SimpleNamespace(gear=SimpleNamespace(micro_batch_size=8), refusal_policy="final",
+                           runtime=SimpleNamespace(longest_request_tokens=1025))
+    engine.router = SimpleNamespace(active=lane, instances=[lane])
     assert engine.max_model_len == 1025 and engine.fair_share_tokens == 128
     assert engine.check_context(39, None, "messages") == 128  # not 8153: the context would never fit the lane
     assert engine.check_context(950, None, "messages") == 75  # what the served length leaves
@@ -165,5 +166,15 @@ def test_max_tokens_is_checked_against_the_served_length_and_its_default_is_a_fa
         with pytest.raises(APIError, match="maximum context length is 1025 tokens") as err:
             engine.check_context(prompt, max_tokens, "messages")
         assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+    # a degraded shift: the warming gear's pool is small until it grows; requests it cannot hold yet are parked
+    # there, not refused at the door, and the default stays the steady state's
+    lane.refusal_policy, lane.runtime.longest_request_tokens = "park", 257
+    assert engine.fair_share_tokens == 128 and engine.check_context(39, 2000, "messages") == 2000
+    assert engine.check_context(39, None, "messages") == 128
+    lane.refusal_policy = "final"
+    other = SimpleNamespace(gear=SimpleNamespace(micro_batch_size=4), refusal_policy="final",
+                            runtime=SimpleNamespace(longest_request_tokens=4097))
+    engine.router.instances = [lane, other]  # several instances: the router places each request
+    assert engine.fair_share_tokens == 32 and engine.check_context(39, 4000, "messages") == 4000  # 257 // 8
     engine.default_max_tokens = 500  # flexpipe serve --default-max-tokens 500
-    assert engine.check_context(39, None, "messages") == 500 and engine.check_context(900, None, "messages") == 125
+    assert engine.check_context(39, None, "messages") == 500 and engine.check_context(7900, None, "messages") == 292

@@ -45,6 +45,15 @@ def test_parquet_prompts(tmp_path):
     rows, bad = read_prompts(q, max_new_tokens=8)
     assert [(r.request_id, r.max_new_tokens) for r in rows] == [("10", 3), ("11", 8)]
     assert [b.line for b in bad] == [3] and bad[0].reason.endswith("got 2.5")
+    # pandas' nullable types (pd.NA) are missing values; a list column of doubles holds whole token ids
+    r = tmp_path / "nullable.parquet"
+    pd.DataFrame({"id": pd.array(["a", "b"], dtype="string"), "prompt": pd.array(["x", None], dtype="string"),
+                  "token_ids": [None, [5.0, 6.0]], "continuations": [[[1, 2], [3]], None],
+                  "max_new_tokens": pd.array([2, None], dtype="Int64")}).to_parquet(r)
+    rows, bad = read_prompts(r, max_new_tokens=8)
+    assert bad == [] and [(x.request_id, x.prompt, x.token_ids, x.max_new_tokens) for x in rows] == [
+        ("a", "x", None, 2), ("b", None, [5, 6], 8)]
+    assert rows[0].continuations == [[1, 2], [3]]
 
 
 def test_bad_prompts_file_names_the_file(tmp_path):

@@ -70,14 +70,33 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = one_line_warnings(args.command)
         try:
-            return int(args.func(args) or 0)
+            status = int(args.func(args) or 0)
+            sys.stdout.flush()  # inside the try: a reader that left fails here, not at the interpreter's exit
+            return status
         except FlexPipeError as exc:
             print(f"flexpipe {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
             return 2
-        except BrokenPipeError:  # `flexpipe ... | head`: the reader left; no traceback (Python's own recipe)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
-            return 141  # 128 + SIGPIPE, as a shell reports a command the pipe stopped
+        except BrokenPipeError:
+            if not _stdout_gone():
+                raise  # another pipe or socket (a remote stage): a real failure
+            return 141  # `flexpipe ... | head`: 128 + SIGPIPE, as a shell reports it, and no traceback
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader left; if so it is pointed at /dev/null, so the
+    interpreter's last flush does not fail again (the recipe of Python's ``signal`` docs, "Note on SIGPIPE")."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))  # a pipe without a reader
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture), no poll
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return gone
 
 
 if __name__ == "__main__":  # pragma: no cover

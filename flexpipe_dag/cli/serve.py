@@ -67,8 +67,9 @@ def register(subparsers) -> None:
                    help="KV pool per lane, tokens (default 8192 with --stages; a gear file's own, or less)")
     p.add_argument("--max-pending", type=int, default=256, help="open requests above which new ones get 429")
     p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="max_tokens of a chat or batch line that sets none (default: one KV lane's tokens / the gear's "
-                        "micro-batch size, so a micro-batch of them fits; a request's KV is reserved whole at admission)")
+                   help="max_tokens of a chat (or a chat batch line) that sets none (default: one KV lane's tokens / "
+                        "the gear's micro-batch size, so a micro-batch of them fits; a request's KV is reserved whole at "
+                        "admission); a completion's default stays OpenAI's 16")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGINT / SIGTERM, how long open requests may finish")
     p.add_argument("--run-key", default=None,

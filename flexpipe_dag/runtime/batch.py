@@ -110,10 +110,15 @@ def _bounded_int(value: Any, low: int) -> int:
 
 
 def _from_parquet(value: Any) -> Any:
-    """A Parquet cell as JSON would give it: NaN (pandas' missing value) is None, an integral float (an integer
-    column with gaps reads as float64) is an int, a numpy integer an int, an array a list."""
+    """A Parquet cell as JSON would give it: a missing value (NaN, ``pd.NA``, ``NaT``) is None, an integral float
+    (an integer column with gaps reads as float64; a list column of doubles) an int, a numpy scalar or array
+    its Python value or list, element by element."""
     if hasattr(value, "tolist"):
         value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_from_parquet(v) for v in value]
+    if type(value).__name__ in ("NAType", "NaTType"):
+        return None
     if isinstance(value, float) and (math.isnan(value) or (math.isfinite(value) and value == int(value))):
         return None if math.isnan(value) else int(value)
     return value

@@ -701,8 +701,12 @@ class PipelineRuntime:
             elif isinstance(ev, MetricsSampled):
                 self._record(ev.sample, on_metrics)
             elif isinstance(ev, RequestRefused):
-                self._outstanding.discard(ev.request_id)
-                self._refused[ev.request_id] = ev.reason
+                self._note_refusal(ev)
+
+    def _note_refusal(self, ev: RequestRefused) -> None:
+        """A request the scheduler will not serve: no longer outstanding, its reason kept (:attr:`refused`)."""
+        self._outstanding.discard(ev.request_id)
+        self._refused[ev.request_id] = ev.reason
 
     def flush_metrics(self, on_metrics: Callable[[MetricSample], None] | None = None,
                       timeout_s: float = 10.0) -> MetricSample | None:
@@ -723,6 +727,8 @@ class PipelineRuntime:
                 return ev.sample
             if isinstance(ev, RequestFinished):  # a request submitted meanwhile
                 self._deliver(ev.output)
+            elif isinstance(ev, RequestRefused):
+                self._note_refusal(ev)
         return None
 
     def _deliver(self, out: RequestOutput, notify: bool = True) -> None:
@@ -793,6 +799,8 @@ class PipelineRuntime:
                 self._deliver(ev.output, notify=False)
             elif isinstance(ev, MetricsSampled):
                 self._record(ev.sample)
+            elif isinstance(ev, RequestRefused):  # (a cancelled one the ledger no longer waits for)
+                self._note_refusal(ev)
 
     # -- watchdog ---------------------------------------------------------------------------------
     def _next_event(self, timeout_s: float):

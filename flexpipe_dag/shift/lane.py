@@ -185,12 +185,14 @@ class Lane:
         from flexpipe_dag.runtime.pipeline import StageFailedError
 
         deadline = time.monotonic() + timeout_s
-        while self.owner.ledger.has_open(self.lane_id):
+        # a cancelled request is no longer open, but its abort is still on its way: wait for that too
+        while self.owner.ledger.has_open(self.lane_id) or self.runtime.num_outstanding:
             if self.failure is not None:
                 raise self.failure
             if time.monotonic() > deadline:
                 raise TimeoutError(f"lane {self.lane_id} still had {self.owner.ledger.num_open(self.lane_id)} "
-                                   f"open requests after {timeout_s:.1f} s")
+                                   f"open requests ({self.runtime.num_outstanding} in its pipeline, cancelled ones "
+                                   f"included) after {timeout_s:.1f} s")
             time.sleep(0.02)
         if not self._rt_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"lane {self.lane_id}: pump did not park within {timeout_s:.1f} s")

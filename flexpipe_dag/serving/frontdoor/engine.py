@@ -135,6 +135,7 @@ class FrontDoorEngine:
         self.metrics = metrics
         self.max_pending = max_pending
         self.default_max_tokens = default_max_tokens
+        self._fair_share: int | None = None  # the last steady state's (fair_share_tokens)
         self.router = None
         #: the :class:`~flexpipe_dag.shift.instances.InstanceFleet` over the router, once the server made one
         self.fleet = None
@@ -235,27 +236,47 @@ class FrontDoorEngine:
             raise APIError(429, f"{self.pending} requests are open (limit {self.max_pending}); retry later",
                            type="rate_limit_error", code="queue_full")
 
+    def _steady_lane(self):
+        """The entry-point lane when it serves alone in its steady state (no shift under way: refusals are
+        final), else None."""
+        router = self.router
+        active = router.active if router is not None else None
+        if active is None or active.refusal_policy != "final" or len(router.instances) != 1:
+            return None
+        return active
+
     @property
     def fair_share_tokens(self) -> int | None:
-        """What a request that sets no ``max_tokens`` may generate by default: :attr:`max_model_len` divided by
-        the live gear's micro-batch size (at least 16), so a full micro-batch of such requests fits one lane of
-        the KV pool together. The scheduler reserves a request's whole prompt + ``max_tokens`` at admission
-        (no preemption), so the rest of the context as a default would let one such request hold the
-        pool and keep every other request waiting. None before a pipeline is live."""
-        limit = self.max_model_len
-        if limit is None or self.router is None or self.router.active is None:
-            return None
-        return max(16, limit // max(1, self.router.active.gear.micro_batch_size))
+        """What a request that sets no ``max_tokens`` may generate by default: what one lane of the KV pool
+        holds (``max_model_len``) divided by the gear's micro-batch size, at least 16, so a full micro-batch of
+        such requests fits one lane together. The scheduler reserves a request's whole prompt + ``max_tokens``
+        at admission (no preemption): the rest of the context as a default would let one such request hold
+        the pool and keep every other request waiting. Taken from the instances in their steady state
+        and kept through a shift (a warming gear's pool is small until it grows); with several instances, the
+        smallest of theirs (a default then fits whichever takes it). None before a pipeline was live."""
+        lanes = [ln for ln in self.router.instances if ln.refusal_policy == "final"] if self.router is not None else []
+        if lanes:
+            self._fair_share = min(max(16, ln.runtime.longest_request_tokens // max(1, ln.gear.micro_batch_size))
+                                   for ln in lanes)
+        return self._fair_share
+
+    @property
+    def served_limit_tokens(self) -> int | None:
+        """The longest request (prompt + ``max_tokens``) the door admits: :attr:`max_model_len` while one lane
+        serves alone in its steady state, else the context. During a shift a request the new gear's pool cannot
+        hold yet waits for it to grow, and with several instances the router sends a request to one that holds
+        it; their own checks decide then."""
+        return self.max_model_len if self._steady_lane() is not None else self.max_context_tokens
 
     def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """The request's ``max_tokens``: when None, ``default_max_tokens`` (else :attr:`fair_share_tokens`), cut
-        to what :attr:`max_model_len` leaves after the prompt.
+        to what :attr:`served_limit_tokens` leaves after the prompt.
 
         Raises:
-            APIError: 400 ``context_length_exceeded`` when prompt + ``max_tokens`` exceed :attr:`max_model_len`
-                (the context, or one lane of the KV pool when that holds less: what ``/v1/models`` advertises).
+            APIError: 400 ``context_length_exceeded`` when prompt + ``max_tokens`` exceed
+                :attr:`served_limit_tokens` (``/v1/models``' ``max_model_len`` in the steady state).
         """
-        limit = self.max_model_len
+        limit = self.served_limit_tokens
         if limit is None:
             if max_tokens is None:
                 raise APIError(400, "max_tokens is required (this model's context length is unknown)",

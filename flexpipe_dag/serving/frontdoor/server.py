@@ -52,9 +52,12 @@ class ServerSettings:
 
     def check(self) -> None:
         """Raises:
-            InputError: a non-loopback ``host`` without an API key, or a port outside 0..65535."""
+            InputError: a non-loopback ``host`` without an API key, a port outside 0..65535, or a negative
+                ``default_max_tokens``."""
         if not 0 <= self.port <= 65535:
             raise InputError(None, "--port", f"expected 0..65535, got {self.port}")
+        if self.default_max_tokens < 0:
+            raise InputError(None, "--default-max-tokens", f"expected >= 1 (0: the fair share), got {self.default_max_tokens}")
         _check_bindable(self.host)
         if self.api_key is None and not _is_loopback(self.host):
             raise InputError(None, "--host", f"binding {self.host} exposes the API beyond this host: give "

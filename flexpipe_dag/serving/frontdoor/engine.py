@@ -254,7 +254,7 @@ class FrontDoorEngine:
         the pool and keep every other request waiting. Taken from the instances in their steady state
         and kept through a shift (a warming gear's pool is small until it grows); with several instances, the
         smallest of theirs (a default then fits whichever takes it). None before a pipeline was live."""
-        lanes = [ln for ln in self.router.instances if ln.refusal_policy == "final"] if self.router is not None else []
+        lanes: list = [ln for ln in self.router.instances if ln.refusal_policy == "final"] if self.router is not None else []
         if lanes:
             self._fair_share = min(max(16, ln.runtime.longest_request_tokens // max(1, ln.gear.micro_batch_size))
                                    for ln in lanes)

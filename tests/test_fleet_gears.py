@@ -552,7 +552,7 @@ class _FakeFleet:
         self.accepted = 0
         self.open = 0
         self.router = SimpleNamespace(ledger=SimpleNamespace(counts=lambda: {
-            "held": 0, "pending": 0, "finished": self.accepted, "refused": 0, "failed": 0, "moved": 7},
+            "held": 0, "pending": 0, "finished": self.accepted, "refused": 0, "failed": 0, "cancelled": 0, "moved": 7},
             num_open=lambda: self.open))
         self.fail_gear, self.added, self.removed = fail_gear, [], []
 

@@ -90,16 +90,6 @@ class ResultSink(Protocol):
     def write(self, result: dict[str, Any]) -> None: ...
 
 
-def _as_token_id(t: Any) -> int:
-    """One token id: an integer 0..INT32_MAX (not a float such as ``5.0``, not ``True``)."""
-    if isinstance(t, bool) or not hasattr(t, "__index__"):
-        raise TypeError(f"{t!r} is not an integer")
-    value = int(t)
-    if not 0 <= value <= INT32_MAX:
-        raise ValueError(f"{value} is outside 0..{INT32_MAX}")
-    return value
-
-
 def _bounded_int(value: Any, low: int) -> int:
     """``value``, an int in ``low..INT32_MAX``; TypeError (a float, a string, a boolean) / ValueError otherwise."""
     if not isinstance(value, int) or isinstance(value, bool):
@@ -141,7 +131,7 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
     if rid in seen:
         return MalformedRow(where, f"duplicate id {shown(rid)}")
     prompt, token_ids = raw.get("prompt"), raw.get("token_ids")
-    if _given(prompt) and _given(token_ids):
+    if prompt is not None and token_ids is not None:
         return MalformedRow(where, "both 'prompt' and 'token_ids'; expected one of them")
     if isinstance(prompt, str) and (len(prompt) > MAX_PROMPT_BYTES
                                     or len(prompt.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES):
@@ -153,7 +143,7 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
         try:
             if isinstance(token_ids, str):
                 raise TypeError("a string, not a list")
-            token_ids = [_as_token_id(t) for t in token_ids]
+            token_ids = [_bounded_int(t, 0) for t in token_ids]
         except (TypeError, ValueError, OverflowError):
             return MalformedRow(where, f"field 'token_ids': expected a list of integers 0..{INT32_MAX}")
         if not token_ids:
@@ -189,11 +179,6 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
         conts = list(conts)
     seen.add(rid)
     return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio, conts, line=where)
-
-
-def _given(value: Any) -> bool:
-    """A field is given: present and not null."""
-    return value is not None
 
 
 def _short(value: Any) -> str:

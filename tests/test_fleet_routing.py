@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -66,6 +67,11 @@ class StandInRuntime:
             except queue.Empty:
                 return
             on_result(Out(r.request_id, [len(r.prompt_token_ids)]))
+
+    def poll(self, timeout_s, on_result=None, on_metrics=None, on_tokens=None):
+        """As the real one while idle: nothing outstanding, so nothing comes (this stand-in samples nothing)."""
+        time.sleep(timeout_s)
+        return 0
 
     @property
     def num_outstanding(self):

@@ -101,6 +101,42 @@ def _rows(*stages):
     return [{"device_ids": devs, "param_bytes": p, "kv_pool_bytes": kv} for devs, p, kv in stages]
 
 
+@dataclass
+class Prompted:
+    request_id: str
+    prompt_token_ids: list
+    max_new_tokens: int = 4
+
+
+def test_ended_entries_release_their_request_and_only_the_newest_are_remembered():
+    got = []
+    led = RequestLedger(on_result=got.append, ended_kept=3)
+    for i in range(6):
+        led.accept(Prompted(f"r{i}", list(range(1000))), "lane")
+    led.accept(Prompted("probe", [1]), "lane", internal=True)
+    led.assign("r5", "other")  # moved: still open, its request kept whole
+    for i in range(4):
+        assert led.finish(Out(f"r{i}"), "lane")
+    led.cancel("r4")
+    # r0 and r1 are forgotten (3 newer ended: r2, r3, r4); their late duplicates are dropped unseen
+    with pytest.raises(KeyError):
+        led.get("r0")
+    assert not led.finish(Out("r0"), "other") and led.duplicates_dropped == 0
+    assert not led.finish(Out("r3"), "other") and led.duplicates_dropped == 1  # remembered: counted
+    assert led.get("r3").request.request_id == "r3" and not hasattr(led.get("r3").request, "prompt_token_ids")
+    assert led.get("r5").request.prompt_token_ids == list(range(1000))
+    assert led.open_tokens("other") == 1004 and led.open_tokens("lane") == 5  # the probe's 1 + 4
+    # the counts are running totals: forgotten entries still count, probes never do
+    assert led.counts() == {"held": 0, "pending": 1, "finished": 4, "refused": 0, "failed": 0, "cancelled": 1,
+                            "moved": 1, "duplicates_dropped": 1}
+    led.accept(Prompted("r0", [1]), "lane")  # a forgotten id may come again
+    assert led.counts()["pending"] == 2
+    assert led.fail_internal("lane", "gone") == 1 and led.probe("probe").done
+    assert [o.request_id for o in got] == ["r0", "r1", "r2", "r3"]
+    with pytest.raises(ValueError, match="at least 1"):
+        RequestLedger(ended_kept=0)
+
+
 def test_residency_modes():
     old = _rows((["d0"], 4 * GIB, 2 * GIB))
     new = _rows((["d0"], 2 * GIB, 1 * GIB), (["d1"], 2 * GIB, 1 * GIB))

@@ -27,6 +27,7 @@ lanes so each replica keeps the KV cache of its own sequences (:mod:`~flexpipe_d
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import time
@@ -77,13 +78,19 @@ if TYPE_CHECKING:
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 #: KV capacity used when the gear leaves ``kv_capacity_tokens`` at 0.
 DEFAULT_KV_CAPACITY_TOKENS = 8192
+#: Metric samples a runtime keeps (:attr:`PipelineRuntime.metric_samples`): about 5.5 hours of 2-s samples;
+#: a serving lane samples for as long as it lives, idle or not.
+METRIC_SAMPLES_KEPT = 10_000
+
+
 class StageFailedError(FlexPipeError):
     """A pipeline stage (or the driver) crashed, raised, or hung; the run is over.
 
     Attributes:
         stage: the failed stage's index, or ``"driver"``.
         reason: what happened (exit code, exception, or watchdog finding).
-        finished: outputs delivered before the failure (kept, not lost).
+        finished: outputs delivered before the failure (kept, not lost): those of the failed
+            :meth:`PipelineRuntime.generate` call, and any no ``on_result`` callback took (one that did has them).
         replica: which replica of a replicated stage, else ``None``.
     """
 
@@ -324,8 +331,11 @@ class PipelineRuntime:
         self.worker_infos: list[StageInfo] = []
         self._procs: list = []  # [driver, stage 0, stage 1, ...]
         self._outstanding: set[str] = set()
+        # outputs kept for generate()'s return and StageFailedError.finished; one a waiting call's on_result
+        # took is not kept (a server's lane runs for days: its outputs live in its ledger, not here)
         self._finished: list[RequestOutput] = []
-        self._metrics: list[MetricSample] = []
+        self._keep_finished = False
+        self._metrics: collections.deque[MetricSample] = collections.deque(maxlen=METRIC_SAMPLES_KEPT)
         self._refused: dict[str, str] = {}
         self._truncated: dict[str, str] = {}
         self._stall_mark: tuple[tuple[float, float], float] | None = None  # ((sent, done), since when)
@@ -675,8 +685,12 @@ class PipelineRuntime:
             StageFailedError: a stage crashed, raised or hung (its ``finished`` holds the delivered outputs).
         """
         start = len(self._finished)
-        self.submit(requests)
-        self.wait(on_result, on_metrics)
+        self._keep_finished = True
+        try:
+            self.submit(requests)
+            self.wait(on_result, on_metrics)
+        finally:
+            self._keep_finished = False
         return self._finished[start:]
 
     def wait(self, on_result=None, on_metrics=None,
@@ -690,18 +704,38 @@ class PipelineRuntime:
         """
         self._on_result = on_result
         while self._outstanding:
-            ev = self._next_event(0.1)
+            self._handle(self._next_event(0.1), on_metrics, on_tokens)
+
+    def poll(self, timeout_s: float, on_result=None, on_metrics=None,
+             on_tokens: Callable[[tuple[tuple[str, int, int], ...]], None] | None = None) -> int:
+        """Handle the events that are waiting, or the first one to come within ``timeout_s`` seconds, whether or
+        not a request is outstanding: an idle pipeline's metric samples (one per ``metrics_period_s``, zero
+        load), and the health checks of :meth:`wait` (a stage that died while idle is found now, not at the
+        next request). Callbacks as :meth:`wait`'s. Returns how many events were handled.
+
+        Raises:
+            StageFailedError: as :meth:`generate`.
+        """
+        self._on_result = on_result
+        handled, wait_s = 0, timeout_s
+        while True:
+            ev = self._next_event(wait_s)
             if ev is None:
-                continue
-            if isinstance(ev, TokensGenerated):
-                if on_tokens is not None:
-                    on_tokens(ev.tokens)
-            elif isinstance(ev, RequestFinished):
-                self._deliver(ev.output)
-            elif isinstance(ev, MetricsSampled):
-                self._record(ev.sample, on_metrics)
-            elif isinstance(ev, RequestRefused):
-                self._note_refusal(ev)
+                return handled
+            self._handle(ev, on_metrics, on_tokens)
+            handled, wait_s = handled + 1, 0.0
+
+    def _handle(self, ev, on_metrics, on_tokens) -> None:
+        """One event of the processes (None: nothing came) to the waiting call's callbacks."""
+        if isinstance(ev, TokensGenerated):
+            if on_tokens is not None:
+                on_tokens(ev.tokens)
+        elif isinstance(ev, RequestFinished):
+            self._deliver(ev.output)
+        elif isinstance(ev, MetricsSampled):
+            self._record(ev.sample, on_metrics)
+        elif isinstance(ev, RequestRefused):
+            self._note_refusal(ev)
 
     def _note_refusal(self, ev: RequestRefused) -> None:
         """A request the scheduler will not serve: no longer outstanding, its reason kept (:attr:`refused`)."""
@@ -732,11 +766,14 @@ class PipelineRuntime:
         return None
 
     def _deliver(self, out: RequestOutput, notify: bool = True) -> None:
-        """A finished request: no longer outstanding, kept, and handed to the waiting call's ``on_result``."""
+        """A finished request: no longer outstanding, handed to the waiting call's ``on_result``, and kept for
+        :meth:`generate` (or when no callback took it)."""
         self._outstanding.discard(out.request_id)
-        self._finished.append(out)
-        if notify and self._on_result:
-            self._on_result(out)
+        callback = self._on_result if notify else None
+        if self._keep_finished or callback is None:
+            self._finished.append(out)
+        if callback is not None:
+            callback(out)
 
     def _record(self, sample: MetricSample, on_metrics=None) -> None:
         self._metrics.append(sample)
@@ -760,6 +797,7 @@ class PipelineRuntime:
 
     @property
     def metric_samples(self) -> list[MetricSample]:
+        """The newest :data:`METRIC_SAMPLES_KEPT` samples, oldest first (a serving lane's go on while idle)."""
         return list(self._metrics)
 
     def reconfigure(self, gear: Gear, timeout_s: float = 300.0) -> list[dict]:

@@ -46,10 +46,12 @@ class LiveControl:
             rolled_back, failed), from the shift's thread.
         shifts_refused: why this run takes no gear shift (each one asked of it is failed with this reason),
             or None.
+        keep_history: keep every sample and declined decision in :attr:`samples` / :attr:`declines` too (a
+            bounded run's report reads them); False for a server that runs for days (the store has them).
 
     Attributes:
         samples, shifts, declines: what was stored, shifted (each a dict with ``status`` and
-            ``outcome``) and declined, oldest first.
+            ``outcome``) and declined, oldest first (samples and declines only with ``keep_history``).
         t0: the monotonic time sample ``t_s`` counts from.
         endpoint: the base URL clients reach this run at, stored with each heartbeat once set (None: no API).
     """
@@ -57,12 +59,13 @@ class LiveControl:
     def __init__(self, store, control: ResolvedControlSettings, router, executor, gears: Sequence[Gear],
                  run_key: str, *, inline_control: bool = True, forecast: Callable[[], Any] | None = None,
                  log: Callable[[str], None] = print, on_shift_done: Callable[[dict[str, Any]], None] | None = None,
-                 shifts_refused: str | None = None):
+                 shifts_refused: str | None = None, keep_history: bool = True):
         self.db, self.control, self.router, self.executor = store, control, router, executor
         self.gears = {g.gear_id: g for g in gears}
         self.run_key, self.inline_control, self.forecast, self.log = run_key, inline_control, forecast, log
         self.on_shift_done = on_shift_done
         self.shifts_refused = shifts_refused
+        self.keep_history = keep_history
         self.samples: list[MetricSample] = []
         self.shifts: list[dict[str, Any]] = []
         self.declines: list[dict[str, Any]] = []
@@ -105,7 +108,8 @@ class LiveControl:
         if batch:
             batch.sort(key=lambda x: x.t_s)
             self.db.write_samples(self.run_key, batch)
-            self.samples.extend(batch)
+            if self.keep_history:
+                self.samples.extend(batch)
 
     # -- gear shifting --------------------------------------------------------------------------------
     def step(self) -> None:
@@ -127,7 +131,7 @@ class LiveControl:
         self._cursor = ev.cursor
         d = ev.decision
         now = time.monotonic()
-        if d is not None and d.declined:
+        if d is not None and d.declined and self.keep_history:
             self.declines.append({"t_s": round(d.t_s, 1), "from_gear": d.from_gear_id, "to_gear": d.to_gear_id,
                                          "trigger": d.trigger, "kind": d.reason_kind, "reason": d.reason})
         if d is not None and d.declined and now - self._declined_logged.get(d.trigger, -1e9) >= 30.0:

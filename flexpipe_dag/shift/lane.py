@@ -3,8 +3,9 @@
 The runtime's events (results, metrics, refusals, failures) are read by whoever calls its
 ``wait``; a lane gives each runtime exactly one such reader, its *pump* thread, so two pipelines
 serve side by side (the old gear draining while the new one takes traffic). The pump calls
-``runtime.wait`` whenever the ledger says requests are open on this lane, hands results and
-metric samples to its owner (a :class:`LaneOwner`: the
+``runtime.wait`` whenever the ledger says requests are open on this lane, and ``runtime.poll``
+while none is (so an idle pipeline's samples keep coming and a stage that dies idle is found at
+once), hands results and metric samples to its owner (a :class:`LaneOwner`: the
 :class:`~flexpipe_dag.shift.router.ServingRouter`), reports the runtime's refusals after each
 ``wait`` (and whenever :meth:`Lane.poll_refusals` is called), and reports a
 :class:`~flexpipe_dag.runtime.pipeline.StageFailedError` (crash, raise, or the runtime's watchdog)
@@ -38,6 +39,9 @@ LaneState = Literal["warming", "active", "draining", "standby", "retired", "fail
 #: a later re-submission (``park``: a degraded KV pool that will grow), or a failed health check
 #: (``fail``: the request is parked and the lane marked unhealthy).
 RefusalPolicy = Literal["final", "park", "fail"]
+#: How long an idle pump waits for an event of its runtime at a time, seconds: a request submitted
+#: meanwhile is read as soon as its first event comes (the same call handles it).
+IDLE_POLL_S = 0.02
 
 
 class LaneOwner(Protocol):
@@ -95,7 +99,8 @@ class Lane:
         self.health_failure: str | None = None
         self.forced = False  # force_stop() was called: the failure it causes is ours, not the gear's
         self._stop = threading.Event()
-        self._rt_lock = threading.Lock()  # held by the pump while it is inside runtime.wait
+        self._rt_lock = threading.Lock()  # held by the pump while it is inside runtime.wait / poll
+        self._exclusive_wanted = threading.Event()  # the pump stays off the lock (a lock is not fair)
         self._refusal_lock = threading.Lock()
         self._seen_refusals: set[str] = set()
         self._thread = threading.Thread(target=self._pump, name=f"flexpipe-lane-{lane_id}", daemon=True)
@@ -129,16 +134,23 @@ class Lane:
 
         ledger = self.owner.ledger
         while not self._stop.is_set():
-            if not ledger.has_open(self.lane_id) and not self.runtime.num_outstanding:  # (a cancelled
-                time.sleep(0.02)                     # request is not open, but its abort is still to collect)
+            # (a cancelled request is not open, but its abort is still to collect)
+            busy = ledger.has_open(self.lane_id) or self.runtime.num_outstanding
+            if self._exclusive_wanted.is_set():
+                time.sleep(0.005)
                 continue
             if not self._rt_lock.acquire(timeout=0.05):
                 continue
             t0 = time.monotonic()
             err: BaseException | None = None
             try:
-                if not self._stop.is_set():
+                if self._stop.is_set():
+                    pass
+                elif busy:
                     self.runtime.wait(on_result=self._on_result, on_metrics=self._on_metrics,
+                                      on_tokens=self._on_tokens)
+                else:  # idle: keep reading, so the samples go on (zero load) and a dead stage is found now
+                    self.runtime.poll(IDLE_POLL_S, on_result=self._on_result, on_metrics=self._on_idle_metrics,
                                       on_tokens=self._on_tokens)
             except BaseException as exc:
                 err = exc
@@ -152,7 +164,7 @@ class Lane:
                 self.owner.lane_failed(self, err)
                 return
             self.poll_refusals()
-            if time.monotonic() - t0 < 0.005:  # accepted by the ledger, not yet submitted to the runtime
+            if busy and time.monotonic() - t0 < 0.005:  # accepted by the ledger, not yet submitted to the runtime
                 time.sleep(0.005)
 
     def _on_result(self, out: Any) -> None:
@@ -160,6 +172,15 @@ class Lane:
 
     def _on_metrics(self, sample: Any) -> None:
         self.owner.lane_metrics(self, sample)
+
+    def _on_idle_metrics(self, sample: Any) -> None:
+        """A sample read while no request was open: passed on from a lane that takes requests (``active``: an
+        idle server's zero load is what the controller and the offline admission must see), or when it
+        records work (the window of a lane's last requests); a draining, standby or warming lane's empty
+        windows describe no traffic and are dropped, so they never read as the serving gear's."""
+        if self.state == "active" or sample.completed or sample.rps or sample.tokens_per_s or sample.running \
+                or sample.queue_length:
+            self.owner.lane_metrics(self, sample)
 
     def _on_tokens(self, tokens: tuple[tuple[str, int, int], ...]) -> None:
         self.owner.lane_tokens(self, tokens)
@@ -194,17 +215,21 @@ class Lane:
                                    f"open requests ({self.runtime.num_outstanding} in its pipeline, cancelled ones "
                                    f"included) after {timeout_s:.1f} s")
             time.sleep(0.02)
-        if not self._rt_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"lane {self.lane_id}: pump did not park within {timeout_s:.1f} s")
+        self._exclusive_wanted.set()
         try:
-            return fn(self.runtime)
-        except StageFailedError as err:
-            self.failure = err
-            self._stop.set()
-            self.owner.lane_failed(self, err)
-            raise
+            if not self._rt_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"lane {self.lane_id}: pump did not park within {timeout_s:.1f} s")
+            try:
+                return fn(self.runtime)
+            except StageFailedError as err:
+                self.failure = err
+                self._stop.set()
+                self.owner.lane_failed(self, err)
+                raise
+            finally:
+                self._rt_lock.release()
         finally:
-            self._rt_lock.release()
+            self._exclusive_wanted.clear()
 
     def retire(self, timeout_s: float = 30.0) -> None:
         """Stop the pump and shut the runtime down (drains in-flight work, then stops every process).

@@ -10,6 +10,11 @@ Internal requests (the executor's warm-up, verification and health probes) live 
 ledger but are never delivered to the caller: their output is handed to a :class:`Probe` the
 executor waits on. Their ids start with :data:`INTERNAL_PREFIX`, which callers may not use.
 
+A server runs for days: an ended entry gives up its request (prompt and all) at once, and is forgotten
+once :data:`ENDED_KEPT` newer requests have ended (a late duplicate output of one forgotten is dropped
+unseen; its id may be used again). Counts (:meth:`RequestLedger.counts`) are kept as running totals, so
+they cover every request ever accepted.
+
 A caller request nobody waits for any more is *cancelled* (:meth:`RequestLedger.cancel`): it leaves
 its lane's open work at once, is never moved or delivered, and the output its lane still sends
 (its abort) is dropped without counting as a duplicate.
@@ -17,6 +22,7 @@ its lane's open work at once, is never moved or delivered, and the output its la
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +37,16 @@ INTERNAL_PREFIX = "__shift-"
 EntryStatus = Literal["held", "pending", "finished", "refused", "failed", "cancelled"]
 #: Statuses that end an entry: nothing more is delivered for it.
 _ENDED = ("finished", "refused", "failed", "cancelled")
+#: Ended entries a ledger remembers (to drop a late duplicate output, and for :meth:`RequestLedger.get`):
+#: about a minute of traffic at 1,000 req/s, far longer than a moved request's race between two lanes.
+ENDED_KEPT = 50_000
+
+
+@dataclass(frozen=True)
+class EndedRequest:
+    """What an ended entry keeps of its request: the id (the prompt and the rest are released)."""
+
+    request_id: str
 
 
 def request_work_tokens(request: Any) -> int:
@@ -101,14 +117,20 @@ class RequestLedger:
     Args:
         on_result: called with each caller request's output, exactly once per request id.
         on_refused: called with ``(request_id, reason)`` when a request is finally refused.
+        ended_kept: ended entries remembered, newest first (see the module docstring); at least 1.
 
     Callbacks run in the reporting thread, one at a time (a delivery lock serialises them), after
     the entry was marked, so a callback that raises never causes a second delivery.
     """
 
     def __init__(self, on_result: Callable[[Any], None] | None = None,
-                 on_refused: Callable[[str, str], None] | None = None):
+                 on_refused: Callable[[str, str], None] | None = None, ended_kept: int = ENDED_KEPT):
+        if ended_kept < 1:
+            raise ValueError(f"ended_kept must be at least 1, got {ended_kept}")
         self._on_result, self._on_refused = on_result, on_refused
+        self._ended_kept = ended_kept
+        self._ended: collections.deque[str] = collections.deque()  # ids of remembered ended entries, oldest first
+        self._status_counts: collections.Counter[str] = collections.Counter()  # caller entries per status, ever
         self._lock = threading.RLock()
         self._deliver_lock = threading.Lock()
         self._entries: dict[str, LedgerEntry] = {}
@@ -124,7 +146,8 @@ class RequestLedger:
         """Record a new request, held (``lane_id=None``) or on a lane.
 
         Raises:
-            InputError: the id was accepted before, or a caller id uses the reserved prefix.
+            InputError: the id is open or a remembered ended one (the last :data:`ENDED_KEPT`), or a caller
+                id uses the reserved prefix.
         """
         rid = request.request_id
         if not internal and rid.startswith(INTERNAL_PREFIX):
@@ -137,18 +160,31 @@ class RequestLedger:
                                 accepted_s=time.monotonic(), lanes=[lane_id] if lane_id else [],
                                 probe=Probe(rid) if internal else None, work_tokens=request_work_tokens(request))
             self._entries[rid] = entry
+            if not internal:
+                self._status_counts[entry.status] += 1
             self._open.setdefault(lane_id, {})[rid] = entry
             self._open_tokens[lane_id] = self._open_tokens.get(lane_id, 0) + entry.work_tokens
             if not internal:
                 self._admitted_to[lane_id] = self._admitted_to.get(lane_id, 0) + 1
             return entry
 
-    def _reindex(self, e: LedgerEntry, old_lane: str | None) -> None:
-        if self._open.get(old_lane, {}).pop(e.request.request_id, None) is not None:
+    def _reindex(self, e: LedgerEntry, old_lane: str | None, old_status: EntryStatus) -> None:
+        """After ``e`` moved from ``old_lane`` / ``old_status``: the open index, the counts, and, once it
+        ended, its request released and the oldest remembered ended entries forgotten (lock held)."""
+        rid = e.request.request_id
+        if self._open.get(old_lane, {}).pop(rid, None) is not None:
             self._open_tokens[old_lane] -= e.work_tokens
         if e.status in ("held", "pending"):
-            self._open.setdefault(e.lane_id, {})[e.request.request_id] = e
+            self._open.setdefault(e.lane_id, {})[rid] = e
             self._open_tokens[e.lane_id] = self._open_tokens.get(e.lane_id, 0) + e.work_tokens
+        if not e.internal:
+            self._status_counts[old_status] -= 1
+            self._status_counts[e.status] += 1
+        if e.status in _ENDED and old_status not in _ENDED:
+            e.request = EndedRequest(rid)
+            self._ended.append(rid)
+            while len(self._ended) > self._ended_kept:
+                self._entries.pop(self._ended.popleft(), None)
 
     def assign(self, request_id: str, lane_id: str) -> LedgerEntry:
         """Put a held or pending request on ``lane_id`` (a re-submission counts as a move)."""
@@ -158,12 +194,12 @@ class RequestLedger:
                 raise ValueError(f"request {request_id} is {e.status}; only held or pending requests move")
             if e.lanes and e.lanes[-1] != lane_id:
                 self.moved += 1
-            old = e.lane_id
+            old, old_status = e.lane_id, e.status
             e.lane_id, e.status = lane_id, "pending"
             e.lanes.append(lane_id)
             if not e.internal:
                 self._admitted_to[lane_id] = self._admitted_to.get(lane_id, 0) + 1
-            self._reindex(e, old)
+            self._reindex(e, old, old_status)
             return e
 
     def hold(self, request_id: str) -> None:
@@ -173,7 +209,7 @@ class RequestLedger:
             if e.status == "pending":
                 old = e.lane_id
                 e.lane_id, e.status = None, "held"
-                self._reindex(e, old)
+                self._reindex(e, old, "pending")
 
     # -- outcomes -----------------------------------------------------------------------------------
     def finish(self, output: Any, lane_id: str) -> bool:
@@ -184,9 +220,9 @@ class RequestLedger:
             if e is None or e.status in _ENDED:
                 self.duplicates_dropped += e is not None and e.status != "cancelled"
                 return False
-            old = e.lane_id
+            old, old_status = e.lane_id, e.status
             e.status, e.finished_by, e.lane_id = "finished", lane_id, lane_id
-            self._reindex(e, old)
+            self._reindex(e, old, old_status)
             if e.probe is None:
                 self._finished_by[lane_id] = self._finished_by.get(lane_id, 0) + 1
         if e.probe is not None:
@@ -202,8 +238,8 @@ class RequestLedger:
             e = self._entries.get(request_id)
             if e is None or e.status in _ENDED:
                 return False
-            e.status = "refused"
-            self._reindex(e, e.lane_id)
+            old_status, e.status = e.status, "refused"
+            self._reindex(e, e.lane_id, old_status)
         if e.probe is not None:
             e.probe._settle(error=f"refused: {reason}")
         elif self._on_refused is not None:
@@ -222,9 +258,9 @@ class RequestLedger:
             e = self._entries.get(request_id)
             if e is None or e.internal or e.status in _ENDED:
                 return False, None
-            lane_id = e.lane_id
+            lane_id, old_status = e.lane_id, e.status
             e.status = "cancelled"
-            self._reindex(e, lane_id)
+            self._reindex(e, lane_id, old_status)
             return True, lane_id
 
     def fail_internal(self, lane_id: str, reason: str) -> int:
@@ -232,8 +268,8 @@ class RequestLedger:
         with self._lock:
             hit = [e for e in self._open.get(lane_id, {}).values() if e.internal]
             for e in hit:
-                e.status = "failed"
-                self._reindex(e, lane_id)
+                old_status, e.status = e.status, "failed"
+                self._reindex(e, lane_id, old_status)
         for e in hit:
             if e.probe is not None:  # always: an entry is internal exactly when it has a probe
                 e.probe._settle(error=reason)
@@ -241,6 +277,11 @@ class RequestLedger:
 
     # -- queries ------------------------------------------------------------------------------------
     def get(self, request_id: str) -> LedgerEntry:
+        """The entry of an open or remembered ended request (an ended one's ``request`` is an :class:`EndedRequest`).
+
+        Raises:
+            KeyError: never accepted, or ended and since forgotten.
+        """
         with self._lock:
             return self._entries[request_id]
 
@@ -287,9 +328,6 @@ class RequestLedger:
     def counts(self) -> dict[str, int]:
         """Caller requests per status (``cancelled`` included), plus ``moved`` and ``duplicates_dropped``."""
         with self._lock:
-            out = {s: 0 for s in ("held", "pending", *_ENDED)}
-            for e in self._entries.values():
-                if not e.internal:
-                    out[e.status] += 1
+            out = {s: self._status_counts[s] for s in ("held", "pending", *_ENDED)}
             out["moved"], out["duplicates_dropped"] = self.moved, self.duplicates_dropped
             return out

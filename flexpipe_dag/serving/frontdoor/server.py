@@ -338,7 +338,7 @@ class FrontDoorServer:
                        if self.instances.several else None)
             self.live = LiveControl(self.link.store, self.link.control, self.router, executor, self.link.gears,
                                     self.link.run_key, inline_control=self.link.inline_control, log=self.log,
-                                    on_shift_done=self._on_shift_done, shifts_refused=refused)
+                                    on_shift_done=self._on_shift_done, shifts_refused=refused, keep_history=False)
             task = asyncio.create_task(self._control_loop())
             deciding = "decided here (inline control)" if self.link.inline_control else "from gear_shift runs"
             self.log(f"serving run {self.link.run_key}: samples to the store, shifts {deciding}")

@@ -32,6 +32,7 @@ class IdleRuntime:
         self.gear = SimpleNamespace(gear_id=gear_id, num_stages=1)
         self.refused: dict[str, str] = {}
         self.num_outstanding = 0
+        self.stage_info = ["started"]  # ServingRouter.open starts a runtime without it
         self.samples: list[MetricSample] = []
         self.polls = threading.Semaphore(0)
         self.waits = 0
@@ -55,7 +56,8 @@ class IdleRuntime:
 
 
 @pytest.mark.parametrize("state, figures, passed_on", [
-    ("active", {}, True),                    # an idle serving lane: its zero load is the news
+    ("entry", {}, True),                     # the idle entry point: its zero load is the news
+    ("active", {}, False),                   # a further instance: its empty windows would halve the rate
     ("standby", {}, False),                  # the rollback target's empty windows are nobody's traffic
     ("draining", {}, False),
     ("warming", {}, False),
@@ -68,10 +70,16 @@ def test_idle_samples_are_passed_on_from_a_serving_lane_or_when_they_record_work
     got: list[MetricSample] = []
     router = ServingRouter(on_metrics=got.append)
     rt = IdleRuntime("g")
-    rt.samples.append(_sample("g", **figures))
     try:
-        router.add_lane(rt, state=state)
-        for _ in range(3):  # the sample was handed out on the first poll; two more polls settle it
+        if state == "entry":
+            router.open(rt)
+        else:
+            router.add_lane(rt, state=state)
+        rt.samples.append(_sample("g", **figures))  # once the lane has its place in the router
+        wait_until(lambda: not rt.samples, 5.0, "the idle pump to poll the sample")
+        while rt.polls.acquire(blocking=False):  # polls so far
+            pass
+        for _ in range(2):  # two polls begun after it: the one that handed it out has passed it on
             assert rt.polls.acquire(timeout=5.0), "the idle pump stopped polling"
         assert [s.gear_id for s in got] == (["g"] if passed_on else [])
         assert rt.waits == 0  # nothing was open: wait (which returns only once all finished) is never called

@@ -56,6 +56,10 @@ class LaneOwner(Protocol):
 
     ledger: RequestLedger
 
+    @property
+    def active(self) -> Lane | None:
+        """The entry point: the lane new requests go to first."""
+
     def lane_failed(self, lane: Lane, err: BaseException) -> None:
         """``lane``'s runtime failed with ``err`` (a ``StageFailedError``, or a bug); move its open requests."""
 
@@ -141,7 +145,7 @@ class Lane:
                 continue
             if not self._rt_lock.acquire(timeout=0.05):
                 continue
-            t0 = time.monotonic()
+            t0, handled = time.monotonic(), 0
             err: BaseException | None = None
             try:
                 if self._stop.is_set():
@@ -150,20 +154,23 @@ class Lane:
                     self.runtime.wait(on_result=self._on_result, on_metrics=self._on_metrics,
                                       on_tokens=self._on_tokens)
                 else:  # idle: keep reading, so the samples go on (zero load) and a dead stage is found now
-                    self.runtime.poll(IDLE_POLL_S, on_result=self._on_result, on_metrics=self._on_idle_metrics,
+                    handled = self.runtime.poll(IDLE_POLL_S, on_result=self._on_result, on_metrics=self._on_idle_metrics,
                                       on_tokens=self._on_tokens)
             except BaseException as exc:
                 err = exc
             finally:
                 self._rt_lock.release()
             if err is not None:
+                if self.forced and not busy:  # force_stop killed an idle lane: its own doing, it retires it
+                    return
                 self.failure = err
                 if not isinstance(err, StageFailedError):  # a bug, not the runtime's watchdog: stop it
                     with suppress(Exception):
                         self.runtime.shutdown(timeout_s=2.0)
                 self.owner.lane_failed(self, err)
                 return
-            self.poll_refusals()
+            if busy or handled:  # (the router's monitor polls refusals too)
+                self.poll_refusals()
             if busy and time.monotonic() - t0 < 0.005:  # accepted by the ledger, not yet submitted to the runtime
                 time.sleep(0.005)
 
@@ -174,11 +181,12 @@ class Lane:
         self.owner.lane_metrics(self, sample)
 
     def _on_idle_metrics(self, sample: Any) -> None:
-        """A sample read while no request was open: passed on from a lane that takes requests (``active``: an
-        idle server's zero load is what the controller and the offline admission must see), or when it
+        """A sample read while no request was open: passed on from the entry point (an idle server's zero load
+        is what the controller and the offline admission must see; a further instance's empty windows would
+        halve the rate they read), or when it
         records work (the window of a lane's last requests); a draining, standby or warming lane's empty
         windows describe no traffic and are dropped, so they never read as the serving gear's."""
-        if self.state == "active" or sample.completed or sample.rps or sample.tokens_per_s or sample.running \
+        if self is self.owner.active or sample.completed or sample.rps or sample.tokens_per_s or sample.running \
                 or sample.queue_length:
             self.owner.lane_metrics(self, sample)
 

@@ -285,6 +285,11 @@ class RequestLedger:
         with self._lock:
             return self._entries[request_id]
 
+    def find(self, request_id: str) -> LedgerEntry | None:
+        """As :meth:`get`, but None for an id never accepted or forgotten."""
+        with self._lock:
+            return self._entries.get(request_id)
+
     def probe(self, request_id: str) -> Probe:
         with self._lock:
             p = self._entries[request_id].probe

@@ -260,6 +260,8 @@ class ServingRouter:
         with self._lock:
             was_open, lane_id = self.ledger.cancel(request_id)
             self._refusals.pop(request_id, None)
+            if request_id in self._parked:
+                self._parked.remove(request_id)
             lane = self._lanes.get(lane_id) if lane_id is not None else None
         if lane is not None and lane.alive:
             lane.runtime.cancel([request_id])
@@ -386,9 +388,9 @@ class ServingRouter:
     def _flush_parked(self) -> int:
         if not self._routable() or not self._parked:
             return 0
-        entries = [self.ledger.get(rid) for rid in self._parked]
+        entries = [self.ledger.find(rid) for rid in self._parked]
         self._parked = []
-        return self._dispatch([e for e in entries if e.status in ("held", "pending")])
+        return self._dispatch([e for e in entries if e is not None and e.status in ("held", "pending")])
 
     @property
     def parked(self) -> list[str]:

@@ -149,13 +149,13 @@ class Lane:
             err: BaseException | None = None
             try:
                 if self._stop.is_set():
-                    pass
+                    pass  # retire / force_stop own the runtime now
                 elif busy:
                     self.runtime.wait(on_result=self._on_result, on_metrics=self._on_metrics,
                                       on_tokens=self._on_tokens)
                 else:  # idle: keep reading, so the samples go on (zero load) and a dead stage is found now
-                    handled = self.runtime.poll(IDLE_POLL_S, on_result=self._on_result, on_metrics=self._on_idle_metrics,
-                                      on_tokens=self._on_tokens)
+                    handled = self.runtime.poll(IDLE_POLL_S, on_result=self._on_result,
+                                                on_metrics=self._on_idle_metrics, on_tokens=self._on_tokens)
             except BaseException as exc:
                 err = exc
             finally:
@@ -183,9 +183,9 @@ class Lane:
     def _on_idle_metrics(self, sample: Any) -> None:
         """A sample read while no request was open: passed on from the entry point (an idle server's zero load
         is what the controller and the offline admission must see; a further instance's empty windows would
-        halve the rate they read), or when it
-        records work (the window of a lane's last requests); a draining, standby or warming lane's empty
-        windows describe no traffic and are dropped, so they never read as the serving gear's."""
+        halve the rate they read), or when it records work (the window of a lane's last requests); a draining,
+        standby or warming lane's empty windows describe no traffic and are dropped, so they never read as the
+        serving gear's."""
         if self is self.owner.active or sample.completed or sample.rps or sample.tokens_per_s or sample.running \
                 or sample.queue_length:
             self.owner.lane_metrics(self, sample)

@@ -160,11 +160,10 @@ class RequestLedger:
                                 accepted_s=time.monotonic(), lanes=[lane_id] if lane_id else [],
                                 probe=Probe(rid) if internal else None, work_tokens=request_work_tokens(request))
             self._entries[rid] = entry
-            if not internal:
-                self._status_counts[entry.status] += 1
             self._open.setdefault(lane_id, {})[rid] = entry
             self._open_tokens[lane_id] = self._open_tokens.get(lane_id, 0) + entry.work_tokens
             if not internal:
+                self._status_counts[entry.status] += 1
                 self._admitted_to[lane_id] = self._admitted_to.get(lane_id, 0) + 1
             return entry
 

@@ -461,9 +461,8 @@ class ServingRouter:
         """Refuse each request for good (policy ``final``, probes) or park it for a later re-submission
         (policies ``park`` / ``fail``; ``fail`` also records the lane's health failure)."""
         for rid, reason in refusals.items():
-            try:
-                entry = self.ledger.get(rid)
-            except KeyError:
+            entry = self.ledger.find(rid)
+            if entry is None:
                 continue
             if entry.internal or lane.refusal_policy == "final" or entry.lane_id != lane.lane_id:
                 if entry.lane_id == lane.lane_id:

@@ -161,3 +161,14 @@ def enveloped_gear(gear_id: str, kind: str, rps_min: float, rps_max: float, stag
                 rps_min=rps_min, rps_max=rps_max, target_p99_ms=500.0,
                 estimate=GearEstimate(throughput_rps=rps_max, tokens_per_s=rps_max * 100, ttft_p50_ms=100,
                                       ttft_p99_ms=300, tpot_p50_ms=20, tpot_p99_ms=40, bottleneck_stage=0))
+
+
+class RefusalsSince:
+    """Mixin for stand-in runtimes: :meth:`PipelineRuntime.refusals_since` over the stand-in's ``refused`` dict
+    (insertion-ordered, never trimmed)."""
+
+    refused: dict[str, str]
+
+    def refusals_since(self, cursor: int) -> tuple[dict[str, str], int]:
+        items = list(self.refused.items())
+        return dict(items[cursor:]), len(items)

@@ -16,7 +16,7 @@ import pytest
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.shift.router import ServingRouter
-from tests.support import wait_until
+from tests.support import RefusalsSince, wait_until
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Out:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-class StandInRuntime:
+class StandInRuntime(RefusalsSince):
     """What a lane uses of a PipelineRuntime; finishes what it was given whenever ``serving`` is set."""
 
     def __init__(self, gear_id: str, longest_request_tokens: int = 2049):

@@ -336,6 +336,13 @@ def _metrics(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def _pipeline_series(url: str, name: str = "flexpipe_kv_blocks_free") -> dict[tuple[str, str], float]:
+    """``(pipeline, stage) -> value`` of one per-pipeline gauge from ``GET /metrics``."""
+    text = httpx.get(url + "/metrics").text
+    return {(s.labels["pipeline"], s.labels["stage"]): s.value for f in text_string_to_metric_families(text)
+            if f.name == name for s in f.samples}
+
+
 def test_an_api_key_is_required_when_set_and_other_hosts_need_one(tmp_path):
     from fastapi.testclient import TestClient
 

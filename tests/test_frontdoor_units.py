@@ -178,3 +178,35 @@ def test_max_tokens_is_checked_against_the_served_length_and_its_default_is_a_fa
     assert engine.fair_share_tokens == 32 and engine.check_context(39, 4000, "messages") == 4000  # 257 // 8
     engine.default_max_tokens = 500  # flexpipe serve --default-max-tokens 500
     assert engine.check_context(39, None, "messages") == 500 and engine.check_context(7900, None, "messages") == 292
+
+
+def test_each_pipeline_has_its_own_gauges_and_a_gone_ones_series_are_dropped():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flexpipe_dag.core.metrics import MetricSample, StageSample
+    from flexpipe_dag.serving.frontdoor.metrics import FrontDoorMetrics
+
+    def sample(queue_length: int, *kv_used: int) -> MetricSample:
+        stages = tuple(StageSample(stage_index=i, busy_fraction=0.5, queue_length=0, kv_blocks_used=used,
+                                   kv_blocks_total=100) for i, used in enumerate(kv_used))
+        return MetricSample(t_s=2.0, gear_id="g", source="live", rps=1.0, completed=1, tokens_per_s=9.0,
+                            queue_length=queue_length, running=2, kv_used_fraction=0.1, stages=stages)
+
+    def series(metrics: FrontDoorMetrics, live=None) -> dict:
+        text = metrics.exposition(live).decode()
+        return {(f.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if f.name in ("flexpipe_kv_blocks_used", "flexpipe_requests_waiting")}
+
+    m = FrontDoorMetrics()
+    m.observe_pipeline_sample("g#1", sample(3, 10, 20))
+    m.observe_pipeline_sample("g#2", sample(4, 30, 40))
+    m.observe_pipeline_sample("g#1", sample(1, 11, 21))  # the newest sample of a pipeline is its figure
+    got = series(m)
+    used = {labels: v for (name, labels), v in got.items() if name == "flexpipe_kv_blocks_used"}
+    assert used == {(("pipeline", "g#1"), ("stage", "0")): 11, (("pipeline", "g#1"), ("stage", "1")): 21,
+                    (("pipeline", "g#2"), ("stage", "0")): 30, (("pipeline", "g#2"), ("stage", "1")): 40}
+    assert got[("flexpipe_requests_waiting", ())] == 5  # summed over the pipelines
+    got = series(m, live=["g#1"])  # g#2 retired: its series go, and its queue no longer counts
+    assert {labels for (name, labels) in got if name == "flexpipe_kv_blocks_used"} == {
+        (("pipeline", "g#1"), ("stage", "0")), (("pipeline", "g#1"), ("stage", "1"))}
+    assert got[("flexpipe_requests_waiting", ())] == 1

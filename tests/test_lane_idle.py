@@ -16,7 +16,7 @@ import pytest
 
 from flexpipe_dag.core.metrics import MetricSample
 from flexpipe_dag.shift.router import ServingRouter
-from tests.support import wait_until
+from tests.support import RefusalsSince, wait_until
 
 
 def _sample(gear_id: str, **figures) -> MetricSample:
@@ -25,7 +25,7 @@ def _sample(gear_id: str, **figures) -> MetricSample:
     return MetricSample(**{**base, **figures})
 
 
-class IdleRuntime:
+class IdleRuntime(RefusalsSince):
     """Stand-in runtime with nothing outstanding; each ``poll`` hands out the next queued sample."""
 
     def __init__(self, gear_id: str):
@@ -68,7 +68,8 @@ class IdleRuntime:
 ])
 def test_idle_samples_are_passed_on_from_a_serving_lane_or_when_they_record_work(state, figures, passed_on):
     got: list[MetricSample] = []
-    router = ServingRouter(on_metrics=got.append)
+    every: list[tuple[str, MetricSample]] = []
+    router = ServingRouter(on_metrics=got.append, on_lane_sample=lambda lane_id, smp: every.append((lane_id, smp)))
     rt = IdleRuntime("g")
     try:
         if state == "entry":
@@ -82,6 +83,7 @@ def test_idle_samples_are_passed_on_from_a_serving_lane_or_when_they_record_work
         for _ in range(2):  # two polls begun after it: the one that handed it out has passed it on
             assert rt.polls.acquire(timeout=5.0), "the idle pump stopped polling"
         assert [s.gear_id for s in got] == (["g"] if passed_on else [])
+        assert [lane_id for lane_id, _ in every] == ["g#1"]  # every sample reaches the per-pipeline gauges
         assert rt.waits == 0  # nothing was open: wait (which returns only once all finished) is never called
     finally:
         router.close()
@@ -122,3 +124,33 @@ def test_a_real_idle_pipeline_samples_zero_load_and_a_stage_killed_idle_is_found
         wait_until(lambda: serving.state == "failed", 60.0, "the idle lane's stage failure to be found")
         assert router.failures and router.failures[0][0] == serving.lane_id
         assert "stage 0" in router.failures[0][1] or "exited" in router.failures[0][1], router.failures
+
+
+def test_a_serving_runtimes_refusals_stay_bounded_and_a_lane_hands_each_out_once(monkeypatch):
+    """Outside ``generate`` a runtime remembers only its newest REFUSALS_KEPT refusals (a server refuses for days);
+    inside it keeps every one for the report. A lane's cursor hands each refusal to the owner once, a repeated
+    id (a client's retry) again."""
+    import flexpipe_dag.runtime.pipeline as pipeline
+    from flexpipe_dag.runtime.messages import RequestRefused
+    from flexpipe_dag.shift.lane import Lane
+    from tests.support import enveloped_gear
+
+    monkeypatch.setattr(pipeline, "REFUSALS_KEPT", 5)
+    rt = pipeline.PipelineRuntime(enveloped_gear("g", "balanced", 0.1, 1.0, 1))  # never started: no processes
+    handed: list[dict[str, str]] = []
+    owner = SimpleNamespace(lane_refused=lambda lane, fresh: handed.append(fresh))
+    lane = Lane("g#1", rt, owner)
+    for i in range(12):
+        rt._note_refusal(RequestRefused(f"r{i}", f"why {i}"))
+        if i in (2, 3):
+            assert lane.poll_refusals() == (3 if i == 2 else 1)
+    assert list(rt.refused) == [f"r{i}" for i in range(7, 12)]  # the newest 5: r4-r6, never polled, forgotten
+    assert lane.poll_refusals() == 5 and handed[-1] == {f"r{i}": f"why {i}" for i in range(7, 12)}
+    assert lane.poll_refusals() == 0
+    rt._note_refusal(RequestRefused("r9", "again"))
+    assert lane.poll_refusals() == 1 and handed[-1] == {"r9": "again"}
+    assert [list(h) for h in handed[:2]] == [["r0", "r1", "r2"], ["r3"]] and len(rt.refused) == 5
+    rt._keep_finished = True  # as inside generate(): its report names every refusal
+    for i in range(20):
+        rt._note_refusal(RequestRefused(f"g{i}", "why"))
+    assert len(rt.refused) == 25

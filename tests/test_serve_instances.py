@@ -17,7 +17,7 @@ import pytest
 
 from flexpipe_dag.core.errors import InputError
 from tests.support import wait_until
-from tests.test_frontdoor import MODEL, Server, _metrics
+from tests.test_frontdoor import MODEL, Server, _metrics, _pipeline_series
 from tests.test_runtime_helpers import MAX_NEW_TOKENS, checkpoint, hf_reference, prompt_ids
 
 #: How long a server may take to start its instances, or the scaler to add one, on a loaded 2-core host, s.
@@ -78,6 +78,12 @@ def test_two_instances_answer_concurrent_greedy_requests_exactly_and_both_serve(
         assert metrics[("flexpipe_instances", "")] == 2
         assert metrics[("flexpipe_e2e_request_latency_seconds_count", "online")] == 16
         assert metrics[("flexpipe_instance_changes_total", "out")] == 0  # no scaler without --max-instances
+        # each instance's KV pool is its own series (before, the two overwrote one series per stage)
+        series = {(s["instance_id"], "0") for s in status}  # one stage each
+        assert len(series) == 2
+        wait_until(lambda: set(_pipeline_series(url)) == series, 10.0, "a sample of each instance")
+        free = _pipeline_series(url)
+        assert all(v > 0 for v in free.values()), free
     finally:
         assert srv.stop() == 0
     log = "\n".join(srv.lines)
@@ -288,6 +294,7 @@ def test_the_fleet_scaler_gives_an_instance_back_and_what_it_held_is_answered_on
         assert metrics[("flexpipe_instance_changes_total", "out")] == 0
         assert metrics[("flexpipe_e2e_request_latency_seconds_count", "online")] == len(results)  # each once
         assert [s["instance_id"] for s in _instances(url)] == ["uniform-1#1"]  # the entry point stays
+        assert {pipeline for pipeline, _ in _pipeline_series(url)} == {"uniform-1#1"}  # the gone one's series went
     finally:
         assert srv.stop() == 0
     log = "\n".join(srv.lines)

@@ -56,6 +56,12 @@ class MetricSample:
     e2e_p99_ms: float | None = None
     stages: tuple[StageSample, ...] = field(default_factory=tuple)
 
+    @property
+    def records_work(self) -> bool:
+        """Whether the window saw any traffic: arrivals, completions or output tokens, or requests running or
+        queued at its end (an idle pipeline's empty windows do not)."""
+        return bool(self.rps or self.completed or self.tokens_per_s or self.running or self.queue_length)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

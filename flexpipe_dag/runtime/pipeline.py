@@ -28,8 +28,10 @@ lanes so each replica keeps the KV cache of its own sequences (:mod:`~flexpipe_d
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -81,6 +83,10 @@ DEFAULT_KV_CAPACITY_TOKENS = 8192
 #: Metric samples a runtime keeps (:attr:`PipelineRuntime.metric_samples`): about 5.5 hours of 2-s samples;
 #: a serving lane samples for as long as it lives, idle or not.
 METRIC_SAMPLES_KEPT = 10_000
+#: Refusals, and truncations, a runtime remembers outside :meth:`PipelineRuntime.generate` (whose own are all
+#: kept for its report): a serving lane refuses for as long as it lives; :meth:`PipelineRuntime.refusals_since`
+#: hands each out once as it comes.
+REFUSALS_KEPT = 10_000
 
 
 class StageFailedError(FlexPipeError):
@@ -336,8 +342,10 @@ class PipelineRuntime:
         self._finished: list[RequestOutput] = []
         self._keep_finished = False
         self._metrics: collections.deque[MetricSample] = collections.deque(maxlen=METRIC_SAMPLES_KEPT)
-        self._refused: dict[str, str] = {}
-        self._truncated: dict[str, str] = {}
+        self._refused: collections.OrderedDict[str, str] = collections.OrderedDict()  # oldest first
+        self._truncated: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._refusals_made = 0  # every refusal so far, forgotten ones included (refusals_since's cursor)
+        self._refusal_lock = threading.RLock()  # refusals are noted by the caller's and the pump's threads
         self._stall_mark: tuple[tuple[float, float], float] | None = None  # ((sent, done), since when)
         self._on_result: Callable[[RequestOutput], None] | None = None
         self._started = False
@@ -642,16 +650,16 @@ class PipelineRuntime:
         for r in reqs:
             n = len(r.prompt_token_ids)
             if r.max_new_tokens >= limit:
-                self._refused[r.request_id] = (
+                self._remember_refusal(r.request_id, (
                     f"request {r.request_id!r}: prompt {n} + max_new_tokens {r.max_new_tokens} = "
                     f"{n + r.max_new_tokens} tokens {CONTEXT_REFUSAL} of {limit} tokens, and max_new_tokens alone "
                     f"leaves no room for one prompt token (truncation cuts only the prompt); expected max_new_tokens "
-                    f"at most {limit - 1}")
+                    f"at most {limit - 1}"))
                 continue
             keep, _ = fit_to_context(n, r.max_new_tokens, limit)  # max_new_tokens < limit: only the prompt is cut
             if keep != n:
-                self._truncated[r.request_id] = (f"prompt {n} -> {keep} tokens (the last ones kept); max context "
-                                                 f"{limit} tokens")
+                self._remember(self._truncated, r.request_id,
+                               f"prompt {n} -> {keep} tokens (the last ones kept); max context {limit} tokens")
                 r = dataclasses.replace(r, prompt_token_ids=list(r.prompt_token_ids[n - keep:]))
             out.append(r)
         return out
@@ -740,7 +748,30 @@ class PipelineRuntime:
     def _note_refusal(self, ev: RequestRefused) -> None:
         """A request the scheduler will not serve: no longer outstanding, its reason kept (:attr:`refused`)."""
         self._outstanding.discard(ev.request_id)
-        self._refused[ev.request_id] = ev.reason
+        self._remember_refusal(ev.request_id, ev.reason)
+
+    def _remember_refusal(self, request_id: str, reason: str) -> None:
+        with self._refusal_lock:
+            self._remember(self._refused, request_id, reason)
+            self._refusals_made += 1
+
+    def _remember(self, table: collections.OrderedDict[str, str], request_id: str, reason: str) -> None:
+        """Note ``request_id``'s ``reason`` in ``table`` as its newest entry; outside :meth:`generate`, the
+        oldest beyond :data:`REFUSALS_KEPT` are forgotten."""
+        with self._refusal_lock:
+            table.pop(request_id, None)
+            table[request_id] = reason
+            while not self._keep_finished and len(table) > REFUSALS_KEPT:
+                table.popitem(last=False)
+
+    def refusals_since(self, cursor: int) -> tuple[dict[str, str], int]:
+        """The refusals made after the first ``cursor`` (request id -> reason, oldest first), and the cursor to
+        pass next time (start with 0). A caller that polls at least once per :data:`REFUSALS_KEPT` refusals
+        sees each once; older ones are forgotten."""
+        with self._refusal_lock:
+            new = min(max(self._refusals_made - cursor, 0), len(self._refused))
+            newest = list(itertools.islice(reversed(self._refused.items()), new))
+            return dict(reversed(newest)), self._refusals_made
 
     def flush_metrics(self, on_metrics: Callable[[MetricSample], None] | None = None,
                       timeout_s: float = 10.0) -> MetricSample | None:
@@ -787,13 +818,17 @@ class PipelineRuntime:
 
     @property
     def refused(self) -> dict[str, str]:
-        """Request id -> why the scheduler refused it (e.g. larger than the KV pool, or over the max context)."""
-        return dict(self._refused)
+        """Request id -> why the scheduler refused it (e.g. larger than the KV pool, or over the max context):
+        every refusal of a :meth:`generate` call, and the newest :data:`REFUSALS_KEPT` made outside one."""
+        with self._refusal_lock:
+            return dict(self._refused)
 
     @property
     def truncated(self) -> dict[str, str]:
-        """Request id -> how it was cut to the max context (``RuntimeOptions.truncate_context``)."""
-        return dict(self._truncated)
+        """Request id -> how it was cut to the max context (``RuntimeOptions.truncate_context``); kept as
+        :attr:`refused` is."""
+        with self._refusal_lock:
+            return dict(self._truncated)
 
     @property
     def metric_samples(self) -> list[MetricSample]:

@@ -56,10 +56,6 @@ class LaneOwner(Protocol):
 
     ledger: RequestLedger
 
-    @property
-    def active(self) -> Lane | None:
-        """The entry point: the lane new requests go to first."""
-
     def lane_failed(self, lane: Lane, err: BaseException) -> None:
         """``lane``'s runtime failed with ``err`` (a ``StageFailedError``, or a bug); move its open requests."""
 
@@ -69,8 +65,9 @@ class LaneOwner(Protocol):
     def lane_refused(self, lane: Lane, refusals: dict[str, str]) -> None:
         """``lane``'s runtime refused these requests (request id -> reason), each reported once."""
 
-    def lane_metrics(self, lane: Lane, sample: Any) -> None:
-        """A :class:`~flexpipe_dag.core.metrics.MetricSample` of ``lane``'s runtime."""
+    def lane_metrics(self, lane: Lane, sample: Any, *, idle: bool) -> None:
+        """A :class:`~flexpipe_dag.core.metrics.MetricSample` of ``lane``'s runtime; ``idle``: read while the
+        lane had no request open (its window may be empty)."""
 
     def lane_tokens(self, lane: Lane, tokens: tuple[tuple[str, int, int], ...]) -> None:
         """Tokens one step of ``lane``'s runtime sampled, ``(request_id, index, token_id)`` each (streaming)."""
@@ -106,7 +103,7 @@ class Lane:
         self._rt_lock = threading.Lock()  # held by the pump while it is inside runtime.wait / poll
         self._exclusive_wanted = threading.Event()  # the pump stays off the lock (a lock is not fair)
         self._refusal_lock = threading.Lock()
-        self._seen_refusals: set[str] = set()
+        self._refusal_cursor = 0  # runtime.refusals_since's cursor: refusals already handed to the owner
         self._thread = threading.Thread(target=self._pump, name=f"flexpipe-lane-{lane_id}", daemon=True)
 
     @property
@@ -178,17 +175,10 @@ class Lane:
         self.owner.ledger.finish(out, self.lane_id)
 
     def _on_metrics(self, sample: Any) -> None:
-        self.owner.lane_metrics(self, sample)
+        self.owner.lane_metrics(self, sample, idle=False)
 
     def _on_idle_metrics(self, sample: Any) -> None:
-        """A sample read while no request was open: passed on from the entry point (an idle server's zero load
-        is what the controller and the offline admission must see; a further instance's empty windows would
-        halve the rate they read), or when it records work (the window of a lane's last requests); a draining,
-        standby or warming lane's empty windows describe no traffic and are dropped, so they never read as the
-        serving gear's."""
-        if self is self.owner.active or sample.completed or sample.rps or sample.tokens_per_s or sample.running \
-                or sample.queue_length:
-            self.owner.lane_metrics(self, sample)
+        self.owner.lane_metrics(self, sample, idle=True)
 
     def _on_tokens(self, tokens: tuple[tuple[str, int, int], ...]) -> None:
         self.owner.lane_tokens(self, tokens)
@@ -196,8 +186,7 @@ class Lane:
     def poll_refusals(self) -> int:
         """Hand the runtime's new refusals to the owner (each once); returns how many were new."""
         with self._refusal_lock:
-            fresh = {rid: why for rid, why in self.runtime.refused.items() if rid not in self._seen_refusals}
-            self._seen_refusals.update(fresh)
+            fresh, self._refusal_cursor = self.runtime.refusals_since(self._refusal_cursor)
         if fresh:
             self.owner.lane_refused(self, fresh)
         return len(fresh)

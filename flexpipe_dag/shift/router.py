@@ -62,7 +62,14 @@ class ServingRouter:
         on_result: ``RequestOutput -> None``, called once per caller request (in a pump thread).
         on_refused: ``(request_id, reason) -> None`` for requests no pipeline will serve (e.g.
             prompt + ``max_new_tokens`` - 1 KV tokens more than one lane of the KV pool holds).
-        on_metrics: ``MetricSample -> None``, every live pipeline's samples (``gear_id`` tells which).
+        on_metrics: ``MetricSample -> None``, the serving stream the controller and the offline admission
+            read: every sample a lane takes while it has requests open (``gear_id`` tells which gear), and of
+            the samples it takes while idle, the entry point's (an idle server's zero load is the news) and
+            those that record work (a lane's last requests' window). A further instance's, a draining,
+            standby or warming lane's empty windows describe no traffic and are left out: they would halve
+            the rate the readers see, or read as the serving gear's.
+        on_lane_sample: ``(lane_id, MetricSample) -> None``, every sample of every lane, empty windows
+            included: what each pipeline holds now (per-pipeline gauges).
         on_tokens: ``(request_id, index, token_id) -> None`` for every token a caller request's
             pipeline sampled, as it comes (runtimes started with ``stream_tokens``). A request moved to
             another lane (a failure, a cold shift) starts again there, so an ``index`` can come twice:
@@ -79,9 +86,11 @@ class ServingRouter:
     def __init__(self, on_result: Callable[[RequestOutput], None] | None = None,
                  on_refused: Callable[[str, str], None] | None = None,
                  on_metrics: Callable[[MetricSample], None] | None = None,
-                 on_tokens: Callable[[str, int, int], None] | None = None):
+                 on_tokens: Callable[[str, int, int], None] | None = None,
+                 on_lane_sample: Callable[[str, MetricSample], None] | None = None):
         self.ledger = RequestLedger(on_result, on_refused)
         self._on_metrics = on_metrics
+        self._on_lane_sample = on_lane_sample
         self._on_tokens = on_tokens
         self._lock = threading.RLock()
         self._lanes: dict[str, Lane] = {}
@@ -421,9 +430,12 @@ class ServingRouter:
         self.close()
 
     # -- reports from lanes (LaneOwner; pump / monitor threads) -------------------------------------
-    def lane_metrics(self, lane: Lane, sample: Any) -> None:
-        """Pass a lane's metric sample to ``on_metrics``."""
-        if self._on_metrics is not None:
+    def lane_metrics(self, lane: Lane, sample: Any, *, idle: bool = False) -> None:
+        """Pass a lane's metric sample to ``on_lane_sample``, and to ``on_metrics`` unless it is an empty window
+        of a lane other than the entry point (see the class docstring)."""
+        if self._on_lane_sample is not None:
+            self._on_lane_sample(lane.lane_id, sample)
+        if self._on_metrics is not None and (not idle or sample.records_work or lane is self.active):
             self._on_metrics(sample)
 
     def lane_tokens(self, lane: Lane, tokens: tuple[tuple[str, int, int], ...]) -> None:

@@ -171,7 +171,7 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(engine.metrics_exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "flexpipe",

@@ -155,9 +155,11 @@ class FrontDoorEngine:
 
     # -- router side (pump threads) -----------------------------------------------------------------
     def router_callbacks(self) -> dict[str, Callable]:
-        """``on_result``, ``on_refused``, ``on_tokens``, ``on_metrics`` for the :class:`ServingRouter`."""
+        """``on_result``, ``on_refused``, ``on_tokens``, ``on_metrics``, ``on_lane_sample`` for the
+        :class:`ServingRouter`."""
         return {"on_result": self._from_thread("on_output"), "on_refused": self._from_thread("on_refused"),
-                "on_tokens": self._from_thread("on_token"), "on_metrics": self.metrics.observe_sample}
+                "on_tokens": self._from_thread("on_token"), "on_metrics": self.metrics.observe_sample,
+                "on_lane_sample": self.metrics.observe_pipeline_sample}
 
     def _from_thread(self, method: str) -> Callable:
         def hand_over(request_id, *args) -> None:
@@ -202,6 +204,12 @@ class FrontDoorEngine:
     def num_instances(self) -> int:
         """Pipeline instances requests are routed to now (0 before the pipeline is live)."""
         return len(self.router.instances) if self.router is not None else 0
+
+    def metrics_exposition(self) -> bytes:
+        """``/metrics``: the registry in Prometheus text format, without the series of pipelines that are
+        gone (retired after a shift or a scale-in, or failed)."""
+        live = None if self.router is None else [ln.lane_id for ln in self.router.lanes if ln.alive]
+        return self.metrics.exposition(live)
 
     def instance_status(self) -> list[dict]:
         """Per serving instance: its id, gear, open requests and requests finished there (``/ready``)."""

@@ -3,11 +3,18 @@
 Latencies are measured at the server, from the moment a request was accepted to the moment its
 tokens were handed to the HTTP response: what a client sees, less the network. Names follow
 Prometheus conventions (base units, ``_seconds``, ``_total``) under the ``flexpipe_`` prefix; the
-priority class (``online`` / ``offline``) is a label. The live pipeline's own figures (KV blocks,
-stage utilisation, live gear) come from its 2-s metric samples.
+priority class (``online`` / ``offline``) is a label. The pipelines' own figures (KV blocks, stage
+utilisation, requests waiting) come from their 2-s metric samples, one series per live pipeline (label
+``pipeline``, the lane id ``<gear_id>#<n>``: the entry point, further instances, a gear shift's warming
+or standby pipeline), so several instances never overwrite each other's figures; a pipeline's series go
+when it is retired or fails.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from contextlib import suppress
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -20,6 +27,8 @@ TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 
 CLASSES = ("online", "offline")
 #: ``direction`` labels of ``flexpipe_instance_changes_total``.
 DIRECTIONS = ("out", "in")
+#: Labels of the per-pipeline gauges: the pipeline's lane id and the stage index.
+PIPELINE_LABELS = ("pipeline", "stage")
 
 
 class FrontDoorMetrics:
@@ -37,8 +46,8 @@ class FrontDoorMetrics:
                              ["priority_class"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.running = Gauge("flexpipe_requests_running", "Requests accepted and unfinished", ["priority_class"],
                              registry=r)
-        self.waiting = Gauge("flexpipe_requests_waiting", "Requests waiting for admission in the live pipeline "
-                                                          "(last sample)", registry=r)
+        self.waiting = Gauge("flexpipe_requests_waiting", "Requests waiting for admission, over the live "
+                                                          "pipelines (their last samples)", registry=r)
         self.requests = Counter("flexpipe_requests_total", "Requests answered, by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter("flexpipe_prompt_tokens_total", "Prompt tokens of served requests",
@@ -49,12 +58,12 @@ class FrontDoorMetrics:
                                  "Requests whose response ended before the pipeline finished them (a stop "
                                  "sequence, a client that went away), cancelled in the pipeline",
                                  ["priority_class"], registry=r)
-        self.kv_blocks_used = Gauge("flexpipe_kv_blocks_used", "KV blocks in use, per stage (last sample)",
-                                    ["stage"], registry=r)
-        self.kv_blocks_free = Gauge("flexpipe_kv_blocks_free", "KV blocks free, per stage (last sample)",
-                                    ["stage"], registry=r)
-        self.stage_busy = Gauge("flexpipe_stage_busy_ratio", "Share of the last sample window a stage computed",
-                                ["stage"], registry=r)
+        self.kv_blocks_used = Gauge("flexpipe_kv_blocks_used", "KV blocks in use, per pipeline and stage "
+                                                               "(last sample)", PIPELINE_LABELS, registry=r)
+        self.kv_blocks_free = Gauge("flexpipe_kv_blocks_free", "KV blocks free, per pipeline and stage "
+                                                               "(last sample)", PIPELINE_LABELS, registry=r)
+        self.stage_busy = Gauge("flexpipe_stage_busy_ratio", "Share of the last sample window a stage computed, "
+                                                             "per pipeline and stage", PIPELINE_LABELS, registry=r)
         self.live_gear = Gauge("flexpipe_live_gear_info", "1 for the gear serving now", ["gear_id"], registry=r)
         self.shifts = Counter("flexpipe_gear_shifts_total", "Gear shifts, by reason and outcome",
                               ["reason", "outcome"], registry=r)
@@ -72,15 +81,36 @@ class FrontDoorMetrics:
             self.generation_tokens.labels(cls)
             self.cancelled.labels(cls)
         self._gear: str | None = None
+        self._lock = threading.Lock()
+        self._latest: dict[str, MetricSample] = {}  # pipeline id -> its newest sample (its series exist)
 
     def observe_sample(self, sample: MetricSample) -> None:
-        """Take the live pipeline's figures from one of its metric samples."""
-        self.waiting.set(sample.queue_length)
-        for st in sample.stages:
-            self.kv_blocks_used.labels(str(st.stage_index)).set(st.kv_blocks_used)
-            self.kv_blocks_free.labels(str(st.stage_index)).set(max(st.kv_blocks_total - st.kv_blocks_used, 0))
-            self.stage_busy.labels(str(st.stage_index)).set(st.busy_fraction)
+        """A sample of the serving stream (the router's ``on_metrics``): its gear is the live one."""
         self.set_live_gear(sample.gear_id)
+
+    def observe_pipeline_sample(self, pipeline_id: str, sample: MetricSample) -> None:
+        """Take one pipeline's figures (KV blocks, stage utilisation, its queue) from its newest sample (the
+        router's ``on_lane_sample``; any thread)."""
+        with self._lock:
+            self._latest[pipeline_id] = sample
+            for st in sample.stages:
+                labels = (pipeline_id, str(st.stage_index))
+                self.kv_blocks_used.labels(*labels).set(st.kv_blocks_used)
+                self.kv_blocks_free.labels(*labels).set(max(st.kv_blocks_total - st.kv_blocks_used, 0))
+                self.stage_busy.labels(*labels).set(st.busy_fraction)
+            self.waiting.set(sum(smp.queue_length for smp in self._latest.values()))
+
+    def keep_pipelines(self, pipeline_ids: Iterable[str]) -> None:
+        """Drop the series of every pipeline not in ``pipeline_ids`` (retired or failed: what it held is
+        gone), and count the requests waiting over the rest."""
+        keep = set(pipeline_ids)
+        with self._lock:
+            for gone in [pid for pid in self._latest if pid not in keep]:
+                for st in self._latest.pop(gone).stages:
+                    for gauge in (self.kv_blocks_used, self.kv_blocks_free, self.stage_busy):
+                        with suppress(KeyError):
+                            gauge.remove(gone, str(st.stage_index))
+            self.waiting.set(sum(smp.queue_length for smp in self._latest.values()))
 
     def set_live_gear(self, gear_id: str) -> None:
         """Mark ``gear_id`` as the gear serving now (the previous one's series goes to 0)."""
@@ -90,6 +120,9 @@ class FrontDoorMetrics:
             self.live_gear.labels(gear_id).set(1)
             self._gear = gear_id
 
-    def exposition(self) -> bytes:
-        """The registry in Prometheus text format."""
+    def exposition(self, live_pipelines: Iterable[str] | None = None) -> bytes:
+        """The registry in Prometheus text format; ``live_pipelines``: the ids of the pipelines still up (the
+        others' series are dropped first, :meth:`keep_pipelines`), None: all kept."""
+        if live_pipelines is not None:
+            self.keep_pipelines(live_pipelines)
         return generate_latest(self.registry)

@@ -233,3 +233,24 @@ def test_a_held_request_cancelled_is_never_sent():
         rt.serving.set()
         assert router.wait_idle(5.0)
     assert rt.submitted == ["stays"] and rt.cancelled == []
+
+
+def test_a_router_forgets_its_oldest_dead_lanes_beyond_the_bound(monkeypatch):
+    """A server shifts for days: retired (and failed) lanes beyond DEAD_LANES_KEPT are forgotten, oldest first;
+    the live ones and the newest dead ones stay, and a forgotten one's id is refused by name."""
+    import flexpipe_dag.shift.router as router_mod
+
+    monkeypatch.setattr(router_mod, "DEAD_LANES_KEPT", 2)
+    with ServingRouter() as router:
+        first = StandInRuntime("entry")
+        first.stage_info = ["started"]  # open() starts a runtime without any
+        entry = router.open(first)
+        gone = []
+        for i in range(5):
+            lane = router.add_lane(StandInRuntime(f"g{i}"), state="standby")
+            lane.retire(1.0)
+            gone.append(lane.lane_id)
+        assert [ln.lane_id for ln in router.lanes] == [entry.lane_id, *gone[-2:]]
+        assert router.lane(gone[-1]).state == "retired" and router.active is entry
+        with pytest.raises(InputError, match=gone[0]):
+            router.lane(gone[0])

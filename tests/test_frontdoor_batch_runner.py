@@ -116,3 +116,65 @@ def test_a_row_that_cannot_be_written_is_served_again_under_a_fresh_id(store):
     assert sorted(r.request_key for r in store.results(job.id)) == [f"l-{i}" for i in range(4)]
     assert sum("was not stored (OSError: disk I/O error (injected)); the line is served again" in x
                for x in logged) == 2, logged
+
+
+class _StreamingRouter:
+    """Samples tokens 7, 8, 9, ... one at a time from a pump thread (``on_token``), then the result unless the
+    request was cancelled first (as ServingRouter delivers no cancelled request)."""
+
+    def __init__(self, tokens: int):
+        self.tokens, self.cancelled, self.sent = tokens, [], {}
+        self.on_result = self.on_token = None
+
+    def submit(self, requests) -> None:
+        for r in requests:
+            threading.Thread(target=self._stream, args=(r,), daemon=True).start()
+
+    def cancel(self, request_id: str) -> bool:
+        self.cancelled.append(request_id)
+        return True
+
+    def _stream(self, r) -> None:
+        out = []
+        for i in range(min(self.tokens, r.max_new_tokens)):
+            if r.request_id in self.cancelled:
+                self.sent[r.request_id] = len(out)
+                return
+            out.append(7 + i)
+            self.on_token(r.request_id, i, 7 + i)
+            time.sleep(0.01)
+        self.sent[r.request_id] = len(out)
+        now = time.monotonic()
+        self.on_result(RequestOutput(r.request_id, list(r.prompt_token_ids), out, "length", now, now, now))
+
+
+def test_a_batch_line_with_a_stop_sequence_is_answered_at_it_and_cancelled_in_the_pipeline(store):
+    """A line's stop sequence ends its row at the token that completes it (finish ``stop``, the tokens through
+    it counted) and cancels the rest of its generation, as the endpoint's stream does; a line without one runs
+    to its result. Before, every line ran to max_tokens and was cut afterwards."""
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, **extra}}
+             for cid, extra in (("stops", {"stop": ["9"]}), ("runs", {}))]
+    store.save_api_file("file-1", "batch", "b.jsonl", "\n".join(json.dumps(x) for x in lines).encode())
+    batch_id = create_batch(store, "file-1", "/v1/completions", "24h", None)["id"]
+    router = _StreamingRouter(tokens=60)
+    engine = _Engine(router)
+    runner = BatchRunner(store, engine, MODEL, poll_s=0.01, log=print)
+    router.on_result, router.on_token = runner.on_result, runner.on_token
+    runner.start()
+    try:
+        wait_until(lambda: next(j for j in store.jobs(kind="batch") if j.job_key == batch_id).status == "done",
+                   timeout_s=30, what=f"batch {batch_id} done")
+        wait_until(lambda: len(router.sent) == 2, timeout_s=10, what="both generations ended")
+    finally:
+        runner.stop()
+    job = next(j for j in store.jobs(kind="batch") if j.job_key == batch_id)
+    rows = {r.request_key: json.loads(r.output_text)["body"] for r in store.results(job.id)}
+    stopped, ran = rows["stops"], rows["runs"]
+    assert stopped["choices"][0]["text"] == "7 8 " and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 3
+    assert ran["choices"][0]["finish_reason"] == "length" and ran["usage"]["completion_tokens"] == 60
+    [cancelled] = router.cancelled
+    assert cancelled.startswith(f"batch:{job.id}:0:") and router.sent[cancelled] < 60  # cut short, not run out
+    assert not any(rid.startswith(f"batch:{job.id}:1:") for rid in router.cancelled)
+    assert len(store.results(job.id)) == 2

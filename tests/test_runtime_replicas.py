@@ -142,3 +142,23 @@ def test_too_small_a_kv_pool_for_the_lanes_names_the_fix():
 
     with pytest.raises(InfeasibleError, match=r"--kv-capacity-tokens\) to >= 32"):
         PipelineRuntime(_gear([(0, 15), (15, 30)], [1, 2], kv_capacity_tokens=16), checkpoint())
+
+
+def test_an_any_source_receive_reads_the_sender_without_the_deprecated_source_rank():
+    """Replicated stages receive from any rank; torch 2.13 warns on every ``Work.source_rank`` call (it
+    printed into ``run --stage-replicas``' progress bar), so the private ``_source_rank`` that ``dist.recv``
+    itself reads is used where there is one, the public one on older releases."""
+    from flexpipe_dag.runtime.transport import _sender_rank
+
+    class Work:
+        def _source_rank(self):
+            return 3
+
+        def source_rank(self):
+            raise AssertionError("the deprecated source_rank was called")
+
+    class OldWork:
+        def source_rank(self):
+            return 2
+
+    assert _sender_rank(Work()) == 3 and _sender_rank(OldWork()) == 2

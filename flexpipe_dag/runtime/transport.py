@@ -98,6 +98,14 @@ def send_framed(dst: int, parts: list[torch.Tensor]) -> float:
     return (time.monotonic() - t0) * 1e3
 
 
+def _sender_rank(work: Any) -> int:
+    """The rank an any-source ``irecv`` (default group: group rank = global rank) got its message from.
+    torch 2.13 deprecates ``Work.source_rank`` (a warning per call, printed into progress bars) and its own
+    ``dist.recv`` reads ``_source_rank``; older releases have the public one only."""
+    read = getattr(work, "_source_rank", None) or work.source_rank
+    return int(read())
+
+
 def _posted(work: Any) -> Any:
     """A point-to-point operation's handle (``isend`` / ``irecv`` return one in a process group)."""
     if work is None:
@@ -175,7 +183,7 @@ class Inbox:
         assert work is not None and head is not None
         work.wait()
         self._work = self._head = None
-        src = self.src if self.src is not None else int(work.source_rank())
+        src = self.src if self.src is not None else _sender_rank(work)
         kind, meta, tensor = _unframe(src, head, self.device)
         if kind != MessageKind.STOP:
             self._post()

@@ -50,6 +50,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: How often the monitor thread collects refusals from lanes whose pump is busy, seconds.
 REFUSAL_POLL_S = 0.25
+#: Retired or failed lanes a router remembers (:meth:`ServingRouter.lane` still finds them), newest kept: a
+#: server shifts for days, and each dead lane holds its runtime (up to 10,000 metric samples).
+DEAD_LANES_KEPT = 32
 
 
 class ServingRouter:
@@ -467,6 +470,7 @@ class ServingRouter:
             if self.fallback is lane:
                 self.fallback = None
             self._move_open(lane)
+            self._forget_dead_lanes()
         self._flush_refusals()
 
     def lane_refused(self, lane: Lane, refusals: dict[str, str]) -> None:
@@ -497,7 +501,14 @@ class ServingRouter:
             if lane in self._instances:
                 self._instances.remove(lane)
             self._move_open(lane)
+            self._forget_dead_lanes()
         self._flush_refusals()
+
+    def _forget_dead_lanes(self) -> None:
+        """Drop the oldest retired or failed lanes beyond :data:`DEAD_LANES_KEPT` (caller holds the lock)."""
+        dead = [lane_id for lane_id, ln in self._lanes.items() if not ln.alive]
+        for lane_id in dead[:max(0, len(dead) - DEAD_LANES_KEPT)]:
+            del self._lanes[lane_id]
 
     def _poll_refusals(self) -> None:
         while not self._closed.wait(REFUSAL_POLL_S):

@@ -12,7 +12,9 @@
   again in a trough. Each finished line is written once (``request_results``, unique per line), so a
   server restarted mid-batch resumes where it stopped, and a line's response is exactly what the
   endpoint answers for the same body. A line the endpoint would refuse (context too long, a field
-  FlexPipe does not serve) goes to the error file with its status code.
+  FlexPipe does not serve) goes to the error file with its status code. A line with ``stop`` sequences
+  is watched token by token as the endpoint's stream is: its row is written at the token that completes
+  one, and the rest of its generation is cancelled in the pipeline (not run to ``max_tokens``).
 * ``POST /v1/batches/{id}/cancel`` sets ``cancelled``: nothing more is submitted; lines in flight
   finish and are kept (the batch reads ``cancelling`` until they have).
 * The output and error files (``<batch id>-output``, ``<batch id>-errors``) are built from the result
@@ -37,7 +39,12 @@ from flexpipe_dag.core.ids import printable_problem
 from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY, InferenceJobKind, InferenceJobStatus, RequestResultStatus
 from flexpipe_dag.core.user_yaml import load_user_json
 from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
-from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, _first_stop, tokens_through_stop
+from flexpipe_dag.serving.frontdoor.engine import (
+    FrontDoorEngine,
+    IncrementalDetokenizer,
+    _first_stop,
+    tokens_through_stop,
+)
 from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
 from flexpipe_dag.serving.frontdoor.protocol import (
     APIError,
@@ -120,6 +127,32 @@ def parse_batch_input(content: bytes, endpoint: str, file_id: str) -> list[Batch
     return lines
 
 
+@dataclass
+class _StopWatch:
+    """A batch line with stop sequences, read as its tokens come (pump threads, under the runner's lock)."""
+
+    stops: tuple[str, ...]
+    prompt_tokens: int
+    detok: IncrementalDetokenizer
+    tokens: list[int]
+    checked: int = 0  # characters of text already searched
+    first_token_s: float | None = None
+
+    def add(self, index: int, token_id: int) -> int | None:
+        """Take the token at ``index`` (one seen before, after a move to another lane, is skipped); the
+        stop's start in the text when a stop sequence is now complete, else None."""
+        if index != len(self.tokens):
+            return None
+        self.tokens.append(token_id)
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+        text = self.detok.text_of(self.tokens)
+        hold = max(len(st) for st in self.stops) - 1  # a stop may have begun in text already searched
+        cut = _first_stop(text, self.stops, max(self.checked - hold, 0))
+        self.checked = len(text)
+        return cut
+
+
 class BatchRunner:
     """Serves Batch API batches on the engine's router (see module docstring); a daemon thread.
 
@@ -143,8 +176,12 @@ class BatchRunner:
         self._lines: dict[int, list[BatchLine]] = {}
         self._finished: dict[int, set[str]] = {}  # job id -> custom ids with a result row
         self._errors: dict[int, int] = {}  # job id -> steps in a row that raised
+        self._watches: dict[str, _StopWatch] = {}  # request id -> its stop watch (lines with stop sequences)
+        self._stopped: list[str] = []  # request ids answered at a stop sequence, to cancel in the pipeline
+        self._answered_early: set[str] = set()  # ... whose pipeline result, if it still comes, is dropped
         self._submissions = itertools.count()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the loop's next step is due now (stop, or a line answered at a stop)
         self._thread = threading.Thread(target=self._run, name="flexpipe-batches", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -154,6 +191,7 @@ class BatchRunner:
     def stop(self) -> None:
         """Submit nothing more (lines in flight are served again by the next server: they have no row)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=10)
 
     def inflight(self, job_id: int) -> int:
@@ -174,34 +212,77 @@ class BatchRunner:
     def _on_result(self, out: RequestOutput) -> None:
         with self._lock:  # the line stays in flight until its row is written (else a step could serve it again)
             entry = self._inflight.get(out.request_id)
+            self._watches.pop(out.request_id, None)
+            if out.request_id in self._answered_early:
+                return
         if entry is None:
             return
+        self._answer(out.request_id, entry, list(out.output_token_ids), out.finish_reason, len(out.prompt_token_ids),
+                     out.ttft_s, out.tpot_s)
+
+    def on_token(self, request_id: str, index: int, token_id: int) -> None:
+        """A batch line's sampled token (a pump thread): a line with stop sequences is answered at the token
+        that completes one, and its generation cancelled (by the runner's thread, off the pump's)."""
+        with self._lock:
+            watch = self._watches.get(request_id)
+            cut = watch.add(index, token_id) if watch is not None else None
+            if cut is None or request_id in self._answered_early:
+                return
+            entry = self._inflight.get(request_id)
+            if entry is None:
+                return
+            del self._watches[request_id]
+            self._answered_early.add(request_id)
+            self._stopped.append(request_id)
+        self._wake.set()  # cancelled by the runner's thread at once, not at its next poll
+        assert watch is not None and watch.first_token_s is not None
+        n = len(watch.tokens)
+        tpot_s = (time.monotonic() - watch.first_token_s) / (n - 1) if n > 1 else None
+        try:
+            self._answer(request_id, entry, watch.tokens, "stop", watch.prompt_tokens,
+                         watch.first_token_s - entry[3], tpot_s)
+        except Exception as exc:
+            self.log(f"batch runner: the result of {request_id} was not stored ({type(exc).__name__}: {exc}); "
+                     "the line is served again")
+
+    def _answer(self, request_id: str, entry: tuple[int, BatchLine, Any, float], tokens: list[int],
+                finish: str | None, prompt_tokens: int, ttft_s: float, tpot_s: float | None) -> None:
+        """Write a line's response from its output ``tokens``, cut at its first stop sequence (as the endpoint
+        cuts it), and count it in the offline metrics."""
         job_id, line, shapes, t0 = entry
-        tokens = list(out.output_token_ids)
         text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
-        finish = out.finish_reason
         stops = tuple(_stops(line.body))
         cut = _first_stop(text, stops, 0)
         completion_tokens = len(tokens)
         if cut is not None:  # counted as the endpoint counts it: through the token that completed the stop
             text, finish = text[:cut], "stop"
             completion_tokens = tokens_through_stop(self.engine.tokenizer, tokens, stops)
-        body = shapes.response(text, finish, len(out.prompt_token_ids), completion_tokens)
+        body = shapes.response(text, finish, prompt_tokens, completion_tokens)
         metrics = self.engine.metrics
         metrics.generation_tokens.labels("offline").inc(len(tokens))
-        metrics.prompt_tokens.labels("offline").inc(len(out.prompt_token_ids))
-        metrics.ttft.labels("offline").observe(out.ttft_s)
+        metrics.prompt_tokens.labels("offline").inc(prompt_tokens)
+        metrics.ttft.labels("offline").observe(ttft_s)
         metrics.e2e.labels("offline").observe(time.monotonic() - t0)
-        if out.tpot_s is not None:
-            metrics.tpot.labels("offline").observe(out.tpot_s)
-        self._write(job_id, line, 200, body, tokens, len(out.prompt_token_ids), request_id=out.request_id,
-                    ttft_ms=1e3 * out.ttft_s, tpot_ms=1e3 * out.tpot_s if out.tpot_s is not None else None,
-                    e2e_ms=1e3 * (time.monotonic() - t0))
+        if tpot_s is not None:
+            metrics.tpot.labels("offline").observe(tpot_s)
+        self._write(job_id, line, 200, body, tokens, prompt_tokens, request_id=request_id, ttft_ms=1e3 * ttft_s,
+                    tpot_ms=1e3 * tpot_s if tpot_s is not None else None, e2e_ms=1e3 * (time.monotonic() - t0))
+
+    def _cancel_stopped(self) -> None:
+        """Cancel in the pipeline the lines answered at a stop sequence (their later tokens are nobody's)."""
+        with self._lock:
+            stopped, self._stopped = self._stopped, []
+        for rid in stopped:
+            if self.engine.router is not None and self.engine.router.cancel(rid):
+                self.engine.metrics.cancelled.labels("offline").inc()
+            with self._lock:
+                self._answered_early.discard(rid)  # cancelled (or already finished): no result comes now
 
     def on_refused(self, request_id: str, reason: str) -> None:
         """The pipeline refused a batch line (e.g. larger than its KV pool): an error line."""
         with self._lock:
             entry = self._inflight.get(request_id)
+            self._watches.pop(request_id, None)
         if entry is not None:
             job_id, line, _, _ = entry
             try:
@@ -213,8 +294,13 @@ class BatchRunner:
 
     # -- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while True:
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
+                self._cancel_stopped()
                 self._step()
             except Exception as exc:  # the store or a bad row: say so, try again at the next poll
                 self.log(f"batch runner: {type(exc).__name__}: {exc}")
@@ -274,6 +360,9 @@ class BatchRunner:
             rid = f"{BATCH_PREFIX}{job.id}:{line.index}:{next(self._submissions)}"
             with self._lock:
                 self._inflight[rid] = (job.id, line, shapes, time.monotonic())
+                if gen.stop:
+                    self._watches[rid] = _StopWatch(tuple(gen.stop), len(gen.prompt_token_ids),
+                                                    IncrementalDetokenizer(self.engine.tokenizer), [])
             try:
                 self.engine.router.submit([Request(rid, list(gen.prompt_token_ids), gen.max_tokens,
                                                    priority=PRIORITY_OFFLINE, temperature=gen.temperature,
@@ -282,6 +371,7 @@ class BatchRunner:
             except BaseException:
                 with self._lock:
                     self._inflight.pop(rid, None)
+                    self._watches.pop(rid, None)
                 raise
 
     def _online_open(self) -> int:

@@ -146,8 +146,10 @@ class FrontDoorEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # _streams is read from pump threads
         self._seq = itertools.count(1)
-        #: ``(on_result, on_refused)`` for requests that are not streams (the Batch API runner's lines)
-        self.other_requests: tuple[Callable, Callable] | None = None
+        #: ``(on_result, on_refused, on_token)`` for requests that are not streams (the Batch API runner's
+        #: lines): ``on_result(RequestOutput)``, ``on_refused(request_id, reason)``, ``on_token(request_id,
+        #: index, token_id)``, each called on a pump thread
+        self.other_requests: tuple[Callable, Callable, Callable] | None = None
         # events for streams, in arrival order, handed to the loop in one wake-up per burst (a pipeline
         # step samples a token for every sequence: one wake-up for all of them, not one each)
         self._pending: list[tuple[_Stream, str, tuple, float]] = []
@@ -174,9 +176,12 @@ class FrontDoorEngine:
                     self._flush_scheduled = True
             if stream is not None and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._flush)
-            elif stream is None and self.other_requests is not None and method != "on_token":
-                on_result, on_refused = self.other_requests
-                on_result(*payload) if method == "on_output" else on_refused(rid, *payload)
+            elif stream is None and self.other_requests is not None:
+                on_result, on_refused, on_token = self.other_requests
+                if method == "on_output":
+                    on_result(*payload)
+                else:
+                    (on_token if method == "on_token" else on_refused)(rid, *payload)
         return hand_over
 
     def _flush(self) -> None:

@@ -418,7 +418,7 @@ class FrontDoorServer:
         runner = BatchRunner(self.link.store, self.engine, self.settings.model_name,
                              max_inflight=self.link.batch_inflight, pause_above_online=self.link.batch_pause_above,
                              log=self.log)
-        self.engine.other_requests = (runner.on_result, runner.on_refused)
+        self.engine.other_requests = (runner.on_result, runner.on_refused, runner.on_token)
         self.batch_api.runner = runner
         runner.start()
 

@@ -506,6 +506,29 @@ def test_a_batch_round_trip_through_the_openai_sdk(client):
     assert errors["too-long"]["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_batch_line_with_a_stop_sequence_answers_as_the_endpoint_and_is_cancelled_at_the_stop(server, client):
+    """The line's body is the endpoint's answer for it (text cut before the stop, ``finish_reason`` stop, usage
+    through the token that completed it), and its generation is cancelled there, not run to ``max_tokens``."""
+    free = client.chat.completions.create(**_chat_line("", LONG_PROMPTS[1], max_tokens=48)["body"])
+    text = free.choices[0].message.content
+    assert free.usage.completion_tokens == 48 and len(text) > 40, text
+    stop = text[len(text) // 3:len(text) // 3 + 4]  # its first occurrence ends well before the 48th token
+    body = _chat_line("", LONG_PROMPTS[1], max_tokens=48, stop=[stop])["body"]
+    direct = client.chat.completions.create(**body)
+    assert direct.choices[0].finish_reason == "stop" and direct.usage.completion_tokens < 40, (stop, direct)
+    before = _metrics(server.url)
+    batch = client.batches.create(input_file_id=_upload(client, [{**_chat_line("s", ""), "body": body}]).id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = _wait_batch(client, batch.id, ("completed",))
+    [line] = _jsonl(client, done.output_file_id)
+    got = line["response"]["body"]
+    assert got["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"] == direct.usage.model_dump(exclude_none=True)
+    key = ("flexpipe_requests_cancelled_total", "offline")
+    wait_until(lambda: _metrics(server.url)[key] == before[key] + 1, 10.0, "the line's generation cancelled")
+
+
 def test_a_bad_batch_file_is_refused_naming_the_line_and_nothing_is_stored(server, client):
     good = _chat_line("a", "hi")
     for bad, needle in (([good, good], "line 2: custom_id 'a' is repeated"),

@@ -165,7 +165,7 @@ def enveloped_gear(gear_id: str, kind: str, rps_min: float, rps_max: float, stag
 
 class RefusalsSince:
     """Mixin for stand-in runtimes: :meth:`PipelineRuntime.refusals_since` over the stand-in's ``refused`` dict
-    (insertion-ordered, never trimmed)."""
+    (insertion-ordered, never trimmed; unlike the real one, an id set again is not handed out again)."""
 
     refused: dict[str, str]
 

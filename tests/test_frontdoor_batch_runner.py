@@ -84,20 +84,26 @@ def _batch(store, n: int) -> str:
     return create_batch(store, "file-1", "/v1/completions", "24h", None)["id"]
 
 
-def _run(store, slow: _SlowWrites, n: int) -> tuple[_Router, object, list[str]]:
+def _run(store, slow, n: int, engine: _Engine | None = None) -> tuple[_Router, object, list[str]]:
+    """Serve a batch of ``n`` lines through ``slow`` (the store, or a :class:`_SlowWrites` over it) to completion:
+    the router, the job, the log."""
     batch_id = _batch(store, n)
-    router = _Router(delay_s=0.01)
+    engine = engine or _Engine(_Router(delay_s=0.01))
     logged: list[str] = []
-    runner = BatchRunner(slow, _Engine(router), MODEL, max_inflight=3, poll_s=0.01, log=logged.append)
-    router.on_result = runner.on_result
+    runner = BatchRunner(slow, engine, MODEL, max_inflight=3, poll_s=0.01, log=logged.append)
+    engine.router.on_result = runner.on_result
+    return engine.router, _serve_until_done(store, runner, batch_id, logged), logged
+
+
+def _serve_until_done(store, runner: BatchRunner, batch_id: str, logged: list[str]):
+    """Run ``runner`` until batch ``batch_id`` is done; its job row."""
     runner.start()
     try:
         wait_until(lambda: next(j for j in store.jobs(kind="batch") if j.job_key == batch_id).status == "done",
                    timeout_s=60, what=f"batch {batch_id} done ({logged})")
     finally:
         runner.stop()
-    job = next(j for j in store.jobs(kind="batch") if j.job_key == batch_id)
-    return router, job, logged
+    return next(j for j in store.jobs(kind="batch") if j.job_key == batch_id)
 
 
 def test_a_line_whose_row_is_being_written_is_not_served_again(store):
@@ -148,28 +154,29 @@ class _StreamingRouter:
         self.on_result(RequestOutput(r.request_id, list(r.prompt_token_ids), out, "length", now, now, now))
 
 
-def test_a_batch_line_with_a_stop_sequence_is_answered_at_it_and_cancelled_in_the_pipeline(store):
-    """A line's stop sequence ends its row at the token that completes it (finish ``stop``, the tokens through
-    it counted) and cancels the rest of its generation, as the endpoint's stream does; a line without one runs
-    to its result. Before, every line ran to max_tokens and was cut afterwards."""
+def _stop_batch(store) -> tuple[_StreamingRouter, object, dict[str, dict], list[str]]:
+    """A batch of a line with stop ``9`` and one without, served on a :class:`_StreamingRouter` of 60 tokens:
+    the router, the job, the rows' bodies by custom id, the runner's log."""
     lines = [{"custom_id": cid, "method": "POST", "url": "/v1/completions",
               "body": {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, **extra}}
              for cid, extra in (("stops", {"stop": ["9"]}), ("runs", {}))]
     store.save_api_file("file-1", "batch", "b.jsonl", "\n".join(json.dumps(x) for x in lines).encode())
     batch_id = create_batch(store, "file-1", "/v1/completions", "24h", None)["id"]
     router = _StreamingRouter(tokens=60)
-    engine = _Engine(router)
-    runner = BatchRunner(store, engine, MODEL, poll_s=0.01, log=print)
+    logged: list[str] = []
+    runner = BatchRunner(store, _Engine(router), MODEL, poll_s=0.01, log=logged.append)
     router.on_result, router.on_token = runner.on_result, runner.on_token
-    runner.start()
-    try:
-        wait_until(lambda: next(j for j in store.jobs(kind="batch") if j.job_key == batch_id).status == "done",
-                   timeout_s=30, what=f"batch {batch_id} done")
-        wait_until(lambda: len(router.sent) == 2, timeout_s=10, what="both generations ended")
-    finally:
-        runner.stop()
-    job = next(j for j in store.jobs(kind="batch") if j.job_key == batch_id)
-    rows = {r.request_key: json.loads(r.output_text)["body"] for r in store.results(job.id)}
+    job = _serve_until_done(store, runner, batch_id, logged)
+    wait_until(lambda: len(router.sent) == 2, timeout_s=10, what="both generations ended")
+    assert len(store.results(job.id)) == 2
+    return router, job, {r.request_key: json.loads(r.output_text)["body"] for r in store.results(job.id)}, logged
+
+
+def test_a_batch_line_with_a_stop_sequence_is_answered_at_it_and_cancelled_in_the_pipeline(store):
+    """A line's stop sequence ends its row at the token that completes it (finish ``stop``, the tokens through
+    it counted) and cancels the rest of its generation, as the endpoint's stream does; a line without one runs
+    to its result. Before, every line ran to max_tokens and was cut afterwards."""
+    router, job, rows, _ = _stop_batch(store)
     stopped, ran = rows["stops"], rows["runs"]
     assert stopped["choices"][0]["text"] == "7 8 " and stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] == 3
@@ -177,4 +184,38 @@ def test_a_batch_line_with_a_stop_sequence_is_answered_at_it_and_cancelled_in_th
     [cancelled] = router.cancelled
     assert cancelled.startswith(f"batch:{job.id}:0:") and router.sent[cancelled] < 60  # cut short, not run out
     assert not any(rid.startswith(f"batch:{job.id}:1:") for rid in router.cancelled)
-    assert len(store.results(job.id)) == 2
+
+
+def test_a_stop_watch_that_raises_leaves_the_line_to_its_whole_result_and_the_pipeline_serving(store, monkeypatch):
+    """Token checks run on the pipeline's pump thread: one that raises (a tokenizer's error) must not reach it.
+    The line is then cut at its stop from its whole result, as before the watch existed."""
+    from flexpipe_dag.serving.frontdoor import batches
+
+    def broken(self, index, token_id):
+        raise ValueError("token id out of the vocabulary")
+
+    monkeypatch.setattr(batches._StopWatch, "add", broken)
+    router, _, rows, logged = _stop_batch(store)
+    stopped = rows["stops"]
+    assert stopped["choices"][0]["text"] == "7 8 " and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 3 and router.cancelled == [] and set(router.sent.values()) == {60}
+    assert sum("stop sequences are checked at its end (ValueError: token id out of" in x for x in logged) == 1, logged
+
+
+def test_a_line_whose_answer_raises_before_its_row_is_served_again(store):
+    """An answer that raises before its row is written (here the decode) takes the line out of flight: it is
+    served again under a fresh id and the batch completes, not left waiting for a result that never comes."""
+    class FlakyTokenizer(_Tokenizer):
+        failed = False
+
+        def decode(self, ids, skip_special_tokens=True) -> str:
+            if not FlakyTokenizer.failed:
+                FlakyTokenizer.failed = True
+                raise RuntimeError("decoder hiccup")
+            return super().decode(ids, skip_special_tokens)
+
+    engine = _Engine(_Router(delay_s=0.01))
+    engine.tokenizer = FlakyTokenizer()
+    router, job, logged = _run(store, store, 3, engine)
+    assert sorted(r.request_key for r in store.results(job.id)) == ["l-0", "l-1", "l-2"] and len(router.seen) == 4
+    assert sum("was not stored (RuntimeError: decoder hiccup); the line is served again" in x for x in logged) == 1

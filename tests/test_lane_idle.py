@@ -149,8 +149,11 @@ def test_a_serving_runtimes_refusals_stay_bounded_and_a_lane_hands_each_out_once
     assert lane.poll_refusals() == 0
     rt._note_refusal(RequestRefused("r9", "again"))
     assert lane.poll_refusals() == 1 and handed[-1] == {"r9": "again"}
+    rt._note_refusal(RequestRefused("z", "first"))
+    rt._note_refusal(RequestRefused("z", "second"))  # twice between two polls: only its newest, and nothing older
+    assert lane.poll_refusals() == 1 and handed[-1] == {"z": "second"}
     assert [list(h) for h in handed[:2]] == [["r0", "r1", "r2"], ["r3"]] and len(rt.refused) == 5
     rt._keep_finished = True  # as inside generate(): its report names every refusal
     for i in range(20):
         rt._note_refusal(RequestRefused(f"g{i}", "why"))
-    assert len(rt.refused) == 25
+    assert len(rt.refused) == 25 and lane.poll_refusals() == 20

@@ -342,8 +342,9 @@ class PipelineRuntime:
         self._finished: list[RequestOutput] = []
         self._keep_finished = False
         self._metrics: collections.deque[MetricSample] = collections.deque(maxlen=METRIC_SAMPLES_KEPT)
-        self._refused: collections.OrderedDict[str, str] = collections.OrderedDict()  # oldest first
-        self._truncated: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # request id -> (its refusal's number, reason), in the order made (a repeated id moves to the end)
+        self._refused: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
+        self._truncated: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
         self._refusals_made = 0  # every refusal so far, forgotten ones included (refusals_since's cursor)
         self._refusal_lock = threading.RLock()  # refusals are noted by the caller's and the pump's threads
         self._stall_mark: tuple[tuple[float, float], float] | None = None  # ((sent, done), since when)
@@ -659,7 +660,7 @@ class PipelineRuntime:
             keep, _ = fit_to_context(n, r.max_new_tokens, limit)  # max_new_tokens < limit: only the prompt is cut
             if keep != n:
                 self._remember(self._truncated, r.request_id,
-                               f"prompt {n} -> {keep} tokens (the last ones kept); max context {limit} tokens")
+                               (0, f"prompt {n} -> {keep} tokens (the last ones kept); max context {limit} tokens"))
                 r = dataclasses.replace(r, prompt_token_ids=list(r.prompt_token_ids[n - keep:]))
             out.append(r)
         return out
@@ -752,26 +753,26 @@ class PipelineRuntime:
 
     def _remember_refusal(self, request_id: str, reason: str) -> None:
         with self._refusal_lock:
-            self._remember(self._refused, request_id, reason)
             self._refusals_made += 1
+            self._remember(self._refused, request_id, (self._refusals_made, reason))
 
-    def _remember(self, table: collections.OrderedDict[str, str], request_id: str, reason: str) -> None:
-        """Note ``request_id``'s ``reason`` in ``table`` as its newest entry; outside :meth:`generate`, the
-        oldest beyond :data:`REFUSALS_KEPT` are forgotten."""
+    def _remember(self, table: collections.OrderedDict[str, tuple[int, str]], request_id: str,
+                  entry: tuple[int, str]) -> None:
+        """Note ``request_id``'s ``(number, reason)`` in ``table`` as its newest entry; outside :meth:`generate`,
+        the oldest beyond :data:`REFUSALS_KEPT` are forgotten."""
         with self._refusal_lock:
             table.pop(request_id, None)
-            table[request_id] = reason
+            table[request_id] = entry
             while not self._keep_finished and len(table) > REFUSALS_KEPT:
                 table.popitem(last=False)
 
     def refusals_since(self, cursor: int) -> tuple[dict[str, str], int]:
         """The refusals made after the first ``cursor`` (request id -> reason, oldest first), and the cursor to
         pass next time (start with 0). A caller that polls at least once per :data:`REFUSALS_KEPT` refusals
-        sees each once; older ones are forgotten."""
+        sees each once (an id refused again, once more); older ones are forgotten."""
         with self._refusal_lock:
-            new = min(max(self._refusals_made - cursor, 0), len(self._refused))
-            newest = list(itertools.islice(reversed(self._refused.items()), new))
-            return dict(reversed(newest)), self._refusals_made
+            newest = list(itertools.takewhile(lambda item: item[1][0] > cursor, reversed(self._refused.items())))
+            return {rid: why for rid, (_, why) in reversed(newest)}, self._refusals_made
 
     def flush_metrics(self, on_metrics: Callable[[MetricSample], None] | None = None,
                       timeout_s: float = 10.0) -> MetricSample | None:
@@ -821,14 +822,14 @@ class PipelineRuntime:
         """Request id -> why the scheduler refused it (e.g. larger than the KV pool, or over the max context):
         every refusal of a :meth:`generate` call, and the newest :data:`REFUSALS_KEPT` made outside one."""
         with self._refusal_lock:
-            return dict(self._refused)
+            return {rid: why for rid, (_, why) in self._refused.items()}
 
     @property
     def truncated(self) -> dict[str, str]:
         """Request id -> how it was cut to the max context (``RuntimeOptions.truncate_context``); kept as
         :attr:`refused` is."""
         with self._refusal_lock:
-            return dict(self._truncated)
+            return {rid: how for rid, (_, how) in self._truncated.items()}
 
     @property
     def metric_samples(self) -> list[MetricSample]:

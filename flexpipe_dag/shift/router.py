@@ -50,8 +50,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: How often the monitor thread collects refusals from lanes whose pump is busy, seconds.
 REFUSAL_POLL_S = 0.25
-#: Retired or failed lanes a router remembers (:meth:`ServingRouter.lane` still finds them), newest kept: a
-#: server shifts for days, and each dead lane holds its runtime (up to 10,000 metric samples).
+#: Retired or failed lanes a router remembers (:meth:`ServingRouter.lane` still finds them), the latest added
+#: kept: a server shifts for days, and each dead lane holds its runtime (up to 10,000 metric samples).
 DEAD_LANES_KEPT = 32
 
 
@@ -505,7 +505,7 @@ class ServingRouter:
         self._flush_refusals()
 
     def _forget_dead_lanes(self) -> None:
-        """Drop the oldest retired or failed lanes beyond :data:`DEAD_LANES_KEPT` (caller holds the lock)."""
+        """Drop the retired or failed lanes added first, beyond :data:`DEAD_LANES_KEPT` (caller holds the lock)."""
         dead = [lane_id for lane_id, ln in self._lanes.items() if not ln.alive]
         for lane_id in dead[:max(0, len(dead) - DEAD_LANES_KEPT)]:
             del self._lanes[lane_id]

@@ -14,7 +14,9 @@
   endpoint answers for the same body. A line the endpoint would refuse (context too long, a field
   FlexPipe does not serve) goes to the error file with its status code. A line with ``stop`` sequences
   is watched token by token as the endpoint's stream is: its row is written at the token that completes
-  one, and the rest of its generation is cancelled in the pipeline (not run to ``max_tokens``).
+  one, and the rest of its generation is cancelled in the pipeline (not run to ``max_tokens``). A line
+  whose tokens did not all come (streamed tokens are not replayed after a reconfigure) is cut at its
+  stop from its whole result, as before.
 * ``POST /v1/batches/{id}/cancel`` sets ``cancelled``: nothing more is submitted; lines in flight
   finish and are kept (the batch reads ``cancelling`` until they have).
 * The output and error files (``<batch id>-output``, ``<batch id>-errors``) are built from the result
@@ -206,8 +208,14 @@ class BatchRunner:
         try:
             self._on_result(out)
         except Exception as exc:
-            self.log(f"batch runner: the result of {out.request_id} was not stored ({type(exc).__name__}: {exc}); "
-                     "the line is served again")
+            self._not_stored(out.request_id, exc)
+
+    def _not_stored(self, request_id: str, exc: Exception) -> None:
+        """A line's answer raised before or while its row was written: out of flight, so it is served again."""
+        with self._lock:
+            self._inflight.pop(request_id, None)
+        self.log(f"batch runner: the result of {request_id} was not stored ({type(exc).__name__}: {exc}); "
+                 "the line is served again")
 
     def _on_result(self, out: RequestOutput) -> None:
         with self._lock:  # the line stays in flight until its row is written (else a step could serve it again)
@@ -225,7 +233,13 @@ class BatchRunner:
         that completes one, and its generation cancelled (by the runner's thread, off the pump's)."""
         with self._lock:
             watch = self._watches.get(request_id)
-            cut = watch.add(index, token_id) if watch is not None else None
+            try:
+                cut = watch.add(index, token_id) if watch is not None else None
+            except Exception as exc:  # never the pipeline's pump: the line is answered from its whole result
+                del self._watches[request_id]
+                self.log(f"batch runner: {request_id}'s stop sequences are checked at its end "
+                         f"({type(exc).__name__}: {exc})")
+                return
             if cut is None or request_id in self._answered_early:
                 return
             entry = self._inflight.get(request_id)
@@ -242,8 +256,7 @@ class BatchRunner:
             self._answer(request_id, entry, watch.tokens, "stop", watch.prompt_tokens,
                          watch.first_token_s - entry[3], tpot_s)
         except Exception as exc:
-            self.log(f"batch runner: the result of {request_id} was not stored ({type(exc).__name__}: {exc}); "
-                     "the line is served again")
+            self._not_stored(request_id, exc)
 
     def _answer(self, request_id: str, entry: tuple[int, BatchLine, Any, float], tokens: list[int],
                 finish: str | None, prompt_tokens: int, ttft_s: float, tpot_s: float | None) -> None:
@@ -273,8 +286,12 @@ class BatchRunner:
         with self._lock:
             stopped, self._stopped = self._stopped, []
         for rid in stopped:
-            if self.engine.router is not None and self.engine.router.cancel(rid):
-                self.engine.metrics.cancelled.labels("offline").inc()
+            try:
+                if self.engine.router is not None and self.engine.router.cancel(rid):
+                    self.engine.metrics.cancelled.labels("offline").inc()
+            except Exception as exc:  # the rest are cancelled all the same; this one's result is dropped
+                self.log(f"batch runner: {rid} was not cancelled ({type(exc).__name__}: {exc})")
+                continue
             with self._lock:
                 self._answered_early.discard(rid)  # cancelled (or already finished): no result comes now
 
@@ -283,6 +300,8 @@ class BatchRunner:
         with self._lock:
             entry = self._inflight.get(request_id)
             self._watches.pop(request_id, None)
+            if request_id in self._answered_early:  # answered at its stop sequence (moved, then refused)
+                return
         if entry is not None:
             job_id, line, _, _ = entry
             try:

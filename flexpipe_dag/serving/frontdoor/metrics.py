@@ -5,8 +5,9 @@ tokens were handed to the HTTP response: what a client sees, less the network. N
 Prometheus conventions (base units, ``_seconds``, ``_total``) under the ``flexpipe_`` prefix; the
 priority class (``online`` / ``offline``) is a label. The pipelines' own figures (KV blocks, stage
 utilisation, requests waiting) come from their 2-s metric samples, one series per live pipeline (label
-``pipeline``, the lane id ``<gear_id>#<n>``: the entry point, further instances, a gear shift's warming
-or standby pipeline), so several instances never overwrite each other's figures; a pipeline's series go
+``pipeline``, the lane id ``<gear_id>#<n>``, named after the gear the pipeline started with (a cold
+shift reconfigures a pipeline in place, keeping its id): the entry point, further instances, a gear
+shift's warming or standby pipeline), so several instances never overwrite each other's figures; a pipeline's series go
 when it is retired or fails.
 """
 

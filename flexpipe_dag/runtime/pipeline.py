@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.dtypes import compute_dtype
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
@@ -344,7 +344,7 @@ class PipelineRuntime:
         self._metrics: collections.deque[MetricSample] = collections.deque(maxlen=METRIC_SAMPLES_KEPT)
         # request id -> (its refusal's number, reason), in the order made (a repeated id moves to the end)
         self._refused: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
-        self._truncated: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
+        self._truncated: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id -> how
         self._refusals_made = 0  # every refusal so far, forgotten ones included (refusals_since's cursor)
         self._refusal_lock = threading.RLock()  # refusals are noted by the caller's and the pump's threads
         self._stall_mark: tuple[tuple[float, float], float] | None = None  # ((sent, done), since when)
@@ -660,7 +660,7 @@ class PipelineRuntime:
             keep, _ = fit_to_context(n, r.max_new_tokens, limit)  # max_new_tokens < limit: only the prompt is cut
             if keep != n:
                 self._remember(self._truncated, r.request_id,
-                               (0, f"prompt {n} -> {keep} tokens (the last ones kept); max context {limit} tokens"))
+                               f"prompt {n} -> {keep} tokens (the last ones kept); max context {limit} tokens")
                 r = dataclasses.replace(r, prompt_token_ids=list(r.prompt_token_ids[n - keep:]))
             out.append(r)
         return out
@@ -756,10 +756,9 @@ class PipelineRuntime:
             self._refusals_made += 1
             self._remember(self._refused, request_id, (self._refusals_made, reason))
 
-    def _remember(self, table: collections.OrderedDict[str, tuple[int, str]], request_id: str,
-                  entry: tuple[int, str]) -> None:
-        """Note ``request_id``'s ``(number, reason)`` in ``table`` as its newest entry; outside :meth:`generate`,
-        the oldest beyond :data:`REFUSALS_KEPT` are forgotten."""
+    def _remember(self, table: collections.OrderedDict[str, Any], request_id: str, entry: Any) -> None:
+        """Note ``request_id``'s ``entry`` in ``table`` as its newest; outside :meth:`generate`, the oldest beyond
+        :data:`REFUSALS_KEPT` are forgotten."""
         with self._refusal_lock:
             table.pop(request_id, None)
             table[request_id] = entry
@@ -829,7 +828,7 @@ class PipelineRuntime:
         """Request id -> how it was cut to the max context (``RuntimeOptions.truncate_context``); kept as
         :attr:`refused` is."""
         with self._refusal_lock:
-            return {rid: how for rid, (_, how) in self._truncated.items()}
+            return dict(self._truncated)
 
     @property
     def metric_samples(self) -> list[MetricSample]:

@@ -389,14 +389,14 @@ class ControlServer:
             try:
                 st.exitcode = int(store.get(f"exit/{w}"))
             except ValueError as exc:
+                store.delete_key(f"exit/{w}")  # before counting it, so a good one written after is kept
                 self._ignore(w, "exit status", exc)
-                store.delete_key(f"exit/{w}")
         if not store.check([f"hb/{w}"]):
             return
         blob = store.get(f"hb/{w}")
         if len(blob) != _HB.size:
+            store.delete_key(f"hb/{w}")  # before counting it (a reader of ``ignored`` may write a good one)
             self._ignore(w, "heartbeat", f"{len(blob)} bytes, expected {_HB.size}")
-            store.delete_key(f"hb/{w}")
             return
         seq, sent_at, *fields = _HB.unpack(blob)
         if seq == st._seq:

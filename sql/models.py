@@ -250,6 +250,9 @@ class MetricSampleRow(Base):
     busy_fraction: Mapped[float | None] = mapped_column(Float)
     kv_blocks_used: Mapped[int | None]
     kv_blocks_total: Mapped[int | None]
+    instances: Mapped[int | None] = mapped_column(
+        comment="pipeline instances of the gear whose windows a pipeline row sums (rates and counts are theirs "
+                "together); NULL: 1 (stage rows, rows stored before it existed)")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 

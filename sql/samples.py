@@ -52,6 +52,9 @@ def _checked_sample(smp: MetricSample, context: str) -> MetricSample:
                               "gear_id": checked_text(smp.gear_id, where, "gear_id", 200)}
     fields.update({f: checked_finite(getattr(smp, f), where, f, context=context) for f in _FIGURES})
     fields.update({f: checked_int(getattr(smp, f), where, f, context=context) for f in _COUNTS})
+    fields["instances"] = checked_int(smp.instances, where, "instances", context=context)
+    if fields["instances"] < 1:
+        raise InputError(where, "instances", f"{fields['instances']}{context}; expected at least 1 pipeline instance")
     fields.update({f: checked_finite(getattr(smp, f), where, f, optional=True, context=context)
                    for f in _PERCENTILES})
     stages = []
@@ -108,7 +111,8 @@ class MetricSamples(StoreBase):
                     rps=smp.rps, completed=smp.completed, tokens_per_s=smp.tokens_per_s,
                     queue_length=smp.queue_length, running=smp.running, kv_used_fraction=smp.kv_used_fraction,
                     ttft_p50_ms=smp.ttft_p50_ms, ttft_p99_ms=smp.ttft_p99_ms, tpot_p50_ms=smp.tpot_p50_ms,
-                    tpot_p99_ms=smp.tpot_p99_ms, e2e_p50_ms=smp.e2e_p50_ms, e2e_p99_ms=smp.e2e_p99_ms)
+                    tpot_p99_ms=smp.tpot_p99_ms, e2e_p50_ms=smp.e2e_p50_ms, e2e_p99_ms=smp.e2e_p99_ms,
+                    instances=smp.instances)
                 s.add(head)
                 s.flush()
                 s.add_all(m.MetricSampleRow(
@@ -175,5 +179,6 @@ class MetricSamples(StoreBase):
                 queue_length=_held(h, "queue_length", h.queue_length), running=_held(h, "running", h.running),
                 kv_used_fraction=_held(h, "kv_used_fraction", h.kv_used_fraction), ttft_p50_ms=h.ttft_p50_ms,
                 ttft_p99_ms=h.ttft_p99_ms, tpot_p50_ms=h.tpot_p50_ms, tpot_p99_ms=h.tpot_p99_ms,
-                e2e_p50_ms=h.e2e_p50_ms, e2e_p99_ms=h.e2e_p99_ms, stages=tuple(stages.get(h.id, ()))))
+                e2e_p50_ms=h.e2e_p50_ms, e2e_p99_ms=h.e2e_p99_ms, stages=tuple(stages.get(h.id, ())),
+                instances=h.instances or 1))
                 for h in heads]

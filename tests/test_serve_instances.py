@@ -88,6 +88,13 @@ def test_two_instances_answer_concurrent_greedy_requests_exactly_and_both_serve(
         assert srv.stop() == 0
     log = "\n".join(srv.lines)
     assert "instance 2 of 2 live" in log and "samples to the store, shifts from gear_shift runs" in log, log[-3000:]
+    # the store's serving stream: one sample per round of both instances' windows (the fleet's load), never
+    # a finished request counted twice
+    from flexpipe_dag.sql.store import Store
+
+    samples = [smp for _, smp in Store.from_url(f"sqlite:///{tmp_path / 'flexpipe.db'}").read_samples()]
+    assert any(smp.instances == 2 for smp in samples), [(smp.t_s, smp.instances) for smp in samples]
+    assert sum(smp.completed for smp in samples) <= 16
 
 
 @pytest.mark.parametrize(("argv", "message"), [

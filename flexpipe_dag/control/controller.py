@@ -273,7 +273,8 @@ class Controller:
                 raise InputError("metric samples", "gear_id",
                                  f"sample at t_s={sample.t_s} names gear {sample.gear_id!r}, which is not among "
                                  f"the gears passed ({', '.join(sorted(by_id))})")
-            raised_by = self._observe(st, sample, by_id, unhealthy, cost_fn, forecast) or raised_by
+            # several instances' merged sample: the load one of them carries, against the gear's envelope
+            raised_by = self._observe(st, sample.per_instance(), by_id, unhealthy, cost_fn, forecast) or raised_by
         return st, raised_by
 
     def decide(self, state: ControllerState | None, samples: Iterable[MetricSample], gears: Sequence[Gear], *,

@@ -115,7 +115,7 @@ def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_k
 
 class TideCursor(BaseModel):
     """The ``tide_sensor``'s cursor: the smoothed online rate, the last metric-sample row read, the
-    admission gate and the gear last seen. Its size does not grow with the jobs admitted: it holds no
+    admission gate and the gear last seen (with its instance count). Its size does not grow with the jobs admitted: it holds no
     per-job entry (at most about 400 bytes, the gear id being the only text).
 
     Cursors written before request rates were named ``rps`` hold ``qps_ema``; it reads as ``ema_rps``.
@@ -132,6 +132,8 @@ class TideCursor(BaseModel):
     admissions: dict[str, Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=dict)
     gate: TideGate = Field(default_factory=TideGate)
     gear_id: str | None = None
+    #: pipeline instances of ``gear_id`` the newest sample was merged from (its ``rps`` is theirs together)
+    instances: StrictInt = Field(1, ge=1)
 
     @classmethod
     def parse(cls, cursor: str | None) -> TideCursor:

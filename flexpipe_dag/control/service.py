@@ -371,6 +371,12 @@ def _evaluate_followed(db: GearShiftStore, controller: Controller, settings: Res
                       f"up to t_s={samples[-1].t_s:g} of {live.newest_sample_t_s:g}; the decision waits until the "
                       f"newest is read")
             return ShiftEvaluation(_hold(controller, state, reason, "backlog"), cursor, samples_read=read, backlog=True)
+        if samples[-1].instances > 1:  # a fleet of one gear serves: its scaler sizes it, a shift moves one pipeline
+            state, raised_by = controller.observe(state, samples, gears, **args)
+            reason = (f"hold: {samples[-1].instances} instances of gear {samples[-1].gear_id} serve; their fleet "
+                      f"scaler adds and removes instances, and a gear shift would move only one of them")
+            return ShiftEvaluation(_hold(controller, state, reason, "instances"),
+                                   make_cursor(state, last_id, run_key, raised_by, last_decline), samples_read=read)
         new_state, decision = controller.decide(state, samples, gears, **args)
         if decision.action != "shift" and not decision.declined:
             return ShiftEvaluation(decision, make_cursor(new_state, last_id, run_key, None, last_decline),
@@ -470,7 +476,9 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
         forecaster = TideForecaster(load_history(cfg))
     gear_id = rows[-1][1].gear_id if rows else state.gear_id
     gear = db.load_gear(gear_id) if gear_id else None
-    capacity = gear.rps_max if gear else float("inf")
+    # rps is the fleet's when several instances serve (a merged sample): their summed envelopes hold it
+    instances = rows[-1][1].instances if rows else state.instances
+    capacity = gear.rps_max * instances if gear else float("inf")
     batch_jobs = db.jobs(kind="batch")
     admissions = _admission_counts(db, batch_jobs, state.admissions)
     running = [j for j in batch_jobs if j.status == "running"]
@@ -496,7 +504,8 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
             db.update_job(j.id, status="admitted", admissions=admissions[j.job_key])
         # a Batch API batch is admitted (the front door serving it resumes it) but gets no batch_inference run
         admit = [j for j in admit if API_BATCH_CONFIG_KEY not in j.config]
-    new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, gate=gate, gear_id=gear_id).dump()
+    new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, gate=gate, gear_id=gear_id,
+                            instances=instances).dump()
     return TideEvaluation(decision if act is None else act, new_cursor, tuple(admit), tuple(paused),
                           {j.job_key: admission_run_key(j.job_key, admissions[j.job_key]) for j in admit},
                           tuple(no_config))

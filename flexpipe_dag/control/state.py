@@ -133,7 +133,7 @@ class ControllerState(BaseModel):
 #: its own: the serving pipeline is not live (``not_live``: its run ended, is a batch job, or its samples or
 #: heartbeat are older than ``sample_freshness_s``) and a backlog still being read (``backlog``).
 ReasonKind = Literal["no_samples", "no_trigger", "counting", "in_progress", "shift", "dwell", "payback",
-                     "no_gear_holds", "no_candidate", "not_live", "backlog"]
+                     "no_gear_holds", "no_candidate", "not_live", "backlog", "instances"]
 DECLINE_KINDS: tuple[ReasonKind, ...] = ("dwell", "payback", "no_gear_holds", "no_candidate")
 
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.shift.instance_samples import InstanceRound
 from flexpipe_dag.shift.lane import Lane, LaneState
 from flexpipe_dag.shift.ledger import INTERNAL_PREFIX, LedgerEntry, Probe, RequestLedger
 
@@ -68,9 +69,13 @@ class ServingRouter:
         on_metrics: ``MetricSample -> None``, the serving stream the controller and the offline admission
             read: every sample a lane takes while it has requests open (``gear_id`` tells which gear), and of
             the samples it takes while idle, the entry point's (an idle server's zero load is the news) and
-            those that record work (a lane's last requests' window). A further instance's, a draining,
-            standby or warming lane's empty windows describe no traffic and are left out: they would halve
-            the rate the readers see, or read as the serving gear's.
+            those that record work (a lane's last requests' window). A standby or warming lane's empty
+            windows, and a draining lane's of another gear, describe no traffic and are left out: they would
+            halve the rate the readers see, or read as the serving gear's. While two or more lanes of the entry
+            point's gear hold traffic (several instances; a withdrawn instance or an old pipeline draining),
+            their windows are merged, one sample per round of their reports
+            (:mod:`~flexpipe_dag.shift.instance_samples`): the fleet's rates and counts, ``instances`` = how
+            many of them take new requests.
         on_lane_sample: ``(lane_id, MetricSample) -> None``, every sample of every lane, empty windows
             included: what each pipeline holds now (per-pipeline gauges).
         on_tokens: ``(request_id, index, token_id) -> None`` for every token a caller request's
@@ -96,6 +101,7 @@ class ServingRouter:
         self._on_lane_sample = on_lane_sample
         self._on_tokens = on_tokens
         self._lock = threading.RLock()
+        self._rounds = InstanceRound()  # several lanes of the entry point's gear: one serving-stream sample a round
         self._lanes: dict[str, Lane] = {}
         self._active: Lane | None = None
         self._instances: list[Lane] = []  # further lanes requests are routed to, beside the entry point
@@ -438,8 +444,35 @@ class ServingRouter:
         of a lane other than the entry point (see the class docstring)."""
         if self._on_lane_sample is not None:
             self._on_lane_sample(lane.lane_id, sample)
-        if self._on_metrics is not None and (not idle or sample.records_work or lane is self.active):
+        if self._on_metrics is None:
+            return
+        members, routed = self._round_members(lane)
+        if members:
+            merged = self._rounds.add(lane.lane_id, sample, members, routed)
+            if merged is not None:
+                self._on_metrics(merged)
+        elif not idle or sample.records_work or lane is self.active:
             self._on_metrics(sample)
+
+    def _round_members(self, lane: Lane) -> tuple[list[str], int]:
+        """The lanes whose windows the serving stream merges (:class:`InstanceRound`) when ``lane`` is one of
+        them: the live lanes of the entry point's gear that are routed to or draining (a scale-in's withdrawn
+        instance, a pool growth's old pipeline), when there are at least two; else ``[]``. With how many of
+        them are routed to (the merged sample's ``instances``)."""
+        with self._lock:
+            entry = self.active
+            if entry is None:
+                return [], 0
+            gear_id = entry.gear.gear_id
+            routed = [ln.lane_id for ln in self.instances if ln.gear.gear_id == gear_id]
+            members = routed + [ln.lane_id for ln in self._lanes.values()
+                                if ln.state == "draining" and ln.gear.gear_id == gear_id and ln.lane_id not in routed]
+        if len(members) < 2:
+            self._rounds.reset()
+            return [], len(routed)
+        if lane.lane_id not in members:
+            return [], len(routed)
+        return members, len(routed)
 
     def lane_tokens(self, lane: Lane, tokens: tuple[tuple[str, int, int], ...]) -> None:
         """Pass a lane's sampled tokens of caller requests (not the executor's probes) to ``on_tokens``."""

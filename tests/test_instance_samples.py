@@ -150,3 +150,26 @@ def test_the_store_keeps_the_instance_count_and_refuses_a_bad_one(tmp_path):
         with pytest.raises(InputError, match="instances"):
             db.write_samples("r", [dataclasses.replace(_window(1.0, t_s=6.0), instances=bad)])
     assert len(db.read_samples(run_key="r")) == 2
+
+
+def test_samples_handed_on_in_the_same_millisecond_are_stored_with_rising_times(monkeypatch):
+    """LiveControl stamps a sample when it is received; two received together (a backlog, two lanes) must
+    not share a ``t_s``: the controller reads a sample not after the last one read as read already."""
+    from flexpipe_dag.serving import live_control
+
+    stored: list[MetricSample] = []
+    store = SimpleNamespace(write_samples=lambda run_key, batch: stored.extend(batch))
+    live = live_control.LiveControl(store, None, None, None, (), "serve-1", log=lambda line: None)
+    now = [live.t0 + 5.0]
+    monkeypatch.setattr(live_control.time, "monotonic", lambda: now[0])
+    for rps in (1.0, 2.0, 3.0):
+        live.on_metrics(_window(rps))
+    live.write_samples()
+    live.on_metrics(_window(4.0))  # the next control step, still in the same millisecond
+    live.write_samples()
+    assert [s.rps for s in stored] == [1.0, 2.0, 3.0, 4.0]
+    assert [s.t_s for s in stored] == [5.0, 5.001, 5.002, 5.003]
+    now[0] += 2.0
+    live.on_metrics(_window(5.0))
+    live.write_samples()
+    assert stored[-1].t_s == 7.0

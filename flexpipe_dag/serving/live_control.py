@@ -73,6 +73,7 @@ class LiveControl:
         self.endpoint: str | None = None
         self.shift_thread: threading.Thread | None = None
         self._samples: queue.Queue = queue.Queue()
+        self._last_t_s: float | None = None  # the newest t_s stored
         self._cursor: str | None = None
         self._declined_logged: dict[str | None, float] = {}
 
@@ -97,7 +98,12 @@ class LiveControl:
         return self.shift_thread is None or not self.shift_thread.is_alive()
 
     def write_samples(self) -> None:
-        """Store the samples received since the last call (``t_s`` rebased to seconds since :attr:`t0`)."""
+        """Store the samples received since the last call (``t_s`` rebased to seconds since :attr:`t0`, when
+        each was received: the lanes' runtimes each count from their own start).
+
+        The stored ``t_s`` rise strictly, 1 ms apart at least: samples handed on together (a pump delivering
+        a backlog, two lanes in the same millisecond) would otherwise share a ``t_s``, and the controller,
+        which reads a sample not after the last one it read as already read, would drop all but one."""
         batch = []
         while True:
             try:
@@ -107,6 +113,10 @@ class LiveControl:
             batch.append(dataclasses.replace(smp, t_s=round(wall_s, 3)))
         if batch:
             batch.sort(key=lambda x: x.t_s)
+            for i, smp in enumerate(batch):
+                if self._last_t_s is not None and smp.t_s <= self._last_t_s:
+                    batch[i] = smp = dataclasses.replace(smp, t_s=round(self._last_t_s + 0.001, 3))
+                self._last_t_s = smp.t_s
             self.db.write_samples(self.run_key, batch)
             if self.keep_history:
                 self.samples.extend(batch)

@@ -91,12 +91,22 @@ def test_a_router_with_two_instances_hands_on_one_sample_per_round():
             rt.samples.append(_window(0.0))
         wait_until(lambda: len(got) == 2, 5.0, "the idle round")
         assert got[1].rps == 0.0 and got[1].instances == 2
+        # a third instance warming up: its probes' windows are none of the fleet's traffic
+        c = IdleRuntime("g")
+        router.add_lane(c, state="warming")
+        c.samples.append(_window(0.0, completed=1))
+        wait_until(lambda: not c.samples, 5.0, "the warming lane's sample")
+        a.samples.append(_window(1.0))
+        b.samples.append(_window(1.0))
+        wait_until(lambda: len(got) == 3, 5.0, "the next round")
+        assert got[2].rps == 2.0 and got[2].completed == 0 and got[2].instances == 2
+        router.lane("g#3").retire(5.0)
         # one instance left: its windows go on as they are
         router.withdraw(router.lane("g#2"))
         router.lane("g#2").retire(5.0)
         a.samples.append(_window(5.0))
-        wait_until(lambda: len(got) == 3, 5.0, "the lone instance's sample")
-        assert got[2].rps == 5.0 and got[2].instances == 1
+        wait_until(lambda: len(got) == 4, 5.0, "the lone instance's sample")
+        assert got[3].rps == 5.0 and got[3].instances == 1 and len(got) == 4
     finally:
         router.close()
 

@@ -75,7 +75,8 @@ class ServingRouter:
             point's gear hold traffic (several instances; a withdrawn instance or an old pipeline draining),
             their windows are merged, one sample per round of their reports
             (:mod:`~flexpipe_dag.shift.instance_samples`): the fleet's rates and counts, ``instances`` = how
-            many of them take new requests.
+            many of them take new requests; a warming or standby lane of that gear is left out meanwhile
+            (its windows hold a warm-up's probes, none of the fleet's traffic).
         on_lane_sample: ``(lane_id, MetricSample) -> None``, every sample of every lane, empty windows
             included: what each pipeline holds now (per-pipeline gauges).
         on_tokens: ``(request_id, index, token_id) -> None`` for every token a caller request's
@@ -446,33 +447,33 @@ class ServingRouter:
             self._on_lane_sample(lane.lane_id, sample)
         if self._on_metrics is None:
             return
-        members, routed = self._round_members(lane)
-        if members:
+        gear_id, members, routed = self._round_members()
+        if lane.lane_id in members:
             merged = self._rounds.add(lane.lane_id, sample, members, routed)
             if merged is not None:
                 self._on_metrics(merged)
+        elif members and lane.gear.gear_id == gear_id:
+            return  # a warming or standby lane of the fleet's gear: probes only, no caller traffic of the fleet's
         elif not idle or sample.records_work or lane is self.active:
             self._on_metrics(sample)
 
-    def _round_members(self, lane: Lane) -> tuple[list[str], int]:
-        """The lanes whose windows the serving stream merges (:class:`InstanceRound`) when ``lane`` is one of
-        them: the live lanes of the entry point's gear that are routed to or draining (a scale-in's withdrawn
-        instance, a pool growth's old pipeline), when there are at least two; else ``[]``. With how many of
-        them are routed to (the merged sample's ``instances``)."""
+    def _round_members(self) -> tuple[str | None, list[str], int]:
+        """The entry point's gear and the lanes whose windows the serving stream merges (:class:`InstanceRound`):
+        the live lanes of that gear that are routed to or draining (a scale-in's withdrawn instance, a pool
+        growth's old pipeline), when there are at least two, else ``[]``; with how many of them are routed to
+        (the merged sample's ``instances``)."""
         with self._lock:
             entry = self.active
             if entry is None:
-                return [], 0
+                return None, [], 0
             gear_id = entry.gear.gear_id
             routed = [ln.lane_id for ln in self.instances if ln.gear.gear_id == gear_id]
             members = routed + [ln.lane_id for ln in self._lanes.values()
                                 if ln.state == "draining" and ln.gear.gear_id == gear_id and ln.lane_id not in routed]
         if len(members) < 2:
             self._rounds.reset()
-            return [], len(routed)
-        if lane.lane_id not in members:
-            return [], len(routed)
-        return members, len(routed)
+            return gear_id, [], len(routed)
+        return gear_id, members, len(routed)
 
     def lane_tokens(self, lane: Lane, tokens: tuple[tuple[str, int, int], ...]) -> None:
         """Pass a lane's sampled tokens of caller requests (not the executor's probes) to ``on_tokens``."""

@@ -6,11 +6,11 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import exists, select
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.metrics import MetricSample, StageSample
-from flexpipe_dag.core.status import SampleSource, checked
+from flexpipe_dag.core.status import PipelineRunKind, SampleSource, checked
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, checked_text
 
@@ -135,10 +135,13 @@ class MetricSamples(StoreBase):
             return s.scalar(select(m.MetricSampleRow.run_key).order_by(m.MetricSampleRow.id.desc()).limit(1))
 
     def read_samples(self, run_key: str | None = None, after_t_s: float | None = None,
-                     after_id: int | None = None, limit: int | None = None) -> list[tuple[int, MetricSample]]:
+                     after_id: int | None = None, limit: int | None = None,
+                     online_only: bool = False) -> list[tuple[int, MetricSample]]:
         """Metric samples rebuilt from rows, oldest first, as ``(row_id, sample)`` pairs.
 
-        ``after_id`` lets a sensor read only what arrived since its cursor.
+        ``after_id`` lets a sensor read only what arrived since its cursor; ``online_only`` leaves out the
+        samples of runs registered as offline batch jobs (``pipeline_runs.kind`` ``batch``: a pipeline of
+        their own whose windows hold no online arrivals, so their ``rps`` is 0 whatever the online load).
 
         Raises:
             InputError: a row lacks a value its scope always holds (row and column named).
@@ -153,6 +156,9 @@ class MetricSamples(StoreBase):
                 q = q.where(table.t_s > after_t_s)
             if after_id is not None:
                 q = q.where(table.id > after_id)
+            if online_only:
+                q = q.where(~exists().where(m.PipelineRun.run_key == table.run_key,
+                                            m.PipelineRun.kind == PipelineRunKind.BATCH.value))
             q = q.order_by(table.id)
             if limit is not None:
                 q = q.limit(limit)

@@ -66,7 +66,7 @@ class JobsInMemory:
         self.rows.append(SimpleNamespace(id=len(self.rows) + 1, job_key=job_key, kind="batch", status="queued",
                                          config={"num_requests": 8}, admissions=0))
 
-    def read_samples(self, *, run_key=None, after_id=None):
+    def read_samples(self, *, run_key=None, after_id=None, online_only=False):  # every run here is online
         return [(i, s) for i, s in self.samples if after_id is None or i > after_id]
 
     def newest_sample_id(self):

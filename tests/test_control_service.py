@@ -76,7 +76,7 @@ class MemoryStore:
                                 newest_sample_t_s=mine[-1][1].t_s if mine else None,
                                 newest_sample_written_s=time.time() if mine else None)
 
-    def read_samples(self, *, run_key=None, after_id=None, limit=None):
+    def read_samples(self, *, run_key=None, after_id=None, limit=None, online_only=False):  # all runs are online
         rows = [(i, s) for i, rk, s in self.samples
                 if (run_key is None or rk == run_key) and (after_id is None or i > after_id)]
         return rows[:limit] if limit is not None else rows
@@ -293,3 +293,33 @@ def test_tide_cursor_reads_the_old_qps_name_and_names_bad_fields():
         with pytest.raises(InputError, match="tide_sensor cursor") as err:
             TideCursor.parse(bad)
         assert field is None or field in str(err.value)
+
+
+def test_the_tide_reads_the_online_stream_not_a_batch_jobs_own_samples(tmp_path):
+    """A ``batch_inference`` run writes the samples of its own pipeline (no online arrival: ``rps`` 0). Read
+    with the online server's, they pulled the smoothed online rate towards 0, so a rise never paused the
+    batch, and the newest sample's gear (the batch job's) set the capacity."""
+    from flexpipe_dag.core.status import PipelineRunKind
+    from flexpipe_dag.sql.store import Store
+    from flexpipe_dag.workload.bundled import load_tide_trace
+
+    sql = Store.from_url(f"sqlite:///{tmp_path / 'fp.db'}")
+    gears = MemoryStore()
+    gears.batch = [SimpleNamespace(id=7, job_key="offline-1", kind="batch", status="running",
+                                   config={"num_requests": 8}, admissions=1)]
+    db = SimpleNamespace(read_samples=sql.read_samples, newest_sample_id=sql.newest_sample_id,
+                         load_gear=gears.load_gear, jobs=gears.jobs, update_job=gears.update_job)
+    sql.heartbeat_pipeline_run("serve-1", PipelineRunKind.SERVE, "throughput-2s")
+    sql.heartbeat_pipeline_run("batch-run", PipelineRunKind.BATCH, "latency-1s")
+    for online, offline in zip(_samples("throughput-2s", [35.0] * 6), _samples("latency-1s", [0.0] * 6)):
+        sql.write_samples("serve-1", [online])  # 35 of 40 req/s: above the 75 % pause line
+        sql.write_samples("batch-run", [offline])
+    forecaster = TideForecaster(load_tide_trace())
+    trough_s = float(min(range(0, 86400, 600), key=forecaster.profile_at))
+    cursor = None
+    for _ in range(2):
+        ev = evaluate_tide(db, cursor, TideConfig(hysteresis_samples=2), epoch_s=trough_s, forecaster=forecaster)
+        cursor = ev.cursor
+    assert ev.decision.ema_rps == pytest.approx(35.0) and ev.decision.capacity_rps == 40.0
+    assert ev.decision.action == "pause" and ev.paused == ("offline-1",)
+    assert len(sql.read_samples()) == 12 and len(sql.read_samples(online_only=True)) == 6

@@ -110,8 +110,8 @@ class GearShiftStore(Protocol):
 class TideStore(Protocol):
     """The store methods :func:`evaluate_tide` calls (the SQL ``Store`` has them)."""
 
-    def read_samples(self, *, run_key: str | None = None,
-                     after_id: int | None = None) -> list[tuple[int, MetricSample]]: ...
+    def read_samples(self, *, run_key: str | None = None, after_id: int | None = None,
+                     online_only: bool = False) -> list[tuple[int, MetricSample]]: ...
 
     def newest_sample_id(self) -> int | None: ...
 
@@ -461,11 +461,12 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     state = TideCursor.parse(cursor)
     cfg = tide
     ema_rps, last_id, gate = state.ema_rps, state.last_sample_id, state.gate
-    rows = db.read_samples(after_id=last_id)
+    # the online stream only: a batch job's own pipeline samples no online arrival (rps 0 whatever the tide)
+    rows = db.read_samples(after_id=last_id, online_only=True)
     if not rows and last_id is not None and last_id > (db.newest_sample_id() or 0):
         # the store was reset (a new database under the same Dagster instance): read it afresh, not never
         ema_rps, last_id, gate = None, None, TideGate()
-        rows = db.read_samples()
+        rows = db.read_samples(online_only=True)
     for _, smp in rows:
         ema_rps = ema(ema_rps, smp.rps, cfg.ema_alpha)
     if rows:

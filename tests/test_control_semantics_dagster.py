@@ -350,8 +350,12 @@ def hold_runtime(context) -> None:
             # the other run's step on the pool: pending, or (Dagster's SQLite claim is not atomic) marked
             # assigned without a slot, which pending_step_count leaves out (seen in CI)
             on_pool = {s.run_id for s in info.pending_steps} - {context.run_id}
+            # a step is pending for a moment while its claim is under way, then takes a slot freed meanwhile
+            # without ever waiting: it waits once its run has logged that the pool blocked it
+            blocked = [rid for rid in on_pool if any("blocked by limit for pool" in (e.message or "")
+                                                     for e in context.instance.all_logs(rid))]
             on_lock = [p for p in out.glob("waiting-*") if p.name != f"waiting-{context.run_id}"]
-            if on_pool or on_lock:  # the other run's runtime step waits for this one
+            if blocked or on_lock:  # the other run's runtime step waits for this one
                 other_waited = True
                 break
             time.sleep(0.1)

@@ -61,7 +61,16 @@ def test_a_batch_file_is_checked_whole_naming_the_line():
     line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "p"}}
     ok = (json.dumps(line) + "\n\n" + json.dumps({**line, "custom_id": "b"}) + "\n").encode()
     assert [(x.index, x.custom_id) for x in parse_batch_input(ok, "/v1/completions", "f")] == [(0, "a"), (1, "b")]
-    for content, needle in ((b"\xff\xfe", "not UTF-8 text (byte 0)"), (b"", "no request lines"),
+    # JSON lines split at "\n" only: U+2028 / U+2029 / U+0085 are text inside a string (written raw by
+    # json.dumps(ensure_ascii=False)); a CRLF ending and a leading byte-order mark are not a line's
+    raw = [json.dumps({**line, "custom_id": c, "body": {"model": "m", "prompt": f"x{ch}y"}}, ensure_ascii=False)
+           for c, ch in (("u2028", "\u2028"), ("u2029", "\u2029"), ("nel", "\x85"))]
+    odd = ("\ufeff" + "\r\n".join(raw) + "\r\n").encode()
+    got = parse_batch_input(odd, "/v1/completions", "f")
+    assert [(x.index, x.custom_id, x.body["prompt"]) for x in got] == [
+        (0, "u2028", "x\u2028y"), (1, "u2029", "x\u2029y"), (2, "nel", "x\x85y")]
+    for content, needle in ((b"\xff\xfe", "line 1: not UTF-8 text (byte 0 of the file)"), (b"", "no request lines"),
+                            (ok + b"\xff", "line 4: not UTF-8 text"),
                             (b"{bad", "line 1: not valid JSON"), (b"[1]", "line 1: expected a JSON object"),
                             (json.dumps({**line, "custom_id": ""}).encode(), "line 1: custom_id"),
                             (json.dumps({**line, "method": "GET"}).encode(), "line 1: method: expected POST"),

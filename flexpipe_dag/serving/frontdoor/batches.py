@@ -90,12 +90,16 @@ def parse_batch_input(content: bytes, endpoint: str, file_id: str) -> list[Batch
             than ``endpoint``, a ``body`` that is not an object; or no line at all.
     """
     try:
-        text = content.decode("utf-8")
+        text = content.decode("utf-8-sig")  # a leading byte-order mark (Windows tools write one) is not a line's
     except UnicodeDecodeError as exc:
-        raise APIError(400, f"file {file_id}: not UTF-8 text (byte {exc.start})", param="input_file_id") from None
+        line = content.count(b"\n", 0, exc.start) + 1
+        raise APIError(400, f"file {file_id} line {line}: not UTF-8 text (byte {exc.start} of the file)",
+                       param="input_file_id") from None
     lines: list[BatchLine] = []
     seen: set[str] = set()
-    for n, raw in enumerate(text.splitlines(), start=1):
+    # "\n" only: str.splitlines() also splits at U+2028 / U+2029 / U+0085, legal inside a JSON string
+    for n, raw in enumerate(text.split("\n"), start=1):
+        raw = raw.removesuffix("\r")
         if not raw.strip():
             continue
         where = f"file {file_id} line {n}"

@@ -183,3 +183,24 @@ def test_samples_handed_on_in_the_same_millisecond_are_stored_with_rising_times(
     live.on_metrics(_window(5.0))
     live.write_samples()
     assert stored[-1].t_s == 7.0
+
+
+def test_a_new_instance_warming_beside_one_entry_point_is_left_out_of_the_serving_stream():
+    """Before its first request is routed to it, a new instance of the serving gear holds only its warm-up's
+    probes: its windows (tokens, running) read as the serving gear's, the store showed them as traffic."""
+    got: list[MetricSample] = []
+    router = ServingRouter(on_metrics=got.append)
+    entry, warming, other = IdleRuntime("g"), IdleRuntime("g"), IdleRuntime("h")
+    try:
+        router.open(entry)
+        router.add_lane(warming, state="warming")
+        router.add_lane(other, state="warming")  # a shift's new gear: its windows go on as before
+        warming.samples.append(dataclasses.replace(_window(0.0), running=1))
+        wait_until(lambda: not warming.samples, 5.0, "the warming instance's sample")
+        other.samples.append(dataclasses.replace(_window(0.0, gear_id="h"), running=1))
+        wait_until(lambda: got, 5.0, "the other gear's sample")
+        entry.samples.append(_window(2.0))
+        wait_until(lambda: len(got) == 2, 5.0, "the entry point's sample")
+        assert [(s.gear_id, s.rps, s.instances) for s in got] == [("h", 0.0, 1), ("g", 2.0, 1)]
+    finally:
+        router.close()

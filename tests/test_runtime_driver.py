@@ -95,3 +95,22 @@ def test_an_abort_ends_queued_and_running_requests_now_and_in_flight_ones_when_t
     sample = driver.metrics.sample(1.0, queue_length=0, running=0, kv_blocks_used=0, kv_blocks_total=8,
                                    micro_batches_sent=1, stages=[])
     assert sample.completed == 0 and sample.ttft_p99_ms is None  # an aborted request is not a completed one
+
+
+def test_a_probe_is_served_but_never_counted_as_online_traffic():
+    """A shift's or a new instance's warm-up / verification request (``probe``) is nobody's traffic: before,
+    a second instance's warm-up read in the store as an online arrival with a completion and a TTFT."""
+    driver, events, sent = make_driver()
+    cmds: queue.Queue = queue.Queue()
+    cmds.put(AddRequests((Request("probe-1", [1, 2, 3], 1, probe=True), Request("client-1", [4, 5], 1))))
+    driver.take_commands(cmds)
+    driver.dispatch()
+    (batch,) = [payload for _, kind, payload in sent if kind == MessageKind.BATCH]
+    driver.on_result(StepResult(batch.mb_id, (11, 12)))
+    outs = {ev.output.request_id: ev.output for ev in (events.get_nowait(), events.get_nowait())}
+    assert outs["probe-1"].probe and not outs["client-1"].probe
+    assert [o.finish_reason for o in outs.values()] == ["length", "length"]  # both served
+    sample = driver.metrics.sample(driver.metrics.start_s + 2.0, queue_length=0, running=0, kv_blocks_used=0, kv_blocks_total=8,
+                                   micro_batches_sent=1, stages=[])
+    assert sample.rps == pytest.approx(1 / 2.0) and sample.completed == 1  # the client's request only
+    assert sample.tokens_per_s == pytest.approx(2 / 2.0)  # output tokens: every token the pipeline produced

@@ -173,7 +173,8 @@ class Driver:
     def on_add(self, cmd: AddRequests) -> None:
         """Queue each request; a refused one is reported as :class:`RequestRefused`."""
         for req in cmd.requests:
-            self.metrics.record_arrivals(1, req.priority)  # refused ones too: rps is the online load offered
+            if not req.probe:  # refused ones too: rps is the online load offered; a probe is nobody's traffic
+                self.metrics.record_arrivals(1, req.priority)
             try:
                 self.scheduler.add_request(req)
             except self._refusals as exc:
@@ -270,7 +271,7 @@ class Driver:
         if sampled:  # before the finished requests: a stream sees its last token, then the end
             self.evt_q.put(TokensGenerated(tuple(sampled)))
         for out in finished:
-            if out.finish_reason != "abort":  # an aborted request's latencies are not the pipeline's
+            if out.finish_reason != "abort" and not out.probe:  # an aborted request's latencies are not the pipeline's
                 self.metrics.record_finished(out.ttft_s, out.tpot_s, out.e2e_s, out.priority)
             self.evt_q.put(RequestFinished(out))
         self.counters[counter_index(0, DriverCounter.MICRO_BATCHES_DONE)] += 1

@@ -62,7 +62,10 @@ PRIORITY_OFFLINE = 1
 class Request:
     """One generation request.
 
-    ``temperature == 0`` is greedy; ``seed`` makes a sampled request reproducible.
+    ``temperature == 0`` is greedy; ``seed`` makes a sampled request reproducible. ``probe``: the serving
+    front's own request (a shift's or a new instance's warm-up, verification or canary), scheduled by its
+    ``priority`` like any other but never counted in the metric samples' online figures (``rps``,
+    ``completed``, latencies): it is nobody's traffic.
     """
 
     request_id: str
@@ -74,6 +77,7 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    probe: bool = False
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -132,6 +136,7 @@ class RequestOutput:
     first_token_s: float
     finish_s: float
     priority: int = PRIORITY_ONLINE
+    probe: bool = False  # the request's ``probe``
 
     @property
     def ttft_s(self) -> float:
@@ -390,7 +395,7 @@ class Scheduler:
         self._request_ids.discard(s.req.request_id)
         first = s.first_token_s if s.first_token_s is not None else now
         return RequestOutput(s.req.request_id, list(s.req.prompt_token_ids), list(s.outputs), reason, s.arrival_s,
-                             first, now, s.req.priority)
+                             first, now, s.req.priority, s.req.probe)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """End requests nobody waits for any more (a client went away, a stop sequence was reached).

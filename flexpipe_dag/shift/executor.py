@@ -603,7 +603,7 @@ class GearExecutor:
                                                            add_generation_prompt=True, tokenize=True, return_dict=True)
                 self._verify_ids = list(enc["input_ids"])
         return Request(self.router.probe_id(kind), list(self._verify_ids), max_new_tokens, priority=priority,
-                       eos_token_ids=tuple(ckpt.eos_token_ids()))
+                       eos_token_ids=tuple(ckpt.eos_token_ids()), probe=True)
 
     def _probe_result(self, probe, deadline: float, step: str, what: str, at_fault: bool = True):
         try:

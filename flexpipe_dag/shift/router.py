@@ -75,8 +75,9 @@ class ServingRouter:
             point's gear hold traffic (several instances; a withdrawn instance or an old pipeline draining),
             their windows are merged, one sample per round of their reports
             (:mod:`~flexpipe_dag.shift.instance_samples`): the fleet's rates and counts, ``instances`` = how
-            many of them take new requests; a warming or standby lane of that gear is left out meanwhile
-            (its windows hold a warm-up's probes, none of the fleet's traffic).
+            many of them take new requests; a standby lane of that gear is left out meanwhile. A warming lane
+            of the entry point's gear (a new instance, a pool growth's new pipeline) is always left out: its
+            windows hold the warm-up's probes only, and would read as the serving gear's.
         on_lane_sample: ``(lane_id, MetricSample) -> None``, every sample of every lane, empty windows
             included: what each pipeline holds now (per-pipeline gauges).
         on_tokens: ``(request_id, index, token_id) -> None`` for every token a caller request's
@@ -452,8 +453,8 @@ class ServingRouter:
             merged = self._rounds.add(lane.lane_id, sample, members, routed)
             if merged is not None:
                 self._on_metrics(merged)
-        elif members and lane.gear.gear_id == gear_id:
-            return  # a warming or standby lane of the fleet's gear: probes only, no caller traffic of the fleet's
+        elif lane.gear.gear_id == gear_id and (members or lane.state == "warming"):
+            return  # a new instance warming up, or beside merged ones a standby lane, of the serving gear: probes only
         elif not idle or sample.records_work or lane is self.active:
             self._on_metrics(sample)
 

@@ -227,10 +227,12 @@ class FrontDoorEngine:
     def max_model_len(self) -> int | None:
         """The longest request (prompt + ``max_tokens``) the live pipeline serves: the context, or less
         where one lane of its KV pool holds less (``/v1/models``' ``max_model_len``, which load tools
-        read); the context when no pipeline is live."""
+        read); with several instances, the most one of them holds (the router sends a request to one that
+        holds it); the context when no pipeline is live."""
         if self.router is None or self.router.active is None:
             return self.max_context_tokens
-        return self.router.active.runtime.longest_request_tokens  # the context already bounds it
+        lanes = self.router.instances or [self.router.active]
+        return max(ln.runtime.longest_request_tokens for ln in lanes)  # the context already bounds each
 
     @property
     def pending(self) -> int:
@@ -249,14 +251,12 @@ class FrontDoorEngine:
             raise APIError(429, f"{self.pending} requests are open (limit {self.max_pending}); retry later",
                            type="rate_limit_error", code="queue_full")
 
-    def _steady_lane(self):
-        """The entry-point lane when it serves alone in its steady state (no shift under way: refusals are
-        final), else None."""
+    def _steady(self) -> bool:
+        """Every instance requests are routed to is in its steady state (no shift under way: refusals are
+        final)."""
         router = self.router
-        active = router.active if router is not None else None
-        if active is None or active.refusal_policy != "final" or len(router.instances) != 1:
-            return None
-        return active
+        lanes: list = router.instances if router is not None else []
+        return bool(lanes) and all(ln.refusal_policy == "final" for ln in lanes)
 
     @property
     def fair_share_tokens(self) -> int | None:
@@ -275,11 +275,11 @@ class FrontDoorEngine:
 
     @property
     def served_limit_tokens(self) -> int | None:
-        """The longest request (prompt + ``max_tokens``) the door admits: :attr:`max_model_len` while one lane
-        serves alone in its steady state, else the context. During a shift a request the new gear's pool cannot
-        hold yet waits for it to grow, and with several instances the router sends a request to one that holds
-        it; their own checks decide then."""
-        return self.max_model_len if self._steady_lane() is not None else self.max_context_tokens
+        """The longest request (prompt + ``max_tokens``) the door admits: :attr:`max_model_len` while the
+        instances serve in their steady state (with several, the most one of them holds: the router sends a
+        request to one that holds it), else the context: during a shift a request the new gear's pool cannot
+        hold yet waits for it to grow, and the pipeline's own check decides then."""
+        return self.max_model_len if self._steady() else self.max_context_tokens
 
     def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """The request's ``max_tokens``: when None, ``default_max_tokens`` (else :attr:`fair_share_tokens`), cut

@@ -219,3 +219,24 @@ def test_a_line_whose_answer_raises_before_its_row_is_served_again(store):
     router, job, logged = _run(store, store, 3, engine)
     assert sorted(r.request_key for r in store.results(job.id)) == ["l-0", "l-1", "l-2"] and len(router.seen) == 4
     assert sum("was not stored (RuntimeError: decoder hiccup); the line is served again" in x for x in logged) == 1
+
+
+def test_a_batch_file_is_dated_when_the_batch_ended_and_not_read_while_lines_are_in_flight(store):
+    """A generated output file's ``created_at`` is the batch's end, the same at every read (before, the time
+    of the read); while a cancelled batch still has lines in flight ("cancelling") its files are not there
+    yet (before, an empty file was, and the same id later held the finished lines)."""
+    from types import SimpleNamespace
+
+    from flexpipe_dag.serving.frontdoor.batches import batch_file, batch_object
+
+    router, job, logged = _run(store, store, n=3)
+    first, again = batch_file(store, f"{job.job_key}-output"), batch_file(store, f"{job.job_key}-output")
+    assert first is not None and first == again and len(first.content.splitlines()) == 3
+    assert first.created_at == batch_object(store, job, None)["completed_at"] == int(job.updated_at.timestamp())
+    assert batch_file(store, f"{job.job_key}-errors").content == b""
+    store.update_job(job.id, status="cancelled")  # as a cancel while lines are still on the pipeline
+    job = next(j for j in store.jobs(kind="batch") if j.id == job.id)
+    busy = SimpleNamespace(inflight=lambda job_id: 2)
+    assert batch_object(store, job, busy)["status"] == "cancelling"
+    assert batch_file(store, f"{job.job_key}-output", busy) is None
+    assert batch_file(store, f"{job.job_key}-output", SimpleNamespace(inflight=lambda job_id: 0)) is not None

@@ -228,17 +228,18 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         info = store.api_file(file_id)
         if info is not None:
             return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose)
-        content = batch_file(store, file_id)
-        if content is None:
+        made = batch_file(store, file_id, batches.runner)
+        if made is None:
             raise APIError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
-        return _file_object(file_id, len(content), int(time.time()), f"{file_id}.jsonl", "batch_output")
+        return _file_object(file_id, len(made.content), made.created_at, f"{file_id}.jsonl", "batch_output")
 
     @app.get("/v1/files/{file_id}/content", dependencies=[Depends(authorised)])
     async def file_content(file_id: str) -> Response:
         store = batches.require_store()
         content = store.api_file_content(file_id)
         if content is None:
-            content = batch_file(store, file_id)
+            made = batch_file(store, file_id, batches.runner)
+            content = made.content if made is not None else None
         if content is None:
             raise APIError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
         return Response(content, media_type="application/jsonl")

@@ -554,9 +554,19 @@ def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
     return batch_object(store, _job(store, batch_id), runner)
 
 
-def batch_file(store, file_id: str) -> bytes | None:
-    """The bytes of a batch's generated output or error file (``<batch id>-output`` / ``-errors``), or
-    None when ``file_id`` names no such file."""
+@dataclass(frozen=True)
+class BatchFile:
+    """A batch's generated output or error file: its bytes and when the batch ended (epoch seconds, the
+    file object's ``created_at``: the same at every read)."""
+
+    content: bytes
+    created_at: int
+
+
+def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchFile | None:
+    """A batch's generated output or error file (``<batch id>-output`` / ``-errors``), or None when
+    ``file_id`` names no such file, or the batch has not ended (still running, or cancelled with lines in
+    flight on ``runner``: the file is written when the batch ends, as its batch object names it then)."""
     for suffix, ok in (("-output", True), ("-errors", False)):
         if file_id.endswith(suffix):
             try:
@@ -564,7 +574,9 @@ def batch_file(store, file_id: str) -> bytes | None:
             except APIError:
                 return None
             if job.status not in (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value):
-                return None  # written when the batch ends (its batch object names it then)
+                return None
+            if runner is not None and runner.inflight(job.id):  # "cancelling": its last rows are still coming
+                return None
             order = {ln.custom_id: ln.index for ln in parse_batch_input(
                 store.api_file_content(job.config[API_BATCH_KEY]["input_file_id"]) or b"",
                 job.config[API_BATCH_KEY]["endpoint"], job.config[API_BATCH_KEY]["input_file_id"])}
@@ -582,5 +594,6 @@ def batch_file(store, file_id: str) -> bytes | None:
                                           "request_id": f"req_{r.id}", "body": record.get("body")},
                                 error=(record.get("body") or {}).get("error"))
                 out.append(json.dumps(line))
-            return ("\n".join(out) + "\n").encode() if out else b""
+            ended = int(job.updated_at.timestamp()) if job.updated_at else 0
+            return BatchFile(("\n".join(out) + "\n").encode() if out else b"", ended)
     return None

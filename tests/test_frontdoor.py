@@ -163,6 +163,7 @@ def test_a_client_that_goes_away_and_a_stop_sequence_cancel_the_request_in_the_p
         return _metrics(server.url)[("flexpipe_requests_cancelled_total", "online")]
 
     start = cancelled()
+    prompt_tokens = _metrics(server.url)[("flexpipe_prompt_tokens_total", "online")]
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3, 4,", "max_tokens": 1500, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
         events = 0
@@ -171,6 +172,9 @@ def test_a_client_that_goes_away_and_a_stop_sequence_cancel_the_request_in_the_p
             if events == 3:
                 break  # the client goes away with 1,500 tokens to come
     wait_until(lambda: cancelled() == start + 1, 10.0, "the server to cancel the abandoned request")
+    # its prompt was processed: counted with the tokens sampled before the client left (the pipeline's work)
+    assert _metrics(server.url)[("flexpipe_prompt_tokens_total", "online")] == \
+        prompt_tokens + len(checkpoint().tokenizer().encode("Count: 1, 2, 3, 4,"))
     cut = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=40, temperature=0, stop=["6"])
     assert cut.choices[0].finish_reason == "stop" and cancelled() == start + 2  # ended at the stop, not at 40
     whole = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=4, temperature=0)

@@ -387,6 +387,8 @@ class FrontDoorEngine:
                     text = text.rstrip("\ufffd")
             piece = text[len(sent_text):] if text.startswith(sent_text) else ""
             sent_text += piece
+            if tokens and not counted:  # its prefill is done: counted whether the client stays to the end or not
+                self.metrics.prompt_tokens.labels(gen.priority_class).inc(len(gen.prompt_token_ids))
             new_tokens = len(tokens) - counted
             counted = len(tokens)
             self.metrics.generation_tokens.labels(gen.priority_class).inc(new_tokens)
@@ -406,7 +408,6 @@ class FrontDoorEngine:
         self.metrics.e2e.labels(cls).observe(now - stream.accepted_s)
         if completion_tokens > 1:
             self.metrics.tpot.labels(cls).observe((now - first) / (completion_tokens - 1))
-        self.metrics.prompt_tokens.labels(cls).inc(len(stream.gen.prompt_token_ids))
 
 
 def pipeline_timings(stream: _Stream, completion_tokens: int, cut: bool = False) -> dict[str, float | None]:

@@ -552,7 +552,7 @@ def test_a_bad_batch_file_is_refused_naming_the_line_and_nothing_is_stored(serve
     assert all(j.total_requests != 2 for j in jobs)  # none of the refused two-line files became a batch
 
 
-def test_cancel_mid_batch_keeps_what_finished_then_a_new_batch_runs(client):
+def test_cancel_mid_batch_keeps_what_finished_then_a_new_batch_runs(server, client):
     upload = _upload(client, [_chat_line(f"c-{i}", PROMPTS[i % len(PROMPTS)], max_tokens=24) for i in range(40)])
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
     _wait_batch(client, batch.id, ("in_progress",), at_least=1)
@@ -561,6 +561,8 @@ def test_cancel_mid_batch_keeps_what_finished_then_a_new_batch_runs(client):
     kept = cancelled.request_counts.completed
     assert 1 <= kept < 40
     assert len(_jsonl(client, cancelled.output_file_id)) == kept
+    wait_until(lambda: any(f"batch {batch.id}: cancelled (" in line for line in server.lines), 10.0,
+               "the server to log the cancel")
     time.sleep(2.0)
     assert client.batches.retrieve(batch.id).request_counts.completed == kept  # nothing more was submitted
     again = client.batches.create(input_file_id=_upload(client, [_chat_line("n-0", "hi")]).id,

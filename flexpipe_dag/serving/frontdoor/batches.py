@@ -551,6 +551,9 @@ def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
     job = _job(store, batch_id)
     if job.status in RUNNABLE or job.status == InferenceJobStatus.PAUSED.value:
         store.update_job(job.id, status=InferenceJobStatus.CANCELLED)
+        if runner is not None:
+            runner.log(f"batch {job.job_key}: cancelled ({len(store.results(job.id))} of {job.total_requests} lines "
+                       f"kept, {runner.inflight(job.id)} in flight finish first)")
     return batch_object(store, _job(store, batch_id), runner)
 
 

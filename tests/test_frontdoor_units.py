@@ -183,10 +183,14 @@ def test_max_tokens_is_checked_against_the_served_length_and_its_default_is_a_fa
     lane.refusal_policy = "final"
     other = SimpleNamespace(gear=SimpleNamespace(micro_batch_size=4), refusal_policy="final",
                             runtime=SimpleNamespace(longest_request_tokens=4097))
-    engine.router.instances = [lane, other]  # several instances: the router places each request
+    engine.router.instances = [lane, other]  # several instances: the router places each on one that holds it
     assert engine.fair_share_tokens == 32 and engine.check_context(39, 4000, "messages") == 4000  # 257 // 8
+    assert engine.max_model_len == 4097  # the most one instance holds
     engine.default_max_tokens = 500  # flexpipe serve --default-max-tokens 500
-    assert engine.check_context(39, None, "messages") == 500 and engine.check_context(7900, None, "messages") == 292
+    assert engine.check_context(39, None, "messages") == 500 and engine.check_context(3900, None, "messages") == 197
+    with pytest.raises(APIError, match="maximum context length is 4097 tokens") as err:
+        engine.check_context(7900, None, "messages")  # no instance holds it: refused at the door, with the code
+    assert err.value.code == "context_length_exceeded"
 
 
 def test_each_pipeline_has_its_own_gauges_and_a_gone_ones_series_are_dropped():
@@ -219,3 +223,34 @@ def test_each_pipeline_has_its_own_gauges_and_a_gone_ones_series_are_dropped():
     assert {labels for (name, labels) in got if name == "flexpipe_kv_blocks_used"} == {
         (("pipeline", "g#1"), ("stage", "0")), (("pipeline", "g#1"), ("stage", "1"))}
     assert got[("flexpipe_requests_waiting", ())] == 1
+
+
+def test_a_body_that_is_empty_or_not_json_and_a_text_part_without_text_are_named_plainly():
+    """From a hostile-input trial: an empty body said "Field required" with no field, a JSON body sent as
+    text/plain said "Input should be a valid dictionary", a text part without its text said "only text
+    content parts are served, got type 'text'", and a batch line's bad ``stop`` was named ``stop.str``."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from flexpipe_dag.serving.frontdoor.app import create_app
+    from flexpipe_dag.serving.frontdoor.batches import BatchRunner
+    from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine
+    from flexpipe_dag.serving.frontdoor.metrics import FrontDoorMetrics
+
+    engine = FrontDoorEngine(None, (), 8192, FrontDoorMetrics())
+    http = TestClient(create_app(engine, "m"))
+    empty = http.post("/v1/completions", content=b"", headers={"Content-Type": "application/json"})
+    assert empty.status_code == 400 and empty.json()["error"]["message"] == \
+        "the request body is empty; expected a JSON object"
+    plain = http.post("/v1/completions", content=json.dumps({"model": "m", "prompt": "p"}),
+                      headers={"Content-Type": "text/plain"})
+    assert plain.status_code == 400 and "Content-Type: application/json (got 'text/plain')" in \
+        plain.json()["error"]["message"]
+    with pytest.raises(APIError, match="a text content part needs its text as a string, got None"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text"}]}]).messages[0].text()
+    runner = BatchRunner(None, engine, "m")
+    line = SimpleNamespace(body={"model": "m", "prompt": "p", "stop": [3]})
+    with pytest.raises(APIError) as err:
+        runner._prepare("/v1/completions", line)
+    assert err.value.param == "stop" and err.value.message.startswith("stop: ")

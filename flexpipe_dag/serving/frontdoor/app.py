@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +42,7 @@ from flexpipe_dag.serving.frontdoor.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _Sampling,
+    field_path,
 )
 from flexpipe_dag.serving.frontdoor.responses import Shapes, chat_shapes, completion_shapes, usage
 
@@ -133,7 +133,12 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         if err.get("type") == "json_invalid":
             return refused(request, APIError(400, f"the body is not valid JSON: {err.get('msg', '')}"))
         param = field_path(err.get("loc", ()))
-        msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+        if param is None:  # the body as a whole: empty, or not a JSON object
+            kind = request.headers.get("content-type") or "none"
+            msg = ("the request body is empty; expected a JSON object" if err.get("type") == "missing" else
+                   f"the request body must be a JSON object sent as Content-Type: application/json (got {kind!r})")
+            return refused(request, APIError(400, msg))
+        msg = f"{param}: {err.get('msg')}"
         if "input" in err and param:
             msg += f" (got {json.dumps(err['input'], default=str)[:80]})"
         return refused(request, APIError(400, msg, param=param))
@@ -278,17 +283,6 @@ def upload_filename(name: str | None) -> str:
 def _file_object(file_id: str, size: int, created_at: int, filename: str, purpose: str) -> dict:
     return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
             "purpose": purpose, "status": "processed"}
-
-
-#: What pydantic puts in an error's location for the branch of a union (``str``, ``list[int]``, ...).
-_UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|.*\[.*\])$", re.IGNORECASE)
-
-
-def field_path(loc) -> str | None:
-    """The request field an error is about, as a client wrote it: ``messages.0.content``, without
-    ``body`` and without pydantic's names of union branches (``prompt.str`` is ``prompt``)."""
-    parts = [str(p) for p in loc if p != "body" and not _UNION_BRANCH.match(str(p))]
-    return ".".join(parts) or None
 
 
 async def _respond(engine: FrontDoorEngine, gen: Generation, body: _Sampling, endpoint: str, shapes: Shapes):

@@ -52,6 +52,7 @@ from flexpipe_dag.serving.frontdoor.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    field_path,
     refuse_lone_surrogates,
 )
 from flexpipe_dag.serving.frontdoor.responses import chat_shapes, completion_shapes
@@ -409,8 +410,8 @@ class BatchRunner:
                 body = ChatCompletionRequest.model_validate(line.body)
         except ValidationError as exc:
             err = exc.errors()[0]
-            param = ".".join(str(p) for p in err.get("loc", ()))
-            raise APIError(400, f"{param}: {err.get('msg')}", param=param or None) from None
+            param = field_path(err.get("loc", ()))  # as the endpoint names it (``stop``, not ``stop.str``)
+            raise APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param) from None
         if body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")

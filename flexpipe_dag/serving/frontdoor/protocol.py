@@ -9,6 +9,7 @@ extension (the SDK sends it with ``extra_body``; the ``X-FlexPipe-Priority`` hea
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
@@ -19,6 +20,17 @@ MAX_STOP_SEQUENCES = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 PriorityClass = Literal["online", "offline"]
+
+
+#: What pydantic puts in an error's location for the branch of a union (``str``, ``list[int]``, ...).
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|.*\[.*\])$", re.IGNORECASE)
+
+
+def field_path(loc) -> str | None:
+    """The request field an error is about, as a client wrote it: ``messages.0.content``, without
+    ``body`` and without pydantic's names of union branches (``prompt.str`` is ``prompt``)."""
+    parts = [str(p) for p in loc if p != "body" and not _UNION_BRANCH.match(str(p))]
+    return ".".join(parts) or None
 
 
 class APIError(Exception):
@@ -201,8 +213,11 @@ class ChatMessage(BaseModel):
             return self.content or ""
         texts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise APIError(400, f"only text content parts are served, got type {part.get('type')!r}",
+                               param="messages")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"a text content part needs its text as a string, got {part.get('text')!r:.80}",
                                param="messages")
             texts.append(part["text"])
         return "".join(texts)

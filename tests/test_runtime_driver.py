@@ -110,7 +110,7 @@ def test_a_probe_is_served_but_never_counted_as_online_traffic():
     outs = {ev.output.request_id: ev.output for ev in (events.get_nowait(), events.get_nowait())}
     assert outs["probe-1"].probe and not outs["client-1"].probe
     assert [o.finish_reason for o in outs.values()] == ["length", "length"]  # both served
-    sample = driver.metrics.sample(driver.metrics.start_s + 2.0, queue_length=0, running=0, kv_blocks_used=0, kv_blocks_total=8,
-                                   micro_batches_sent=1, stages=[])
+    sample = driver.metrics.sample(driver.metrics.start_s + 2.0, queue_length=0, running=0, kv_blocks_used=0,
+                                   kv_blocks_total=8, micro_batches_sent=1, stages=[])
     assert sample.rps == pytest.approx(1 / 2.0) and sample.completed == 1  # the client's request only
     assert sample.tokens_per_s == pytest.approx(2 / 2.0)  # output tokens: every token the pipeline produced

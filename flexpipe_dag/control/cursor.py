@@ -115,8 +115,8 @@ def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_k
 
 class TideCursor(BaseModel):
     """The ``tide_sensor``'s cursor: the smoothed online rate, the last metric-sample row read, the
-    admission gate and the gear last seen (with its instance count). Its size does not grow with the jobs admitted: it holds no
-    per-job entry (at most about 400 bytes, the gear id being the only text).
+    admission gate and the gear last seen (with its instance count). Its size does not grow with the jobs
+    admitted: it holds no per-job entry (at most about 400 bytes, the gear id being the only text).
 
     Cursors written before request rates were named ``rps`` hold ``qps_ema``; it reads as ``ema_rps``.
     Cursors written before the admission count moved to the store (``inference_jobs.admissions``) hold

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from flexpipe_dag.core.dtypes import compute_dtype
 from flexpipe_dag.core.errors import FlexPipeError, InfeasibleError, InputError
@@ -87,6 +87,9 @@ METRIC_SAMPLES_KEPT = 10_000
 #: kept for its report): a serving lane refuses for as long as it lives; :meth:`PipelineRuntime.refusals_since`
 #: hands each out once as it comes.
 REFUSALS_KEPT = 10_000
+
+#: An entry of a refusal / truncation table (:meth:`PipelineRuntime._remember`).
+_Entry = TypeVar("_Entry")
 
 
 class StageFailedError(FlexPipeError):
@@ -756,7 +759,7 @@ class PipelineRuntime:
             self._refusals_made += 1
             self._remember(self._refused, request_id, (self._refusals_made, reason))
 
-    def _remember(self, table: collections.OrderedDict[str, Any], request_id: str, entry: Any) -> None:
+    def _remember(self, table: collections.OrderedDict[str, _Entry], request_id: str, entry: _Entry) -> None:
         """Note ``request_id``'s ``entry`` in ``table`` as its newest; outside :meth:`generate`, the oldest beyond
         :data:`REFUSALS_KEPT` are forgotten."""
         with self._refusal_lock:

@@ -31,10 +31,14 @@ def no_config_line(job_keys: Sequence[str]) -> str | None:
 def tide_sensor(context: SensorEvaluationContext, store: StoreResource, control: ControlSettings):
     """One ``batch_inference`` run request per admitted job (run key ``batch:<job key>:admission-<n>``, n from the
     job row), else a skip with the tide's reason (and the jobs paused)."""
-    ev = evaluate_tide(store.get_store(), context.cursor, control.resolved().tide)
+    settings = control.resolved()
+    ev = evaluate_tide(store.get_store(), context.cursor, settings.tide,
+                       freshness_s=settings.controller.sample_freshness_s)
     context.update_cursor(ev.cursor)
     if ev.decision is None:
         return SkipReason("no online metric samples yet")
+    for line in ev.runs_left:
+        context.log.info(f"left the online tide: {line}")
     context.log.info(ev.decision.reason)
     unconfigured = no_config_line(ev.no_config)
     if unconfigured:

@@ -146,6 +146,18 @@ class MetricSamples(StoreBase):
         Raises:
             InputError: a row lacks a value its scope always holds (row and column named).
         """
+        return [(row_id, smp) for row_id, _, smp in self.read_run_samples(
+            run_key=run_key, after_t_s=after_t_s, after_id=after_id, limit=limit, online_only=online_only)]
+
+    def read_run_samples(self, run_key: str | None = None, after_t_s: float | None = None,
+                         after_id: int | None = None, limit: int | None = None,
+                         online_only: bool = False) -> list[tuple[int, str, MetricSample]]:
+        """:meth:`read_samples` with the run that wrote each sample: ``(row_id, run_key, sample)``, oldest first
+        (the ``tide_sensor`` smooths each serving run's rate on its own and adds the live ones up).
+
+        Raises:
+            InputError: as :meth:`read_samples`.
+        """
         table = m.MetricSampleRow.__table__.c
         with self.session() as s:
             # plain rows, not ORM objects: a sensor reading a day's backlog builds 40,000+ samples
@@ -179,7 +191,7 @@ class MetricSamples(StoreBase):
                     queue_length=_held(r, "queue_length", r.queue_length),
                     kv_blocks_used=_held(r, "kv_blocks_used", r.kv_blocks_used),
                     kv_blocks_total=_held(r, "kv_blocks_total", r.kv_blocks_total)))
-            return [(h.id, MetricSample(
+            return [(h.id, h.run_key, MetricSample(
                 t_s=h.t_s, gear_id=h.gear_key, source=h.source, rps=_held(h, "rps", h.rps),
                 completed=_held(h, "completed", h.completed), tokens_per_s=_held(h, "tokens_per_s", h.tokens_per_s),
                 queue_length=_held(h, "queue_length", h.queue_length), running=_held(h, "running", h.running),

@@ -30,10 +30,11 @@ from dagster import (
     op,
 )
 
-from flexpipe_dag.control.cursor import TideCursor
+from flexpipe_dag.control.cursor import RunTide, TideCursor
 from flexpipe_dag.control.service import evaluate_tide
 from flexpipe_dag.control.tide import TideConfig, TideForecaster
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.liveness import PipelineLiveness
 from flexpipe_dag.core.metrics import MetricSample, StageSample
 from flexpipe_dag.jobs.cron import LATE_TICK_LIMIT_S, late_tick_reason
 from flexpipe_dag.jobs.pools import PIPELINE_RUNTIME_POOL, initialise_pools
@@ -44,9 +45,11 @@ from tests.support import REPO, enveloped_gear
 
 UTC = dt.UTC
 GEARS = {g.gear_id: g for g in (enveloped_gear("throughput-2s", "throughput", 3.5, 40.0, 2),)}
-#: The tide sensor's cursor never exceeds this many bytes, however many jobs it admitted (it keeps no per-job
-#: entry; the longest field is the gear id, at most 200 characters like the store's gear keys).
-TIDE_CURSOR_MAX_BYTES = 400
+#: The tide sensor's cursor never exceeds this many bytes with one live serving run, however many jobs it admitted
+#: (it keeps no per-job entry; the longest fields are the run key and the gear id, at most 200 characters each like
+#: the store's keys); each further live run adds at most TIDE_CURSOR_RUN_BYTES.
+TIDE_CURSOR_MAX_BYTES = 640
+TIDE_CURSOR_RUN_BYTES = 500
 
 
 def _samples(rps_values, t0=0.0):
@@ -66,8 +69,12 @@ class JobsInMemory:
         self.rows.append(SimpleNamespace(id=len(self.rows) + 1, job_key=job_key, kind="batch", status="queued",
                                          config={"num_requests": 8}, admissions=0))
 
-    def read_samples(self, *, run_key=None, after_id=None, online_only=False):  # every run here is online
-        return [(i, s) for i, s in self.samples if after_id is None or i > after_id]
+    def read_run_samples(self, *, after_id=None, online_only=False):  # one online serving run
+        return [(i, "serve-1", s) for i, s in self.samples if after_id is None or i > after_id]
+
+    def pipeline_liveness(self, run_key):  # live: its newest sample was just written
+        return PipelineLiveness(run_key, kind="serve", newest_sample_id=self.samples[-1][0],
+                                newest_sample_written_s=time.time())
 
     def newest_sample_id(self):
         return self.samples[-1][0] if self.samples else None
@@ -109,10 +116,14 @@ def test_tide_cursor_stays_bounded_over_10000_jobs(trough):
     assert run_keys[0] == "batch:offline-0:admission-1" and run_keys[-1] == "batch:offline-9999:admission-1"
     assert max(sizes) <= TIDE_CURSOR_MAX_BYTES and max(sizes) == min(sizes)  # the same size after 100 and 10,000
     assert "admissions" not in json.loads(cursor)
-    # the longest cursor: every field at its widest (a 200-character gear id)
-    widest = TideCursor(ema_rps=1.2345678901234567e+300, last_sample_id=2**63 - 1, gear_id="g" * 200,
-                        gate={"running": True, "pending": "pause", "count": 2**31}).dump()
-    assert len(widest.encode()) <= TIDE_CURSOR_MAX_BYTES
+    # the longest cursor: every field at its widest (a 200-character run key and gear id)
+    def widest(n_runs):
+        part = RunTide(ema_rps=1.2345678901234567e+300, gear_id="g" * 200, instances=2**31)
+        return TideCursor(ema_rps=1.2345678901234567e+300, last_sample_id=2**63 - 1,
+                          runs={f"{k:0>200}": part for k in range(n_runs)},
+                          gate={"running": True, "pending": "pause", "count": 2**31}).dump().encode()
+    assert len(widest(1)) <= TIDE_CURSOR_MAX_BYTES
+    assert len(widest(3)) <= TIDE_CURSOR_MAX_BYTES + 2 * TIDE_CURSOR_RUN_BYTES
     # a finished job queued again (as the serve loop does) gets a new run key from its own row's count
     db.rows[0].status = "queued"
     ev = evaluate_tide(db, cursor, cfg, epoch_s=trough_s, forecaster=forecaster)

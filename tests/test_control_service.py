@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -80,6 +81,9 @@ class MemoryStore:
         rows = [(i, s) for i, rk, s in self.samples
                 if (run_key is None or rk == run_key) and (after_id is None or i > after_id)]
         return rows[:limit] if limit is not None else rows
+
+    def read_run_samples(self, *, after_id=None, online_only=False):  # all runs are online
+        return [(i, rk, s) for i, rk, s in self.samples if after_id is None or i > after_id]
 
     def list_profile_versions(self):
         return [SimpleNamespace(id=1)]
@@ -286,8 +290,11 @@ def test_tide_cursor_reads_the_old_qps_name_and_names_bad_fields():
                       "gate": {"running": False, "pending": None, "count": 0}, "gear_id": "g"})
     cur = TideCursor.parse(old)
     assert (cur.ema_rps, cur.last_sample_id, cur.admissions, cur.gear_id) == (3.0, 7, {"j": 1}, "g")
-    assert TideCursor.parse(cur.dump()) == cur
+    # the one-stream gear is read and dropped: each run's part starts afresh from its next samples
+    assert TideCursor.parse(cur.dump()) == cur.model_copy(update={"gear_id": None}) and "gear_id" not in cur.dump()
     for bad, field in (("[1]", None), ('{"last_sample_id": "x"}', "last_sample_id"), ('{"gate": 5}', "gate"),
+                       ('{"runs": {"r": {"ema_rps": -1}}}', "runs.r.ema_rps"),
+                       ('{"runs": {"r": {"ema_rps": 1, "instances": 0}}}', "runs.r.instances"),
                        ('{"admissions": [1, 2]}', "admissions"), ('{"ema_rps": -1}', "ema_rps"),
                        ('{"qps_ema": 1, "ema_rps": 2}', "ema_rps")):
         with pytest.raises(InputError, match="tide_sensor cursor") as err:
@@ -307,8 +314,9 @@ def test_the_tide_reads_the_online_stream_not_a_batch_jobs_own_samples(tmp_path)
     gears = MemoryStore()
     gears.batch = [SimpleNamespace(id=7, job_key="offline-1", kind="batch", status="running",
                                    config={"num_requests": 8}, admissions=1)]
-    db = SimpleNamespace(read_samples=sql.read_samples, newest_sample_id=sql.newest_sample_id,
-                         load_gear=gears.load_gear, jobs=gears.jobs, update_job=gears.update_job)
+    db = SimpleNamespace(read_run_samples=sql.read_run_samples, newest_sample_id=sql.newest_sample_id,
+                         pipeline_liveness=sql.pipeline_liveness, load_gear=gears.load_gear, jobs=gears.jobs,
+                         update_job=gears.update_job)
     sql.heartbeat_pipeline_run("serve-1", PipelineRunKind.SERVE, "throughput-2s")
     sql.heartbeat_pipeline_run("batch-run", PipelineRunKind.BATCH, "latency-1s")
     for online, offline in zip(_samples("throughput-2s", [35.0] * 6), _samples("latency-1s", [0.0] * 6)):
@@ -323,3 +331,61 @@ def test_the_tide_reads_the_online_stream_not_a_batch_jobs_own_samples(tmp_path)
     assert ev.decision.ema_rps == pytest.approx(35.0) and ev.decision.capacity_rps == 40.0
     assert ev.decision.action == "pause" and ev.paused == ("offline-1",)
     assert len(sql.read_samples()) == 12 and len(sql.read_samples(online_only=True)) == 6
+
+
+def _sql_tide_store(sql, gears):
+    """The TideStore protocol over a real SQLite store's samples and runs, with gears and jobs in memory."""
+    return SimpleNamespace(read_run_samples=sql.read_run_samples, newest_sample_id=sql.newest_sample_id,
+                           pipeline_liveness=sql.pipeline_liveness, load_gear=gears.load_gear, jobs=gears.jobs,
+                           update_job=gears.update_job)
+
+
+def test_the_tide_adds_up_the_live_serving_runs_and_drops_those_that_left(tmp_path):
+    """Two servers share one store. Read as one stream, their samples interleaved: the tide smoothed one run's
+    rate (15 req/s, not the fleet's 30) against one gear's capacity, and after the last server ended it kept its
+    last rate for ever. Each run is now smoothed on its own; the live ones add up (rates and capacities), and a run
+    that ended or fell silent leaves both sums."""
+    from flexpipe_dag.core.status import PipelineRunKind
+    from flexpipe_dag.sql.store import Store
+    from flexpipe_dag.workload.bundled import load_tide_trace
+
+    sql = Store.from_url(f"sqlite:///{tmp_path / 'fp.db'}")
+    gears = MemoryStore()
+    gears.batch = [SimpleNamespace(id=7, job_key="offline-1", kind="batch", status="running",
+                                   config={"num_requests": 8}, admissions=1)]
+    db = _sql_tide_store(sql, gears)
+    for run_key in ("serve-a", "serve-b"):
+        sql.heartbeat_pipeline_run(run_key, PipelineRunKind.SERVE, "throughput-2s")
+    for a, b in zip(_samples("throughput-2s", [35.0] * 6), _samples("throughput-2s", [10.0] * 6)):
+        sql.write_samples("serve-a", [a])
+        sql.write_samples("serve-b", [b])
+    forecaster = TideForecaster(load_tide_trace())
+    trough_s = float(min(range(0, 86400, 600), key=forecaster.profile_at))
+    cfg = TideConfig(hysteresis_samples=1)
+
+    def step(cursor, **kw):
+        return evaluate_tide(db, cursor, cfg, epoch_s=trough_s, forecaster=forecaster, **kw)
+
+    ev = step(None)  # 45 of 80 req/s: under the 75 % pause line (one stream read about 22 of 40)
+    assert ev.decision.ema_rps == pytest.approx(45.0) and ev.decision.capacity_rps == 80.0
+    assert ev.decision.action == "keep" and "2 serving runs together" in ev.decision.reason
+    assert set(json.loads(ev.cursor)["runs"]) == {"serve-a", "serve-b"} and ev.runs_left == ()
+    sql.end_pipeline_run("serve-b")  # the fleet's rate and capacity are serve-a's alone: 35 of 40, paused
+    ev = step(ev.cursor)
+    assert ev.decision.ema_rps == pytest.approx(35.0) and ev.decision.capacity_rps == 40.0
+    assert ev.decision.action == "pause" and ev.paused == ("offline-1",)
+    assert len(ev.runs_left) == 1 and "serve-b ended" in ev.runs_left[0]
+    assert list(json.loads(ev.cursor)["runs"]) == ["serve-a"]
+    # serve-a falls silent (its newest sample and heartbeat older than the freshness bound): nothing online is live
+    ev = step(ev.cursor, now_s=time.time() + 121.0, freshness_s=120.0)
+    assert "serve-a" in ev.runs_left[0] and "freshness bound" in ev.runs_left[0]
+    assert ev.decision.ema_rps == 0.0 and ev.decision.action == "admit" and "no serving run is live" in ev.decision.reason
+    assert json.loads(ev.cursor)["runs"] == {} and gears.batch[0].status == "admitted"
+    ev = step(ev.cursor)  # with no new sample, nothing comes back: the gate keeps the admission
+    assert ev.decision.action == "keep" and ev.runs_left == ()
+    # a new server's samples bring the tide back
+    sql.heartbeat_pipeline_run("serve-c", PipelineRunKind.SERVE, "throughput-2s")
+    sql.write_samples("serve-c", _samples("throughput-2s", [38.0] * 3, t0=100.0))
+    gears.batch[0].status = "running"
+    ev = step(ev.cursor)
+    assert ev.decision.ema_rps == pytest.approx(38.0) and ev.decision.action == "pause"

@@ -113,15 +113,31 @@ def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_k
     return json.dumps(doc, sort_keys=True)
 
 
+class RunTide(BaseModel):
+    """One serving run's part of the online tide, as the ``tide_sensor`` keeps it: the run's own smoothed online
+    rate (req/s), the gear its newest sample named and the pipeline instances that sample was merged from (its
+    ``rps`` is theirs together)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ema_rps: float = Field(ge=0.0, allow_inf_nan=False)
+    gear_id: StrictStr | None = None
+    instances: StrictInt = Field(1, ge=1)
+
+
 class TideCursor(BaseModel):
-    """The ``tide_sensor``'s cursor: the smoothed online rate, the last metric-sample row read, the
-    admission gate and the gear last seen (with its instance count). Its size does not grow with the jobs
-    admitted: it holds no per-job entry (at most about 400 bytes, the gear id being the only text).
+    """The ``tide_sensor``'s cursor: each live serving run's smoothed online rate with its gear (``runs``, run key
+    -> :class:`RunTide`), the fleet's rate (their sum, ``ema_rps``), the last metric-sample row read and the
+    admission gate. Its size does not grow with the jobs admitted: it holds no per-job entry (at most 640 bytes with
+    one live run whose run key and gear id are 200 characters each, and under 500 more per further live run; a
+    run that ends or falls silent leaves it).
 
     Cursors written before request rates were named ``rps`` hold ``qps_ema``; it reads as ``ema_rps``.
     Cursors written before the admission count moved to the store (``inference_jobs.admissions``) hold
     ``admissions`` (job key -> times admitted): it is read so the next evaluation carries it into the
-    store (run keys never repeat), and is not written again once empty.
+    store (run keys never repeat), and is not written again once empty. Cursors written before each run was
+    smoothed on its own hold ``gear_id`` and ``instances`` (of the newest sample): they are read and dropped; the
+    runs' rates start afresh from the next samples.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -131,9 +147,10 @@ class TideCursor(BaseModel):
     last_sample_id: RowId | None = None
     admissions: dict[str, Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=dict)
     gate: TideGate = Field(default_factory=TideGate)
-    gear_id: str | None = None
-    #: pipeline instances of ``gear_id`` the newest sample was merged from (its ``rps`` is theirs together)
-    instances: StrictInt = Field(1, ge=1)
+    runs: dict[str, RunTide] = Field(default_factory=dict)
+    #: legacy (one stream for every run): read, never written
+    gear_id: str | None = Field(None, exclude=True)
+    instances: StrictInt = Field(1, ge=1, exclude=True)
 
     @classmethod
     def parse(cls, cursor: str | None) -> TideCursor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from flexpipe_dag.control.controller import Controller
-from flexpipe_dag.control.cursor import TideCursor, decline_signature, make_cursor, read_gear_shift_cursor
+from flexpipe_dag.control.cursor import RunTide, TideCursor, decline_signature, make_cursor, read_gear_shift_cursor
 from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.state import ControllerState, Decision, ReasonKind
 from flexpipe_dag.control.tide import (
@@ -110,10 +110,12 @@ class GearShiftStore(Protocol):
 class TideStore(Protocol):
     """The store methods :func:`evaluate_tide` calls (the SQL ``Store`` has them)."""
 
-    def read_samples(self, *, run_key: str | None = None, after_id: int | None = None,
-                     limit: int | None = None, online_only: bool = False) -> list[tuple[int, MetricSample]]: ...
+    def read_run_samples(self, *, after_id: int | None = None,
+                         online_only: bool = False) -> list[tuple[int, str, MetricSample]]: ...
 
     def newest_sample_id(self) -> int | None: ...
+
+    def pipeline_liveness(self, run_key: str) -> PipelineLiveness: ...
 
     def load_gear(self, gear_key: str) -> Gear | None: ...
 
@@ -419,6 +421,8 @@ class TideEvaluation:
     paused: tuple[str, ...] = ()
     run_keys: Mapping[str, str] = field(default_factory=dict)
     no_config: tuple[str, ...] = ()
+    #: one line per serving run that left the tide in this evaluation (ended, or silent past the freshness bound)
+    runs_left: tuple[str, ...] = ()
 
 
 def admission_run_key(job_key: str, admission: int) -> str:
@@ -437,8 +441,36 @@ def _admission_counts(db: TideStore, jobs: Sequence[BatchJobRow], legacy: Mappin
     return counts
 
 
+def _live_tide_runs(db: TideStore, runs: Mapping[str, RunTide], now_s: float,
+                    freshness_s: float) -> tuple[dict[str, RunTide], tuple[str, ...]]:
+    """The runs of ``runs`` still live (``why_not_live`` is None) and one line per run that left (ended, a batch
+    job, or its samples or heartbeat older than ``freshness_s``)."""
+    live: dict[str, RunTide] = {}
+    left: list[str] = []
+    for run_key, part in runs.items():
+        why = db.pipeline_liveness(run_key).why_not_live(now_s, freshness_s)
+        if why is None:
+            live[run_key] = part
+        else:
+            left.append(why)
+    return live, tuple(left)
+
+
+def _fleet_capacity_rps(db: TideStore, runs: Mapping[str, RunTide]) -> float:
+    """Req/s the live serving runs hold together: each run's gear's ``rps_max`` x its instances (inf when a run's
+    gear is unknown: nothing bounds it)."""
+    total = 0.0
+    for part in runs.values():
+        gear = db.load_gear(part.gear_id) if part.gear_id else None
+        if gear is None:
+            return float("inf")
+        total += gear.rps_max * part.instances
+    return total
+
+
 def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_s: float | None = None,
-                  forecaster: TideForecaster | None = None) -> TideEvaluation:
+                  forecaster: TideForecaster | None = None, now_s: float | None = None,
+                  freshness_s: float = 120.0) -> TideEvaluation:
     """One evaluation of offline admission (see module docstring).
 
     Args:
@@ -448,11 +480,19 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
         epoch_s: now, epoch seconds (default the clock), placed in tide time with
             ``tide.time_compression``.
         forecaster: the tide history's forecaster (default: built from ``tide.history_file``).
+        now_s: now on the wall clock, epoch seconds, for the runs' liveness (default the clock; ``epoch_s`` may
+            be a tide time of the caller's choosing).
+        freshness_s: a serving run whose newest sample or heartbeat is older than this (seconds;
+            ``controller.sample_freshness_s``) has left the tide, as has a run that ended.
 
-    A cursor whose last sample id is past the store's newest sample (the store was reset) starts afresh.
-    The cursor keeps no per-job state (its size is bounded); each admission increments the job row's
-    ``admissions``, which numbers its run key, so a job admitted again (paused, or finished and queued
-    again) never repeats a run key Dagster has seen.
+    The online tide is the fleet's: each serving run's rate is smoothed on its own (a batch job's pipeline, whose
+    windows hold no online arrival, is left out) and the live runs' rates are added up, as are their capacities
+    (each gear's ``rps_max`` x the instances its newest sample was merged from). A run that ended or fell silent
+    leaves both sums: once no serving run is live, nothing online holds the fleet, and offline work is admitted
+    (the decision's reason says so). A cursor whose last sample id is past the store's newest sample (the
+    store was reset) starts afresh. The cursor keeps no per-job state (its size is bounded); each admission
+    increments the job row's ``admissions``, which numbers its run key, so a job admitted again (paused, or
+    finished and queued again) never repeats a run key Dagster has seen.
 
     Raises:
         InputError: ``cursor`` is not a tide cursor (:class:`~flexpipe_dag.control.cursor.TideCursor`,
@@ -460,26 +500,26 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     """
     state = TideCursor.parse(cursor)
     cfg = tide
-    ema_rps, last_id, gate = state.ema_rps, state.last_sample_id, state.gate
+    seen, runs, last_id, gate = state.ema_rps is not None, dict(state.runs), state.last_sample_id, state.gate
     # the online stream only: a batch job's own pipeline samples no online arrival (rps 0 whatever the tide)
-    rows = db.read_samples(after_id=last_id, online_only=True)
+    rows = db.read_run_samples(after_id=last_id, online_only=True)
     if not rows and last_id is not None and last_id > (db.newest_sample_id() or 0):
         # the store was reset (a new database under the same Dagster instance): read it afresh, not never
-        ema_rps, last_id, gate = None, None, TideGate()
-        rows = db.read_samples(online_only=True)
-    for _, smp in rows:
-        ema_rps = ema(ema_rps, smp.rps, cfg.ema_alpha)
+        seen, runs, last_id, gate = False, {}, None, TideGate()
+        rows = db.read_run_samples(online_only=True)
+    for _, run_key, smp in rows:
+        before = runs.get(run_key)
+        runs[run_key] = RunTide(ema_rps=ema(before.ema_rps if before else None, smp.rps, cfg.ema_alpha),
+                                gear_id=smp.gear_id, instances=smp.instances)
     if rows:
         last_id = rows[-1][0]
-    if ema_rps is None:
+    if not (seen or runs):
         return TideEvaluation(None, cursor or "{}")  # nothing seen yet: the cursor stays as it was
+    runs, left = _live_tide_runs(db, runs, time.time() if now_s is None else now_s, freshness_s)
+    ema_rps = sum(part.ema_rps for part in runs.values())
     if forecaster is None:
         forecaster = TideForecaster(load_history(cfg))
-    gear_id = rows[-1][1].gear_id if rows else state.gear_id
-    gear = db.load_gear(gear_id) if gear_id else None
-    # rps is the fleet's when several instances serve (a merged sample): their summed envelopes hold it
-    instances = rows[-1][1].instances if rows else state.instances
-    capacity = gear.rps_max * instances if gear else float("inf")
+    capacity = _fleet_capacity_rps(db, runs)
     batch_jobs = db.jobs(kind="batch")
     admissions = _admission_counts(db, batch_jobs, state.admissions)
     running = [j for j in batch_jobs if j.status == "running"]
@@ -487,6 +527,10 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
         j.status == "admitted" for j in batch_jobs)})
     decision = decide_offline(forecaster, cfg, tide_time_s=tide_time_s(epoch_s or time.time(), cfg.time_compression),
                               ema_rps=ema_rps, capacity_rps=capacity, offline_running=gate.running)
+    if not runs:
+        decision = dataclasses.replace(decision, reason=decision.reason + "; no serving run is live")
+    elif len(runs) > 1:
+        decision = dataclasses.replace(decision, reason=decision.reason + f" ({len(runs)} serving runs together)")
     gate, act = gate.step(decision, cfg.hysteresis_samples)
     admit: list[BatchJobRow] = []
     paused: list[str] = []
@@ -505,8 +549,7 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
             db.update_job(j.id, status="admitted", admissions=admissions[j.job_key])
         # a Batch API batch is admitted (the front door serving it resumes it) but gets no batch_inference run
         admit = [j for j in admit if API_BATCH_CONFIG_KEY not in j.config]
-    new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, gate=gate, gear_id=gear_id,
-                            instances=instances).dump()
+    new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, gate=gate, runs=runs).dump()
     return TideEvaluation(decision if act is None else act, new_cursor, tuple(admit), tuple(paused),
                           {j.job_key: admission_run_key(j.job_key, admissions[j.job_key]) for j in admit},
-                          tuple(no_config))
+                          tuple(no_config), left)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.runtime.scheduler import RequestOutput
@@ -20,6 +21,8 @@ from flexpipe_dag.serving.frontdoor.metrics import FrontDoorMetrics
 from tests.support import wait_until
 
 MODEL = "m"
+#: the pipeline a fake router serves on (``router.active``): its gear is what a result row names
+ACTIVE = SimpleNamespace(gear=SimpleNamespace(gear_id="throughput-2s"))
 
 
 class _Tokenizer:
@@ -32,6 +35,8 @@ class _Tokenizer:
 
 class _Router:
     """Refuses an id it has seen (as ServingRouter's ledger does); answers each request after ``delay_s``."""
+
+    active = ACTIVE
 
     def __init__(self, delay_s: float):
         self.delay_s, self.seen, self.on_result = delay_s, [], None
@@ -120,6 +125,7 @@ def test_a_row_that_cannot_be_written_is_served_again_under_a_fresh_id(store):
     router, job, logged = _run(store, _SlowWrites(store, delay_s=0.0, fail=2), n=4)
     assert len(router.seen) == len(set(router.seen)) == 6  # two lines served twice, each time a new id
     assert sorted(r.request_key for r in store.results(job.id)) == [f"l-{i}" for i in range(4)]
+    assert {r.gear_key for r in store.results(job.id)} == {"throughput-2s"}  # the gear that served each line
     assert sum("was not stored (OSError: disk I/O error (injected)); the line is served again" in x
                for x in logged) == 2, logged
 
@@ -127,6 +133,8 @@ def test_a_row_that_cannot_be_written_is_served_again_under_a_fresh_id(store):
 class _StreamingRouter:
     """Samples tokens 7, 8, 9, ... one at a time from a pump thread (``on_token``), then the result unless the
     request was cancelled first (as ServingRouter delivers no cancelled request)."""
+
+    active = ACTIVE
 
     def __init__(self, tokens: int):
         self.tokens, self.cancelled, self.sent = tokens, [], {}

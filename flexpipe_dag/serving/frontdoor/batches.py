@@ -284,7 +284,14 @@ class BatchRunner:
         if tpot_s is not None:
             metrics.tpot.labels("offline").observe(tpot_s)
         self._write(job_id, line, 200, body, tokens, prompt_tokens, request_id=request_id, ttft_ms=1e3 * ttft_s,
-                    tpot_ms=1e3 * tpot_s if tpot_s is not None else None, e2e_ms=1e3 * (time.monotonic() - t0))
+                    tpot_ms=1e3 * tpot_s if tpot_s is not None else None, e2e_ms=1e3 * (time.monotonic() - t0),
+                    gear_key=self._serving_gear())
+
+    def _serving_gear(self) -> str | None:
+        """The gear serving when a line is answered (``request_results.gear_key``), None before a pipeline is up."""
+        router = self.engine.router
+        active = router.active if router is not None else None
+        return active.gear.gear_id if active is not None else None
 
     def _cancel_stopped(self) -> None:
         """Cancel in the pipeline the lines answered at a stop sequence (their later tokens are nobody's)."""
@@ -438,15 +445,17 @@ class BatchRunner:
         return self._finished[job_id]
 
     def _write(self, job_id: int, line: BatchLine, status_code: int, body: dict, tokens: list[int] | None = None,
-               prompt_tokens: int = 0, request_id: str | None = None, **latencies) -> None:
-        """Store the line's result row, then (under one lock) mark it finished and take ``request_id`` out of
-        flight. A row that cannot be written only takes the request out of flight: the line is served again."""
+               prompt_tokens: int = 0, request_id: str | None = None, gear_key: str | None = None,
+               **latencies) -> None:
+        """Store the line's result row (``gear_key``: the gear that served it, None for a line never served), then
+        (under one lock) mark it finished and take ``request_id`` out of flight. A row that cannot be written only
+        takes the request out of flight: the line is served again."""
         ok = status_code == 200
         record = {"status_code": status_code, "body": body}
         try:
             self.db.write_result(job_id, line.custom_id, prompt_tokens=prompt_tokens, output_token_ids=tokens or [],
                                  status=RequestResultStatus.DONE if ok else RequestResultStatus.FAILED,
-                                 output_text=json.dumps(record), **latencies)
+                                 gear_key=gear_key, output_text=json.dumps(record), **latencies)
         except Exception:
             if request_id is not None:
                 with self._lock:

@@ -2,7 +2,8 @@
 
 The live pipeline and Dagster meet in the SQL store. The pipeline writes metric samples; the sensor
 (or the serve loop, calling the same service itself) runs
-:func:`flexpipe_dag.control.service.evaluate_gear_shift`, which asks the pure controller and records
+:func:`flexpipe_dag.control.service.evaluate_gear_shift` on each live serving run
+(:func:`~flexpipe_dag.control.service.evaluate_gear_shifts`), which asks the pure controller and records
 every decision taken or declined with its reason as a shift event; the sensor launches a
 ``gear_shift`` run for a shift. That run marks the event ``requested``, addressed to the serving run
 the decision was taken on and with a pickup deadline; that serving run takes it (``applying``),
@@ -28,7 +29,8 @@ from dagster import (
 )
 from pydantic import Field
 
-from flexpipe_dag.control.service import evaluate_gear_shift
+from flexpipe_dag.control.service import ShiftEvaluation, evaluate_gear_shifts
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import TERMINAL_SHIFT_STATUSES, ShiftEventAction, ShiftEventStatus
 from flexpipe_dag.jobs.sensor_settings import SENSOR_INTERVAL_S
 from flexpipe_dag.resources.control import ControlSettings
@@ -60,8 +62,9 @@ class GearShiftConfig(Config):
         description="the serving run must take the request within this many seconds (at most a day), else it "
                     "expires (a later serving run never applies it)")
     run_key: str = Field(default="", max_length=200,
-                         description="the serving run to shift; \"\" = the live serving run that wrote the newest metric "
-                                     "sample and does not decide its own shifts (a shift by hand)")
+                         description="the serving run to shift; \"\" = the live serving run that writes metric samples "
+                                     "and does not decide its own shifts (a shift by hand; with several such runs live, "
+                                     "name one)")
 
 
 def _check_target(db, run_key: str) -> None:
@@ -96,6 +99,10 @@ def _event_for(context: OpExecutionContext, config: GearShiftConfig, db) -> int:
                       "gear ids `flexpipe plan` stored)")
     if config.run_key:
         _check_target(db, config.run_key)
+    else:
+        live = db.recent_shiftable_run_keys()
+        if len(live) > 1:  # a shift by hand is addressed to one pipeline: never a guess among several
+            raise Failure(f"several serving runs are live ({', '.join(live)}): name the one to shift with run_key")
     target = config.run_key or db.latest_shiftable_run_key()
     if target is None:
         raise Failure("no live serving run to shift: no run that has not ended writes metric samples (start a "
@@ -163,23 +170,33 @@ def gear_shift():
 
 
 @sensor(job=gear_shift, minimum_interval_seconds=SENSOR_INTERVAL_S, default_status=DefaultSensorStatus.RUNNING,
-        description="Reads the newest metric samples, asks the controller, launches gear_shift when it decides to shift.")
+        description="Reads the newest metric samples of each live serving run, asks the controller, launches gear_shift "
+                    "when it decides to shift one.")
 def gear_shift_sensor(context: SensorEvaluationContext, store: StoreResource, control: ControlSettings):
-    """A ``gear_shift`` run request for a shift (deterministic run key, so a retried tick launches one run), else a
-    skip with the controller's reason."""
+    """A ``gear_shift`` run request per serving run whose controller decided a shift (deterministic run keys, so a
+    retried tick launches each once), else a skip with each run's decision or why there is none."""
     db = store.get_store()
     for event_id in db.expire_shift_requests():  # requests of runs that died waiting
         context.log.info(f"shift event {event_id} expired: no live serving run took it by its deadline")
-    ev = evaluate_gear_shift(db, context.cursor, control.resolved())
-    context.update_cursor(ev.cursor)
-    if ev.run_key is None:
-        followed = db.recent_shiftable_run_keys()
-        if len(followed) > 1:  # one serving run per store: say which others are left alone
-            return SkipReason(f"{ev.summary} (following run {followed[0]}, the newest writer; one serving run per "
-                              f"store: also writing samples, not followed: {', '.join(followed[1:])})")
-        return SkipReason(ev.summary)
+    fleet = evaluate_gear_shifts(db, context.cursor, control.resolved())
+    context.update_cursor(fleet.cursor)
+    for line in fleet.errors:
+        context.log.error(f"not evaluated: {line}")
+    if fleet.errors and len(fleet.errors) == len(fleet.evaluations):
+        raise InputError("metric samples", None, f"no serving run could be evaluated: {'; '.join(fleet.errors)}")
+    if not fleet.shifts:
+        return SkipReason(fleet.summary)
+    for run_key, ev in fleet.evaluations.items():
+        if ev.run_key is None and len(fleet.evaluations) > 1:
+            context.log.info(f"run {run_key}: {ev.summary}")
+    requests = [_shift_request(ev) for ev in fleet.shifts]
+    return requests[0] if len(requests) == 1 else requests
+
+
+def _shift_request(ev: ShiftEvaluation) -> RunRequest:
+    """The ``gear_shift`` run of a decided shift (its deterministic run key; the event names the serving run)."""
     d = ev.decision
-    assert d is not None and d.to_gear_id is not None  # a run key comes only with a shift, which names its target
+    assert d is not None and d.to_gear_id is not None and ev.run_key is not None  # a shift names its target
     return RunRequest(run_key=ev.run_key, tags={"flexpipe/trigger": d.trigger or "", "flexpipe/to_gear": d.to_gear_id},
                       run_config={"ops": {"apply_gear_shift": {"config": {
                           "to_gear_id": d.to_gear_id, "from_gear_id": d.from_gear_id or "", "reason": d.reason,

@@ -121,7 +121,7 @@ class PipelineRuns(StoreBase):
     def recent_shiftable_run_keys(self, window_samples: int = 1000) -> list[str]:
         """The runs the ``gear_shift_sensor`` could follow (as :meth:`latest_shiftable_run_key` reads them) among
         those that wrote the newest ``window_samples`` pipeline samples, newest writer first: more than one means
-        several live serving runs share the store, and only the first is followed."""
+        several live serving runs share the store, and the sensor follows each on its own."""
         with self.session() as s:
             recent = s.execute(select(m.MetricSampleRow.run_key).where(m.MetricSampleRow.scope == "pipeline")
                                .order_by(m.MetricSampleRow.id.desc()).limit(window_samples)).scalars().all()

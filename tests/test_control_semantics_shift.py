@@ -562,6 +562,10 @@ def test_a_gear_shift_run_checks_its_config_before_storing_anything(store_res):
     assert _shift_by_hand(store_res, to_gear_id="throughput-2s", run_key="batch-1").endswith(
         "gear_shift config run_key 'batch-1': not a live serving run (run batch-1 is a batch job: its samples never "
         "trigger a shift)")
+    db.heartbeat_pipeline_run("serve-2", "serve", "latency-1s")  # a second server on the store: name one
+    db.write_samples("serve-2", _samples("latency-1s", [1.0] * 3))
+    assert _shift_by_hand(store_res, to_gear_id="throughput-2s").endswith(
+        "several serving runs are live (serve-2, serve-1): name the one to shift with run_key")
     for bad in ({"pickup_deadline_s": math.inf}, {"timeout_s": math.nan}, {"timeout_s": 0.0},
                 {"pickup_deadline_s": 86401.0}):
         with pytest.raises(Exception, match="pickup_deadline_s|timeout_s"):
@@ -593,18 +597,49 @@ def test_evaluation_page_and_budget_have_minimums():
     assert (cfg.evaluation_page_samples, cfg.evaluation_budget_s) == (100, 0.1)
 
 
-def test_the_sensor_says_when_it_leaves_a_second_live_run_alone(store_res):
-    """Finding 11: two live runs alternating samples: only the newest writer is followed, and the skip says so."""
+def test_the_sensor_follows_each_live_serving_run_on_its_own(store_res):
+    """Finding 11, then several servers on one store: two live runs alternating samples. Before, only the newest
+    writer was followed (the skip named the other). Each run now has its own controller and decisions: the one
+    over its gear's envelope shifts (the event addressed to it alone), the other declines; a run that ends leaves
+    the cursor, and a run whose samples cannot be decided on does not stop the others."""
+    from flexpipe_dag.control.cursor import read_fleet_shift_cursor
+
     db = store_res.get_store()
     for i in range(3):
         db.write_samples("serve-a", [_sample("latency-1s", 2.0 * (i + 1), 1.0)])
         db.write_samples("serve-b", [_sample("latency-1s", 2.0 * (i + 1), 1.0)])
     assert db.recent_shiftable_run_keys() == ["serve-b", "serve-a"]
-    result, _ = _tick(store_res)
-    assert isinstance(result, SkipReason) and result.skip_message.startswith("declined: latency_under ")
-    assert result.skip_message.endswith(
-        ") (following run serve-b, the newest writer; one serving run per store: also writing samples, not followed: "
-        "serve-a)")
+    result, cursor = _tick(store_res)
+    assert isinstance(result, SkipReason)
+    assert result.skip_message.startswith("run serve-b: declined: latency_under ")
+    assert "; run serve-a: declined: latency_under " in result.skip_message
+    assert sorted(read_fleet_shift_cursor(cursor)) == ["serve-a", "serve-b"]
+    # serve-a's load rises past latency-1s's 5 req/s; serve-b's stays low: one shift, for serve-a
+    for i in range(3, 9):
+        db.write_samples("serve-a", [_sample("latency-1s", 2.0 * (i + 1), 12.0)])
+        db.write_samples("serve-b", [_sample("latency-1s", 2.0 * (i + 1), 1.0)])
+    result, cursor = _tick(store_res, cursor)
+    assert isinstance(result, RunRequest) and result.run_key.endswith("@serve-a")
+    shifts = [e for e in db.shift_events() if e.action == "shift"]
+    assert [(e.run_key, e.to_gear_key) for e in shifts] == [("serve-a", "throughput-2s")]
+    again, _ = _tick(store_res, cursor)  # nothing new: no second request
+    assert isinstance(again, SkipReason)
+    # serve-a ends: it leaves the cursor; a run whose samples name a gear the store lacks is named, not followed
     db.heartbeat_pipeline_run("serve-a", "serve")
     db.end_pipeline_run("serve-a")
     assert db.recent_shiftable_run_keys() == ["serve-b"]
+    db.write_samples("serve-c", [_sample("no-such-gear", 2.0, 1.0)])
+    db.write_samples("serve-b", [_sample("latency-1s", 20.0, 1.0)])
+    result, cursor = _tick(store_res, cursor)
+    assert sorted(read_fleet_shift_cursor(cursor)) == ["serve-b", "serve-c"]
+    assert isinstance(result, SkipReason) and "run serve-c: not evaluated: metric samples: gear_id" in result.skip_message
+    assert "run serve-b: " in result.skip_message
+
+
+def test_a_sensor_tick_fails_when_no_followed_run_can_be_evaluated(store_res):
+    """With one run followed, its bad samples fail the tick (as before several runs were followed): the error shows in
+    the UI instead of a quiet skip."""
+    db = store_res.get_store()
+    db.write_samples("serve-c", [_sample("no-such-gear", 2.0, 1.0)])
+    with pytest.raises(InputError, match="no serving run could be evaluated: run serve-c: metric samples: gear_id"):
+        _tick(store_res)

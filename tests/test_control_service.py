@@ -67,6 +67,9 @@ class MemoryStore:
     def latest_shiftable_run_key(self):  # every run here is a live serving run
         return self.latest_sample_run_key()
 
+    def recent_shiftable_run_keys(self):  # newest writer first
+        return list(dict.fromkeys(rk for _, rk, _ in reversed(self.samples)))
+
     def pipeline_liveness(self, run_key):
         import time
 
@@ -389,3 +392,20 @@ def test_the_tide_adds_up_the_live_serving_runs_and_drops_those_that_left(tmp_pa
     gears.batch[0].status = "running"
     ev = step(ev.cursor)
     assert ev.decision.ema_rps == pytest.approx(38.0) and ev.decision.action == "pause"
+
+
+def test_the_gear_shift_sensor_cursor_keeps_one_cursor_per_run_and_names_bad_fields():
+    from flexpipe_dag.control.cursor import make_fleet_shift_cursor, read_fleet_shift_cursor
+
+    one = make_cursor(None, 7, "serve-a")
+    assert read_fleet_shift_cursor(None) == read_fleet_shift_cursor("") == {}
+    assert read_fleet_shift_cursor(one) == {"serve-a": one}  # written when the sensor followed one run
+    assert read_fleet_shift_cursor(make_cursor(None, None, None)) == {}
+    both = {"serve-a": one, "serve-b": make_cursor(None, 9, "serve-b")}
+    assert read_fleet_shift_cursor(make_fleet_shift_cursor(both)) == both
+    for bad, field in (("[1]", None), ('{"runs": 5}', "runs"), ('{"runs": {}, "x": 1}', "runs"),
+                       ('{"runs": {"serve-a": 5}}', "runs.serve-a"),
+                       (json.dumps({"runs": {"serve-b": one}}), "runs.serve-b")):
+        with pytest.raises(InputError, match="gear_shift_sensor cursor") as err:
+            read_fleet_shift_cursor(bad)
+        assert field is None or field in str(err.value)

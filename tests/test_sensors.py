@@ -8,7 +8,7 @@ import re
 import pytest
 from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context
 
-from flexpipe_dag.control.cursor import parse_cursor
+from flexpipe_dag.control.cursor import make_fleet_shift_cursor, parse_cursor, read_fleet_shift_cursor
 from flexpipe_dag.control.settings import resolve_control_settings
 from flexpipe_dag.control.tide import TideConfig
 from flexpipe_dag.core.metrics import MetricSample, StageSample
@@ -72,15 +72,20 @@ def test_cursor_round_trips_exactly(store_res):
     db = store_res.get_store()
     db.write_samples("live", _samples("latency-1s", [2.0, 3.0, 2.5]))
     _, cursor = _tick(gear_shift_sensor, store_res)
-    state, last_id, run_key = parse_cursor(cursor)
+    runs = read_fleet_shift_cursor(cursor)  # one cursor per serving run followed
+    assert list(runs) == ["live"] and make_fleet_shift_cursor(runs) == cursor
+    state, last_id, run_key = parse_cursor(runs["live"])
     assert run_key == "live"
     assert last_id is not None and state is not None
-    assert json.loads(cursor)["controller"] == state.to_cursor()
-    # a batch run's samples (another run key) never reach the controller of the serving run
-    db.write_samples("batch-run", _samples("some-other-gear", [9.0] * 3, t0=100.0))
+    assert json.loads(runs["live"])["controller"] == state.to_cursor()
+    # another run's samples (a run never registered, so followed on its own) never reach this run's controller
+    db.write_samples("other-run", _samples("throughput-2s", [9.0] * 3, t0=100.0))
     db.write_samples("live", _samples("latency-1s", [2.0], t0=200.0))
     _, cursor2 = _tick(gear_shift_sensor, store_res, cursor)
-    assert parse_cursor(cursor2)[2] == "live"
+    runs2 = read_fleet_shift_cursor(cursor2)
+    assert sorted(runs2) == ["live", "other-run"]
+    assert parse_cursor(runs2["live"])[0].gear_id == "latency-1s"
+    assert parse_cursor(runs2["other-run"])[0].gear_id == "throughput-2s"
     assert type(state).from_cursor(state.to_cursor()) == state
 
 
@@ -112,9 +117,9 @@ def test_sensor_shifts_ahead_of_a_forecast_rise(tmp_path, store_res):
     assert stored.trigger == "forecast_above_envelope" and "forecast rps 12/s" in stored.reason
     # without a forecast passed, the sensor reads the bundled tide history; the seeds (horizon 0) ignore it
     _, cursor = _tick(gear_shift_sensor, store_res, config_file=str(cfg))
-    assert json.loads(json.loads(cursor)["controller"])["forecast_rps"] is not None
+    assert parse_cursor(read_fleet_shift_cursor(cursor)["live"])[0].forecast_rps is not None
     _, cursor = _tick(gear_shift_sensor, store_res)
-    assert json.loads(json.loads(cursor)["controller"])["forecast_rps"] is None
+    assert parse_cursor(read_fleet_shift_cursor(cursor)["live"])[0].forecast_rps is None
 
 
 def test_tide_history_forecast_places_samples_in_tide_time():

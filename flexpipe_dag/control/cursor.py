@@ -113,6 +113,43 @@ def make_cursor(state: ControllerState | None, last_sample_id: int | None, run_k
     return json.dumps(doc, sort_keys=True)
 
 
+def read_fleet_shift_cursor(cursor: str | None) -> dict[str, str]:
+    """The ``gear_shift_sensor``'s cursor: run key -> that run's own cursor (:func:`make_cursor`), one per serving
+    run it follows. A cursor written when the sensor followed one run (:func:`make_cursor`'s form) reads as that
+    run's entry; an empty one as no entry.
+
+    Raises:
+        InputError: not JSON, not an object of run keys to cursors, or a run's cursor not one :func:`make_cursor`
+            wrote (named; "gear_shift_sensor cursor").
+    """
+    if not cursor:
+        return {}
+    where = "gear_shift_sensor cursor"
+    try:
+        doc = json.loads(cursor)
+    except (ValueError, RecursionError) as exc:
+        raise InputError(where, None, f"cannot parse: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InputError(where, None, f"expected a JSON object, got {type(doc).__name__}")
+    if "runs" not in doc:  # one followed run (before the sensor followed several)
+        run_key = read_gear_shift_cursor(cursor).run_key
+        return {run_key: cursor} if run_key is not None else {}
+    runs = doc["runs"]
+    if set(doc) != {"runs"} or not isinstance(runs, dict):
+        raise InputError(where, "runs", "expected {\"runs\": {run key: cursor}} and nothing else")
+    for run_key, sub in runs.items():
+        if not isinstance(sub, str):
+            raise InputError(where, f"runs.{run_key}", f"expected a cursor string, got {type(sub).__name__}")
+        if read_gear_shift_cursor(sub).run_key != run_key:
+            raise InputError(where, f"runs.{run_key}", "the cursor follows another run")
+    return dict(runs)
+
+
+def make_fleet_shift_cursor(runs: dict[str, str]) -> str:
+    """The cursor :func:`read_fleet_shift_cursor` reads back: sorted-key JSON of run key -> that run's cursor."""
+    return json.dumps({"runs": runs}, sort_keys=True)
+
+
 class RunTide(BaseModel):
     """One serving run's part of the online tide, as the ``tide_sensor`` keeps it: the run's own smoothed online
     rate (req/s), the gear its newest sample named and the pipeline instances that sample was merged from (its

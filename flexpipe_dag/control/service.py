@@ -24,8 +24,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from flexpipe_dag.control.config import MIN_BUDGET_S
 from flexpipe_dag.control.controller import Controller
-from flexpipe_dag.control.cursor import RunTide, TideCursor, decline_signature, make_cursor, read_gear_shift_cursor
+from flexpipe_dag.control.cursor import (
+    RunTide,
+    TideCursor,
+    decline_signature,
+    make_cursor,
+    make_fleet_shift_cursor,
+    read_fleet_shift_cursor,
+    read_gear_shift_cursor,
+)
 from flexpipe_dag.control.settings import ResolvedControlSettings
 from flexpipe_dag.control.state import ControllerState, Decision, ReasonKind
 from flexpipe_dag.control.tide import (
@@ -39,7 +48,7 @@ from flexpipe_dag.control.tide import (
     tide_forecast,
 )
 from flexpipe_dag.core.cluster import ClusterProfile
-from flexpipe_dag.core.errors import FlexPipeError
+from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.liveness import PipelineLiveness
 from flexpipe_dag.core.metrics import MetricSample
@@ -83,6 +92,8 @@ class GearShiftStore(Protocol):
     def latest_sample_run_key(self) -> str | None: ...
 
     def latest_shiftable_run_key(self) -> str | None: ...
+
+    def recent_shiftable_run_keys(self) -> list[str]: ...
 
     def pipeline_liveness(self, run_key: str) -> PipelineLiveness: ...
 
@@ -278,7 +289,8 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
         settings: the resolved controller and tide figures.
         run_key_prefix: put before the shift's run key (the serve loop prefixes its own run key).
         run_key: the serving run whose samples to follow (default: the newest sample's run among those
-            not ended, not batch jobs and not deciding their own shifts: one store, one followed run). When the
+            not ended, not batch jobs and not deciding their own shifts; :func:`evaluate_gear_shifts` passes each
+            such run in turn). When the
             followed run changes, the controller starts afresh (state and last sample read); so it does when
             the cursor's last sample id is past the run's newest (the store was reset), with a note saying so.
         forecast: the controller's load forecast; None with ``forecast_horizon_s`` > 0 in the
@@ -316,6 +328,72 @@ def evaluate_gear_shift(db: GearShiftStore, cursor: str | None, settings: Resolv
     if reset_note is None:
         return result
     return dataclasses.replace(result, note=f"{reset_note}; {result.note}" if result.note else reset_note)
+
+
+@dataclass(frozen=True)
+class FleetShiftEvaluation:
+    """One ``gear_shift_sensor`` evaluation over every serving run it follows: ``evaluations`` (run key -> that
+    run's :class:`ShiftEvaluation`, newest writer first), the cursor to keep, and ``note`` (why no run is followed,
+    when none is)."""
+
+    evaluations: Mapping[str, ShiftEvaluation]
+    cursor: str
+    note: str | None = None
+    #: one line per run whose samples could not be decided on (``run R: <the error>``): that run keeps its place
+    #: in the cursor and is read again next time; the other runs are decided on all the same
+    errors: tuple[str, ...] = ()
+
+    @property
+    def shifts(self) -> list[ShiftEvaluation]:
+        """The evaluations that decided a shift (each with its run key), newest writer's first."""
+        return [ev for ev in self.evaluations.values() if ev.run_key is not None]
+
+    @property
+    def summary(self) -> str:
+        """One line: each followed run's decision or why there is none (``run R: ...``), or the note."""
+        if not self.evaluations:
+            return self.note or "no live serving run writes metric samples"
+        if len(self.evaluations) == 1:
+            return next(iter(self.evaluations.values())).summary
+        return "; ".join(f"run {rk}: {ev.summary}" for rk, ev in self.evaluations.items())
+
+
+def evaluate_gear_shifts(db: GearShiftStore, cursor: str | None, settings: ResolvedControlSettings,
+                         epoch_s: float | None = None) -> FleetShiftEvaluation:
+    """:func:`evaluate_gear_shift` on every serving run the ``gear_shift_sensor`` may follow, each on its own state.
+
+    The runs are those that wrote the store's newest pipeline samples and are not ended, not batch jobs and do not
+    decide their own shifts (``Store.recent_shiftable_run_keys``): several ``flexpipe serve`` processes may share
+    one store, and each gets its own controller (smoothing, dwell, payback), its own decisions and its own
+    ``gear_shift`` runs (a decision's key names the run it was taken on). The cursor keeps each followed run's
+    cursor (:func:`~flexpipe_dag.control.cursor.read_fleet_shift_cursor`); a run that leaves the list leaves the
+    cursor. The evaluation budget (``controller.evaluation_budget_s``) is shared: each run gets an equal part, at
+    least ``MIN_BUDGET_S``. A run whose evaluation raises :class:`InputError` (e.g. its samples name a gear the store
+    does not hold) is named in ``errors`` and keeps its place; the other runs are decided on all the same.
+
+    Raises:
+        InputError: ``cursor`` is not one this service wrote.
+    """
+    subs = read_fleet_shift_cursor(cursor)
+    followed = db.recent_shiftable_run_keys()
+    if not followed:
+        now_s = time.time() if epoch_s is None else epoch_s
+        return FleetShiftEvaluation({}, make_fleet_shift_cursor({}),
+                                    _why_nothing_followed(db, now_s, settings.controller.sample_freshness_s))
+    budget_s = max(MIN_BUDGET_S, settings.controller.evaluation_budget_s / len(followed))
+    share = dataclasses.replace(settings, controller=settings.controller.model_copy(
+        update={"evaluation_budget_s": budget_s}))
+    evaluations: dict[str, ShiftEvaluation] = {}
+    errors: list[str] = []
+    for rk in followed:
+        try:
+            evaluations[rk] = evaluate_gear_shift(db, subs.get(rk), share, run_key=rk, epoch_s=epoch_s)
+        except InputError as exc:  # this run's samples cannot be decided on; the others still are
+            evaluations[rk] = ShiftEvaluation(None, subs.get(rk) or make_cursor(None, None, rk),
+                                              note=f"not evaluated: {exc}")
+            errors.append(f"run {rk}: {exc}")
+    return FleetShiftEvaluation(evaluations, make_fleet_shift_cursor({rk: ev.cursor for rk, ev in evaluations.items()}),
+                                errors=tuple(errors))
 
 
 def _why_nothing_followed(db: GearShiftStore, now_s: float, freshness_s: float) -> str:

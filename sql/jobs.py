@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from flexpipe_dag.core.errors import InputError
@@ -87,6 +87,23 @@ class InferenceJobs(StoreBase):
                 raise KeyError(job_id)
             for k, v in fields.items():
                 setattr(job, k, v)
+
+    def claim_batch(self, job_id: int, run_key: str, from_owner: str | None) -> bool:
+        """Make serving run ``run_key`` the owner of batch ``job_id`` if its owner is still ``from_owner`` (None: not
+        claimed yet): one atomic compare-and-set, so of two servers claiming at once exactly one wins. Returns
+        whether ``run_key`` owns it now.
+
+        Raises:
+            InputError: ``run_key`` is not a string of at most 200 characters (nothing written).
+        """
+        checked_text(run_key, "inference_jobs", "owner_run_key", 200)
+        table = m.InferenceJob.__table__
+        owner = table.c.owner_run_key
+        with self.session() as s:
+            won = s.execute(update(table).where(table.c.id == job_id,
+                                                owner.is_(None) if from_owner is None else owner == from_owner)
+                            .values(owner_run_key=run_key)).rowcount == 1
+            return won or s.scalar(select(owner).where(table.c.id == job_id)) == run_key
 
     def job_status(self, job_id: int) -> str:
         """A job's status as stored now."""

@@ -313,6 +313,9 @@ class InferenceJob(Base):
     error: Mapped[str | None] = mapped_column(Text)
     admissions: Mapped[int] = mapped_column(default=0, server_default="0",
                                             comment="times the tide sensor admitted the job (numbers its run keys)")
+    owner_run_key: Mapped[str | None] = mapped_column(
+        String(200), comment="the serving run that serves this Batch API batch (NULL: not claimed yet); another "
+                             "server takes it over once that run has ended or fallen silent")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     results: Mapped[list[RequestResult]] = relationship(back_populates="job", cascade="all, delete-orphan")

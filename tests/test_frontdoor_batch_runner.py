@@ -248,3 +248,52 @@ def test_a_batch_file_is_dated_when_the_batch_ended_and_not_read_while_lines_are
     assert batch_object(store, job, busy)["status"] == "cancelling"
     assert batch_file(store, f"{job.job_key}-output", busy) is None
     assert batch_file(store, f"{job.job_key}-output", SimpleNamespace(inflight=lambda job_id: 0)) is not None
+
+
+def test_servers_sharing_a_store_serve_each_batch_once_and_take_over_an_ended_ones(store):
+    """Several servers on one store each served every batch (each line written once, the compute spent twice). A
+    batch is now claimed by one server (``inference_jobs.owner_run_key``, an atomic compare-and-set), and taken
+    over by another once its owner has ended."""
+    for run_key in ("fd-a", "fd-b", "fd-c"):
+        store.heartbeat_pipeline_run(run_key, "serve", "throughput-2s")
+    logs: dict[str, list[str]] = {"fd-a": [], "fd-b": []}
+    engines = {rk: _Engine(_Router(delay_s=0.01)) for rk in logs}
+    runners = {rk: BatchRunner(store, engines[rk], MODEL, max_inflight=3, poll_s=0.01, log=logs[rk].append,
+                               run_key=rk) for rk in logs}
+    for rk, runner in runners.items():
+        engines[rk].router.on_result = runner.on_result
+        runner.start()
+
+    def job_of(batch_id):
+        return next(j for j in store.jobs(kind="batch") if j.job_key == batch_id)
+
+    try:
+        first = _batch(store, 8)
+        wait_until(lambda: job_of(first).status == "done", timeout_s=60, what=f"batch {first} done ({logs})")
+        owner = job_of(first).owner_run_key
+        other = "fd-b" if owner == "fd-a" else "fd-a"
+        assert owner in logs and len(engines[owner].router.seen) == 8 and engines[other].router.seen == []
+        assert sum(f"batch {first}: served here" in x for x in logs[owner] + logs[other]) == 1
+        # a batch whose owner ended is taken over by one of the live servers
+        store.save_api_file("file-2", "batch", "c.jsonl", b"\n".join(json.dumps(
+            {"custom_id": f"m-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": MODEL, "prompt": [1, 2], "max_tokens": 3}}).encode() for i in range(4)))
+        for runner in runners.values():
+            runner.stop()
+        second = create_batch(store, "file-2", "/v1/completions", "24h", None)["id"]
+        assert store.claim_batch(job_of(second).id, "fd-c", None) and not store.claim_batch(job_of(second).id,
+                                                                                              "fd-a", None)
+        store.end_pipeline_run("fd-c")
+        runner = BatchRunner(store, engines["fd-b"], MODEL, poll_s=0.01, log=logs["fd-b"].append, run_key="fd-b")
+        engines["fd-b"].router.on_result = runner.on_result
+        runner.start()
+        try:
+            wait_until(lambda: job_of(second).status == "done", timeout_s=60, what=f"batch {second} done ({logs})")
+        finally:
+            runner.stop()
+        assert job_of(second).owner_run_key == "fd-b"
+        assert f"batch {second}: served here, taken over from run fd-c (it ended)" in logs["fd-b"]
+        assert sorted(r.request_key for r in store.results(job_of(second).id)) == [f"m-{i}" for i in range(4)]
+    finally:
+        for runner in runners.values():
+            runner.stop()

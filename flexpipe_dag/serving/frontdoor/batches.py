@@ -65,6 +65,10 @@ BATCH_PREFIX = "batch:"
 RUNNABLE = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value, InferenceJobStatus.RUNNING.value)
 #: Steps in a row that may raise for one batch before it is failed (its finished lines kept).
 MAX_JOB_ERRORS = 5
+#: A batch's owner (``inference_jobs.owner_run_key``) whose last heartbeat is older than this (seconds) has fallen
+#: silent: another server takes the batch over (a server heartbeats every ``control_interval_s``, 2 s; 30 s is the
+#: age at which ``flexpipe servers`` stops listing a run).
+BATCH_OWNER_SILENT_S = 30.0
 
 
 def is_api_batch(job) -> bool:
@@ -171,11 +175,16 @@ class BatchRunner:
         pause_above_online: open online requests above which no batch line is submitted.
         poll_s: seconds between two looks at the store.
         log: one line per event worth telling.
+        run_key: this server's serving run: a batch is served by the one server that claimed it
+            (``inference_jobs.owner_run_key``, :meth:`Store.claim_batch`) and taken over once its owner has ended
+            or sent no heartbeat for :data:`BATCH_OWNER_SILENT_S`; None serves every batch (a server alone on
+            its store).
     """
 
     def __init__(self, store, engine: FrontDoorEngine, model_name: str, *, max_inflight: int = 8,
-                 pause_above_online: int = 8, poll_s: float = 0.5, log: Callable[[str], None] = print):
-        self.db, self.engine, self.model_name = store, engine, model_name
+                 pause_above_online: int = 8, poll_s: float = 0.5, log: Callable[[str], None] = print,
+                 run_key: str | None = None):
+        self.db, self.engine, self.model_name, self.run_key = store, engine, model_name, run_key
         self.max_inflight, self.pause_above_online, self.poll_s, self.log = (max_inflight, pause_above_online,
                                                                            poll_s, log)
         self._lock = threading.Lock()
@@ -341,10 +350,32 @@ class BatchRunner:
             if not is_api_batch(job) or job.status not in RUNNABLE:
                 continue
             try:
+                if not self._serves(job):
+                    continue
                 self._step_job(job)
                 self._errors.pop(job.id, None)
             except Exception as exc:  # this batch only: the others go on
                 self._job_failed(job, exc)
+
+    def _serves(self, job) -> bool:
+        """Whether this server serves ``job``: it owns it, or claims it (not claimed yet, or its owner has ended or
+        fallen silent: taken over, logged)."""
+        owner = job.owner_run_key
+        if self.run_key is None or owner == self.run_key:
+            return True
+        why = None
+        if owner is not None:
+            live = self.db.pipeline_liveness(owner)
+            if live.ended_at_s is not None:
+                why = "it ended"
+            elif live.heartbeat_at_s is None or time.time() - live.heartbeat_at_s > BATCH_OWNER_SILENT_S:
+                why = f"no heartbeat for over {BATCH_OWNER_SILENT_S:g} s"
+            else:
+                return False  # another live server serves it
+        if not self.db.claim_batch(job.id, self.run_key, owner):
+            return False
+        self.log(f"batch {job.job_key}: served here" + (f", taken over from run {owner} ({why})" if owner else ""))
+        return True
 
     def _job_failed(self, job, exc: Exception) -> None:
         """One batch's step raised: say so once; after :data:`MAX_JOB_ERRORS` in a row, fail the batch with

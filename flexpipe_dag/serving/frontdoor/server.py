@@ -417,7 +417,7 @@ class FrontDoorServer:
         assert self.link is not None
         runner = BatchRunner(self.link.store, self.engine, self.settings.model_name,
                              max_inflight=self.link.batch_inflight, pause_above_online=self.link.batch_pause_above,
-                             log=self.log)
+                             log=self.log, run_key=self.link.run_key)
         self.engine.other_requests = (runner.on_result, runner.on_refused, runner.on_token)
         self.batch_api.runner = runner
         runner.start()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.exc import IntegrityError
 
 from flexpipe_dag.core.errors import InputError
@@ -97,13 +97,13 @@ class InferenceJobs(StoreBase):
             InputError: ``run_key`` is not a string of at most 200 characters (nothing written).
         """
         checked_text(run_key, "inference_jobs", "owner_run_key", 200)
-        table = m.InferenceJob.__table__
-        owner = table.c.owner_run_key
+        owner = m.InferenceJob.owner_run_key
+        q = update(m.InferenceJob).where(m.InferenceJob.id == job_id,
+                                         owner.is_(None) if from_owner is None else owner == from_owner)
         with self.session() as s:
-            won = s.execute(update(table).where(table.c.id == job_id,
-                                                owner.is_(None) if from_owner is None else owner == from_owner)
-                            .values(owner_run_key=run_key)).rowcount == 1
-            return won or s.scalar(select(owner).where(table.c.id == job_id)) == run_key
+            # an UPDATE executes to a CursorResult (the one that has rowcount); Session.execute is typed Result
+            won = cast(CursorResult[Any], s.execute(q.values(owner_run_key=run_key))).rowcount == 1
+            return won or s.scalar(select(owner).where(m.InferenceJob.id == job_id)) == run_key
 
     def job_status(self, job_id: int) -> str:
         """A job's status as stored now."""

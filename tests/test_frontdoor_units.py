@@ -55,6 +55,12 @@ def test_request_checks_name_the_field():
                                      tools=tools).unsupported()[0] == "tools"
     assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a"}], tools=None).unsupported() is None
     assert _first_stop("abc STOP def END", ("END", "STOP"), 0) == 4 and _first_stop("abc", ("x",), 0) is None
+    for role in ("user", "system", "developer"):  # was served as empty text
+        for message in ({"role": role, "content": None}, {"role": role}):
+            with pytest.raises(ValueError, match=f"a {role} message needs its content"):
+                ChatCompletionRequest(model="m", messages=[message])
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}, {"role": "user", "content": "b"}]
+    assert [m.text() for m in ChatCompletionRequest(model="m", messages=history).messages] == ["a", "", "b"]
 
 
 def test_a_batch_file_is_checked_whole_naming_the_line():

@@ -203,6 +203,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        """Only an assistant message may come without content (OpenAI's schema: its content is optional when it
+        made tool calls); a system, developer or user message with none is refused, not served as empty text."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content (a string or a list of text parts), got none")
+        return self
+
     def text(self) -> str:
         """The message's text.
 

@@ -202,8 +202,27 @@ def test_gear_file_prices_like_the_planner_gear(tmp_path, capsys, monkeypatch):
     assert main(["simulate", "--gear", "throughput", "--model", "Llama-3-8B", *common]) == 0
     by_planner = json.loads(capsys.readouterr().out)
     assert by_planner["gear_id"] == gear["gear_id"]  # one code path: simulate --gear KIND is plan's gear
+    assert main(["simulate", "--gear", "balanced", "--model", "Llama-3-8B", *common]) == 2  # latency, throughput only
+    assert "--gear: this plan has no balanced gear" in capsys.readouterr().err
     for key in ("makespan_s", "ttft_ms", "tpot_ms", "completed"):
         assert by_file[key] == by_planner[key]
+    assert "note:" not in capsys.readouterr().err  # the planner's own figures: the devices agree with them
+    # an edited gear: all 32 layers on one T4 (15 GiB of weights on 12.8 usable) was simulated as served
+    t4 = dict(gear, stages=[dict(gear["stages"][0], stage_index=0, layer_start=0, layer_end=32,
+                                 device_ids=["host-t4-gpu0"], weight_gib=1.0)])
+    path.write_text(json.dumps(t4))
+    assert main(["simulate", "--gear-file", str(path), *common]) == 2
+    err = capsys.readouterr().err
+    assert "throughput.json: stages[0]: layers 0-32 of Llama-3-8B" in err and "leave no room for a KV block on " \
+        "host-t4-gpu0" in err
+    # a KV pool of 0 in the file read as unbounded: the devices' pool is simulated, and said so
+    unbounded = dict(gear, kv_capacity_tokens=0, stages=[dict(st, kv_capacity_tokens=0) for st in gear["stages"]])
+    path.write_text(json.dumps(unbounded))
+    assert main(["simulate", "--gear-file", str(path), *common]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["completed"] == by_file["completed"]
+    assert f"kv_capacity_tokens: the file says 0 tokens (0 = unbounded), the devices hold {gear['kv_capacity_tokens']}" \
+        in err
 
 
 def _subparsers(parser) -> dict:

@@ -125,6 +125,9 @@ def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
     model = load_model_spec(args.model)
     gears = settings.plan(cluster, model).gears
     chosen = next((g for g in gears if g.gear_id == args.gear), None) or next((g for g in gears if g.kind == args.gear), None)
+    if chosen is None and args.gear in OPERATING_KINDS:
+        raise InputError(None, "--gear", f"this plan has no {args.gear} gear (the planner keeps a kind only when it "
+                         f"differs from the others); its gears: {[g.gear_id for g in gears]}")
     if chosen is None:
         raise InputError(None, "--gear", f"got {args.gear!r}; expected a kind {list(OPERATING_KINDS)} or one of "
                          f"{[g.gear_id for g in gears]}")
@@ -133,20 +136,25 @@ def _planner_gear(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
 
 
 def price_gear_file(gear: Gear, gear_path: str, cluster_path: str, model_name: str | None,
-                    dtype: str | None) -> StageTimingModel:
-    """Stage times of a gear read from ``gear_path``, from the planner's cost model on the cluster.
+                    dtype: str | None) -> tuple[Gear, StageTimingModel]:
+    """A gear read from ``gear_path`` sized on the cluster's devices, and its stage times from the planner's cost
+    model there.
 
     The model is ``model_name`` (``--model``) or else the gear's ``model_name``; the dtype ``dtype``
-    (``--dtype``) or else the gear's.
+    (``--dtype``) or else the gear's. The file's weights and KV pool are not trusted (it may have been edited):
+    they are re-derived from the model and the devices (:func:`~flexpipe_dag.planner.verify.fit_gear_to_devices`),
+    and each figure that differs is said on stderr.
 
     Raises:
         InputError: the cluster or model cannot be read (naming ``--model`` when the gear's own
             ``model_name`` is not a model FlexPipe can load), the gear's ``num_layers`` differs from
-            the model's, or a stage's device (or the link between adjacent stages) is not in the cluster.
+            the model's, a stage's device (or the link between adjacent stages) is not in the cluster, or a
+            stage does not fit its device's memory in the dtype (bf16 on a device without it included).
     """
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.planner.cost_model import CostModel
     from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.planner.verify import fit_gear_to_devices
 
     cluster = load_cluster_profile(cluster_path)
     if model_name:
@@ -162,9 +170,13 @@ def price_gear_file(gear: Gear, gear_path: str, cluster_path: str, model_name: s
                          f"{model.num_layers}; expected a gear for {model.name} (or --model naming the gear's model)")
     cost_model = CostModel(model, cluster, dtype=dtype or gear.dtype)
     try:
-        return cost_model.timings(gear)
+        timing = cost_model.timings(gear)
     except InputError as exc:
         raise InputError(gear_path, exc.field, f"{exc.problem} ({cluster_path})") from None
+    sized, changed = fit_gear_to_devices(gear, cluster, model, cost_model.dtype, source=gear_path)
+    for line in changed:
+        print(f"note: {gear_path}: {line}; simulated with the devices' figure", file=sys.stderr)
+    return sized, timing
 
 
 def _gear_and_timing(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
@@ -185,7 +197,7 @@ def _gear_and_timing(args: argparse.Namespace) -> tuple[Gear, StageTimingModel]:
                 raise InputError(args.timing, "stages", f"{timing.num_stages} row(s); expected one per stage of "
                                                         f"{args.gear_file} ({gear.num_stages})")
             return gear, timing
-        return gear, price_gear_file(gear, args.gear_file, args.cluster, args.model, args.dtype)
+        return price_gear_file(gear, args.gear_file, args.cluster, args.model, args.dtype)
     missing = [f"--{n}" for n in ("cluster", "model", "gear") if not getattr(args, n)]
     if missing:
         raise InputError(None, missing[0], "give --cluster, --model and --gear; or --gear-file with --cluster "

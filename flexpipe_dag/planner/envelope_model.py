@@ -157,9 +157,7 @@ def _inputs(search: PipelineSearch, plan: PipelinePlan) -> _Inputs:
         d1.append(cm.stage_decode_ms(ds[0], k, first, last, 1, ctx))
         pf.append(float(t.prefill_ms[role, k]))
         pf95.append(cm.stage_prefill_ms(ds[0], k, first, last, prompt_q))
-        weight = (k * search.model.layer_weight_bytes(cm.dtype) + first * search.model.first_stage_extra_bytes(cm.dtype)
-                  + last * search.model.last_stage_extra_bytes(cm.dtype)
-                  - (first and last) * search.model.tied_saving_bytes(cm.dtype))
+        weight = search.model.stage_weight_bytes(k, first, last, cm.dtype)
         kv_tokens.append(max(0.0, (t.usable_bytes - weight - ws) // (kv_token_layer * k)) * len(ds))
     hops = [(a[0], c[0]) for a, c in zip(plan.device_ids, plan.device_ids[1:])]
     lat = sum(cm.transfer_ms(a, c, 1) for a, c in hops)

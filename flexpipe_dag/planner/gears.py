@@ -249,8 +249,7 @@ def to_gear(search: PipelineSearch, kind: GearKind, scored: ScoredPlan, *, rps_m
     stages, start, kv_caps = [], 0, []
     for i, (ds, k, role) in enumerate(zip(plan.device_ids, plan.sizes, roles)):
         first, last = role in (FIRST, SINGLE), role in (LAST, SINGLE)
-        weight = (k * model.layer_weight_bytes(cm.dtype) + first * model.first_stage_extra_bytes(cm.dtype)
-                  + last * model.last_stage_extra_bytes(cm.dtype) - (first and last) * model.tied_saving_bytes(cm.dtype))
+        weight = model.stage_weight_bytes(k, first, last, cm.dtype)
         t = search.tables(ds[0], plan.micro_batch_size, len(ds))
         ws = max(plan.micro_batch_size, w.prefill_chunk_tokens) * model.activation_workspace_bytes_per_token(cm.dtype)
         free_kv = t.usable_bytes - weight - ws

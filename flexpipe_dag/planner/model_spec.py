@@ -254,6 +254,12 @@ class ModelSpec:
         """Bytes saved when one stage holds both the embedding and a tied LM head."""
         return self.embedding_params * max(2.0, min(dtype_bytes(dtype), 4.0)) if self.tie_word_embeddings else 0.0
 
+    def stage_weight_bytes(self, num_layers: int, first: bool, last: bool, dtype: str = "bf16") -> float:
+        """Weight bytes one pipeline stage holds: ``num_layers`` decoder layers, the embedding on the first stage, the
+        final norm and LM head on the last, less the tied copy when one stage is both."""
+        return (num_layers * self.layer_weight_bytes(dtype) + first * self.first_stage_extra_bytes(dtype)
+                + last * self.last_stage_extra_bytes(dtype) - (first and last) * self.tied_saving_bytes(dtype))
+
     def weight_bytes(self, dtype: str = "bf16") -> float:
         """Weight bytes of the whole model on one device."""
         return (self.num_layers * self.layer_weight_bytes(dtype) + self.first_stage_extra_bytes(dtype)

@@ -46,11 +46,25 @@ def test_plan_says_when_the_trace_is_shorter_than_the_requests_asked_for(tmp_pat
     trace.write_text("request_id,arrival_s,input_tokens,output_tokens\n"
                      + "".join(f"r{i},{i * 0.5},{100 + i},20\n" for i in range(80)))
     assert cli_main(["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "Llama-3-8B",
-                     "--trace", str(trace), "--requests", "300", "--load-rps", "1e7"]) == 0
-    out = capsys.readouterr().out
+                     "--trace", str(trace), "--requests", "300", "--load-rps", "1e7"]) == 1  # none holds 1e7 req/s
+    out, err = capsys.readouterr()
     assert "the trace has 80 requests" in out and "not the 300 asked for" in out
     assert "dtype" in out and "bf16 requested" in out
-    assert "* recommended" not in out and "no gear holds" in out  # none holds 1e7 req/s: none is marked
+    assert "* recommended" not in out and "no gear holds" in out  # none is marked
+    assert err.startswith("flexpipe plan: infeasible: no gear holds 1e+07 req/s")
+
+
+def test_plan_with_an_slo_no_gear_meets_exits_1_and_says_so(capsys):
+    """Was exit 0, with a gear of envelope 0 in the table and in --json's gears, the reason only in a note."""
+    argv = ["plan", "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M", "--requests", "60",
+            "--slo-tpot-ms", "0.001"]
+    assert cli_main([*argv, "--json"]) == 1
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["feasible"] is False and all(g["rps_max"] == 0 for g in doc["gears"])
+    assert "flexpipe plan: infeasible: no gear meets the SLO" in err and "at any load" in err
+    assert cli_main(argv) == 1
+    assert "infeasible: no gear meets the SLO" in capsys.readouterr().err
 
 
 def test_non_utf8_cluster_file(tmp_path, capsys):

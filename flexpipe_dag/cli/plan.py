@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Any
 
 from flexpipe_dag.core.cluster import load_cluster_profile
@@ -148,15 +149,32 @@ def run(args: argparse.Namespace) -> int:
         plan = settings.plan(cluster, model, progress=lambda line: status.update(line))
     if args.json:
         print(json.dumps(plan_json(plan, cluster.cluster_id, model.summary(settings.dtype)), indent=2))
-        return 0
-    print_plan(plan, cluster.cluster_id, model.name, plan.gears[0].dtype if plan.gears else settings.dtype)
+    else:
+        print_plan(plan, cluster.cluster_id, model.name, settings.dtype)
+    problem = infeasibility(plan)
+    if problem:
+        print(f"flexpipe plan: infeasible: {problem}", file=sys.stderr)
+        return 1
     return 0
+
+
+def infeasibility(plan) -> str | None:
+    """Why the plan cannot serve what was asked (the exit status is then 1), or None: no gear has an envelope (no
+    load meets the SLO on any of them), or ``--load-rps`` is above every gear's envelope."""
+    if not any(g.rps_max > 0 for g in plan.gears):
+        return (f"no gear meets the SLO ({plan.basis.describe()}) at any load; relax the SLO or add devices "
+                f"(the gears are listed for reference, each with envelope 0)")
+    rec = plan.recommendation
+    if rec is not None and not rec.holds:
+        return f"no gear holds {rec.load_rps:g} req/s: {rec.reason}"
+    return None
 
 
 def plan_json(plan, cluster_id: str, model_summary: dict) -> dict:
     """The plan as plain JSON: gears (with envelope basis), recommendation, candidates, workload, timing."""
     rec = plan.recommendation
     return {"cluster_id": cluster_id, "model": model_summary, "envelope_basis": plan.basis.model_dump(),
+            "feasible": infeasibility(plan) is None,
             "workload": dataclasses.asdict(plan.workload),
             "gears": [g.model_dump(mode="json") for g in plan.gears],
             "analytic_rps_max": plan.analytic_rps_max,

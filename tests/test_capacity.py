@@ -145,6 +145,21 @@ def test_ilp_picks_the_cheaper_mix_over_either_type_alone():
     assert mix.rps_with_reserve == pytest.approx(8.5)
 
 
+def test_ilp_answers_the_same_at_any_price_scale():
+    """Seen: a T4 at 1e-12 USD/h was a 610-card mix where 60 cards carry the load (the solver's tolerances swallowed
+    the costs, and the fewest-cards tie-break with them); the answer must not depend on the currency unit."""
+    def mix(scale):
+        options = [_opt("T4", k, 0.08 * k, 0.35 * scale) for k in (2, 3, 4, 5)] + [_opt("A10", 1, 0.3, 1.0 * scale)]
+        return cheapest_mix(options, load_rps=2.0, kv_need_tokens=1, reserve_fraction=0.15)
+
+    reference = mix(1.0)
+    for scale in (1e-12, 1e-7, 1e6):
+        other = mix(scale)
+        assert [(o.gpu_type, o.cards, k) for o, k in other.instances] == \
+            [(o.gpu_type, o.cards, k) for o, k in reference.instances]
+        assert other.cost_per_hour == pytest.approx(reference.cost_per_hour * scale)
+
+
 def test_ilp_takes_the_roomiest_of_the_sets_that_cost_the_same():
     # seen: with A100 and T4 priced, "A100 alone" was 1 x 2 A100 (7.33 req/s) while two 1-card A100
     # pipelines carry 11.43 req/s on the same 2 cards for the same price; ties went whichever way HiGHS found

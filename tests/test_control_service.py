@@ -409,3 +409,18 @@ def test_the_gear_shift_sensor_cursor_keeps_one_cursor_per_run_and_names_bad_fie
         with pytest.raises(InputError, match="gear_shift_sensor cursor") as err:
             read_fleet_shift_cursor(bad)
         assert field is None or field in str(err.value)
+
+
+def test_a_control_file_whose_tide_history_is_bad_is_refused_when_read(tmp_path):
+    """The history was read only at the first forecast, and a failed forecast is skipped: forecasting was silently
+    off. It is read with the control file now, its bad row named."""
+    history = tmp_path / "hist.csv"
+    history.write_text("window_start_s,total_rate_req_per_s\n0,-5\n600,1\n")
+    control = tmp_path / "control.yaml"
+    control.write_text(f"tide:\n  history_file: {history}\n")
+    with pytest.raises(InputError, match=r"control.yaml: tide.history_file: .*hist.csv: row 1.total_rate_req_per_s: "
+                                         r"got -5.0; expected a rate >= 0"):
+        resolve_control_settings(str(control))
+    control.write_text(f"tide:\n  history_file: {tmp_path / 'missing.csv'}\n")
+    with pytest.raises(InputError, match="tide.history_file: .*missing.csv"):
+        resolve_control_settings(str(control))

@@ -193,7 +193,9 @@ def test_cli_simulate_day_json_shape(tmp_path, capsys):
                "--gears-from", "planner", "--duration-s", "600", "--peak-rps", "2", "--offline",
                str(_offline_csv(tmp_path)), "--offline-once", "--json", "--report", str(report)])
     assert rc == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "FLEXPIPE_CONTROL_FILE" not in captured.err  # said only when set (it is not read here)
     assert set(out["policies"]) == {"static", "dynamic", "oracle"}
     for p in out["policies"].values():
         assert len(p["reservation_curve_devices"]) == 24
@@ -217,7 +219,11 @@ def test_cli_simulate_day_json_shape(tmp_path, capsys):
                                           (["--tide-compression", "0"], "--tide-compression: is for a single-gear"),
                                           (["--speedup", "4"], "--speedup: is for a single-gear"),
                                           (["--max-context-tokens", "512"], "--max-context-tokens: is for a single-gear"),
-                                          (["--truncate-context"], "--truncate-context: is for a single-gear")])
+                                          (["--truncate-context"], "--truncate-context: is for a single-gear"),
+                                          # the usage names them as alternatives: the second was silently ignored
+                                          (["--peak-rps", "1", "--peak-share", "0.5"], "--peak-share: give --peak-rps R "
+                                                                                       "or --peak-share S"),
+                                          (["--peak-share", "1.6"], "--peak-share")])
 def test_cli_simulate_day_refuses_bad_flags(flags, field):
     import argparse
 
@@ -250,3 +256,13 @@ def test_mixed_day_asset_materialises_with_plots(tmp_path, monkeypatch):
     assert meta["lost"].value == 0
     assert (tmp_path / "home" / "reports" / "mixed_day_day0.html").is_file()
     assert "online SLO attainment" in meta["goals"].value
+
+
+def test_cli_simulate_day_says_it_does_not_read_the_control_file(tmp_path, capsys, monkeypatch):
+    """It was read by nothing here, silently, however broken."""
+    from flexpipe_dag.cli import main
+
+    monkeypatch.setenv("FLEXPIPE_CONTROL_FILE", str(tmp_path / "control.yaml"))
+    assert main(["simulate", "--day", "--cluster", str(tmp_path / "missing.yaml"), "--model", MODEL]) == 2
+    err = capsys.readouterr().err
+    assert "control.yaml) is not read by simulate --day" in err and "missing.yaml" in err

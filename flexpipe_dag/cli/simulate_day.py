@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.user_files import check_output_file
+
+#: ``--peak-share`` when neither it nor ``--peak-rps`` is given.
+DEFAULT_PEAK_SHARE = 0.95
 
 #: The offline backlog when ``--offline`` is not given.
 DEFAULT_BACKLOG = "arxiv-summarization"
@@ -38,8 +43,9 @@ def add_day_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--start-day", type=int, default=0, help="day of the 14-day ServeGen tide (default 0)")
     g.add_argument("--duration-s", type=float, default=7200.0,
                    help="simulated seconds the day is compressed into (default 7200: a day in 2 h)")
-    g.add_argument("--peak-share", type=float, default=0.95,
-                   help="the tide's peak = this x the largest gear envelope (default 0.95)")
+    g.add_argument("--peak-share", type=float, default=None,
+                   help=f"the tide's peak = this x the largest gear envelope (default {DEFAULT_PEAK_SHARE}; up to 1.5 "
+                        "for an overloaded day)")
     g.add_argument("--peak-rps", type=float, default=None,
                    help="the tide's peak, req/s (default: --peak-share x the largest gear envelope)")
     g.add_argument("--gears-from", choices=("sim", "planner"), default="sim",
@@ -69,6 +75,10 @@ def check_day_flags(args: argparse.Namespace) -> None:
             raise InputError(None, f"--{flag.replace('_', '-')}", "is for a single-gear replay; --day shapes its own "
                                                                   "online day from the tide and picks its gears")
     check_number(args.duration_s, None, "--duration-s", gt=0, le=86400.0, unit="simulated seconds")
+    if args.peak_share is not None and args.peak_rps is not None:
+        raise InputError(None, "--peak-share", "give --peak-rps R or --peak-share S (the tide's peak), not both")
+    if args.peak_share is None:
+        args.peak_share = DEFAULT_PEAK_SHARE
     check_number(args.peak_share, None, "--peak-share", gt=0, le=1.5, unit="share of the largest envelope")
     check_number(args.oracle_window_s, None, "--oracle-window-s", gt=0, unit="seconds")
     check_number(args.start_day, None, "--start-day", integer=True, ge=0, le=13, unit="tide day")
@@ -121,6 +131,10 @@ def run_day(args: argparse.Namespace) -> int:
     from flexpipe_dag.sim import SimConfig
     from flexpipe_dag.workload import Workload, load_trace
 
+    if os.environ.get("FLEXPIPE_CONTROL_FILE"):  # the serving loop's figures; the mixed day keeps its own
+        print(f"note: FLEXPIPE_CONTROL_FILE ({os.environ['FLEXPIPE_CONTROL_FILE']}) is not read by simulate --day: "
+              "its dynamic policy runs the mixed day's own controller figures (MIXED_DAY_CONTROLLER), the same in "
+              "every run, so its figures compare with bench/mixed_day.py's", file=sys.stderr)
     dtype = args.dtype or "bf16"
     slo_ttft_ms = args.slo_ttft_ms or SimConfig.slo_ttft_ms
     slo_tpot_ms = args.slo_tpot_ms or SimConfig.slo_tpot_ms

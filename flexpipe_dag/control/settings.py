@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from flexpipe_dag.control.config import ControllerConfig
-from flexpipe_dag.control.tide import TideConfig
+from flexpipe_dag.control.tide import TideConfig, load_history
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.user_files import MAX_YAML_BYTES, read_user_text
 from flexpipe_dag.core.user_yaml import load_user_yaml
@@ -91,7 +91,8 @@ def resolve_control_settings(config_file: str = "", *, target_p99_ms: float = 0.
         InputError: the file cannot be read or has the wrong shape (:func:`read_control_file`), or a
             figure is out of range: the file (or "control settings" without one) and the field
             (``controller.ema_alpha``, ``tide.horizon_s``) are named, and every other bad figure of
-            the same section follows as "; also <field>: <why>".
+            the same section follows as "; also <field>: <why>"; ``tide.history_file`` is missing or not a
+            tide (read here, its bad row named).
     """
     sections = read_control_file(config_file)
     values = dict(sections.get("controller") or {})
@@ -101,6 +102,11 @@ def resolve_control_settings(config_file: str = "", *, target_p99_ms: float = 0.
         values["dwell_s"] = dwell_s
     controller = validated(ControllerConfig, values, config_file, "controller")
     tide = validated(TideConfig, dict(sections.get("tide") or {}), config_file, "tide")
+    if tide.history_file:  # read now: a bad history would only fail at the first forecast, which is then skipped
+        try:
+            load_history(tide)
+        except InputError as exc:
+            raise InputError(config_file or "control settings", "tide.history_file", str(exc)) from None
     return ResolvedControlSettings(controller=controller, tide=tide, source=config_file)
 
 

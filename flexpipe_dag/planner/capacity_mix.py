@@ -150,8 +150,12 @@ def cheapest_mix(options: Sequence[InstanceOption], *, load_rps: float, kv_need_
     kv_per_rps = kv_need_tokens / load_rps if load_rps > 0 else 0.0
     kv = np.array([min(float(o.kv_capacity_tokens), r * kv_per_rps) if kv_per_rps else float(o.kv_capacity_tokens)
                    for o, r in zip(usable, rps)])
+    # costs in units of the cheapest card-hour: the solve is the same at any price scale (at 1e-12 USD the solver's
+    # tolerances swallowed the costs and the fewest-cards tie-break with them: 610 cards for what 60 carry)
     cheapest = min(o.price_per_card_hour for o in usable)
-    cost = np.array([o.cost_per_hour + CARD_TIE_WEIGHT * cheapest * o.cards for o in usable])
+    per_hour = np.array([o.cost_per_hour / cheapest for o in usable])
+    n = np.array([float(o.cards) for o in usable])
+    cost = per_hour + CARD_TIE_WEIGHT * n
     ub = np.array([math.ceil(load_rps / r) + (math.ceil(kv_need_tokens / k) if k > 0 else 0) for r, k in zip(rps, kv)],
                   dtype=float)
     x = _milp(cost, np.vstack([rps, kv]), np.array([load_rps, float(kv_need_tokens)]), np.full(2, np.inf), ub)
@@ -160,8 +164,6 @@ def cheapest_mix(options: Sequence[InstanceOption], *, load_rps: float, kv_need_
     # among the sets of that cost and card count, the one with the most SLO capacity (2 x 1 A100 over 1 x 2
     # A100: the same cards and price, more req/s): a second, exact solve, not a weight the first one's
     # optimality gap could swallow
-    per_hour = np.array([o.cost_per_hour for o in usable])
-    n = np.array([float(o.cards) for o in usable])
     best_cost, best_cards = float(per_hour @ x), float(n @ x)
     roomier = _milp(-rps, np.vstack([rps, kv, per_hour, n]),
                     np.array([load_rps, float(kv_need_tokens), -np.inf, -np.inf]),

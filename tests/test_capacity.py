@@ -160,6 +160,21 @@ def test_ilp_answers_the_same_at_any_price_scale():
         assert other.cost_per_hour == pytest.approx(reference.cost_per_hour * scale)
 
 
+def test_steps_write_tiny_prices_readably():
+    """Seen: at 1e-12 USD per card-hour the steps said the mix costs "0.00 USD/h"."""
+    from flexpipe_dag.planner.capacity import CapacityPlan, TypePlan
+
+    need = capacity_need(ModelSpec.from_builtin("Llama-3-8B"), dtype="bf16", load_rps=2.0, slo_ttft_ms=2000.0,
+                         slo_tpot_ms=100.0, context_p95_tokens=2048, output_p95_tokens=400)
+    option = _opt("T4", 2, 3.0, 1e-12)
+    mix = cheapest_mix([option], load_rps=2.0, kv_need_tokens=1, reserve_fraction=0.15)
+    t = TypePlan("T4", 1e-12, 14.0, 2, 2, [option], mix)
+    plan = CapacityPlan(need, 200, 0.95, [t], mix, "USD", "test")
+    steps = "\n".join(plan.steps())
+    assert "2.0e-12 USD/h" in steps and "0.00 USD/h" not in steps
+    assert f"{mix.cards} cards, 2.0e-12 USD/h" in steps
+
+
 def test_ilp_takes_the_roomiest_of_the_sets_that_cost_the_same():
     # seen: with A100 and T4 priced, "A100 alone" was 1 x 2 A100 (7.33 req/s) while two 1-card A100
     # pipelines carry 11.43 req/s on the same 2 cards for the same price; ties went whichever way HiGHS found

@@ -378,6 +378,7 @@ def test_the_tide_adds_up_the_live_serving_runs_and_drops_those_that_left(tmp_pa
     assert ev.decision.ema_rps == pytest.approx(35.0) and ev.decision.capacity_rps == 40.0
     assert ev.decision.action == "pause" and ev.paused == ("offline-1",)
     assert len(ev.runs_left) == 1 and "serve-b ended" in ev.runs_left[0]
+    assert ev.runs_left[0].endswith("its rate leaves the online tide")
     assert list(json.loads(ev.cursor)["runs"]) == ["serve-a"]
     # serve-a falls silent (its newest sample and heartbeat older than the freshness bound): nothing online is live
     ev = step(ev.cursor, now_s=time.time() + 121.0, freshness_s=120.0)

@@ -1,8 +1,7 @@
 """Human output of the CLI: numbers readable at any magnitude, tables that fit any width, ids never cut.
 
-* :func:`format_number` writes a figure with thousands separators while it is short enough to read
-  (below :data:`PLAIN_LIMIT`), then in scientific notation (``1.5e+07``); ``inf`` stays ``inf`` and a
-  missing value or NaN is ``-``.
+* :func:`format_number` (from :mod:`flexpipe_dag.core.numbers`) writes a figure with thousands separators
+  while it is short enough to read, then in scientific notation (``1.5e+07``); a missing value or NaN is ``-``.
 * :func:`new_table` builds a ``rich`` table whose id columns never wrap and are never ellipsised
   (an id longer than the whole terminal folds onto the next line, every character kept), whose
   numeric columns are right-justified and fold rather than cut, and whose text columns wrap at spaces.
@@ -12,7 +11,6 @@
 from __future__ import annotations
 
 import io
-import math
 import os
 import sys
 from collections.abc import Collection, Sequence
@@ -23,53 +21,10 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-#: Magnitudes from here on are written in scientific notation (``1.2e+09``), not ``1,200,000,000.0``.
-PLAIN_LIMIT = 1e7
-
-#: Integers (counts: requests, tokens) keep every digit, with separators, up to here.
-INT_PLAIN_LIMIT = 10**12
+from flexpipe_dag.core.numbers import format_number  # the CLI's modules import it from here
 
 #: Width of a console that is not a terminal (a pipe or a file) when ``COLUMNS`` does not say.
 PIPE_WIDTH = 160
-
-
-def format_number(value: Any, decimals: int = 1, *, unit: str = "", plain_limit: float = PLAIN_LIMIT) -> str:
-    """``value`` readable at any magnitude.
-
-    ``None`` and NaN are ``-``; infinities ``inf`` / ``-inf``; ``|value| < plain_limit`` is written
-    with thousands separators and ``decimals`` decimals (``12,345.6``); larger magnitudes, and
-    non-zero ones too small to show with ``decimals`` decimals, in scientific notation with two
-    significant figures (``1.5e+07``, ``3.0e-04``). Integers (and bools), counts, keep every digit
-    with separators below :data:`INT_PLAIN_LIMIT` (``11,999,999``). ``unit`` is appended
-    (``"ms"`` -> ``12.5ms``; give ``" ms"`` for a space), not after ``-``.
-
-    Raises:
-        TypeError: ``value`` is neither a number nor ``None``.
-    """
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        value = int(value)
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"format_number: expected a number or None, got {type(value).__name__} {value!r}")
-    if not isinstance(value, (int, float)):
-        try:
-            value = float(value)  # numpy scalars, Decimal
-        except (TypeError, ValueError):
-            raise TypeError(f"format_number: expected a number or None, got {type(value).__name__}") from None
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        if math.isinf(value):
-            return ("inf" if value > 0 else "-inf") + unit
-    magnitude = abs(value)
-    if isinstance(value, int) and magnitude < max(plain_limit, INT_PLAIN_LIMIT):
-        return f"{value:,d}{unit}"
-    if magnitude >= plain_limit:
-        return f"{value:.1e}{unit}"
-    if 0 < magnitude < 0.5 * 10.0 ** -decimals:
-        return f"{value:.1e}{unit}"
-    return f"{value:,.{decimals}f}{unit}"
 
 
 def format_pair(a: Any, b: Any, decimals: int = 1) -> str:

@@ -526,7 +526,8 @@ def _live_tide_runs(db: TideStore, runs: Mapping[str, RunTide], now_s: float,
     live: dict[str, RunTide] = {}
     left: list[str] = []
     for run_key, part in runs.items():
-        why = db.pipeline_liveness(run_key).why_not_live(now_s, freshness_s)
+        why = db.pipeline_liveness(run_key).why_not_live(now_s, freshness_s,
+                                                         consequence="its rate leaves the online tide")
         if why is None:
             live[run_key] = part
         else:

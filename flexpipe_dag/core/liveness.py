@@ -41,20 +41,23 @@ class PipelineLiveness:
     inline_control: bool = False
     gear_key: str | None = None
 
-    def why_not_live(self, now_s: float, freshness_s: float) -> str | None:
+    def why_not_live(self, now_s: float, freshness_s: float,
+                     consequence: str = "its samples never trigger a shift") -> str | None:
         """Why no shift may be taken on this run now, or None when it is live.
 
         Args:
             now_s: now, epoch seconds.
             freshness_s: the largest age (seconds) of the newest sample and of the newest heartbeat.
+            consequence: what follows for the caller when the run is a batch job or has ended (the gear-shift
+                sensor: no shift; the tide sensor: its rate leaves the online tide).
 
         Returns:
             One line naming the run and the reason (ended, a batch job, stale samples or heartbeat).
         """
         if self.kind == PipelineRunKind.BATCH:
-            return f"run {self.run_key} is a batch job: its samples never trigger a shift"
+            return f"run {self.run_key} is a batch job: {consequence}"
         if self.ended_at_s is not None:
-            return f"run {self.run_key} ended {now_s - self.ended_at_s:.0f} s ago: its samples never trigger a shift"
+            return f"run {self.run_key} ended {now_s - self.ended_at_s:.0f} s ago: {consequence}"
         if self.newest_sample_written_s is None:
             return f"run {self.run_key} has written no metric sample"
         age_s = now_s - self.newest_sample_written_s

@@ -43,6 +43,7 @@ import numpy as np
 from flexpipe_dag.core.catalog import gpu_catalog
 from flexpipe_dag.core.cluster import ClusterProfile, parse_cluster_profile
 from flexpipe_dag.core.errors import InfeasibleError, InputError
+from flexpipe_dag.core.numbers import format_number
 from flexpipe_dag.planner.capacity_math import DEFAULT_RESERVE, CapacityNeed, capacity_need, cards_by_memory, need_steps
 from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix
 from flexpipe_dag.planner.envelope import probe_gear, probe_reference, reference_slice, screen_zero_load
@@ -186,7 +187,7 @@ class CapacityPlan:
             if t.mix is not None:
                 lines.append(f"  {t.gpu_type} alone: {_describe(t.mix)} = {t.mix.cards} cards, carries "
                              f"{t.mix.rps_with_reserve:.3f} >= {self.need.load_rps:g} req/s, KV {t.mix.kv_capacity_tokens} >= "
-                             f"{self.need.kv_need_tokens} tokens, {t.mix.cost_per_hour:.2f} {self.currency}/h"
+                             f"{self.need.kv_need_tokens} tokens, {format_number(t.mix.cost_per_hour, 2)} {self.currency}/h"
                              + (f"; simulator: SLO attainment {t.confirmation.slo_attainment:.3f}, lost "
                                 f"{t.confirmation.lost}" if t.confirmation is not None else ""))
             elif t.note:
@@ -194,8 +195,8 @@ class CapacityPlan:
         lines += [f"simulator: {note}" for note in self.notes]
         if self.mix is not None:
             lines.append(f"cheapest mix (exact ILP): {_describe(self.mix)} = {self.mix.cards} cards, "
-                         f"{self.mix.cost_per_hour:.2f} {self.currency}/h, "
-                         f"{self.cost_per_million_output_tokens(self.mix):.3f} {self.currency} per 1M output tokens")
+                         f"{format_number(self.mix.cost_per_hour, 2)} {self.currency}/h, "
+                         f"{format_number(self.cost_per_million_output_tokens(self.mix), 3)} {self.currency} per 1M output tokens")
         if self.confirmation is not None:
             c = self.confirmation
             lines.append(f"simulator at {c.load_rps:g} req/s on the trace ({c.num_requests} requests per instance): "

@@ -106,8 +106,17 @@ def test_weights_larger_than_cluster_name_the_constraint():
 
 def test_kv_pool_too_large_names_the_kv_pool():
     cluster = load_cluster_profile(EXAMPLES / "seed_example.yaml")
-    with pytest.raises(InfeasibleError, match="KV pool 80.0 GiB.*concurrency 64 x P95 context 4096"):
-        plan_gears(cluster, load_model_spec("Llama-2-70B"))
+    model = load_model_spec("Llama-2-70B")
+    with pytest.raises(InfeasibleError, match="KV pool 80.0 GiB.*concurrency 64 x P95 context 4096") as exc:
+        plan_gears(cluster, model)
+    # the message says how many sequences fit at most and names the flags (it blamed the concurrency, naming none)
+    assert "at most 29 sequence(s) of 4096 tokens fit beside the weights" in str(exc.value)
+    assert "lower --concurrency or --context-p95" in str(exc.value)
+    with pytest.raises(InfeasibleError, match="at most 29 sequence"):  # one more and the pool no longer fits in all
+        plan_gears(cluster, model, concurrency=30)
+    with pytest.raises(InfeasibleError) as at_fit:  # 29 passes the whole-cluster check (packing per stage may not)
+        plan_gears(cluster, model, concurrency=29)
+    assert "beside the weights" not in str(at_fit.value)
 
 
 def test_devices_leaving_before_the_minimum_residence_are_not_used():

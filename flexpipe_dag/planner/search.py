@@ -492,8 +492,12 @@ class PipelineSearch:
                     f"after the CUDA context and the {w.reserve_fraction:.0%} reserve on {len(self.usable)} device(s){excl}")
         kv = L * w.concurrency * w.context_p95_tokens * self._kv_layer_token / GIB
         if weights + kv > usable:
+            per_sequence_gib = L * w.context_p95_tokens * self._kv_layer_token / GIB
+            fit = max(0, int((usable - weights) // per_sequence_gib)) if per_sequence_gib > 0 else 0
             return (f"weights {weights:.1f} GiB + KV pool {kv:.1f} GiB (concurrency {w.concurrency} x P95 context "
-                    f"{w.context_p95_tokens} tokens) exceed the {usable:.1f} GiB usable on {len(self.usable)} device(s){excl}")
+                    f"{w.context_p95_tokens} tokens) exceed the {usable:.1f} GiB usable on {len(self.usable)} device(s)"
+                    f"{excl}; at most {fit} sequence(s) of {w.context_p95_tokens} tokens fit beside the weights in "
+                    "all: lower --concurrency or --context-p95, use a smaller dtype, or add devices")
         one_layer = max((self._layer_w + w.concurrency * w.context_p95_tokens * self._kv_layer_token) / GIB, 0)
         biggest = max(d.usable_memory_gib(w.reserve_fraction) for d in self.usable)
         if one_layer > biggest:

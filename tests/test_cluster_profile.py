@@ -64,6 +64,9 @@ BAD_SEEDS = {
     # a number is no date-time (pydantic would read it as seconds since 1970: a device gone in 1970)
     "numeric available_until": (lambda d: d["nodes"][2].update(available_until=12345), "nodes[2].available_until"),
     "boolean available_until": (lambda d: d["nodes"][2].update(available_until=True), "nodes[2].available_until"),
+    # a string or a number is no boolean (pydantic's lax mode read "yes", "off", 0 and 1 as bf16 True / False)
+    "string bf16": (lambda d: d["nodes"][0].update(bf16="yes"), "nodes[0].bf16"),
+    "numeric bf16": (lambda d: d["nodes"][1].update(bf16=0), "nodes[1].bf16"),
 }
 
 
@@ -92,6 +95,11 @@ def test_native_form_errors_name_the_field():
     bad["links"][0]["dst_device_id"] = bad["links"][0]["src_device_id"]
     with pytest.raises(InputError, match="self-link"):
         parse_cluster_profile(bad, "x.json")
+    for text in ("yes", "off", 1):  # bf16 must be a boolean, not a string or number read as one
+        bad = copy.deepcopy(doc)
+        bad["devices"][0]["bf16"] = text
+        with pytest.raises(InputError, match=r"devices\[0\]\.bf16: Input should be a valid boolean"):
+            parse_cluster_profile(bad, "x.json")
 
 
 def test_unreadable_and_unparsable_files(tmp_path):

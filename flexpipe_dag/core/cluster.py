@@ -80,6 +80,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     Strict,
+    StrictBool,
     ValidationError,
     model_validator,
 )
@@ -180,7 +181,7 @@ class Device(_Strict):
     max_micro_batch: MicroBatch | None = Field(
         None, description="largest micro_batch_size (sequences) the device takes; the search skips larger ones")
     available_until: AvailableUntil | None = None
-    bf16: bool | None = Field(
+    bf16: StrictBool | None = Field(
         None, description="whether the device computes in bfloat16 (compute capability >= 8.0): from the catalog, "
                           "or torch.cuda.is_bf16_supported() when profiled; None = not known (planned as able)")
     op_timings_ms: dict[str, NonNegFloat] = Field(default_factory=dict)
@@ -367,7 +368,7 @@ class _SeedNode(BaseModel):
     memory_gb: MemoryGib = Field(description="datasheet label, GB (e.g. 16 for a T4)")
     memory_gib: MemoryGib | None = Field(None, description="the total the device reports (nvidia-smi), GiB")
     compute_score: Score | None = None
-    bf16: bool | None = None
+    bf16: StrictBool | None = None
     max_batch_microbatch: MicroBatch | None = None  # the seed file's name for Device.max_micro_batch
     hbm_bandwidth_gbps: Gbps | None = None
     available_until: AvailableUntil | None = None

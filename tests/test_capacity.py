@@ -98,6 +98,9 @@ def test_bundled_prices_are_examples_for_catalog_types():
     ("per_gpu_hour:\n  X9000: 1.0\n", "per_gpu_hour.X9000", "unknown GPU type 'X9000'"),
     ("per_gpu_hour:\n  T4: cheap\n", "per_gpu_hour.T4", "expected a price per GPU-hour (a number > 0), got 'cheap'"),
     ("per_gpu_hour:\n  T4: 1.0\ndiscount: 0.1\n", "discount", "Extra inputs are not permitted"),
+    # printed on terminals: a terminal escape in the currency or the provenance is refused, not echoed
+    ('currency: "U\\x1b[31mSD"\nper_gpu_hour:\n  T4: 1.0\n', "currency", "expected printable text"),
+    ('source: "a\\u202eb"\nper_gpu_hour:\n  T4: 1.0\n', "source", "expected printable text"),
     ("currency: USD\n", "per_gpu_hour", "Field required"),
     ("per_gpu_hour:\n  T4: 1" + "0" * 400 + "\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0 and <= 10000"),
 ])

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from flexpipe_dag.core.catalog import gpu_catalog
 from flexpipe_dag.core.errors import InputError, shown, validation_input_error
+from flexpipe_dag.core.ids import PrintableText
 from flexpipe_dag.core.user_yaml import load_user_document, load_user_yaml
 
 #: The bundled example prices (package data).
@@ -41,9 +42,10 @@ class GpuPrices(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    currency: str = Field("USD", min_length=1, max_length=12)
-    as_of: str = Field("", max_length=40)
-    source: str = Field("", max_length=400)
+    #: printed on terminals and in the Dagster UI: control characters (terminal escapes) are refused
+    currency: PrintableText = Field("USD", min_length=1, max_length=12)
+    as_of: PrintableText = Field("", max_length=40)
+    source: PrintableText = Field("", max_length=400)
     per_gpu_hour: dict[str, PricePerHour] = Field(min_length=1)
     #: the file the prices were read from, for messages (``source`` is their provenance, not a file)
     _file: str = PrivateAttr("prices")

@@ -140,6 +140,46 @@ def test_loadtest_refuses_bad_flags_in_one_line_before_sending_anything(flags, m
     assert message in err and "cannot reach" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(("url", "trace", "message"), [
+    ("ftp://x", "azure-conv", "--url: expected an http(s) URL such as http://127.0.0.1:8000/v1, got 'ftp://x'"),
+    ("127.0.0.1:8000", "azure-conv", "--url: expected an http(s) URL"),
+    # the trace is checked before the network: its error, not a refused connection, is what the user sees
+    ("http://127.0.0.1:9/v1", "/no/such/trace.csv", "/no/such/trace.csv: file not found"),
+])
+def test_loadtest_checks_the_url_and_the_trace_before_connecting(url, trace, message, capsys):
+    assert main(["loadtest", "--url", url, "--trace", trace]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "cannot reach" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_loadtest_names_a_server_that_is_not_an_openai_api(capsys):
+    """Seen: a base URL without /v1 (a web page at /models) was read as JSON, and a trailing / made //models."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            body = b"<html>not here</html>"
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        assert main(["loadtest", "--url", url, "--requests", "2"]) == 2
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert f"{url}models answered 404 without a model list (the base URL of an OpenAI-compatible API usually ends " \
+           "in /v1)" in err and "//models" not in err
+
+
 def test_the_operator_drill_asks_the_live_server_for_one_shift_only_when_none_was_made(store):
     import threading
 

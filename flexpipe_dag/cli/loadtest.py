@@ -59,17 +59,40 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
+def base_url(url: str) -> str:
+    """``url`` as the API's base (an http(s) URL, no trailing ``/``).
+
+    Raises:
+        InputError: not an http:// or https:// URL with a host (field ``--url``).
+    """
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise InputError(None, "--url", f"expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}: "
+                                        f"{exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise InputError(None, "--url", f"expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
+    return url.rstrip("/")
+
+
 def _model(url: str, api_key: str | None) -> str:
     import httpx
 
     try:
-        resp = httpx.get(url.rstrip("/") + "/models", timeout=30,
-                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        resp = httpx.get(url + "/models", timeout=30, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     except httpx.HTTPError as exc:
         raise InputError(None, "--url", f"cannot reach {url}/models: {exc}") from None
-    if resp.status_code != 200 or not resp.json().get("data"):
-        raise InputError(None, "--url", f"{url}/models answered {resp.status_code}: {resp.text[:200]}")
-    return resp.json()["data"][0]["id"]
+    try:
+        models = resp.json().get("data") if resp.status_code == 200 else None
+    except (ValueError, AttributeError):
+        models = None
+    if not models or not isinstance(models, list) or not isinstance(models[0], dict) or "id" not in models[0]:
+        hint = "" if url.endswith("/v1") else " (the base URL of an OpenAI-compatible API usually ends in /v1)"
+        raise InputError(None, "--url", f"{url}/models answered {resp.status_code} without a model list{hint}: "
+                                        f"{resp.text[:200]!r}")
+    return str(models[0]["id"])
 
 
 def loadtest(args: argparse.Namespace) -> int:
@@ -93,10 +116,11 @@ def loadtest(args: argparse.Namespace) -> int:
 
         args.url = live_endpoint(Store.from_url())
         print(f"the live front door in the store: {args.url}", file=sys.stderr)
-    model = args.model or _model(args.url, api_key)
-    workload = head(load_trace(args.trace), args.requests)
+    args.url = base_url(args.url)
+    workload = head(load_trace(args.trace), args.requests)  # local inputs are checked before the network
     if len(workload) == 0:
         raise InputError(str(args.trace), None, "no requests in the trace")
+    model = args.model or _model(args.url, api_key)
     tok = resolve_checkpoint(args.tokenizer).tokenizer()
     reqs = lt.requests_from_workload(workload, tok, max_prompt_tokens=args.max_prompt_tokens,
                                      max_tokens=args.max_tokens, speedup=args.speedup)

@@ -158,7 +158,7 @@ def test_loadtest_names_a_server_that_is_not_an_openai_api(capsys):
     import threading
 
     class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (the stdlib's name)
+        def do_GET(self):  # the stdlib handler's name
             body = b"<html>not here</html>"
             self.send_response(404)
             self.send_header("Content-Length", str(len(body)))

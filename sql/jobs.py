@@ -105,6 +105,19 @@ class InferenceJobs(StoreBase):
             won = cast(CursorResult[Any], s.execute(q.values(owner_run_key=run_key))).rowcount == 1
             return won or s.scalar(select(owner).where(m.InferenceJob.id == job_id)) == run_key
 
+    def release_batch(self, job_id: int, run_key: str) -> bool:
+        """Clear batch ``job_id``'s owner if it is still ``run_key`` (a compare-and-set): the owner of a cancelled
+        batch does so once its last line in flight has finished, so that every server then reads it ``cancelled``
+        and serves its files. Returns whether it was released.
+
+        Raises:
+            InputError: ``run_key`` is not a string of at most 200 characters (nothing written).
+        """
+        checked_text(run_key, "inference_jobs", "owner_run_key", 200)
+        q = update(m.InferenceJob).where(m.InferenceJob.id == job_id, m.InferenceJob.owner_run_key == run_key)
+        with self.session() as s:
+            return cast(CursorResult[Any], s.execute(q.values(owner_run_key=None))).rowcount == 1
+
     def job_status(self, job_id: int) -> str:
         """A job's status as stored now."""
         with self.session() as s:

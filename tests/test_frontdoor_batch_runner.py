@@ -297,3 +297,35 @@ def test_servers_sharing_a_store_serve_each_batch_once_and_take_over_an_ended_on
     finally:
         for runner in runners.values():
             runner.stop()
+
+
+def test_a_cancelled_batch_reads_cancelling_on_every_server_until_its_owner_has_released_it(store):
+    """Seen: a server that did not own a cancelled batch said ``cancelled`` at once and served its files while the
+    owner still had lines in flight (the same file id later held more rows). The owner now releases the batch
+    once its last line in flight has finished; until then every server reads it ``cancelling``."""
+    from flexpipe_dag.serving.frontdoor.batches import batch_file, batch_object
+
+    for run_key in ("fd-a", "fd-b"):
+        store.heartbeat_pipeline_run(run_key, "serve", "throughput-2s")
+    batch_id = _batch(store, 3)
+
+    def job():
+        return next(j for j in store.jobs(kind="batch") if j.job_key == batch_id)
+
+    assert store.claim_batch(job().id, "fd-a", None)
+    store.update_job(job().id, status="cancelled")  # fd-a has lines in flight (it has not released the batch)
+    elsewhere = SimpleNamespace(inflight=lambda job_id: 0, run_key="fd-b")
+    assert batch_object(store, job(), elsewhere)["status"] == "cancelling"
+    assert batch_file(store, f"{batch_id}-output", elsewhere) is None
+    assert not store.release_batch(job().id, "fd-b")  # only the owner releases it
+    owner = BatchRunner(store, _Engine(_Router(delay_s=0.01)), MODEL, poll_s=0.01, log=(logged := []).append,
+                        run_key="fd-a")
+    owner._step()  # nothing of the batch in flight on fd-a: released
+    assert job().owner_run_key is None and f"batch {batch_id}: cancelled, its last line in flight finished" in logged
+    assert batch_object(store, job(), elsewhere)["status"] == "cancelled"
+    assert batch_file(store, f"{batch_id}-output", elsewhere) is not None
+    # an owner that ended sends nothing more: its lines in flight have no row, the batch reads cancelled at once
+    assert store.claim_batch(job().id, "fd-a", None)
+    assert batch_object(store, job(), elsewhere)["status"] == "cancelling"
+    store.end_pipeline_run("fd-a")
+    assert batch_object(store, job(), elsewhere)["status"] == "cancelled"

@@ -18,7 +18,8 @@
   whose tokens did not all come (streamed tokens are not replayed after a reconfigure) is cut at its
   stop from its whole result, as before.
 * ``POST /v1/batches/{id}/cancel`` sets ``cancelled``: nothing more is submitted; lines in flight
-  finish and are kept (the batch reads ``cancelling`` until they have).
+  finish and are kept (the batch reads ``cancelling`` until they have, on every server of the store: the
+  owner releases the batch once its last line in flight has finished).
 * The output and error files (``<batch id>-output``, ``<batch id>-errors``) are built from the result
   rows when read, in input order.
 """
@@ -347,7 +348,12 @@ class BatchRunner:
 
     def _step(self) -> None:
         for job in self.db.jobs(kind=InferenceJobKind.BATCH.value):
-            if not is_api_batch(job) or job.status not in RUNNABLE:
+            if not is_api_batch(job):
+                continue
+            if job.status == InferenceJobStatus.CANCELLED.value:
+                self._release_cancelled(job)
+                continue
+            if job.status not in RUNNABLE:
                 continue
             try:
                 if not self._serves(job):
@@ -356,6 +362,13 @@ class BatchRunner:
                 self._errors.pop(job.id, None)
             except Exception as exc:  # this batch only: the others go on
                 self._job_failed(job, exc)
+
+    def _release_cancelled(self, job) -> None:
+        """A cancelled batch this server owns, with no line of it in flight any more: give up the ownership, so that
+        the other servers on the store read it ``cancelled`` (not ``cancelling``) and serve its files."""
+        if self.run_key is not None and job.owner_run_key == self.run_key and self.inflight(job.id) == 0:
+            if self.db.release_batch(job.id, self.run_key):
+                self.log(f"batch {job.job_key}: cancelled, its last line in flight finished")
 
     def _serves(self, job) -> bool:
         """Whether this server serves ``job``: it owns it, or claims it (not claimed yet, or its owner has ended or
@@ -545,6 +558,21 @@ def _job(store, batch_id: str):
     raise APIError(404, f"No batch found with id '{batch_id}'", param="batch_id", code="batch_not_found")
 
 
+def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
+    """Whether a cancelled batch may still get result rows: lines of it are in flight on ``runner``, or another
+    server owns it and is live (it releases the batch once its last line in flight has finished,
+    :meth:`Store.release_batch`; an owner that ended or fell silent for :data:`BATCH_OWNER_SILENT_S` sends nothing
+    more: its lines in flight have no row)."""
+    if runner is not None and runner.inflight(job.id):
+        return True
+    owner = job.owner_run_key
+    if owner is None or (runner is not None and owner == runner.run_key):
+        return False
+    live = store.pipeline_liveness(owner)
+    return (live.ended_at_s is None and live.heartbeat_at_s is not None
+            and time.time() - live.heartbeat_at_s <= BATCH_OWNER_SILENT_S)
+
+
 def batch_object(store, job, runner: BatchRunner | None) -> dict:
     """OpenAI's batch object for a stored batch job."""
     spec = job.config[API_BATCH_KEY]
@@ -553,7 +581,7 @@ def batch_object(store, job, runner: BatchRunner | None) -> dict:
     failed = len(rows) - completed
     status = {"queued": "validating", "admitted": "in_progress", "running": "in_progress", "paused": "in_progress",
               "done": "completed", "failed": "failed", "cancelled": "cancelled"}[job.status]
-    if status == "cancelled" and runner is not None and runner.inflight(job.id):
+    if status == "cancelled" and lines_still_coming(store, job, runner):
         status = "cancelling"
     final = status in ("completed", "cancelled")
     stamp = int(job.updated_at.timestamp()) if job.updated_at else None
@@ -619,7 +647,7 @@ def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchF
                 return None
             if job.status not in (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value):
                 return None
-            if runner is not None and runner.inflight(job.id):  # "cancelling": its last rows are still coming
+            if lines_still_coming(store, job, runner):  # "cancelling": its last rows are still coming
                 return None
             order = {ln.custom_id: ln.index for ln in parse_batch_input(
                 store.api_file_content(job.config[API_BATCH_KEY]["input_file_id"]) or b"",

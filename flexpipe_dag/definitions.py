@@ -3,7 +3,8 @@
 Resources are environment-driven: ``FLEXPIPE_DATABASE_URL`` (store), ``FLEXPIPE_CLUSTER_FILE`` (a
 declared inventory merged with what is measured), ``FLEXPIPE_PROBE`` (``0`` to skip measuring),
 :data:`PLANNING_ENV` (model, dtype, SLOs, length caps) and ``FLEXPIPE_CONTROL_FILE`` /
-``FLEXPIPE_DWELL_S`` (controller and tide figures).
+``FLEXPIPE_DWELL_S`` (controller and tide figures), ``FLEXPIPE_SAMPLE_RETENTION_DAYS`` (how long metric samples
+are kept, checked here).
 
 Every numeric and boolean variable is parsed with :func:`flexpipe_dag.core.settings.env_value`: a
 bad value (``FLEXPIPE_DWELL_S=abc``, ``FLEXPIPE_PLAN_CONCURRENCY=0``, ``FLEXPIPE_PROBE=maybe``) makes
@@ -24,7 +25,7 @@ import warnings
 from dagster import BetaWarning, Definitions, EnvVar, load_asset_checks_from_modules, load_assets_from_modules
 
 from flexpipe_dag.assets import calibration, capacity, evaluation, fleet, health, mixed_day, planning, profiling
-from flexpipe_dag.core.settings import env_value
+from flexpipe_dag.core.settings import env_value, sample_retention_s
 from flexpipe_dag.jobs import config_scaffold
 from flexpipe_dag.jobs.batch import batch_inference
 from flexpipe_dag.jobs.gear_shift import gear_shift, gear_shift_sensor
@@ -34,6 +35,7 @@ from flexpipe_dag.jobs.profiling import (
     profile_refresh_schedule,
 )
 from flexpipe_dag.jobs.replan import replan_sensor
+from flexpipe_dag.jobs.retention import store_retention, store_retention_schedule
 from flexpipe_dag.jobs.serve import serve_trace
 from flexpipe_dag.jobs.serve_frontdoor import serve_frontdoor
 from flexpipe_dag.jobs.tide import tide_sensor
@@ -64,6 +66,7 @@ def build_resources() -> dict:
     control = ControlSettings(config_file=os.environ.get("FLEXPIPE_CONTROL_FILE", ""),
                               dwell_s=env_value("FLEXPIPE_DWELL_S", float, None, ge=0, unit="seconds"))
     control.resolved()  # read and validated once, here: a bad control file fails the load, not the first tick
+    sample_retention_s()  # FLEXPIPE_SAMPLE_RETENTION_DAYS: a bad value fails the load, not the nightly prune
     return {
         # by name, never the value: Dagster keeps a literal (and its password) in every run's job snapshot
         "store": StoreResource(database_url=EnvVar("FLEXPIPE_DATABASE_URL") if database_url else ""),
@@ -77,8 +80,9 @@ def build_resources() -> dict:
 defs = Definitions(
     assets=load_assets_from_modules(ASSET_MODULES),
     asset_checks=load_asset_checks_from_modules(ASSET_MODULES),
-    jobs=[profile_refresh_job, plan_gears_job, serve_trace, serve_frontdoor, gear_shift, batch_inference],
+    jobs=[profile_refresh_job, plan_gears_job, serve_trace, serve_frontdoor, gear_shift, batch_inference,
+          store_retention],
     sensors=[gear_shift_sensor, tide_sensor, replan_sensor],
-    schedules=[profile_refresh_schedule()],  # FLEXPIPE_PROFILE_REFRESH_CRON, checked
+    schedules=[profile_refresh_schedule(), store_retention_schedule],  # FLEXPIPE_PROFILE_REFRESH_CRON, checked
     resources=build_resources(),
 )

@@ -44,7 +44,7 @@ def profile_refresh_crons(text: str | None = None) -> tuple[str, ...]:
     return parse_crons(value, f"environment variable {PROFILE_REFRESH_CRON_VAR}")
 
 
-def _on_time_only(context: ScheduleEvaluationContext) -> RunRequest | SkipReason:
+def on_time_only(context: ScheduleEvaluationContext) -> RunRequest | SkipReason:
     """A run for a tick evaluated on time; a skip (with the reason) for a missed one (never backfilled)."""
     from dagster._check import CheckError
     from dagster._time import get_current_timestamp  # Dagster's clock: the one its scheduler ticks by
@@ -73,7 +73,7 @@ def profile_refresh_schedule(cron: str | Sequence[str] | None = None) -> Schedul
         name="profile_refresh_schedule",
         job=profile_refresh_job,
         cron_schedule=crons[0] if len(crons) == 1 else list(crons),
-        execution_fn=_on_time_only,
+        execution_fn=on_time_only,
         default_status=DefaultScheduleStatus.RUNNING,
         execution_timezone="UTC",
         description="Re-measure the cluster and the model on the cron; a missed tick is skipped, never run late.",

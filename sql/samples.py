@@ -2,19 +2,48 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import math
+import time
 from collections.abc import Iterable
-from dataclasses import replace
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import exists, select
+from sqlalchemy import CursorResult, delete, exists, func, select
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.metrics import MetricSample, StageSample
+from flexpipe_dag.core.settings import MIN_SAMPLE_RETENTION_S
 from flexpipe_dag.core.status import PipelineRunKind, SampleSource, checked
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, checked_text
 
 _T = TypeVar("_T")
+
+#: Rows deleted per transaction by :meth:`MetricSamples.prune_samples`: a server writing samples on SQLite waits
+#: for one chunk at most, never for the whole prune.
+PRUNE_CHUNK_ROWS = 5000
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What :meth:`MetricSamples.prune_samples` deleted (or, on a dry run, would delete).
+
+    Attributes:
+        rows: ``metric_samples`` rows (pipeline and stage rows together) written before ``cutoff``.
+        cutoff: rows written before this instant (UTC) are the old ones.
+        dry_run: True when nothing was deleted (only counted).
+    """
+
+    rows: int
+    cutoff: dt.datetime
+    dry_run: bool
+
+    def describe(self) -> str:
+        """One line for a person: what went (or would go) and the cutoff."""
+        verb = "would delete" if self.dry_run else "deleted"
+        return (f"metric samples: {verb} {self.rows:,d} row(s) written before "
+                f"{self.cutoff.isoformat(timespec='seconds')}")
 
 
 def _held(row: Any, column: str, value: _T | None) -> _T:
@@ -122,6 +151,54 @@ class MetricSamples(StoreBase):
                     kv_blocks_total=st.kv_blocks_total) for st in smp.stages)
                 written += 1 + len(smp.stages)
         return written
+
+    def prune_samples(self, keep_s: float, *, dry_run: bool = False, now_s: float | None = None,
+                      chunk_rows: int = PRUNE_CHUNK_ROWS) -> PruneResult:
+        """Delete the metric samples (pipeline and stage rows) written more than ``keep_s`` seconds ago.
+
+        A serving run writes a pipeline row and one row per stage every sampling period (2 s): a store that serves
+        for weeks keeps millions of them, which no reader needs (the sensors read from their cursors on, a run's
+        report reads its own run). Rows go in chunks of ``chunk_rows``, each chunk its own transaction, oldest
+        first, so a crash keeps what it has not reached and a concurrent writer waits for one chunk at most. A
+        sensor's cursor past the deleted rows reads on as before.
+
+        Args:
+            keep_s: the retention, seconds: rows written within the last ``keep_s`` seconds stay. At least
+                :data:`~flexpipe_dag.core.settings.MIN_SAMPLE_RETENTION_S`.
+            dry_run: only count the rows that would go.
+            now_s: now, epoch seconds (default the clock).
+            chunk_rows: rows deleted per transaction (>= 1).
+
+        Returns:
+            The rows deleted (or counted) and the cutoff.
+
+        Raises:
+            InputError: ``keep_s`` not a finite number of at least ``MIN_SAMPLE_RETENTION_S`` seconds, or
+                ``chunk_rows`` below 1 (nothing deleted).
+        """
+        if isinstance(keep_s, bool) or not isinstance(keep_s, (int, float)) or not math.isfinite(keep_s) \
+                or keep_s < MIN_SAMPLE_RETENTION_S:
+            raise InputError("metric_samples", "keep_s", f"expected a retention of at least "
+                             f"{MIN_SAMPLE_RETENTION_S:g} s (the controller's windows read the last minutes to hours "
+                             f"of samples), got {keep_s!r}")
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise InputError("metric_samples", "chunk_rows", f"expected an integer >= 1, got {chunk_rows!r}")
+        cutoff = dt.datetime.fromtimestamp((time.time() if now_s is None else now_s) - keep_s, dt.UTC)
+        table = m.MetricSampleRow.__table__.c
+        old = table.created_at < cutoff
+        with self.session() as s:
+            before = int(s.scalar(select(func.count()).where(old)) or 0)
+        if dry_run or before == 0:
+            return PruneResult(before, cutoff, dry_run)
+        while True:
+            with self.session() as s:
+                chunk = select(table.id).where(old).order_by(table.id).limit(chunk_rows).scalar_subquery()
+                # a pipeline row's stage rows go with it (ON DELETE CASCADE), in or out of the chunk
+                gone = delete(m.MetricSampleRow).where(table.id.in_(chunk)).execution_options(synchronize_session=False)
+                if not cast(CursorResult[Any], s.execute(gone)).rowcount:
+                    break
+        with self.session() as s:
+            return PruneResult(before - int(s.scalar(select(func.count()).where(old)) or 0), cutoff, False)
 
     def newest_sample_id(self) -> int | None:
         """Row id of the newest pipeline metric sample of any run, or None when there is none."""

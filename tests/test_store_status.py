@@ -182,7 +182,7 @@ def test_store_facade_keeps_its_public_methods():
         "save_profile", "list_profile_versions", "load_profile", "latest_profile",
         "save_model", "model_ids", "save_gears", "load_gears", "load_gear",
         "mark_unhealthy", "unhealthy_gear_keys", "health_tags", "clear_health",
-        "write_samples", "latest_sample_run_key", "newest_sample_id", "read_samples", "read_run_samples",
+        "write_samples", "prune_samples", "latest_sample_run_key", "newest_sample_id", "read_samples", "read_run_samples",
         "heartbeat_pipeline_run", "end_pipeline_run", "pipeline_liveness", "latest_shiftable_run_key",
         "recent_shiftable_run_keys", "live_serving_runs",
         "record_shift_event", "update_shift_event", "get_shift_event", "pending_shift_requests", "shift_events",

@@ -1,9 +1,12 @@
 """``flexpipe store``: the store's schema: show its revision, upgrade, downgrade (refused when it would drop data
-unless --force) and repair a half-migrated store. The store is FLEXPIPE_DATABASE_URL or SQLite under FLEXPIPE_HOME."""
+unless --force) and repair a half-migrated store; prune the metric samples older than the retention. The store is
+FLEXPIPE_DATABASE_URL or SQLite under FLEXPIPE_HOME."""
 
 from __future__ import annotations
 
 import argparse
+
+from flexpipe_dag.core.settings import DEFAULT_SAMPLE_RETENTION_DAYS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,13 +21,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     rep = actions.add_parser("repair", help="drop the tables of a half-migrated store (no schema version) and "
                                             "create the schema afresh")
     rep.add_argument("--force", action="store_true", help="drop them even though they hold rows")
+    prune = actions.add_parser("prune", help="delete the metric samples written before the retention window")
+    prune.add_argument("--keep-days", type=float, default=None,
+                       help="retention, days (default FLEXPIPE_SAMPLE_RETENTION_DAYS, else "
+                            f"{DEFAULT_SAMPLE_RETENTION_DAYS:g}; at least 1 hour)")
+    prune.add_argument("--dry-run", action="store_true", help="count the rows that would go, delete nothing")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from flexpipe_dag.core.settings import database_url
+    from flexpipe_dag.core.settings import database_url, sample_retention_s
     from flexpipe_dag.sql.engine import opening_errors
     from flexpipe_dag.sql.store import (
+        Store,
         check_store_url,
         current_revision,
         downgrade,
@@ -34,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         repair,
     )
 
+    keep_s = sample_retention_s(args.keep_days) if args.action == "prune" else None  # checked before the store opens
     url = database_url()
     shown = check_store_url(url)
     with opening_errors(shown, url):
@@ -44,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
             elif args.action == "downgrade":
                 for loss in downgrade(engine, args.revision, force=args.force):
                     print(f"dropped {loss}")
+            elif args.action == "prune":
+                assert keep_s is not None
+                print(Store(engine).prune_samples(keep_s, dry_run=args.dry_run).describe())
+                return 0
             elif args.action == "repair":
                 for name, rows in repair(engine, force=args.force).items():
                     print(f"dropped unversioned table {name} ({rows} rows)")

@@ -58,6 +58,34 @@ def _home_sqlite_url() -> str:
     return f"sqlite:///{flexpipe_home() / 'flexpipe.db'}"
 
 
+#: Metric samples are kept this many days by default (``flexpipe store prune``, the ``store_retention`` schedule).
+DEFAULT_SAMPLE_RETENTION_DAYS = 14.0
+#: The environment variable that sets the retention, days.
+SAMPLE_RETENTION_VAR = "FLEXPIPE_SAMPLE_RETENTION_DAYS"
+#: The shortest retention accepted, seconds: the controller's windows (recent peak, smoothing, the freshness bound)
+#: and a serving run's own report read the last minutes to hours of samples.
+MIN_SAMPLE_RETENTION_S = 3600.0
+#: The longest retention accepted, days (a typo guard: ten years).
+MAX_SAMPLE_RETENTION_DAYS = 3650.0
+
+
+def sample_retention_s(keep_days: float | None = None, field: str = "--keep-days") -> float:
+    """The metric-sample retention in seconds: ``keep_days`` (days) when given, else ``FLEXPIPE_SAMPLE_RETENTION_DAYS``,
+    else :data:`DEFAULT_SAMPLE_RETENTION_DAYS`.
+
+    Raises:
+        InputError: naming ``field`` (or the variable): not a finite number of days from 1 hour
+            (:data:`MIN_SAMPLE_RETENTION_S`) to :data:`MAX_SAMPLE_RETENTION_DAYS`.
+    """
+    low = MIN_SAMPLE_RETENTION_S / 86400
+    if keep_days is None:
+        keep_days = env_value(SAMPLE_RETENTION_VAR, float, DEFAULT_SAMPLE_RETENTION_DAYS, ge=low,
+                              le=MAX_SAMPLE_RETENTION_DAYS, unit="days")
+    else:
+        check_number(keep_days, None, field, ge=low, le=MAX_SAMPLE_RETENTION_DAYS, unit="days")
+    return float(keep_days) * 86400
+
+
 def database_url() -> str:
     """The store's SQLAlchemy URL: ``FLEXPIPE_DATABASE_URL`` or SQLite under :func:`flexpipe_home`."""
     return os.environ.get("FLEXPIPE_DATABASE_URL") or _home_sqlite_url()

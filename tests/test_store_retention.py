@@ -1,0 +1,124 @@
+"""Metric-sample retention: ``Store.prune_samples``, ``flexpipe store prune`` and the ``store_retention`` job.
+
+A server writes a pipeline row and one row per stage every 2 s; a store serving for weeks is pruned to the
+retention, in chunks, without touching what the sensors and live runs still read."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from sqlalchemy import func, select, update
+
+from flexpipe_dag.cli import main
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.metrics import MetricSample, StageSample
+from flexpipe_dag.sql import models as m
+
+
+def _samples(n: int, t0: float = 0.0, stages: int = 2) -> list[MetricSample]:
+    return [MetricSample(t_s=t0 + 2.0 * i, gear_id="g", source="live", rps=1.0 + i, completed=1, tokens_per_s=10.0,
+                         queue_length=0, running=1, kv_used_fraction=0.2,
+                         stages=tuple(StageSample(k, 0.5, 0, 3, 100) for k in range(stages))) for i in range(n)]
+
+
+def _rows(store) -> int:
+    with store.session() as s:
+        return int(s.scalar(select(func.count()).select_from(m.MetricSampleRow)))
+
+
+def _age(store, run_key: str, days: float) -> None:
+    """Make every row of ``run_key`` (pipeline and stage rows) look written ``days`` days ago."""
+    when = dt.datetime.now(dt.UTC) - dt.timedelta(days=days)
+    t = m.MetricSampleRow.__table__.c
+    with store.session() as s:
+        heads = select(t.id).where(t.run_key == run_key).scalar_subquery()
+        s.execute(update(m.MetricSampleRow.__table__).where(t.id.in_(heads) | t.parent_id.in_(heads))
+                  .values(created_at=when))
+
+
+def test_prune_deletes_old_rows_with_their_stage_rows_in_chunks_and_keeps_the_rest(store):
+    store.write_samples("old", _samples(7))  # 7 pipeline + 14 stage rows
+    store.write_samples("new", _samples(3, t0=100.0))
+    _age(store, "old", days=20)
+    assert _rows(store) == 30
+    dry = store.prune_samples(14 * 86400, dry_run=True)
+    assert dry.rows == 21 and dry.dry_run and _rows(store) == 30  # counted, nothing deleted
+    assert dry.describe().startswith("metric samples: would delete 21 row(s) written before ")
+    done = store.prune_samples(14 * 86400, chunk_rows=4)  # chunks smaller than a sample's rows
+    assert done.rows == 21 and not done.dry_run and _rows(store) == 9
+    kept = store.read_run_samples()
+    assert [rk for _, rk, _ in kept] == ["new"] * 3 and all(len(smp.stages) == 2 for _, _, smp in kept)
+    assert store.prune_samples(14 * 86400).rows == 0  # nothing old left
+
+
+def test_a_cursor_past_the_pruned_rows_reads_on(store):
+    store.write_samples("serve-1", _samples(5))
+    last_id = store.read_samples("serve-1")[-1][0]
+    _age(store, "serve-1", days=30)
+    store.write_samples("serve-1", _samples(2, t0=10.0))
+    store.prune_samples(86400)
+    assert [smp.t_s for _, smp in store.read_samples("serve-1", after_id=last_id)] == [10.0, 12.0]
+    assert store.newest_sample_id() is not None and store.newest_sample_id() > last_id
+
+
+@pytest.mark.parametrize("keep_s", [0, 3599.0, float("nan"), float("inf"), -1, True, "7"])
+def test_a_retention_under_an_hour_or_not_a_number_is_refused_and_deletes_nothing(store, keep_s):
+    store.write_samples("old", _samples(2))
+    _age(store, "old", days=400)
+    with pytest.raises(InputError) as err:
+        store.prune_samples(keep_s)
+    assert err.value.field == "keep_s" and "at least 3600 s" in err.value.problem
+    assert _rows(store) == 6
+
+
+def test_cli_prune_checks_the_retention_before_opening_the_store(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLEXPIPE_DATABASE_URL", f"sqlite:///{tmp_path / 'never.db'}")
+    assert main(["store", "prune", "--keep-days", "0.01"]) == 2
+    assert "--keep-days: expected a finite number >= 0.0416667 and <= 3650 (days), got 0.01" in capsys.readouterr().err
+    assert not (tmp_path / "never.db").exists()
+    monkeypatch.setenv("FLEXPIPE_SAMPLE_RETENTION_DAYS", "forever")
+    assert main(["store", "prune"]) == 2
+    assert "environment variable FLEXPIPE_SAMPLE_RETENTION_DAYS: expected a number" in capsys.readouterr().err
+
+
+def test_cli_prune_deletes_what_the_retention_leaves_out(capsys, monkeypatch, tmp_path):
+    from flexpipe_dag.sql.store import Store
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("FLEXPIPE_DATABASE_URL", url)
+    store = Store.from_url(url)
+    store.write_samples("old", _samples(4))
+    store.write_samples("new", _samples(1))
+    _age(store, "old", days=3)
+    assert main(["store", "prune", "--keep-days", "7", "--dry-run"]) == 0
+    assert "would delete 0 row(s)" in capsys.readouterr().out
+    monkeypatch.setenv("FLEXPIPE_SAMPLE_RETENTION_DAYS", "2")
+    assert main(["store", "prune"]) == 0
+    assert "metric samples: deleted 12 row(s) written before " in capsys.readouterr().out
+    assert _rows(store) == 3
+
+
+def test_the_store_retention_job_prunes_and_its_schedule_is_nightly(tmp_path, monkeypatch):
+    from flexpipe_dag.definitions import build_resources, defs
+    from flexpipe_dag.jobs.retention import store_retention
+    from flexpipe_dag.resources.store_resource import StoreResource
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    res = StoreResource(database_url=url)
+    store = res.get_store()
+    store.write_samples("old", _samples(2))
+    store.write_samples("new", _samples(2))
+    _age(store, "old", days=1.5)
+    run = store_retention.execute_in_process(
+        run_config={"ops": {"prune_metric_samples": {"config": {"keep_days": 1.0}}}}, resources={"store": res})
+    assert run.success and run.output_for_node("prune_metric_samples") == 6 and _rows(store) == 6
+    bad = store_retention.execute_in_process(
+        run_config={"ops": {"prune_metric_samples": {"config": {"keep_days": 0.001}}}}, resources={"store": res},
+        raise_on_error=False)
+    assert not bad.success and "keep_days: expected a finite number >= 0.0416667" in str(bad.all_events)
+    schedule = defs.resolve_schedule_def("store_retention_schedule")
+    assert schedule.cron_schedule == "0 3 * * *" and schedule.job_name == "store_retention"
+    monkeypatch.setenv("FLEXPIPE_SAMPLE_RETENTION_DAYS", "0")  # a bad retention fails the code location's load
+    with pytest.raises(InputError, match="FLEXPIPE_SAMPLE_RETENTION_DAYS"):
+        build_resources()

@@ -228,9 +228,12 @@ class MetricSamples(StoreBase):
 
     def read_run_samples(self, run_key: str | None = None, after_t_s: float | None = None,
                          after_id: int | None = None, limit: int | None = None,
-                         online_only: bool = False) -> list[tuple[int, str, MetricSample]]:
+                         online_only: bool = False,
+                         written_after_s: float | None = None) -> list[tuple[int, str, MetricSample]]:
         """:meth:`read_samples` with the run that wrote each sample: ``(row_id, run_key, sample)``, oldest first
         (the ``tide_sensor`` smooths each serving run's rate on its own and adds the live ones up).
+        ``written_after_s`` (epoch seconds) keeps the samples written after it only (a fresh tide cursor reads the
+        last hour, not the retention's weeks).
 
         Raises:
             InputError: as :meth:`read_samples`.
@@ -245,6 +248,8 @@ class MetricSamples(StoreBase):
                 q = q.where(table.t_s > after_t_s)
             if after_id is not None:
                 q = q.where(table.id > after_id)
+            if written_after_s is not None:
+                q = q.where(table.created_at > dt.datetime.fromtimestamp(written_after_s, dt.UTC))
             if online_only:
                 q = q.where(~exists().where(m.PipelineRun.run_key == table.run_key,
                                             m.PipelineRun.kind == PipelineRunKind.BATCH.value))

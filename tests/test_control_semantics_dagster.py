@@ -69,8 +69,10 @@ class JobsInMemory:
         self.rows.append(SimpleNamespace(id=len(self.rows) + 1, job_key=job_key, kind="batch", status="queued",
                                          config={"num_requests": 8}, admissions=0))
 
-    def read_run_samples(self, *, after_id=None, online_only=False):  # one online serving run
-        return [(i, "serve-1", s) for i, s in self.samples if after_id is None or i > after_id]
+    def read_run_samples(self, *, after_id=None, limit=None, online_only=False, written_after_s=None):
+        # one online serving run, every sample written just now
+        rows = [(i, "serve-1", s) for i, s in self.samples if after_id is None or i > after_id]
+        return rows if limit is None else rows[:limit]
 
     def pipeline_liveness(self, run_key):  # live: its newest sample was just written
         return PipelineLiveness(run_key, kind="serve", newest_sample_id=self.samples[-1][0],

@@ -85,8 +85,10 @@ class MemoryStore:
                 if (run_key is None or rk == run_key) and (after_id is None or i > after_id)]
         return rows[:limit] if limit is not None else rows
 
-    def read_run_samples(self, *, after_id=None, online_only=False):  # all runs are online
-        return [(i, rk, s) for i, rk, s in self.samples if after_id is None or i > after_id]
+    def read_run_samples(self, *, after_id=None, limit=None, online_only=False, written_after_s=None):
+        # all runs are online; every sample was written just now (written_after_s keeps them all)
+        rows = [(i, rk, s) for i, rk, s in self.samples if after_id is None or i > after_id]
+        return rows if limit is None else rows[:limit]
 
     def list_profile_versions(self):
         return [SimpleNamespace(id=1)]

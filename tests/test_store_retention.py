@@ -122,3 +122,23 @@ def test_the_store_retention_job_prunes_and_its_schedule_is_nightly(tmp_path, mo
     monkeypatch.setenv("FLEXPIPE_SAMPLE_RETENTION_DAYS", "0")  # a bad retention fails the code location's load
     with pytest.raises(InputError, match="FLEXPIPE_SAMPLE_RETENTION_DAYS"):
         build_resources()
+
+
+def test_a_fresh_tide_cursor_reads_the_last_hour_not_the_retentions_weeks(store):
+    """A new tide cursor read every online sample the store held (weeks of them under the retention) and logged each
+    long-gone run as leaving the tide; it now starts from the samples written in the last hour."""
+    import json
+
+    from flexpipe_dag.control.service import evaluate_tide
+    from flexpipe_dag.control.tide import TideConfig
+
+    store.write_samples("serve-last-week", _samples(50))
+    _age(store, "serve-last-week", days=7)
+    ev = evaluate_tide(store, None, TideConfig())
+    # only old samples: the tide has been seen and no serving run is live (offline work may use the fleet)
+    assert ev.decision is not None and ev.decision.reason.endswith("no serving run is live") and ev.runs_left == ()
+    assert json.loads(ev.cursor)["runs"] == {}
+    store.write_samples("serve-now", _samples(3))
+    ev = evaluate_tide(store, None, TideConfig())
+    assert list(json.loads(ev.cursor)["runs"]) == ["serve-now"] and ev.runs_left == ()
+    assert json.loads(ev.cursor)["last_sample_id"] == store.newest_sample_id()

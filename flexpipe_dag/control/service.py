@@ -121,8 +121,8 @@ class GearShiftStore(Protocol):
 class TideStore(Protocol):
     """The store methods :func:`evaluate_tide` calls (the SQL ``Store`` has them)."""
 
-    def read_run_samples(self, *, after_id: int | None = None,
-                         online_only: bool = False) -> list[tuple[int, str, MetricSample]]: ...
+    def read_run_samples(self, *, after_id: int | None = None, limit: int | None = None, online_only: bool = False,
+                         written_after_s: float | None = None) -> list[tuple[int, str, MetricSample]]: ...
 
     def newest_sample_id(self) -> int | None: ...
 
@@ -547,6 +547,22 @@ def _fleet_capacity_rps(db: TideStore, runs: Mapping[str, RunTide]) -> float:
     return total
 
 
+#: A fresh tide cursor (the first evaluation, or a store reset) reads the online samples written in the last hour (or
+#: twice the freshness bound, if longer) only: the rate's EMA forgets a sample within minutes (alpha 0.1 at a sample
+#: every 2 s: 0.9^1800 of weight after an hour), a run silent for longer has left the tide anyway, and a store
+#: holds weeks of them (the retention, ``FLEXPIPE_SAMPLE_RETENTION_DAYS``).
+FRESH_TIDE_WINDOW_S = 3600.0
+
+
+def _fresh_tide_rows(db: TideStore, now_s: float, freshness_s: float) -> tuple[list[tuple[int, str, MetricSample]],
+                                                                              bool]:
+    """The online samples a fresh cursor starts from (see :data:`FRESH_TIDE_WINDOW_S`), and whether any online
+    sample exists at all (older ones only: the tide has been seen, no serving run is live)."""
+    window_s = max(FRESH_TIDE_WINDOW_S, 2 * freshness_s)
+    rows = db.read_run_samples(online_only=True, written_after_s=now_s - window_s)
+    return rows, bool(rows) or bool(db.read_run_samples(online_only=True, limit=1))
+
+
 def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_s: float | None = None,
                   forecaster: TideForecaster | None = None, now_s: float | None = None,
                   freshness_s: float = 120.0) -> TideEvaluation:
@@ -579,13 +595,17 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     """
     state = TideCursor.parse(cursor)
     cfg = tide
+    now_s = time.time() if now_s is None else now_s
     seen, runs, last_id, gate = state.ema_rps is not None, dict(state.runs), state.last_sample_id, state.gate
-    # the online stream only: a batch job's own pipeline samples no online arrival (rps 0 whatever the tide)
-    rows = db.read_run_samples(after_id=last_id, online_only=True)
-    if not rows and last_id is not None and last_id > (db.newest_sample_id() or 0):
-        # the store was reset (a new database under the same Dagster instance): read it afresh, not never
-        seen, runs, last_id, gate = False, {}, None, TideGate()
-        rows = db.read_run_samples(online_only=True)
+    if last_id is None:
+        rows, seen = _fresh_tide_rows(db, now_s, freshness_s)
+    else:
+        # the online stream only: a batch job's own pipeline samples no online arrival (rps 0 whatever the tide)
+        rows = db.read_run_samples(after_id=last_id, online_only=True)
+        if not rows and last_id > (db.newest_sample_id() or 0):
+            # the store was reset (a new database under the same Dagster instance): read it afresh, not never
+            runs, last_id, gate = {}, None, TideGate()
+            rows, seen = _fresh_tide_rows(db, now_s, freshness_s)
     for _, run_key, smp in rows:
         before = runs.get(run_key)
         runs[run_key] = RunTide(ema_rps=ema(before.ema_rps if before else None, smp.rps, cfg.ema_alpha),
@@ -594,7 +614,7 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
         last_id = rows[-1][0]
     if not (seen or runs):
         return TideEvaluation(None, cursor or "{}")  # nothing seen yet: the cursor stays as it was
-    runs, left = _live_tide_runs(db, runs, time.time() if now_s is None else now_s, freshness_s)
+    runs, left = _live_tide_runs(db, runs, now_s, freshness_s)
     ema_rps = sum(part.ema_rps for part in runs.values())
     if forecaster is None:
         forecaster = TideForecaster(load_history(cfg))

@@ -90,15 +90,17 @@ class InferenceJobs(StoreBase):
 
     def claim_batch(self, job_id: int, run_key: str, from_owner: str | None) -> bool:
         """Make serving run ``run_key`` the owner of batch ``job_id`` if its owner is still ``from_owner`` (None: not
-        claimed yet): one atomic compare-and-set, so of two servers claiming at once exactly one wins. Returns
-        whether ``run_key`` owns it now.
+        claimed yet) and it is still to be served (queued, admitted or running: a batch cancelled, paused or ended
+        since the caller read it is not claimed): one atomic compare-and-set, so of two servers claiming at once
+        exactly one wins. Returns whether ``run_key`` owns it now.
 
         Raises:
             InputError: ``run_key`` is not a string of at most 200 characters (nothing written).
         """
         checked_text(run_key, "inference_jobs", "owner_run_key", 200)
         owner = m.InferenceJob.owner_run_key
-        q = update(m.InferenceJob).where(m.InferenceJob.id == job_id,
+        runnable = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value, InferenceJobStatus.RUNNING.value)
+        q = update(m.InferenceJob).where(m.InferenceJob.id == job_id, m.InferenceJob.status.in_(runnable),
                                          owner.is_(None) if from_owner is None else owner == from_owner)
         with self.session() as s:
             # an UPDATE executes to a CursorResult (the one that has rowcount); Session.execute is typed Result

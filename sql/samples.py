@@ -20,8 +20,8 @@ from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, che
 
 _T = TypeVar("_T")
 
-#: Rows deleted per transaction by :meth:`MetricSamples.prune_samples`: a server writing samples on SQLite waits
-#: for one chunk at most, never for the whole prune.
+#: Samples (pipeline rows, each with its stage rows) deleted per transaction by :meth:`MetricSamples.prune_samples`:
+#: a server writing samples on SQLite waits for one chunk at most, never for the whole prune.
 PRUNE_CHUNK_ROWS = 5000
 
 
@@ -158,19 +158,20 @@ class MetricSamples(StoreBase):
 
         A serving run writes a pipeline row and one row per stage every sampling period (2 s): a store that serves
         for weeks keeps millions of them, which no reader needs (the sensors read from their cursors on, a run's
-        report reads its own run). Rows go in chunks of ``chunk_rows``, each chunk its own transaction, oldest
-        first, so a crash keeps what it has not reached and a concurrent writer waits for one chunk at most. A
-        sensor's cursor past the deleted rows reads on as before.
+        report reads its own run). A sample goes whole (its pipeline row, chosen by when it was written, and its stage
+        rows), in chunks of ``chunk_rows`` samples, each chunk its own transaction, oldest first, so a crash keeps
+        what it has not reached and a concurrent writer waits for one chunk at most. The store's newest sample always
+        stays (its id stands, so a sensor's cursor past the deleted rows reads on and never sees a reset store).
 
         Args:
             keep_s: the retention, seconds: rows written within the last ``keep_s`` seconds stay. At least
                 :data:`~flexpipe_dag.core.settings.MIN_SAMPLE_RETENTION_S`.
             dry_run: only count the rows that would go.
             now_s: now, epoch seconds (default the clock).
-            chunk_rows: rows deleted per transaction (>= 1).
+            chunk_rows: samples (pipeline rows, with their stage rows) deleted per transaction (>= 1).
 
         Returns:
-            The rows deleted (or counted) and the cutoff.
+            The rows deleted (or counted: pipeline and stage rows) and the cutoff.
 
         Raises:
             InputError: ``keep_s`` not a finite number of at least ``MIN_SAMPLE_RETENTION_S`` seconds, or
@@ -185,20 +186,31 @@ class MetricSamples(StoreBase):
             raise InputError("metric_samples", "chunk_rows", f"expected an integer >= 1, got {chunk_rows!r}")
         cutoff = dt.datetime.fromtimestamp((time.time() if now_s is None else now_s) - keep_s, dt.UTC)
         table = m.MetricSampleRow.__table__.c
-        old = table.created_at < cutoff
-        with self.session() as s:
-            before = int(s.scalar(select(func.count()).where(old)) or 0)
-        if dry_run or before == 0:
-            return PruneResult(before, cutoff, dry_run)
+        newest = self.newest_sample_id()
+        if newest is None:
+            return PruneResult(0, cutoff, dry_run)
+        # samples go whole, chosen by their pipeline row (a stage row is written a moment after it); the store's
+        # newest sample always stays, so its id stands: a cursor past the deleted rows never reads as a reset store
+        old = (table.scope == "pipeline") & (table.created_at < cutoff) & (table.id < newest)
+
+        def stage_rows(heads: Any) -> Any:
+            return (table.scope == "stage") & table.parent_id.in_(heads)
+
+        if dry_run:
+            with self.session() as s:
+                heads = select(table.id).where(old).scalar_subquery()
+                n = s.scalar(select(func.count()).where(old)) or 0
+                return PruneResult(int(n) + int(s.scalar(select(func.count()).where(stage_rows(heads))) or 0),
+                                   cutoff, True)
+        deleted = 0
         while True:
             with self.session() as s:
-                chunk = select(table.id).where(old).order_by(table.id).limit(chunk_rows).scalar_subquery()
-                # a pipeline row's stage rows go with it (ON DELETE CASCADE), in or out of the chunk
-                gone = delete(m.MetricSampleRow).where(table.id.in_(chunk)).execution_options(synchronize_session=False)
-                if not cast(CursorResult[Any], s.execute(gone)).rowcount:
-                    break
-        with self.session() as s:
-            return PruneResult(before - int(s.scalar(select(func.count()).where(old)) or 0), cutoff, False)
+                ids = list(s.scalars(select(table.id).where(old).order_by(table.id).limit(chunk_rows)))
+                if not ids:
+                    return PruneResult(deleted, cutoff, False)
+                for rows in (stage_rows(ids), table.id.in_(ids)):  # stage rows first: no cascade relied on
+                    gone = delete(m.MetricSampleRow).where(rows).execution_options(synchronize_session=False)
+                    deleted += cast(CursorResult[Any], s.execute(gone)).rowcount
 
     def newest_sample_id(self) -> int | None:
         """Row id of the newest pipeline metric sample of any run, or None when there is none."""

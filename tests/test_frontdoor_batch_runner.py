@@ -321,11 +321,34 @@ def test_a_cancelled_batch_reads_cancelling_on_every_server_until_its_owner_has_
     owner = BatchRunner(store, _Engine(_Router(delay_s=0.01)), MODEL, poll_s=0.01, log=(logged := []).append,
                         run_key="fd-a")
     owner._step()  # nothing of the batch in flight on fd-a: released
-    assert job().owner_run_key is None and f"batch {batch_id}: cancelled, its last line in flight finished" in logged
+    assert job().owner_run_key is None
+    assert f"batch {batch_id}: cancelled, no line of it in flight here any more: released" in logged
     assert batch_object(store, job(), elsewhere)["status"] == "cancelled"
     assert batch_file(store, f"{batch_id}-output", elsewhere) is not None
+    assert not store.claim_batch(job().id, "fd-b", None)  # released, but cancelled: nobody serves it again
     # an owner that ended sends nothing more: its lines in flight have no row, the batch reads cancelled at once
-    assert store.claim_batch(job().id, "fd-a", None)
-    assert batch_object(store, job(), elsewhere)["status"] == "cancelling"
+    second = create_batch(store, "file-1", "/v1/completions", "24h", None)["id"]  # the same input again
+    second_id = next(j for j in store.jobs(kind="batch") if j.job_key == second).id
+    assert store.claim_batch(second_id, "fd-a", None)
+    store.update_job(second_id, status="cancelled")
+    assert batch_object(store, store.jobs(kind="batch")[-1], elsewhere)["status"] == "cancelling"
     store.end_pipeline_run("fd-a")
-    assert batch_object(store, job(), elsewhere)["status"] == "cancelled"
+    assert batch_object(store, store.jobs(kind="batch")[-1], elsewhere)["status"] == "cancelled"
+
+
+def test_a_completed_batch_is_read_whole_on_every_server_while_its_owner_is_live(store):
+    """A completed batch keeps its owner; another server serves its files (all its rows are written)."""
+    from flexpipe_dag.serving.frontdoor.batches import batch_file, batch_object
+
+    store.heartbeat_pipeline_run("fd-a", "serve", "throughput-2s")
+    router, job, logged = _run(store, store, n=3)
+    assert store.claim_batch(job.id, "fd-a", None) is False  # done: not claimed now
+    # as if fd-a had claimed it while it ran
+    with store.session() as s:
+        s.get(type(job), job.id).owner_run_key = "fd-a"
+    job = next(j for j in store.jobs(kind="batch") if j.id == job.id)
+    elsewhere = SimpleNamespace(inflight=lambda job_id: 0, run_key="fd-b")
+    assert batch_object(store, job, elsewhere)["status"] == "completed"
+    output = batch_file(store, f"{job.job_key}-output", elsewhere)
+    assert output is not None and len(output.content.splitlines()) == 3
+    assert batch_file(store, f"{job.job_key}-output", None) == output

@@ -141,8 +141,12 @@ def test_loadtest_refuses_bad_flags_in_one_line_before_sending_anything(flags, m
 
 
 @pytest.mark.parametrize(("url", "trace", "message"), [
-    ("ftp://x", "azure-conv", "--url: expected an http(s) URL such as http://127.0.0.1:8000/v1, got 'ftp://x'"),
+    ("ftp://x", "azure-conv",
+     "--url: expected an http(s) URL such as http://127.0.0.1:8000/v1 (no query or fragment), got 'ftp://x'"),
     ("127.0.0.1:8000", "azure-conv", "--url: expected an http(s) URL"),
+    ("http://127.0.0.1:9/v1?x=1", "azure-conv", "--url: expected an http(s) URL such as http://127.0.0.1:8000/v1 (no "
+                                                "query or fragment)"),
+    ("http://me:secret@127.0.0.1:9/v1", "azure-conv", "--url: expected no user or password in the URL"),
     # the trace is checked before the network: its error, not a refused connection, is what the user sees
     ("http://127.0.0.1:9/v1", "/no/such/trace.csv", "/no/such/trace.csv: file not found"),
 ])

@@ -142,3 +142,23 @@ def test_a_fresh_tide_cursor_reads_the_last_hour_not_the_retentions_weeks(store)
     ev = evaluate_tide(store, None, TideConfig())
     assert list(json.loads(ev.cursor)["runs"]) == ["serve-now"] and ev.runs_left == ()
     assert json.loads(ev.cursor)["last_sample_id"] == store.newest_sample_id()
+
+
+def test_an_idle_store_keeps_its_newest_sample_and_the_tide_still_decides(store):
+    """Seen in review: a prune that emptied an idle store made the tide sensor's cursor read as a reset store (its
+    last id past the newest), and with no sample left it decided nothing ("no online metric samples yet") where the
+    tick before had admitted offline work; on SQLite the ids would also start again at 1."""
+    from flexpipe_dag.control.service import evaluate_tide
+    from flexpipe_dag.control.tide import TideConfig
+
+    store.write_samples("serve-1", _samples(6))
+    before = evaluate_tide(store, None, TideConfig(), now_s=10**10)  # long after: the run has left, none is live
+    assert before.decision is not None and before.decision.reason.endswith("no serving run is live")
+    newest = store.newest_sample_id()
+    _age(store, "serve-1", days=30)
+    assert store.prune_samples(86400, dry_run=True).rows == 15  # 5 of 6 samples, 3 rows each
+    assert store.prune_samples(86400, chunk_rows=2).rows == 15
+    assert store.newest_sample_id() == newest and [i for i, _ in store.read_samples()] == [newest] and _rows(store) == 3
+    after = evaluate_tide(store, before.cursor, TideConfig(), now_s=10**10)
+    assert after.decision is not None and after.decision.reason.endswith("no serving run is live")
+    assert store.prune_samples(86400).rows == 0  # the newest always stays

@@ -59,21 +59,25 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
-def base_url(url: str) -> str:
-    """``url`` as the API's base (an http(s) URL, no trailing ``/``).
+def base_url(url: str, field: str = "--url") -> str:
+    """``url`` as the API's base (an http(s) URL with a host, no query, fragment or credentials; no trailing ``/``).
 
     Raises:
-        InputError: not an http:// or https:// URL with a host (field ``--url``).
+        InputError: naming ``field``: not such a URL (credentials: the API key goes in ``--api-key-file``, never in
+            a URL that messages and the report print).
     """
     import httpx
 
+    expected = "expected an http(s) URL such as http://127.0.0.1:8000/v1"
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as exc:
-        raise InputError(None, "--url", f"expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}: "
-                                        f"{exc}") from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise InputError(None, "--url", f"expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
+        raise InputError(None, field, f"{expected}, got {url!r}: {exc}") from None
+    if parsed.userinfo:
+        raise InputError(None, field, "expected no user or password in the URL (they would be printed in messages and "
+                                      "the report); give the API key with --api-key-file")
+    if parsed.scheme not in ("http", "https") or not parsed.host or parsed.query or parsed.fragment:
+        raise InputError(None, field, f"{expected} (no query or fragment), got {url!r}")
     return url.rstrip("/")
 
 
@@ -92,7 +96,9 @@ def _model(url: str, api_key: str | None) -> str:
         hint = "" if url.endswith("/v1") else " (the base URL of an OpenAI-compatible API usually ends in /v1)"
         raise InputError(None, "--url", f"{url}/models answered {resp.status_code} without a model list{hint}: "
                                         f"{resp.text[:200]!r}")
-    return str(models[0]["id"])
+    if not isinstance(models[0]["id"], str) or not models[0]["id"]:
+        raise InputError(None, "--url", f"{url}/models names no model id: {resp.text[:200]!r}")
+    return models[0]["id"]
 
 
 def loadtest(args: argparse.Namespace) -> int:
@@ -114,9 +120,10 @@ def loadtest(args: argparse.Namespace) -> int:
         from flexpipe_dag.cli.servers import live_endpoint
         from flexpipe_dag.sql.store import Store
 
-        args.url = live_endpoint(Store.from_url())
+        args.url = base_url(live_endpoint(Store.from_url()), "the live front door in the store")
         print(f"the live front door in the store: {args.url}", file=sys.stderr)
-    args.url = base_url(args.url)
+    else:
+        args.url = base_url(args.url)
     workload = head(load_trace(args.trace), args.requests)  # local inputs are checked before the network
     if len(workload) == 0:
         raise InputError(str(args.trace), None, "no requests in the trace")

@@ -368,7 +368,7 @@ class BatchRunner:
         the other servers on the store read it ``cancelled`` (not ``cancelling``) and serve its files."""
         if self.run_key is not None and job.owner_run_key == self.run_key and self.inflight(job.id) == 0:
             if self.db.release_batch(job.id, self.run_key):
-                self.log(f"batch {job.job_key}: cancelled, its last line in flight finished")
+                self.log(f"batch {job.job_key}: cancelled, no line of it in flight here any more: released")
 
     def _serves(self, job) -> bool:
         """Whether this server serves ``job``: it owns it, or claims it (not claimed yet, or its owner has ended or
@@ -562,7 +562,10 @@ def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
     """Whether a cancelled batch may still get result rows: lines of it are in flight on ``runner``, or another
     server owns it and is live (it releases the batch once its last line in flight has finished,
     :meth:`Store.release_batch`; an owner that ended or fell silent for :data:`BATCH_OWNER_SILENT_S` sends nothing
-    more: its lines in flight have no row)."""
+    more: its lines in flight have no row). False for any other status (a completed batch keeps its owner: all its
+    rows are written)."""
+    if job.status != InferenceJobStatus.CANCELLED.value:
+        return False
     if runner is not None and runner.inflight(job.id):
         return True
     owner = job.owner_run_key

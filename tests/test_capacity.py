@@ -95,6 +95,8 @@ def test_bundled_prices_are_examples_for_catalog_types():
     ("per_gpu_hour:\n  T4: -1\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0"),
     ("per_gpu_hour:\n  T4: .nan\n", "per_gpu_hour.T4", "got nan"),
     ("per_gpu_hour:\n  T4: 0\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0"),
+    # a subnormal price passed and made the ILP's costs infinite (a traceback from scipy)
+    ("per_gpu_hour:\n  T4: 1.0e-320\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0, from 1e-06 to 10000"),
     ("per_gpu_hour:\n  X9000: 1.0\n", "per_gpu_hour.X9000", "unknown GPU type 'X9000'"),
     ("per_gpu_hour:\n  T4: cheap\n", "per_gpu_hour.T4", "expected a price per GPU-hour (a number > 0), got 'cheap'"),
     ("per_gpu_hour:\n  T4: 1.0\ndiscount: 0.1\n", "discount", "Extra inputs are not permitted"),
@@ -102,7 +104,7 @@ def test_bundled_prices_are_examples_for_catalog_types():
     ('currency: "U\\x1b[31mSD"\nper_gpu_hour:\n  T4: 1.0\n', "currency", "expected printable text"),
     ('source: "a\\u202eb"\nper_gpu_hour:\n  T4: 1.0\n', "source", "expected printable text"),
     ("currency: USD\n", "per_gpu_hour", "Field required"),
-    ("per_gpu_hour:\n  T4: 1" + "0" * 400 + "\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0 and <= 10000"),
+    ("per_gpu_hour:\n  T4: 1" + "0" * 400 + "\n", "per_gpu_hour.T4", "expected a price per GPU-hour > 0, from 1e-06 to 10000"),
 ])
 def test_price_file_validation_names_file_and_field(tmp_path, body, field, problem):
     path = tmp_path / "prices.yaml"

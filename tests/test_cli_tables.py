@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -247,3 +248,28 @@ def test_every_command_help_renders():
         seen += 1
         todo.extend((f"{name} {sub}", p) for sub, p in _subparsers(parser).items())
     assert seen > 10
+
+
+def test_text_from_a_users_file_is_printed_as_it_is_never_as_markup(tmp_path, capsys, monkeypatch):
+    """Seen: a device's model_name "A100[/]" in a native profile crashed `flexpipe profile` with rich's MarkupError
+    (a traceback), and "[link=...]" in a price file's source printed a hidden hyperlink."""
+    from flexpipe_dag.cli.tables import plain_console, render_text
+    from flexpipe_dag.core.cluster import load_cluster_profile
+
+    doc = load_cluster_profile(Path(__file__).resolve().parents[1] / "examples" / "clusters" / "seed_example.yaml")
+    data = doc.to_dict()
+    data["devices"][0]["model_name"] = "A100[/]"
+    data["devices"][1]["model_name"] = "[link=http://evil.example]T4[/link]"
+    path = tmp_path / "native.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["profile", "--cluster", str(path), "--no-store"]) == 0
+    out = capsys.readouterr().out
+    assert "A100[/]" in out and "[link=http://evil.example]T4[/link]" in out and "\x1b]8;" not in out
+    table = new_table("[red]title[/]", ["id", "n"], ids=["id"])
+    table.add_row("[bold]x[/bold] [/]", "1")
+    text = render_text(table)
+    assert "[red]title[/]" in text and "[bold]x[/bold] [/]" in text
+    console = plain_console(width=80, record=True, file=io.StringIO())
+    console.print(":thumbs_up: [/]")
+    assert console.export_text().strip() == ":thumbs_up: [/]"

@@ -67,6 +67,13 @@ BAD_SEEDS = {
     # a string or a number is no boolean (pydantic's lax mode read "yes", "off", 0 and 1 as bf16 True / False)
     "string bf16": (lambda d: d["nodes"][0].update(bf16="yes"), "nodes[0].bf16"),
     "numeric bf16": (lambda d: d["nodes"][1].update(bf16=0), "nodes[1].bf16"),
+    # the name looked up is model_name when given: it is named, not the valid generation beside it
+    "unknown model_name": (lambda d: (d["nodes"][0].pop("compute_score"), d["nodes"][0].update(model_name="Foo")),
+                           "nodes[0].model_name"),
+    "unknown generation": (lambda d: (d["nodes"][0].pop("compute_score"), d["nodes"][0].update(generation="Z9")),
+                           "nodes[0].generation"),
+    "no name at all": (lambda d: (d["nodes"][0].pop("compute_score"), d["nodes"][0].pop("generation")),
+                       "nodes[0].generation"),
 }
 
 

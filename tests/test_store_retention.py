@@ -162,3 +162,19 @@ def test_an_idle_store_keeps_its_newest_sample_and_the_tide_still_decides(store)
     after = evaluate_tide(store, before.cursor, TideConfig(), now_s=10**10)
     assert after.decision is not None and after.decision.reason.endswith("no serving run is live")
     assert store.prune_samples(86400).rows == 0  # the newest always stays
+
+
+def test_a_dry_run_writes_nothing_not_even_a_schema_upgrade(capsys, monkeypatch, tmp_path):
+    from flexpipe_dag.sql.store import Store, current_revision, downgrade, make_engine
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("FLEXPIPE_DATABASE_URL", url)
+    engine = make_engine(url)
+    Store(engine)
+    downgrade(engine, "0014")
+    assert main(["store", "prune", "--dry-run"]) == 2
+    assert "flexpipe store upgrade" in capsys.readouterr().err
+    assert current_revision(engine) == "0014"
+    assert main(["store", "prune"]) == 0  # a real prune migrates, as every command that writes does
+    assert current_revision(engine) != "0014"
+    engine.dispose()

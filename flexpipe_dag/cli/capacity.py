@@ -57,8 +57,7 @@ def _gpu_types(text: str | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from flexpipe_dag.cli.tables import plain_console
     from flexpipe_dag.core.dtypes import canonical_dtype
     from flexpipe_dag.planner.capacity import capacity_report
     from flexpipe_dag.planner.model_spec import load_model_spec
@@ -82,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     prices = load_prices(args.price_file)
     model = load_model_spec(args.model)
     trace = load_trace(args.trace or DEFAULT_REFERENCE_TRACE)
-    err = Console(stderr=True)
+    err = plain_console(stderr=True)
     try:
         with err.status("capacity planning") as status:
             plan = capacity_report(model, trace, prices, load_rps=args.load_rps, slo_ttft_ms=args.slo_ttft_ms,

@@ -42,7 +42,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from flexpipe_dag.cli.tables import new_table
+    from flexpipe_dag.cli.tables import new_table, plain_console
     from flexpipe_dag.control.fleet_scaler import FleetScalerConfig
     from flexpipe_dag.core.cluster import load_cluster_profile
     from flexpipe_dag.core.dtypes import canonical_dtype
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_spec(args.model)
     reference = load_trace("azure-conv")
     settings = FleetSettings(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-    err = Console(stderr=True)
+    err = plain_console(stderr=True)
     with err.status(f"planning instances of {cluster.cluster_id}"):
         plan = plan_fleet(cluster, model, reference, dtype=dtype, settings=settings)
     out: dict[str, object] = {
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0 if holds else 1
-    console = Console(width=max(120, Console().width))
+    console = plain_console(width=max(120, Console().width))
     table = new_table(f"{cluster.cluster_id}: {len(plan.instances)} instances of {model.name}, fleet envelope "
                       f"{plan.rps_max:,.1f} req/s", ["like host", "instances", "hosts each", "devices each", "stages",
                                                       "micro-batch", "rps_max", "req/s per device"], ids=["like host"])

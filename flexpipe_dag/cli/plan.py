@@ -135,8 +135,7 @@ def planning_settings(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from flexpipe_dag.cli.tables import plain_console
     from flexpipe_dag.planner.model_spec import load_model_spec
 
     check_flags(args)
@@ -144,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
     check_context_p95(args.context_p95, model)
-    err = Console(stderr=True)  # the spinner; results go to stdout
+    err = plain_console(stderr=True)  # the spinner; results go to stdout
     with err.status("planning") as status:
         plan = settings.plan(cluster, model, progress=lambda line: status.update(line))
     if args.json:
@@ -166,7 +165,7 @@ def infeasibility(plan) -> str | None:
                 f"(the gears are listed for reference, each with envelope 0)")
     rec = plan.recommendation
     if rec is not None and not rec.holds:
-        return f"no gear holds {rec.load_rps:g} req/s: {rec.reason}"
+        return rec.reason  # "no gear holds R req/s: the largest envelope ..."
     return None
 
 

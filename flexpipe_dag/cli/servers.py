@@ -52,12 +52,13 @@ def servers(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no live serving run (none heartbeat in the last {args.max_age_s:.0f} s)")
         return 0
-    from rich.console import Console
     from rich.table import Table
+
+    from flexpipe_dag.cli.tables import plain_console
 
     table = Table("run key", "endpoint", "gear", "up (s)", "heartbeat (s ago)", "shifts decided by")
     for r in rows:
         table.add_row(str(r["run_key"]), str(r["endpoint"] or "-"), str(r["gear"] or "-"),
                       f"{r['started_s_ago']:.0f}", f"{r['heartbeat_s_ago']:.0f}", str(r["shifts"]))
-    Console(width=200).print(table)
+    plain_console(width=200).print(table)
     return 0

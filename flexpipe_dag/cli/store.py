@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexpipe_dag.core.errors import one_line
     from flexpipe_dag.core.settings import database_url, sample_retention_s
     from flexpipe_dag.sql.engine import opening_errors
     from flexpipe_dag.sql.store import (
@@ -56,12 +57,14 @@ def run(args: argparse.Namespace) -> int:
                     print(f"dropped {loss}")
             elif args.action == "prune":
                 assert keep_s is not None
-                print(Store(engine).prune_samples(keep_s, dry_run=args.dry_run).describe())
+                # a dry run writes nothing, not even a schema upgrade
+                store = Store(engine, auto_migrate=not args.dry_run)
+                print(store.prune_samples(keep_s, dry_run=args.dry_run).describe())
                 return 0
             elif args.action == "repair":
                 for name, rows in repair(engine, force=args.force).items():
                     print(f"dropped unversioned table {name} ({rows} rows)")
-            print(f"store {shown}: schema revision {current_revision(engine) or 'none'} "
+            print(f"store {one_line(shown)}: schema revision {current_revision(engine) or 'none'} "
                   f"(this FlexPipe's head: {', '.join(head_revisions())})")
         finally:
             engine.dispose()

@@ -159,19 +159,25 @@ def new_table(title: str | None, columns: Sequence[str], *, ids: Collection[str]
     return table
 
 
+def plain_console(**kwargs: Any) -> Console:
+    """A ``rich`` console that prints text as it is: no markup (``[red]``, ``[link=...]``, a stray ``[/]`` would
+    raise) and no emoji codes, since names and sources in tables come from users' files."""
+    return Console(markup=False, emoji=False, **kwargs)
+
+
 def cli_console() -> Console:
     """The console a command prints its tables to: the terminal's width on a terminal; on a pipe or a
     file ``COLUMNS`` if set, else :data:`PIPE_WIDTH` (rich's default of 80 would fold needlessly)."""
     stream = sys.stdout
     is_tty = hasattr(stream, "isatty") and stream.isatty()
     width = None if is_tty or os.environ.get("COLUMNS") else PIPE_WIDTH
-    return Console(width=width)
+    return plain_console(width=width)
 
 
 def render_text(*renderables: RenderableType, width: int = PIPE_WIDTH) -> str:
     """``renderables`` rendered as plain text (no colour) at ``width`` columns, one after another."""
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width, color_system=None, force_terminal=False, legacy_windows=False)
+    console = plain_console(file=buffer, width=width, color_system=None, force_terminal=False, legacy_windows=False)
     for item in renderables:
         console.print(item)
     return buffer.getvalue().rstrip("\n")

@@ -426,11 +426,12 @@ def _seed_device(n: _SeedNode, i: int, source: str, notes: list[str]) -> Device:
     label = n.memory_gb
     spec: GpuSpec | None = lookup_gpu(name, label)
     if n.compute_score is None and spec is None:
-        field = f"{where}.generation" if n.generation or not n.model_name else f"{where}.model_name"
+        # the name looked up is model_name when given, else generation: the field named is the one that was read
+        field = f"{where}.model_name" if n.model_name else f"{where}.generation"
+        what = f"GPU {name!r} is not in the datasheet catalog" if name else "neither generation nor model_name is given"
         raise InputError(source, field,
-                         f"no compute_score and GPU {name!r} is not in the datasheet catalog; give compute_score "
-                         f"(A100-SXM-80GB = 1.0) and hbm_bandwidth_gbps, or a generation it knows: "
-                         f"{', '.join(known_generations())}")
+                         f"no compute_score and {what}; give compute_score (A100-SXM-80GB = 1.0) and "
+                         f"hbm_bandwidth_gbps, or a generation it knows: {', '.join(known_generations())}")
     # memory: the reported total if given; else the catalog's driver-visible total for that label; else derived
     if n.memory_gib is not None:
         memory_gib = n.memory_gib

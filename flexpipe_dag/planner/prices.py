@@ -33,8 +33,11 @@ from flexpipe_dag.core.user_yaml import load_user_document, load_user_yaml
 BUNDLED_PRICE_FILE = "gpu_prices.yaml"
 #: Largest price per GPU-hour accepted: a typo guard (the dearest cloud GPU lists near $15/h).
 MAX_PRICE_PER_GPU_HOUR = 1e4
+#: Smallest price per GPU-hour accepted: a typo guard too (the cheapest spot GPUs list near $0.05/h); at 1e-320 (a
+#: subnormal float) the ILP's costs were not finite numbers.
+MIN_PRICE_PER_GPU_HOUR = 1e-6
 
-PricePerHour = Annotated[float, Field(gt=0, le=MAX_PRICE_PER_GPU_HOUR, allow_inf_nan=False)]
+PricePerHour = Annotated[float, Field(ge=MIN_PRICE_PER_GPU_HOUR, le=MAX_PRICE_PER_GPU_HOUR, allow_inf_nan=False)]
 
 
 class GpuPrices(BaseModel):
@@ -82,9 +85,9 @@ def parse_prices(data: Any, source: str) -> GpuPrices:
             if isinstance(price, bool) or not isinstance(price, (int, float)):
                 raise InputError(source, field, f"expected a price per GPU-hour (a number > 0), got {shown(price)}")
             # the range first: an integer too large for a float (10**400) makes math.isfinite raise OverflowError
-            if not 0 < price <= MAX_PRICE_PER_GPU_HOUR or not math.isfinite(price):
-                raise InputError(source, field, f"expected a price per GPU-hour > 0 and <= {MAX_PRICE_PER_GPU_HOUR:g}, "
-                                                f"got {shown(price)}")
+            if not MIN_PRICE_PER_GPU_HOUR <= price <= MAX_PRICE_PER_GPU_HOUR or not math.isfinite(price):
+                raise InputError(source, field, f"expected a price per GPU-hour > 0, from {MIN_PRICE_PER_GPU_HOUR:g} to "
+                                                f"{MAX_PRICE_PER_GPU_HOUR:g}, got {shown(price)}")
     try:
         prices = GpuPrices.model_validate(data)
     except ValidationError as err:

@@ -273,3 +273,16 @@ def test_text_from_a_users_file_is_printed_as_it_is_never_as_markup(tmp_path, ca
     console = plain_console(width=80, record=True, file=io.StringIO())
     console.print(":thumbs_up: [/]")
     assert console.export_text().strip() == ":thumbs_up: [/]"
+
+
+@pytest.mark.parametrize("width", [40, 200])
+def test_the_caption_is_printed_at_any_width(width):
+    """Seen: on an 80-column terminal capacity's table fell back to records and its caption (the prices are
+    examples, not a quote) was not printed."""
+    from flexpipe_dag.cli.tables import render_text
+
+    table = new_table("cards", ["gpu type", "cards", "cost per hour", "cost per 1M output tokens"], ids=["gpu type"])
+    table.add_row("A100-SXM-80GB-with-a-long-name", "12", "61.44", "2.659")
+    table.caption = "prices: bundled example list prices, examples only"
+    text = render_text(table, width=width)
+    assert "prices: bundled example list prices, examples only" in " ".join(text.split())

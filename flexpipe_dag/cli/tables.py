@@ -92,8 +92,9 @@ class IdTable(Table):
                 column.width = None
 
     def records(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        """The rows as records: per row its id (the id columns, or the first column) on a line of its
-        own, folded only if longer than the console, then ``header  value`` lines for the rest."""
+        """The rows as records: the title, then per row its id (the id columns, or the first column) on a line of
+        its own, folded only if longer than the console, then ``header  value`` lines for the rest; the caption
+        last."""
         columns = self.columns
         heads = [c for c in columns if str(c.header) in self.id_headers] or columns[:1]
         if self.title:
@@ -112,6 +113,8 @@ class IdTable(Table):
                 if column not in heads:
                     grid.add_row(Text("  ") + Text(str(column.header)), cells[i][r])
             yield grid
+        if self.caption:  # e.g. capacity's "prices: ... examples only": a narrow terminal must not lose it
+            yield Text(str(self.caption), style="dim", overflow="fold")
 
 
 def add_id_column(table: Table, header: str) -> None:

@@ -98,8 +98,9 @@ def main() -> int:
               f"evaluation (tide history and forecast included) {fresh_s:.2f} s, cursor {len(fresh.cursor)} B")
         del full, recent
         size_before = path.stat().st_size
-        dry, dry_s = timed(lambda: store.prune_samples(args.keep_days * 86400, dry_run=True))
-        done, prune_s = timed(lambda: store.prune_samples(args.keep_days * 86400))
+        now_s = time.time()  # one cutoff for both: samples are dated every period, a second later counts more
+        dry, dry_s = timed(lambda: store.prune_samples(args.keep_days * 86400, dry_run=True, now_s=now_s))
+        done, prune_s = timed(lambda: store.prune_samples(args.keep_days * 86400, now_s=now_s))
         assert done.rows == dry.rows, (done.rows, dry.rows)
         print(f"prune to {args.keep_days:g} days: {done.rows:,d} rows deleted in {prune_s:.1f} s "
               f"({done.rows / prune_s:,.0f} rows/s; dry run counted the same in {dry_s:.2f} s); database "

@@ -128,8 +128,11 @@ def test_devices_leaving_before_the_minimum_residence_are_not_used():
     assert all("g1" not in g.device_ids for g in gears)
     for d in cluster.devices:
         d.available_until = now + dt.timedelta(seconds=10)
-    with pytest.raises(InfeasibleError, match="minimum residence"):
+    with pytest.raises(InfeasibleError, match="minimum residence") as err:
         plan_gears(cluster, _model(8), now=now)
+    # the message names the cluster (the CLI's one line has no file in it) and the flag
+    assert str(err.value) == ("no device of cluster t is left to plan on: of its 3, 3 become unavailable within the "
+                              "minimum residence of 600 s (their available_until; --min-residence-s)")
 
 
 def test_gears_on_fragmented_lab_are_valid_deterministic_and_ordered():

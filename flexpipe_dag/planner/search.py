@@ -183,9 +183,15 @@ class PipelineSearch:
         #: every device the plan may use; the search plans with :attr:`pool`, its classes' kept members
         self.usable: list[Device] = [d for d in cluster.devices if d.device_id not in left_out]
         if not self.usable:
-            raise InfeasibleError(
-                f"all {len(cluster.devices)} devices become unavailable within the minimum residence of "
-                f"{workload.min_residence_s:.0f} s (available_until)")
+            why = []
+            if self.excluded:
+                why.append(f"{len(self.excluded)} become unavailable within the minimum residence of "
+                           f"{workload.min_residence_s:.0f} s (their available_until; --min-residence-s)")
+            if self.excluded_for_dtype:
+                why.append(f"{len(self.excluded_for_dtype)} have no {cost_model.dtype} (left out by the bf16 fallback "
+                           "'exclude'; --bf16-fallback fp16 runs them in fp16)")
+            raise InfeasibleError(f"no device of cluster {cluster.cluster_id} is left to plan on: of its "
+                                  f"{len(cluster.devices)}, " + "; ".join(why))
         self._profile_of: dict[str, DeviceProfile] = {}
         for d in self.usable:
             self._profile_of[d.device_id] = (cost_model.device_key(d.device_id),

@@ -9,7 +9,13 @@ from sqlalchemy import CursorResult, select, update
 from sqlalchemy.exc import IntegrityError
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.status import InferenceJobKind, InferenceJobStatus, RequestResultStatus, checked
+from flexpipe_dag.core.status import (
+    RUNNABLE_JOB_STATUSES,
+    InferenceJobKind,
+    InferenceJobStatus,
+    RequestResultStatus,
+    checked,
+)
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, checked_text
 
@@ -99,8 +105,7 @@ class InferenceJobs(StoreBase):
         """
         checked_text(run_key, "inference_jobs", "owner_run_key", 200)
         owner = m.InferenceJob.owner_run_key
-        runnable = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value, InferenceJobStatus.RUNNING.value)
-        q = update(m.InferenceJob).where(m.InferenceJob.id == job_id, m.InferenceJob.status.in_(runnable),
+        q = update(m.InferenceJob).where(m.InferenceJob.id == job_id, m.InferenceJob.status.in_(RUNNABLE_JOB_STATUSES),
                                          owner.is_(None) if from_owner is None else owner == from_owner)
         with self.session() as s:
             # an UPDATE executes to a CursorResult (the one that has rowcount); Session.execute is typed Result

@@ -76,6 +76,11 @@ class InferenceJobStatus(StrEnum):
     CANCELLED = "cancelled"
 
 
+#: Job statuses whose work is still to be served: a Batch API batch in one of them is claimed and served by a server.
+RUNNABLE_JOB_STATUSES: tuple[str, ...] = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value,
+                                          InferenceJobStatus.RUNNING.value)
+
+
 #: The key of an inference job's config that marks an OpenAI Batch API batch: the front door serves it
 #: on its live pipeline (the tide sensor pauses and admits it, but launches no ``batch_inference`` run).
 API_BATCH_CONFIG_KEY = "openai_batch"

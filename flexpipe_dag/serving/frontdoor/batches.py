@@ -39,7 +39,13 @@ from pydantic import ValidationError
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.ids import printable_problem
-from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY, InferenceJobKind, InferenceJobStatus, RequestResultStatus
+from flexpipe_dag.core.status import (
+    API_BATCH_CONFIG_KEY,
+    RUNNABLE_JOB_STATUSES,
+    InferenceJobKind,
+    InferenceJobStatus,
+    RequestResultStatus,
+)
 from flexpipe_dag.core.user_yaml import load_user_json
 from flexpipe_dag.runtime.scheduler import PRIORITY_OFFLINE, Request, RequestOutput
 from flexpipe_dag.serving.frontdoor.engine import (
@@ -63,13 +69,24 @@ API_BATCH_KEY = API_BATCH_CONFIG_KEY
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 #: Request ids of batch lines on the router: ``batch:<job id>:<line index>:<submission>``.
 BATCH_PREFIX = "batch:"
-RUNNABLE = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value, InferenceJobStatus.RUNNING.value)
+RUNNABLE = RUNNABLE_JOB_STATUSES
 #: Steps in a row that may raise for one batch before it is failed (its finished lines kept).
 MAX_JOB_ERRORS = 5
 #: A batch's owner (``inference_jobs.owner_run_key``) whose last heartbeat is older than this (seconds) has fallen
 #: silent: another server takes the batch over (a server heartbeats every ``control_interval_s``, 2 s; 30 s is the
 #: age at which ``flexpipe servers`` stops listing a run).
 BATCH_OWNER_SILENT_S = 30.0
+
+
+def owner_gone(store, owner: str) -> str | None:
+    """Why the serving run ``owner`` of a batch serves it no more (it ended, or sent no heartbeat for
+    :data:`BATCH_OWNER_SILENT_S`), or None while it is live."""
+    live = store.pipeline_liveness(owner)
+    if live.ended_at_s is not None:
+        return "it ended"
+    if live.heartbeat_at_s is None or time.time() - live.heartbeat_at_s > BATCH_OWNER_SILENT_S:
+        return f"no heartbeat for over {BATCH_OWNER_SILENT_S:g} s"
+    return None
 
 
 def is_api_batch(job) -> bool:
@@ -378,12 +395,8 @@ class BatchRunner:
             return True
         why = None
         if owner is not None:
-            live = self.db.pipeline_liveness(owner)
-            if live.ended_at_s is not None:
-                why = "it ended"
-            elif live.heartbeat_at_s is None or time.time() - live.heartbeat_at_s > BATCH_OWNER_SILENT_S:
-                why = f"no heartbeat for over {BATCH_OWNER_SILENT_S:g} s"
-            else:
+            why = owner_gone(self.db, owner)
+            if why is None:
                 return False  # another live server serves it
         if not self.db.claim_batch(job.id, self.run_key, owner):
             return False
@@ -571,9 +584,7 @@ def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
     owner = job.owner_run_key
     if owner is None or (runner is not None and owner == runner.run_key):
         return False
-    live = store.pipeline_liveness(owner)
-    return (live.ended_at_s is None and live.heartbeat_at_s is not None
-            and time.time() - live.heartbeat_at_s <= BATCH_OWNER_SILENT_S)
+    return owner_gone(store, owner) is None
 
 
 def batch_object(store, job, runner: BatchRunner | None) -> dict:

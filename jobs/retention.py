@@ -1,4 +1,5 @@
-"""The ``store_retention`` job and its nightly schedule: metric samples older than the retention are deleted.
+"""The ``store_retention`` job and its nightly schedule: metric samples older than the retention are deleted, and
+the uploaded files (Batch API input) that have expired, unless a batch that has not ended still reads them.
 
 A serving run writes a pipeline row and one row per stage every 2 s (about 170,000 rows a day on 3 stages);
 nothing reads them after the sensors have (their cursors move on) and the run's report is written, so a store
@@ -51,10 +52,29 @@ def prune_metric_samples(context: OpExecutionContext, config: StoreRetentionConf
     return result.rows
 
 
+class ExpiredFilesConfig(Config):
+    """Whether expired files are only counted."""
+
+    dry_run: bool = Field(default=False, description="count the expired files that would go, delete nothing")
+
+
+@op(description="Delete the uploaded files (Batch API input) that have expired, except those a batch that has not "
+                "ended still reads (they go at a later prune).")
+def prune_expired_files(context: OpExecutionContext, config: ExpiredFilesConfig, store: StoreResource) -> int:
+    """Files deleted (or counted on a dry run); the line, bytes and files kept go to the run's metadata."""
+    result = store.get_store().prune_api_files(dry_run=config.dry_run)
+    context.log.info(result.describe())
+    context.add_output_metadata({"files": result.files, "bytes": result.bytes, "kept_in_use": result.kept,
+                                 "dry_run": result.dry_run})
+    return result.files
+
+
 @job(description="Prune the store: metric samples older than the retention (FLEXPIPE_SAMPLE_RETENTION_DAYS, "
-                 f"default {DEFAULT_SAMPLE_RETENTION_DAYS:g} days).", tags={"dagster/priority": "-5"})
+                 f"default {DEFAULT_SAMPLE_RETENTION_DAYS:g} days) and expired uploaded files.",
+     tags={"dagster/priority": "-5"})
 def store_retention():
     prune_metric_samples()
+    prune_expired_files()
 
 
 store_retention_schedule = ScheduleDefinition(
@@ -64,5 +84,6 @@ store_retention_schedule = ScheduleDefinition(
     execution_fn=on_time_only,
     default_status=DefaultScheduleStatus.RUNNING,
     execution_timezone="UTC",
-    description="Nightly at 03:00 UTC: delete metric samples older than the retention; a missed tick is skipped.",
+    description="Nightly at 03:00 UTC: delete metric samples older than the retention and expired uploaded files; "
+                "a missed tick is skipped.",
 )

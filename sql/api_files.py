@@ -1,28 +1,76 @@
 """Files uploaded through the front door's Files API (table ``api_files``): a batch's input lives in the
-store, so a server restarted, or another one on the same store, reads the same bytes."""
+store, so a server restarted, or another one on the same store, reads the same bytes.
+
+A file may expire (OpenAI's ``expires_after``): from then on it is neither listed nor served, and
+:meth:`ApiFiles.prune_api_files` deletes it, unless a batch that has not ended still reads it. A file is
+deleted at once by :meth:`ApiFiles.delete_api_file`, again unless such a batch reads it.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from dataclasses import dataclass
 from datetime import UTC
+from typing import Any, Literal, cast
+
+from sqlalchemy import CursorResult, and_, delete, func, or_, select
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.status import RUNNABLE_JOB_STATUSES, InferenceJobKind, InferenceJobStatus
 from flexpipe_dag.sql import models as m
+from flexpipe_dag.sql.models import as_utc
 from flexpipe_dag.sql.session import StoreBase, checked_text
 
 #: Largest file the store takes, bytes (OpenAI's Batch API input limit is 200 MB; a CPU-sized default).
 MAX_FILE_BYTES = 64 * 2**20
+#: Statuses of a batch that still reads its input file: it may still submit lines (a paused one is resumed, a
+#: silent owner's taken over by another server). A cancelled, completed or failed batch reads it no more (its
+#: output file falls back to the order its rows were written when the input has gone).
+READING_JOB_STATUSES = (*RUNNABLE_JOB_STATUSES, InferenceJobStatus.PAUSED.value)
 
 
 @dataclass(frozen=True)
 class ApiFileInfo:
-    """A stored file, without its bytes: ``created_at`` in Unix seconds (UTC)."""
+    """A stored file, without its bytes: ``created_at`` and ``expires_at`` in Unix seconds (UTC);
+    ``expires_at`` None: kept until deleted."""
 
     id: str
     purpose: str
     filename: str
     bytes: int
     created_at: int
+    expires_at: int | None = None
+
+    def expired(self, now_s: float | None = None) -> bool:
+        """Whether the file has expired at ``now_s`` (epoch seconds; default the clock)."""
+        return self.expires_at is not None and self.expires_at <= (time.time() if now_s is None else now_s)
+
+
+@dataclass(frozen=True)
+class FileDeletion:
+    """What :meth:`ApiFiles.delete_api_file` did: ``deleted`` the file; else ``readers`` names the batches that
+    have not ended and still read it (nothing deleted), or both are empty: no such file."""
+
+    deleted: bool
+    readers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FilePruneResult:
+    """What :meth:`ApiFiles.prune_api_files` deleted (or, on a dry run, would delete): ``files`` expired files of
+    ``bytes`` bytes in all; ``kept`` expired files a batch that has not ended still reads (they stay)."""
+
+    files: int
+    bytes: int
+    kept: int
+    dry_run: bool
+
+    def describe(self) -> str:
+        """One line for a person."""
+        verb = "would delete" if self.dry_run else "deleted"
+        line = f"uploaded files: {verb} {self.files:,d} expired file(s), {self.bytes:,d} bytes"
+        return line + (f"; {self.kept:,d} expired file(s) kept: a batch still reads them" if self.kept else "")
 
 
 class ApiFiles(StoreBase):
@@ -35,47 +83,121 @@ class ApiFiles(StoreBase):
     #: The largest file :meth:`save_api_file` takes (what the upload route reads at most).
     max_api_file_bytes = MAX_FILE_BYTES
 
-    def save_api_file(self, file_id: str, purpose: str, filename: str, content: bytes) -> ApiFileInfo:
-        """Store one file under ``file_id``."""
+    def save_api_file(self, file_id: str, purpose: str, filename: str, content: bytes,
+                      expires_at_s: float | None = None) -> ApiFileInfo:
+        """Store one file under ``file_id``; it expires at ``expires_at_s`` (epoch seconds; None: never)."""
         where = "api_files"
         checked_text(file_id, where, "id", 64)
         checked_text(purpose, where, "purpose", 20)
         checked_text(filename, where, "filename", 255)
         if len(content) > MAX_FILE_BYTES:
             raise InputError(where, "content", f"{len(content)} bytes; at most {MAX_FILE_BYTES} are stored")
+        expires = None if expires_at_s is None else dt.datetime.fromtimestamp(expires_at_s, UTC)
         with self.session() as s:
-            row = m.ApiFile(id=file_id, purpose=purpose, filename=filename, bytes=len(content), content=content)
+            row = m.ApiFile(id=file_id, purpose=purpose, filename=filename, bytes=len(content), content=content,
+                            expires_at=expires)
             s.add(row)
             s.flush()
             return _info(row)
 
     def api_file(self, file_id: str) -> ApiFileInfo | None:
-        """The file's facts, or None when no such file is stored."""
+        """The file's facts (an expired one too: see :meth:`ApiFileInfo.expired`), or None when no such file is
+        stored."""
         with self.session() as s:
             row = s.get(m.ApiFile, file_id)
             return _info(row) if row is not None else None
 
-    def list_api_files(self, limit: int, purpose: str | None = None) -> tuple[list[ApiFileInfo], bool]:
-        """Up to ``limit`` stored files, newest first (their facts, not their bytes), of ``purpose``
-        when given; and whether more are stored."""
-        import sqlalchemy as sa
+    def list_api_files(self, limit: int, purpose: str | None = None, *, after: str | None = None,
+                       order: Literal["asc", "desc"] = "desc",
+                       now_s: float | None = None) -> tuple[list[ApiFileInfo], bool]:
+        """Up to ``limit`` stored files that have not expired at ``now_s`` (their facts, not their bytes), newest
+        first (``order="asc"``: oldest first), of ``purpose`` when given, those after the file ``after`` in that
+        order (a cursor: the last id of the page before); and whether more are stored.
 
-        cols = (m.ApiFile.id, m.ApiFile.purpose, m.ApiFile.filename, m.ApiFile.bytes, m.ApiFile.created_at)
-        query = sa.select(*cols).order_by(m.ApiFile.created_at.desc(), m.ApiFile.id.desc()).limit(limit + 1)
+        Raises:
+            InputError: ``after`` names no stored file (a cursor must be a file's id).
+        """
+        cols = (m.ApiFile.id, m.ApiFile.purpose, m.ApiFile.filename, m.ApiFile.bytes, m.ApiFile.created_at,
+                m.ApiFile.expires_at)
+        newest_first = order == "desc"
+        keys = (m.ApiFile.created_at, m.ApiFile.id)
+        query = _ordered(cols, keys, newest_first).limit(limit + 1)
+        now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, UTC)
+        query = query.where(or_(m.ApiFile.expires_at.is_(None), m.ApiFile.expires_at > now))
         if purpose is not None:
             query = query.where(m.ApiFile.purpose == purpose)
         with self.session() as s:
+            if after is not None:
+                cursor = s.execute(select(*keys).where(m.ApiFile.id == after)).first()
+                if cursor is None:
+                    raise InputError("api_files", "after", f"no stored file {after!r} (a cursor is the last id of the "
+                                                           "page before)")
+                query = query.where(_past(keys, (cursor[0], cursor[1]), newest_first))
             rows = s.execute(query).all()
         return [_info(r) for r in rows[:limit]], len(rows) > limit
 
     def api_file_content(self, file_id: str) -> bytes | None:
-        """The file's bytes, or None when no such file is stored."""
+        """The file's bytes (an expired one's too, while it is stored), or None when no such file is stored."""
         with self.session() as s:
             row = s.get(m.ApiFile, file_id)
             return bytes(row.content) if row is not None else None
 
+    def api_file_readers(self, file_id: str) -> list[str]:
+        """The ids of the Batch API batches that have not ended and read ``file_id`` as their input."""
+        with self.session() as s:
+            return list(s.scalars(_readers_query(file_id)))
+
+    def delete_api_file(self, file_id: str) -> FileDeletion:
+        """Delete an uploaded file, unless a batch that has not ended reads it (then nothing is deleted and the
+        batches are named: cancel them first, or wait for them)."""
+        with self.session() as s:  # one transaction: no batch starts reading it between the check and the delete
+            readers = tuple(s.scalars(_readers_query(file_id)))
+            if readers:
+                return FileDeletion(False, readers)
+            gone = cast(CursorResult[Any], s.execute(delete(m.ApiFile).where(m.ApiFile.id == file_id)))
+            return FileDeletion(gone.rowcount > 0)
+
+    def prune_api_files(self, *, dry_run: bool = False, now_s: float | None = None) -> FilePruneResult:
+        """Delete the files that have expired at ``now_s`` (epoch seconds; default the clock), except those a batch
+        that has not ended still reads (they go at a later prune, once it has). ``dry_run``: only count."""
+        now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, UTC)
+        expired = m.ApiFile.expires_at.is_not(None) & (m.ApiFile.expires_at <= now)
+        read = m.ApiFile.id.in_(select(m.InferenceJob.source_path).where(*_reading()))
+        with self.session() as s:
+            gone = s.execute(select(func.count(), func.coalesce(func.sum(m.ApiFile.bytes), 0))
+                             .where(expired & ~read)).one()
+            kept = int(s.scalar(select(func.count()).where(expired & read)) or 0)
+            if not dry_run and gone[0]:
+                s.execute(delete(m.ApiFile).where(expired & ~read).execution_options(synchronize_session=False))
+        return FilePruneResult(int(gone[0]), int(gone[1]), kept, dry_run)
+
+
+def _ordered(cols: tuple[Any, ...], keys: tuple[Any, Any], newest_first: bool):
+    """``SELECT cols`` ordered by ``keys`` (descending when ``newest_first``)."""
+    return select(*cols).order_by(*(k.desc() if newest_first else k.asc() for k in keys))
+
+
+def _past(keys: tuple[Any, Any], cursor: tuple[Any, Any], newest_first: bool):
+    """Rows strictly after ``cursor`` in the (``keys``) order: a keyset page boundary."""
+    (first, second), (c1, c2) = keys, cursor
+    if newest_first:
+        return or_(first < c1, and_(first == c1, second < c2))
+    return or_(first > c1, and_(first == c1, second > c2))
+
+
+def _reading() -> tuple[Any, ...]:
+    """Where-clauses of the batch jobs that still read their input file (``source_path`` is its id)."""
+    return (m.InferenceJob.kind == InferenceJobKind.BATCH.value, m.InferenceJob.status.in_(READING_JOB_STATUSES),
+            m.InferenceJob.source_path.is_not(None))
+
+
+def _readers_query(file_id: str):
+    return select(m.InferenceJob.job_key).where(*_reading(), m.InferenceJob.source_path == file_id) \
+        .order_by(m.InferenceJob.id)
+
 
 def _info(row) -> ApiFileInfo:
     """An ``api_files`` row (ORM object or selected columns) as :class:`ApiFileInfo`."""
-    return ApiFileInfo(row.id, row.purpose, row.filename, row.bytes,
-                       int(row.created_at.replace(tzinfo=UTC).timestamp()))
+    expires = row.expires_at
+    return ApiFileInfo(row.id, row.purpose, row.filename, row.bytes, int(as_utc(row.created_at).timestamp()),
+                       int(as_utc(expires).timestamp()) if expires is not None else None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, select, update
@@ -133,15 +133,41 @@ class InferenceJobs(StoreBase):
                 raise KeyError(job_id)
             return job.status
 
-    def jobs(self, status: str | None = None, kind: str | None = None) -> list[m.InferenceJob]:
-        """Jobs, highest priority first, then oldest first (optionally of one status and/or kind)."""
+    def jobs(self, status: str | None = None, kind: str | None = None, *, statuses: Iterable[str] | None = None,
+             owner_run_key: str | None = None) -> list[m.InferenceJob]:
+        """Jobs, highest priority first, then oldest first (optionally of one status, or any of ``statuses``, of a
+        kind, and owned by the serving run ``owner_run_key``)."""
         with self.session() as s:
             q = select(m.InferenceJob).order_by(m.InferenceJob.priority.desc(), m.InferenceJob.id)
             if status is not None:
                 q = q.where(m.InferenceJob.status == status)
+            if statuses is not None:
+                q = q.where(m.InferenceJob.status.in_(list(statuses)))
             if kind is not None:
                 q = q.where(m.InferenceJob.kind == kind)
+            if owner_run_key is not None:
+                q = q.where(m.InferenceJob.owner_run_key == owner_run_key)
             return list(s.scalars(q))
+
+    def job_by_key(self, job_key: str) -> m.InferenceJob | None:
+        """The job stored under ``job_key``, or None."""
+        with self.session() as s:
+            return s.scalar(select(m.InferenceJob).where(m.InferenceJob.job_key == job_key))
+
+    def jobs_newest_first(self, kind: str, before_id: int | None = None,
+                          chunk: int = 200) -> Iterator[m.InferenceJob]:
+        """Jobs of ``kind``, newest (highest id) first, those with an id below ``before_id`` when given; read
+        ``chunk`` rows at a time, so a reader that stops early (a page of a list) reads no more of the table."""
+        while True:
+            with self.session() as s:
+                q = select(m.InferenceJob).where(m.InferenceJob.kind == kind).order_by(m.InferenceJob.id.desc())
+                if before_id is not None:
+                    q = q.where(m.InferenceJob.id < before_id)
+                rows = list(s.scalars(q.limit(chunk)))
+            yield from rows
+            if len(rows) < chunk:
+                return
+            before_id = rows[-1].id
 
     def write_result(self, job_id: int, request_key: str, *, prompt_tokens: int, output_token_ids: list[int],
                      status: str = "done", gear_key: str | None = None, output_text: str | None = None,

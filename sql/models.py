@@ -401,3 +401,5 @@ class ApiFile(Base):
     content: Mapped[bytes] = mapped_column(LargeBinary)
     bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(
+        default=None, index=True, comment="when the file is no longer served and may be pruned; NULL: kept until deleted")

@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.serving.frontdoor.api_key import ApiKeyRequired
 from flexpipe_dag.serving.frontdoor.batches import batch_file, cancel_batch, create_batch, get_batch, list_batches
 from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, Generation
@@ -44,7 +45,12 @@ from flexpipe_dag.serving.frontdoor.protocol import (
     _Sampling,
     field_path,
 )
-from flexpipe_dag.serving.frontdoor.responses import Shapes, chat_shapes, completion_shapes, usage
+from flexpipe_dag.serving.frontdoor.responses import Shapes, chat_shapes, completion_shapes, list_object, usage
+
+#: OpenAI's bounds on a file's ``expires_after[seconds]`` (1 hour to 30 days) and its default for a batch file.
+MIN_FILE_EXPIRY_S = 3600
+MAX_FILE_EXPIRY_S = 30 * 86400
+DEFAULT_BATCH_FILE_EXPIRY_S = MAX_FILE_EXPIRY_S
 
 #: Header that marks a request's priority class (``online`` / ``offline``), as the body's ``priority``.
 PRIORITY_HEADER = "X-FlexPipe-Priority"
@@ -206,48 +212,75 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         return await _respond(engine, gen, body, "chat_completions", chat_shapes(model_name))
 
     @app.post("/v1/files", dependencies=[Depends(authorised)])
-    async def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict:
+    async def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
+                          anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+                          seconds: Annotated[str | None, Form(alias="expires_after[seconds]")] = None) -> dict:
         store = batches.require_store()
         limit = store.max_api_file_bytes
         if purpose != "batch":
             raise APIError(400, f"purpose: only 'batch' is served, got {purpose!r}", param="purpose")
+        expires_after_s = file_expiry_s(anchor, seconds)
         content = await file.read(limit + 1)
         if len(content) > limit:
             raise APIError(413, f"file larger than {limit} bytes", param="file", code="file_too_large")
-        info = store.save_api_file(f"file-{uuid.uuid4().hex}", purpose, upload_filename(file.filename), content)
-        return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose)
+        info = store.save_api_file(f"file-{uuid.uuid4().hex}", purpose, upload_filename(file.filename), content,
+                                   expires_at_s=int(time.time()) + expires_after_s)
+        return _stored_file(info)
 
     @app.get("/v1/files", dependencies=[Depends(authorised)])
-    async def list_files(limit: int = 10000, purpose: str | None = None) -> dict:
-        """The uploaded files, newest first (a batch's output and error files are named by its batch)."""
+    async def list_files(limit: int = 10000, purpose: str | None = None, after: str | None = None,
+                         order: str = "desc") -> dict:
+        """The uploaded files that have not expired, newest first (``order=asc``: oldest first), from the file
+        after ``after`` on (a batch's output and error files are named by its batch, not listed)."""
         if not 1 <= limit <= 10000:
             raise APIError(400, f"limit: expected 1..10000, got {limit}", param="limit")
-        infos, more = batches.require_store().list_api_files(limit, purpose)
-        data = [_file_object(i.id, i.bytes, i.created_at, i.filename, i.purpose) for i in infos]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": more}
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order: expected 'asc' or 'desc', got {order!r}", param="order")
+        try:
+            infos, more = batches.require_store().list_api_files(limit, purpose, after=after, order=order)
+        except InputError as exc:
+            raise APIError(400, f"{exc.field}: {exc.problem}", param=exc.field) from None
+        return list_object([_stored_file(i) for i in infos], more)
 
     @app.get("/v1/files/{file_id}", dependencies=[Depends(authorised)])
     async def file_info(file_id: str) -> dict:
         store = batches.require_store()
         info = store.api_file(file_id)
-        if info is not None:
-            return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose)
-        made = batch_file(store, file_id, batches.runner)
+        if info is not None and not info.expired():
+            return _stored_file(info)
+        made = batch_file(store, file_id, batches.runner) if info is None else None
         if made is None:
-            raise APIError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
+            raise _no_file(file_id)
         return _file_object(file_id, len(made.content), made.created_at, f"{file_id}.jsonl", "batch_output")
 
     @app.get("/v1/files/{file_id}/content", dependencies=[Depends(authorised)])
     async def file_content(file_id: str) -> Response:
         store = batches.require_store()
-        content = store.api_file_content(file_id)
-        if content is None:
+        info = store.api_file(file_id)
+        content = store.api_file_content(file_id) if info is not None and not info.expired() else None
+        if info is None:
             made = batch_file(store, file_id, batches.runner)
             content = made.content if made is not None else None
         if content is None:
-            raise APIError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
+            raise _no_file(file_id)
         return Response(content, media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}", dependencies=[Depends(authorised)])
+    async def delete_file(file_id: str) -> dict:
+        """Delete an uploaded file (409 while a batch that has not ended reads it; a batch's output and error
+        files are made from its results and are not stored files: 400)."""
+        store = batches.require_store()
+        done = store.delete_api_file(file_id)
+        if done.readers:
+            raise APIError(409, f"file {file_id} is the input of batch(es) that have not ended: "
+                                f"{', '.join(done.readers[:5])}; cancel them or wait for them to end",
+                           param="file_id", code="file_in_use")
+        if not done.deleted:
+            if batch_file(store, file_id, batches.runner) is not None:
+                raise APIError(400, f"file {file_id} is a batch's output or error file, made from its results when "
+                                    "read; it is not a stored file and cannot be deleted", param="file_id")
+            raise _no_file(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
 
     @app.post("/v1/batches", dependencies=[Depends(authorised)])
     async def create(body: BatchCreateRequest) -> dict:
@@ -255,10 +288,10 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
                             body.metadata)
 
     @app.get("/v1/batches", dependencies=[Depends(authorised)])
-    async def list_all(limit: int = 20) -> dict:
+    async def list_all(limit: int = 20, after: str | None = None) -> dict:
         if not 1 <= limit <= 100:
             raise APIError(400, f"limit: expected 1..100, got {limit}", param="limit")
-        return list_batches(batches.require_store(), batches.runner, limit)
+        return list_batches(batches.require_store(), batches.runner, limit, after)
 
     @app.get("/v1/batches/{batch_id}", dependencies=[Depends(authorised)])
     async def retrieve(batch_id: str) -> dict:
@@ -280,9 +313,43 @@ def upload_filename(name: str | None) -> str:
     return clean if clean not in ("", ".", "..") else "upload.jsonl"
 
 
-def _file_object(file_id: str, size: int, created_at: int, filename: str, purpose: str) -> dict:
-    return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
-            "purpose": purpose, "status": "processed"}
+def file_expiry_s(anchor: str | None, seconds: str | None) -> int:
+    """Seconds from its upload until a file expires: OpenAI's ``expires_after`` (``anchor`` ``created_at``,
+    ``seconds`` from :data:`MIN_FILE_EXPIRY_S` to :data:`MAX_FILE_EXPIRY_S`), else OpenAI's default for a batch
+    file, :data:`DEFAULT_BATCH_FILE_EXPIRY_S`.
+
+    Raises:
+        APIError: 400 an anchor other than ``created_at``, seconds that are not a whole number in range, or one
+            of the two without the other.
+    """
+    if anchor is None and seconds is None:
+        return DEFAULT_BATCH_FILE_EXPIRY_S
+    if anchor != "created_at":
+        raise APIError(400, f"expires_after[anchor]: expected 'created_at', got {anchor!r}",
+                       param="expires_after[anchor]")
+    span = f"a whole number of seconds from {MIN_FILE_EXPIRY_S} (1 hour) to {MAX_FILE_EXPIRY_S} (30 days)"
+    if seconds is None or not seconds.strip().isdecimal() or not seconds.strip().isascii():
+        raise APIError(400, f"expires_after[seconds]: expected {span}, got {seconds!r}",
+                       param="expires_after[seconds]")
+    value = int(seconds)
+    if not MIN_FILE_EXPIRY_S <= value <= MAX_FILE_EXPIRY_S:
+        raise APIError(400, f"expires_after[seconds]: expected {span}, got {value}", param="expires_after[seconds]")
+    return value
+
+
+def _no_file(file_id: str) -> APIError:
+    return APIError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
+
+
+def _file_object(file_id: str, size: int, created_at: int, filename: str, purpose: str,
+                 expires_at: int | None = None) -> dict:
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "expires_at": expires_at,
+            "filename": filename, "purpose": purpose, "status": "processed"}
+
+
+def _stored_file(info) -> dict:
+    """OpenAI's file object of a stored file (the store's ``ApiFileInfo``)."""
+    return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose, info.expires_at)
 
 
 async def _respond(engine: FrontDoorEngine, gen: Generation, body: _Sampling, endpoint: str, shapes: Shapes):

@@ -62,7 +62,7 @@ from flexpipe_dag.serving.frontdoor.protocol import (
     field_path,
     refuse_lone_surrogates,
 )
-from flexpipe_dag.serving.frontdoor.responses import chat_shapes, completion_shapes
+from flexpipe_dag.serving.frontdoor.responses import chat_shapes, completion_shapes, list_object
 
 API_BATCH_KEY = API_BATCH_CONFIG_KEY
 #: Endpoints a batch may target.
@@ -92,6 +92,10 @@ def owner_gone(store, owner: str) -> str | None:
 def is_api_batch(job) -> bool:
     """Whether an inference job is a Batch API batch."""
     return isinstance(job.config, dict) and API_BATCH_KEY in job.config
+
+
+class BatchInputGone(Exception):
+    """A batch's input file is no longer in the store: the batch fails at once (a retry cannot bring it back)."""
 
 
 @dataclass(frozen=True)
@@ -364,13 +368,15 @@ class BatchRunner:
                 self.log(f"batch runner: {type(exc).__name__}: {exc}")
 
     def _step(self) -> None:
-        for job in self.db.jobs(kind=InferenceJobKind.BATCH.value):
+        """One look at the store: the batches that may still need this server (read by status, so the batches of
+        weeks past are not read at every poll)."""
+        batch = InferenceJobKind.BATCH.value
+        if self.run_key is not None:
+            for job in self.db.jobs(InferenceJobStatus.CANCELLED.value, batch, owner_run_key=self.run_key):
+                if is_api_batch(job):
+                    self._release_cancelled(job)
+        for job in self.db.jobs(kind=batch, statuses=RUNNABLE):
             if not is_api_batch(job):
-                continue
-            if job.status == InferenceJobStatus.CANCELLED.value:
-                self._release_cancelled(job)
-                continue
-            if job.status not in RUNNABLE:
                 continue
             try:
                 if not self._serves(job):
@@ -406,7 +412,7 @@ class BatchRunner:
     def _job_failed(self, job, exc: Exception) -> None:
         """One batch's step raised: say so once; after :data:`MAX_JOB_ERRORS` in a row, fail the batch with
         the error (its finished lines are kept), so that one bad batch never stalls the others."""
-        n = self._errors.get(job.id, 0) + 1
+        n = MAX_JOB_ERRORS if isinstance(exc, BatchInputGone) else self._errors.get(job.id, 0) + 1
         self._errors[job.id] = n
         what = f"{type(exc).__name__}: {exc}"
         if n == 1:
@@ -492,7 +498,9 @@ class BatchRunner:
     def _job_lines(self, job) -> list[BatchLine]:
         if job.id not in self._lines:
             spec = job.config[API_BATCH_KEY]
-            content = self.db.api_file_content(spec["input_file_id"]) or b""
+            content = self.db.api_file_content(spec["input_file_id"])
+            if content is None:  # deleted as the batch was created: nothing to serve, ever
+                raise BatchInputGone(f"its input file {spec['input_file_id']} is no longer stored (deleted)")
             self._lines[job.id] = parse_batch_input(content, spec["endpoint"], spec["input_file_id"])
         return self._lines[job.id]
 
@@ -550,7 +558,8 @@ def create_batch(store, input_file_id: str, endpoint: str, completion_window: st
     if completion_window != "24h":
         raise APIError(400, f"completion_window: only 24h is supported, got {completion_window!r}",
                        param="completion_window")
-    content = store.api_file_content(input_file_id)
+    info = store.api_file(input_file_id)
+    content = store.api_file_content(input_file_id) if info is not None and not info.expired() else None
     if content is None:
         raise APIError(404, f"No such file: {input_file_id}", param="input_file_id", code="file_not_found")
     lines = parse_batch_input(content, endpoint, input_file_id)
@@ -564,11 +573,11 @@ def create_batch(store, input_file_id: str, endpoint: str, completion_window: st
     return batch_object(store, _job(store, batch_id), None)
 
 
-def _job(store, batch_id: str):
-    for job in store.jobs(kind=InferenceJobKind.BATCH.value):
-        if job.job_key == batch_id and is_api_batch(job):
-            return job
-    raise APIError(404, f"No batch found with id '{batch_id}'", param="batch_id", code="batch_not_found")
+def _job(store, batch_id: str, param: str = "batch_id"):
+    job = store.job_by_key(batch_id)
+    if job is not None and job.kind == InferenceJobKind.BATCH.value and is_api_batch(job):
+        return job
+    raise APIError(404, f"No batch found with id '{batch_id}'", param=param, code="batch_not_found")
 
 
 def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
@@ -611,13 +620,23 @@ def batch_object(store, job, runner: BatchRunner | None) -> dict:
             "metadata": spec.get("metadata") or None}
 
 
-def list_batches(store, runner: BatchRunner | None, limit: int = 20) -> dict:
-    """OpenAI's list of batches, newest first (at most ``limit``)."""
-    jobs = [j for j in store.jobs(kind=InferenceJobKind.BATCH.value) if is_api_batch(j)]
-    jobs.sort(key=lambda j: j.id, reverse=True)
-    data = [batch_object(store, j, runner) for j in jobs[:limit]]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
+def list_batches(store, runner: BatchRunner | None, limit: int = 20, after: str | None = None) -> dict:
+    """OpenAI's list of batches, newest first (at most ``limit``), those created before batch ``after`` when
+    given (a cursor: the last id of the page before, as the OpenAI SDKs' auto-pagination sends it).
+
+    Raises:
+        APIError: 400 ``after`` names no batch.
+    """
+    before = None
+    if after is not None:
+        try:
+            before = _job(store, after, param="after").id
+        except APIError:
+            raise APIError(400, f"after: no batch {after!r} (a cursor is the last id of the page before)",
+                           param="after") from None
+    page = list(itertools.islice((j for j in store.jobs_newest_first(InferenceJobKind.BATCH.value, before)
+                                  if is_api_batch(j)), limit + 1))
+    return list_object([batch_object(store, j, runner) for j in page[:limit]], len(page) > limit)
 
 
 def get_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
@@ -638,6 +657,17 @@ def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
             runner.log(f"batch {job.job_key}: cancelled ({len(store.results(job.id))} of {job.total_requests} lines "
                        f"kept, {runner.inflight(job.id)} in flight finish first)")
     return batch_object(store, _job(store, batch_id), runner)
+
+
+def _line_order(store, job) -> Callable[[Any], tuple[int, int]]:
+    """Sort key of a batch's result rows: their lines' order in the input file, or, once that file has been
+    deleted or pruned, the order the rows were written (OpenAI's output files promise no order: a line is found by
+    its ``custom_id``)."""
+    spec = job.config[API_BATCH_KEY]
+    content = store.api_file_content(spec["input_file_id"])
+    order = ({ln.custom_id: ln.index for ln in parse_batch_input(content, spec["endpoint"], spec["input_file_id"])}
+             if content is not None else {})
+    return lambda r: (order.get(r.request_key, len(order)), r.id)
 
 
 @dataclass(frozen=True)
@@ -663,11 +693,8 @@ def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchF
                 return None
             if lines_still_coming(store, job, runner):  # "cancelling": its last rows are still coming
                 return None
-            order = {ln.custom_id: ln.index for ln in parse_batch_input(
-                store.api_file_content(job.config[API_BATCH_KEY]["input_file_id"]) or b"",
-                job.config[API_BATCH_KEY]["endpoint"], job.config[API_BATCH_KEY]["input_file_id"])}
             rows = sorted((r for r in store.results(job.id) if (r.status == RequestResultStatus.DONE.value) == ok),
-                          key=lambda r: order.get(r.request_key, len(order)))
+                          key=_line_order(store, job))
             out = []
             for r in rows:
                 record = json.loads(r.output_text or "{}")

@@ -75,3 +75,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     """OpenAI's ``usage`` object."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def list_object(data: list[dict], more: bool) -> dict:
+    """OpenAI's cursor page: ``data``, its first and last ids, whether more follow (``has_more``: the client's
+    auto-pagination then asks again with ``after`` = the last id)."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}

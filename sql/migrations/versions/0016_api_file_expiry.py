@@ -1,0 +1,38 @@
+"""api_files.expires_at: an uploaded file expires (OpenAI's ``expires_after``; a batch file, 30 days by default)
+
+An expired file is no longer listed or served; ``flexpipe store prune`` and the ``store_retention`` schedule delete
+it unless a batch that has not ended still reads it. Files uploaded before this revision keep NULL: kept until
+deleted (``DELETE /v1/files/{id}``).
+
+Revision ID: 0016
+Revises: 0015
+Create Date: 2026-12-07 00:20:00
+"""
+from alembic import op
+import sqlalchemy as sa
+
+revision = '0016'
+down_revision = '0015'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    comment = "when the file is no longer served and may be pruned; NULL: kept until deleted"
+    with op.batch_alter_table("api_files") as batch:
+        batch.add_column(sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True, comment=comment))
+    op.create_index("ix_api_files_expires_at", "api_files", ["expires_at"])
+
+
+def data_lost_by_downgrade(conn) -> list[str]:
+    """What :func:`downgrade` would destroy in the store on ``conn`` (read by ``flexpipe_dag.sql.schema``)."""
+    from flexpipe_dag.sql.schema import row_count
+
+    dated = row_count(conn, "api_files", "expires_at IS NOT NULL")
+    return [f"api_files.expires_at of {dated} uploaded files (they would be kept until deleted)"] if dated else []
+
+
+def downgrade() -> None:
+    op.drop_index("ix_api_files_expires_at", table_name="api_files")
+    with op.batch_alter_table("api_files") as batch:
+        batch.drop_column("expires_at")

@@ -1,0 +1,192 @@
+"""Files and batches that hold for days: cursor pages the OpenAI SDKs walk to the end, files that expire or are
+deleted (never under a batch that still reads them), and the store's prune of expired files.
+
+The HTTP routes run in-process (FastAPI's test client as the OpenAI SDK's transport) over the real SQL store; the
+engine is the batch-runner tests' fake (no model is needed: these routes never generate).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from openai import BadRequestError, ConflictError, NotFoundError, OpenAI
+
+from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.serving.frontdoor.app import (
+    DEFAULT_BATCH_FILE_EXPIRY_S,
+    BatchAPI,
+    create_app,
+)
+from flexpipe_dag.serving.frontdoor.batches import BatchRunner, create_batch
+from tests.support import wait_until
+from tests.test_frontdoor_batch_runner import MODEL, _Engine, _Router
+
+
+def _input(n: int, tag: str = "") -> bytes:
+    lines = [{"custom_id": f"{tag}l-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": [1, 2, 3 + i], "max_tokens": 3, "temperature": 0}} for i in range(n)]
+    return "\n".join(json.dumps(x) for x in lines).encode()
+
+
+@pytest.fixture
+def sdk(store):
+    """The OpenAI SDK on the front door's routes over ``store``."""
+    app = create_app(_Engine(_Router(delay_s=0.01)), MODEL, batch_api=BatchAPI(store))
+    with TestClient(app) as http:
+        yield OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+def test_the_sdks_auto_pagination_walks_every_batch_and_file_once(sdk):
+    """``after`` was ignored: ``has_more`` was true and the SDK's auto-pagination asked for the first page again,
+    forever. Each page now starts after the cursor."""
+    files = [sdk.files.create(file=(f"in{i}.jsonl", _input(2, f"f{i}")), purpose="batch") for i in range(5)]
+    batches = [sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+               for f in files]
+    walked = [b.id for b in sdk.batches.list(limit=2)]  # 3 pages, then has_more is false
+    assert walked == [b.id for b in reversed(batches)]
+    newest_first = [f.id for f in sdk.files.list(limit=2)]
+    assert newest_first == [f.id for f in reversed(files)]
+    assert [f.id for f in sdk.files.list(limit=3, order="asc")] == [f.id for f in files]
+    page = sdk.batches.list(limit=2, after=batches[2].id)
+    assert [b.id for b in page.data] == [batches[1].id, batches[0].id] and not page.has_more
+    with pytest.raises(BadRequestError, match="after: no batch 'batch_nope'"):
+        sdk.batches.list(after="batch_nope")
+    with pytest.raises(BadRequestError, match="after: no stored file 'file-nope'"):
+        sdk.files.list(after="file-nope")
+    with pytest.raises(BadRequestError, match="order: expected 'asc' or 'desc'"):
+        sdk.files.list(order="sideways")  # type: ignore[arg-type]
+
+
+def test_a_file_expires_as_asked_or_after_openais_30_days(sdk, store):
+    before = int(time.time())
+    default = sdk.files.create(file=("a.jsonl", _input(1)), purpose="batch")
+    assert default.expires_at is not None
+    assert 0 <= default.expires_at - before - DEFAULT_BATCH_FILE_EXPIRY_S <= 2
+    hour = sdk.files.create(file=("b.jsonl", _input(1)), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 3600})
+    assert hour.expires_at is not None and 0 <= hour.expires_at - hour.created_at - 3600 <= 2
+    assert sdk.files.retrieve(hour.id).expires_at == hour.expires_at
+    for seconds, problem in ((59, "got 59"), (30 * 86400 + 1, "got 2592001"), ("1e4", "got '1e4'"),
+                             ("-3600", "got '-3600'")):
+        with pytest.raises(BadRequestError, match=f"expires_after\\[seconds\\]: expected a whole number .*{problem}"):
+            sdk.files.create(file=("c.jsonl", _input(1)), purpose="batch",
+                             expires_after={"anchor": "created_at", "seconds": seconds})  # type: ignore[typeddict-item]
+    with pytest.raises(BadRequestError, match="expires_after\\[anchor\\]: expected 'created_at', got 'last_use'"):
+        sdk.files.create(file=("c.jsonl", _input(1)), purpose="batch",
+                         expires_after={"anchor": "last_use", "seconds": 3600})  # type: ignore[typeddict-item]
+    assert len(sdk.files.list().data) == 2  # none of the refused uploads was stored
+    # an hour and a second later: the file is neither listed nor served, nor a batch's input
+    later = time.time() + 3601
+    assert [f.id for f in store.list_api_files(10, now_s=later)[0]] == [default.id]
+    _expire(store, hour.id)
+    for call in (lambda: sdk.files.retrieve(hour.id), lambda: sdk.files.content(hour.id),
+                 lambda: sdk.batches.create(input_file_id=hour.id, endpoint="/v1/completions",
+                                            completion_window="24h")):
+        with pytest.raises(NotFoundError, match=f"No such file: {hour.id}"):
+            call()
+    assert [f.id for f in sdk.files.list().data] == [default.id]
+
+
+def _expire(store, file_id: str) -> None:
+    """Make ``file_id`` expired a second ago (as if its time had passed)."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from flexpipe_dag.sql import models as m
+
+    with store.session() as s:
+        s.execute(update(m.ApiFile).where(m.ApiFile.id == file_id)
+                  .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
+
+
+def test_a_file_is_deleted_only_once_no_unfinished_batch_reads_it(sdk, store):
+    upload = sdk.files.create(file=("in.jsonl", _input(3)), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(ConflictError, match=f"input of batch\\(es\\) that have not ended: {batch.id}"):
+        sdk.files.delete(upload.id)
+    assert sdk.files.retrieve(upload.id).id == upload.id  # nothing was deleted
+    job = store.job_by_key(batch.id)
+    for n, cid in enumerate(("l-2", "l-0")):  # two lines answered, in this order, then the batch is cancelled
+        store.write_result(job.id, cid, prompt_tokens=3, output_token_ids=[7], status="done",
+                           output_text=json.dumps({"status_code": 200, "body": {"n": n}}))
+    assert sdk.batches.cancel(batch.id).status == "cancelled"
+    in_order = sdk.files.content(f"{batch.id}-output").text
+    assert [json.loads(x)["custom_id"] for x in in_order.splitlines()] == ["l-0", "l-2"]  # the input's order
+    deleted = sdk.files.delete(upload.id)
+    assert deleted.deleted and deleted.id == upload.id
+    with pytest.raises(NotFoundError):
+        sdk.files.retrieve(upload.id)
+    with pytest.raises(NotFoundError):
+        sdk.files.delete(upload.id)
+    # the output is still served, in the order its rows were written (the input's order went with the input)
+    assert [json.loads(x)["custom_id"] for x in sdk.files.content(f"{batch.id}-output").text.splitlines()] \
+        == ["l-2", "l-0"]
+    assert sdk.batches.retrieve(batch.id).request_counts.completed == 2
+    with pytest.raises(BadRequestError, match="is a batch's output or error file"):
+        sdk.files.delete(f"{batch.id}-output")
+
+
+def test_a_batch_whose_input_was_deleted_as_it_was_created_fails_at_once_naming_it(store):
+    store.save_api_file("file-gone", "batch", "in.jsonl", _input(2))
+    batch_id = create_batch(store, "file-gone", "/v1/completions", "24h", None)["id"]
+    store.update_job(store.job_by_key(batch_id).id, status="cancelled")  # out of the way of the delete ...
+    assert store.delete_api_file("file-gone").deleted
+    store.update_job(store.job_by_key(batch_id).id, status="queued")  # ... as a create racing the delete would be
+    logged: list[str] = []
+    engine = _Engine(_Router(delay_s=0.01))
+    runner = BatchRunner(store, engine, MODEL, poll_s=0.01, log=logged.append)
+    runner.start()
+    try:
+        wait_until(lambda: store.job_by_key(batch_id).status == "failed", timeout_s=30, what=f"failed ({logged})")
+    finally:
+        runner.stop()
+    assert "input file file-gone is no longer stored (deleted)" in store.job_by_key(batch_id).error
+    assert sum("failed" in line for line in logged) == 1
+
+
+def test_prune_deletes_expired_files_but_keeps_those_a_running_batch_reads(store):
+    now = time.time()
+    store.save_api_file("file-old", "batch", "a.jsonl", _input(1), expires_at_s=now - 10)
+    store.save_api_file("file-read", "batch", "b.jsonl", _input(2), expires_at_s=now + 60)
+    store.save_api_file("file-new", "batch", "c.jsonl", _input(1), expires_at_s=now + 3600)
+    store.save_api_file("file-kept", "batch", "d.jsonl", _input(1))  # uploaded before expiry existed
+    batch_id = create_batch(store, "file-read", "/v1/completions", "24h", None)["id"]
+    _expire(store, "file-read")  # it expires while its batch waits for a trough
+    assert store.api_file_readers("file-read") == [batch_id]
+    dry = store.prune_api_files(dry_run=True)
+    assert (dry.files, dry.bytes, dry.kept, dry.dry_run) == (1, len(_input(1)), 1, True)
+    assert store.api_file("file-old") is not None  # a dry run deletes nothing
+    done = store.prune_api_files()
+    assert (done.files, done.bytes, done.kept) == (dry.files, dry.bytes, dry.kept)
+    assert "deleted 1 expired file(s)" in done.describe() and "1 expired file(s) kept" in done.describe()
+    assert {i.id for i in store.list_api_files(10, now_s=now)[0]} == {"file-new", "file-kept"}
+    assert store.api_file("file-old") is None and store.api_file_content("file-read") is not None
+    store.update_job(store.job_by_key(batch_id).id, status="done")
+    assert store.prune_api_files().files == 1 and store.api_file("file-read") is None
+    assert store.prune_api_files(now_s=now + 7200).files == 1  # file-new, once its hour has passed
+    assert [i.id for i in store.list_api_files(10)[0]] == ["file-kept"]
+    with pytest.raises(InputError, match="after: no stored file"):
+        store.list_api_files(10, after="file-old")
+
+
+def test_store_prune_and_the_retention_job_delete_expired_files(tmp_path, monkeypatch, capsys):
+    from flexpipe_dag.cli import main
+    from flexpipe_dag.jobs.retention import store_retention
+    from flexpipe_dag.resources.store_resource import StoreResource
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("FLEXPIPE_DATABASE_URL", url)
+    res = StoreResource(database_url=url)
+    store = res.get_store()
+    for i in range(3):
+        store.save_api_file(f"file-{i}", "batch", "a.jsonl", _input(1), expires_at_s=time.time() - 1)
+    assert main(["store", "prune", "--dry-run"]) == 0
+    assert "uploaded files: would delete 3 expired file(s)" in capsys.readouterr().out
+    assert main(["store", "prune"]) == 0 and "uploaded files: deleted 3 expired file(s)" in capsys.readouterr().out
+    store.save_api_file("file-9", "batch", "a.jsonl", _input(1), expires_at_s=time.time() - 1)
+    run = store_retention.execute_in_process(resources={"store": res})
+    assert run.success and run.output_for_node("prune_expired_files") == 1 and store.api_file("file-9") is None

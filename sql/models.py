@@ -299,6 +299,10 @@ class PipelineRun(Base):
 
 class InferenceJob(Base):
     __tablename__ = "inference_jobs"
+    # a server's batch runner polls the batches of runnable statuses every half second, and GET /v1/batches pages
+    # them newest first: both found without reading the weeks of finished ones
+    __table_args__ = (Index("ix_inference_jobs_kind_status", "kind", "status"),
+                      Index("ix_inference_jobs_kind_id", "kind", "id"))
     id: Mapped[int] = mapped_column(primary_key=True)
     job_key: Mapped[str] = mapped_column(String(200), unique=True)
     kind: Mapped[str] = mapped_column(String(20), comment=column_comment(InferenceJobKind))

@@ -1,4 +1,6 @@
-"""api_files.expires_at: an uploaded file expires (OpenAI's ``expires_after``; a batch file, 30 days by default)
+"""api_files.expires_at: an uploaded file expires (OpenAI's ``expires_after``; a batch file, 30 days by default);
+inference_jobs indexed by (kind, status) and (kind, id): a server's batch runner polls the unfinished batches every
+half second and ``GET /v1/batches`` pages them newest first
 
 An expired file is no longer listed or served; ``flexpipe store prune`` and the ``store_retention`` schedule delete
 it unless a batch that has not ended still reads it. Files uploaded before this revision keep NULL: kept until
@@ -22,6 +24,8 @@ def upgrade() -> None:
     with op.batch_alter_table("api_files") as batch:
         batch.add_column(sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True, comment=comment))
     op.create_index("ix_api_files_expires_at", "api_files", ["expires_at"])
+    op.create_index("ix_inference_jobs_kind_status", "inference_jobs", ["kind", "status"])
+    op.create_index("ix_inference_jobs_kind_id", "inference_jobs", ["kind", "id"])
 
 
 def data_lost_by_downgrade(conn) -> list[str]:
@@ -33,6 +37,8 @@ def data_lost_by_downgrade(conn) -> list[str]:
 
 
 def downgrade() -> None:
+    op.drop_index("ix_inference_jobs_kind_id", table_name="inference_jobs")
+    op.drop_index("ix_inference_jobs_kind_status", table_name="inference_jobs")
     op.drop_index("ix_api_files_expires_at", table_name="api_files")
     with op.batch_alter_table("api_files") as batch:
         batch.drop_column("expires_at")

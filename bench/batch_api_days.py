@@ -1,0 +1,105 @@
+"""A Batch API store after weeks of batches: the batch runner's poll, a page of ``GET /v1/batches`` and one batch's
+lookup, each against the read the code made before (every batch ever stored), in the same run.
+
+Usage: python bench/batch_api_days.py [--batches 2000,20000] [--repeats 20]
+
+For each count, fills a temporary SQLite store (WAL, as ``FLEXPIPE_HOME``'s) with that many finished Batch API
+batches (``inference_jobs`` rows with the API batch config, status ``done``) plus one queued batch, then times:
+
+* the poll a server's :class:`~flexpipe_dag.serving.frontdoor.batches.BatchRunner` makes every 0.5 s
+  (``_step``: the runnable batches, and the cancelled ones it owns) against the read it made before, every batch
+  of the store (``store.jobs(kind="batch")``);
+* a page of 20 batches (:func:`~flexpipe_dag.serving.frontdoor.batches.list_batches`, keyset-paged) against
+  reading and sorting every batch, then the page;
+* ``GET /v1/batches/{id}`` (:func:`~flexpipe_dag.serving.frontdoor.batches.get_batch`, by key) against a scan of
+  every batch for the key.
+
+Each figure is the median of ``--repeats`` calls, milliseconds. A server polls twice a second: at 20,000 finished
+batches the old poll's read took a core for the poll alone (see the printed figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sqlalchemy import insert
+
+from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY
+from flexpipe_dag.serving.frontdoor.batches import BatchRunner, batch_object, get_batch, is_api_batch, list_batches
+from flexpipe_dag.sql import models as m
+from flexpipe_dag.sql.store import Store
+
+
+def fill(store: Store, n: int) -> str:
+    """``n`` finished API batches and one queued one; returns the key of a batch in the middle."""
+    spec = {"input_file_id": "file-x", "endpoint": "/v1/completions", "completion_window": "24h", "metadata": {},
+            "created_at": int(time.time())}
+    rows = [{"job_key": f"batch_{i:08d}", "kind": "batch", "status": "done" if i < n else "queued", "priority": -1,
+             "source_path": "file-x", "config": {API_BATCH_CONFIG_KEY: spec}, "total_requests": 2}
+            for i in range(n + 1)]
+    with store.session() as s:
+        for start in range(0, len(rows), 5000):
+            s.execute(insert(m.InferenceJob), rows[start:start + 5000])
+    return f"batch_{n // 2:08d}"
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def old_page(store: Store) -> list[dict]:
+    """The list before the keyset page: every batch read and sorted, then the page of 20."""
+    jobs = sorted((j for j in store.jobs(kind="batch") if is_api_batch(j)), key=lambda j: j.id, reverse=True)
+    return [batch_object(store, j, None) for j in jobs[:20]]
+
+
+def old_lookup(store: Store, key: str):
+    return next(j for j in store.jobs(kind="batch") if j.job_key == key and is_api_batch(j))
+
+
+def measure(n: int, repeats: int) -> list[float]:
+    """Old ms, new ms and their ratio for the poll, a page and a lookup, over a store of ``n`` finished batches."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.from_url(f"sqlite:///{Path(tmp) / 'store.db'}")
+        key = fill(store, n)
+        runner = BatchRunner(store, SimpleNamespace(), "m", run_key="fd-bench", log=lambda _: None)
+        runner._serves = lambda job: False  # the poll's reads only: the queued batch is another server's
+        figures: list[float] = []
+        for old, new in ((lambda: [j for j in store.jobs(kind="batch") if is_api_batch(j)], runner._step),
+                         (lambda: old_page(store), lambda: list_batches(store, None, 20)),
+                         (lambda: old_lookup(store, key), lambda: get_batch(store, key, None))):
+            before, after = median_ms(old, repeats), median_ms(new, repeats)
+            figures += [before, after, before / after]
+        assert [b["id"] for b in list_batches(store, None, 20)["data"]] == [b["id"] for b in old_page(store)]
+        store.engine.dispose()
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="2000,20000", help="finished batches in the store, comma-separated")
+    ap.add_argument("--repeats", type=int, default=20, help="calls per figure (the median is printed)")
+    args = ap.parse_args()
+    print(f"{'batches':>8} | {'poll old ms':>11} {'new ms':>8} {'x':>6} | {'page old ms':>11} {'new ms':>8} "
+          f"{'x':>6} | {'get old ms':>10} {'new ms':>8} {'x':>6}")
+    for n in (int(x) for x in args.batches.split(",")):
+        figures = measure(n, args.repeats)
+        print(f"{n:>8,d} | " + " | ".join(f"{figures[i]:>11.2f} {figures[i + 1]:>8.2f} {figures[i + 2]:>5.0f}x"
+                                          for i in range(0, 9, 3)))
+
+
+if __name__ == "__main__":
+    main()

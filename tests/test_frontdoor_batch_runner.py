@@ -352,3 +352,21 @@ def test_a_completed_batch_is_read_whole_on_every_server_while_its_owner_is_live
     output = batch_file(store, f"{job.job_key}-output", elsewhere)
     assert output is not None and len(output.content.splitlines()) == 3
     assert batch_file(store, f"{job.job_key}-output", None) == output
+
+
+def test_a_server_forgets_the_lines_of_the_batches_it_no_longer_serves(store):
+    """The runner kept every batch's parsed lines and finished ids for the server's life (up to 64 MiB of input
+    each, for weeks); it now keeps only the runnable batches' and those with lines in flight."""
+    batch_id = _batch(store, 3)
+    engine, logged = _Engine(_Router(delay_s=0.01)), []
+    runner = BatchRunner(store, engine, MODEL, max_inflight=3, poll_s=0.01, log=logged.append)
+    engine.router.on_result = runner.on_result
+    runner.start()
+    try:
+        wait_until(lambda: store.job_by_key(batch_id).status == "done", timeout_s=60, what=f"done ({logged})")
+        wait_until(lambda: not runner._lines and not runner._finished, timeout_s=10, what="caches emptied")
+        store.update_job(store.job_by_key(batch_id).id, status="queued")  # runnable again: read afresh from the store
+        wait_until(lambda: store.job_by_key(batch_id).status == "done", timeout_s=60, what=f"done again ({logged})")
+    finally:
+        runner.stop()
+    assert len(store.results(store.job_by_key(batch_id).id)) == 3 and len(engine.router.seen) == 3  # none twice

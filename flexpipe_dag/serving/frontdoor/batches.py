@@ -375,9 +375,9 @@ class BatchRunner:
             for job in self.db.jobs(InferenceJobStatus.CANCELLED.value, batch, owner_run_key=self.run_key):
                 if is_api_batch(job):
                     self._release_cancelled(job)
-        for job in self.db.jobs(kind=batch, statuses=RUNNABLE):
-            if not is_api_batch(job):
-                continue
+        runnable = [job for job in self.db.jobs(kind=batch, statuses=RUNNABLE) if is_api_batch(job)]
+        self._forget({job.id for job in runnable})
+        for job in runnable:
             try:
                 if not self._serves(job):
                     continue
@@ -385,6 +385,16 @@ class BatchRunner:
                 self._errors.pop(job.id, None)
             except Exception as exc:  # this batch only: the others go on
                 self._job_failed(job, exc)
+
+    def _forget(self, runnable: set[int]) -> None:
+        """Drop the parsed lines and finished ids of the batches that are not runnable (ended, paused) and have no
+        line in flight here: a server that serves batches for weeks keeps only those it serves now (a paused one
+        is read again from the store when it is admitted)."""
+        with self._lock:
+            keep = runnable | {job_id for job_id, *_ in self._inflight.values()}
+            for cache in (self._lines, self._finished):
+                for job_id in [j for j in cache if j not in keep]:
+                    del cache[job_id]
 
     def _release_cancelled(self, job) -> None:
         """A cancelled batch this server owns, with no line of it in flight any more: give up the ownership, so that
@@ -527,7 +537,8 @@ class BatchRunner:
                     self._inflight.pop(request_id, None)
             raise
         with self._lock:
-            self._finished.setdefault(job_id, set()).add(line.custom_id)
+            if job_id in self._finished:  # else forgotten (the batch ended): read from the store if it runs again
+                self._finished[job_id].add(line.custom_id)
             if request_id is not None:
                 self._inflight.pop(request_id, None)
         self.engine.metrics.requests.labels("batch", (finish_reason(body) or "stop") if ok else f"error_{status_code}").inc()

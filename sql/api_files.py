@@ -3,7 +3,9 @@ store, so a server restarted, or another one on the same store, reads the same b
 
 A file may expire (OpenAI's ``expires_after``): from then on it is neither listed nor served, and
 :meth:`ApiFiles.prune_api_files` deletes it, unless a batch that has not ended still reads it. A file is
-deleted at once by :meth:`ApiFiles.delete_api_file`, again unless such a batch reads it.
+deleted at once by :meth:`ApiFiles.delete_api_file`, again unless such a batch reads it: its content goes, and
+its row stays :data:`DELETED_ROW_KEEP_S` as a list cursor (a client that deletes each file of a page as it walks
+the list asks for the next page after the id it has just deleted), then a prune removes it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import datetime as dt
 import time
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-from sqlalchemy import CursorResult, and_, delete, func, or_, select
+from sqlalchemy import and_, delete, func, or_, select
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import RUNNABLE_JOB_STATUSES, InferenceJobKind, InferenceJobStatus
@@ -28,6 +30,8 @@ MAX_FILE_BYTES = 64 * 2**20
 #: silent owner's taken over by another server). A cancelled, completed or failed batch reads it no more (its
 #: output file falls back to the order its rows were written when the input has gone).
 READING_JOB_STATUSES = (*RUNNABLE_JOB_STATUSES, InferenceJobStatus.PAUSED.value)
+#: How long a deleted file's emptied row stays as a list cursor, seconds.
+DELETED_ROW_KEEP_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -102,10 +106,10 @@ class ApiFiles(StoreBase):
 
     def api_file(self, file_id: str) -> ApiFileInfo | None:
         """The file's facts (an expired one too: see :meth:`ApiFileInfo.expired`), or None when no such file is
-        stored."""
+        stored (or it was deleted)."""
         with self.session() as s:
             row = s.get(m.ApiFile, file_id)
-            return _info(row) if row is not None else None
+            return _info(row) if row is not None and row.deleted_at is None else None
 
     def list_api_files(self, limit: int, purpose: str | None = None, *, after: str | None = None,
                        order: Literal["asc", "desc"] = "desc",
@@ -123,13 +127,14 @@ class ApiFiles(StoreBase):
         keys = (m.ApiFile.created_at, m.ApiFile.id)
         query = _ordered(cols, keys, newest_first).limit(limit + 1)
         now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, UTC)
-        query = query.where(or_(m.ApiFile.expires_at.is_(None), m.ApiFile.expires_at > now))
+        query = query.where(or_(m.ApiFile.expires_at.is_(None), m.ApiFile.expires_at > now),
+                            m.ApiFile.deleted_at.is_(None))
         if purpose is not None:
             query = query.where(m.ApiFile.purpose == purpose)
         with self.session() as s:
             if after is not None:
                 cursor = s.execute(select(*keys).where(m.ApiFile.id == after)).first()
-                if cursor is None:
+                if cursor is None:  # a deleted file's row stays a day: this one never was, or went long ago
                     raise InputError("api_files", "after", f"no stored file {after!r} (a cursor is the last id of the "
                                                            "page before)")
                 query = query.where(_past(keys, (cursor[0], cursor[1]), newest_first))
@@ -137,38 +142,69 @@ class ApiFiles(StoreBase):
         return [_info(r) for r in rows[:limit]], len(rows) > limit
 
     def api_file_content(self, file_id: str) -> bytes | None:
-        """The file's bytes (an expired one's too, while it is stored), or None when no such file is stored."""
+        """The file's bytes (an expired one's too, while it is stored), or None when no such file is stored (or it
+        was deleted)."""
         with self.session() as s:
             row = s.get(m.ApiFile, file_id)
-            return bytes(row.content) if row is not None else None
+            return bytes(row.content) if row is not None and row.deleted_at is None else None
 
     def api_file_readers(self, file_id: str) -> list[str]:
         """The ids of the Batch API batches that have not ended and read ``file_id`` as their input."""
         with self.session() as s:
             return list(s.scalars(_readers_query(file_id)))
 
-    def delete_api_file(self, file_id: str) -> FileDeletion:
+    def delete_api_file(self, file_id: str, now_s: float | None = None) -> FileDeletion:
         """Delete an uploaded file, unless a batch that has not ended reads it (then nothing is deleted and the
-        batches are named: cancel them first, or wait for them)."""
-        with self.session() as s:  # one transaction: no batch starts reading it between the check and the delete
+        batches are named: cancel them first, or wait for them). A file that has expired at ``now_s`` (epoch seconds;
+        default the clock) is not found, as it is not served. Its content goes at once; its row stays
+        :data:`DELETED_ROW_KEEP_S` as a list cursor."""
+        now = time.time() if now_s is None else now_s
+        with self.session() as s:  # the row locked: no batch is created on it between the check and the delete
+            row = s.scalar(select(m.ApiFile).where(m.ApiFile.id == file_id, m.ApiFile.deleted_at.is_(None))
+                           .with_for_update())
+            if row is None or _info(row).expired(now):
+                return FileDeletion(False)
             readers = tuple(s.scalars(_readers_query(file_id)))
             if readers:
                 return FileDeletion(False, readers)
-            gone = cast(CursorResult[Any], s.execute(delete(m.ApiFile).where(m.ApiFile.id == file_id)))
-            return FileDeletion(gone.rowcount > 0)
+            row.deleted_at, row.content = dt.datetime.fromtimestamp(now, UTC), b""
+            return FileDeletion(True)
+
+    def add_file_batch(self, job_key: str, file_id: str, config: dict[str, Any], total_requests: int,
+                       now_s: float | None = None) -> int | None:
+        """Store a Batch API batch (an ``inference_jobs`` row, status ``queued``, priority -1) that reads ``file_id``,
+        in the transaction that finds the file (locked) not deleted and not expired at ``now_s``: a delete or a prune
+        never takes a file a batch has just been created on. The job's id, or None when the file is gone."""
+        now = time.time() if now_s is None else now_s
+        with self.session() as s:
+            row = s.scalar(select(m.ApiFile).where(m.ApiFile.id == file_id, m.ApiFile.deleted_at.is_(None))
+                           .with_for_update())
+            if row is None or _info(row).expired(now):
+                return None
+            job = m.InferenceJob(job_key=job_key, kind=InferenceJobKind.BATCH.value,
+                                 status=InferenceJobStatus.QUEUED.value, priority=-1, source_path=file_id,
+                                 config=dict(config), total_requests=total_requests)
+            s.add(job)
+            s.flush()
+            return job.id
 
     def prune_api_files(self, *, dry_run: bool = False, now_s: float | None = None) -> FilePruneResult:
         """Delete the files that have expired at ``now_s`` (epoch seconds; default the clock), except those a batch
-        that has not ended still reads (they go at a later prune, once it has). ``dry_run``: only count."""
-        now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, UTC)
-        expired = m.ApiFile.expires_at.is_not(None) & (m.ApiFile.expires_at <= now)
+        that has not ended still reads (they go at a later prune, once it has), and the emptied rows of files deleted
+        more than :data:`DELETED_ROW_KEEP_S` ago (not counted: they hold no content). ``dry_run``: only count."""
+        now_s = time.time() if now_s is None else now_s
+        now = dt.datetime.fromtimestamp(now_s, UTC)
+        live = m.ApiFile.deleted_at.is_(None)
+        expired = live & m.ApiFile.expires_at.is_not(None) & (m.ApiFile.expires_at <= now)
         read = m.ApiFile.id.in_(select(m.InferenceJob.source_path).where(*_reading()))
+        old_tombstone = m.ApiFile.deleted_at < dt.datetime.fromtimestamp(now_s - DELETED_ROW_KEEP_S, UTC)
         with self.session() as s:
             gone = s.execute(select(func.count(), func.coalesce(func.sum(m.ApiFile.bytes), 0))
                              .where(expired & ~read)).one()
             kept = int(s.scalar(select(func.count()).where(expired & read)) or 0)
-            if not dry_run and gone[0]:
-                s.execute(delete(m.ApiFile).where(expired & ~read).execution_options(synchronize_session=False))
+            if not dry_run:
+                s.execute(delete(m.ApiFile).where(or_(expired & ~read, old_tombstone))
+                          .execution_options(synchronize_session=False))
         return FilePruneResult(int(gone[0]), int(gone[1]), kept, dry_run)
 
 

@@ -146,9 +146,10 @@ def url_secrets(url: str) -> list[str]:
 
 def scrubbed(text: str, url: str | None) -> str:
     """``text`` (a driver's message) with the passwords of ``url`` (:func:`url_secrets`) and any URL or DSN
-    password in it (:func:`masked_url`) shown as ``***``."""
+    password in it (:func:`masked_url`) shown as ``***``. A password is masked where it stands alone, not inside
+    a longer word: a password ``p`` left "No module named 'psycopg'" as "'***syco***g'"."""
     for secret in url_secrets(url) if url else ():
-        text = text.replace(secret, MASK)
+        text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])", MASK, text)
     return masked_url(text)
 
 
@@ -224,3 +225,20 @@ def check_store_url(url: str, source: str = "FLEXPIPE_DATABASE_URL") -> str:
                              "sqlite:////abs/path/flexpipe.db (or leave FLEXPIPE_DATABASE_URL unset for "
                              "$FLEXPIPE_HOME/flexpipe.db)")
     return shown
+
+
+def missing_sqlite_file(url: str) -> Path | None:
+    """The database file a SQLite ``url`` names when it does not exist yet (opening it would create it), else None
+    (another database, a ``file:`` URI, or a file that exists)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url.strip())
+    except Exception:  # check_store_url names what is wrong with it
+        return None
+    database = (parsed.database or "").strip()
+    if parsed.get_backend_name() != "sqlite" or not database or database.startswith("file:") \
+            or database == ":memory:":
+        return None
+    path = Path(database)
+    return None if path.exists() else path

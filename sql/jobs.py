@@ -125,6 +125,15 @@ class InferenceJobs(StoreBase):
         with self.session() as s:
             return cast(CursorResult[Any], s.execute(q.values(owner_run_key=None))).rowcount == 1
 
+    def fail_job(self, job_id: int, error: str, from_statuses: Iterable[str]) -> bool:
+        """Set a job ``failed`` with ``error``, only while its status is one of ``from_statuses`` (a compare-and-set:
+        a job cancelled or finished meanwhile keeps that status); whether it was failed."""
+        with self.session() as s:
+            done = s.execute(update(m.InferenceJob)
+                             .where(m.InferenceJob.id == job_id, m.InferenceJob.status.in_(list(from_statuses)))
+                             .values(status=InferenceJobStatus.FAILED.value, error=error))
+            return cast(CursorResult[Any], done).rowcount > 0
+
     def job_status(self, job_id: int) -> str:
         """A job's status as stored now."""
         with self.session() as s:

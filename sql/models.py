@@ -399,6 +399,7 @@ class ApiFile(Base):
     """A file uploaded through the front door's ``POST /v1/files`` (OpenAI Files API; purpose ``batch``)."""
 
     __tablename__ = "api_files"
+    __table_args__ = (Index("ix_api_files_created_at_id", "created_at", "id"),)  # GET /v1/files pages by them
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     purpose: Mapped[str] = mapped_column(String(20))
     filename: Mapped[str] = mapped_column(String(255))
@@ -407,3 +408,6 @@ class ApiFile(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[dt.datetime | None] = mapped_column(
         default=None, index=True, comment="when the file is no longer served and may be pruned; NULL: kept until deleted")
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(
+        default=None, comment="when DELETE /v1/files took it (its content is gone; the row stays a while as a list "
+                              "cursor); NULL: not deleted")

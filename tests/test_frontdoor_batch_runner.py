@@ -241,7 +241,7 @@ def test_a_batch_file_is_dated_when_the_batch_ended_and_not_read_while_lines_are
     first, again = batch_file(store, f"{job.job_key}-output"), batch_file(store, f"{job.job_key}-output")
     assert first is not None and first == again and len(first.content.splitlines()) == 3
     assert first.created_at == batch_object(store, job, None)["completed_at"] == int(job.updated_at.timestamp())
-    assert batch_file(store, f"{job.job_key}-errors").content == b""
+    assert batch_file(store, f"{job.job_key}-errors") is None  # no error line: no error file (none is named)
     store.update_job(job.id, status="cancelled")  # as a cancel while lines are still on the pipeline
     job = next(j for j in store.jobs(kind="batch") if j.id == job.id)
     busy = SimpleNamespace(inflight=lambda job_id: 2)
@@ -318,6 +318,8 @@ def test_a_cancelled_batch_reads_cancelling_on_every_server_until_its_owner_has_
     assert batch_object(store, job(), elsewhere)["status"] == "cancelling"
     assert batch_file(store, f"{batch_id}-output", elsewhere) is None
     assert not store.release_batch(job().id, "fd-b")  # only the owner releases it
+    store.write_result(job().id, "l-0", prompt_tokens=3, output_token_ids=[7], status="done",  # fd-a's last line
+                       output_text=json.dumps({"status_code": 200, "body": {}}))
     owner = BatchRunner(store, _Engine(_Router(delay_s=0.01)), MODEL, poll_s=0.01, log=(logged := []).append,
                         run_key="fd-a")
     owner._step()  # nothing of the batch in flight on fd-a: released

@@ -52,7 +52,7 @@ def test_the_sdks_auto_pagination_walks_every_batch_and_file_once(sdk):
     assert [f.id for f in sdk.files.list(limit=3, order="asc")] == [f.id for f in files]
     page = sdk.batches.list(limit=2, after=batches[2].id)
     assert [b.id for b in page.data] == [batches[1].id, batches[0].id] and not page.has_more
-    with pytest.raises(BadRequestError, match="after: no batch 'batch_nope'"):
+    with pytest.raises(BadRequestError, match="after: no batch 'batch_nope'"):  # batches are never deleted
         sdk.batches.list(after="batch_nope")
     with pytest.raises(BadRequestError, match="after: no stored file 'file-nope'"):
         sdk.files.list(after="file-nope")
@@ -70,19 +70,23 @@ def test_a_file_expires_as_asked_or_after_openais_30_days(sdk, store):
     assert hour.expires_at is not None and 0 <= hour.expires_at - hour.created_at - 3600 <= 2
     assert sdk.files.retrieve(hour.id).expires_at == hour.expires_at
     for seconds, problem in ((59, "got 59"), (30 * 86400 + 1, "got 2592001"), ("1e4", "got '1e4'"),
-                             ("-3600", "got '-3600'")):
+                             ("-3600", "got '-3600'"), ("9" * 5000, "got '9999"), ("", "got ''")):
         with pytest.raises(BadRequestError, match=f"expires_after\\[seconds\\]: expected a whole number .*{problem}"):
             sdk.files.create(file=("c.jsonl", _input(1)), purpose="batch",
                              expires_after={"anchor": "created_at", "seconds": seconds})  # type: ignore[typeddict-item]
     with pytest.raises(BadRequestError, match="expires_after\\[anchor\\]: expected 'created_at', got 'last_use'"):
         sdk.files.create(file=("c.jsonl", _input(1)), purpose="batch",
                          expires_after={"anchor": "last_use", "seconds": 3600})  # type: ignore[typeddict-item]
+    with pytest.raises(BadRequestError, match="expires_after\\[anchor\\]: expected 'created_at', got nothing"):
+        sdk.files.create(file=("c.jsonl", _input(1)), purpose="batch",
+                         expires_after={"seconds": 3600})  # type: ignore[typeddict-item]
     assert len(sdk.files.list().data) == 2  # none of the refused uploads was stored
     # an hour and a second later: the file is neither listed nor served, nor a batch's input
     later = time.time() + 3601
     assert [f.id for f in store.list_api_files(10, now_s=later)[0]] == [default.id]
     _expire(store, hour.id)
     for call in (lambda: sdk.files.retrieve(hour.id), lambda: sdk.files.content(hour.id),
+                 lambda: sdk.files.delete(hour.id),  # as GET says: no such file (a prune deletes it)
                  lambda: sdk.batches.create(input_file_id=hour.id, endpoint="/v1/completions",
                                             completion_window="24h")):
         with pytest.raises(NotFoundError, match=f"No such file: {hour.id}"):
@@ -128,6 +132,98 @@ def test_a_file_is_deleted_only_once_no_unfinished_batch_reads_it(sdk, store):
     assert sdk.batches.retrieve(batch.id).request_counts.completed == 2
     with pytest.raises(BadRequestError, match="is a batch's output or error file"):
         sdk.files.delete(f"{batch.id}-output")
+    with pytest.raises(NotFoundError):  # no line failed: no error file, as the batch object says
+        sdk.files.content(f"{batch.id}-errors")
+    assert sdk.batches.retrieve(batch.id).error_file_id is None
+
+
+def test_a_client_deletes_each_file_as_it_walks_the_list(sdk, store):
+    """The cursor is the id the client has just deleted: its row stays a day as a cursor (content gone), so the
+    walk goes on; a prune a day later removes it."""
+    files = [sdk.files.create(file=(f"in{i}.jsonl", _input(1, f"f{i}")), purpose="batch") for i in range(5)]
+    walked = []
+    for f in sdk.files.list(limit=2):
+        walked.append(f.id)
+        assert sdk.files.delete(f.id).deleted
+    assert walked == [f.id for f in reversed(files)] and sdk.files.list().data == []
+    assert store.api_file_content(files[0].id) is None
+    assert store.prune_api_files().files == 0 and store.list_api_files(1, after=files[0].id)[0] == []  # still a cursor
+    store.prune_api_files(now_s=time.time() + 86401)
+    with pytest.raises(InputError, match="after: no stored file"):
+        store.list_api_files(1, after=files[0].id)
+
+
+def test_repeated_or_misplaced_form_fields_are_refused_naming_them(store):
+    app = create_app(_Engine(_Router(delay_s=0.01)), MODEL, batch_api=BatchAPI(store))
+    with TestClient(app) as http:
+        one = ("a.jsonl", _input(1), "application/jsonl")
+        cases = [({"purpose": ["evil", "batch"]}, [("file", one)], "purpose: sent 2 times"),
+                 ({"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": ["99", "3600"]},
+                  [("file", one)], "expires_after[seconds]: sent 2 times"),
+                 ({"purpose": "batch"}, [("file", one), ("file", ("b.jsonl", _input(1), "application/jsonl"))],
+                  "file: sent 2 times"),
+                 ({"purpose": "batch", "file": '{"custom_id": "secret"}'}, [("x", one)],
+                  "file: expected a file part")]
+        for data, files, message in cases:
+            answer = http.post("/v1/files", data=data, files=files)
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and message in error["message"], answer.text
+            assert error["param"] == message.split(":")[0] and "secret" not in error["message"]
+        answer = http.get("/v1/batches", params={"limit": "abc"})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit"
+        assert answer.json()["error"]["message"].startswith("limit: ")
+        assert http.get("/v1/files").json()["data"] == []  # nothing was stored
+
+
+def test_a_batch_is_not_created_on_a_file_deleted_meanwhile_and_a_failed_batch_says_why(sdk, store):
+    upload = sdk.files.create(file=("in.jsonl", _input(2)), purpose="batch")
+    real = store.api_file_content
+
+    def deleted_after_the_read(file_id):  # the delete lands between the batch's check of the file and its insert
+        content = real(file_id)
+        assert store.delete_api_file(file_id).deleted
+        return content
+
+    store.api_file_content = deleted_after_the_read
+    try:
+        with pytest.raises(NotFoundError, match=f"No such file: {upload.id}"):
+            sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    finally:
+        del store.api_file_content
+    assert sdk.batches.list().data == []
+    # a batch failed by the runner tells the client why, and keeps its finished lines
+    store.save_api_file("file-2", "batch", "in.jsonl", _input(2))
+    batch_id = create_batch(store, "file-2", "/v1/completions", "24h", None)["id"]
+    job = store.job_by_key(batch_id)
+    store.write_result(job.id, "l-0", prompt_tokens=3, output_token_ids=[7], status="done",
+                       output_text=json.dumps({"status_code": 200, "body": {"n": 0}}))
+    assert store.fail_job(job.id, "RuntimeError: boom", from_statuses=("queued",))
+    failed = sdk.batches.retrieve(batch_id)
+    assert failed.status == "failed" and failed.errors.data[0].message == "RuntimeError: boom"
+    assert failed.output_file_id == f"{batch_id}-output"
+    assert [json.loads(x)["custom_id"] for x in sdk.files.content(failed.output_file_id).text.splitlines()] == ["l-0"]
+    assert not store.fail_job(job.id, "again", from_statuses=("queued",))  # a compare-and-set
+
+
+def test_a_batch_cancelled_then_its_input_deleted_stays_cancelled(store):
+    """The runner read a batch as queued, then found its input gone (the client had cancelled it and deleted the
+    file in between) and stored it failed over the cancel."""
+    store.save_api_file("file-c", "batch", "in.jsonl", _input(2))
+    batch_id = create_batch(store, "file-c", "/v1/completions", "24h", None)["id"]
+    runner = BatchRunner(store, _Engine(_Router(delay_s=0.01)), MODEL, log=lambda _: None)
+    real = store.api_file_content
+
+    def cancelled_and_deleted_meanwhile(file_id):
+        store.update_job(store.job_by_key(batch_id).id, status="cancelled")
+        assert store.delete_api_file(file_id).deleted
+        return real(file_id)
+
+    store.api_file_content = cancelled_and_deleted_meanwhile
+    try:
+        runner._step()
+    finally:
+        del store.api_file_content
+    assert store.job_by_key(batch_id).status == "cancelled"
 
 
 def test_a_batch_whose_input_was_deleted_as_it_was_created_fails_at_once_naming_it(store):
@@ -190,3 +286,14 @@ def test_store_prune_and_the_retention_job_delete_expired_files(tmp_path, monkey
     store.save_api_file("file-9", "batch", "a.jsonl", _input(1), expires_at_s=time.time() - 1)
     run = store_retention.execute_in_process(resources={"store": res})
     assert run.success and run.output_for_node("prune_expired_files") == 1 and store.api_file("file-9") is None
+
+
+def test_looking_at_a_store_that_is_not_there_makes_no_file(tmp_path, monkeypatch, capsys):
+    """``store status`` and ``store prune --dry-run`` on a mistyped SQLite path made an empty database there."""
+    from flexpipe_dag.cli import main
+
+    path = tmp_path / "typo.db"
+    monkeypatch.setenv("FLEXPIPE_DATABASE_URL", f"sqlite:///{path}")
+    assert main(["store", "status"]) == 0 and "no database file at" in capsys.readouterr().out
+    assert main(["store", "prune", "--dry-run"]) == 0 and "nothing to prune" in capsys.readouterr().out
+    assert not path.exists()

@@ -463,3 +463,13 @@ def test_a_password_holding_a_line_break_is_masked_whole():
     url = f"postgresql+psycopg2://fp:{PASSWORD[:4]}\n{PASSWORD[4:]}@db/fp"
     assert masked_url(url) == "postgresql+psycopg2://fp:***@db/fp"
     assert f"{PASSWORD[:4]}\n{PASSWORD[4:]}" in url_secrets(url)
+
+
+def test_a_short_password_is_masked_where_it_stands_not_inside_words():
+    """A password ``p`` turned "No module named 'psycopg'" into "'***syco***g'"."""
+    from flexpipe_dag.sql.engine import scrubbed
+
+    url = "postgresql://u:p@127.0.0.1:1/x"
+    assert scrubbed("No module named 'psycopg'", url) == "No module named 'psycopg'"
+    assert scrubbed("the secret is p.", url) == "the secret is ***."
+    assert scrubbed("dsn 'p'", url) == "dsn '***'"

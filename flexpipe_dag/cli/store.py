@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.core.errors import one_line
     from flexpipe_dag.core.settings import database_url, sample_retention_s
-    from flexpipe_dag.sql.engine import opening_errors
+    from flexpipe_dag.sql.engine import missing_sqlite_file, opening_errors
     from flexpipe_dag.sql.store import (
         Store,
         check_store_url,
@@ -48,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
     keep_s = sample_retention_s(args.keep_days) if args.action == "prune" else None  # checked before the store opens
     url = database_url()
     shown = check_store_url(url)
+    missing = missing_sqlite_file(url)
+    if missing is not None and (args.action == "status" or (args.action == "prune" and args.dry_run)):
+        print(f"store {one_line(shown)}: no database file at {one_line(str(missing))} yet (it is made on first use); "
+              + ("nothing to prune" if args.action == "prune" else "schema revision none"))
+        return 0  # looking writes nothing: not even an empty file at a mistyped path
     with opening_errors(shown, url):
         engine = make_engine(url)
         try:

@@ -145,6 +145,9 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
                    f"the request body must be a JSON object sent as Content-Type: application/json (got {kind!r})")
             return refused(request, APIError(400, msg))
         msg = f"{param}: {err.get('msg')}"
+        if param == "file" and "UploadFile" in str(err.get("msg")):  # pydantic's words, and the text echoed
+            return refused(request, APIError(400, "file: expected a file part (a multipart field with a filename)",
+                                             param="file"))
         if "input" in err and param:
             msg += f" (got {json.dumps(err['input'], default=str)[:80]})"
         return refused(request, APIError(400, msg, param=param))
@@ -212,14 +215,19 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         return await _respond(engine, gen, body, "chat_completions", chat_shapes(model_name))
 
     @app.post("/v1/files", dependencies=[Depends(authorised)])
-    async def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
+    async def upload_file(request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
                           anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
                           seconds: Annotated[str | None, Form(alias="expires_after[seconds]")] = None) -> dict:
         store = batches.require_store()
         limit = store.max_api_file_bytes
+        form = await request.form()  # parsed once (cached): read as sent, repeats and empty values included
+        for name in ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]"):
+            if len(form.getlist(name)) > 1:
+                raise APIError(400, f"{name}: sent {len(form.getlist(name))} times; send it once", param=name)
         if purpose != "batch":
             raise APIError(400, f"purpose: only 'batch' is served, got {purpose!r}", param="purpose")
-        expires_after_s = file_expiry_s(anchor, seconds)
+        expires_after_s = file_expiry_s(_form_text(form, "expires_after[anchor]"),
+                                        _form_text(form, "expires_after[seconds]"))
         content = await file.read(limit + 1)
         if len(content) > limit:
             raise APIError(413, f"file larger than {limit} bytes", param="file", code="file_too_large")
@@ -325,15 +333,28 @@ def file_expiry_s(anchor: str | None, seconds: str | None) -> int:
     if anchor is None and seconds is None:
         return DEFAULT_BATCH_FILE_EXPIRY_S
     if anchor != "created_at":
-        raise APIError(400, f"expires_after[anchor]: expected 'created_at', got {anchor!r}",
-                       param="expires_after[anchor]")
+        got = "nothing (expires_after needs both anchor and seconds)" if anchor is None else repr(anchor)[:80]
+        raise APIError(400, f"expires_after[anchor]: expected 'created_at', got {got}", param="expires_after[anchor]")
     span = f"a whole number of seconds from {MIN_FILE_EXPIRY_S} (1 hour) to {MAX_FILE_EXPIRY_S} (30 days)"
-    if seconds is None or not seconds.strip().isdecimal() or not seconds.strip().isascii():
-        raise APIError(400, f"expires_after[seconds]: expected {span}, got {seconds!r}",
-                       param="expires_after[seconds]")
-    value = int(seconds)
+    digits = (seconds or "").strip()
+    if not (digits.isdecimal() and digits.isascii() and len(digits) <= 12):  # int() of 5,000 digits raises
+        got = "nothing (expires_after needs both anchor and seconds)" if seconds is None else repr(seconds)[:80]
+        raise APIError(400, f"expires_after[seconds]: expected {span}, got {got}", param="expires_after[seconds]")
+    value = int(digits)
     if not MIN_FILE_EXPIRY_S <= value <= MAX_FILE_EXPIRY_S:
         raise APIError(400, f"expires_after[seconds]: expected {span}, got {value}", param="expires_after[seconds]")
+    return value
+
+
+def _form_text(form, name: str) -> str | None:
+    """A form field's value as sent (an empty one is ``""``, not missing); None when absent.
+
+    Raises:
+        APIError: 400 the field was sent as a file part.
+    """
+    value = form.get(name)
+    if value is not None and not isinstance(value, str):
+        raise APIError(400, f"{name}: expected a text field, got a file part", param=name)
     return value
 
 

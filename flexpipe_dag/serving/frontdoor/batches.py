@@ -428,9 +428,10 @@ class BatchRunner:
         if n == 1:
             self.log(f"batch {job.job_key}: {what} (the batch fails if this repeats {MAX_JOB_ERRORS} times)")
         if n >= MAX_JOB_ERRORS:
-            self.db.update_job(job.id, status=InferenceJobStatus.FAILED, error=what[:500])
             self._errors.pop(job.id, None)
-            self.log(f"batch {job.job_key}: failed: {what}")
+            # only a batch that may still run: one cancelled meanwhile (then its input deleted) stays cancelled
+            if self.db.fail_job(job.id, what[:500], from_statuses=(*RUNNABLE, InferenceJobStatus.PAUSED.value)):
+                self.log(f"batch {job.job_key}: failed: {what}")
 
     def _step_job(self, job) -> None:
         lines = self._job_lines(job)
@@ -578,9 +579,8 @@ def create_batch(store, input_file_id: str, endpoint: str, completion_window: st
     config = {API_BATCH_KEY: {"input_file_id": input_file_id, "endpoint": endpoint,
                               "completion_window": completion_window, "metadata": dict(metadata or {}),
                               "created_at": int(time.time())}}
-    job_id = store.get_or_create_job(batch_id, InferenceJobKind.BATCH, priority=-1, source_path=input_file_id,
-                                     config=config)
-    store.update_job(job_id, total_requests=len(lines))
+    if store.add_file_batch(batch_id, input_file_id, config, len(lines)) is None:  # deleted or expired meanwhile
+        raise APIError(404, f"No such file: {input_file_id}", param="input_file_id", code="file_not_found")
     return batch_object(store, _job(store, batch_id), None)
 
 
@@ -617,9 +617,13 @@ def batch_object(store, job, runner: BatchRunner | None) -> dict:
               "done": "completed", "failed": "failed", "cancelled": "cancelled"}[job.status]
     if status == "cancelled" and lines_still_coming(store, job, runner):
         status = "cancelling"
-    final = status in ("completed", "cancelled")
+    final = status in ("completed", "cancelled", "failed")  # a failed batch's finished lines are kept and served
     stamp = int(job.updated_at.timestamp()) if job.updated_at else None
-    return {"id": job.job_key, "object": "batch", "endpoint": spec["endpoint"], "errors": None,
+    errors = None
+    if status == "failed" and job.error:  # why, as OpenAI's batch object tells it
+        errors = {"object": "list", "data": [{"code": "batch_failed", "message": job.error, "param": None,
+                                              "line": None}]}
+    return {"id": job.job_key, "object": "batch", "endpoint": spec["endpoint"], "errors": errors,
             "input_file_id": spec["input_file_id"], "completion_window": spec["completion_window"],
             "status": status, "output_file_id": f"{job.job_key}-output" if final and completed else None,
             "error_file_id": f"{job.job_key}-errors" if final and failed else None,
@@ -692,20 +696,24 @@ class BatchFile:
 
 def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchFile | None:
     """A batch's generated output or error file (``<batch id>-output`` / ``-errors``), or None when
-    ``file_id`` names no such file, or the batch has not ended (still running, or cancelled with lines in
-    flight on ``runner``: the file is written when the batch ends, as its batch object names it then)."""
+    ``file_id`` names no such file: the batch has not ended (still running, or cancelled with lines in
+    flight on ``runner``: the file is written when the batch ends, as its batch object names it then), or it has no
+    line of that kind (its batch object names no such file)."""
     for suffix, ok in (("-output", True), ("-errors", False)):
         if file_id.endswith(suffix):
             try:
                 job = _job(store, file_id[:-len(suffix)])
             except APIError:
                 return None
-            if job.status not in (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value):
+            if job.status not in (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value,
+                                  InferenceJobStatus.FAILED.value):
                 return None
             if lines_still_coming(store, job, runner):  # "cancelling": its last rows are still coming
                 return None
-            rows = sorted((r for r in store.results(job.id) if (r.status == RequestResultStatus.DONE.value) == ok),
-                          key=_line_order(store, job))
+            rows = [r for r in store.results(job.id) if (r.status == RequestResultStatus.DONE.value) == ok]
+            if not rows:
+                return None
+            rows.sort(key=_line_order(store, job))
             out = []
             for r in rows:
                 record = json.loads(r.output_text or "{}")
@@ -719,5 +727,5 @@ def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchF
                                 error=(record.get("body") or {}).get("error"))
                 out.append(json.dumps(line))
             ended = int(job.updated_at.timestamp()) if job.updated_at else 0
-            return BatchFile(("\n".join(out) + "\n").encode() if out else b"", ended)
+            return BatchFile(("\n".join(out) + "\n").encode(), ended)
     return None

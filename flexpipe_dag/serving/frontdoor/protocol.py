@@ -28,7 +28,10 @@ _UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|.*\[.*\])$", re
 
 def field_path(loc) -> str | None:
     """The request field an error is about, as a client wrote it: ``messages.0.content``, without
-    ``body`` and without pydantic's names of union branches (``prompt.str`` is ``prompt``)."""
+    ``body`` and without pydantic's names of union branches (``prompt.str`` is ``prompt``); a query or path
+    parameter by its name (``limit``, not ``query.limit``)."""
+    if loc and loc[0] in ("query", "path"):
+        loc = loc[1:]
     parts = [str(p) for p in loc if p != "body" and not _UNION_BRANCH.match(str(p))]
     return ".".join(parts) or None
 

@@ -1,4 +1,6 @@
 """api_files.expires_at: an uploaded file expires (OpenAI's ``expires_after``; a batch file, 30 days by default);
+api_files.deleted_at: a deleted file's row stays a day as a list cursor (its content emptied); api_files indexed by
+(created_at, id), the order GET /v1/files pages in;
 inference_jobs indexed by (kind, status) and (kind, id): a server's batch runner polls the unfinished batches every
 half second and ``GET /v1/batches`` pages them newest first
 
@@ -23,7 +25,11 @@ def upgrade() -> None:
     comment = "when the file is no longer served and may be pruned; NULL: kept until deleted"
     with op.batch_alter_table("api_files") as batch:
         batch.add_column(sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True, comment=comment))
+        batch.add_column(sa.Column("deleted_at", sa.DateTime(timezone=True), nullable=True, comment=(
+            "when DELETE /v1/files took it (its content is gone; the row stays a while as a list cursor); NULL: not "
+            "deleted")))
     op.create_index("ix_api_files_expires_at", "api_files", ["expires_at"])
+    op.create_index("ix_api_files_created_at_id", "api_files", ["created_at", "id"])
     op.create_index("ix_inference_jobs_kind_status", "inference_jobs", ["kind", "status"])
     op.create_index("ix_inference_jobs_kind_id", "inference_jobs", ["kind", "id"])
 
@@ -32,13 +38,19 @@ def data_lost_by_downgrade(conn) -> list[str]:
     """What :func:`downgrade` would destroy in the store on ``conn`` (read by ``flexpipe_dag.sql.schema``)."""
     from flexpipe_dag.sql.schema import row_count
 
-    dated = row_count(conn, "api_files", "expires_at IS NOT NULL")
-    return [f"api_files.expires_at of {dated} uploaded files (they would be kept until deleted)"] if dated else []
+    dated = row_count(conn, "api_files", "expires_at IS NOT NULL AND deleted_at IS NULL")
+    gone = row_count(conn, "api_files", "deleted_at IS NOT NULL")
+    lost = [f"api_files.expires_at of {dated} uploaded files (they would be kept until deleted)"] if dated else []
+    if gone:
+        lost.append(f"api_files.deleted_at of {gone} deleted files (they would be listed again, empty)")
+    return lost
 
 
 def downgrade() -> None:
     op.drop_index("ix_inference_jobs_kind_id", table_name="inference_jobs")
     op.drop_index("ix_inference_jobs_kind_status", table_name="inference_jobs")
+    op.drop_index("ix_api_files_created_at_id", table_name="api_files")
     op.drop_index("ix_api_files_expires_at", table_name="api_files")
     with op.batch_alter_table("api_files") as batch:
+        batch.drop_column("deleted_at")
         batch.drop_column("expires_at")

@@ -1,5 +1,6 @@
 """The ``store_retention`` job and its nightly schedule: metric samples older than the retention are deleted, and
-the uploaded files (Batch API input) that have expired, unless a batch that has not ended still reads them.
+the uploaded files (Batch API input) that have expired, unless a batch that has not ended still reads them, and the
+result rows of the batches whose output files have expired.
 
 A serving run writes a pipeline row and one row per stage every 2 s (about 170,000 rows a day on 3 stages);
 nothing reads them after the sensors have (their cursors move on) and the run's report is written, so a store
@@ -52,15 +53,15 @@ def prune_metric_samples(context: OpExecutionContext, config: StoreRetentionConf
     return result.rows
 
 
-class ExpiredFilesConfig(Config):
-    """Whether expired files are only counted."""
+class ExpiredConfig(Config):
+    """Whether what has expired is only counted."""
 
-    dry_run: bool = Field(default=False, description="count the expired files that would go, delete nothing")
+    dry_run: bool = Field(default=False, description="count what would go, delete nothing")
 
 
 @op(description="Delete the uploaded files (Batch API input) that have expired, except those a batch that has not "
                 "ended still reads (they go at a later prune).")
-def prune_expired_files(context: OpExecutionContext, config: ExpiredFilesConfig, store: StoreResource) -> int:
+def prune_expired_files(context: OpExecutionContext, config: ExpiredConfig, store: StoreResource) -> int:
     """Files deleted (or counted on a dry run); the line, bytes and files kept go to the run's metadata."""
     result = store.get_store().prune_api_files(dry_run=config.dry_run)
     context.log.info(result.describe())
@@ -69,12 +70,23 @@ def prune_expired_files(context: OpExecutionContext, config: ExpiredFilesConfig,
     return result.files
 
 
+@op(description="Delete the result rows of the Batch API batches whose output and error files have expired "
+                "(output_expires_after, 30 days after the batch ended by default); each batch keeps its counts.")
+def prune_expired_batch_results(context: OpExecutionContext, config: ExpiredConfig, store: StoreResource) -> int:
+    """Result rows deleted (or counted on a dry run); the line, rows and batches go to the run's metadata."""
+    result = store.get_store().prune_batch_results(dry_run=config.dry_run)
+    context.log.info(result.describe())
+    context.add_output_metadata({"rows": result.rows, "batches": result.batches, "dry_run": result.dry_run})
+    return result.rows
+
+
 @job(description="Prune the store: metric samples older than the retention (FLEXPIPE_SAMPLE_RETENTION_DAYS, "
-                 f"default {DEFAULT_SAMPLE_RETENTION_DAYS:g} days) and expired uploaded files.",
-     tags={"dagster/priority": "-5"})
+                 f"default {DEFAULT_SAMPLE_RETENTION_DAYS:g} days), expired uploaded files and the results of batches "
+                 "whose output files expired.", tags={"dagster/priority": "-5"})
 def store_retention():
     prune_metric_samples()
     prune_expired_files()
+    prune_expired_batch_results()
 
 
 store_retention_schedule = ScheduleDefinition(
@@ -84,6 +96,6 @@ store_retention_schedule = ScheduleDefinition(
     execution_fn=on_time_only,
     default_status=DefaultScheduleStatus.RUNNING,
     execution_timezone="UTC",
-    description="Nightly at 03:00 UTC: delete metric samples older than the retention and expired uploaded files; "
-                "a missed tick is skipped.",
+    description="Nightly at 03:00 UTC: delete metric samples older than the retention, expired uploaded files and "
+                "expired batch results; a missed tick is skipped.",
 )

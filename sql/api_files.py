@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from sqlalchemy import and_, delete, func, or_, select
 
+from flexpipe_dag.core.clock import as_utc
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import RUNNABLE_JOB_STATUSES, InferenceJobKind, InferenceJobStatus
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.models import as_utc
 from flexpipe_dag.sql.session import StoreBase, checked_text
 
 #: Largest file the store takes, bytes (OpenAI's Batch API input limit is 200 MB; a CPU-sized default).

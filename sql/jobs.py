@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, select, update
+from sqlalchemy import CursorResult, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import (
+    API_BATCH_CONFIG_KEY,
     RUNNABLE_JOB_STATUSES,
     InferenceJobKind,
     InferenceJobStatus,
@@ -23,7 +27,25 @@ from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, che
 #: sensor change); the id, key and kind are fixed when the job is created, its priority, source and config set by
 #: each run that passes a config (:meth:`InferenceJobs.get_or_create_job`).
 UPDATABLE_JOB_FIELDS: tuple[str, ...] = ("status", "total_requests", "malformed_rows", "admissions", "error",
-                                         "gear_key")
+                                         "gear_key", "results_expire_at")
+#: Batches whose result rows one transaction of :meth:`InferenceJobs.prune_batch_results` deletes.
+PRUNE_BATCHES_PER_CHUNK = 20
+
+
+@dataclass(frozen=True)
+class ResultsPruneResult:
+    """What :meth:`InferenceJobs.prune_batch_results` deleted (or, on a dry run, would delete): the result rows of
+    ``batches`` Batch API batches whose output files had expired, ``rows`` in all."""
+
+    batches: int
+    rows: int
+    dry_run: bool
+
+    def describe(self) -> str:
+        """One line for a person."""
+        verb = "would delete" if self.dry_run else "deleted"
+        return f"batch results: {verb} {self.rows:,d} row(s) of {self.batches:,d} batch(es) whose output files expired"
+
 
 
 class InferenceJobs(StoreBase):
@@ -65,7 +87,7 @@ class InferenceJobs(StoreBase):
     def update_job(self, job_id: int, **fields: Any) -> None:
         """Set fields of a job: only those its runs change (:data:`UPDATABLE_JOB_FIELDS`): ``status``,
         ``total_requests``, ``malformed_rows``, ``admissions`` (integers), ``error`` and ``gear_key`` (strings
-        or None).
+        or None), ``results_expire_at`` (an aware datetime or None).
 
         Raises:
             InputError: the field named and nothing of the call written: a field not in
@@ -87,6 +109,9 @@ class InferenceJobs(StoreBase):
             raise InputError(where, "error", f"expected a string or None, got {fields['error']!r}")
         if "gear_key" in fields:
             checked_text(fields["gear_key"], where, "gear_key", 200, optional=True)
+        expire = fields.get("results_expire_at")
+        if expire is not None and not (isinstance(expire, dt.datetime) and expire.tzinfo is not None):
+            raise InputError(where, "results_expire_at", f"expected an aware datetime or None, got {expire!r}")
         with self.session() as s:
             job = s.get(m.InferenceJob, job_id)
             if job is None:
@@ -125,13 +150,16 @@ class InferenceJobs(StoreBase):
         with self.session() as s:
             return cast(CursorResult[Any], s.execute(q.values(owner_run_key=None))).rowcount == 1
 
-    def fail_job(self, job_id: int, error: str, from_statuses: Iterable[str]) -> bool:
-        """Set a job ``failed`` with ``error``, only while its status is one of ``from_statuses`` (a compare-and-set:
-        a job cancelled or finished meanwhile keeps that status); whether it was failed."""
+    def fail_job(self, job_id: int, error: str, from_statuses: Iterable[str],
+                 results_expire_at: dt.datetime | None = None) -> bool:
+        """Set a job ``failed`` with ``error`` (and ``results_expire_at``), only while its status is one of
+        ``from_statuses`` (a compare-and-set: a job cancelled or finished meanwhile keeps that status); whether it
+        was failed."""
         with self.session() as s:
             done = s.execute(update(m.InferenceJob)
                              .where(m.InferenceJob.id == job_id, m.InferenceJob.status.in_(list(from_statuses)))
-                             .values(status=InferenceJobStatus.FAILED.value, error=error))
+                             .values(status=InferenceJobStatus.FAILED.value, error=error,
+                                     results_expire_at=results_expire_at))
             return cast(CursorResult[Any], done).rowcount > 0
 
     def job_status(self, job_id: int) -> str:
@@ -251,6 +279,43 @@ class InferenceJobs(StoreBase):
         with self.session() as s:
             return set(s.scalars(select(m.RequestResult.request_key).where(
                 m.RequestResult.job_id == job_id, m.RequestResult.status == RequestResultStatus.DONE.value)))
+
+    def prune_batch_results(self, *, dry_run: bool = False, now_s: float | None = None,
+                            per_chunk: int = PRUNE_BATCHES_PER_CHUNK) -> ResultsPruneResult:
+        """Delete the result rows of the Batch API batches whose output and error files have expired at ``now_s``
+        (``results_expire_at``; epoch seconds, default the clock). Each batch keeps its counts (its config's
+        ``results_pruned``: completed, failed, when), so its batch object reads as before, without files. Batches go
+        ``per_chunk`` to a transaction, so a crash keeps what it has not reached. ``dry_run``: only count."""
+        now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, dt.UTC)
+        due = m.InferenceJob.results_expire_at.is_not(None) & (m.InferenceJob.results_expire_at <= now)
+        if dry_run:
+            with self.session() as s:
+                batches = int(s.scalar(select(func.count()).where(due)) or 0)
+                rows = s.scalar(select(func.count()).select_from(m.RequestResult).where(
+                    m.RequestResult.job_id.in_(select(m.InferenceJob.id).where(due))))
+            return ResultsPruneResult(batches, int(rows or 0), True)
+        batches = rows = 0
+        while True:
+            with self.session() as s:
+                jobs = list(s.scalars(select(m.InferenceJob).where(due).order_by(m.InferenceJob.id).limit(per_chunk)
+                                      .with_for_update()))
+                if not jobs:
+                    return ResultsPruneResult(batches, rows, False)
+                for job in jobs:
+                    counts = dict(s.execute(select(m.RequestResult.status, func.count())
+                                            .where(m.RequestResult.job_id == job.id)
+                                            .group_by(m.RequestResult.status)).all())
+                    spec = dict(job.config.get(API_BATCH_CONFIG_KEY) or {})
+                    spec["results_pruned"] = {"completed": int(counts.get(RequestResultStatus.DONE.value, 0)),
+                                              "failed": sum(int(n) for st, n in counts.items()
+                                                            if st != RequestResultStatus.DONE.value),
+                                              "at": int(now.timestamp())}
+                    job.config = {**job.config, API_BATCH_CONFIG_KEY: spec}
+                    job.results_expire_at = None
+                    gone = s.execute(delete(m.RequestResult).where(m.RequestResult.job_id == job.id)
+                                     .execution_options(synchronize_session=False))
+                    rows += cast(CursorResult[Any], gone).rowcount
+                    batches += 1
 
     def results(self, job_id: int) -> list[m.RequestResult]:
         """A job's results, in the order they were written."""

@@ -57,11 +57,6 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def as_utc(when: dt.datetime) -> dt.datetime:
-    """``when`` with its time zone: a naive datetime (SQLite gives ``DateTime(timezone=True)`` back naive) is UTC."""
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
-
-
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, dt.datetime: DateTime(timezone=True)}
@@ -320,6 +315,9 @@ class InferenceJob(Base):
     owner_run_key: Mapped[str | None] = mapped_column(
         String(200), comment="the serving run that serves this Batch API batch (NULL: not claimed yet); another "
                              "server takes it over once that run has ended or fallen silent")
+    results_expire_at: Mapped[dt.datetime | None] = mapped_column(
+        index=True, comment="a Batch API batch that has ended: when its output and error files expire and a prune "
+                            "deletes its result rows (their counts kept); NULL: not ended, pruned, or not such a batch")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     results: Mapped[list[RequestResult]] = relationship(back_populates="job", cascade="all, delete-orphan")

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 from sqlalchemy import and_, exists, or_, select
 
+from flexpipe_dag.core.clock import as_utc
 from flexpipe_dag.core.liveness import PipelineLiveness
 from flexpipe_dag.core.status import PipelineRunKind, checked
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.models import as_utc, utcnow
+from flexpipe_dag.sql.models import utcnow
 from flexpipe_dag.sql.session import StoreBase, checked_text
 
 

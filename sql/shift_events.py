@@ -24,10 +24,11 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from flexpipe_dag.core.clock import as_utc
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import ShiftEventAction, ShiftEventStatus, checked
 from flexpipe_dag.sql import models as m
-from flexpipe_dag.sql.models import as_utc, utcnow
+from flexpipe_dag.sql.models import utcnow
 from flexpipe_dag.sql.session import StoreBase, checked_text, json_ready
 
 

@@ -282,10 +282,13 @@ def test_store_prune_and_the_retention_job_delete_expired_files(tmp_path, monkey
         store.save_api_file(f"file-{i}", "batch", "a.jsonl", _input(1), expires_at_s=time.time() - 1)
     assert main(["store", "prune", "--dry-run"]) == 0
     assert "uploaded files: would delete 3 expired file(s)" in capsys.readouterr().out
-    assert main(["store", "prune"]) == 0 and "uploaded files: deleted 3 expired file(s)" in capsys.readouterr().out
+    assert main(["store", "prune"]) == 0
+    printed = capsys.readouterr().out
+    assert "uploaded files: deleted 3 expired file(s)" in printed and "batch results: deleted 0 row(s)" in printed
     store.save_api_file("file-9", "batch", "a.jsonl", _input(1), expires_at_s=time.time() - 1)
     run = store_retention.execute_in_process(resources={"store": res})
     assert run.success and run.output_for_node("prune_expired_files") == 1 and store.api_file("file-9") is None
+    assert run.output_for_node("prune_expired_batch_results") == 0
 
 
 def test_looking_at_a_store_that_is_not_there_makes_no_file(tmp_path, monkeypatch, capsys):
@@ -297,3 +300,38 @@ def test_looking_at_a_store_that_is_not_there_makes_no_file(tmp_path, monkeypatc
     assert main(["store", "status"]) == 0 and "no database file at" in capsys.readouterr().out
     assert main(["store", "prune", "--dry-run"]) == 0 and "nothing to prune" in capsys.readouterr().out
     assert not path.exists()
+
+
+def test_a_batchs_output_expires_as_asked_and_a_prune_deletes_its_rows_keeping_its_counts(sdk, store):
+    """A batch's result rows stayed forever (a busy batch server writes gigabytes of them); its output and error
+    files now expire as OpenAI's do (``output_expires_after``, 30 days by default) and a prune deletes the rows."""
+    upload = sdk.files.create(file=("in.jsonl", _input(3)), purpose="batch")
+    short = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
+                               output_expires_after={"anchor": "created_at", "seconds": 3600})
+    default = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    for batch in (short, default):
+        job = store.job_by_key(batch.id)
+        for n, status in enumerate(("done", "done", "failed")):
+            store.write_result(job.id, f"l-{n}", prompt_tokens=3, output_token_ids=[7], status=status,
+                               output_text=json.dumps({"status_code": 200 if status == "done" else 400, "body": {}}))
+        sdk.batches.cancel(batch.id)  # ended: its files are written now and expire from now
+    ended = time.time()
+    output = sdk.files.retrieve(f"{short.id}-output")
+    assert output.expires_at is not None and abs(output.expires_at - ended - 3600) <= 3
+    assert abs(sdk.files.retrieve(f"{default.id}-errors").expires_at - ended - 30 * 86400) <= 3
+    for seconds in (59, "3600", 30 * 86400 + 1):
+        with pytest.raises(BadRequestError, match="output_expires_after.seconds"):
+            sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
+                               output_expires_after={"anchor": "created_at", "seconds": seconds})  # type: ignore
+    dry = store.prune_batch_results(dry_run=True, now_s=ended + 3601)
+    assert (dry.batches, dry.rows) == (1, 3) and len(store.results(store.job_by_key(short.id).id)) == 3
+    done = store.prune_batch_results(now_s=ended + 3601)
+    assert (done.batches, done.rows) == (1, 3) and "deleted 3 row(s) of 1 batch(es)" in done.describe()
+    assert store.results(store.job_by_key(short.id).id) == [] and len(store.results(store.job_by_key(default.id).id)) == 3
+    gone = sdk.batches.retrieve(short.id)  # the batch reads as before: its counts kept, its files gone
+    assert gone.status == "cancelled" and (gone.request_counts.completed, gone.request_counts.failed) == (2, 1)
+    for file_id in (gone.output_file_id, gone.error_file_id):
+        with pytest.raises(NotFoundError):
+            sdk.files.content(file_id)
+    assert store.prune_batch_results(now_s=ended + 3601).batches == 0  # once
+    assert store.prune_batch_results(now_s=ended + 30 * 86400 + 1).rows == 3  # the default batch's, a month later

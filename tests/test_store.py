@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 
 import pytest
@@ -274,14 +275,16 @@ def _job_row(store, job_key: str) -> tuple:
 
 @pytest.mark.parametrize(("fields", "match"), [
     ({"id": 777}, r"^inference_jobs: id: not a field update_job sets; expected status, total_requests, "
-                  r"malformed_rows, admissions, error or gear_key$"),
+                  r"malformed_rows, admissions, error, gear_key or results_expire_at$"),
+    ({"status": "done", "results_expire_at": dt.datetime(2026, 1, 1)},  # naive: which zone is not known
+     r"^inference_jobs: results_expire_at: expected an aware datetime or None"),
     ({"status": "done", "job_key": "other"}, r"^inference_jobs: job_key: not a field update_job sets"),
     ({"totl_requests": 3}, r"^inference_jobs: totl_requests: not a field update_job sets"),
     ({"status": "done", "total_requests": None}, r"^inference_jobs: total_requests: expected an integer, got None$"),
     ({"malformed_rows": 1.5}, r"^inference_jobs: malformed_rows: expected an integer, got 1.5$"),
     ({"error": 42}, r"^inference_jobs: error: expected a string or None, got 42$"),
     ({"gear_key": "g" * 201}, r"^inference_jobs: gear_key: expected a string of at most 200 characters or None"),
-], ids=["primary-key", "job-key-with-status", "typo", "none-total", "fraction-malformed", "int-error", "long-gear"])
+], ids=["primary-key", "naive-expiry", "job-key-with-status", "typo", "none-total", "fraction-malformed", "int-error", "long-gear"])
 def test_update_job_sets_only_its_fields(store, fields, match):
     """update_job sets what its callers set (status, counts, error, gear) and refuses any other attribute (the
     primary key, the job key, a typo silently ignored before) by name, writing nothing of the call."""

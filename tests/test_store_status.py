@@ -191,7 +191,7 @@ def test_store_facade_keeps_its_public_methods():
         "jobs_newest_first", "fail_job", "write_result", "done_request_keys", "results",
         "write_observations", "read_observations", "observed_runs", "save_calibration", "calibrations",
         "latest_calibration", "save_api_file", "api_file", "api_file_content", "list_api_files", "api_file_readers",
-        "delete_api_file", "prune_api_files", "add_file_batch",
+        "delete_api_file", "prune_api_files", "add_file_batch", "prune_batch_results",
     }
 
 

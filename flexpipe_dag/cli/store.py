@@ -1,6 +1,7 @@
 """``flexpipe store``: the store's schema: show its revision, upgrade, downgrade (refused when it would drop data
-unless --force) and repair a half-migrated store; prune the metric samples older than the retention and the uploaded
-files that have expired. The store is FLEXPIPE_DATABASE_URL or SQLite under FLEXPIPE_HOME."""
+unless --force) and repair a half-migrated store; prune the metric samples older than the retention, the uploaded
+files that have expired and the results of batches whose output files have. The store is FLEXPIPE_DATABASE_URL or
+SQLite under FLEXPIPE_HOME."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     rep = actions.add_parser("repair", help="drop the tables of a half-migrated store (no schema version) and "
                                             "create the schema afresh")
     rep.add_argument("--force", action="store_true", help="drop them even though they hold rows")
-    prune = actions.add_parser("prune", help="delete the metric samples written before the retention window and the "
-                                             "expired uploaded files no running batch reads")
+    prune = actions.add_parser("prune", help="delete the metric samples written before the retention window, the "
+                                             "expired uploaded files no running batch reads and the results of "
+                                             "batches whose output files expired")
     prune.add_argument("--keep-days", type=float, default=None,
                        help="retention, days (default FLEXPIPE_SAMPLE_RETENTION_DAYS, else "
                             f"{DEFAULT_SAMPLE_RETENTION_DAYS:g}; at least 1 hour)")
@@ -69,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
                 revision = current_revision(engine)
                 if revision in head_revisions():
                     print(store.prune_api_files(dry_run=args.dry_run).describe())
+                    print(store.prune_batch_results(dry_run=args.dry_run).describe())
                 else:  # a dry run on a store not upgraded yet: its files carry no expiry
-                    print(f"uploaded files: none expire at schema revision {revision} (upgrade the store first)")
+                    print(f"uploaded files and batch results: none expire at schema revision {revision} (upgrade the "
+                          "store first)")
                 return 0
             elif args.action == "repair":
                 for name, rows in repair(engine, force=args.force).items():

@@ -38,6 +38,9 @@ from flexpipe_dag.serving.frontdoor.engine import FrontDoorEngine, Generation
 from flexpipe_dag.serving.frontdoor.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
 from flexpipe_dag.serving.frontdoor.protocol import (
+    DEFAULT_BATCH_FILE_EXPIRY_S,
+    MAX_FILE_EXPIRY_S,
+    MIN_FILE_EXPIRY_S,
     APIError,
     BatchCreateRequest,
     ChatCompletionRequest,
@@ -46,11 +49,6 @@ from flexpipe_dag.serving.frontdoor.protocol import (
     field_path,
 )
 from flexpipe_dag.serving.frontdoor.responses import Shapes, chat_shapes, completion_shapes, list_object, usage
-
-#: OpenAI's bounds on a file's ``expires_after[seconds]`` (1 hour to 30 days) and its default for a batch file.
-MIN_FILE_EXPIRY_S = 3600
-MAX_FILE_EXPIRY_S = 30 * 86400
-DEFAULT_BATCH_FILE_EXPIRY_S = MAX_FILE_EXPIRY_S
 
 #: Header that marks a request's priority class (``online`` / ``offline``), as the body's ``priority``.
 PRIORITY_HEADER = "X-FlexPipe-Priority"
@@ -259,7 +257,8 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         made = batch_file(store, file_id, batches.runner) if info is None else None
         if made is None:
             raise _no_file(file_id)
-        return _file_object(file_id, len(made.content), made.created_at, f"{file_id}.jsonl", "batch_output")
+        return _file_object(file_id, len(made.content), made.created_at, f"{file_id}.jsonl", "batch_output",
+                            made.expires_at)
 
     @app.get("/v1/files/{file_id}/content", dependencies=[Depends(authorised)])
     async def file_content(file_id: str) -> Response:
@@ -292,8 +291,9 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
 
     @app.post("/v1/batches", dependencies=[Depends(authorised)])
     async def create(body: BatchCreateRequest) -> dict:
+        expiry = body.output_expires_after
         return create_batch(batches.require_store(), body.input_file_id, body.endpoint, body.completion_window,
-                            body.metadata)
+                            body.metadata, expiry.seconds if expiry is not None else DEFAULT_BATCH_FILE_EXPIRY_S)
 
     @app.get("/v1/batches", dependencies=[Depends(authorised)])
     async def list_all(limit: int = 20, after: str | None = None) -> dict:

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import json
 import threading
@@ -37,6 +38,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flexpipe_dag.core.clock import epoch_s
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.ids import printable_problem
 from flexpipe_dag.core.status import (
@@ -56,6 +58,7 @@ from flexpipe_dag.serving.frontdoor.engine import (
 )
 from flexpipe_dag.serving.frontdoor.prepare import chat_generation, completion_generation
 from flexpipe_dag.serving.frontdoor.protocol import (
+    DEFAULT_BATCH_FILE_EXPIRY_S,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -430,7 +433,8 @@ class BatchRunner:
         if n >= MAX_JOB_ERRORS:
             self._errors.pop(job.id, None)
             # only a batch that may still run: one cancelled meanwhile (then its input deleted) stays cancelled
-            if self.db.fail_job(job.id, what[:500], from_statuses=(*RUNNABLE, InferenceJobStatus.PAUSED.value)):
+            if self.db.fail_job(job.id, what[:500], from_statuses=(*RUNNABLE, InferenceJobStatus.PAUSED.value),
+                                results_expire_at=results_expire_at(job)):
                 self.log(f"batch {job.job_key}: failed: {what}")
 
     def _step_job(self, job) -> None:
@@ -438,7 +442,7 @@ class BatchRunner:
         finished = self._finished_ids(job.id)
         if len(finished) >= len(lines):
             if self.inflight(job.id) == 0:
-                self.db.update_job(job.id, status=InferenceJobStatus.DONE)
+                self.db.update_job(job.id, status=InferenceJobStatus.DONE, results_expire_at=results_expire_at(job))
                 self.log(f"batch {job.job_key}: completed ({len(lines)} lines)")
             return
         if job.status != InferenceJobStatus.RUNNING.value:
@@ -558,8 +562,9 @@ def _stops(body: dict) -> list[str]:
 
 # -- the batch object and its files ----------------------------------------------------------------------
 def create_batch(store, input_file_id: str, endpoint: str, completion_window: str,
-                 metadata: dict[str, str] | None) -> dict:
-    """Check the input file and store the batch (status ``queued``); returns the batch object.
+                 metadata: dict[str, str] | None, output_expires_after_s: int = DEFAULT_BATCH_FILE_EXPIRY_S) -> dict:
+    """Check the input file and store the batch (status ``queued``; its output and error files expire
+    ``output_expires_after_s`` after it has ended); returns the batch object.
 
     Raises:
         APIError: 400 an endpoint FlexPipe does not batch, a window other than 24h, a bad line (see
@@ -578,10 +583,18 @@ def create_batch(store, input_file_id: str, endpoint: str, completion_window: st
     batch_id = f"batch_{uuid.uuid4().hex}"
     config = {API_BATCH_KEY: {"input_file_id": input_file_id, "endpoint": endpoint,
                               "completion_window": completion_window, "metadata": dict(metadata or {}),
-                              "created_at": int(time.time())}}
+                              "created_at": int(time.time()), "output_expires_after_s": output_expires_after_s}}
     if store.add_file_batch(batch_id, input_file_id, config, len(lines)) is None:  # deleted or expired meanwhile
         raise APIError(404, f"No such file: {input_file_id}", param="input_file_id", code="file_not_found")
     return batch_object(store, _job(store, batch_id), None)
+
+
+def results_expire_at(job, now_s: float | None = None) -> dt.datetime:
+    """When the output and error files of ``job``, a batch ending now (``now_s``, epoch seconds), expire: its
+    ``output_expires_after`` (batches stored before it had one: 30 days) from now."""
+    spec = job.config[API_BATCH_KEY]
+    after_s = spec.get("output_expires_after_s", DEFAULT_BATCH_FILE_EXPIRY_S)
+    return dt.datetime.fromtimestamp((time.time() if now_s is None else now_s) + after_s, dt.UTC)
 
 
 def _job(store, batch_id: str, param: str = "batch_id"):
@@ -610,15 +623,19 @@ def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
 def batch_object(store, job, runner: BatchRunner | None) -> dict:
     """OpenAI's batch object for a stored batch job."""
     spec = job.config[API_BATCH_KEY]
-    rows = store.results(job.id)
-    completed = sum(1 for r in rows if r.status == RequestResultStatus.DONE.value)
-    failed = len(rows) - completed
+    pruned = spec.get("results_pruned")  # its output files expired and its rows went: their counts stay
+    if pruned is not None:
+        completed, failed = int(pruned["completed"]), int(pruned["failed"])
+    else:
+        rows = store.results(job.id)
+        completed = sum(1 for r in rows if r.status == RequestResultStatus.DONE.value)
+        failed = len(rows) - completed
     status = {"queued": "validating", "admitted": "in_progress", "running": "in_progress", "paused": "in_progress",
               "done": "completed", "failed": "failed", "cancelled": "cancelled"}[job.status]
     if status == "cancelled" and lines_still_coming(store, job, runner):
         status = "cancelling"
     final = status in ("completed", "cancelled", "failed")  # a failed batch's finished lines are kept and served
-    stamp = int(job.updated_at.timestamp()) if job.updated_at else None
+    stamp = epoch_s(job.updated_at)
     errors = None
     if status == "failed" and job.error:  # why, as OpenAI's batch object tells it
         errors = {"object": "list", "data": [{"code": "batch_failed", "message": job.error, "param": None,
@@ -667,7 +684,7 @@ def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
     """
     job = _job(store, batch_id)
     if job.status in RUNNABLE or job.status == InferenceJobStatus.PAUSED.value:
-        store.update_job(job.id, status=InferenceJobStatus.CANCELLED)
+        store.update_job(job.id, status=InferenceJobStatus.CANCELLED, results_expire_at=results_expire_at(job))
         if runner is not None:
             runner.log(f"batch {job.job_key}: cancelled ({len(store.results(job.id))} of {job.total_requests} lines "
                        f"kept, {runner.inflight(job.id)} in flight finish first)")
@@ -687,18 +704,19 @@ def _line_order(store, job) -> Callable[[Any], tuple[int, int]]:
 
 @dataclass(frozen=True)
 class BatchFile:
-    """A batch's generated output or error file: its bytes and when the batch ended (epoch seconds, the
-    file object's ``created_at``: the same at every read)."""
+    """A batch's generated output or error file: its bytes, when the batch ended (epoch seconds, the
+    file object's ``created_at``: the same at every read) and when the file expires (None: never)."""
 
     content: bytes
     created_at: int
+    expires_at: int | None = None
 
 
 def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchFile | None:
     """A batch's generated output or error file (``<batch id>-output`` / ``-errors``), or None when
     ``file_id`` names no such file: the batch has not ended (still running, or cancelled with lines in
-    flight on ``runner``: the file is written when the batch ends, as its batch object names it then), or it has no
-    line of that kind (its batch object names no such file)."""
+    flight on ``runner``: the file is written when the batch ends, as its batch object names it then), it has no
+    line of that kind (its batch object names no such file), or the file has expired."""
     for suffix, ok in (("-output", True), ("-errors", False)):
         if file_id.endswith(suffix):
             try:
@@ -709,6 +727,9 @@ def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchF
                                   InferenceJobStatus.FAILED.value):
                 return None
             if lines_still_coming(store, job, runner):  # "cancelling": its last rows are still coming
+                return None
+            expires_at = epoch_s(job.results_expire_at)
+            if "results_pruned" in job.config[API_BATCH_KEY] or (expires_at is not None and expires_at <= time.time()):
                 return None
             rows = [r for r in store.results(job.id) if (r.status == RequestResultStatus.DONE.value) == ok]
             if not rows:
@@ -726,6 +747,5 @@ def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchF
                                           "request_id": f"req_{r.id}", "body": record.get("body")},
                                 error=(record.get("body") or {}).get("error"))
                 out.append(json.dumps(line))
-            ended = int(job.updated_at.timestamp()) if job.updated_at else 0
-            return BatchFile(("\n".join(out) + "\n").encode(), ended)
+            return BatchFile(("\n".join(out) + "\n").encode(), epoch_s(job.updated_at) or 0, expires_at)
     return None

@@ -255,6 +255,21 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
+#: OpenAI's bounds on a file's ``expires_after.seconds`` and a batch's ``output_expires_after.seconds`` (1 hour to
+#: 30 days), and its default for a batch file (30 days).
+MIN_FILE_EXPIRY_S = 3600
+MAX_FILE_EXPIRY_S = 30 * 86400
+DEFAULT_BATCH_FILE_EXPIRY_S = MAX_FILE_EXPIRY_S
+
+
+class ExpiresAfter(_Body):
+    """OpenAI's expiration policy: ``seconds`` after ``anchor`` (the file's creation; for a batch's output and error
+    files, when the batch ended and they were written)."""
+
+    anchor: Literal["created_at"]
+    seconds: StrictInt = Field(ge=MIN_FILE_EXPIRY_S, le=MAX_FILE_EXPIRY_S)
+
+
 class BatchCreateRequest(_Body):
     """``POST /v1/batches``."""
 
@@ -264,3 +279,5 @@ class BatchCreateRequest(_Body):
     #: OpenAI's limits on ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         None, max_length=16)
+    #: when the batch's output and error files expire (then a prune deletes its result rows); default 30 days
+    output_expires_after: ExpiresAfter | None = None

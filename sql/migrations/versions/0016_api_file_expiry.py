@@ -1,6 +1,8 @@
 """api_files.expires_at: an uploaded file expires (OpenAI's ``expires_after``; a batch file, 30 days by default);
 api_files.deleted_at: a deleted file's row stays a day as a list cursor (its content emptied); api_files indexed by
-(created_at, id), the order GET /v1/files pages in;
+(created_at, id), the order GET /v1/files pages in; inference_jobs.results_expire_at: a Batch API batch's output
+and error files expire (OpenAI's ``output_expires_after``, 30 days after it ended by default), then its result rows
+are pruned;
 inference_jobs indexed by (kind, status) and (kind, id): a server's batch runner polls the unfinished batches every
 half second and ``GET /v1/batches`` pages them newest first
 
@@ -31,6 +33,11 @@ def upgrade() -> None:
     op.create_index("ix_api_files_expires_at", "api_files", ["expires_at"])
     op.create_index("ix_api_files_created_at_id", "api_files", ["created_at", "id"])
     op.create_index("ix_inference_jobs_kind_status", "inference_jobs", ["kind", "status"])
+    with op.batch_alter_table("inference_jobs") as batch:
+        batch.add_column(sa.Column("results_expire_at", sa.DateTime(timezone=True), nullable=True, comment=(
+            "a Batch API batch that has ended: when its output and error files expire and a prune deletes its result "
+            "rows (their counts kept); NULL: not ended, pruned, or not such a batch")))
+    op.create_index("ix_inference_jobs_results_expire_at", "inference_jobs", ["results_expire_at"])
     op.create_index("ix_inference_jobs_kind_id", "inference_jobs", ["kind", "id"])
 
 
@@ -43,10 +50,16 @@ def data_lost_by_downgrade(conn) -> list[str]:
     lost = [f"api_files.expires_at of {dated} uploaded files (they would be kept until deleted)"] if dated else []
     if gone:
         lost.append(f"api_files.deleted_at of {gone} deleted files (they would be listed again, empty)")
+    ending = row_count(conn, "inference_jobs", "results_expire_at IS NOT NULL")
+    if ending:
+        lost.append(f"inference_jobs.results_expire_at of {ending} ended batches (their results would be kept)")
     return lost
 
 
 def downgrade() -> None:
+    op.drop_index("ix_inference_jobs_results_expire_at", table_name="inference_jobs")
+    with op.batch_alter_table("inference_jobs") as batch:
+        batch.drop_column("results_expire_at")
     op.drop_index("ix_inference_jobs_kind_id", table_name="inference_jobs")
     op.drop_index("ix_inference_jobs_kind_status", table_name="inference_jobs")
     op.drop_index("ix_api_files_created_at_id", table_name="api_files")

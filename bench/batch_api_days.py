@@ -1,7 +1,7 @@
 """A Batch API store after weeks of batches: the batch runner's poll, a page of ``GET /v1/batches`` and one batch's
 lookup, each against the read the code made before (every batch ever stored), in the same run.
 
-Usage: python bench/batch_api_days.py [--batches 2000,20000] [--repeats 20]
+Usage: python bench/batch_api_days.py [--batches 2000,20000] [--repeats 20] [--prune-batches 500 --lines 100]
 
 For each count, fills a temporary SQLite store (WAL, as ``FLEXPIPE_HOME``'s) with that many finished Batch API
 batches (``inference_jobs`` rows with the API batch config, status ``done``) plus one queued batch, then times:
@@ -16,11 +16,17 @@ batches (``inference_jobs`` rows with the API batch config, status ``done``) plu
 
 Each figure is the median of ``--repeats`` calls, milliseconds. A server polls twice a second: at 20,000 finished
 batches the old poll's read took a core for the poll alone (see the printed figures).
+
+Then the prune of expired batch results (``Store.prune_batch_results``, as ``flexpipe store prune`` and the
+``store_retention`` job run it): ``--prune-batches`` ended batches of ``--lines`` result rows each (a response of
+about 1.5 KB per row, as a chat completion's), their output files expired: rows deleted, wall time, rows per
+second, the dry run's count against the real one, and the database file's size.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -30,7 +36,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 
 from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY
 from flexpipe_dag.serving.frontdoor.batches import BatchRunner, batch_object, get_batch, is_api_batch, list_batches
@@ -88,10 +94,41 @@ def measure(n: int, repeats: int) -> list[float]:
     return figures
 
 
+def measure_prune(batches: int, lines: int) -> None:
+    """Fill ``batches`` ended batches of ``lines`` result rows, all expired; time the dry run and the prune."""
+    import datetime as dt
+
+    body = json.dumps({"status_code": 200, "body": {"choices": [{"message": {"content": "x" * 1400}}]}})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "store.db"
+        store = Store.from_url(f"sqlite:///{path}")
+        fill(store, batches)
+        expired = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        with store.session() as s:
+            s.execute(update(m.InferenceJob).where(m.InferenceJob.status == "done").values(results_expire_at=expired))
+            for job_id in range(1, batches + 1):
+                s.execute(insert(m.RequestResult), [
+                    {"job_id": job_id, "request_key": f"l-{i}", "status": "done", "prompt_tokens": 40,
+                     "output_tokens": 300, "output_token_ids": [], "output_text": body} for i in range(lines)])
+        size_mib = path.stat().st_size / 2**20
+        t0 = time.perf_counter()
+        dry = store.prune_batch_results(dry_run=True)
+        t1 = time.perf_counter()
+        done = store.prune_batch_results()
+        t2 = time.perf_counter()
+        assert (dry.rows, dry.batches) == (done.rows, done.batches) == (batches * lines, batches)
+        store.engine.dispose()
+        print(f"prune of expired batch results: {done.rows:,d} rows of {done.batches:,d} batches ({size_mib:.0f} MiB "
+              f"store) in {t2 - t1:.2f} s ({done.rows / (t2 - t1):,.0f} rows/s); the dry run counted the same in "
+              f"{t1 - t0:.2f} s; file after: {path.stat().st_size / 2**20:.0f} MiB (SQLite reuses freed pages)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="2000,20000", help="finished batches in the store, comma-separated")
     ap.add_argument("--repeats", type=int, default=20, help="calls per figure (the median is printed)")
+    ap.add_argument("--prune-batches", type=int, default=500, help="ended batches whose results are pruned")
+    ap.add_argument("--lines", type=int, default=100, help="result rows per pruned batch")
     args = ap.parse_args()
     print(f"{'batches':>8} | {'poll old ms':>11} {'new ms':>8} {'x':>6} | {'page old ms':>11} {'new ms':>8} "
           f"{'x':>6} | {'get old ms':>10} {'new ms':>8} {'x':>6}")
@@ -99,6 +136,7 @@ def main() -> None:
         figures = measure(n, args.repeats)
         print(f"{n:>8,d} | " + " | ".join(f"{figures[i]:>11.2f} {figures[i + 1]:>8.2f} {figures[i + 2]:>5.0f}x"
                                           for i in range(0, 9, 3)))
+    measure_prune(args.prune_batches, args.lines)
 
 
 if __name__ == "__main__":

@@ -169,6 +169,11 @@ def test_repeated_or_misplaced_form_fields_are_refused_naming_them(store):
             error = answer.json()["error"]
             assert answer.status_code == 400 and message in error["message"], answer.text
             assert error["param"] == message.split(":")[0] and "secret" not in error["message"]
+        for headers, content in (({"content-type": "multipart/form-data"}, b"xx"),
+                                 ({"content-type": "multipart/form-data; boundary=zz"}, b"xx")):
+            answer = http.post("/v1/files", content=content, headers=headers)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "file", answer.text
+            assert "not valid multipart/form-data" in answer.json()["error"]["message"]
         answer = http.get("/v1/batches", params={"limit": "abc"})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit"
         assert answer.json()["error"]["message"].startswith("limit: ")

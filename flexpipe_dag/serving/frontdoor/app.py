@@ -128,6 +128,10 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+        if exc.status_code == 400 and request.url.path == "/v1/files":  # the multipart parser's refusal
+            return refused(request, APIError(400, f"file: the upload is not valid multipart/form-data ({exc.detail}); "
+                                                  "send the file as the part 'file' (with a filename of a few "
+                                                  "hundred characters at most) and 'purpose=batch'", param="file"))
         return refused(request, APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
                                          type=kind))
 

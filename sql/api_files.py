@@ -20,7 +20,7 @@ from sqlalchemy import and_, delete, func, or_, select
 
 from flexpipe_dag.core.clock import as_utc
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.core.status import RUNNABLE_JOB_STATUSES, InferenceJobKind, InferenceJobStatus
+from flexpipe_dag.core.status import UNFINISHED_JOB_STATUSES, InferenceJobKind, InferenceJobStatus
 from flexpipe_dag.sql import models as m
 from flexpipe_dag.sql.session import StoreBase, checked_text
 
@@ -29,7 +29,7 @@ MAX_FILE_BYTES = 64 * 2**20
 #: Statuses of a batch that still reads its input file: it may still submit lines (a paused one is resumed, a
 #: silent owner's taken over by another server). A cancelled, completed or failed batch reads it no more (its
 #: output file falls back to the order its rows were written when the input has gone).
-READING_JOB_STATUSES = (*RUNNABLE_JOB_STATUSES, InferenceJobStatus.PAUSED.value)
+READING_JOB_STATUSES = UNFINISHED_JOB_STATUSES
 #: How long a deleted file's emptied row stays as a list cursor, seconds.
 DELETED_ROW_KEEP_S = 86400.0
 

@@ -84,8 +84,8 @@ class JobsInMemory:
     def load_gear(self, gear_key):
         return GEARS.get(gear_key)
 
-    def jobs(self, *, kind=None):
-        return [j for j in self.rows if kind is None or j.kind == kind]
+    def jobs(self, *, kind=None, statuses=None):
+        return [j for j in self.rows if (kind is None or j.kind == kind) and (statuses is None or j.status in statuses)]
 
     def update_job(self, job_id, **fields):
         for k, v in fields.items():

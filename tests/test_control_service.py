@@ -109,8 +109,8 @@ class MemoryStore:
         self.events.append({"action": action, "status": status, "reason": reason, **fields})
         return len(self.events)
 
-    def jobs(self, *, kind=None):
-        return [j for j in self.batch if kind is None or j.kind == kind]
+    def jobs(self, *, kind=None, statuses=None):
+        return [j for j in self.batch if (kind is None or j.kind == kind) and (statuses is None or j.status in statuses)]
 
     def update_job(self, job_id, **fields):
         job = next(j for j in self.batch if j.id == job_id)

@@ -52,7 +52,7 @@ from flexpipe_dag.core.errors import FlexPipeError, InputError
 from flexpipe_dag.core.gear import Gear
 from flexpipe_dag.core.liveness import PipelineLiveness
 from flexpipe_dag.core.metrics import MetricSample
-from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY
+from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY, UNFINISHED_JOB_STATUSES
 
 #: ``forecast(t_s, rps, horizon_s) -> req/s``, what :meth:`Controller.decide` takes as ``forecast``.
 ForecastFn = Callable[[float, float, float], float]
@@ -130,7 +130,7 @@ class TideStore(Protocol):
 
     def load_gear(self, gear_key: str) -> Gear | None: ...
 
-    def jobs(self, *, kind: str | None = None) -> Sequence[BatchJobRow]: ...
+    def jobs(self, *, kind: str | None = None, statuses: Iterable[str] | None = None) -> Sequence[BatchJobRow]: ...
 
     def update_job(self, job_id: int, **fields: Any) -> None: ...
 
@@ -619,7 +619,8 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     if forecaster is None:
         forecaster = TideForecaster(load_history(cfg))
     capacity = _fleet_capacity_rps(db, runs)
-    batch_jobs = db.jobs(kind="batch")
+    # the unfinished jobs, not the weeks of finished ones; all of them once, to move an old cursor's counts
+    batch_jobs = db.jobs(kind="batch", statuses=None if state.admissions else UNFINISHED_JOB_STATUSES)
     admissions = _admission_counts(db, batch_jobs, state.admissions)
     running = [j for j in batch_jobs if j.status == "running"]
     gate = gate.model_copy(update={"running": bool(running) or gate.running and any(

@@ -79,6 +79,9 @@ class InferenceJobStatus(StrEnum):
 #: Job statuses whose work is still to be served: a Batch API batch in one of them is claimed and served by a server.
 RUNNABLE_JOB_STATUSES: tuple[str, ...] = (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value,
                                           InferenceJobStatus.RUNNING.value)
+#: Job statuses of a job that has not ended: runnable, or paused (the tide admits it again). A Batch API batch in one
+#: of them still reads its input file and may still be cancelled or failed.
+UNFINISHED_JOB_STATUSES: tuple[str, ...] = (*RUNNABLE_JOB_STATUSES, InferenceJobStatus.PAUSED.value)
 
 
 #: The key of an inference job's config that marks an OpenAI Batch API batch: the front door serves it

@@ -44,6 +44,7 @@ from flexpipe_dag.core.ids import printable_problem
 from flexpipe_dag.core.status import (
     API_BATCH_CONFIG_KEY,
     RUNNABLE_JOB_STATUSES,
+    UNFINISHED_JOB_STATUSES,
     InferenceJobKind,
     InferenceJobStatus,
     RequestResultStatus,
@@ -433,7 +434,7 @@ class BatchRunner:
         if n >= MAX_JOB_ERRORS:
             self._errors.pop(job.id, None)
             # only a batch that may still run: one cancelled meanwhile (then its input deleted) stays cancelled
-            if self.db.fail_job(job.id, what[:500], from_statuses=(*RUNNABLE, InferenceJobStatus.PAUSED.value),
+            if self.db.fail_job(job.id, what[:500], from_statuses=UNFINISHED_JOB_STATUSES,
                                 results_expire_at=results_expire_at(job)):
                 self.log(f"batch {job.job_key}: failed: {what}")
 
@@ -683,7 +684,7 @@ def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
         APIError: 404 no such batch.
     """
     job = _job(store, batch_id)
-    if job.status in RUNNABLE or job.status == InferenceJobStatus.PAUSED.value:
+    if job.status in UNFINISHED_JOB_STATUSES:
         store.update_job(job.id, status=InferenceJobStatus.CANCELLED, results_expire_at=results_expire_at(job))
         if runner is not None:
             runner.log(f"batch {job.job_key}: cancelled ({len(store.results(job.id))} of {job.total_requests} lines "

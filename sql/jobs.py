@@ -28,8 +28,9 @@ from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, che
 #: each run that passes a config (:meth:`InferenceJobs.get_or_create_job`).
 UPDATABLE_JOB_FIELDS: tuple[str, ...] = ("status", "total_requests", "malformed_rows", "admissions", "error",
                                          "gear_key", "results_expire_at")
-#: Batches whose result rows one transaction of :meth:`InferenceJobs.prune_batch_results` deletes.
-PRUNE_BATCHES_PER_CHUNK = 20
+#: Statuses of a job that has ended (its result rows may be pruned once its output files have expired).
+ENDED_JOB_STATUSES: tuple[str, ...] = (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value,
+                                       InferenceJobStatus.FAILED.value)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,17 @@ class InferenceJobs(StoreBase):
                 an :class:`~flexpipe_dag.core.status.InferenceJobStatus`, or a value of the wrong type.
             KeyError: ``job_id`` is not stored.
         """
+        fields = self._checked_fields(fields)
+        with self.session() as s:
+            job = s.get(m.InferenceJob, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            for k, v in fields.items():
+                setattr(job, k, v)
+
+    @staticmethod
+    def _checked_fields(fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` of an update, checked (see :meth:`update_job`); the status as its string value."""
         where = "inference_jobs"
         for name in fields:
             if name not in UPDATABLE_JOB_FIELDS:
@@ -112,12 +124,7 @@ class InferenceJobs(StoreBase):
         expire = fields.get("results_expire_at")
         if expire is not None and not (isinstance(expire, dt.datetime) and expire.tzinfo is not None):
             raise InputError(where, "results_expire_at", f"expected an aware datetime or None, got {expire!r}")
-        with self.session() as s:
-            job = s.get(m.InferenceJob, job_id)
-            if job is None:
-                raise KeyError(job_id)
-            for k, v in fields.items():
-                setattr(job, k, v)
+        return fields
 
     def claim_batch(self, job_id: int, run_key: str, from_owner: str | None) -> bool:
         """Make serving run ``run_key`` the owner of batch ``job_id`` if its owner is still ``from_owner`` (None: not
@@ -150,17 +157,21 @@ class InferenceJobs(StoreBase):
         with self.session() as s:
             return cast(CursorResult[Any], s.execute(q.values(owner_run_key=None))).rowcount == 1
 
-    def fail_job(self, job_id: int, error: str, from_statuses: Iterable[str],
-                 results_expire_at: dt.datetime | None = None) -> bool:
-        """Set a job ``failed`` with ``error`` (and ``results_expire_at``), only while its status is one of
-        ``from_statuses`` (a compare-and-set: a job cancelled or finished meanwhile keeps that status); whether it
-        was failed."""
+    def transition_job(self, job_id: int, status: str, from_statuses: Iterable[str], **fields: Any) -> bool:
+        """Set a job's ``status`` (and ``fields``, as :meth:`update_job` takes them) only while its status is one of
+        ``from_statuses``: a compare-and-set, so that a cancel, pause or end written meanwhile by another process (a
+        client, the tide sensor, another server) is never overwritten by a writer that read the job before it.
+        Whether the job moved.
+
+        Raises:
+            InputError: as :meth:`update_job` (nothing written).
+        """
+        fields = self._checked_fields({"status": status, **fields})
         with self.session() as s:
-            done = s.execute(update(m.InferenceJob)
-                             .where(m.InferenceJob.id == job_id, m.InferenceJob.status.in_(list(from_statuses)))
-                             .values(status=InferenceJobStatus.FAILED.value, error=error,
-                                     results_expire_at=results_expire_at))
-            return cast(CursorResult[Any], done).rowcount > 0
+            moved = s.execute(update(m.InferenceJob)
+                              .where(m.InferenceJob.id == job_id, m.InferenceJob.status.in_(list(from_statuses)))
+                              .values(**fields))
+            return cast(CursorResult[Any], moved).rowcount > 0
 
     def job_status(self, job_id: int) -> str:
         """A job's status as stored now."""
@@ -280,42 +291,46 @@ class InferenceJobs(StoreBase):
             return set(s.scalars(select(m.RequestResult.request_key).where(
                 m.RequestResult.job_id == job_id, m.RequestResult.status == RequestResultStatus.DONE.value)))
 
-    def prune_batch_results(self, *, dry_run: bool = False, now_s: float | None = None,
-                            per_chunk: int = PRUNE_BATCHES_PER_CHUNK) -> ResultsPruneResult:
-        """Delete the result rows of the Batch API batches whose output and error files have expired at ``now_s``
-        (``results_expire_at``; epoch seconds, default the clock). Each batch keeps its counts (its config's
-        ``results_pruned``: completed, failed, when), so its batch object reads as before, without files. Batches go
-        ``per_chunk`` to a transaction, so a crash keeps what it has not reached. ``dry_run``: only count."""
+    def prune_batch_results(self, *, dry_run: bool = False, now_s: float | None = None) -> ResultsPruneResult:
+        """Delete the result rows of the Batch API batches that have ended and whose output and error files have
+        expired at ``now_s`` (``results_expire_at``; epoch seconds, default the clock). Each batch keeps its counts
+        (its config's ``results_pruned``: completed, failed, added to at each prune, so a line that came after one,
+        from an owner that was still finishing it, is counted and pruned at the next), so its batch object reads as
+        before, without files. One batch to a transaction, oldest first: a crash keeps what it has not reached, and
+        a writer waits for one batch's rows at most. ``dry_run``: only count."""
         now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, dt.UTC)
-        due = m.InferenceJob.results_expire_at.is_not(None) & (m.InferenceJob.results_expire_at <= now)
+        has_rows = select(m.RequestResult.id).where(m.RequestResult.job_id == m.InferenceJob.id).exists()
+        due = (m.InferenceJob.results_expire_at.is_not(None) & (m.InferenceJob.results_expire_at <= now)
+               & m.InferenceJob.status.in_(ENDED_JOB_STATUSES) & has_rows)
         if dry_run:
             with self.session() as s:
-                batches = int(s.scalar(select(func.count()).where(due)) or 0)
+                batches = int(s.scalar(select(func.count()).select_from(m.InferenceJob).where(due)) or 0)
                 rows = s.scalar(select(func.count()).select_from(m.RequestResult).where(
                     m.RequestResult.job_id.in_(select(m.InferenceJob.id).where(due))))
             return ResultsPruneResult(batches, int(rows or 0), True)
         batches = rows = 0
+        after_id = 0
         while True:
             with self.session() as s:
-                jobs = list(s.scalars(select(m.InferenceJob).where(due).order_by(m.InferenceJob.id).limit(per_chunk)
-                                      .with_for_update()))
-                if not jobs:
+                job = s.scalar(select(m.InferenceJob).where(due, m.InferenceJob.id > after_id)
+                               .order_by(m.InferenceJob.id).limit(1).with_for_update())
+                if job is None:
                     return ResultsPruneResult(batches, rows, False)
-                for job in jobs:
-                    counts = dict(s.execute(select(m.RequestResult.status, func.count())
-                                            .where(m.RequestResult.job_id == job.id)
-                                            .group_by(m.RequestResult.status)).all())
-                    spec = dict(job.config.get(API_BATCH_CONFIG_KEY) or {})
-                    spec["results_pruned"] = {"completed": int(counts.get(RequestResultStatus.DONE.value, 0)),
-                                              "failed": sum(int(n) for st, n in counts.items()
-                                                            if st != RequestResultStatus.DONE.value),
-                                              "at": int(now.timestamp())}
-                    job.config = {**job.config, API_BATCH_CONFIG_KEY: spec}
-                    job.results_expire_at = None
-                    gone = s.execute(delete(m.RequestResult).where(m.RequestResult.job_id == job.id)
-                                     .execution_options(synchronize_session=False))
-                    rows += cast(CursorResult[Any], gone).rowcount
-                    batches += 1
+                after_id = job.id
+                counts = dict(s.execute(select(m.RequestResult.status, func.count())
+                                        .where(m.RequestResult.job_id == job.id)
+                                        .group_by(m.RequestResult.status)).all())
+                done = int(counts.pop(RequestResultStatus.DONE.value, 0))
+                spec = dict(job.config.get(API_BATCH_CONFIG_KEY) or {})
+                before = spec.get("results_pruned") or {}
+                spec["results_pruned"] = {"completed": int(before.get("completed", 0)) + done,
+                                          "failed": int(before.get("failed", 0)) + sum(int(n) for n in counts.values()),
+                                          "at": int(now.timestamp())}
+                job.config = {**job.config, API_BATCH_CONFIG_KEY: spec}
+                gone = s.execute(delete(m.RequestResult).where(m.RequestResult.job_id == job.id)
+                                 .execution_options(synchronize_session=False))
+                rows += cast(CursorResult[Any], gone).rowcount
+                batches += 1
 
     def results(self, job_id: int) -> list[m.RequestResult]:
         """A job's results, in the order they were written."""

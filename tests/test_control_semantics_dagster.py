@@ -91,6 +91,13 @@ class JobsInMemory:
         for k, v in fields.items():
             setattr(self.rows[job_id - 1], k, v)
 
+    def transition_job(self, job_id, status, from_statuses, **fields):
+        job = self.rows[job_id - 1]
+        if job.status not in from_statuses:
+            return False
+        self.update_job(job_id, status=status, **fields)
+        return True
+
 
 @pytest.fixture(scope="module")
 def trough():

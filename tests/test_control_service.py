@@ -117,6 +117,13 @@ class MemoryStore:
         for k, v in fields.items():
             setattr(job, k, v)
 
+    def transition_job(self, job_id, status, from_statuses, **fields):
+        job = next(j for j in self.batch if j.id == job_id)
+        if job.status not in from_statuses:
+            return False
+        self.update_job(job_id, status=status, **fields)
+        return True
+
 
 def test_memory_store_and_sql_store_satisfy_the_protocols(tmp_path):
     from flexpipe_dag.sql.store import Store
@@ -321,7 +328,7 @@ def test_the_tide_reads_the_online_stream_not_a_batch_jobs_own_samples(tmp_path)
                                    config={"num_requests": 8}, admissions=1)]
     db = SimpleNamespace(read_run_samples=sql.read_run_samples, newest_sample_id=sql.newest_sample_id,
                          pipeline_liveness=sql.pipeline_liveness, load_gear=gears.load_gear, jobs=gears.jobs,
-                         update_job=gears.update_job)
+                         update_job=gears.update_job, transition_job=gears.transition_job)
     sql.heartbeat_pipeline_run("serve-1", PipelineRunKind.SERVE, "throughput-2s")
     sql.heartbeat_pipeline_run("batch-run", PipelineRunKind.BATCH, "latency-1s")
     for online, offline in zip(_samples("throughput-2s", [35.0] * 6), _samples("latency-1s", [0.0] * 6)):
@@ -342,7 +349,7 @@ def _sql_tide_store(sql, gears):
     """The TideStore protocol over a real SQLite store's samples and runs, with gears and jobs in memory."""
     return SimpleNamespace(read_run_samples=sql.read_run_samples, newest_sample_id=sql.newest_sample_id,
                            pipeline_liveness=sql.pipeline_liveness, load_gear=gears.load_gear, jobs=gears.jobs,
-                           update_job=gears.update_job)
+                           update_job=gears.update_job, transition_job=gears.transition_job)
 
 
 def test_the_tide_adds_up_the_live_serving_runs_and_drops_those_that_left(tmp_path):

@@ -202,12 +202,13 @@ def test_a_batch_is_not_created_on_a_file_deleted_meanwhile_and_a_failed_batch_s
     job = store.job_by_key(batch_id)
     store.write_result(job.id, "l-0", prompt_tokens=3, output_token_ids=[7], status="done",
                        output_text=json.dumps({"status_code": 200, "body": {"n": 0}}))
-    assert store.fail_job(job.id, "RuntimeError: boom", from_statuses=("queued",))
+    assert store.transition_job(job.id, "failed", ("queued",), error="RuntimeError: boom")
     failed = sdk.batches.retrieve(batch_id)
     assert failed.status == "failed" and failed.errors.data[0].message == "RuntimeError: boom"
     assert failed.output_file_id == f"{batch_id}-output"
     assert [json.loads(x)["custom_id"] for x in sdk.files.content(failed.output_file_id).text.splitlines()] == ["l-0"]
-    assert not store.fail_job(job.id, "again", from_statuses=("queued",))  # a compare-and-set
+    assert not store.transition_job(job.id, "failed", ("queued",), error="again")  # a compare-and-set
+    assert failed.failed_at is not None
 
 
 def test_a_batch_cancelled_then_its_input_deleted_stays_cancelled(store):
@@ -340,3 +341,105 @@ def test_a_batchs_output_expires_as_asked_and_a_prune_deletes_its_rows_keeping_i
             sdk.files.content(file_id)
     assert store.prune_batch_results(now_s=ended + 3601).batches == 0  # once
     assert store.prune_batch_results(now_s=ended + 30 * 86400 + 1).rows == 3  # the default batch's, a month later
+
+
+def _ended_batch(store, lines: int = 2, status: str = "done", after_s: int = 3600) -> str:
+    """A Batch API batch of ``lines`` answered lines that has just ended with ``status``; its id."""
+    from flexpipe_dag.serving.frontdoor.batches import results_expire_at
+
+    store.save_api_file(f"file-{status}-{lines}", "batch", "in.jsonl", _input(lines))
+    batch_id = create_batch(store, f"file-{status}-{lines}", "/v1/completions", "24h", None, after_s)["id"]
+    job = store.job_by_key(batch_id)
+    for n in range(lines):
+        store.write_result(job.id, f"l-{n}", prompt_tokens=3, output_token_ids=[7], status="done",
+                           output_text=json.dumps({"status_code": 200, "body": {}}))
+    assert store.transition_job(job.id, status, ("queued",), results_expire_at=results_expire_at(job))
+    return batch_id
+
+
+def test_a_prune_keeps_the_batchs_end_time_and_counts_a_line_that_came_after_it(store):
+    """The prune rewrote the job (its ``updated_at``): ``completed_at`` moved to the prune's time. A line that came
+    after a prune (an owner still finishing it) was never counted nor pruned."""
+    from flexpipe_dag.serving.frontdoor.batches import batch_object
+
+    batch_id = _ended_batch(store, lines=2, status="cancelled")
+    before = batch_object(store, store.job_by_key(batch_id), None)
+    time.sleep(1.1)
+    assert store.prune_batch_results(now_s=time.time() + 3601).rows == 2
+    job = store.job_by_key(batch_id)
+    after = batch_object(store, job, None)
+    assert after["cancelled_at"] == before["cancelled_at"] and after["request_counts"] == before["request_counts"]
+    store.write_result(job.id, "late", prompt_tokens=3, output_token_ids=[7], status="failed",
+                       output_text=json.dumps({"status_code": 400, "body": {}}))
+    assert batch_object(store, job, None)["request_counts"] == {"total": 2, "completed": 2, "failed": 1}
+    assert store.prune_batch_results(now_s=time.time() + 3601).rows == 1  # the late line, counted and pruned
+    assert batch_object(store, store.job_by_key(batch_id), None)["request_counts"]["failed"] == 1
+    assert store.prune_batch_results(now_s=time.time() + 3601).batches == 0
+
+
+def test_the_prune_never_takes_the_rows_of_a_batch_that_has_not_ended(store):
+    """A batch whose cancel was overwritten by a writer that had read it before (now a compare-and-set) kept the
+    cancel's expiry while it ran on; the prune took its rows mid-run."""
+    batch_id = _ended_batch(store, lines=2, status="cancelled")
+    store.update_job(store.job_by_key(batch_id).id, status="running")  # as the lost cancel left it
+    assert store.prune_batch_results(now_s=time.time() + 7200).rows == 0
+    assert len(store.results(store.job_by_key(batch_id).id)) == 2
+
+
+def test_a_cancel_written_while_the_runner_parsed_the_input_is_not_overwritten(store):
+    store.save_api_file("file-p", "batch", "in.jsonl", _input(2))
+    batch_id = create_batch(store, "file-p", "/v1/completions", "24h", None)["id"]
+    engine = _Engine(_Router(delay_s=0.01))
+    runner = BatchRunner(store, engine, MODEL, log=lambda _: None)
+    real = runner._job_lines
+
+    def cancelled_while_parsing(job):
+        lines = real(job)
+        store.transition_job(job.id, "cancelled", ("queued",))
+        return lines
+
+    runner._job_lines = cancelled_while_parsing
+    runner._step()
+    assert store.job_by_key(batch_id).status == "cancelled" and engine.router.seen == []
+
+
+def test_a_failed_batchs_files_wait_for_its_lines_in_flight(store):
+    from types import SimpleNamespace
+
+    from flexpipe_dag.serving.frontdoor.batches import batch_file, batch_object
+
+    store.heartbeat_pipeline_run("fd-a", "serve", "g")
+    batch_id = _ended_batch(store, lines=1, status="failed")
+    job = store.job_by_key(batch_id)
+    assert store.claim_batch(job.id, "fd-a", None) is False  # failed: not claimed now; as if it were owned before
+    from sqlalchemy import update
+
+    from flexpipe_dag.sql import models as m
+
+    with store.session() as s:
+        s.execute(update(m.InferenceJob).where(m.InferenceJob.id == job.id).values(owner_run_key="fd-a"))
+    elsewhere = SimpleNamespace(inflight=lambda job_id: 0, run_key="fd-b")
+    job = store.job_by_key(batch_id)
+    assert batch_object(store, job, elsewhere)["output_file_id"] is None  # fd-a may still write lines
+    assert batch_file(store, f"{batch_id}-output", elsewhere) is None
+    owner = BatchRunner(store, _Engine(_Router(delay_s=0.01)), MODEL, log=lambda _: None, run_key="fd-a")
+    owner._step()  # nothing in flight on fd-a: released
+    job = store.job_by_key(batch_id)
+    assert job.owner_run_key is None and batch_object(store, job, elsewhere)["output_file_id"] == f"{batch_id}-output"
+
+
+def test_batches_that_ended_before_the_upgrade_expire_30_days_after_their_last_update(store):
+    from flexpipe_dag.sql.store import downgrade, migrate
+
+    store.save_api_file("file-old", "batch", "in.jsonl", _input(1))
+    batch_id = create_batch(store, "file-old", "/v1/completions", "24h", None)["id"]
+    store.update_job(store.job_by_key(batch_id).id, status="done")  # ended before 0016 knew the expiry
+    store.get_or_create_job("dagster-batch", "batch")  # not a Batch API batch: never dated
+    store.update_job(store.job_by_key("dagster-batch").id, status="done")
+    downgrade(store.engine, "0015")
+    migrate(store.engine)
+    from flexpipe_dag.core.clock import as_utc
+
+    job = store.job_by_key(batch_id)
+    assert abs((as_utc(job.results_expire_at) - as_utc(job.updated_at)).total_seconds() - 30 * 86400) < 1
+    assert store.job_by_key("dagster-batch").results_expire_at is None

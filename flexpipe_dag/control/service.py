@@ -134,6 +134,8 @@ class TideStore(Protocol):
 
     def update_job(self, job_id: int, **fields: Any) -> None: ...
 
+    def transition_job(self, job_id: int, status: str, from_statuses: Iterable[str], **fields: Any) -> bool: ...
+
 
 @runtime_checkable
 class ControlStore(GearShiftStore, TideStore, Protocol):
@@ -638,15 +640,16 @@ def evaluate_tide(db: TideStore, cursor: str | None, tide: TideConfig, *, epoch_
     if act is None:
         pass
     elif act.action == "pause":
-        for j in running:
-            db.update_job(j.id, status="paused")
-            paused.append(j.job_key)
+        for j in running:  # compare-and-set: a cancel or an end written since the jobs were read stays
+            if db.transition_job(j.id, "paused", ("running",)):
+                paused.append(j.job_key)
     elif act.action == "admit":
-        admit = [j for j in batch_jobs if j.status in ("queued", "paused") and j.config]
+        waiting = [j for j in batch_jobs if j.status in ("queued", "paused") and j.config]
         no_config = [j.job_key for j in batch_jobs if j.status in ("queued", "paused") and not j.config]
-        for j in admit:
-            admissions[j.job_key] += 1
-            db.update_job(j.id, status="admitted", admissions=admissions[j.job_key])
+        for j in waiting:
+            if db.transition_job(j.id, "admitted", ("queued", "paused"), admissions=admissions[j.job_key] + 1):
+                admissions[j.job_key] += 1
+                admit.append(j)
         # a Batch API batch is admitted (the front door serving it resumes it) but gets no batch_inference run
         admit = [j for j in admit if API_BATCH_CONFIG_KEY not in j.config]
     new_cursor = TideCursor(ema_rps=ema_rps, last_sample_id=last_id, gate=gate, runs=runs).dump()

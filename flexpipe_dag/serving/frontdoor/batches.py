@@ -74,6 +74,8 @@ BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 #: Request ids of batch lines on the router: ``batch:<job id>:<line index>:<submission>``.
 BATCH_PREFIX = "batch:"
 RUNNABLE = RUNNABLE_JOB_STATUSES
+#: Ended statuses whose last lines may still be in flight on their owner (it releases the batch once they are done).
+LINES_MAY_TRAIL = (InferenceJobStatus.CANCELLED.value, InferenceJobStatus.FAILED.value)
 #: Steps in a row that may raise for one batch before it is failed (its finished lines kept).
 MAX_JOB_ERRORS = 5
 #: A batch's owner (``inference_jobs.owner_run_key``) whose last heartbeat is older than this (seconds) has fallen
@@ -376,7 +378,7 @@ class BatchRunner:
         weeks past are not read at every poll)."""
         batch = InferenceJobKind.BATCH.value
         if self.run_key is not None:
-            for job in self.db.jobs(InferenceJobStatus.CANCELLED.value, batch, owner_run_key=self.run_key):
+            for job in self.db.jobs(kind=batch, statuses=LINES_MAY_TRAIL, owner_run_key=self.run_key):
                 if is_api_batch(job):
                     self._release_cancelled(job)
         runnable = [job for job in self.db.jobs(kind=batch, statuses=RUNNABLE) if is_api_batch(job)]
@@ -401,8 +403,9 @@ class BatchRunner:
                     del cache[job_id]
 
     def _release_cancelled(self, job) -> None:
-        """A cancelled batch this server owns, with no line of it in flight any more: give up the ownership, so that
-        the other servers on the store read it ``cancelled`` (not ``cancelling``) and serve its files."""
+        """A cancelled (or failed) batch this server owns, with no line of it in flight any more: give up the
+        ownership, so that the other servers on the store read it ``cancelled`` (not ``cancelling``) and serve its
+        files."""
         if self.run_key is not None and job.owner_run_key == self.run_key and self.inflight(job.id) == 0:
             if self.db.release_batch(job.id, self.run_key):
                 self.log(f"batch {job.job_key}: cancelled, no line of it in flight here any more: released")
@@ -434,20 +437,23 @@ class BatchRunner:
         if n >= MAX_JOB_ERRORS:
             self._errors.pop(job.id, None)
             # only a batch that may still run: one cancelled meanwhile (then its input deleted) stays cancelled
-            if self.db.fail_job(job.id, what[:500], from_statuses=UNFINISHED_JOB_STATUSES,
-                                results_expire_at=results_expire_at(job)):
+            if self.db.transition_job(job.id, InferenceJobStatus.FAILED, UNFINISHED_JOB_STATUSES, error=what[:500],
+                                      results_expire_at=results_expire_at(job)):
                 self.log(f"batch {job.job_key}: failed: {what}")
 
     def _step_job(self, job) -> None:
         lines = self._job_lines(job)
         finished = self._finished_ids(job.id)
         if len(finished) >= len(lines):
-            if self.inflight(job.id) == 0:
-                self.db.update_job(job.id, status=InferenceJobStatus.DONE, results_expire_at=results_expire_at(job))
+            if self.inflight(job.id) == 0 and self.db.transition_job(
+                    job.id, InferenceJobStatus.DONE, RUNNABLE, results_expire_at=results_expire_at(job)):
                 self.log(f"batch {job.job_key}: completed ({len(lines)} lines)")
             return
-        if job.status != InferenceJobStatus.RUNNING.value:
-            self.db.update_job(job.id, status=InferenceJobStatus.RUNNING)
+        # compare-and-set: a cancel or pause written since the batch was read (its input may take seconds to parse)
+        # is not overwritten; the batch is then not served
+        if job.status != InferenceJobStatus.RUNNING.value and not self.db.transition_job(
+                job.id, InferenceJobStatus.RUNNING, (InferenceJobStatus.QUEUED.value, InferenceJobStatus.ADMITTED.value)):
+            return
         self._submit(job, lines, finished)
 
     def _submit(self, job, lines: list[BatchLine], finished: set[str]) -> None:
@@ -605,13 +611,21 @@ def _job(store, batch_id: str, param: str = "batch_id"):
     raise APIError(404, f"No batch found with id '{batch_id}'", param=param, code="batch_not_found")
 
 
+def batch_ended_s(job) -> int | None:
+    """When an ended batch ended (epoch seconds): its files' expiry less its ``output_expires_after`` (fixed when it
+    ended; its ``updated_at`` moves with later writes: a release, a prune), else (not ended) its ``updated_at``."""
+    expires = epoch_s(job.results_expire_at)
+    after_s = job.config[API_BATCH_KEY].get("output_expires_after_s", DEFAULT_BATCH_FILE_EXPIRY_S)
+    return expires - int(after_s) if expires is not None else epoch_s(job.updated_at)
+
+
 def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
-    """Whether a cancelled batch may still get result rows: lines of it are in flight on ``runner``, or another
-    server owns it and is live (it releases the batch once its last line in flight has finished,
+    """Whether a cancelled (or failed) batch may still get result rows: lines of it are in flight on ``runner``, or
+    another server owns it and is live (it releases the batch once its last line in flight has finished,
     :meth:`Store.release_batch`; an owner that ended or fell silent for :data:`BATCH_OWNER_SILENT_S` sends nothing
     more: its lines in flight have no row). False for any other status (a completed batch keeps its owner: all its
     rows are written)."""
-    if job.status != InferenceJobStatus.CANCELLED.value:
+    if job.status not in LINES_MAY_TRAIL:
         return False
     if runner is not None and runner.inflight(job.id):
         return True
@@ -624,19 +638,19 @@ def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
 def batch_object(store, job, runner: BatchRunner | None) -> dict:
     """OpenAI's batch object for a stored batch job."""
     spec = job.config[API_BATCH_KEY]
-    pruned = spec.get("results_pruned")  # its output files expired and its rows went: their counts stay
-    if pruned is not None:
-        completed, failed = int(pruned["completed"]), int(pruned["failed"])
-    else:
-        rows = store.results(job.id)
-        completed = sum(1 for r in rows if r.status == RequestResultStatus.DONE.value)
-        failed = len(rows) - completed
+    rows = store.results(job.id)
+    pruned = spec.get("results_pruned") or {}  # its output files expired and those rows went: their counts stay
+    done_rows = sum(1 for r in rows if r.status == RequestResultStatus.DONE.value)
+    completed = done_rows + int(pruned.get("completed", 0))
+    failed = len(rows) - done_rows + int(pruned.get("failed", 0))
     status = {"queued": "validating", "admitted": "in_progress", "running": "in_progress", "paused": "in_progress",
               "done": "completed", "failed": "failed", "cancelled": "cancelled"}[job.status]
-    if status == "cancelled" and lines_still_coming(store, job, runner):
+    trailing = lines_still_coming(store, job, runner)
+    if status == "cancelled" and trailing:
         status = "cancelling"
-    final = status in ("completed", "cancelled", "failed")  # a failed batch's finished lines are kept and served
-    stamp = epoch_s(job.updated_at)
+    # a failed batch's finished lines are kept and served, once its last lines in flight have come
+    final = status in ("completed", "cancelled", "failed") and not trailing
+    stamp = batch_ended_s(job)
     errors = None
     if status == "failed" and job.error:  # why, as OpenAI's batch object tells it
         errors = {"object": "list", "data": [{"code": "batch_failed", "message": job.error, "param": None,
@@ -649,6 +663,7 @@ def batch_object(store, job, runner: BatchRunner | None) -> dict:
             "completed_at": stamp if status == "completed" else None,
             "cancelling_at": stamp if status in ("cancelling", "cancelled") else None,
             "cancelled_at": stamp if status == "cancelled" else None,
+            "failed_at": stamp if status == "failed" else None,
             "request_counts": {"total": job.total_requests, "completed": completed, "failed": failed},
             "metadata": spec.get("metadata") or None}
 
@@ -684,8 +699,8 @@ def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
         APIError: 404 no such batch.
     """
     job = _job(store, batch_id)
-    if job.status in UNFINISHED_JOB_STATUSES:
-        store.update_job(job.id, status=InferenceJobStatus.CANCELLED, results_expire_at=results_expire_at(job))
+    if store.transition_job(job.id, InferenceJobStatus.CANCELLED, UNFINISHED_JOB_STATUSES,
+                            results_expire_at=results_expire_at(job)):
         if runner is not None:
             runner.log(f"batch {job.job_key}: cancelled ({len(store.results(job.id))} of {job.total_requests} lines "
                        f"kept, {runner.inflight(job.id)} in flight finish first)")
@@ -748,5 +763,5 @@ def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchF
                                           "request_id": f"req_{r.id}", "body": record.get("body")},
                                 error=(record.get("body") or {}).get("error"))
                 out.append(json.dumps(line))
-            return BatchFile(("\n".join(out) + "\n").encode(), epoch_s(job.updated_at) or 0, expires_at)
+            return BatchFile(("\n".join(out) + "\n").encode(), batch_ended_s(job) or 0, expires_at)
     return None

@@ -2,7 +2,7 @@
 api_files.deleted_at: a deleted file's row stays a day as a list cursor (its content emptied); api_files indexed by
 (created_at, id), the order GET /v1/files pages in; inference_jobs.results_expire_at: a Batch API batch's output
 and error files expire (OpenAI's ``output_expires_after``, 30 days after it ended by default), then its result rows
-are pruned;
+are pruned (batches that had already ended: 30 days after their last update);
 inference_jobs indexed by (kind, status) and (kind, id): a server's batch runner polls the unfinished batches every
 half second and ``GET /v1/batches`` pages them newest first
 
@@ -38,7 +38,30 @@ def upgrade() -> None:
             "a Batch API batch that has ended: when its output and error files expire and a prune deletes its result "
             "rows (their counts kept); NULL: not ended, pruned, or not such a batch")))
     op.create_index("ix_inference_jobs_results_expire_at", "inference_jobs", ["results_expire_at"])
+    _date_ended_batches()
     op.create_index("ix_inference_jobs_kind_id", "inference_jobs", ["kind", "id"])
+
+
+def _date_ended_batches() -> None:
+    """Batch API batches that ended before this revision: their output files expire 30 days (OpenAI's default) after
+    they ended (their last update), so their result rows are pruned as a new batch's are."""
+    import datetime as dt
+    import json
+
+    jobs = sa.table("inference_jobs", sa.column("id", sa.Integer), sa.column("kind", sa.String),
+                    sa.column("status", sa.String), sa.column("config", sa.JSON),
+                    sa.column("updated_at", sa.DateTime(timezone=True)),
+                    sa.column("results_expire_at", sa.DateTime(timezone=True)))
+    conn = op.get_bind()
+    rows = conn.execute(sa.select(jobs.c.id, jobs.c.config, jobs.c.updated_at).where(
+        jobs.c.kind == "batch", jobs.c.status.in_(("done", "cancelled", "failed")))).all()
+    for job_id, config, updated_at in rows:
+        config = json.loads(config) if isinstance(config, str) else (config or {})
+        if "openai_batch" not in config or updated_at is None:
+            continue
+        ended = updated_at if updated_at.tzinfo is not None else updated_at.replace(tzinfo=dt.UTC)
+        conn.execute(sa.update(jobs).where(jobs.c.id == job_id)
+                     .values(results_expire_at=ended + dt.timedelta(days=30)))
 
 
 def data_lost_by_downgrade(conn) -> list[str]:

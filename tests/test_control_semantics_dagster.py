@@ -347,6 +347,21 @@ def test_runtime_ops_declare_the_pool_and_the_shipped_config_limits_it_to_one():
     assert pools == {"default_limit": 1}  # every pool, pipeline_runtime included, holds one op at a time
 
 
+def test_the_shipped_instance_purges_old_sensor_ticks(tmp_path):
+    """Two sensors tick every 30 s for as long as the daemon runs: Dagster kept their successful and failed ticks
+    forever by default."""
+    from dagster._core.definitions.run_request import InstigatorType
+    from dagster._core.scheduler.instigation import TickStatus
+
+    home = tmp_path / "dagster"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((REPO / "deploy" / "dagster.yaml").read_text())
+    with DagsterInstance.from_config(str(home)) as instance:
+        assert instance.get_tick_retention_settings(InstigatorType.SENSOR) == {
+            TickStatus.STARTED: -1, TickStatus.SKIPPED: 7, TickStatus.SUCCESS: 90, TickStatus.FAILURE: 30}
+        assert set(instance.get_tick_retention_settings(InstigatorType.SCHEDULE).values()) == {90}
+
+
 #: Where the pooled test op writes what it saw (set in the runs' environment).
 SPANS_DIR_VAR = "FLEXPIPE_TEST_POOL_DIR"
 

@@ -135,7 +135,7 @@ class ApiFiles(StoreBase):
             if after is not None:
                 cursor = s.execute(select(*keys).where(m.ApiFile.id == after)).first()
                 if cursor is None:  # a deleted file's row stays a day: this one never was, or went long ago
-                    raise InputError("api_files", "after", f"no stored file {after!r} (a cursor is the last id of the "
+                    raise InputError("api_files", "after", f"no stored file {after[:80]!r} (a cursor is the last id of the "
                                                            "page before)")
                 query = query.where(_past(keys, (cursor[0], cursor[1]), newest_first))
             rows = s.execute(query).all()

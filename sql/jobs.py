@@ -285,11 +285,14 @@ class InferenceJobs(StoreBase):
                                   ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms))
             return True
 
-    def done_request_keys(self, job_id: int) -> set[str]:
-        """Request keys of a job with a ``done`` result (a re-run skips them)."""
+    def done_request_keys(self, job_id: int, *, any_status: bool = False) -> set[str]:
+        """Request keys of a job with a ``done`` result (a re-run skips them); ``any_status``: with a result of any
+        status (a Batch API line answered with an error is answered too). Only the keys are read."""
+        where = [m.RequestResult.job_id == job_id]
+        if not any_status:
+            where.append(m.RequestResult.status == RequestResultStatus.DONE.value)
         with self.session() as s:
-            return set(s.scalars(select(m.RequestResult.request_key).where(
-                m.RequestResult.job_id == job_id, m.RequestResult.status == RequestResultStatus.DONE.value)))
+            return set(s.scalars(select(m.RequestResult.request_key).where(*where)))
 
     def prune_batch_results(self, *, dry_run: bool = False, now_s: float | None = None) -> ResultsPruneResult:
         """Delete the result rows of the Batch API batches that have ended and whose output and error files have
@@ -331,6 +334,29 @@ class InferenceJobs(StoreBase):
                                  .execution_options(synchronize_session=False))
                 rows += cast(CursorResult[Any], gone).rowcount
                 batches += 1
+
+    def batch_result_counts(self, job_id: int) -> tuple[int, int]:
+        """A Batch API batch's lines answered (completed, failed): its result rows and those a prune deleted (its
+        config's ``results_pruned``), read in one statement, so a prune running meanwhile never shows a count
+        dropping; without loading the rows' responses.
+
+        Raises:
+            KeyError: ``job_id`` is not stored.
+        """
+        rows = m.RequestResult
+        done = rows.status == RequestResultStatus.DONE.value
+
+        def counted(where: Any) -> Any:
+            return select(func.count()).select_from(rows).where(rows.job_id == job_id, where).scalar_subquery()
+
+        with self.session() as s:
+            found = s.execute(select(m.InferenceJob.config, counted(done), counted(~done))
+                              .where(m.InferenceJob.id == job_id)).first()
+        if found is None:
+            raise KeyError(job_id)
+        config, completed, failed = found
+        pruned = (config or {}).get(API_BATCH_CONFIG_KEY, {}).get("results_pruned") or {}
+        return int(completed) + int(pruned.get("completed", 0)), int(failed) + int(pruned.get("failed", 0))
 
     def results(self, job_id: int) -> list[m.RequestResult]:
         """A job's results, in the order they were written."""

@@ -443,3 +443,37 @@ def test_batches_that_ended_before_the_upgrade_expire_30_days_after_their_last_u
     job = store.job_by_key(batch_id)
     assert abs((as_utc(job.results_expire_at) - as_utc(job.updated_at)).total_seconds() - 30 * 86400) < 1
     assert store.job_by_key("dagster-batch").results_expire_at is None
+
+
+def test_a_batch_paused_or_cancelled_while_running_gets_no_more_lines(store):
+    """A batch the runner had read as running was served on from that snapshot after a cancel or a pause."""
+    store.save_api_file("file-r", "batch", "in.jsonl", _input(6))
+    batch_id = create_batch(store, "file-r", "/v1/completions", "24h", None)["id"]
+    engine = _Engine(_Router(delay_s=0.01))
+    runner = BatchRunner(store, engine, MODEL, max_inflight=2, log=lambda _: None)
+    engine.router.on_result = runner.on_result
+    runner._step()  # queued -> running, 2 lines submitted
+    wait_until(lambda: len(store.results(store.job_by_key(batch_id).id)) == 2, timeout_s=10, what="2 rows")
+    real = runner._job_lines
+
+    def paused_meanwhile(job):
+        lines = real(job)
+        assert store.transition_job(job.id, "paused", ("running",))
+        return lines
+
+    runner._job_lines = paused_meanwhile
+    runner._step()
+    assert len(engine.router.seen) == 2 and store.job_by_key(batch_id).status == "paused"
+
+
+def test_a_body_that_cannot_be_parsed_and_a_long_cursor_get_short_errors(store):
+    app = create_app(_Engine(_Router(delay_s=0.01)), MODEL, batch_api=BatchAPI(store))
+    with TestClient(app) as http:
+        deep = "[" * 5000 + "]" * 5000
+        answer = http.post("/v1/batches", content=deep, headers={"content-type": "application/json"})
+        assert answer.status_code == 400 and "could not be parsed" in answer.json()["error"]["message"], answer.text
+        answer = http.get("/v1/batches", params={"after": "x" * 10_000})
+        assert answer.status_code == 400 and len(answer.json()["error"]["message"]) < 200
+        answer = http.post("/v1/files", data={"purpose": "batch", "expires_after": '{"seconds": 60}'},
+                           files=[("file", ("a.jsonl", _input(1), "application/jsonl"))])
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "expires_after"

@@ -188,7 +188,7 @@ def test_store_facade_keeps_its_public_methods():
         "record_shift_event", "update_shift_event", "get_shift_event", "pending_shift_requests", "shift_events",
         "request_shift", "claim_shift_request", "expire_shift_requests",
         "get_or_create_job", "update_job", "claim_batch", "release_batch", "job_status", "jobs", "job_by_key",
-        "jobs_newest_first", "transition_job", "write_result", "done_request_keys", "results",
+        "jobs_newest_first", "transition_job", "batch_result_counts", "write_result", "done_request_keys", "results",
         "write_observations", "read_observations", "observed_runs", "save_calibration", "calibrations",
         "latest_calibration", "save_api_file", "api_file", "api_file_content", "list_api_files", "api_file_readers",
         "delete_api_file", "prune_api_files", "add_file_batch", "prune_batch_results",

@@ -128,6 +128,9 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # JSON it cannot decode
+            return refused(request, APIError(400, "the request body could not be parsed: expected a JSON object (at "
+                                                  "most a few thousand levels deep, integers of at most 4,300 digits)"))
         if exc.status_code == 400 and request.url.path == "/v1/files":  # the multipart parser's refusal
             return refused(request, APIError(400, f"file: the upload is not valid multipart/form-data ({exc.detail}); "
                                                   "send the file as the part 'file' (with a filename of a few "
@@ -226,6 +229,9 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         for name in ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]"):
             if len(form.getlist(name)) > 1:
                 raise APIError(400, f"{name}: sent {len(form.getlist(name))} times; send it once", param=name)
+        if "expires_after" in form:  # a JSON object in one field is not read: say so rather than keep the default
+            raise APIError(400, "expires_after: send it as two form fields, expires_after[anchor]=created_at and "
+                                "expires_after[seconds]=N (as the OpenAI SDKs do)", param="expires_after")
         if purpose != "batch":
             raise APIError(400, f"purpose: only 'batch' is served, got {purpose!r}", param="purpose")
         expires_after_s = file_expiry_s(_form_text(form, "expires_after[anchor]"),

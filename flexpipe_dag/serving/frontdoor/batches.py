@@ -459,6 +459,8 @@ class BatchRunner:
     def _submit(self, job, lines: list[BatchLine], finished: set[str]) -> None:
         if self.engine.router is None or self.engine.draining or self._online_open() > self.pause_above_online:
             return
+        if self.db.job_status(job.id) not in RUNNABLE:  # cancelled or paused since this poll read it: nothing more
+            return
         with self._lock:  # a line leaves _inflight only once its custom id is in ``finished`` (same lock)
             busy = {(j, ln.index) for j, ln, _, _ in self._inflight.values()}
             room = self.max_inflight - len(self._inflight)
@@ -528,7 +530,7 @@ class BatchRunner:
 
     def _finished_ids(self, job_id: int) -> set[str]:
         if job_id not in self._finished:
-            self._finished[job_id] = {r.request_key for r in self.db.results(job_id)}
+            self._finished[job_id] = self.db.done_request_keys(job_id, any_status=True)
         return self._finished[job_id]
 
     def _write(self, job_id: int, line: BatchLine, status_code: int, body: dict, tokens: list[int] | None = None,
@@ -638,11 +640,7 @@ def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
 def batch_object(store, job, runner: BatchRunner | None) -> dict:
     """OpenAI's batch object for a stored batch job."""
     spec = job.config[API_BATCH_KEY]
-    rows = store.results(job.id)
-    pruned = spec.get("results_pruned") or {}  # its output files expired and those rows went: their counts stay
-    done_rows = sum(1 for r in rows if r.status == RequestResultStatus.DONE.value)
-    completed = done_rows + int(pruned.get("completed", 0))
-    failed = len(rows) - done_rows + int(pruned.get("failed", 0))
+    completed, failed = store.batch_result_counts(job.id)  # pruned rows' counts included, in one read
     status = {"queued": "validating", "admitted": "in_progress", "running": "in_progress", "paused": "in_progress",
               "done": "completed", "failed": "failed", "cancelled": "cancelled"}[job.status]
     trailing = lines_still_coming(store, job, runner)
@@ -680,7 +678,7 @@ def list_batches(store, runner: BatchRunner | None, limit: int = 20, after: str 
         try:
             before = _job(store, after, param="after").id
         except APIError:
-            raise APIError(400, f"after: no batch {after!r} (a cursor is the last id of the page before)",
+            raise APIError(400, f"after: no batch {after[:80]!r} (a cursor is the last id of the page before)",
                            param="after") from None
     page = list(itertools.islice((j for j in store.jobs_newest_first(InferenceJobKind.BATCH.value, before)
                                   if is_api_batch(j)), limit + 1))
@@ -702,7 +700,7 @@ def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
     if store.transition_job(job.id, InferenceJobStatus.CANCELLED, UNFINISHED_JOB_STATUSES,
                             results_expire_at=results_expire_at(job)):
         if runner is not None:
-            runner.log(f"batch {job.job_key}: cancelled ({len(store.results(job.id))} of {job.total_requests} lines "
+            runner.log(f"batch {job.job_key}: cancelled ({sum(store.batch_result_counts(job.id))} of {job.total_requests} lines "
                        f"kept, {runner.inflight(job.id)} in flight finish first)")
     return batch_object(store, _job(store, batch_id), runner)
 

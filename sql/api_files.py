@@ -63,17 +63,21 @@ class FileDeletion:
 @dataclass(frozen=True)
 class FilePruneResult:
     """What :meth:`ApiFiles.prune_api_files` deleted (or, on a dry run, would delete): ``files`` expired files of
-    ``bytes`` bytes in all; ``kept`` expired files a batch that has not ended still reads (they stay)."""
+    ``bytes`` bytes in all; ``kept`` expired files a batch that has not ended still reads (they stay); ``cursors``
+    emptied rows of files deleted more than :data:`DELETED_ROW_KEEP_S` ago (list cursors no longer kept)."""
 
     files: int
     bytes: int
     kept: int
     dry_run: bool
+    cursors: int = 0
 
     def describe(self) -> str:
         """One line for a person."""
         verb = "would delete" if self.dry_run else "deleted"
         line = f"uploaded files: {verb} {self.files:,d} expired file(s), {self.bytes:,d} bytes"
+        if self.cursors:
+            line += f", and {self.cursors:,d} row(s) of files deleted over a day ago"
         return line + (f"; {self.kept:,d} expired file(s) kept: a batch still reads them" if self.kept else "")
 
 
@@ -191,7 +195,7 @@ class ApiFiles(StoreBase):
     def prune_api_files(self, *, dry_run: bool = False, now_s: float | None = None) -> FilePruneResult:
         """Delete the files that have expired at ``now_s`` (epoch seconds; default the clock), except those a batch
         that has not ended still reads (they go at a later prune, once it has), and the emptied rows of files deleted
-        more than :data:`DELETED_ROW_KEEP_S` ago (not counted: they hold no content). ``dry_run``: only count."""
+        more than :data:`DELETED_ROW_KEEP_S` ago (counted apart: they hold no content). ``dry_run``: only count."""
         now_s = time.time() if now_s is None else now_s
         now = dt.datetime.fromtimestamp(now_s, UTC)
         live = m.ApiFile.deleted_at.is_(None)
@@ -202,10 +206,11 @@ class ApiFiles(StoreBase):
             gone = s.execute(select(func.count(), func.coalesce(func.sum(m.ApiFile.bytes), 0))
                              .where(expired & ~read)).one()
             kept = int(s.scalar(select(func.count()).where(expired & read)) or 0)
+            cursors = int(s.scalar(select(func.count()).where(old_tombstone)) or 0)
             if not dry_run:
                 s.execute(delete(m.ApiFile).where(or_(expired & ~read, old_tombstone))
                           .execution_options(synchronize_session=False))
-        return FilePruneResult(int(gone[0]), int(gone[1]), kept, dry_run)
+        return FilePruneResult(int(gone[0]), int(gone[1]), kept, dry_run, cursors)
 
 
 def _ordered(cols: tuple[Any, ...], keys: tuple[Any, Any], newest_first: bool):

@@ -148,7 +148,8 @@ def test_a_client_deletes_each_file_as_it_walks_the_list(sdk, store):
     assert walked == [f.id for f in reversed(files)] and sdk.files.list().data == []
     assert store.api_file_content(files[0].id) is None
     assert store.prune_api_files().files == 0 and store.list_api_files(1, after=files[0].id)[0] == []  # still a cursor
-    store.prune_api_files(now_s=time.time() + 86401)
+    pruned = store.prune_api_files(now_s=time.time() + 86401)
+    assert pruned.cursors == 5 and "5 row(s) of files deleted over a day ago" in pruned.describe()
     with pytest.raises(InputError, match="after: no stored file"):
         store.list_api_files(1, after=files[0].id)
 

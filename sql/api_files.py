@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from sqlalchemy import and_, delete, func, or_, select
 
-from flexpipe_dag.core.clock import as_utc
+from flexpipe_dag.core.clock import epoch_s
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import UNFINISHED_JOB_STATUSES, InferenceJobKind, InferenceJobStatus
 from flexpipe_dag.sql import models as m
@@ -162,16 +162,14 @@ class ApiFiles(StoreBase):
         batches are named: cancel them first, or wait for them). A file that has expired at ``now_s`` (epoch seconds;
         default the clock) is not found, as it is not served. Its content goes at once; its row stays
         :data:`DELETED_ROW_KEEP_S` as a list cursor."""
-        now = time.time() if now_s is None else now_s
         with self.session() as s:  # the row locked: no batch is created on it between the check and the delete
-            row = s.scalar(select(m.ApiFile).where(m.ApiFile.id == file_id, m.ApiFile.deleted_at.is_(None))
-                           .with_for_update())
-            if row is None or _info(row).expired(now):
+            row = _locked_live_file(s, file_id, now_s)
+            if row is None:
                 return FileDeletion(False)
             readers = tuple(s.scalars(_readers_query(file_id)))
             if readers:
                 return FileDeletion(False, readers)
-            row.deleted_at, row.content = dt.datetime.fromtimestamp(now, UTC), b""
+            row.deleted_at, row.content = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, UTC), b""
             return FileDeletion(True)
 
     def add_file_batch(self, job_key: str, file_id: str, config: dict[str, Any], total_requests: int,
@@ -179,11 +177,8 @@ class ApiFiles(StoreBase):
         """Store a Batch API batch (an ``inference_jobs`` row, status ``queued``, priority -1) that reads ``file_id``,
         in the transaction that finds the file (locked) not deleted and not expired at ``now_s``: a delete or a prune
         never takes a file a batch has just been created on. The job's id, or None when the file is gone."""
-        now = time.time() if now_s is None else now_s
         with self.session() as s:
-            row = s.scalar(select(m.ApiFile).where(m.ApiFile.id == file_id, m.ApiFile.deleted_at.is_(None))
-                           .with_for_update())
-            if row is None or _info(row).expired(now):
+            if _locked_live_file(s, file_id, now_s) is None:
                 return None
             job = m.InferenceJob(job_key=job_key, kind=InferenceJobKind.BATCH.value,
                                  status=InferenceJobStatus.QUEUED.value, priority=-1, source_path=file_id,
@@ -213,6 +208,15 @@ class ApiFiles(StoreBase):
         return FilePruneResult(int(gone[0]), int(gone[1]), kept, dry_run, cursors)
 
 
+def _locked_live_file(s: Any, file_id: str, now_s: float | None):
+    """In session ``s``: the ``api_files`` row of ``file_id``, locked for the transaction (``FOR UPDATE``; SQLite's
+    ``BEGIN IMMEDIATE`` already holds the write lock), or None when it was deleted or has expired at ``now_s`` (epoch
+    seconds; default the clock)."""
+    row = s.scalar(select(m.ApiFile).where(m.ApiFile.id == file_id, m.ApiFile.deleted_at.is_(None))
+                   .with_for_update())
+    return None if row is None or _info(row).expired(now_s) else row
+
+
 def _ordered(cols: tuple[Any, ...], keys: tuple[Any, Any], newest_first: bool):
     """``SELECT cols`` ordered by ``keys`` (descending when ``newest_first``)."""
     return select(*cols).order_by(*(k.desc() if newest_first else k.asc() for k in keys))
@@ -239,6 +243,5 @@ def _readers_query(file_id: str):
 
 def _info(row) -> ApiFileInfo:
     """An ``api_files`` row (ORM object or selected columns) as :class:`ApiFileInfo`."""
-    expires = row.expires_at
-    return ApiFileInfo(row.id, row.purpose, row.filename, row.bytes, int(as_utc(row.created_at).timestamp()),
-                       int(as_utc(expires).timestamp()) if expires is not None else None)
+    return ApiFileInfo(row.id, row.purpose, row.filename, row.bytes, epoch_s(row.created_at) or 0,
+                       epoch_s(row.expires_at))

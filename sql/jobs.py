@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.status import (
     API_BATCH_CONFIG_KEY,
+    ENDED_JOB_STATUSES,
     RUNNABLE_JOB_STATUSES,
     InferenceJobKind,
     InferenceJobStatus,
@@ -28,9 +29,6 @@ from flexpipe_dag.sql.session import StoreBase, checked_finite, checked_int, che
 #: each run that passes a config (:meth:`InferenceJobs.get_or_create_job`).
 UPDATABLE_JOB_FIELDS: tuple[str, ...] = ("status", "total_requests", "malformed_rows", "admissions", "error",
                                          "gear_key", "results_expire_at")
-#: Statuses of a job that has ended (its result rows may be pruned once its output files have expired).
-ENDED_JOB_STATUSES: tuple[str, ...] = (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value,
-                                       InferenceJobStatus.FAILED.value)
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,6 @@ class ResultsPruneResult:
         """One line for a person."""
         verb = "would delete" if self.dry_run else "deleted"
         return f"batch results: {verb} {self.rows:,d} row(s) of {self.batches:,d} batch(es) whose output files expired"
-
 
 
 class InferenceJobs(StoreBase):

@@ -317,7 +317,7 @@ class InferenceJob(Base):
                              "server takes it over once that run has ended or fallen silent")
     results_expire_at: Mapped[dt.datetime | None] = mapped_column(
         index=True, comment="a Batch API batch that has ended: when its output and error files expire and a prune "
-                            "deletes its result rows (their counts kept); NULL: not ended, pruned, or not such a batch")
+                            "deletes its result rows (their counts kept); NULL: not ended, or not such a batch")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     results: Mapped[list[RequestResult]] = relationship(back_populates="job", cascade="all, delete-orphan")

@@ -82,6 +82,10 @@ RUNNABLE_JOB_STATUSES: tuple[str, ...] = (InferenceJobStatus.QUEUED.value, Infer
 #: Job statuses of a job that has not ended: runnable, or paused (the tide admits it again). A Batch API batch in one
 #: of them still reads its input file and may still be cancelled or failed.
 UNFINISHED_JOB_STATUSES: tuple[str, ...] = (*RUNNABLE_JOB_STATUSES, InferenceJobStatus.PAUSED.value)
+#: Job statuses of a job that has ended: a Batch API batch in one of them has its output and error files (and its
+#: result rows may be pruned once they have expired).
+ENDED_JOB_STATUSES: tuple[str, ...] = (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value,
+                                       InferenceJobStatus.FAILED.value)
 
 
 #: The key of an inference job's config that marks an OpenAI Batch API batch: the front door serves it

@@ -258,27 +258,33 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
             raise APIError(400, f"{exc.field}: {exc.problem}", param=exc.field) from None
         return list_object([_stored_file(i) for i in infos], more)
 
-    @app.get("/v1/files/{file_id}", dependencies=[Depends(authorised)])
-    async def file_info(file_id: str) -> dict:
+    def find_file(file_id: str):
+        """``(store, stored file's facts, None)`` for an upload that has not expired, ``(store, None, generated
+        file)`` for a batch's output or error file.
+
+        Raises:
+            APIError: 404 neither (an expired upload included).
+        """
         store = batches.require_store()
         info = store.api_file(file_id)
-        if info is not None and not info.expired():
-            return _stored_file(info)
         made = batch_file(store, file_id, batches.runner) if info is None else None
-        if made is None:
+        if (info is None or info.expired()) and made is None:
             raise _no_file(file_id)
+        return store, info, made
+
+    @app.get("/v1/files/{file_id}", dependencies=[Depends(authorised)])
+    async def file_info(file_id: str) -> dict:
+        _, info, made = find_file(file_id)
+        if info is not None:
+            return _stored_file(info)
         return _file_object(file_id, len(made.content), made.created_at, f"{file_id}.jsonl", "batch_output",
                             made.expires_at)
 
     @app.get("/v1/files/{file_id}/content", dependencies=[Depends(authorised)])
     async def file_content(file_id: str) -> Response:
-        store = batches.require_store()
-        info = store.api_file(file_id)
-        content = store.api_file_content(file_id) if info is not None and not info.expired() else None
-        if info is None:
-            made = batch_file(store, file_id, batches.runner)
-            content = made.content if made is not None else None
-        if content is None:
+        store, info, made = find_file(file_id)
+        content = store.api_file_content(file_id) if info is not None else made.content
+        if content is None:  # deleted since it was found
             raise _no_file(file_id)
         return Response(content, media_type="application/jsonl")
 

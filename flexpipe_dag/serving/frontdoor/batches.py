@@ -43,6 +43,7 @@ from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.ids import printable_problem
 from flexpipe_dag.core.status import (
     API_BATCH_CONFIG_KEY,
+    ENDED_JOB_STATUSES,
     RUNNABLE_JOB_STATUSES,
     UNFINISHED_JOB_STATUSES,
     InferenceJobKind,
@@ -598,12 +599,15 @@ def create_batch(store, input_file_id: str, endpoint: str, completion_window: st
     return batch_object(store, _job(store, batch_id), None)
 
 
+def _output_expires_after_s(job) -> int:
+    """How long after a batch ended its output and error files expire, seconds: its ``output_expires_after``
+    (batches stored before it had one: 30 days)."""
+    return int(job.config[API_BATCH_KEY].get("output_expires_after_s", DEFAULT_BATCH_FILE_EXPIRY_S))
+
+
 def results_expire_at(job, now_s: float | None = None) -> dt.datetime:
-    """When the output and error files of ``job``, a batch ending now (``now_s``, epoch seconds), expire: its
-    ``output_expires_after`` (batches stored before it had one: 30 days) from now."""
-    spec = job.config[API_BATCH_KEY]
-    after_s = spec.get("output_expires_after_s", DEFAULT_BATCH_FILE_EXPIRY_S)
-    return dt.datetime.fromtimestamp((time.time() if now_s is None else now_s) + after_s, dt.UTC)
+    """When the output and error files of ``job``, a batch ending now (``now_s``, epoch seconds), expire."""
+    return dt.datetime.fromtimestamp((time.time() if now_s is None else now_s) + _output_expires_after_s(job), dt.UTC)
 
 
 def _job(store, batch_id: str, param: str = "batch_id"):
@@ -617,8 +621,7 @@ def batch_ended_s(job) -> int | None:
     """When an ended batch ended (epoch seconds): its files' expiry less its ``output_expires_after`` (fixed when it
     ended; its ``updated_at`` moves with later writes: a release, a prune), else (not ended) its ``updated_at``."""
     expires = epoch_s(job.results_expire_at)
-    after_s = job.config[API_BATCH_KEY].get("output_expires_after_s", DEFAULT_BATCH_FILE_EXPIRY_S)
-    return expires - int(after_s) if expires is not None else epoch_s(job.updated_at)
+    return expires - _output_expires_after_s(job) if expires is not None else epoch_s(job.updated_at)
 
 
 def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
@@ -737,8 +740,7 @@ def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchF
                 job = _job(store, file_id[:-len(suffix)])
             except APIError:
                 return None
-            if job.status not in (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value,
-                                  InferenceJobStatus.FAILED.value):
+            if job.status not in ENDED_JOB_STATUSES:
                 return None
             if lines_still_coming(store, job, runner):  # "cancelling": its last rows are still coming
                 return None

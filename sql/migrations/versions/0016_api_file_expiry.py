@@ -36,7 +36,7 @@ def upgrade() -> None:
     with op.batch_alter_table("inference_jobs") as batch:
         batch.add_column(sa.Column("results_expire_at", sa.DateTime(timezone=True), nullable=True, comment=(
             "a Batch API batch that has ended: when its output and error files expire and a prune deletes its result "
-            "rows (their counts kept); NULL: not ended, pruned, or not such a batch")))
+            "rows (their counts kept); NULL: not ended, or not such a batch")))
     op.create_index("ix_inference_jobs_results_expire_at", "inference_jobs", ["results_expire_at"])
     _date_ended_batches()
     op.create_index("ix_inference_jobs_kind_id", "inference_jobs", ["kind", "id"])

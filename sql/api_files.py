@@ -173,16 +173,23 @@ class ApiFiles(StoreBase):
             return FileDeletion(True)
 
     def add_file_batch(self, job_key: str, file_id: str, config: dict[str, Any], total_requests: int,
-                       now_s: float | None = None) -> int | None:
+                       now_s: float | None = None, expires_at: dt.datetime | None = None) -> int | None:
         """Store a Batch API batch (an ``inference_jobs`` row, status ``queued``, priority -1) that reads ``file_id``,
         in the transaction that finds the file (locked) not deleted and not expired at ``now_s``: a delete or a prune
-        never takes a file a batch has just been created on. The job's id, or None when the file is gone."""
+        never takes a file a batch has just been created on. ``expires_at``: the end of its completion window (an
+        aware datetime; None: no deadline). The job's id, or None when the file is gone.
+
+        Raises:
+            InputError: ``expires_at`` is not an aware datetime (nothing written).
+        """
+        if expires_at is not None and not (isinstance(expires_at, dt.datetime) and expires_at.tzinfo is not None):
+            raise InputError("inference_jobs", "expires_at", f"expected an aware datetime or None, got {expires_at!r}")
         with self.session() as s:
             if _locked_live_file(s, file_id, now_s) is None:
                 return None
             job = m.InferenceJob(job_key=job_key, kind=InferenceJobKind.BATCH.value,
                                  status=InferenceJobStatus.QUEUED.value, priority=-1, source_path=file_id,
-                                 config=dict(config), total_requests=total_requests)
+                                 config=dict(config), total_requests=total_requests, expires_at=expires_at)
             s.add(job)
             s.flush()
             return job.id

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, func, select, update
+from sqlalchemy import CursorResult, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from flexpipe_dag.core.errors import InputError
@@ -16,6 +16,7 @@ from flexpipe_dag.core.status import (
     API_BATCH_CONFIG_KEY,
     ENDED_JOB_STATUSES,
     RUNNABLE_JOB_STATUSES,
+    UNFINISHED_JOB_STATUSES,
     InferenceJobKind,
     InferenceJobStatus,
     RequestResultStatus,
@@ -169,6 +170,56 @@ class InferenceJobs(StoreBase):
                               .where(m.InferenceJob.id == job_id, m.InferenceJob.status.in_(list(from_statuses)))
                               .values(**fields))
             return cast(CursorResult[Any], moved).rowcount > 0
+
+    def batches_past_deadline(self, now_s: float | None = None) -> list[m.InferenceJob]:
+        """Batch jobs that have not ended and whose completion window (``expires_at``) has passed at ``now_s`` (epoch
+        seconds; default the clock), oldest first: read through the (kind, status) index, so the weeks of ended
+        batches are not read."""
+        now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, dt.UTC)
+        job = m.InferenceJob
+        with self.session() as s:
+            return list(s.scalars(select(job).where(
+                job.kind == InferenceJobKind.BATCH.value, job.status.in_(UNFINISHED_JOB_STATUSES),
+                job.expires_at.is_not(None), job.expires_at <= now).order_by(job.id)))
+
+    def expire_batch(self, job_id: int, request_keys: Iterable[str], *, output_text: str,
+                     results_expire_at: dt.datetime, now_s: float | None = None) -> int | None:
+        """End batch ``job_id`` as ``expired`` if it has not ended and its completion window has passed at ``now_s``
+        (a compare-and-set: of two servers expiring it at once, one does), writing a ``failed`` result row, whose
+        ``output_text`` is ``output_text``, for each of ``request_keys`` (its lines) that has none yet, in the same
+        transaction: a crash leaves the batch as it was, and its request counts and error file never show it half
+        expired. ``results_expire_at``: when its output and error files expire. Returns the rows written, or None
+        when the batch was not expired (ended, not due, or a line answered meanwhile: the caller tries again).
+
+        Raises:
+            InputError: a request key that is not a string of at most 200 characters, ``output_text`` not a string,
+                or ``results_expire_at`` not an aware datetime (nothing written).
+        """
+        fields = self._checked_fields({"status": InferenceJobStatus.EXPIRED, "results_expire_at": results_expire_at})
+        keys = [cast(str, checked_text(k, "request_results", "request_key", 200)) for k in request_keys]
+        if not isinstance(output_text, str):
+            raise InputError("request_results", "output_text", f"expected a string, got {output_text!r}")
+        now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, dt.UTC)
+        try:
+            with self.session() as s:
+                job = s.scalar(select(m.InferenceJob).where(
+                    m.InferenceJob.id == job_id, m.InferenceJob.status.in_(UNFINISHED_JOB_STATUSES),
+                    m.InferenceJob.expires_at.is_not(None), m.InferenceJob.expires_at <= now).with_for_update())
+                if job is None:
+                    return None
+                answered = set(s.scalars(select(m.RequestResult.request_key)
+                                         .where(m.RequestResult.job_id == job_id)))
+                rows: list[dict[str, Any]] = [
+                    {"job_id": job_id, "request_key": k, "status": RequestResultStatus.FAILED.value, "gear_key": None,
+                     "prompt_tokens": 0, "output_tokens": 0, "output_token_ids": [], "output_text": output_text}
+                    for k in dict.fromkeys(keys) if k not in answered]
+                if rows:
+                    s.execute(insert(m.RequestResult), rows)
+                for name, value in fields.items():
+                    setattr(job, name, value)
+                return len(rows)
+        except IntegrityError:  # a line's row was written between the read and the insert: all rolled back
+            return None
 
     def job_status(self, job_id: int) -> str:
         """A job's status as stored now."""

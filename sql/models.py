@@ -315,6 +315,9 @@ class InferenceJob(Base):
     owner_run_key: Mapped[str | None] = mapped_column(
         String(200), comment="the serving run that serves this Batch API batch (NULL: not claimed yet); another "
                              "server takes it over once that run has ended or fallen silent")
+    expires_at: Mapped[dt.datetime | None] = mapped_column(
+        comment="a Batch API batch: the end of its completion window; one that has not ended by then expires (its "
+                "unserved lines answered batch_expired); NULL: no deadline")
     results_expire_at: Mapped[dt.datetime | None] = mapped_column(
         index=True, comment="a Batch API batch that has ended: when its output and error files expire and a prune "
                             "deletes its result rows (their counts kept); NULL: not ended, or not such a batch")

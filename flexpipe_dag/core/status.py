@@ -64,7 +64,9 @@ class InferenceJobStatus(StrEnum):
 
     ``queued`` (created) -> ``admitted`` (the tide sensor launched a run) -> ``running`` ->
     ``paused`` (the tide rose; resumable) | ``done`` | ``failed`` | ``cancelled`` (a Batch API batch
-    cancelled by its client: nothing more is submitted, finished results are kept).
+    cancelled by its client: nothing more is submitted, finished results are kept) | ``expired`` (a Batch API batch
+    whose completion window passed before every line was served: finished results are kept, the other lines are
+    answered ``batch_expired``).
     """
 
     QUEUED = "queued"
@@ -74,6 +76,7 @@ class InferenceJobStatus(StrEnum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"
 
 
 #: Job statuses whose work is still to be served: a Batch API batch in one of them is claimed and served by a server.
@@ -85,7 +88,7 @@ UNFINISHED_JOB_STATUSES: tuple[str, ...] = (*RUNNABLE_JOB_STATUSES, InferenceJob
 #: Job statuses of a job that has ended: a Batch API batch in one of them has its output and error files (and its
 #: result rows may be pruned once they have expired).
 ENDED_JOB_STATUSES: tuple[str, ...] = (InferenceJobStatus.DONE.value, InferenceJobStatus.CANCELLED.value,
-                                       InferenceJobStatus.FAILED.value)
+                                       InferenceJobStatus.FAILED.value, InferenceJobStatus.EXPIRED.value)
 
 
 #: The key of an inference job's config that marks an OpenAI Batch API batch: the front door serves it

@@ -20,6 +20,10 @@
 * ``POST /v1/batches/{id}/cancel`` sets ``cancelled``: nothing more is submitted; lines in flight
   finish and are kept (the batch reads ``cancelling`` until they have, on every server of the store: the
   owner releases the batch once its last line in flight has finished).
+* A batch not ended when its completion window (24 h, OpenAI's only one) passes is ``expired`` by the first
+  server's runner to see it: its finished lines are kept, every other line (those in flight too: they are
+  cancelled in the pipeline) is answered ``batch_expired`` in the error file, in one transaction
+  (:meth:`Store.expire_batch`), as OpenAI's expired batches are.
 * The output and error files (``<batch id>-output``, ``<batch id>-errors``) are built from the result
   rows when read, in input order.
 """
@@ -77,6 +81,11 @@ BATCH_PREFIX = "batch:"
 RUNNABLE = RUNNABLE_JOB_STATUSES
 #: Ended statuses whose last lines may still be in flight on their owner (it releases the batch once they are done).
 LINES_MAY_TRAIL = (InferenceJobStatus.CANCELLED.value, InferenceJobStatus.FAILED.value)
+#: The completion windows a batch may ask for (OpenAI's only one), seconds.
+COMPLETION_WINDOWS_S = {"24h": 24 * 3600}
+#: The error of a line an expired batch never served (OpenAI's ``batch_expired`` error-file line: no response).
+BATCH_EXPIRED_ERROR = {"code": "batch_expired",
+                       "message": "This request could not be executed before the completion window expired."}
 #: Steps in a row that may raise for one batch before it is failed (its finished lines kept).
 MAX_JOB_ERRORS = 5
 #: A batch's owner (``inference_jobs.owner_run_key``) whose last heartbeat is older than this (seconds) has fallen
@@ -378,6 +387,7 @@ class BatchRunner:
         """One look at the store: the batches that may still need this server (read by status, so the batches of
         weeks past are not read at every poll)."""
         batch = InferenceJobKind.BATCH.value
+        self._expire_due()
         if self.run_key is not None:
             for job in self.db.jobs(kind=batch, statuses=LINES_MAY_TRAIL, owner_run_key=self.run_key):
                 if is_api_batch(job):
@@ -392,6 +402,46 @@ class BatchRunner:
                 self._errors.pop(job.id, None)
             except Exception as exc:  # this batch only: the others go on
                 self._job_failed(job, exc)
+
+    def _expire_due(self) -> None:
+        """Expire the batches whose completion window has passed (any server may: :meth:`Store.expire_batch` is a
+        compare-and-set), and cancel the lines of them in flight here (answered ``batch_expired``)."""
+        for job in self.db.batches_past_deadline():
+            if not is_api_batch(job):
+                continue
+            try:
+                try:
+                    keys = [line.custom_id for line in self._job_lines(job)]
+                except BatchInputGone:  # nothing to answer line by line: the batch ends all the same
+                    keys = []
+                written = self.db.expire_batch(job.id, keys, output_text=json.dumps({"error": BATCH_EXPIRED_ERROR}),
+                                               results_expire_at=results_expire_at(job))
+            except Exception as exc:  # this batch only: the next poll tries again
+                self.log(f"batch {job.job_key}: not expired yet ({type(exc).__name__}: {exc})")
+                continue
+            if written is None:  # ended meanwhile, or a line answered as it was read: the next poll sees
+                continue
+            cancelled = self._cancel_lines_of(job.id)
+            self.engine.metrics.requests.labels("batch", "expired").inc(written)
+            self.log(f"batch {job.job_key}: expired (its {job.config[API_BATCH_KEY]['completion_window']} completion "
+                     f"window passed): {written} of {job.total_requests} lines answered batch_expired"
+                     + (f", {cancelled} cancelled in the pipeline" if cancelled else ""))
+
+    def _cancel_lines_of(self, job_id: int) -> int:
+        """Take batch ``job_id``'s lines out of flight and cancel them in the pipeline (a result that still comes is
+        dropped); how many were in flight."""
+        with self._lock:
+            rids = [rid for rid, (j, *_) in self._inflight.items() if j == job_id]
+            for rid in rids:
+                del self._inflight[rid]
+                self._watches.pop(rid, None)
+        for rid in rids:
+            try:
+                if self.engine.router is not None and self.engine.router.cancel(rid):
+                    self.engine.metrics.cancelled.labels("offline").inc()
+            except Exception as exc:  # its result, if it comes, finds no line in flight and is dropped
+                self.log(f"batch runner: {rid} was not cancelled ({type(exc).__name__}: {exc})")
+        return len(rids)
 
     def _forget(self, runnable: set[int]) -> None:
         """Drop the parsed lines and finished ids of the batches that are not runnable (ended, paused) and have no
@@ -582,19 +632,22 @@ def create_batch(store, input_file_id: str, endpoint: str, completion_window: st
     """
     if endpoint not in BATCH_ENDPOINTS:
         raise APIError(400, f"endpoint: expected one of {list(BATCH_ENDPOINTS)}, got {endpoint!r}", param="endpoint")
-    if completion_window != "24h":
-        raise APIError(400, f"completion_window: only 24h is supported, got {completion_window!r}",
-                       param="completion_window")
+    window_s = COMPLETION_WINDOWS_S.get(completion_window)
+    if window_s is None:
+        raise APIError(400, f"completion_window: only {', '.join(COMPLETION_WINDOWS_S)} is supported, got "
+                       f"{completion_window!r}", param="completion_window")
     info = store.api_file(input_file_id)
     content = store.api_file_content(input_file_id) if info is not None and not info.expired() else None
     if content is None:
         raise APIError(404, f"No such file: {input_file_id}", param="input_file_id", code="file_not_found")
     lines = parse_batch_input(content, endpoint, input_file_id)
     batch_id = f"batch_{uuid.uuid4().hex}"
+    created_s = int(time.time())
     config = {API_BATCH_KEY: {"input_file_id": input_file_id, "endpoint": endpoint,
                               "completion_window": completion_window, "metadata": dict(metadata or {}),
-                              "created_at": int(time.time()), "output_expires_after_s": output_expires_after_s}}
-    if store.add_file_batch(batch_id, input_file_id, config, len(lines)) is None:  # deleted or expired meanwhile
+                              "created_at": created_s, "output_expires_after_s": output_expires_after_s}}
+    deadline = dt.datetime.fromtimestamp(created_s + window_s, dt.UTC)
+    if store.add_file_batch(batch_id, input_file_id, config, len(lines), expires_at=deadline) is None:  # gone since
         raise APIError(404, f"No such file: {input_file_id}", param="input_file_id", code="file_not_found")
     return batch_object(store, _job(store, batch_id), None)
 
@@ -645,12 +698,12 @@ def batch_object(store, job, runner: BatchRunner | None) -> dict:
     spec = job.config[API_BATCH_KEY]
     completed, failed = store.batch_result_counts(job.id)  # pruned rows' counts included, in one read
     status = {"queued": "validating", "admitted": "in_progress", "running": "in_progress", "paused": "in_progress",
-              "done": "completed", "failed": "failed", "cancelled": "cancelled"}[job.status]
+              "done": "completed", "failed": "failed", "cancelled": "cancelled", "expired": "expired"}[job.status]
     trailing = lines_still_coming(store, job, runner)
     if status == "cancelled" and trailing:
         status = "cancelling"
     # a failed batch's finished lines are kept and served, once its last lines in flight have come
-    final = status in ("completed", "cancelled", "failed") and not trailing
+    final = status in ("completed", "cancelled", "failed", "expired") and not trailing
     stamp = batch_ended_s(job)
     errors = None
     if status == "failed" and job.error:  # why, as OpenAI's batch object tells it
@@ -665,6 +718,7 @@ def batch_object(store, job, runner: BatchRunner | None) -> dict:
             "cancelling_at": stamp if status in ("cancelling", "cancelled") else None,
             "cancelled_at": stamp if status == "cancelled" else None,
             "failed_at": stamp if status == "failed" else None,
+            "expires_at": epoch_s(job.expires_at), "expired_at": stamp if status == "expired" else None,
             "request_counts": {"total": job.total_requests, "completed": completed, "failed": failed},
             "metadata": spec.get("metadata") or None}
 
@@ -758,6 +812,8 @@ def batch_file(store, file_id: str, runner: BatchRunner | None = None) -> BatchF
                 if ok:
                     line.update(response={"status_code": 200, "request_id": f"req_{r.id}", "body": record["body"]},
                                 error=None)
+                elif "status_code" not in record and "error" in record:  # never served (an expired batch's line)
+                    line.update(response=None, error=record["error"])
                 else:
                     line.update(response={"status_code": record.get("status_code", 400),
                                           "request_id": f"req_{r.id}", "body": record.get("body")},

@@ -1,0 +1,183 @@
+"""A Batch API batch's completion window: a batch not ended 24 h after it was created expires, as OpenAI's do.
+
+Before, a batch had no deadline (``expires_at`` null): one the troughs never reached waited for ever, and a client
+polling for ``completed | failed | expired | cancelled`` polled for ever. Now the first server's runner to see the
+deadline pass ends it ``expired``: its finished lines stay in the output file, every other line (those in flight
+too, cancelled in the pipeline) is an error-file line ``batch_expired`` with no response, in one transaction.
+
+The HTTP routes run in-process over the real SQL store (the OpenAI SDK's transport is FastAPI's test client); the
+engine and router are the batch-runner tests' fakes beside the real ones (no model needed: the deadline is what is
+tested, not generation).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+
+import pytest
+from sqlalchemy import update
+
+from flexpipe_dag.serving.frontdoor.batches import BATCH_EXPIRED_ERROR, BatchRunner, batch_object, create_batch
+from flexpipe_dag.sql import models as m
+from tests.support import wait_until
+from tests.test_frontdoor_batch_runner import MODEL, _Engine, _Router
+from tests.test_frontdoor_files import _input, sdk  # noqa: F401 - the SDK fixture
+
+DAY_S = 24 * 3600
+EXPIRED_TEXT = json.dumps({"error": BATCH_EXPIRED_ERROR})
+
+
+class _CancellingRouter(_Router):
+    """The fake router, with the real one's ``cancel`` (True: the request was still running)."""
+
+    def __init__(self, delay_s: float):
+        super().__init__(delay_s)
+        self.cancelled: list[str] = []
+
+    def cancel(self, request_id: str) -> bool:
+        self.cancelled.append(request_id)
+        return True
+
+
+def _past_deadline(store, batch_id: str, ago_s: float = 1.0) -> None:
+    """Move batch ``batch_id``'s deadline into the past (as if 24 h had gone by)."""
+    past = dt.datetime.fromtimestamp(time.time() - ago_s, dt.UTC)
+    with store.session() as s:
+        s.execute(update(m.InferenceJob).where(m.InferenceJob.job_key == batch_id).values(expires_at=past))
+
+
+def _answer(store, batch_id: str, custom_id: str, ok: bool = True) -> None:
+    store.write_result(store.job_by_key(batch_id).id, custom_id, prompt_tokens=3, output_token_ids=[7],
+                       status="done" if ok else "failed",
+                       output_text=json.dumps({"status_code": 200 if ok else 400,
+                                               "body": {"id": custom_id} if ok else {"error": {"code": "bad"}}}))
+
+
+def _lines(sdk_client, file_id: str) -> list[dict]:
+    return [json.loads(x) for x in sdk_client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_not_ended_in_its_window_expires_keeping_its_finished_lines(sdk, store):  # noqa: F811
+    upload = sdk.files.create(file=("in.jsonl", _input(4)), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.expires_at is not None and batch.expires_at - batch.created_at == DAY_S and batch.expired_at is None
+    _answer(store, batch.id, "l-0")
+    _answer(store, batch.id, "l-1", ok=False)
+    engine = _Engine(_CancellingRouter(delay_s=0.01))
+    logged: list[str] = []
+    runner = BatchRunner(store, engine, MODEL, log=logged.append)
+    store.update_job(store.job_by_key(batch.id).id, status="paused")  # the tide held it back all day
+    _past_deadline(store, batch.id)
+    runner._step()
+    got = sdk.batches.retrieve(batch.id)
+    assert got.status == "expired" and got.expired_at is not None and abs(got.expired_at - time.time()) < 5
+    assert (got.request_counts.total, got.request_counts.completed, got.request_counts.failed) == (4, 1, 3)
+    assert engine.router.seen == []  # nothing served after the deadline
+    assert [x["custom_id"] for x in _lines(sdk, got.output_file_id)] == ["l-0"]
+    errors = {x["custom_id"]: x for x in _lines(sdk, got.error_file_id)}
+    assert set(errors) == {"l-1", "l-2", "l-3"}
+    assert errors["l-1"]["response"]["status_code"] == 400  # served and refused: as before
+    for cid in ("l-2", "l-3"):  # never served: OpenAI's expired line
+        assert errors[cid]["response"] is None and errors[cid]["error"] == BATCH_EXPIRED_ERROR
+    assert any("expired (its 24h completion window passed): 2 of 4 lines answered batch_expired" in x for x in logged)
+    assert sdk.batches.cancel(batch.id).status == "expired"  # ended: returned as it is
+    runner._step()  # once
+    assert len(store.results(store.job_by_key(batch.id).id)) == 4
+    assert engine.metrics.registry.get_sample_value("flexpipe_requests_total", {"endpoint": "batch", "outcome": "expired"}) == 2
+
+
+def test_lines_in_flight_when_the_window_closes_are_cancelled_and_answered_expired(sdk, store):  # noqa: F811
+    upload = sdk.files.create(file=("in.jsonl", _input(5)), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    engine = _Engine(_CancellingRouter(delay_s=0.5))
+    runner = BatchRunner(store, engine, MODEL, max_inflight=2, log=lambda _: None)
+    engine.router.on_result = runner.on_result
+    runner._step()  # running, two lines in flight
+    job_id = store.job_by_key(batch.id).id
+    assert len(engine.router.seen) == 2 and runner.inflight(job_id) == 2
+    _past_deadline(store, batch.id)
+    runner._step()
+    assert sorted(engine.router.cancelled) == sorted(engine.router.seen) and runner.inflight(job_id) == 0
+    time.sleep(0.8)  # the fake router answers them all the same: dropped, never a second row
+    got = sdk.batches.retrieve(batch.id)
+    assert got.status == "expired" and got.output_file_id is None
+    assert (got.request_counts.completed, got.request_counts.failed) == (0, 5)
+    assert len(_lines(sdk, got.error_file_id)) == 5 and len(store.results(job_id)) == 5
+
+
+def test_a_batch_that_ends_in_time_never_expires_and_one_expires_once(store):
+    store.save_api_file("file-a", "batch", "in.jsonl", _input(3))
+    done = create_batch(store, "file-a", "/v1/completions", "24h", None)["id"]
+    store.update_job(store.job_by_key(done).id, status="done")
+    _past_deadline(store, done)
+    late = create_batch(store, "file-a", "/v1/completions", "24h", None)["id"]
+    fresh = create_batch(store, "file-a", "/v1/completions", "24h", None)["id"]
+    _past_deadline(store, late)
+    assert [j.job_key for j in store.batches_past_deadline()] == [late]
+    keys = ["l-0", "l-1", "l-2"]
+    common = {"output_text": EXPIRED_TEXT, "results_expire_at": dt.datetime.now(dt.UTC) + dt.timedelta(days=30)}
+    for batch_id in (done, fresh):  # ended in time / not due: untouched
+        assert store.expire_batch(store.job_by_key(batch_id).id, keys, **common) is None
+        assert store.results(store.job_by_key(batch_id).id) == []
+    assert store.job_by_key(fresh).status == "queued"
+    _answer(store, late, "l-1")
+    late_id = store.job_by_key(late).id
+    assert store.expire_batch(late_id, keys, **common) == 2  # two servers at once: one expires it
+    assert store.expire_batch(late_id, keys, **common) is None
+    assert {r.request_key: r.status for r in store.results(late_id)} == {"l-1": "done", "l-0": "failed", "l-2": "failed"}
+    job = store.job_by_key(late)
+    assert job.status == "expired" and job.results_expire_at is not None
+    assert batch_object(store, job, None)["expired_at"] is not None
+    assert store.batches_past_deadline() == []
+    from flexpipe_dag.core.errors import InputError
+
+    with pytest.raises(InputError, match="request_key"):  # refused whole: nothing written
+        store.expire_batch(store.job_by_key(fresh).id, ["ok", "x" * 201], **common)
+    with pytest.raises(InputError, match="expires_at: expected an aware datetime"):
+        store.add_file_batch("batch_naive", "file-a", {}, 1, expires_at=dt.datetime(2030, 1, 1))
+    assert store.job_by_key("batch_naive") is None
+
+
+def test_only_a_24h_window_is_accepted(sdk):  # noqa: F811
+    from openai import BadRequestError
+
+    upload = sdk.files.create(file=("in.jsonl", _input(1)), purpose="batch")
+    with pytest.raises(BadRequestError, match="completion_window: only 24h is supported, got '1h'"):
+        sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="1h")  # type: ignore
+
+
+def test_a_batch_stored_before_the_upgrade_gets_a_whole_window_from_it(store):
+    from flexpipe_dag.core.clock import as_utc
+    from flexpipe_dag.core.errors import InputError
+    from flexpipe_dag.sql.store import downgrade, migrate
+
+    store.save_api_file("file-old", "batch", "in.jsonl", _input(2))
+    waiting = create_batch(store, "file-old", "/v1/completions", "24h", None)["id"]
+    ended = create_batch(store, "file-old", "/v1/completions", "24h", None)["id"]
+    store.update_job(store.job_by_key(ended).id, status="done")
+    store.get_or_create_job("dagster-batch", "batch")  # a batch_inference job, not the Batch API's: no deadline
+    with pytest.raises(InputError, match="expires_at of 1 batches not ended"):
+        downgrade(store.engine, "0016")
+    downgrade(store.engine, "0016", force=True)
+    migrate(store.engine)
+    assert store.job_by_key(ended).expires_at is None and store.job_by_key("dagster-batch").expires_at is None
+    deadline = as_utc(store.job_by_key(waiting).expires_at)
+    assert abs((deadline - dt.datetime.now(dt.UTC)).total_seconds() - DAY_S) < 60  # not at once: a day from now
+    assert store.batches_past_deadline() == []
+
+
+def test_a_served_batch_runs_to_completion_inside_its_window(store):
+    """The runner's deadline check leaves a batch in its window alone: it completes as before."""
+    store.save_api_file("file-c", "batch", "in.jsonl", _input(3))
+    batch_id = create_batch(store, "file-c", "/v1/completions", "24h", None)["id"]
+    engine = _Engine(_CancellingRouter(delay_s=0.01))
+    runner = BatchRunner(store, engine, MODEL, poll_s=0.01, log=lambda _: None)
+    engine.router.on_result = runner.on_result
+    runner.start()
+    try:
+        wait_until(lambda: store.job_by_key(batch_id).status == "done", timeout_s=30, what="batch done")
+    finally:
+        runner.stop()
+    assert engine.router.cancelled == [] and batch_object(store, store.job_by_key(batch_id), None)["expired_at"] is None

@@ -2,6 +2,7 @@
 lookup, each against the read the code made before (every batch ever stored), in the same run.
 
 Usage: python bench/batch_api_days.py [--batches 2000,20000] [--repeats 20] [--prune-batches 500 --lines 100]
+       [--expire-lines 50000]
 
 For each count, fills a temporary SQLite store (WAL, as ``FLEXPIPE_HOME``'s) with that many finished Batch API
 batches (``inference_jobs`` rows with the API batch config, status ``done``) plus one queued batch, then times:
@@ -12,7 +13,9 @@ batches (``inference_jobs`` rows with the API batch config, status ``done``) plu
 * a page of 20 batches (:func:`~flexpipe_dag.serving.frontdoor.batches.list_batches`, keyset-paged) against
   reading and sorting every batch, then the page;
 * ``GET /v1/batches/{id}`` (:func:`~flexpipe_dag.serving.frontdoor.batches.get_batch`, by key) against a scan of
-  every batch for the key.
+  every batch for the key;
+* the runner's look for batches past their completion window (``Store.batches_past_deadline``, every
+  ``EXPIRY_CHECK_S``; no baseline: it is new).
 
 Each figure is the median of ``--repeats`` calls, milliseconds. A server polls twice a second: at 20,000 finished
 batches the old poll's read took a core for the poll alone (see the printed figures).
@@ -21,6 +24,11 @@ Then the prune of expired batch results (``Store.prune_batch_results``, as ``fle
 ``store_retention`` job run it): ``--prune-batches`` ended batches of ``--lines`` result rows each (a response of
 about 1.5 KB per row, as a chat completion's), their output files expired: rows deleted, wall time, rows per
 second, the dry run's count against the real one, and the database file's size.
+
+Last, a batch whose completion window has passed with half its ``--expire-lines`` lines answered: the runner's
+poll that expires it (:meth:`Store.expire_batch`: the other half written as ``batch_expired`` rows in the one
+transaction that ends the batch, the input file parsed first), against writing the same rows one by one through
+``Store.write_result`` (each line answered as a served line is), in the same run; then the error file's build.
 """
 
 from __future__ import annotations
@@ -90,6 +98,7 @@ def measure(n: int, repeats: int) -> list[float]:
             before, after = median_ms(old, repeats), median_ms(new, repeats)
             figures += [before, after, before / after]
         assert [b["id"] for b in list_batches(store, None, 20)["data"]] == [b["id"] for b in old_page(store)]
+        figures.append(median_ms(store.batches_past_deadline, repeats))  # the runner's look every EXPIRY_CHECK_S
         store.engine.dispose()
     return figures
 
@@ -123,20 +132,71 @@ def measure_prune(batches: int, lines: int) -> None:
               f"{t1 - t0:.2f} s; file after: {path.stat().st_size / 2**20:.0f} MiB (SQLite reuses freed pages)")
 
 
+def measure_expiry(lines: int) -> None:
+    """A ``lines``-line batch past its deadline, half answered: the poll that expires it vs ``write_result`` per line."""
+    import datetime as dt
+
+    from flexpipe_dag.serving.frontdoor.batches import BATCH_EXPIRED_ERROR, batch_file, create_batch
+    from flexpipe_dag.serving.frontdoor.metrics import FrontDoorMetrics
+
+    content = "\n".join(json.dumps({"custom_id": f"l-{i}", "method": "POST", "url": "/v1/completions",
+                                    "body": {"model": "m", "prompt": "Summarise the report.", "max_tokens": 64}})
+                        for i in range(lines)).encode()
+    answered = json.dumps({"status_code": 200, "body": {"choices": [{"text": "x" * 400}]}})
+    expired_text = json.dumps({"error": BATCH_EXPIRED_ERROR})
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.from_url(f"sqlite:///{Path(tmp) / 'store.db'}")
+        store.save_api_file("file-big", "batch", "big.jsonl", content)
+        ids = []
+        for _ in range(2):
+            job = store.job_by_key(create_batch(store, "file-big", "/v1/completions", "24h", None)["id"])
+            with store.session() as s:
+                s.execute(insert(m.RequestResult), [
+                    {"job_id": job.id, "request_key": f"l-{i}", "status": "done", "prompt_tokens": 8,
+                     "output_tokens": 64, "output_token_ids": [], "output_text": answered} for i in range(0, lines, 2)])
+                s.execute(update(m.InferenceJob).where(m.InferenceJob.id == job.id).values(expires_at=past))
+            ids.append(job.id)
+        t0 = time.perf_counter()
+        for i in range(1, lines, 2):  # the baseline: each unanswered line through the one-row write
+            store.write_result(ids[0], f"l-{i}", prompt_tokens=0, output_token_ids=[], status="failed",
+                               output_text=expired_text)
+        t1 = time.perf_counter()
+        store.update_job(ids[0], status="done")  # out of the runner's way
+        engine = SimpleNamespace(metrics=FrontDoorMetrics())
+        runner = BatchRunner(store, engine, "m", run_key="fd-bench", log=lambda _: None)
+        runner._serves = lambda job: False
+        runner._step()
+        t2 = time.perf_counter()
+        job = store.job_by_key(store.jobs(kind="batch")[-1].job_key)
+        errors = batch_file(store, f"{job.job_key}-errors")
+        t3 = time.perf_counter()
+        assert job.status == "expired" and store.batch_result_counts(job.id) == (len(range(0, lines, 2)),
+                                                                                 len(range(1, lines, 2)))
+        assert errors is not None and errors.content.count(b"batch_expired") == len(range(1, lines, 2))
+        store.engine.dispose()
+    n = len(range(1, lines, 2))
+    print(f"expiry of a {lines:,d}-line batch, {n:,d} lines unanswered: the poll that expires it {t2 - t1:.2f} s "
+          f"({n / (t2 - t1):,.0f} rows/s, input parsed included) against {t1 - t0:.2f} s through write_result one row "
+          f"at a time ({(t1 - t0) / (t2 - t1):.0f}x); its error file built in {t3 - t2:.2f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="2000,20000", help="finished batches in the store, comma-separated")
     ap.add_argument("--repeats", type=int, default=20, help="calls per figure (the median is printed)")
     ap.add_argument("--prune-batches", type=int, default=500, help="ended batches whose results are pruned")
     ap.add_argument("--lines", type=int, default=100, help="result rows per pruned batch")
+    ap.add_argument("--expire-lines", type=int, default=50000, help="lines of the batch whose window passes")
     args = ap.parse_args()
     print(f"{'batches':>8} | {'poll old ms':>11} {'new ms':>8} {'x':>6} | {'page old ms':>11} {'new ms':>8} "
-          f"{'x':>6} | {'get old ms':>10} {'new ms':>8} {'x':>6}")
+          f"{'x':>6} | {'get old ms':>10} {'new ms':>8} {'x':>6} | {'deadline look ms':>16}")
     for n in (int(x) for x in args.batches.split(",")):
         figures = measure(n, args.repeats)
         print(f"{n:>8,d} | " + " | ".join(f"{figures[i]:>11.2f} {figures[i + 1]:>8.2f} {figures[i + 2]:>5.0f}x"
-                                          for i in range(0, 9, 3)))
+                                          for i in range(0, 9, 3)) + f" | {figures[9]:>16.2f}")
     measure_prune(args.prune_batches, args.lines)
+    measure_expiry(args.expire_lines)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def test_a_batch_not_ended_in_its_window_expires_keeping_its_finished_lines(sdk,
     _answer(store, batch.id, "l-1", ok=False)
     engine = _Engine(_CancellingRouter(delay_s=0.01))
     logged: list[str] = []
-    runner = BatchRunner(store, engine, MODEL, log=logged.append)
+    runner = BatchRunner(store, engine, MODEL, log=logged.append, expiry_check_s=0)
     store.update_job(store.job_by_key(batch.id).id, status="paused")  # the tide held it back all day
     _past_deadline(store, batch.id)
     runner._step()
@@ -92,7 +92,7 @@ def test_lines_in_flight_when_the_window_closes_are_cancelled_and_answered_expir
     upload = sdk.files.create(file=("in.jsonl", _input(5)), purpose="batch")
     batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
     engine = _Engine(_CancellingRouter(delay_s=0.5))
-    runner = BatchRunner(store, engine, MODEL, max_inflight=2, log=lambda _: None)
+    runner = BatchRunner(store, engine, MODEL, max_inflight=2, log=lambda _: None, expiry_check_s=0)
     engine.router.on_result = runner.on_result
     runner._step()  # running, two lines in flight
     job_id = store.job_by_key(batch.id).id
@@ -181,3 +181,21 @@ def test_a_served_batch_runs_to_completion_inside_its_window(store):
     finally:
         runner.stop()
     assert engine.router.cancelled == [] and batch_object(store, store.job_by_key(batch_id), None)["expired_at"] is None
+
+
+def test_the_runner_looks_for_passed_windows_at_most_every_expiry_check_s(store):
+    """The poll runs every half second; the deadline look (a 24-h window) only every ``expiry_check_s``."""
+    store.save_api_file("file-t", "batch", "in.jsonl", _input(1))
+    first, second = (create_batch(store, "file-t", "/v1/completions", "24h", None)["id"] for _ in range(2))
+    store.update_job(store.job_by_key(first).id, status="paused")
+    store.update_job(store.job_by_key(second).id, status="paused")
+    runner = BatchRunner(store, _Engine(_CancellingRouter(delay_s=0.01)), MODEL, log=lambda _: None,
+                         expiry_check_s=3600)
+    _past_deadline(store, first)
+    runner._step()
+    _past_deadline(store, second)
+    runner._step()
+    assert (store.job_by_key(first).status, store.job_by_key(second).status) == ("expired", "paused")
+    runner._expiry_checked_s -= 3600  # an hour later
+    runner._step()
+    assert store.job_by_key(second).status == "expired"

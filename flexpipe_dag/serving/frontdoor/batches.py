@@ -83,6 +83,9 @@ RUNNABLE = RUNNABLE_JOB_STATUSES
 LINES_MAY_TRAIL = (InferenceJobStatus.CANCELLED.value, InferenceJobStatus.FAILED.value)
 #: The completion windows a batch may ask for (OpenAI's only one), seconds.
 COMPLETION_WINDOWS_S = {"24h": 24 * 3600}
+#: Seconds between two looks for batches whose completion window has passed (a 24-h window needs no finer clock; the
+#: runner's poll, every half second, stays one read of the runnable batches).
+EXPIRY_CHECK_S = 5.0
 #: The error of a line an expired batch never served (OpenAI's ``batch_expired`` error-file line: no response).
 BATCH_EXPIRED_ERROR = {"code": "batch_expired",
                        "message": "This request could not be executed before the completion window expired."}
@@ -217,12 +220,15 @@ class BatchRunner:
             (``inference_jobs.owner_run_key``, :meth:`Store.claim_batch`) and taken over once its owner has ended
             or sent no heartbeat for :data:`BATCH_OWNER_SILENT_S`; None serves every batch (a server alone on
             its store).
+        expiry_check_s: seconds between two looks for batches past their completion window.
     """
 
     def __init__(self, store, engine: FrontDoorEngine, model_name: str, *, max_inflight: int = 8,
                  pause_above_online: int = 8, poll_s: float = 0.5, log: Callable[[str], None] = print,
-                 run_key: str | None = None):
+                 run_key: str | None = None, expiry_check_s: float = EXPIRY_CHECK_S):
         self.db, self.engine, self.model_name, self.run_key = store, engine, model_name, run_key
+        self.expiry_check_s = expiry_check_s
+        self._expiry_checked_s = -float("inf")  # monotonic time of the last look
         self.max_inflight, self.pause_above_online, self.poll_s, self.log = (max_inflight, pause_above_online,
                                                                            poll_s, log)
         self._lock = threading.Lock()
@@ -405,7 +411,12 @@ class BatchRunner:
 
     def _expire_due(self) -> None:
         """Expire the batches whose completion window has passed (any server may: :meth:`Store.expire_batch` is a
-        compare-and-set), and cancel the lines of them in flight here (answered ``batch_expired``)."""
+        compare-and-set), and cancel the lines of them in flight here (answered ``batch_expired``). At most one look
+        every ``expiry_check_s``."""
+        now = time.monotonic()
+        if now - self._expiry_checked_s < self.expiry_check_s:
+            return
+        self._expiry_checked_s = now
         for job in self.db.batches_past_deadline():
             if not is_api_batch(job):
                 continue

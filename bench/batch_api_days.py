@@ -171,8 +171,7 @@ def measure_expiry(lines: int) -> None:
         job = store.job_by_key(store.jobs(kind="batch")[-1].job_key)
         errors = batch_file(store, f"{job.job_key}-errors")
         t3 = time.perf_counter()
-        assert job.status == "expired" and store.batch_result_counts(job.id) == (len(range(0, lines, 2)),
-                                                                                 len(range(1, lines, 2)))
+        assert job.status == "expired" and store.batch_result_counts(job.id).answered == lines
         assert errors is not None and errors.content.count(b"batch_expired") == len(range(1, lines, 2))
         store.engine.dispose()
     n = len(range(1, lines, 2))

@@ -47,6 +47,27 @@ class ResultsPruneResult:
         return f"batch results: {verb} {self.rows:,d} row(s) of {self.batches:,d} batch(es) whose output files expired"
 
 
+@dataclass(frozen=True)
+class BatchResultCounts:
+    """A Batch API batch's answered lines and the tokens of its completed ones (:meth:`InferenceJobs.batch_result_counts`).
+
+    Attributes:
+        completed, failed: lines answered 200, and answered with an error (``batch_expired`` included).
+        input_tokens, output_tokens: prompt and output tokens of the completed lines (what OpenAI bills a batch
+            for: its ``usage``), or None when a prune before these were kept (migration 0017) took some of them.
+    """
+
+    completed: int
+    failed: int
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+    @property
+    def answered(self) -> int:
+        """Lines with a result."""
+        return self.completed + self.failed
+
+
 class InferenceJobs(StoreBase):
     """Online and batch inference jobs (table ``inference_jobs``) and one result row per finished
     request, unique per (job, request key) so writes are idempotent (table ``request_results``).
@@ -368,43 +389,60 @@ class InferenceJobs(StoreBase):
                 if job is None:
                     return ResultsPruneResult(batches, rows, False)
                 after_id = job.id
-                counts = dict(s.execute(select(m.RequestResult.status, func.count())
-                                        .where(m.RequestResult.job_id == job.id)
-                                        .group_by(m.RequestResult.status)).all())
-                done = int(counts.pop(RequestResultStatus.DONE.value, 0))
+                now_counts = self._result_counts(s, job.id, None)
+                assert now_counts is not None  # the job is locked: it is stored
                 spec = dict(job.config.get(API_BATCH_CONFIG_KEY) or {})
                 before = spec.get("results_pruned") or {}
-                spec["results_pruned"] = {"completed": int(before.get("completed", 0)) + done,
-                                          "failed": int(before.get("failed", 0)) + sum(int(n) for n in counts.values()),
-                                          "at": int(now.timestamp())}
+                kept = {"completed": int(before.get("completed", 0)) + now_counts.completed,
+                        "failed": int(before.get("failed", 0)) + now_counts.failed, "at": int(now.timestamp())}
+                if not before or "input_tokens" in before:  # a prune before 0017 kept no token sums: none now
+                    kept["input_tokens"] = int(before.get("input_tokens", 0)) + (now_counts.input_tokens or 0)
+                    kept["output_tokens"] = int(before.get("output_tokens", 0)) + (now_counts.output_tokens or 0)
+                spec["results_pruned"] = kept
                 job.config = {**job.config, API_BATCH_CONFIG_KEY: spec}
                 gone = s.execute(delete(m.RequestResult).where(m.RequestResult.job_id == job.id)
                                  .execution_options(synchronize_session=False))
                 rows += cast(CursorResult[Any], gone).rowcount
                 batches += 1
 
-    def batch_result_counts(self, job_id: int) -> tuple[int, int]:
-        """A Batch API batch's lines answered (completed, failed): its result rows and those a prune deleted (its
-        config's ``results_pruned``), read in one statement, so a prune running meanwhile never shows a count
-        dropping; without loading the rows' responses.
+    def batch_result_counts(self, job_id: int) -> BatchResultCounts:
+        """A Batch API batch's lines answered and its completed lines' tokens (:class:`BatchResultCounts`): its result
+        rows and those a prune deleted (its config's ``results_pruned``), read in one statement, so a prune running
+        meanwhile never shows a count dropping; without loading the rows' responses.
 
         Raises:
             KeyError: ``job_id`` is not stored.
         """
+        with self.session() as s:
+            found = self._result_counts(s, job_id, m.InferenceJob.config)
+        if found is None:
+            raise KeyError(job_id)
+        return found
+
+    @staticmethod
+    def _result_counts(s: Any, job_id: int, config_column: Any) -> BatchResultCounts | None:
+        """In session ``s``, one statement: job ``job_id``'s result-row counts and token sums, plus (``config_column``
+        the job's config) what its prunes kept; None when the job is not stored."""
         rows = m.RequestResult
         done = rows.status == RequestResultStatus.DONE.value
 
-        def counted(where: Any) -> Any:
-            return select(func.count()).select_from(rows).where(rows.job_id == job_id, where).scalar_subquery()
+        def of_rows(what: Any, where: Any) -> Any:
+            return select(func.coalesce(what, 0)).select_from(rows).where(rows.job_id == job_id, where).scalar_subquery()
 
-        with self.session() as s:
-            found = s.execute(select(m.InferenceJob.config, counted(done), counted(~done))
-                              .where(m.InferenceJob.id == job_id)).first()
+        figures = (of_rows(func.count(), done), of_rows(func.count(), ~done), of_rows(func.sum(rows.prompt_tokens), done),
+                   of_rows(func.sum(rows.output_tokens), done))
+        q = select(config_column if config_column is not None else m.InferenceJob.id, *figures)
+        found = s.execute(q.where(m.InferenceJob.id == job_id)).first()
         if found is None:
-            raise KeyError(job_id)
-        config, completed, failed = found
-        pruned = (config or {}).get(API_BATCH_CONFIG_KEY, {}).get("results_pruned") or {}
-        return int(completed) + int(pruned.get("completed", 0)), int(failed) + int(pruned.get("failed", 0))
+            return None
+        config, completed, failed, input_tokens, output_tokens = found
+        pruned = ((config if config_column is not None else None) or {}).get(API_BATCH_CONFIG_KEY, {}).get(
+            "results_pruned") or {}
+        tokens_kept = not pruned or "input_tokens" in pruned
+        return BatchResultCounts(
+            int(completed) + int(pruned.get("completed", 0)), int(failed) + int(pruned.get("failed", 0)),
+            int(input_tokens) + int(pruned.get("input_tokens", 0)) if tokens_kept else None,
+            int(output_tokens) + int(pruned.get("output_tokens", 0)) if tokens_kept else None)
 
     def results(self, job_id: int) -> list[m.RequestResult]:
         """A job's results, in the order they were written."""

@@ -203,11 +203,18 @@ def test_a_stop_watch_that_raises_leaves_the_line_to_its_whole_result_and_the_pi
         raise ValueError("token id out of the vocabulary")
 
     monkeypatch.setattr(batches._StopWatch, "add", broken)
-    router, _, rows, logged = _stop_batch(store)
+    router, job, rows, logged = _stop_batch(store)
     stopped = rows["stops"]
     assert stopped["choices"][0]["text"] == "7 8 " and stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] == 3 and router.cancelled == [] and set(router.sent.values()) == {60}
     assert sum("stop sequences are checked at its end (ValueError: token id out of" in x for x in logged) == 1, logged
+    # the row holds the tokens the response counts (it held all 60), so the batch's usage is the responses' sum
+    from flexpipe_dag.serving.frontdoor.batches import batch_object
+
+    assert {r.request_key: r.output_tokens for r in store.results(job.id)} == {"stops": 3, "runs": 60}
+    assert batch_object(store, store.job_by_key(job.job_key), None)["usage"] == {
+        "input_tokens": 6, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 63,
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 69}
 
 
 def test_a_line_whose_answer_raises_before_its_row_is_served_again(store):

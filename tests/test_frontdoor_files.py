@@ -344,6 +344,43 @@ def test_a_batchs_output_expires_as_asked_and_a_prune_deletes_its_rows_keeping_i
     assert store.prune_batch_results(now_s=ended + 30 * 86400 + 1).rows == 3  # the default batch's, a month later
 
 
+def test_a_batchs_usage_sums_its_completed_lines_and_survives_the_prune(sdk, store):
+    """OpenAI's batch object has ``usage`` (the tokens billed: its completed lines'); it was null. It is read with
+    the counts, in one statement, and a prune keeps it as it keeps them."""
+    upload = sdk.files.create(file=("in.jsonl", _input(3)), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.usage is not None and (batch.usage.input_tokens, batch.usage.output_tokens) == (0, 0)
+    job = store.job_by_key(batch.id)
+    for n, (status, prompt, out) in enumerate((("done", 3, [7, 8]), ("done", 5, [9]), ("failed", 4, []))):
+        store.write_result(job.id, f"l-{n}", prompt_tokens=prompt, output_token_ids=out, status=status,
+                           output_text=json.dumps({"status_code": 200 if status == "done" else 400, "body": {}}))
+    sdk.batches.cancel(batch.id)
+    usage = sdk.batches.retrieve(batch.id).usage
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (8, 3, 11)  # the failed line is not billed
+    assert usage.input_tokens_details.cached_tokens == 0 and usage.output_tokens_details.reasoning_tokens == 0
+    assert store.prune_batch_results(now_s=time.time() + 31 * 86400).rows == 3
+    after = sdk.batches.retrieve(batch.id)
+    assert after.usage == usage and (after.request_counts.completed, after.request_counts.failed) == (2, 1)
+    store.write_result(job.id, "late", prompt_tokens=2, output_token_ids=[1], status="done",
+                       output_text=json.dumps({"status_code": 200, "body": {}}))  # a line that came after the prune
+    assert sdk.batches.retrieve(batch.id).usage.total_tokens == 14
+    store.prune_batch_results(now_s=time.time() + 31 * 86400)
+    assert sdk.batches.retrieve(batch.id).usage.total_tokens == 14
+    # a prune before the token sums were kept: the usage is not known (null), never an undercount
+    from flexpipe_dag.core.status import API_BATCH_CONFIG_KEY
+
+    spec = dict(job.config[API_BATCH_CONFIG_KEY], results_pruned={"completed": 2, "failed": 1, "at": 0})
+    from sqlalchemy import update
+
+    from flexpipe_dag.sql import models as m
+
+    with store.session() as s:
+        s.execute(update(m.InferenceJob).where(m.InferenceJob.id == job.id)
+                  .values(config={**job.config, API_BATCH_CONFIG_KEY: spec}))
+    old = sdk.batches.retrieve(batch.id)
+    assert old.usage is None and old.request_counts.completed == 2
+
+
 def _ended_batch(store, lines: int = 2, status: str = "done", after_s: int = 3600) -> str:
     """A Batch API batch of ``lines`` answered lines that has just ended with ``status``; its id."""
     from flexpipe_dag.serving.frontdoor.batches import results_expire_at

@@ -336,7 +336,9 @@ class BatchRunner:
         metrics.e2e.labels("offline").observe(time.monotonic() - t0)
         if tpot_s is not None:
             metrics.tpot.labels("offline").observe(tpot_s)
-        self._write(job_id, line, 200, body, tokens, prompt_tokens, request_id=request_id, ttft_ms=1e3 * ttft_s,
+        # the row holds the tokens the response counts (through the stop): the batch's usage sums them
+        self._write(job_id, line, 200, body, tokens[:completion_tokens], prompt_tokens, request_id=request_id,
+                    ttft_ms=1e3 * ttft_s,
                     tpot_ms=1e3 * tpot_s if tpot_s is not None else None, e2e_ms=1e3 * (time.monotonic() - t0),
                     gear_key=self._serving_gear())
 
@@ -707,7 +709,8 @@ def lines_still_coming(store, job, runner: BatchRunner | None) -> bool:
 def batch_object(store, job, runner: BatchRunner | None) -> dict:
     """OpenAI's batch object for a stored batch job."""
     spec = job.config[API_BATCH_KEY]
-    completed, failed = store.batch_result_counts(job.id)  # pruned rows' counts included, in one read
+    counts = store.batch_result_counts(job.id)  # pruned rows' counts included, in one read
+    completed, failed = counts.completed, counts.failed
     status = {"queued": "validating", "admitted": "in_progress", "running": "in_progress", "paused": "in_progress",
               "done": "completed", "failed": "failed", "cancelled": "cancelled", "expired": "expired"}[job.status]
     trailing = lines_still_coming(store, job, runner)
@@ -731,7 +734,17 @@ def batch_object(store, job, runner: BatchRunner | None) -> dict:
             "failed_at": stamp if status == "failed" else None,
             "expires_at": epoch_s(job.expires_at), "expired_at": stamp if status == "expired" else None,
             "request_counts": {"total": job.total_requests, "completed": completed, "failed": failed},
+            "usage": _usage(counts.input_tokens, counts.output_tokens),
             "metadata": spec.get("metadata") or None}
+
+
+def _usage(input_tokens: int | None, output_tokens: int | None) -> dict | None:
+    """OpenAI's batch ``usage``: the tokens of the batch's completed lines (None: not known, see
+    :class:`~flexpipe_dag.sql.jobs.BatchResultCounts`). FlexPipe caches no prompt prefix and has no reasoning tokens."""
+    if input_tokens is None or output_tokens is None:
+        return None
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": input_tokens + output_tokens}
 
 
 def list_batches(store, runner: BatchRunner | None, limit: int = 20, after: str | None = None) -> dict:
@@ -768,7 +781,7 @@ def cancel_batch(store, batch_id: str, runner: BatchRunner | None) -> dict:
     if store.transition_job(job.id, InferenceJobStatus.CANCELLED, UNFINISHED_JOB_STATUSES,
                             results_expire_at=results_expire_at(job)):
         if runner is not None:
-            runner.log(f"batch {job.job_key}: cancelled ({sum(store.batch_result_counts(job.id))} of {job.total_requests} lines "
+            runner.log(f"batch {job.job_key}: cancelled ({store.batch_result_counts(job.id).answered} of {job.total_requests} lines "
                        f"kept, {runner.inflight(job.id)} in flight finish first)")
     return batch_object(store, _job(store, batch_id), runner)
 

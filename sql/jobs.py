@@ -68,6 +68,15 @@ class BatchResultCounts:
         return self.completed + self.failed
 
 
+@dataclass(frozen=True)
+class BatchDeadlineEnd:
+    """How :meth:`InferenceJobs.expire_batch` ended a batch: ``status`` ``expired`` (``lines_expired`` lines answered
+    ``batch_expired``) or ``done`` (every line had been answered: it completed, as OpenAI reports such a batch)."""
+
+    status: str
+    lines_expired: int
+
+
 class InferenceJobs(StoreBase):
     """Online and batch inference jobs (table ``inference_jobs``) and one result row per finished
     request, unique per (job, request key) so writes are idempotent (table ``request_results``).
@@ -204,13 +213,19 @@ class InferenceJobs(StoreBase):
                 job.expires_at.is_not(None), job.expires_at <= now).order_by(job.id)))
 
     def expire_batch(self, job_id: int, request_keys: Iterable[str], *, output_text: str,
-                     results_expire_at: dt.datetime, now_s: float | None = None) -> int | None:
+                     results_expire_at: dt.datetime, now_s: float | None = None) -> BatchDeadlineEnd | None:
         """End batch ``job_id`` as ``expired`` if it has not ended and its completion window has passed at ``now_s``
         (a compare-and-set: of two servers expiring it at once, one does), writing a ``failed`` result row, whose
         ``output_text`` is ``output_text``, for each of ``request_keys`` (its lines) that has none yet, in the same
         transaction: a crash leaves the batch as it was, and its request counts and error file never show it half
-        expired. ``results_expire_at``: when its output and error files expire. Returns the rows written, or None
-        when the batch was not expired (ended, not due, or a line answered meanwhile: the caller tries again).
+        expired. A batch all of whose lines (``request_keys``, not empty) have rows ends ``done`` instead (its last
+        row came before the runner's completion, or it was paused in between). ``results_expire_at``: when its output
+        and error files expire. Returns how it ended, or None when it was not ended (ended before, not due, or a line
+        answered meanwhile: the caller tries again).
+
+        The job row is locked ``FOR NO KEY UPDATE`` on PostgreSQL: a result row's insert (its foreign key takes a key
+        share of the job row) is not blocked by it, so a line answered meanwhile fails this transaction (the caller
+        tries again) rather than deadlocking with it.
 
         Raises:
             InputError: a request key that is not a string of at most 200 characters, ``output_text`` not a string,
@@ -225,7 +240,8 @@ class InferenceJobs(StoreBase):
             with self.session() as s:
                 job = s.scalar(select(m.InferenceJob).where(
                     m.InferenceJob.id == job_id, m.InferenceJob.status.in_(UNFINISHED_JOB_STATUSES),
-                    m.InferenceJob.expires_at.is_not(None), m.InferenceJob.expires_at <= now).with_for_update())
+                    m.InferenceJob.expires_at.is_not(None), m.InferenceJob.expires_at <= now)
+                    .with_for_update(key_share=True))
                 if job is None:
                     return None
                 answered = set(s.scalars(select(m.RequestResult.request_key)
@@ -236,9 +252,11 @@ class InferenceJobs(StoreBase):
                     for k in dict.fromkeys(keys) if k not in answered]
                 if rows:
                     s.execute(insert(m.RequestResult), rows)
+                elif keys:  # every line answered: it completed
+                    fields["status"] = InferenceJobStatus.DONE.value
                 for name, value in fields.items():
                     setattr(job, name, value)
-                return len(rows)
+                return BatchDeadlineEnd(fields["status"], len(rows))
         except IntegrityError:  # a line's row was written between the read and the insert: all rolled back
             return None
 

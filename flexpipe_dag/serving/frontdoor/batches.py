@@ -329,18 +329,19 @@ class BatchRunner:
             text, finish = text[:cut], "stop"
             completion_tokens = tokens_through_stop(self.engine.tokenizer, tokens, stops)
         body = shapes.response(text, finish, prompt_tokens, completion_tokens)
+        e2e_s = time.monotonic() - t0
+        # the row holds the tokens the response counts (through the stop): the batch's usage sums them
+        if not self._write(job_id, line, 200, body, tokens[:completion_tokens], prompt_tokens, request_id=request_id,
+                           ttft_ms=1e3 * ttft_s, tpot_ms=1e3 * tpot_s if tpot_s is not None else None,
+                           e2e_ms=1e3 * e2e_s, gear_key=self._serving_gear()):
+            return  # answered before (expired as it ran): counted then
         metrics = self.engine.metrics
         metrics.generation_tokens.labels("offline").inc(len(tokens))
         metrics.prompt_tokens.labels("offline").inc(prompt_tokens)
         metrics.ttft.labels("offline").observe(ttft_s)
-        metrics.e2e.labels("offline").observe(time.monotonic() - t0)
+        metrics.e2e.labels("offline").observe(e2e_s)
         if tpot_s is not None:
             metrics.tpot.labels("offline").observe(tpot_s)
-        # the row holds the tokens the response counts (through the stop): the batch's usage sums them
-        self._write(job_id, line, 200, body, tokens[:completion_tokens], prompt_tokens, request_id=request_id,
-                    ttft_ms=1e3 * ttft_s,
-                    tpot_ms=1e3 * tpot_s if tpot_s is not None else None, e2e_ms=1e3 * (time.monotonic() - t0),
-                    gear_key=self._serving_gear())
 
     def _serving_gear(self) -> str | None:
         """The gear serving when a line is answered (``request_results.gear_key``), None before a pipeline is up."""
@@ -395,7 +396,11 @@ class BatchRunner:
         """One look at the store: the batches that may still need this server (read by status, so the batches of
         weeks past are not read at every poll)."""
         batch = InferenceJobKind.BATCH.value
-        self._expire_due()
+        now = time.monotonic()
+        if now - self._expiry_checked_s >= self.expiry_check_s:  # a 24-h window needs no half-second clock
+            self._expiry_checked_s = now
+            self._expire_due()
+            self._cancel_expired_elsewhere()
         if self.run_key is not None:
             for job in self.db.jobs(kind=batch, statuses=LINES_MAY_TRAIL, owner_run_key=self.run_key):
                 if is_api_batch(job):
@@ -413,32 +418,42 @@ class BatchRunner:
 
     def _expire_due(self) -> None:
         """Expire the batches whose completion window has passed (any server may: :meth:`Store.expire_batch` is a
-        compare-and-set), and cancel the lines of them in flight here (answered ``batch_expired``). At most one look
-        every ``expiry_check_s``."""
-        now = time.monotonic()
-        if now - self._expiry_checked_s < self.expiry_check_s:
-            return
-        self._expiry_checked_s = now
+        compare-and-set), and cancel the lines of them in flight here (answered ``batch_expired``)."""
         for job in self.db.batches_past_deadline():
             if not is_api_batch(job):
                 continue
             try:
                 try:
                     keys = [line.custom_id for line in self._job_lines(job)]
-                except BatchInputGone:  # nothing to answer line by line: the batch ends all the same
+                except (BatchInputGone, APIError):  # gone or unreadable: nothing to answer line by line, it ends all the same
                     keys = []
-                written = self.db.expire_batch(job.id, keys, output_text=json.dumps({"error": BATCH_EXPIRED_ERROR}),
-                                               results_expire_at=results_expire_at(job))
+                ended = self.db.expire_batch(job.id, keys, output_text=json.dumps({"error": BATCH_EXPIRED_ERROR}),
+                                             results_expire_at=results_expire_at(job))
             except Exception as exc:  # this batch only: the next poll tries again
                 self.log(f"batch {job.job_key}: not expired yet ({type(exc).__name__}: {exc})")
                 continue
-            if written is None:  # ended meanwhile, or a line answered as it was read: the next poll sees
+            if ended is None:  # ended meanwhile, or a line answered as it was read: the next poll sees
+                continue
+            if ended.status == InferenceJobStatus.DONE.value:
+                self.log(f"batch {job.job_key}: completed ({len(keys)} lines; every line was answered when its "
+                         "completion window passed)")
                 continue
             cancelled = self._cancel_lines_of(job.id)
-            self.engine.metrics.requests.labels("batch", "expired").inc(written)
+            self.engine.metrics.requests.labels("batch", "expired").inc(ended.lines_expired)
             self.log(f"batch {job.job_key}: expired (its {job.config[API_BATCH_KEY]['completion_window']} completion "
-                     f"window passed): {written} of {job.total_requests} lines answered batch_expired"
+                     f"window passed): {ended.lines_expired} of {job.total_requests} lines answered batch_expired"
                      + (f", {cancelled} cancelled in the pipeline" if cancelled else ""))
+
+    def _cancel_expired_elsewhere(self) -> None:
+        """Cancel the lines in flight here of batches another server has expired (their rows are written
+        ``batch_expired``: a result that still came would be dropped). One status read per batch with lines here."""
+        with self._lock:
+            jobs = {j for j, *_ in self._inflight.values()}
+        for job_id in jobs:
+            if self.db.job_status(job_id) == InferenceJobStatus.EXPIRED.value:
+                n = self._cancel_lines_of(job_id)
+                if n:
+                    self.log(f"batch job {job_id}: expired by another server: {n} line(s) in flight here cancelled")
 
     def _cancel_lines_of(self, job_id: int) -> int:
         """Take batch ``job_id``'s lines out of flight and cancel them in the pipeline (a result that still comes is
@@ -506,6 +521,9 @@ class BatchRunner:
                 self.log(f"batch {job.job_key}: failed: {what}")
 
     def _step_job(self, job) -> None:
+        deadline = epoch_s(job.expires_at)
+        if deadline is not None and deadline <= time.time():  # its window has passed: expired at the next look
+            return
         lines = self._job_lines(job)
         finished = self._finished_ids(job.id)
         if len(finished) >= len(lines):
@@ -599,14 +617,15 @@ class BatchRunner:
 
     def _write(self, job_id: int, line: BatchLine, status_code: int, body: dict, tokens: list[int] | None = None,
                prompt_tokens: int = 0, request_id: str | None = None, gear_key: str | None = None,
-               **latencies) -> None:
+               **latencies) -> bool:
         """Store the line's result row (``gear_key``: the gear that served it, None for a line never served), then
-        (under one lock) mark it finished and take ``request_id`` out of flight. A row that cannot be written only
-        takes the request out of flight: the line is served again."""
+        (under one lock) mark it finished and take ``request_id`` out of flight; whether the row is new (False: the
+        line had one, e.g. ``batch_expired`` written as it ran: then it is not counted in the metrics again). A row
+        that cannot be written only takes the request out of flight: the line is served again."""
         ok = status_code == 200
         record = {"status_code": status_code, "body": body}
         try:
-            self.db.write_result(job_id, line.custom_id, prompt_tokens=prompt_tokens, output_token_ids=tokens or [],
+            stored = self.db.write_result(job_id, line.custom_id, prompt_tokens=prompt_tokens, output_token_ids=tokens or [],
                                  status=RequestResultStatus.DONE if ok else RequestResultStatus.FAILED,
                                  gear_key=gear_key, output_text=json.dumps(record), **latencies)
         except Exception:
@@ -619,7 +638,10 @@ class BatchRunner:
                 self._finished[job_id].add(line.custom_id)
             if request_id is not None:
                 self._inflight.pop(request_id, None)
-        self.engine.metrics.requests.labels("batch", (finish_reason(body) or "stop") if ok else f"error_{status_code}").inc()
+        if stored:
+            self.engine.metrics.requests.labels("batch", (finish_reason(body) or "stop") if ok else
+                                                f"error_{status_code}").inc()
+        return stored
 
 
 def finish_reason(body: dict) -> str | None:
@@ -648,7 +670,7 @@ def create_batch(store, input_file_id: str, endpoint: str, completion_window: st
     window_s = COMPLETION_WINDOWS_S.get(completion_window)
     if window_s is None:
         raise APIError(400, f"completion_window: only {', '.join(COMPLETION_WINDOWS_S)} is supported, got "
-                       f"{completion_window!r}", param="completion_window")
+                       f"{completion_window[:80]!r}", param="completion_window")
     info = store.api_file(input_file_id)
     content = store.api_file_content(input_file_id) if info is not None and not info.expired() else None
     if content is None:

@@ -66,11 +66,16 @@ def data_lost_by_downgrade(conn) -> list[str]:
         lost.append(f"inference_jobs.expires_at of {waiting} batches not ended (they would wait without a deadline)")
     expired = row_count(conn, "inference_jobs", "status = 'expired'")
     if expired:
-        lost.append(f"inference_jobs.status 'expired' of {expired} jobs (left as a value 0016 does not know)")
+        lost.append(f"inference_jobs.status 'expired' of {expired} batches (they become 'failed', their error saying "
+                    "they expired: 0016 knows no 'expired')")
     return lost
 
 
 def downgrade() -> None:
+    jobs = sa.table("inference_jobs", sa.column("status", sa.String), sa.column("error", sa.Text))
+    op.get_bind().execute(sa.update(jobs).where(jobs.c.status == "expired").values(
+        status="failed", error=sa.func.coalesce(jobs.c.error, "expired: its completion window passed before every "
+                                                             "line was served (shown as failed by revision 0016)")))
     _status_comment(_STATUS_BEFORE, _STATUS_AFTER)
     with op.batch_alter_table("inference_jobs") as batch:
         batch.drop_column("expires_at")

@@ -207,10 +207,11 @@ class InferenceJobs(StoreBase):
         batches are not read."""
         now = dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, dt.UTC)
         job = m.InferenceJob
-        with self.session() as s:
-            return list(s.scalars(select(job).where(
+        with self.session() as s:  # sorted here: an ORDER BY id made SQLite walk the whole table in id order
+            found = s.scalars(select(job).where(
                 job.kind == InferenceJobKind.BATCH.value, job.status.in_(UNFINISHED_JOB_STATUSES),
-                job.expires_at.is_not(None), job.expires_at <= now).order_by(job.id)))
+                job.expires_at.is_not(None), job.expires_at <= now))
+            return sorted(found, key=lambda j: j.id)
 
     def expire_batch(self, job_id: int, request_keys: Iterable[str], *, output_text: str,
                      results_expire_at: dt.datetime, now_s: float | None = None) -> BatchDeadlineEnd | None:

@@ -9,9 +9,13 @@ the same number of tokens. For each batch size B (--batch-sizes, default 1, 8, 3
   with left padding, one process using all --baseline-threads threads;
 * ``local_1stage``: FlexPipe's stage code and scheduler in one process, one thread, micro-batches of B;
 * ``pipeline_Nstage``: one process per stage + a driver, one thread each, gloo over loopback,
-  micro-batches of B, one micro-batch in flight per stage (the gear default), layers split in
+  micro-batches of B, as many in flight as keep every stage busy (``inflight_to_fill``: max(ceil(requests / B),
+  N), the planner's rule for a gear sized for that concurrency and ``flexpipe run``'s default), layers split in
   proportion to their parameters with the LM head counted on the last stage (the planner's
-  bottleneck criterion; an even split leaves the first stage idle for a third of its time).
+  bottleneck criterion; an even split leaves the first stage idle for a third of its time);
+* ``pipeline_Nstage_1perstage``: the same with one micro-batch in flight per stage (what this bench ran before;
+  the gap is each stage's wait for the driver's turn between a result and the next micro-batch); not run where
+  the two are the same (B = 32: 64 requests make 2 micro-batches).
 
 Every configuration runs --rounds times, interleaved (baseline, local, pipelines, baseline, ...),
 and the median tokens/s is printed with its ratio to the baseline's median: this host's speed
@@ -94,7 +98,7 @@ def main() -> None:
 
     import torch
 
-    from flexpipe_dag.core.gear_builders import manual_gear
+    from flexpipe_dag.core.gear_builders import inflight_to_fill, manual_gear
     from flexpipe_dag.runtime.batch import prompts_from_trace
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint, resolve_dtype
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, cuda_backend
@@ -125,14 +129,16 @@ def main() -> None:
                 res.setdefault("local_1stage_nographs", []).append(
                     local_generate(ckpt, requests(f"n{rnd}"), b, dev, dtype, sync, "off"))
             for n in depths:
-                gear = manual_gear(splits[n], gear_id=f"bench-{n}", model_name=ckpt.name, micro_batch_size=b,
-                                   max_inflight_micro_batches=n, kv_capacity_tokens=16384)
-                with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device, dtype=args.dtype,
-                                                               decode_graphs=args.decode_graphs)) as rt:
-                    t0 = time.perf_counter()
-                    outs = rt.generate(requests(f"p{rnd}"))
-                    tps = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
-                res.setdefault(f"pipeline_{n}stage", []).append(tps)
+                fill = inflight_to_fill(n, len(rows), b)
+                for name, inflight in ((f"pipeline_{n}stage", fill), (f"pipeline_{n}stage_1perstage", n))[:1 + (fill > n)]:
+                    gear = manual_gear(splits[n], gear_id=f"bench-{n}", model_name=ckpt.name, micro_batch_size=b,
+                                       max_inflight_micro_batches=inflight, kv_capacity_tokens=16384)
+                    with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device, dtype=args.dtype,
+                                                                   decode_graphs=args.decode_graphs)) as rt:
+                        t0 = time.perf_counter()
+                        outs = rt.generate(requests(f"{name}{rnd}"))
+                        tps = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
+                    res.setdefault(name, []).append(tps)
             print(f"round {rnd + 1}/{args.rounds}, batch {b}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()),
                   flush=True)
 
@@ -142,13 +148,13 @@ def main() -> None:
     print(f"\nworkload: {len(rows)} requests (Azure conv trace), prompt <= {args.max_prompt_tokens} tokens, "
           f"{total_new} output tokens; {where}; median of {args.rounds} interleaved round(s)")
     print("pipeline splits (layers per stage): " + ", ".join(f"{n} stages {splits[n]}" for n in depths))
-    print(f"{'batch':>5}  {'configuration':<18}{'output tok/s':>14}{'vs hf_generate':>16}{'spread':>10}")
+    print(f"{'batch':>5}  {'configuration':<27}{'output tok/s':>14}{'vs hf_generate':>16}{'spread':>10}")
     for b in batch_sizes:
         base = statistics.median(runs[b]["hf_generate"])
         for name, values in runs[b].items():
             med = statistics.median(values)
             spread = (max(values) - min(values)) / med if med else 0.0
-            print(f"{b:>5}  {name:<18}{med:>14.1f}{med / base:>15.2f}x{100 * spread:>9.0f}%")
+            print(f"{b:>5}  {name:<27}{med:>14.1f}{med / base:>15.2f}x{100 * spread:>9.0f}%")
     step_profile(ckpt, rows, batch_sizes, dev, dtype, args.hbm_gbps)
     if args.score:
         score_bench(ckpt, rows, args)

@@ -136,6 +136,11 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
     ckpt = resolve_checkpoint(config.model or None)
     gear = _gear(config, db, ckpt)
     rows, malformed = _rows(config, ckpt)
+    if not config.gear_id:  # an even split: micro-batches enough to keep every stage worker busy (a stored gear's own)
+        from flexpipe_dag.core.gear_builders import inflight_to_fill
+
+        gear = gear.model_copy(update={"max_inflight_micro_batches": inflight_to_fill(
+            sum(st.replicas for st in gear.stages), len(rows), gear.micro_batch_size)})
     prompt_format = resolve_chat_template(config.chat_template, ckpt.tokenizer(), ckpt.name,
                                           [r.prompt if r.token_ids is None else None for r in rows],
                                           source="batch_inference config: chat_template")

@@ -31,7 +31,7 @@ from flexpipe_dag.cli.chunked_prefill import (
     chunked_runtime_options,
 )
 from flexpipe_dag.core.errors import FlexPipeError, InputError
-from flexpipe_dag.core.gear_builders import even_gear, load_gear
+from flexpipe_dag.core.gear_builders import even_gear, inflight_to_fill, load_gear
 from flexpipe_dag.runtime.chat_template import CHAT_TEMPLATE_MODES, PromptFormat, resolve_chat_template
 
 
@@ -62,7 +62,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=Path, default=Path("results.jsonl"), help="results JSONL (re-runs skip done ids)")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="with --stages")
-    p.add_argument("--inflight", type=int, default=None, help="max in-flight micro-batches (default: stages)")
+    p.add_argument("--inflight", type=int, default=None,
+                   help="max in-flight micro-batches (default: enough to keep every stage worker busy, "
+                        "max(ceil(prompts / micro-batch), stage workers), the planner's rule; with --score: stages)")
     p.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV pool per stage in tokens (default 8192 with --stages; with --gear: cap the gear's pool, "
                         "e.g. a GPU-planned gear on a CPU host)")
@@ -384,6 +386,9 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
         check_gear_supported(gear)  # before any banner: scoring has one rank per stage
         return _score(args, gear, ckpt, rows, malformed, sink, state)
     workers = sum(st.replicas for st in gear.stages)
+    if not args.gear and args.inflight is None:  # an offline run: every stage worker kept busy
+        gear = gear.model_copy(update={"max_inflight_micro_batches": inflight_to_fill(workers, len(rows),
+                                                                                       gear.micro_batch_size)})
     if args.launched and world != workers + 1:
         raise InputError(None, "WORLD_SIZE", f"gear {gear.gear_id!r} has {workers} stage workers (a replica each): "
                                              f"launch {workers + 1} ranks (head + one per worker), got {world}")

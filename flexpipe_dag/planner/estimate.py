@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from flexpipe_dag.core.gear_builders import inflight_to_fill
 from flexpipe_dag.planner.search import FIRST, LAST, MIDDLE, SINGLE, PipelinePlan, PipelineSearch
 
 #: Operating envelopes end at this utilisation of a gear's capacity.
@@ -59,8 +60,7 @@ def inflight_micro_batches(plan: PipelinePlan, concurrency: int) -> int:
     KV pool has free blocks (the runtime and simulator check), so the memory plan for ``N`` at the
     P95 context still holds.
     """
-    servers = sum(len(ds) for ds in plan.device_ids)
-    return max(1, math.ceil(concurrency / plan.micro_batch_size), servers)
+    return inflight_to_fill(sum(len(ds) for ds in plan.device_ids), concurrency, plan.micro_batch_size)
 
 
 def _wait_quantile_ms(rho: float, service_ms: float, q: float) -> float:

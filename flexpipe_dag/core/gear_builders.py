@@ -28,9 +28,9 @@ def inflight_to_fill(servers: int, sequences: int, micro_batch_size: int) -> int
     set is still bounded by the KV pool (a sequence is admitted only while it has free blocks).
 
     Why more than one per server: with one micro-batch per stage a stage waits, after each step, for the driver to
-    turn the last stage's result into the next micro-batch; measured on a 2-core host (``bench/runtime_bench.py``,
-    2 stages, micro-batch 8, 64 requests), 2 in flight ran at 1.07-1.10x ``transformers`` ``generate``, 8 at
-    1.26-1.34x.
+    turn the last stage's result into the next micro-batch. Measured on a 2-core host (2 stages, micro-batch 8, 64
+    requests, against ``transformers`` ``generate`` in the same run): ``bench/runtime_bench.py`` 1.02-1.09x with 2 in
+    flight, 1.17-1.19x with 8 (3 stages: 1.06-1.07x -> 1.15-1.25x); at micro-batch 1, 1.51x -> 1.79x.
     """
     return min(max(1, math.ceil(sequences / micro_batch_size), servers), MAX_INFLIGHT_MICRO_BATCHES)
 

@@ -67,6 +67,15 @@ class BatchResultCounts:
         """Lines with a result."""
         return self.completed + self.failed
 
+    def plus_kept(self, kept: dict[str, Any]) -> BatchResultCounts:
+        """These counts (a batch's result rows) plus what its prunes kept (its config's ``results_pruned``); the token
+        sums None when a prune before 0017 kept none (not known, never undercounted)."""
+        tokens_known = self.input_tokens is not None and (not kept or "input_tokens" in kept)
+        return BatchResultCounts(
+            self.completed + int(kept.get("completed", 0)), self.failed + int(kept.get("failed", 0)),
+            (self.input_tokens or 0) + int(kept.get("input_tokens", 0)) if tokens_known else None,
+            (self.output_tokens or 0) + int(kept.get("output_tokens", 0)) if tokens_known else None)
+
 
 @dataclass(frozen=True)
 class BatchDeadlineEnd:
@@ -408,15 +417,13 @@ class InferenceJobs(StoreBase):
                 if job is None:
                     return ResultsPruneResult(batches, rows, False)
                 after_id = job.id
-                now_counts = self._result_counts(s, job.id, None)
-                assert now_counts is not None  # the job is locked: it is stored
                 spec = dict(job.config.get(API_BATCH_CONFIG_KEY) or {})
-                before = spec.get("results_pruned") or {}
-                kept = {"completed": int(before.get("completed", 0)) + now_counts.completed,
-                        "failed": int(before.get("failed", 0)) + now_counts.failed, "at": int(now.timestamp())}
-                if not before or "input_tokens" in before:  # a prune before 0017 kept no token sums: none now
-                    kept["input_tokens"] = int(before.get("input_tokens", 0)) + (now_counts.input_tokens or 0)
-                    kept["output_tokens"] = int(before.get("output_tokens", 0)) + (now_counts.output_tokens or 0)
+                total = BatchResultCounts(*map(int, s.execute(select(*_row_figures(job.id))).one())).plus_kept(
+                    spec.get("results_pruned") or {})
+                kept: dict[str, Any] = {"completed": total.completed, "failed": total.failed,
+                                        "at": int(now.timestamp())}
+                if total.input_tokens is not None:  # a prune before 0017 kept no token sums: none from now on
+                    kept.update(input_tokens=total.input_tokens, output_tokens=total.output_tokens)
                 spec["results_pruned"] = kept
                 job.config = {**job.config, API_BATCH_CONFIG_KEY: spec}
                 gone = s.execute(delete(m.RequestResult).where(m.RequestResult.job_id == job.id)
@@ -433,38 +440,29 @@ class InferenceJobs(StoreBase):
             KeyError: ``job_id`` is not stored.
         """
         with self.session() as s:
-            found = self._result_counts(s, job_id, m.InferenceJob.config)
+            found = s.execute(select(m.InferenceJob.config, *_row_figures(job_id))
+                              .where(m.InferenceJob.id == job_id)).first()
         if found is None:
             raise KeyError(job_id)
-        return found
-
-    @staticmethod
-    def _result_counts(s: Any, job_id: int, config_column: Any) -> BatchResultCounts | None:
-        """In session ``s``, one statement: job ``job_id``'s result-row counts and token sums, plus (``config_column``
-        the job's config) what its prunes kept; None when the job is not stored."""
-        rows = m.RequestResult
-        done = rows.status == RequestResultStatus.DONE.value
-
-        def of_rows(what: Any, where: Any) -> Any:
-            return select(func.coalesce(what, 0)).select_from(rows).where(rows.job_id == job_id, where).scalar_subquery()
-
-        figures = (of_rows(func.count(), done), of_rows(func.count(), ~done), of_rows(func.sum(rows.prompt_tokens), done),
-                   of_rows(func.sum(rows.output_tokens), done))
-        q = select(config_column if config_column is not None else m.InferenceJob.id, *figures)
-        found = s.execute(q.where(m.InferenceJob.id == job_id)).first()
-        if found is None:
-            return None
-        config, completed, failed, input_tokens, output_tokens = found
-        pruned = ((config if config_column is not None else None) or {}).get(API_BATCH_CONFIG_KEY, {}).get(
-            "results_pruned") or {}
-        tokens_kept = not pruned or "input_tokens" in pruned
-        return BatchResultCounts(
-            int(completed) + int(pruned.get("completed", 0)), int(failed) + int(pruned.get("failed", 0)),
-            int(input_tokens) + int(pruned.get("input_tokens", 0)) if tokens_kept else None,
-            int(output_tokens) + int(pruned.get("output_tokens", 0)) if tokens_kept else None)
+        config, *figures = found
+        return BatchResultCounts(*map(int, figures)).plus_kept((config or {}).get(API_BATCH_CONFIG_KEY, {}).get("results_pruned")
+                                                     or {})
 
     def results(self, job_id: int) -> list[m.RequestResult]:
         """A job's results, in the order they were written."""
         with self.session() as s:
             return list(s.scalars(select(m.RequestResult).where(m.RequestResult.job_id == job_id)
                                   .order_by(m.RequestResult.id)))
+
+
+def _row_figures(job_id: int) -> tuple[Any, ...]:
+    """Scalar subqueries over job ``job_id``'s result rows, in :class:`BatchResultCounts`' order: lines completed,
+    lines failed, prompt tokens and output tokens of the completed ones (0 when there is none)."""
+    rows = m.RequestResult
+    done = rows.status == RequestResultStatus.DONE.value
+
+    def of_rows(what: Any, where: Any) -> Any:
+        return select(func.coalesce(what, 0)).select_from(rows).where(rows.job_id == job_id, where).scalar_subquery()
+
+    return (of_rows(func.count(), done), of_rows(func.count(), ~done), of_rows(func.sum(rows.prompt_tokens), done),
+            of_rows(func.sum(rows.output_tokens), done))

@@ -354,14 +354,20 @@ class BatchRunner:
         with self._lock:
             stopped, self._stopped = self._stopped, []
         for rid in stopped:
-            try:
-                if self.engine.router is not None and self.engine.router.cancel(rid):
-                    self.engine.metrics.cancelled.labels("offline").inc()
-            except Exception as exc:  # the rest are cancelled all the same; this one's result is dropped
-                self.log(f"batch runner: {rid} was not cancelled ({type(exc).__name__}: {exc})")
-                continue
-            with self._lock:
-                self._answered_early.discard(rid)  # cancelled (or already finished): no result comes now
+            if self._cancel_in_pipeline(rid):  # else its result is dropped when it comes
+                with self._lock:
+                    self._answered_early.discard(rid)  # cancelled (or already finished): no result comes now
+
+    def _cancel_in_pipeline(self, rid: str) -> bool:
+        """Cancel batch request ``rid`` on the router (counted when it was still running); False (logged) when the
+        router raised: the other cancels go on."""
+        try:
+            if self.engine.router is not None and self.engine.router.cancel(rid):
+                self.engine.metrics.cancelled.labels("offline").inc()
+            return True
+        except Exception as exc:
+            self.log(f"batch runner: {rid} was not cancelled ({type(exc).__name__}: {exc})")
+            return False
 
     def on_refused(self, request_id: str, reason: str) -> None:
         """The pipeline refused a batch line (e.g. larger than its KV pool): an error line."""
@@ -464,11 +470,7 @@ class BatchRunner:
                 del self._inflight[rid]
                 self._watches.pop(rid, None)
         for rid in rids:
-            try:
-                if self.engine.router is not None and self.engine.router.cancel(rid):
-                    self.engine.metrics.cancelled.labels("offline").inc()
-            except Exception as exc:  # its result, if it comes, finds no line in flight and is dropped
-                self.log(f"batch runner: {rid} was not cancelled ({type(exc).__name__}: {exc})")
+            self._cancel_in_pipeline(rid)  # not cancelled: its result, if it comes, finds no line in flight
         return len(rids)
 
     def _forget(self, runnable: set[int]) -> None:
@@ -625,9 +627,10 @@ class BatchRunner:
         ok = status_code == 200
         record = {"status_code": status_code, "body": body}
         try:
-            stored = self.db.write_result(job_id, line.custom_id, prompt_tokens=prompt_tokens, output_token_ids=tokens or [],
-                                 status=RequestResultStatus.DONE if ok else RequestResultStatus.FAILED,
-                                 gear_key=gear_key, output_text=json.dumps(record), **latencies)
+            stored = self.db.write_result(job_id, line.custom_id, prompt_tokens=prompt_tokens,
+                                          output_token_ids=tokens or [],
+                                          status=RequestResultStatus.DONE if ok else RequestResultStatus.FAILED,
+                                          gear_key=gear_key, output_text=json.dumps(record), **latencies)
         except Exception:
             if request_id is not None:
                 with self._lock:

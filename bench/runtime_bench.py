@@ -7,12 +7,16 @@ the same number of tokens. For each batch size B (--batch-sizes, default 1, 8, 3
 
 * ``hf_generate`` (the baseline): ``transformers`` ``generate`` (greedy, KV cache), batches of B rows
   with left padding, one process using all --baseline-threads threads;
+* ``hf_generate_1thread`` (CPU): the same with one thread, so the table shows what the baseline's threads give
+  it (a pipeline of N one-thread stages is measured against that);
 * ``local_1stage``: FlexPipe's stage code and scheduler in one process, one thread, micro-batches of B;
 * ``pipeline_Nstage``: one process per stage + a driver, one thread each, gloo over loopback,
   micro-batches of B, as many in flight as keep every stage busy (``inflight_to_fill``: max(ceil(requests / B),
-  N), the planner's rule for a gear sized for that concurrency and ``flexpipe run``'s default), layers split in
-  proportion to their parameters with the LM head counted on the last stage (the planner's
-  bottleneck criterion; an even split leaves the first stage idle for a third of its time);
+  N), the planner's rule for a gear sized for that concurrency and ``flexpipe run``'s default), layers split as
+  ``flexpipe run --stages N`` splits them for these prompts (``--split workload``: the min-bottleneck split of
+  the workload's modelled time, one worker measured here; the LM head weighs per sampled token, a layer per
+  token);
+* ``pipeline_Nstage_even``: the same with the layers split evenly (``--split even``), the split's gain;
 * ``pipeline_Nstage_1perstage``: the same with one micro-batch in flight per stage (what this bench ran before;
   the gap is each stage's wait for the driver's turn between a result and the next micro-batch); not run where
   the two are the same (B = 32: 64 requests make 2 micro-batches).
@@ -20,7 +24,10 @@ the same number of tokens. For each batch size B (--batch-sizes, default 1, 8, 3
 Every configuration runs --rounds times, interleaved (baseline, local, pipelines, baseline, ...),
 and the median tokens/s is printed with its ratio to the baseline's median: this host's speed
 drifts by 10-25 % over minutes, which a single back-to-back pair cannot separate from a real change.
-Start-up (model load) is excluded from every figure. After the table, where the time of one
+Start-up (model load) is excluded from every figure. After the table, where each pipeline's time goes: each
+stage's compute seconds by step kind and its send seconds, read from the stages' own step records (the
+calibration's observations), its busy share of the wall time, and two bounds on the pipeline's tokens/s: its
+bottleneck stage computing without a pause, and the stages' summed compute shared evenly. Then where the time of one
 ``local_1stage`` decode step goes at each batch size (``torch.profiler``: matrix products, attention,
 everything else), and the calibration fidelity (``bench/fidelity_bench.py``, unless --no-fidelity),
 whose fitted per-step overhead factor is the runtime's dispatch cost as the cost model sees it.
@@ -54,19 +61,20 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start / stop li
 TRACE = Path(__file__).resolve().parent.parent / "flexpipe_dag" / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
-def balanced_layers(ckpt, num_stages: int) -> list[int]:
-    """Layers per stage, split so each stage's parameters are as even as possible, the LM head
-    counted on the last stage and the embedding (a table lookup, no arithmetic) nowhere."""
+def workload_splits(ckpt, rows, depths, batch_sizes, dev: str, dtype: str) -> dict[tuple[int, int], list[int]]:
+    """Layers per stage for each depth and micro-batch size, as ``flexpipe run --stages N`` splits them for these
+    prompts (:func:`~flexpipe_dag.profiling.worker_split.split_for_workload`, one worker measured here)."""
     from flexpipe_dag.planner.model_spec import load_model_spec
-    from flexpipe_dag.planner.partition import balanced_partition
+    from flexpipe_dag.profiling.worker_split import measure_worker, split_for_workload
 
     spec = load_model_spec(ckpt.path)
-    head = spec.vocab_size * spec.hidden_size
-    sizes = balanced_partition([float(spec.params_per_layer)] * ckpt.num_layers + [float(head)], num_stages)
-    sizes[-1] -= 1  # the head's pseudo-layer
-    if sizes[-1] < 1:  # the head alone outweighs a stage: give the last stage one layer back
-        sizes[-1], sizes[-2] = 1, sizes[-2] - 1
-    return sizes
+    prompts, outputs = [len(r.token_ids) for r in rows], [r.max_new_tokens for r in rows]
+    out = {}
+    for b in batch_sizes:
+        worker = measure_worker(dev, dtype, b)
+        out.update({(n, b): split_for_workload(spec, worker, dtype, n, prompts, outputs, b).layers_per_stage
+                    for n in depths})
+    return out
 
 
 def main() -> None:
@@ -98,9 +106,10 @@ def main() -> None:
 
     import torch
 
-    from flexpipe_dag.core.gear_builders import inflight_to_fill, manual_gear
+    from flexpipe_dag.core.gear_builders import even_layer_counts, inflight_to_fill, manual_gear
     from flexpipe_dag.runtime.batch import prompts_from_trace
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint, resolve_dtype
+    from flexpipe_dag.runtime.observations import ObservationCollector
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions, cuda_backend
     from flexpipe_dag.runtime.scheduler import Request
 
@@ -116,12 +125,16 @@ def main() -> None:
     def requests(tag: str):
         return [Request(f"{tag}-{r.request_id}", list(r.token_ids), r.max_new_tokens) for r in rows]  # no EOS
 
-    splits = {n: balanced_layers(ckpt, n) for n in depths}
+    splits = workload_splits(ckpt, rows, depths, batch_sizes, dev, dtype)
+    splits.update({(n, 0): even_layer_counts(ckpt.num_layers, n) for n in depths})  # 0: the even split, any batch
     runs: dict[int, dict[str, list[float]]] = {b: {} for b in batch_sizes}
+    times: dict[int, dict[str, list[dict]]] = {b: {} for b in batch_sizes}  # per pipeline run: stage_times
     for rnd in range(args.rounds):
         for b in batch_sizes:
             res = runs[b]
             res.setdefault("hf_generate", []).append(hf_generate(ckpt, rows, b, args.baseline_threads, dev, dtype, sync))
+            if args.device == "cpu" and args.baseline_threads > 1:  # what the baseline's threads give it
+                res.setdefault("hf_generate_1thread", []).append(hf_generate(ckpt, rows, b, 1, dev, dtype, sync))
             torch.set_num_threads(1)
             res.setdefault("local_1stage", []).append(local_generate(ckpt, requests(f"l{rnd}"), b, dev, dtype, sync,
                                                                      args.decode_graphs))
@@ -130,14 +143,21 @@ def main() -> None:
                     local_generate(ckpt, requests(f"n{rnd}"), b, dev, dtype, sync, "off"))
             for n in depths:
                 fill = inflight_to_fill(n, len(rows), b)
-                for name, inflight in ((f"pipeline_{n}stage", fill), (f"pipeline_{n}stage_1perstage", n))[:1 + (fill > n)]:
-                    gear = manual_gear(splits[n], gear_id=f"bench-{n}", model_name=ckpt.name, micro_batch_size=b,
-                                       max_inflight_micro_batches=inflight, kv_capacity_tokens=16384)
+                variants = [(f"pipeline_{n}stage", fill, b), (f"pipeline_{n}stage_even", fill, 0)]
+                if fill > n:
+                    variants.append((f"pipeline_{n}stage_1perstage", n, b))
+                for name, inflight, split in variants:
+                    gear = manual_gear(splits[(n, split)], gear_id=f"bench-{n}", model_name=ckpt.name,
+                                       micro_batch_size=b, max_inflight_micro_batches=inflight, kv_capacity_tokens=16384)
                     with PipelineRuntime(gear, ckpt, RuntimeOptions(device=args.device, dtype=args.dtype,
                                                                    decode_graphs=args.decode_graphs)) as rt:
+                        collector = ObservationCollector(rt, "bench")
                         t0 = time.perf_counter()
                         outs = rt.generate(requests(f"{name}{rnd}"))
-                        tps = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
+                        wall_s = time.perf_counter() - t0
+                        tps = sum(len(o.output_token_ids) for o in outs) / wall_s
+                        times[b].setdefault(name, []).append(stage_times(collector.collect(), splits[(n, split)],
+                                                                         wall_s))
                     res.setdefault(name, []).append(tps)
             print(f"round {rnd + 1}/{args.rounds}, batch {b}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()),
                   flush=True)
@@ -147,7 +167,8 @@ def main() -> None:
              else f"host cpus={os.cpu_count()}, baseline threads={args.baseline_threads}, {dtype}")
     print(f"\nworkload: {len(rows)} requests (Azure conv trace), prompt <= {args.max_prompt_tokens} tokens, "
           f"{total_new} output tokens; {where}; median of {args.rounds} interleaved round(s)")
-    print("pipeline splits (layers per stage): " + ", ".join(f"{n} stages {splits[n]}" for n in depths))
+    print("pipeline splits (layers per stage; _even: " + ", ".join(str(splits[(n, 0)]) for n in depths) + "): "
+          + "; ".join(f"batch {b}: " + ", ".join(str(splits[(n, b)]) for n in depths) for b in batch_sizes))
     print(f"{'batch':>5}  {'configuration':<27}{'output tok/s':>14}{'vs hf_generate':>16}{'spread':>10}")
     for b in batch_sizes:
         base = statistics.median(runs[b]["hf_generate"])
@@ -155,6 +176,7 @@ def main() -> None:
             med = statistics.median(values)
             spread = (max(values) - min(values)) / med if med else 0.0
             print(f"{b:>5}  {name:<27}{med:>14.1f}{med / base:>15.2f}x{100 * spread:>9.0f}%")
+    print_stage_times(runs, times, total_new)
     step_profile(ckpt, rows, batch_sizes, dev, dtype, args.hbm_gbps)
     if args.score:
         score_bench(ckpt, rows, args)
@@ -197,6 +219,46 @@ def _local(ckpt, dev: str, dtype: str, decode_graphs: str = "auto"):
     if dev != "cpu":
         local = LocalPipeline([st.to(dev) for st in local.stages], 1024, 16, decode_graphs)
     return local
+
+
+def stage_times(observations, layers_per_stage: list[int], wall_s: float) -> dict:
+    """Where one pipeline run's time went, from its stages' step records
+    (:class:`~flexpipe_dag.runtime.observations.ObservationCollector`): per stage, the seconds its steps
+    computed, by step kind (``prefill`` / ``decode`` / ``mixed``), and the seconds it spent handing
+    activations on (sender side); ``wall_s`` the run's wall time."""
+    busy = [{"prefill": 0.0, "decode": 0.0, "mixed": 0.0, "send": 0.0} for _ in layers_per_stage]
+    for o in observations:
+        busy[o.stage_index][o.kind] += o.wall_ms / 1e3
+        busy[o.stage_index]["send"] += (o.send_ms or 0.0) / 1e3
+    return {"wall_s": wall_s, "stages": busy, "layers": layers_per_stage}
+
+
+def print_stage_times(runs, times, total_new: int) -> None:
+    """Where each pipeline's time goes (mean over rounds), and two bounds on its tokens/s: the
+    bottleneck stage computing without a pause (what the runtime could still gain at this split) and
+    the stages' summed compute shared evenly (what a split balancing the stages for this workload could
+    give; the LM head, on the last stage, is one indivisible piece, so this is an upper bound)."""
+    print("\nwhere each pipeline's time goes (mean of the rounds): a stage's compute s by step kind "
+          "(prefill / decode / mixed), its send s (handing activations on), and its busy share of the wall time")
+    print(f"{'batch':>5}  {'configuration':<27}{'wall s':>7}  stages: layers compute(prefill/decode/mixed) "
+          "send busy%   bound: bottleneck never waiting / work split evenly, tok/s (x hf_generate)")
+    for b, per_config in times.items():
+        base = statistics.median(runs[b]["hf_generate"])
+        for name, rounds in per_config.items():
+            n = len(rounds[0]["stages"])
+            wall = statistics.fmean(r["wall_s"] for r in rounds)
+            cells, computes = [], []
+            for s in range(n):
+                kinds = {k: statistics.fmean(r["stages"][s][k] for r in rounds) for k in rounds[0]["stages"][s]}
+                compute = kinds["prefill"] + kinds["decode"] + kinds["mixed"]
+                computes.append(compute)
+                cells.append(f"[{rounds[0]['layers'][s]}] {compute:.1f}({kinds['prefill']:.1f}/{kinds['decode']:.1f}/"
+                             f"{kinds['mixed']:.1f}) {kinds['send']:.2f} {100 * compute / wall:.0f}%")
+            tps = total_new / wall
+            bottleneck = total_new / max(computes)
+            even = total_new / (sum(computes) / n)
+            print(f"{b:>5}  {name:<27}{wall:>7.1f}  " + "; ".join(cells)
+                  + f"   {tps:.1f} -> {bottleneck:.1f} ({bottleneck / base:.2f}x) / {even:.1f} ({even / base:.2f}x)")
 
 
 def local_generate(ckpt, reqs, batch: int, dev: str, dtype: str, sync, decode_graphs: str = "auto") -> float:

@@ -217,7 +217,7 @@ def test_stored_config_relaunches_the_job_with_the_same_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_flexpipe_run_chat_template_off_warns_and_counts_rows_without_text(tmp_path, capsys):
+def test_flexpipe_run_chat_template_off_warns_and_counts_rows_without_text(tmp_path, capsys, monkeypatch):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "plain", "prompt": "The capital of France is"}) + "\n"
                        + json.dumps({"id": "answered", "prompt": ANSWERED}) + "\n")
@@ -237,6 +237,22 @@ def test_flexpipe_run_chat_template_off_warns_and_counts_rows_without_text(tmp_p
     plain_ids = tok("The capital of France is", add_special_tokens=False)["input_ids"]
     assert results["plain"]["prompt_tokens"] == len(plain_ids) and results["plain"]["output_text"].strip()  # as it is
     assert (results["answered"]["output_token_ids"], results["answered"]["output_text"]) == ([2], "")
+
+    # a re-run with every row in --out starts no stage worker (it took ~11 s to find nothing to do)
+    from flexpipe_dag.runtime.pipeline import PipelineRuntime
+
+    def no_start(self):
+        raise AssertionError("a re-run with nothing left started the pipeline")
+
+    monkeypatch.setattr(PipelineRuntime, "start", no_start)
+    before = out.read_bytes()
+    assert main(["run", "--stages", "2", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "3",
+                 "--chat-template", "off"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert (summary["rows"], summary["skipped_done"], summary["finished"], summary["failure"]) == (2, 2, 0, None)
+    assert f"all 2 requests already have results in {out}: nothing to run" in captured.err
+    assert out.read_bytes() == before
 
 
 # -- flexpipe calibrate without usable observations ------------------------------------------------------------

@@ -39,7 +39,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="run a batch of prompts through a pipeline gear (one process per stage)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--gear", type=Path, help="gear JSON file (flexpipe_dag.core.gear.Gear)")
-    src.add_argument("--stages", type=int, help="even split of the model's layers into N stages")
+    src.add_argument("--stages", type=int, help="N stages of one worker each on this host (--split says how the "
+                                                "model's layers are split over them)")
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompts", type=Path, help="JSONL or Parquet: id, prompt | token_ids, max_new_tokens, priority")
     inp.add_argument("--trace", type=Path, help="Azure LLM trace CSV (ContextTokens, GeneratedTokens): prompt "
@@ -68,6 +69,11 @@ def register(subparsers) -> None:
     p.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV pool per stage in tokens (default 8192 with --stages; with --gear: cap the gear's pool, "
                         "e.g. a GPU-planned gear on a CPU host)")
+    p.add_argument("--split", choices=("workload", "even"), default="workload",
+                   help="with --stages: workload (default): the layers split so the slowest stage is fastest for "
+                        "these prompts, priced with the cost model on one worker measured here (the last stage's LM "
+                        "head weighs per sampled token, a layer per token); even: layer counts differing by at most "
+                        "one. Stages on other hosts (--listen, --launched, --ray) and --score split evenly")
     p.add_argument("--stage-replicas", default=None, metavar="R0,R1,...",
                    help="with --stages: replicas per stage (one worker each), e.g. 1,2 for a doubled last stage")
     add_chunked_prefill_argument(p)
@@ -385,6 +391,8 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
 
         check_gear_supported(gear)  # before any banner: scoring has one rank per stage
         return _score(args, gear, ckpt, rows, malformed, sink, state)
+    if not args.gear and args.split == "workload" and args.stages > 1 and not control_address and placement is None:
+        gear = _split_for_rows(args, ckpt, gear, rows, sink.done_ids(), prompt_format)
     workers = sum(st.replicas for st in gear.stages)
     if not args.gear and args.inflight is None:  # an offline run: every stage worker kept busy
         gear = gear.model_copy(update={"max_inflight_micro_batches": inflight_to_fill(workers, len(rows),
@@ -402,6 +410,8 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
                              kv_capacity_knob="--kv-capacity-tokens" + (" (up to the gear's kv_capacity_tokens)"
                                                                         if args.gear else ""))
     runtime = PipelineRuntime(gear, ckpt, options)
+    if not control_address and placement is None and {r.request_id for r in rows} <= sink.done_ids():
+        return _nothing_to_run(args, runtime, rows, malformed)  # remote workers, if any, wait for this head
     try:
         return _serve_run(args, runtime, gear, ckpt, rows, malformed, sink, state, stop, control_address, head_secret,
                           prompt_format)
@@ -460,13 +470,7 @@ def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, s
                          if prompt_format.warn else None)
     if empty:
         print(f"warning: {empty}", file=sys.stderr)
-    summary = {"rows": report.rows, "finished": report.finished, "skipped_done": report.skipped_done,
-               "malformed": len(report.malformed), "refused": len(report.refused),
-               "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
-               "output_tokens_per_s": round(report.output_tokens_per_s, 2), "out": str(args.out),
-               "failure": report.failure, "max_context_tokens": runtime.max_context_tokens,
-               "over_context": report.over_context, "refused_context": report.refused_context,
-               "truncated_context": len(report.truncated), "no_text": len(report.no_text)}
+    summary = _run_summary(report, args, runtime)
     for request_id, why in list(report.refused.items())[:20]:
         print(f"refused {request_id}: {why}", file=sys.stderr)
     if report.over_context:
@@ -480,6 +484,58 @@ def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, s
         print(f"context: {report.over_context} of {report.submitted} requests over {ckpt.name}'s "
               f"{runtime.max_context_tokens}-token max context (prompt + max_new_tokens): {done}", file=sys.stderr)
     return _report(summary, report.malformed)
+
+
+def _split_for_rows(args: argparse.Namespace, ckpt, gear, rows, done: set[str], prompt_format: PromptFormat):
+    """``gear`` (an even ``--stages`` gear) with its layers split for the rows still to run (the first
+    :data:`~flexpipe_dag.planner.workload_split.MAX_PRICED_ROWS` of them), one worker measured here; the split is
+    printed (stderr)."""
+    from flexpipe_dag.core.gear_builders import even_gear
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.planner.workload_split import MAX_PRICED_ROWS
+    from flexpipe_dag.profiling.worker_split import measure_worker, split_for_workload
+    from flexpipe_dag.runtime.chat_template import prompt_token_ids
+    from flexpipe_dag.runtime.model_loader import resolve_dtype
+
+    todo = [r for r in rows if r.request_id not in done][:MAX_PRICED_ROWS]
+    if not todo:
+        return gear
+    tok = ckpt.tokenizer()
+    prompts = [max(1, len(r.token_ids if r.token_ids is not None else
+                          prompt_token_ids(tok, r.prompt or "", prompt_format.apply))) for r in todo]
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    dtype = resolve_dtype(args.dtype, device)
+    replicas = [st.replicas for st in gear.stages]
+    split = split_for_workload(load_model_spec(ckpt.path), measure_worker(device, dtype, gear.micro_batch_size), dtype,
+                               gear.num_stages,
+                               prompts, [max(1, r.max_new_tokens) for r in todo], gear.micro_batch_size, replicas)
+    print(split.describe(), file=sys.stderr)
+    return even_gear(ckpt.num_layers, gear.num_stages, ckpt.name, gear.micro_batch_size,
+                     gear.max_inflight_micro_batches, gear.kv_capacity_tokens, replicas,
+                     layers_per_stage=split.layers_per_stage)
+
+
+def _run_summary(report, args: argparse.Namespace, runtime) -> dict:
+    """The JSON summary line of a generation run (``report``: its
+    :class:`~flexpipe_dag.runtime.batch.BatchReport`)."""
+    return {"rows": report.rows, "finished": report.finished, "skipped_done": report.skipped_done,
+            "malformed": len(report.malformed), "refused": len(report.refused),
+            "output_tokens": report.output_tokens, "elapsed_s": round(report.elapsed_s, 2),
+            "output_tokens_per_s": round(report.output_tokens_per_s, 2), "out": str(args.out),
+            "failure": report.failure, "max_context_tokens": runtime.max_context_tokens,
+            "over_context": report.over_context, "refused_context": report.refused_context,
+            "truncated_context": len(report.truncated), "no_text": len(report.no_text)}
+
+
+def _nothing_to_run(args: argparse.Namespace, runtime, rows, malformed) -> int:
+    """A re-run whose every row already has a result in ``--out``: say so and print the summary, no stage worker
+    started (starting them costs seconds to minutes: the model load, a remote placement)."""
+    from flexpipe_dag.runtime.batch import BatchReport
+
+    print(f"flexpipe run: all {len(rows)} requests already have results in {args.out}: nothing to run, "
+          "no stage worker started", file=sys.stderr)
+    report = BatchReport(rows=len(rows), malformed=malformed, skipped_done=len(rows), submitted=0, finished=0)
+    return _report(_run_summary(report, args, runtime), malformed)
 
 
 def _report(summary: dict, malformed) -> int:

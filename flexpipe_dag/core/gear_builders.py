@@ -75,27 +75,36 @@ def manual_gear(
 
 
 def even_gear(num_layers: int, num_stages: int, model_name: str, micro_batch_size: int, inflight: int | None,
-              kv_capacity_tokens: int, replicas: list[int] | None = None) -> Gear:
-    """A ``uniform`` gear: layers split as evenly as possible (earlier stages take the remainder);
-    stage ``i`` on ``replicas[i]`` workers named ``worker<i>`` (``worker<i>.<k>`` when replicated).
+              kv_capacity_tokens: int, replicas: list[int] | None = None,
+              layers_per_stage: Sequence[int] | None = None) -> Gear:
+    """A gear over placeholder stage workers: layers split as evenly as possible (earlier stages take the
+    remainder; a ``uniform`` gear, ``uniform-<N>``), or as ``layers_per_stage`` says (a ``manual`` gear,
+    ``split-<N>-<a>x<b>...``, e.g. a split for an offline run's prompts); stage ``i`` on ``replicas[i]`` workers
+    named ``worker<i>`` (``worker<i>.<k>`` when replicated, the id then ending ``-r<r0>x<r1>...``).
 
     ``inflight``: micro-batches in flight (None = one per stage).
 
     Raises:
         InputError: a stage count outside ``1..num_layers`` (``--stages``), or replicas not one count
             >= 1 per stage (``--stage-replicas``).
+        ValueError: ``layers_per_stage`` not ``num_stages`` counts >= 1 summing to ``num_layers``.
     """
     if not 1 <= num_stages <= num_layers:
         raise InputError(None, "--stages", f"expected 1..{num_layers}, got {num_stages}")
     replicas = replicas or [1] * num_stages
     if len(replicas) != num_stages or min(replicas) < 1:
         raise InputError(None, "--stage-replicas", f"expected {num_stages} counts >= 1 (one per stage), got {replicas}")
+    even = even_layer_counts(num_layers, num_stages)
+    counts = list(layers_per_stage) if layers_per_stage is not None else even
+    if len(counts) != num_stages or min(counts) < 1 or sum(counts) != num_layers:
+        raise ValueError(f"layers_per_stage: expected {num_stages} counts >= 1 summing to {num_layers}, got {counts}")
     devices = [[f"worker{i}"] if r == 1 else [f"worker{i}.{k}" for k in range(r)] for i, r in enumerate(replicas)]
-    stages = stages_from_counts(even_layer_counts(num_layers, num_stages), devices)
+    stages = stages_from_counts(counts, devices)
     suffix = "-r" + "x".join(map(str, replicas)) if max(replicas) > 1 else ""
-    return Gear(gear_id=f"uniform-{num_stages}{suffix}", kind="uniform", model_name=model_name, num_layers=num_layers,
-                stages=stages, micro_batch_size=micro_batch_size, max_inflight_micro_batches=inflight or num_stages,
-                kv_capacity_tokens=kv_capacity_tokens)
+    gear_id = f"uniform-{num_stages}" if counts == even else f"split-{num_stages}-" + "x".join(map(str, counts))
+    return Gear(gear_id=gear_id + suffix, kind="uniform" if counts == even else "manual", model_name=model_name,
+                num_layers=num_layers, stages=stages, micro_batch_size=micro_batch_size,
+                max_inflight_micro_batches=inflight or num_stages, kv_capacity_tokens=kv_capacity_tokens)
 
 
 def load_gear(path: str | Path) -> Gear:

@@ -1,0 +1,130 @@
+"""The layer split of an offline run over identical stage workers on this host (``flexpipe run --stages N``),
+from the run's own prompts and one stage worker measured here.
+
+The worker is measured in the run's dtype, with the worker's thread count, in about 0.1-0.3 s: a square GEMM's
+FLOP/s (:func:`~flexpipe_dag.profiling.microbench.gemm_tflops`, as the probe measures a device) for the
+compute-bound prefill steps, and the weight bytes per second of a micro-batch's rows times a 64 MiB weight
+(:func:`weight_read_gbps`) for the decode steps, which read every weight once per step. A plain memory copy says
+too little about the second on a CPU: measured on this 2-core host (one thread, fp32), a copy moves 43 GB/s, one
+row times the weight reads it at 24 GB/s and 8 rows at 9 GB/s, and a SmolLM2-135M decode step of 8 sequences reads
+its 540 MB of weights at 7.6 GB/s. The cost model's roofline then prices both kinds of step on this host's own
+balance of the two; the split itself is the planner's (:mod:`flexpipe_dag.planner.workload_split`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device
+from flexpipe_dag.planner.cost_model import CostModel
+from flexpipe_dag.planner.model_spec import ModelSpec
+from flexpipe_dag.planner.workload_split import WorkloadCost, workload_cost, workload_layer_counts
+
+if TYPE_CHECKING:
+    import torch
+
+#: GEMM edge and weight size of the worker measurement: on a CPU core a 512 x 512 fp32 product takes a few ms and
+#: a 64 MiB weight leaves the caches; on a GPU the larger product reaches its tensor-core rate.
+CPU_GEMM_N, GPU_GEMM_N, WEIGHT_BYTES = 512, 4096, 64 * 2**20
+
+
+def weight_read_gbps(device: torch.device, dtype: torch.dtype, rows: int, num_bytes: int = WEIGHT_BYTES) -> float:
+    """Weight bytes per second, GB/s, of ``rows`` activation rows times a square weight of about ``num_bytes``
+    (``[rows, k] @ [k, k]``): what a decode step of ``rows`` sequences reaches reading its weights.
+
+    ``rows`` below 1 counts as 1.
+    """
+    import torch
+
+    from flexpipe_dag.profiling.microbench import time_ms
+
+    k = int((num_bytes / torch.empty((), dtype=dtype).element_size()) ** 0.5)
+    weight = torch.randn(k, k, device=device, dtype=dtype)
+    x = torch.randn(max(1, rows), k, device=device, dtype=dtype)
+    ms = time_ms(device, lambda: x @ weight)
+    return weight.numel() * weight.element_size() / (ms / 1e3) / 1e9
+
+
+@dataclass(frozen=True)
+class WorkloadSplit:
+    """Layers per stage for a workload, and what they were derived from.
+
+    Attributes:
+        layers_per_stage: decoder layers of each stage, in order.
+        work: the workload priced on one worker (:class:`~flexpipe_dag.planner.workload_split.WorkloadCost`).
+        stage_ms: each stage's modelled time over the priced rows, ms (divided by its replicas).
+        peak_tflops, bandwidth_gbps: the worker as measured.
+    """
+
+    layers_per_stage: list[int]
+    work: WorkloadCost
+    stage_ms: list[float]
+    peak_tflops: float
+    bandwidth_gbps: float
+
+    def describe(self) -> str:
+        """One line for the run's banner: the modelled stage times and the worker's figures."""
+        times = ", ".join(f"{t / 1e3:.1f}" for t in self.stage_ms)
+        return (f"layers split for these prompts: modelled stage time {times} s (one worker here: "
+                f"{self.peak_tflops * 1e3:.0f} GFLOP/s, {self.bandwidth_gbps:.1f} GB/s)")
+
+
+def measure_worker(device: str, dtype: str, micro_batch_size: int, threads: int = 1) -> Device:
+    """One stage worker of this host as a :class:`~flexpipe_dag.core.cluster.Device`: a GEMM's TFLOP/s and the
+    weight-read GB/s of ``micro_batch_size`` rows (:func:`weight_read_gbps`) on ``device`` (``"cpu"`` or
+    ``"cuda[:N]"``) in ``dtype`` (a canonical runtime dtype), with ``threads`` torch threads on a CPU (the runtime
+    gives each worker one). The calling process's thread count is restored afterwards."""
+    import torch
+
+    from flexpipe_dag.profiling.microbench import gemm_tflops
+    from flexpipe_dag.runtime.model_loader import torch_dtype
+
+    dev = torch.device(device)
+    before = torch.get_num_threads()
+    try:
+        if dev.type == "cpu":
+            torch.set_num_threads(threads)
+        tflops = gemm_tflops(dev, torch_dtype(dtype), CPU_GEMM_N if dev.type == "cpu" else GPU_GEMM_N)
+        gbps = weight_read_gbps(dev, torch_dtype(dtype), micro_batch_size)
+    finally:
+        torch.set_num_threads(before)
+    memory_gib = (torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else 1.0)
+    return Device(device_id="worker", node_id=socket.gethostname() or "host",
+                  kind="cuda" if dev.type == "cuda" else "cpu-worker", memory_gib=memory_gib, peak_tflops=tflops,
+                  hbm_bandwidth_gbps=gbps, compute_score=tflops / REFERENCE_TFLOPS)
+
+
+def split_for_workload(spec: ModelSpec, worker: Device, dtype: str, num_stages: int, prompt_tokens: Sequence[int],
+                       output_tokens: Sequence[int], micro_batch_size: int,
+                       replicas: Sequence[int] | None = None) -> WorkloadSplit:
+    """Layers per stage for ``num_stages`` stages of workers like ``worker``: the min-bottleneck split of the
+    workload's modelled time, a stage of ``r`` replicas counting ``1 / r`` of its time (its sequences are shared
+    over ``r`` lanes).
+
+    Args:
+        spec: the model's architecture facts.
+        worker: one stage worker (:func:`measure_worker`).
+        dtype: the weights' and activations' dtype (canonical).
+        num_stages: stages (1..layers).
+        prompt_tokens, output_tokens: per row, prompt tokens and output tokens (``max_new_tokens``).
+        micro_batch_size: sequences per micro-batch.
+        replicas: workers per stage (default one each).
+
+    Raises:
+        ValueError: as :func:`~flexpipe_dag.planner.workload_split.workload_cost`, or replicas not one count >= 1
+            per stage.
+        InfeasibleError: ``num_stages`` outside ``1..layers``.
+    """
+    reps = list(replicas) if replicas is not None else [1] * num_stages
+    cluster = ClusterProfile(cluster_id="this-host", devices=[worker], source="probe",
+                             measured_at=dt.datetime.now(dt.UTC))
+    cost = CostModel(spec, cluster, dtype=dtype)
+    work = workload_cost(cost, worker.device_id, prompt_tokens, output_tokens, micro_batch_size)
+    sizes = workload_layer_counts(work, spec.num_layers, num_stages, reps)
+    last = num_stages - 1
+    stage_ms = [work.stage_ms(n, i == 0, i == last) / reps[i] for i, n in enumerate(sizes)]
+    return WorkloadSplit(sizes, work, stage_ms, worker.peak_tflops, worker.hbm_bandwidth_gbps)

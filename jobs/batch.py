@@ -6,6 +6,8 @@ stage fails the run naming the stage while keeping what finished (and tags the g
 tide sensor pauses a running job by setting its status to ``paused``: the job stops between chunks.
 """
 
+from typing import Literal
+
 from dagster import Config, Failure, MetadataValue, OpExecutionContext, job, op
 from pydantic import Field
 
@@ -38,9 +40,13 @@ class BatchInferenceConfig(Config):
     max_new_tokens: int = Field(default=16, ge=1, description="tokens generated per request: a row without "
                                 "max_new_tokens gets this, a row asking for more gets this (the cap)")
     gear_id: str = Field(default="", description="a stored gear; empty = even split over `stages` CPU workers")
-    stages: int = Field(default=2, description="with no gear_id: the model's layers split evenly over this many CPU "
-                        "worker processes on this host; their steps are recorded as this host's probed CPU workers "
+    stages: int = Field(default=2, description="with no gear_id: the model's layers split (see `split`) over this "
+                        "many CPU worker processes on this host; their steps are recorded as this host's probed CPU workers "
                         "(`<host>-cpu<i>`, cluster `<host>`) for `flexpipe calibrate`")
+    split: Literal["workload", "even"] = Field(
+        default="workload", description="with no gear_id and stages > 1 on this host: workload = the layers split "
+        "for the job's own prompts and output lengths (one stage worker measured here, the split whose slowest "
+        "stage is fastest, as `flexpipe run --stages`); even = as many layers on every stage")
     micro_batch_size: int = Field(default=8, description="with no gear_id: sequences per micro-batch")
     model: str = Field(default="", description="checkpoint: HF dir or GGUF; empty = SmolLM2-135M-Instruct")
     chat_template: ChatTemplateMode = Field(
@@ -101,6 +107,25 @@ def _on_host_cpu_workers(gear):
     return Gear.model_validate({**gear.model_dump(), "stages": stages, "cluster_id": host})
 
 
+def _split_for_job(context: OpExecutionContext, config: BatchInferenceConfig, ckpt, gear, rows, done: set[str],
+                   prompt_format):
+    """A ``stages:`` job's gear with its layers split for the rows still to run when ``split`` is ``workload``
+    (:func:`~flexpipe_dag.profiling.worker_split.split_gear_for_rows`; the split logged), else ``gear``."""
+    if config.gear_id or config.control_address or config.split != "workload" or config.stages < 2:
+        return gear
+    from flexpipe_dag.profiling.worker_split import split_gear_for_rows
+    from flexpipe_dag.runtime.model_loader import resolve_dtype
+    from flexpipe_dag.runtime.pipeline import RuntimeOptions
+
+    options = RuntimeOptions()  # the job's stage workers: the runtime's default device and dtype
+    split_gear, split = split_gear_for_rows(gear, ckpt, rows, done, prompt_format.apply, options.device,
+                                            resolve_dtype(options.dtype, options.device))
+    if split is None:
+        return gear
+    context.log.info(split.describe())
+    return _on_host_cpu_workers(split_gear)
+
+
 def _rows(config: BatchInferenceConfig, ckpt):
     from flexpipe_dag.core.errors import InputError
     from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts
@@ -149,9 +174,10 @@ def run_batch(context: OpExecutionContext, config: BatchInferenceConfig, store: 
         job_id = db.get_or_create_job(config.job_key, InferenceJobKind.BATCH, priority=config.priority,
                                       source_path=config.prompts_path or config.trace, gear_key=gear.gear_id,
                                       config=config.model_dump(mode="json"))
+        sink = StoreResultSink(db, job_id)
+        gear = _split_for_job(context, config, ckpt, gear, rows, sink.done_ids(), prompt_format)
         db.update_job(job_id, status=InferenceJobStatus.RUNNING, total_requests=len(rows), malformed_rows=len(malformed),
                       error=None, gear_key=gear.gear_id)
-        sink = StoreResultSink(db, job_id)
         for m in malformed[:50]:
             context.log.warning(f"malformed row {m.line}: {m.reason}")
         if prompt_format.message:

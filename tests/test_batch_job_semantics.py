@@ -125,14 +125,21 @@ def _logs(instance, run_id: str, level: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_stages_run_wraps_plain_prompts_reports_rows_without_text_and_feeds_calibrate(tmp_path, capsys):
+def test_stages_run_wraps_plain_prompts_reports_rows_without_text_and_feeds_calibrate(tmp_path, capsys, monkeypatch):
     import logging
 
     from dagster import DagsterInstance
 
     from flexpipe_dag.core.host import cpu_worker_device_id, local_cluster_id
     from flexpipe_dag.jobs.batch import batch_inference
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.profiling import worker_split
     from flexpipe_dag.resources.store_resource import StoreResource
+    from tests.test_runtime_helpers import checkpoint
+    from tests.test_workload_split import CORE
+
+    # the worker's figures fixed, so the layer split of these (templated) prompts is known
+    monkeypatch.setattr(worker_split, "measure_worker", lambda device, dtype, micro_batch_size, threads=1: CORE)
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "plain", "prompt": PLAIN}) + "\n"
@@ -161,10 +168,16 @@ def test_stages_run_wraps_plain_prompts_reports_rows_without_text_and_feeds_cali
     assert metadata["chat_template"].value == "auto" and metadata["chat_template_applied"].value is True
     warnings = _logs(instance, result.run_id, logging.WARNING)
     assert no_text in warnings
+    # the layers split for the prompts as sent (the plain one in the chat template), as `flexpipe run --stages`
+    split = worker_split.split_for_workload(load_model_spec(checkpoint().path), CORE, "fp32", 2,
+                                            [rows["plain"].prompt_tokens, rows["answered"].prompt_tokens], [6, 6], 8)
+    gear_key = "split-2-" + "x".join(map(str, split.layers_per_stage)) if split.layers_per_stage != [15, 15] \
+        else "uniform-2"
+    assert split.describe() in _logs(instance, result.run_id, logging.INFO) and job.gear_key == gear_key
     # every stage step is recorded, as this host's probed CPU workers
     host = local_cluster_id()
     (run,) = db.observed_runs()
-    assert (run["run_key"], run["gear_key"], run["cluster_key"]) == (result.run_id, "uniform-2", host)
+    assert (run["run_key"], run["gear_key"], run["cluster_key"]) == (result.run_id, gear_key, host)
     assert run["steps"] == metadata["observed_steps"].value > 0
     observed = db.read_observations(run_key=result.run_id)
     assert {o.device_id for o in observed} == {cpu_worker_device_id(host, 0), cpu_worker_device_id(host, 1)}
@@ -199,8 +212,8 @@ def test_stored_config_relaunches_the_job_with_the_same_rows(tmp_path):
     (job,) = first.get_store().jobs()
     assert job.config == {
         "job_key": "relaunch-1", "prompts_path": str(prompts), "trace": "", "num_requests": 64,
-        "max_prompt_tokens": 256, "max_new_tokens": 4, "gear_id": "", "stages": 1, "micro_batch_size": 8,
-        "model": "", "chat_template": "auto", "priority": 0, "step_timeout_s": 120.0, "kv_pool_tokens_max": 8192,
+        "max_prompt_tokens": 256, "max_new_tokens": 4, "gear_id": "", "stages": 1, "split": "workload",
+        "micro_batch_size": 8, "model": "", "chat_template": "auto", "priority": 0, "step_timeout_s": 120.0, "kv_pool_tokens_max": 8192,
         "truncate_context": False, "control_address": "", "secret_file": ""}
     # the tide sensor's run config, on a store that never saw the job: the same rows
     again = StoreResource(database_url=f"sqlite:///{tmp_path / 'again.db'}")
@@ -371,5 +384,5 @@ def test_every_config_field_of_every_job_has_a_description():
         .fields["run_batch"].config_type.fields["config"].config_type.fields
     assert sorted(batch) == sorted([
         "job_key", "prompts_path", "trace", "num_requests", "max_prompt_tokens", "max_new_tokens", "gear_id", "stages",
-        "micro_batch_size", "model", "chat_template", "priority", "step_timeout_s", "kv_pool_tokens_max",
+        "split", "micro_batch_size", "model", "chat_template", "priority", "step_timeout_s", "kv_pool_tokens_max",
         "truncate_context", "control_address", "secret_file"])

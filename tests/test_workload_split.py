@@ -130,3 +130,21 @@ def test_flexpipe_run_splits_its_stages_for_its_prompts(tmp_path, capsys, monkey
     even = [json.loads(line) for line in out2.read_text().splitlines()]
     assert {r["gear_id"] for r in even} == {"uniform-2"}
     assert [r["output_token_ids"] for r in even] == [r["output_token_ids"] for r in rows]  # the split changes no token
+
+
+def test_batch_job_splits_only_its_own_local_stages(monkeypatch):
+    """The ``batch_inference`` job's ``split``: a stored gear, remote workers, ``split: even`` and one stage keep the
+    gear as it is (no worker measured); ``workload`` splits it (the real job run: test_batch_job_semantics)."""
+    from flexpipe_dag.jobs.batch import BatchInferenceConfig, _split_for_job
+    from flexpipe_dag.profiling import worker_split
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("no worker is measured for a gear the job does not split")
+
+    monkeypatch.setattr(worker_split, "measure_worker", refuse)
+    gear = even_gear(30, 2, "m", 8, None, 1024)
+    for fields in ({"gear_id": "g1"}, {"control_address": "127.0.0.1:0"}, {"split": "even"}, {"stages": 1}):
+        config = BatchInferenceConfig(job_key="j", **fields)
+        assert _split_for_job(None, config, None, gear, [], set(), None) is gear
+    with pytest.raises(Exception, match="split"):
+        BatchInferenceConfig(job_key="j", split="balanced")

@@ -487,32 +487,17 @@ def _serve_run(args: argparse.Namespace, runtime, gear, ckpt, rows, malformed, s
 
 
 def _split_for_rows(args: argparse.Namespace, ckpt, gear, rows, done: set[str], prompt_format: PromptFormat):
-    """``gear`` (an even ``--stages`` gear) with its layers split for the rows still to run (the first
-    :data:`~flexpipe_dag.planner.workload_split.MAX_PRICED_ROWS` of them), one worker measured here; the split is
-    printed (stderr)."""
-    from flexpipe_dag.core.gear_builders import even_gear
-    from flexpipe_dag.planner.model_spec import load_model_spec
-    from flexpipe_dag.planner.workload_split import MAX_PRICED_ROWS
-    from flexpipe_dag.profiling.worker_split import measure_worker, split_for_workload
-    from flexpipe_dag.runtime.chat_template import prompt_token_ids
+    """``gear`` (an even ``--stages`` gear) with its layers split for the rows still to run
+    (:func:`~flexpipe_dag.profiling.worker_split.split_gear_for_rows`); the split is printed (stderr)."""
+    from flexpipe_dag.profiling.worker_split import split_gear_for_rows
     from flexpipe_dag.runtime.model_loader import resolve_dtype
 
-    todo = [r for r in rows if r.request_id not in done][:MAX_PRICED_ROWS]
-    if not todo:
-        return gear
-    tok = ckpt.tokenizer()
-    prompts = [max(1, len(r.token_ids if r.token_ids is not None else
-                          prompt_token_ids(tok, r.prompt or "", prompt_format.apply))) for r in todo]
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    dtype = resolve_dtype(args.dtype, device)
-    replicas = [st.replicas for st in gear.stages]
-    split = split_for_workload(load_model_spec(ckpt.path), measure_worker(device, dtype, gear.micro_batch_size), dtype,
-                               gear.num_stages,
-                               prompts, [max(1, r.max_new_tokens) for r in todo], gear.micro_batch_size, replicas)
-    print(split.describe(), file=sys.stderr)
-    return even_gear(ckpt.num_layers, gear.num_stages, ckpt.name, gear.micro_batch_size,
-                     gear.max_inflight_micro_batches, gear.kv_capacity_tokens, replicas,
-                     layers_per_stage=split.layers_per_stage)
+    gear, split = split_gear_for_rows(gear, ckpt, rows, done, prompt_format.apply, device,
+                                      resolve_dtype(args.dtype, device))
+    if split is not None:
+        print(split.describe(), file=sys.stderr)
+    return gear
 
 
 def _run_summary(report, args: argparse.Namespace, runtime) -> dict:

@@ -22,10 +22,14 @@ from typing import TYPE_CHECKING
 from flexpipe_dag.core.cluster import REFERENCE_TFLOPS, ClusterProfile, Device
 from flexpipe_dag.planner.cost_model import CostModel
 from flexpipe_dag.planner.model_spec import ModelSpec
-from flexpipe_dag.planner.workload_split import WorkloadCost, workload_cost, workload_layer_counts
+from flexpipe_dag.planner.workload_split import MAX_PRICED_ROWS, WorkloadCost, workload_cost, workload_layer_counts
 
 if TYPE_CHECKING:
     import torch
+
+    from flexpipe_dag.core.gear import Gear
+    from flexpipe_dag.runtime.batch import PromptRow
+    from flexpipe_dag.runtime.model_loader import Checkpoint
 
 #: GEMM edge and weight size of the worker measurement: on a CPU core a 512 x 512 fp32 product takes a few ms and
 #: a 64 MiB weight leaves the caches; on a GPU the larger product reaches its tensor-core rate.
@@ -128,3 +132,39 @@ def split_for_workload(spec: ModelSpec, worker: Device, dtype: str, num_stages: 
     last = num_stages - 1
     stage_ms = [work.stage_ms(n, i == 0, i == last) / reps[i] for i, n in enumerate(sizes)]
     return WorkloadSplit(sizes, work, stage_ms, worker.peak_tflops, worker.hbm_bandwidth_gbps)
+
+
+def split_gear_for_rows(gear: Gear, ckpt: Checkpoint, rows: Sequence[PromptRow], done_ids: set[str],
+                        apply_template: bool, device: str, dtype: str) -> tuple[Gear, WorkloadSplit | None]:
+    """``gear`` (an even split over identical local workers, e.g. ``flexpipe run --stages N`` or the
+    ``batch_inference`` job's ``stages:``) with its layers split for the rows still to run: the first
+    :data:`~flexpipe_dag.planner.workload_split.MAX_PRICED_ROWS` rows whose id is not in ``done_ids``, their text
+    prompts tokenised as the run sends them (``apply_template``: wrapped in the chat template), one worker measured
+    on ``device`` (``"cpu"`` / ``"cuda:N"``) in ``dtype`` (canonical). The gear's replicas, micro-batch size,
+    in-flight bound and KV capacity are kept; its id names the split (``split-N-<a>x<b>...``, or ``uniform-N``
+    when the split is even).
+
+    Returns:
+        The gear and the split (whose :meth:`WorkloadSplit.describe` is the line to log), or ``gear`` itself and
+        None when no row is left to run.
+
+    Raises:
+        ValueError / InfeasibleError: as :func:`split_for_workload`.
+    """
+    from flexpipe_dag.core.gear_builders import even_gear
+    from flexpipe_dag.planner.model_spec import load_model_spec
+    from flexpipe_dag.runtime.chat_template import prompt_token_ids
+
+    todo = [r for r in rows if r.request_id not in done_ids][:MAX_PRICED_ROWS]
+    if not todo:
+        return gear, None
+    tok = ckpt.tokenizer()
+    prompts = [max(1, len(r.token_ids if r.token_ids is not None else
+                          prompt_token_ids(tok, r.prompt or "", apply_template))) for r in todo]
+    replicas = [st.replicas for st in gear.stages]
+    split = split_for_workload(load_model_spec(ckpt.path), measure_worker(device, dtype, gear.micro_batch_size), dtype,
+                               gear.num_stages, prompts, [max(1, r.max_new_tokens) for r in todo],
+                               gear.micro_batch_size, replicas)
+    return even_gear(ckpt.num_layers, gear.num_stages, ckpt.name, gear.micro_batch_size,
+                     gear.max_inflight_micro_batches, gear.kv_capacity_tokens, replicas,
+                     layers_per_stage=split.layers_per_stage), split

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import model_cache_dir
@@ -213,7 +213,7 @@ class Checkpoint:
         with safe_open(str(self.tensor_files[name]), framework="pt") as fh:
             return tuple(fh.get_slice(name).get_shape())
 
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         """The checkpoint's tokenizer (``transformers.AutoTokenizer``), loaded once per Checkpoint object."""
         return self._tokenizer
 

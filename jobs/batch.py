@@ -39,7 +39,8 @@ class BatchInferenceConfig(Config):
     max_prompt_tokens: int = Field(default=256, description="with trace: cap on each prompt's tokens")
     max_new_tokens: int = Field(default=16, ge=1, description="tokens generated per request: a row without "
                                 "max_new_tokens gets this, a row asking for more gets this (the cap)")
-    gear_id: str = Field(default="", description="a stored gear; empty = even split over `stages` CPU workers")
+    gear_id: str = Field(default="", description="a stored gear; empty = `stages` CPU workers on this host, their "
+                         "layers split as `split` says")
     stages: int = Field(default=2, description="with no gear_id: the model's layers split (see `split`) over this "
                         "many CPU worker processes on this host; their steps are recorded as this host's probed CPU workers "
                         "(`<host>-cpu<i>`, cluster `<host>`) for `flexpipe calibrate`")
@@ -119,7 +120,7 @@ def _split_for_job(context: OpExecutionContext, config: BatchInferenceConfig, ck
 
     options = RuntimeOptions()  # the job's stage workers: the runtime's default device and dtype
     split_gear, split = split_gear_for_rows(gear, ckpt, rows, done, prompt_format.apply, options.device,
-                                            resolve_dtype(options.dtype, options.device))
+                                            resolve_dtype(options.dtype, options.device), config.truncate_context)
     if split is None:
         return gear
     context.log.info(split.describe())

@@ -77,7 +77,7 @@ def test_split_is_the_exact_min_bottleneck_and_the_head_weighs_per_sampled_token
 def test_replicas_share_a_stage_and_bad_input_is_refused(cost):
     work = WorkloadCost(layer_ms=10.0, first_ms=0.0, last_ms=0.0, steps=1)
     assert workload_layer_counts(work, 30, 2, [1, 2]) == [10, 20]  # two lanes: twice the layers at equal time
-    with pytest.raises(ValueError, match="replicas: expected 2 counts >= 1"):
+    with pytest.raises(ValueError, match="replicas: expected 2 whole counts >= 1"):
         workload_layer_counts(work, 30, 2, [1, 0])
     with pytest.raises(InfeasibleError):
         workload_layer_counts(work, 3, 4)
@@ -120,7 +120,7 @@ def test_flexpipe_run_splits_its_stages_for_its_prompts(tmp_path, capsys, monkey
     assert expected != [15, 15] and expected[1] < 15  # short prompts, many decode steps: the head's stage is lighter
     gear_id = "split-2-" + "x".join(map(str, expected))
     assert f"gear {gear_id}: stages [(0, {expected[0]}), ({expected[0]}, 30)]" in err
-    assert "layers split for these prompts: modelled stage time" in err
+    assert f"layers split for these prompts: {expected}, modelled stage time" in err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and {r["gear_id"] for r in rows} == {gear_id}
 
@@ -148,3 +148,43 @@ def test_batch_job_splits_only_its_own_local_stages(monkeypatch):
         assert _split_for_job(None, config, None, gear, [], set(), None) is gear
     with pytest.raises(Exception, match="split"):
         BatchInferenceConfig(job_key="j", split="balanced")
+
+
+def test_rows_the_run_refuses_do_not_decide_the_split(monkeypatch):
+    """Only rows the runtime serves are priced, as it serves them: a row over the model's context (refused) or
+    with token ids outside the vocabulary (malformed) leaves the split as it was; under truncate_context an
+    over-long prompt is priced at its cut length."""
+    from flexpipe_dag.profiling import worker_split
+    from flexpipe_dag.runtime.batch import PromptRow
+    from tests.test_runtime_helpers import checkpoint
+
+    monkeypatch.setattr(worker_split, "measure_worker", lambda device, dtype, micro_batch_size, threads=1: CORE)
+    ck = checkpoint()
+    gear = even_gear(ck.num_layers, 2, ck.name, 8, None, 1024)
+    max_context = ck.max_context_tokens
+    plain = [PromptRow(f"r{i}", token_ids=[1, 2, 3], max_new_tokens=24) for i in range(8)]
+
+    def split(rows, truncate=False):
+        return worker_split.split_gear_for_rows(gear, ck, rows, set(), False, "cpu", "fp32", truncate)
+
+    base_gear, base = split(plain)
+    refused = [PromptRow("long", token_ids=[5] * (max_context - 10), max_new_tokens=24),
+               PromptRow("oov", token_ids=[ck.config.vocab_size + 7], max_new_tokens=1000)]
+    with_refused, priced = split(plain + refused)
+    assert base is not None and priced is not None
+    assert with_refused.gear_id == base_gear.gear_id and priced.work == base.work
+    assert split(refused) == (gear, None)  # nothing the run will serve: nothing measured, the gear as it was
+    # truncated: the long prompt priced at max_context - 24 tokens, as the runtime cuts it
+    _, cut = split(plain + refused[:1], truncate=True)
+    _, exact = split(plain + [PromptRow("cut", token_ids=[5] * (max_context - 24), max_new_tokens=24)])
+    assert cut is not None and exact is not None and cut.work == exact.work != base.work
+
+
+def test_split_refuses_costs_and_replicas_it_cannot_price():
+    for bad in (WorkloadCost(float("nan"), 0.0, 0.0, 1), WorkloadCost(1.0, 0.0, float("inf"), 1),
+                WorkloadCost(-1.0, 0.0, 5.0, 1)):
+        with pytest.raises(ValueError, match="expected a finite time >= 0 ms"):
+            workload_layer_counts(bad, 30, 3)
+    for reps in ([1, 1.5], [1, float("inf")], [1, 0]):
+        with pytest.raises(ValueError, match="whole counts >= 1"):
+            workload_layer_counts(WorkloadCost(1.0, 0.0, 5.0, 1), 30, 2, reps)

@@ -494,7 +494,7 @@ def _split_for_rows(args: argparse.Namespace, ckpt, gear, rows, done: set[str], 
 
     device = "cuda:0" if args.device == "cuda" else "cpu"
     gear, split = split_gear_for_rows(gear, ckpt, rows, done, prompt_format.apply, device,
-                                      resolve_dtype(args.dtype, device))
+                                      resolve_dtype(args.dtype, device), args.truncate_context)
     if split is not None:
         print(split.describe(), file=sys.stderr)
     return gear

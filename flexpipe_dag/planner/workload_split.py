@@ -117,12 +117,16 @@ def workload_layer_counts(work: WorkloadCost, num_layers: int, num_stages: int,
 
     Raises:
         InfeasibleError: ``num_stages`` outside ``1..num_layers``.
-        ValueError: ``replicas`` not one count >= 1 per stage.
+        ValueError: ``replicas`` not one whole count >= 1 per stage, or a cost in ``work`` negative or not finite.
     """
     check_stage_count(num_layers, num_stages)
     reps = list(replicas) if replicas is not None else [1] * num_stages
-    if len(reps) != num_stages or min(reps) < 1:
-        raise ValueError(f"replicas: expected {num_stages} counts >= 1, got {reps}")
+    if len(reps) != num_stages or not all(isinstance(r, int | np.integer) and r >= 1 for r in reps):
+        raise ValueError(f"replicas: expected {num_stages} whole counts >= 1, got {reps}")
+    for name in ("layer_ms", "first_ms", "last_ms"):
+        value = getattr(work, name)
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"WorkloadCost.{name}: expected a finite time >= 0 ms, got {value}")
     layers = np.arange(num_layers + 1, dtype=float)
     span = layers[None, :] - layers[:, None]  # [i, j]: layers in [i, j)
     costs = np.empty((num_stages, num_layers + 1, num_layers + 1))

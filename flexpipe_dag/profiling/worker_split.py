@@ -73,7 +73,7 @@ class WorkloadSplit:
     def describe(self) -> str:
         """One line for the run's banner: the modelled stage times and the worker's figures."""
         times = ", ".join(f"{t / 1e3:.1f}" for t in self.stage_ms)
-        return (f"layers split for these prompts: modelled stage time {times} s (one worker here: "
+        return (f"layers split for these prompts: {self.layers_per_stage}, modelled stage time {times} s (one worker here: "
                 f"{self.peak_tflops * 1e3:.0f} GFLOP/s, {self.bandwidth_gbps:.1f} GB/s)")
 
 
@@ -135,14 +135,18 @@ def split_for_workload(spec: ModelSpec, worker: Device, dtype: str, num_stages: 
 
 
 def split_gear_for_rows(gear: Gear, ckpt: Checkpoint, rows: Sequence[PromptRow], done_ids: set[str],
-                        apply_template: bool, device: str, dtype: str) -> tuple[Gear, WorkloadSplit | None]:
+                        apply_template: bool, device: str, dtype: str,
+                        truncate_context: bool = False) -> tuple[Gear, WorkloadSplit | None]:
     """``gear`` (an even split over identical local workers, e.g. ``flexpipe run --stages N`` or the
     ``batch_inference`` job's ``stages:``) with its layers split for the rows still to run: the first
     :data:`~flexpipe_dag.planner.workload_split.MAX_PRICED_ROWS` rows whose id is not in ``done_ids``, their text
     prompts tokenised as the run sends them (``apply_template``: wrapped in the chat template), one worker measured
     on ``device`` (``"cpu"`` / ``"cuda:N"``) in ``dtype`` (canonical). The gear's replicas, micro-batch size,
     in-flight bound and KV capacity are kept; its id names the split (``split-N-<a>x<b>...``, or ``uniform-N``
-    when the split is even).
+    when the split is even). Only rows the runtime will serve are priced, as it will serve them: a row whose
+    token ids fall outside the model's vocabulary, or whose prompt + ``max_new_tokens`` exceed the model's max
+    context, is left out (the run refuses it), unless ``truncate_context`` cuts its prompt to fit, when it is
+    priced at the cut length.
 
     Returns:
         The gear and the split (whose :meth:`WorkloadSplit.describe` is the line to log), or ``gear`` itself and
@@ -155,16 +159,31 @@ def split_gear_for_rows(gear: Gear, ckpt: Checkpoint, rows: Sequence[PromptRow],
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.runtime.chat_template import prompt_token_ids
 
-    todo = [r for r in rows if r.request_id not in done_ids][:MAX_PRICED_ROWS]
-    if not todo:
-        return gear, None
     tok = ckpt.tokenizer()
-    prompts = [max(1, len(r.token_ids if r.token_ids is not None else
-                          prompt_token_ids(tok, r.prompt or "", apply_template))) for r in todo]
+    vocab = int(getattr(ckpt.config, "vocab_size", 0) or 0)
+    max_context = ckpt.max_context_tokens
+    prompts: list[int] = []
+    outputs: list[int] = []
+    for r in rows:
+        if len(prompts) == MAX_PRICED_ROWS:
+            break
+        if r.request_id in done_ids:
+            continue
+        if r.token_ids is not None and vocab and any(not 0 <= t < vocab for t in r.token_ids):
+            continue  # refused by the run as malformed
+        p = max(1, len(r.token_ids if r.token_ids is not None else prompt_token_ids(tok, r.prompt or "", apply_template)))
+        o = max(1, r.max_new_tokens)
+        if max_context and p + o > max_context:
+            if not truncate_context or o >= max_context:
+                continue  # refused by the run: over the context
+            p = max_context - o
+        prompts.append(p)
+        outputs.append(o)
+    if not prompts:
+        return gear, None
     replicas = [st.replicas for st in gear.stages]
     split = split_for_workload(load_model_spec(ckpt.path), measure_worker(device, dtype, gear.micro_batch_size), dtype,
-                               gear.num_stages, prompts, [max(1, r.max_new_tokens) for r in todo],
-                               gear.micro_batch_size, replicas)
+                               gear.num_stages, prompts, outputs, gear.micro_batch_size, replicas)
     return even_gear(ckpt.num_layers, gear.num_stages, ckpt.name, gear.micro_batch_size,
                      gear.max_inflight_micro_batches, gear.kv_capacity_tokens, replicas,
                      layers_per_stage=split.layers_per_stage), split

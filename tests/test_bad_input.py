@@ -107,11 +107,19 @@ def test_bad_database_url_is_one_line(url, needle, monkeypatch, capsys):
     _one_line_error(capsys, "FLEXPIPE_DATABASE_URL", needle)
 
 
+def test_run_refuses_split_with_a_gear(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    assert cli_main(["run", "--gear", "g1", "--split", "even", "--prompts", str(prompts)]) == 2
+    _one_line_error(capsys, "--split: splits the layers of a --stages run; gear 'g1' has its own stages")
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--out", "{tmp}"], "is a directory"),
     (["--out", "{tmp}/missing/dir/out.jsonl"], "does not exist"),
     (["--micro-batch-size", "0"], "--micro-batch-size"),
     (["--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["--max-new-tokens", str(10**20)], "--max-new-tokens: expected an integer 1..2147483647, got 1000"),
     (["--dtype", "fp7"], "unknown dtype 'fp7'"),
     (["--step-timeout-s", "-1"], "--step-timeout-s"),
     (["--chunked-prefill-tokens", "0"], "expected 1..1048576 tokens per micro-batch, got 0"),

@@ -69,7 +69,7 @@ def register(subparsers) -> None:
     p.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV pool per stage in tokens (default 8192 with --stages; with --gear: cap the gear's pool, "
                         "e.g. a GPU-planned gear on a CPU host)")
-    p.add_argument("--split", choices=("workload", "even"), default="workload",
+    p.add_argument("--split", choices=("workload", "even"), default=None,
                    help="with --stages: workload (default): the layers split so the slowest stage is fastest for "
                         "these prompts, priced with the cost model on one worker measured here (the last stage's LM "
                         "head weighs per sampled token, a layer per token); even: layer counts differing by at most "
@@ -158,13 +158,16 @@ def check_args(args: argparse.Namespace) -> None:
         InputError: naming the flag and what was expected.
     """
     from flexpipe_dag.core.dtypes import compute_dtype
+    from flexpipe_dag.core.settings import INT32_MAX
     from flexpipe_dag.runtime.model_loader import head_dtype
 
     for flag, value, low in (("--num-requests", args.num_requests, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 1),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--micro-batch-size", args.micro_batch_size, 1),
                              ("--kv-capacity-tokens", 1 if args.kv_capacity_tokens is None else args.kv_capacity_tokens, 1)):
-        if value < low:
-            raise InputError(None, flag, f"expected an integer >= {low}, got {value}")
+        if not low <= value <= INT32_MAX:
+            raise InputError(None, flag, f"expected an integer {low}..{INT32_MAX}, got {value}")
+    if args.gear and args.split:
+        raise InputError(None, "--split", f"splits the layers of a --stages run; gear '{args.gear}' has its own stages")
     if args.inflight is not None and args.inflight < 1:
         raise InputError(None, "--inflight", f"expected an integer >= 1, got {args.inflight}")
     if chunked_prefill_tokens(args) is not None and args.score:
@@ -391,7 +394,7 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
 
         check_gear_supported(gear)  # before any banner: scoring has one rank per stage
         return _score(args, gear, ckpt, rows, malformed, sink, state)
-    if not args.gear and args.split == "workload" and args.stages > 1 and not control_address and placement is None:
+    if not args.gear and (args.split or "workload") == "workload" and args.stages > 1 and not control_address and placement is None:
         gear = _split_for_rows(args, ckpt, gear, rows, sink.done_ids(), prompt_format)
     workers = sum(st.replicas for st in gear.stages)
     if not args.gear and args.inflight is None:  # an offline run: every stage worker kept busy

@@ -74,6 +74,25 @@ def memory_bandwidth_gbps(device: torch.device, num_bytes: int) -> float:
     return 2 * num_bytes / (ms / 1e3) / 1e9
 
 
+#: Weight size of :func:`weight_read_gbps`: large enough to leave a CPU's caches.
+WEIGHT_READ_BYTES = 64 * 2**20
+
+
+def weight_read_gbps(device: torch.device, dtype: torch.dtype, rows: int, num_bytes: int = WEIGHT_READ_BYTES) -> float:
+    """Weight bytes per second, GB/s, of ``rows`` activation rows times a square weight of about ``num_bytes``
+    (``[rows, k] @ [k, k]``): what a decode step of ``rows`` sequences reaches reading its weights.
+
+    ``rows`` below 1 counts as 1.
+    """
+    import torch
+
+    k = int((num_bytes / torch.empty((), dtype=dtype).element_size()) ** 0.5)
+    weight = torch.randn(k, k, device=device, dtype=dtype)
+    x = torch.randn(max(1, rows), k, device=device, dtype=dtype)
+    ms = time_ms(device, lambda: x @ weight)
+    return weight.numel() * weight.element_size() / (ms / 1e3) / 1e9
+
+
 def layer_times_ms(device: torch.device, dtype: torch.dtype, shape: LayerShape,
                    token_counts: list[int]) -> dict[str, float]:
     """Time attention (QKV/O projections + SDPA, causal) and gated MLP of one layer at each token count.

@@ -4,11 +4,12 @@ from the run's own prompts and one stage worker measured here.
 The worker is measured in the run's dtype, with the worker's thread count, in about 0.1-0.3 s: a square GEMM's
 FLOP/s (:func:`~flexpipe_dag.profiling.microbench.gemm_tflops`, as the probe measures a device) for the
 compute-bound prefill steps, and the weight bytes per second of a micro-batch's rows times a 64 MiB weight
-(:func:`weight_read_gbps`) for the decode steps, which read every weight once per step. A plain memory copy says
-too little about the second on a CPU: measured on this 2-core host (one thread, fp32), a copy moves 43 GB/s, one
-row times the weight reads it at 24 GB/s and 8 rows at 9 GB/s, and a SmolLM2-135M decode step of 8 sequences reads
-its 540 MB of weights at 7.6 GB/s. The cost model's roofline then prices both kinds of step on this host's own
-balance of the two; the split itself is the planner's (:mod:`flexpipe_dag.planner.workload_split`).
+(:func:`~flexpipe_dag.profiling.microbench.weight_read_gbps`) for the decode steps, which read every weight once
+per step. A plain memory copy says too little about the second on a CPU: measured on this 2-core host (one
+thread, fp32), a copy moves 43 GB/s, one row times the weight reads it at 24 GB/s and 8 rows at 9 GB/s, and a
+SmolLM2-135M decode step of 8 sequences reads its 540 MB of weights at 7.6 GB/s. The cost model's roofline then
+prices both kinds of step on this host's own balance of the two; the split itself is the planner's
+(:mod:`flexpipe_dag.planner.workload_split`).
 """
 
 from __future__ import annotations
@@ -25,32 +26,13 @@ from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.workload_split import MAX_PRICED_ROWS, WorkloadCost, workload_cost, workload_layer_counts
 
 if TYPE_CHECKING:
-    import torch
-
     from flexpipe_dag.core.gear import Gear
     from flexpipe_dag.runtime.batch import PromptRow
     from flexpipe_dag.runtime.model_loader import Checkpoint
 
-#: GEMM edge and weight size of the worker measurement: on a CPU core a 512 x 512 fp32 product takes a few ms and
-#: a 64 MiB weight leaves the caches; on a GPU the larger product reaches its tensor-core rate.
-CPU_GEMM_N, GPU_GEMM_N, WEIGHT_BYTES = 512, 4096, 64 * 2**20
-
-
-def weight_read_gbps(device: torch.device, dtype: torch.dtype, rows: int, num_bytes: int = WEIGHT_BYTES) -> float:
-    """Weight bytes per second, GB/s, of ``rows`` activation rows times a square weight of about ``num_bytes``
-    (``[rows, k] @ [k, k]``): what a decode step of ``rows`` sequences reaches reading its weights.
-
-    ``rows`` below 1 counts as 1.
-    """
-    import torch
-
-    from flexpipe_dag.profiling.microbench import time_ms
-
-    k = int((num_bytes / torch.empty((), dtype=dtype).element_size()) ** 0.5)
-    weight = torch.randn(k, k, device=device, dtype=dtype)
-    x = torch.randn(max(1, rows), k, device=device, dtype=dtype)
-    ms = time_ms(device, lambda: x @ weight)
-    return weight.numel() * weight.element_size() / (ms / 1e3) / 1e9
+#: GEMM edge of the worker measurement: on a CPU core a 512 x 512 fp32 product takes a few ms; on a GPU the
+#: larger product reaches its tensor-core rate.
+CPU_GEMM_N, GPU_GEMM_N = 512, 4096
 
 
 @dataclass(frozen=True)
@@ -79,12 +61,13 @@ class WorkloadSplit:
 
 def measure_worker(device: str, dtype: str, micro_batch_size: int, threads: int = 1) -> Device:
     """One stage worker of this host as a :class:`~flexpipe_dag.core.cluster.Device`: a GEMM's TFLOP/s and the
-    weight-read GB/s of ``micro_batch_size`` rows (:func:`weight_read_gbps`) on ``device`` (``"cpu"`` or
-    ``"cuda[:N]"``) in ``dtype`` (a canonical runtime dtype), with ``threads`` torch threads on a CPU (the runtime
-    gives each worker one). The calling process's thread count is restored afterwards."""
+    weight-read GB/s of ``micro_batch_size`` rows (:func:`~flexpipe_dag.profiling.microbench.weight_read_gbps`) on
+    ``device`` (``"cpu"`` or ``"cuda[:N]"``) in ``dtype`` (a canonical runtime dtype), with ``threads`` torch
+    threads on a CPU (the runtime gives each worker one). The calling process's thread count is restored
+    afterwards."""
     import torch
 
-    from flexpipe_dag.profiling.microbench import gemm_tflops
+    from flexpipe_dag.profiling.microbench import gemm_tflops, weight_read_gbps
     from flexpipe_dag.runtime.model_loader import torch_dtype
 
     dev = torch.device(device)

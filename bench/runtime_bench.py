@@ -61,20 +61,23 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start / stop li
 TRACE = Path(__file__).resolve().parent.parent / "flexpipe_dag" / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
-def workload_splits(ckpt, rows, depths, batch_sizes, dev: str, dtype: str) -> dict[tuple[int, int], list[int]]:
+def workload_splits(ckpt, rows, depths, batch_sizes, dev: str, dtype: str):
     """Layers per stage for each depth and micro-batch size, as ``flexpipe run --stages N`` splits them for these
-    prompts (:func:`~flexpipe_dag.profiling.worker_split.split_for_workload`, one worker measured here)."""
+    prompts (:func:`~flexpipe_dag.profiling.worker_split.split_for_workload`, one worker measured here), and per
+    micro-batch size the workload as priced (:class:`~flexpipe_dag.planner.workload_split.WorkloadCost`), which
+    gives any split's modelled stage times."""
     from flexpipe_dag.planner.model_spec import load_model_spec
     from flexpipe_dag.profiling.worker_split import measure_worker, split_for_workload
 
     spec = load_model_spec(ckpt.path)
     prompts, outputs = [len(r.token_ids) for r in rows], [r.max_new_tokens for r in rows]
-    out = {}
+    splits, work = {}, {}
     for b in batch_sizes:
         worker = measure_worker(dev, dtype, b)
-        out.update({(n, b): split_for_workload(spec, worker, dtype, n, prompts, outputs, b).layers_per_stage
-                    for n in depths})
-    return out
+        for n in depths:
+            split = split_for_workload(spec, worker, dtype, n, prompts, outputs, b)
+            splits[(n, b)], work[b] = split.layers_per_stage, split.work
+    return splits, work
 
 
 def main() -> None:
@@ -125,7 +128,7 @@ def main() -> None:
     def requests(tag: str):
         return [Request(f"{tag}-{r.request_id}", list(r.token_ids), r.max_new_tokens) for r in rows]  # no EOS
 
-    splits = workload_splits(ckpt, rows, depths, batch_sizes, dev, dtype)
+    splits, work = workload_splits(ckpt, rows, depths, batch_sizes, dev, dtype)
     splits.update({(n, 0): even_layer_counts(ckpt.num_layers, n) for n in depths})  # 0: the even split, any batch
     runs: dict[int, dict[str, list[float]]] = {b: {} for b in batch_sizes}
     times: dict[int, dict[str, list[dict]]] = {b: {} for b in batch_sizes}  # per pipeline run: stage_times
@@ -157,7 +160,7 @@ def main() -> None:
                         wall_s = time.perf_counter() - t0
                         tps = sum(len(o.output_token_ids) for o in outs) / wall_s
                         times[b].setdefault(name, []).append(stage_times(collector.collect(), splits[(n, split)],
-                                                                         wall_s))
+                                                                         wall_s, work[b]))
                     res.setdefault(name, []).append(tps)
             print(f"round {rnd + 1}/{args.rounds}, batch {b}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()),
                   flush=True)
@@ -221,27 +224,33 @@ def _local(ckpt, dev: str, dtype: str, decode_graphs: str = "auto"):
     return local
 
 
-def stage_times(observations, layers_per_stage: list[int], wall_s: float) -> dict:
+def stage_times(observations, layers_per_stage: list[int], wall_s: float, work) -> dict:
     """Where one pipeline run's time went, from its stages' step records
     (:class:`~flexpipe_dag.runtime.observations.ObservationCollector`): per stage, the seconds its steps
     computed, by step kind (``prefill`` / ``decode`` / ``mixed``), and the seconds it spent handing
-    activations on (sender side); ``wall_s`` the run's wall time."""
+    activations on (sender side), beside the compute seconds the workload split modelled for it (``work``, a
+    :class:`~flexpipe_dag.planner.workload_split.WorkloadCost`); ``wall_s`` the run's wall time."""
     busy = [{"prefill": 0.0, "decode": 0.0, "mixed": 0.0, "send": 0.0} for _ in layers_per_stage]
     for o in observations:
         busy[o.stage_index][o.kind] += o.wall_ms / 1e3
         busy[o.stage_index]["send"] += (o.send_ms or 0.0) / 1e3
-    return {"wall_s": wall_s, "stages": busy, "layers": layers_per_stage}
+    last = len(layers_per_stage) - 1
+    modelled_s = [work.stage_ms(n, s == 0, s == last) / 1e3 for s, n in enumerate(layers_per_stage)]
+    return {"wall_s": wall_s, "stages": busy, "layers": layers_per_stage, "modelled_s": modelled_s}
 
 
 def print_stage_times(runs, times, total_new: int) -> None:
-    """Where each pipeline's time goes (mean over rounds), and two bounds on its tokens/s: the
+    """Where each pipeline's time goes (mean over rounds), each stage's compute against what the workload split
+    modelled for it (the split's promise: a ratio near 1 on every stage, and alike across stages, means the
+    split balanced what it meant to), and two bounds on its tokens/s: the
     bottleneck stage computing without a pause (what the runtime could still gain at this split) and
     the stages' summed compute shared evenly (what a split balancing the stages for this workload could
     give; the LM head, on the last stage, is one indivisible piece, so this is an upper bound)."""
     print("\nwhere each pipeline's time goes (mean of the rounds): a stage's compute s by step kind "
-          "(prefill / decode / mixed), its send s (handing activations on), and its busy share of the wall time")
+          "(prefill / decode / mixed), its send s (handing activations on), its busy share of the wall time, and "
+          "its compute / the workload split's modelled s")
     print(f"{'batch':>5}  {'configuration':<27}{'wall s':>7}  stages: layers compute(prefill/decode/mixed) "
-          "send busy%   bound: bottleneck never waiting / work split evenly, tok/s (x hf_generate)")
+          "send busy% measured/modelled   bound: bottleneck never waiting / work split evenly, tok/s (x hf_generate)")
     for b, per_config in times.items():
         base = statistics.median(runs[b]["hf_generate"])
         for name, rounds in per_config.items():
@@ -252,8 +261,10 @@ def print_stage_times(runs, times, total_new: int) -> None:
                 kinds = {k: statistics.fmean(r["stages"][s][k] for r in rounds) for k in rounds[0]["stages"][s]}
                 compute = kinds["prefill"] + kinds["decode"] + kinds["mixed"]
                 computes.append(compute)
+                modelled = statistics.fmean(r["modelled_s"][s] for r in rounds)
                 cells.append(f"[{rounds[0]['layers'][s]}] {compute:.1f}({kinds['prefill']:.1f}/{kinds['decode']:.1f}/"
-                             f"{kinds['mixed']:.1f}) {kinds['send']:.2f} {100 * compute / wall:.0f}%")
+                             f"{kinds['mixed']:.1f}) {kinds['send']:.2f} {100 * compute / wall:.0f}% "
+                             f"{compute / modelled:.2f}x")
             tps = total_new / wall
             bottleneck = total_new / max(computes)
             even = total_new / (sum(computes) / n)

@@ -53,9 +53,12 @@ class WorkloadSplit:
     bandwidth_gbps: float
 
     def describe(self) -> str:
-        """One line for the run's banner: the modelled stage times and the worker's figures."""
+        """One line for the run's banner: the modelled stage times and the worker's figures. The times are relative:
+        their balance decides the split, but the run's own stage times differ from them by a factor (0.65-2.3x in
+        ``bench/runtime_bench.py`` on a 2-core host, by batch size and depth), so the line says so."""
         times = ", ".join(f"{t / 1e3:.1f}" for t in self.stage_ms)
-        return (f"layers split for these prompts: {self.layers_per_stage}, modelled stage time {times} s (one worker here: "
+        return (f"layers split for these prompts: {self.layers_per_stage}, modelled stage time {times} s (their "
+                f"balance sets the split, not a forecast of the run's time; one worker here: "
                 f"{self.peak_tflops * 1e3:.0f} GFLOP/s, {self.bandwidth_gbps:.1f} GB/s)")
 
 

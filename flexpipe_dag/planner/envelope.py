@@ -30,7 +30,11 @@ Method, per gear:
    throughput, else the trace's own rate) the rate doubles until a probe fails or halves until one passes, then
    bisects until ``(fail - pass) / fail <= rel_tol``. A gear failing even at
    ``start / 2**max_halvings``, or at the slowest replay of the trace (``MIN_SPEEDUP`` x its own
-   rate), gets ``rps_max = 0``.
+   rate), gets ``rps_max = 0``. The top rate found is then *confirmed* on longer probes, at least
+   :data:`CONFIRM_PROBE_S` of arrivals, on two samples of the trace (:data:`CONFIRM_PHASES`); a rate
+   passes only on both. When it fails, the confirming probes step down by :data:`CONFIRM_STEP_DOWN`
+   until one passes and bisect back up: the short probes find the bracket cheaply, the long ones
+   set the promise (near its top a gear takes minutes to fill its seats with long requests).
 4. ``target_p99_ms`` is the TTFT P99 (ms) measured at ``rps_max`` and ``estimate`` the
    :class:`~flexpipe_dag.core.gear.GearEstimate` of that probe (throughput, tokens/s, TTFT / TPOT
    P50 / P99, busiest stage).
@@ -205,6 +209,20 @@ def _timing_source(cost_model: TimingProvider | TimingSource) -> TimingSource:
 #: Resolution of a probe above the saturation rate (module docstring, step 2): the overload share that
 #: must push the graded requests' queueing delay past the TTFT SLO within the probe.
 PROBE_RESOLUTION = 0.05
+#: Seconds of arrivals the probes that confirm a gear's top rate replay at least (module docstring, step 3): a
+#: short probe ends before a gear near its top has filled its seats and KV pool with long requests. Measured on
+#: the lab fleet (Llama-3-8B, Azure conv, 2 s / 200 ms SLO): 1,000-request probes (88 s) passed a throughput gear
+#: at 11.33 req/s on 8 of 8 samples, where 3,000-request probes failed it on 4 of 8 (attainment 0.51-0.71) and
+#: passed every sample at 11.0; its latency gear passed at 6.67 on 1,000 requests and failed on 4 of 8 3,000-request
+#: samples (0.90-0.94).
+CONFIRM_PROBE_S = 300.0
+#: Phases of the samples (:func:`~flexpipe_dag.workload.transform.sample_chunks`) a confirming probe runs: a rate
+#: passes only on both. Near a gear's top the verdict swings with the sample's mix (the throughput gear above at
+#: 11.33 req/s: attainment 0.63-1.00 over samples of 2,600-3,700 requests), and one lucky sample set the envelope.
+#: Phase 0.5 is the held-out sample (:func:`holdout_reference`), never probed.
+CONFIRM_PHASES = (0.0, 0.25)
+#: Factor by which the confirming probes step down from a top that did not hold, before bisecting back up.
+CONFIRM_STEP_DOWN = 0.9
 #: Most requests one probe replays (bounds its cost: above ``MAX_PROBE_REQUESTS x PROBE_RESOLUTION /
 #: slo_ttft_s`` req/s, 625 req/s with a 2 s SLO, the resolution coarsens in proportion).
 MAX_PROBE_REQUESTS = 25_000
@@ -219,22 +237,25 @@ def probe_length(num_requests: int, rate_rps: float, slo_ttft_ms: float) -> int:
 
 
 def probe_reference(reference: Workload, num_requests: int, rate_rps: float,
-                    slo_ttft_ms: float) -> tuple[Workload, float]:
-    """:func:`reference_slice` of :func:`probe_length` requests for a probe at ``rate_rps``: the trace
+                    slo_ttft_ms: float, *, min_duration_s: float = 0.0, phase: float = 0.0) -> tuple[Workload, float]:
+    """:func:`reference_slice` of :func:`probe_length` requests for a probe at ``rate_rps`` (and at least
+    ``rate_rps x min_duration_s``, up to :data:`MAX_PROBE_REQUESTS`), its runs at ``phase``: the trace
     repeated (:func:`~flexpipe_dag.workload.transform.repeat_to`) when it has fewer.
 
     Raises:
         InputError: as :func:`reference_slice`.
     """
     n = probe_length(num_requests, rate_rps, slo_ttft_ms)
+    if min_duration_s > 0 and math.isfinite(rate_rps):
+        n = max(n, min(MAX_PROBE_REQUESTS, math.ceil(rate_rps * min_duration_s)))
     if n > num_requests and n > len(reference) >= 2:
-        return reference_slice(repeat_to(reference, n), n)
-    return reference_slice(reference, n)
+        return reference_slice(repeat_to(reference, n), n, phase=phase)
+    return reference_slice(reference, n, phase=phase)
 
 
-def reference_slice(reference: Workload, num_requests: int) -> tuple[Workload, float]:
+def reference_slice(reference: Workload, num_requests: int, *, phase: float = 0.0) -> tuple[Workload, float]:
     """``num_requests`` requests drawn from across ``reference`` (:func:`~flexpipe_dag.workload.transform.sample_chunks`,
-    runs of :data:`SAMPLE_RUN_REQUESTS`, phase 0) and their mean arrival rate, req/s; the whole of a
+    runs of :data:`SAMPLE_RUN_REQUESTS` at ``phase``, default 0) and their mean arrival rate, req/s; the whole of a
     shorter reference.
 
     Raises:
@@ -242,7 +263,8 @@ def reference_slice(reference: Workload, num_requests: int) -> tuple[Workload, f
     """
     if num_requests < 2:
         raise InputError(reference.source or reference.name, "num_requests", f"got {num_requests}; expected >= 2")
-    ref = sample_chunks(reference, num_requests, chunk_requests=SAMPLE_RUN_REQUESTS) if len(reference) > num_requests else reference
+    ref = (sample_chunks(reference, num_requests, chunk_requests=SAMPLE_RUN_REQUESTS, phase=phase)
+           if len(reference) > num_requests else reference)
     if len(ref) < 2 or ref.duration_s <= 0:
         raise InputError(reference.source or reference.name, None,
                          "reference workload needs at least 2 requests at different times to set a rate")
@@ -492,16 +514,58 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
     if best is None:
         return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, probes[-1].estimate, tuple(probes))
     if fail_rate is not None:
-        lo, hi = best.rate_rps, fail_rate
-        while (hi - lo) / hi > rel_tol:
-            mid = math.sqrt(lo * hi) if hi / lo > 4 else (lo + hi) / 2.0
-            p = run(mid)
+        best = _bisect(run, best, fail_rate, rel_tol)
+
+    def confirm(rate: float) -> EnvelopeProbe:
+        """The rate on :data:`CONFIRM_PROBE_S` of arrivals, on each of :data:`CONFIRM_PHASES`' samples: the first
+        failing probe, else the first sample's."""
+        first_probe: EnvelopeProbe | None = None
+        for phase in CONFIRM_PHASES:
+            probe_ref, probe_native = probe_reference(reference, num_requests, rate, slo_ttft_ms,
+                                                      min_duration_s=CONFIRM_PROBE_S, phase=phase)
+            p = probe_gear(gear, timing, probe_ref, probe_native, rate, config=config, attainment=attainment,
+                           warmup_fraction=warmup_fraction)
+            probes.append(p)
+            if not p.passed:
+                return p
+            first_probe = first_probe or p
+        assert first_probe is not None
+        return first_probe
+
+    confirmed = confirm(best.rate_rps)
+    if not confirmed.passed:  # the short probes' top does not hold for CONFIRM_PROBE_S: step down, then bisect
+        hi = rate = best.rate_rps
+        found: EnvelopeProbe | None = None
+        for _ in range(max_halvings):
+            rate *= CONFIRM_STEP_DOWN if hi / rate < 2.0 else 0.5
+            if rate < floor_rps:
+                break
+            p = confirm(rate)
             if p.passed:
-                best, lo = p, mid
-            else:
-                hi = mid
+                found = p
+                break
+            hi = rate
+        if found is None:
+            return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, probes[-1].estimate, tuple(probes))
+        confirmed = _bisect(confirm, found, hi, rel_tol)
+    best = confirmed
     target = best.ttft_p99_ms if math.isfinite(best.ttft_p99_ms) and best.ttft_p99_ms > 0 else gear.target_p99_ms
     return GearEnvelope(gear.gear_id, best.rate_rps, max(1.0, target), best.estimate, tuple(probes))
+
+
+def _bisect(run: Callable[[float], EnvelopeProbe], passed: EnvelopeProbe, fail_rps: float,
+            rel_tol: float) -> EnvelopeProbe:
+    """The highest passing probe ``run`` finds between ``passed`` (a passing probe) and ``fail_rps`` (a failing
+    rate), bisecting (geometrically while the bracket spans more than 4x) until it is ``rel_tol`` narrow."""
+    best, lo, hi = passed, passed.rate_rps, fail_rps
+    while (hi - lo) / hi > rel_tol:
+        mid = math.sqrt(lo * hi) if hi / lo > 4 else (lo + hi) / 2.0
+        p = run(mid)
+        if p.passed:
+            best, lo = p, mid
+        else:
+            hi = mid
+    return best
 
 
 def apply_envelopes(gears: Sequence[Gear], envelopes: Sequence[GearEnvelope], *,

@@ -118,6 +118,8 @@ def test_run_refuses_split_with_a_gear(tmp_path, capsys):
     (["--out", "{tmp}"], "is a directory"),
     (["--out", "{tmp}/missing/dir/out.jsonl"], "does not exist"),
     (["--micro-batch-size", "0"], "--micro-batch-size"),
+    (["--micro-batch-size", "70000"], "--micro-batch-size: expected an integer 1..65536, got 70000"),
+    (["--inflight", "5000"], "--inflight: expected an integer 1..4096, got 5000"),
     (["--max-new-tokens", "-1"], "--max-new-tokens"),
     (["--max-new-tokens", str(10**20)], "--max-new-tokens: expected an integer 1..2147483647, got 1000"),
     (["--dtype", "fp7"], "unknown dtype 'fp7'"),

@@ -180,6 +180,20 @@ def test_a_client_that_goes_away_and_a_stop_sequence_cancel_the_request_in_the_p
     whole = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=4, temperature=0)
     assert whole.choices[0].finish_reason == "length" and cancelled() == start + 2  # a finished one is not
     assert _metrics(server.url)[("flexpipe_requests_running", "online")] == 0
+    # not streamed: a client that times out and leaves cancels it too (it held a seat and KV blocks for 1,500
+    # tokens: four of them once filled --max-pending and every client got 429 for 15 minutes)
+    def aborted() -> float:
+        return sum(s.value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+                   for s in f.samples if s.name == "flexpipe_requests_total"
+                   and s.labels == {"endpoint": "completions", "outcome": "aborted"})
+
+    aborted_before = aborted()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    wait_until(lambda: cancelled() == start + 3, 10.0, "the server to cancel the abandoned non-streamed request")
+    wait_until(lambda: _metrics(server.url)[("flexpipe_requests_running", "online")] == 0, 10.0,
+               "the abandoned request to leave the running gauge")
+    assert aborted() == aborted_before + 1
 
 
 def test_tokens_through_stop_counts_to_the_token_that_completes_the_stop():

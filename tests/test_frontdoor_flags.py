@@ -62,3 +62,15 @@ def test_a_chunked_prefill_budget_out_of_range_is_refused_before_the_model_loads
     args = parser.parse_args(["serve", "--stages", "2", "--no-store", "--chunked-prefill-tokens", value])
     with pytest.raises(InputError, match=f"--chunked-prefill-tokens: expected 1..1048576 tokens per micro-batch, got {value}"):
         args.func(args)
+
+
+@pytest.mark.parametrize(("flag", "value", "top"), [("--micro-batch-size", "70000", 65536), ("--micro-batch-size", "0", 65536),
+                                                   ("--inflight", "5000", 4096), ("--inflight", "0", 4096)])
+def test_a_gear_shape_a_gear_cannot_hold_is_refused_naming_the_flag(flag, value, top):
+    from flexpipe_dag.cli.serve import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--stages", "1", "--no-store", flag, value])
+    with pytest.raises(InputError, match=f"{flag}: expected an integer 1..{top}, got {value}"):
+        args.func(args)

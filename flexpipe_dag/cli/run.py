@@ -151,6 +151,20 @@ def ray_placement(args: argparse.Namespace):
                                      node_ip_address=args.ray_node_ip)
 
 
+def check_gear_shape_flags(args: argparse.Namespace) -> None:
+    """``--micro-batch-size`` and ``--inflight`` (``run`` and ``serve``) within what a gear holds.
+
+    Raises:
+        InputError: naming the flag and the range (a gear's own limits, :mod:`flexpipe_dag.core.gear`).
+    """
+    from flexpipe_dag.core.gear import MAX_INFLIGHT_MICRO_BATCHES, MAX_MICRO_BATCH_SIZE
+
+    for flag, value, top in (("--micro-batch-size", args.micro_batch_size, MAX_MICRO_BATCH_SIZE),
+                             ("--inflight", args.inflight, MAX_INFLIGHT_MICRO_BATCHES)):
+        if value is not None and not 1 <= value <= top:
+            raise InputError(None, flag, f"expected an integer 1..{top}, got {value}")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad numbers and an unusable ``--out`` before anything loads or launches.
 
@@ -162,14 +176,13 @@ def check_args(args: argparse.Namespace) -> None:
     from flexpipe_dag.runtime.model_loader import head_dtype
 
     for flag, value, low in (("--num-requests", args.num_requests, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 1),
-                             ("--max-new-tokens", args.max_new_tokens, 1), ("--micro-batch-size", args.micro_batch_size, 1),
+                             ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--kv-capacity-tokens", 1 if args.kv_capacity_tokens is None else args.kv_capacity_tokens, 1)):
         if not low <= value <= INT32_MAX:
             raise InputError(None, flag, f"expected an integer {low}..{INT32_MAX}, got {value}")
+    check_gear_shape_flags(args)
     if args.gear and args.split:
         raise InputError(None, "--split", f"splits the layers of a --stages run; gear '{args.gear}' has its own stages")
-    if args.inflight is not None and args.inflight < 1:
-        raise InputError(None, "--inflight", f"expected an integer >= 1, got {args.inflight}")
     if chunked_prefill_tokens(args) is not None and args.score:
         raise InputError(None, "--chunked-prefill-tokens", "is for generation; --score runs each prompt whole through "
                                                            "DeepSpeed's pipeline")

@@ -247,13 +247,14 @@ def instance_settings(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from flexpipe_dag.cli.run import check_cuda, ray_placement
+    from flexpipe_dag.cli.run import check_cuda, check_gear_shape_flags, ray_placement
     from flexpipe_dag.planner.fleet import no_envelope_problem
     from flexpipe_dag.runtime.model_loader import head_dtype, resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
     from flexpipe_dag.serving.frontdoor.server import FrontDoorServer, ServerSettings, check_several
 
-    for name in ("micro_batch_size", "max_pending", "batch_inflight", "kv_capacity_tokens", "default_max_tokens"):
+    check_gear_shape_flags(args)
+    for name in ("max_pending", "batch_inflight", "kv_capacity_tokens", "default_max_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InputError(None, "--" + name.replace("_", "-"), f"expected >= 1, got {getattr(args, name)}")
     if args.served_model_name is not None and not args.served_model_name.strip():

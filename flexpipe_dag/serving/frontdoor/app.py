@@ -20,6 +20,7 @@ do not carry it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -211,13 +212,13 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
     async def completions(body: CompletionRequest, request: Request):
         check(body, request)
         gen = await asyncio.to_thread(completion_generation, engine, body)  # tokenising: off the event loop
-        return await _respond(engine, gen, body, "completions", completion_shapes(model_name))
+        return await _respond(engine, gen, body, "completions", completion_shapes(model_name), request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check(body, request)
         gen = await asyncio.to_thread(chat_generation, engine, body)  # tokenising: off the event loop
-        return await _respond(engine, gen, body, "chat_completions", chat_shapes(model_name))
+        return await _respond(engine, gen, body, "chat_completions", chat_shapes(model_name), request)
 
     @app.post("/v1/files", dependencies=[Depends(authorised)])
     async def upload_file(request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
@@ -389,18 +390,44 @@ def _stored_file(info) -> dict:
     return _file_object(info.id, info.bytes, info.created_at, info.filename, info.purpose, info.expires_at)
 
 
-async def _respond(engine: FrontDoorEngine, gen: Generation, body: _Sampling, endpoint: str, shapes: Shapes):
+async def _until_disconnected(request: Request) -> None:
+    """Return when the client of ``request`` (whose body is read) has gone away (ASGI ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(engine: FrontDoorEngine, gen: Generation, body: _Sampling, endpoint: str, shapes: Shapes,
+                   request: Request):
     """The whole response, or (``stream``) server-sent events; a refusal before the first piece is a
-    plain error response."""
+    plain error response. A client that leaves before its whole response is ready cancels the request in
+    the pipeline (streamed or not: vLLM's ``with_cancellation`` does the same for non-streamed requests), so
+    an abandoned ``max_tokens`` of thousands holds no KV blocks and no seat."""
     pieces = engine.generate(gen)
-    first = await anext(pieces)  # an APIError here is answered (and counted) by the app's handler
     if not body.stream:
-        text, last = first.text, first
-        async for piece in pieces:
-            text, last = text + piece.text, piece
-        engine.metrics.requests.labels(endpoint, last.finish_reason or "stop").inc()
-        return {**shapes.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens),
-                "pipeline_timings": last.pipeline_timings}
+        async def whole() -> dict:
+            text, last = "", None
+            async for piece in pieces:  # an APIError is answered (and counted) by the app's handler
+                text, last = text + piece.text, piece
+            assert last is not None  # generate() ends with a finished piece or raises
+            engine.metrics.requests.labels(endpoint, last.finish_reason or "stop").inc()
+            return {**shapes.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens),
+                    "pipeline_timings": last.pipeline_timings}
+
+        answer, gone = asyncio.ensure_future(whole()), asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():  # the client left: the request is cancelled in the pipeline (generate's finally)
+                answer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answer
+                await pieces.aclose()
+                engine.metrics.requests.labels(endpoint, "aborted").inc()
+        if answer.cancelled():
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        return answer.result()
+    first = await anext(pieces)  # an APIError here is answered (and counted) by the app's handler
 
     async def events() -> AsyncIterator[str]:
         outcome = "aborted"

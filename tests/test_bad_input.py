@@ -396,3 +396,17 @@ def test_stage_times_no_pipeline_takes_stop_the_run_naming_the_timing_file(costs
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]   # (above it: the note that the gear has no envelope)
     assert f"error: {timing_path}: stage 0 {what} time: a {what} of " in err and "check the timing's coefficients" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["servers", "--max-age-s", "1e308"], "--max-age-s: expected a finite number > 0 and <= 3.1536e+07 (s), got 1e+308"),
+    (["servers", "--max-age-s", "inf"], "--max-age-s: expected a finite number > 0"),
+    (["loadtest", "--url", "http://127.0.0.1:9/v1", "--concurrency", "1,20000000"],
+     "--concurrency: expected levels 1..10000 (clients, one coroutine each), got '1,20000000'"),
+    (["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "200", "--load-rps", "5e-324",
+      "--no-simulate", "--json"], "--load-rps: expected a finite number >= 1e-05 and <= 1e+07 (req/s), got 5e-324"),
+])
+def test_flags_whose_extremes_crashed_are_refused_in_one_line(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXPIPE_HOME", str(tmp_path))
+    assert cli_main(argv) == 2
+    _one_line_error(capsys, needle)

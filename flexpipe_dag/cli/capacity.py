@@ -13,6 +13,9 @@ from flexpipe_dag.planner.operating import DEFAULT_REFERENCE_REQUESTS, DEFAULT_R
 
 #: Exit status of a request no card type can serve within the SLO (bad input exits 2, as every command).
 EXIT_INFEASIBLE = 1
+#: ``--load-rps`` range: below one request a day the per-token cost is not a number anyone buys cards by (at
+#: 5e-324 req/s it was infinite and the JSON carried ``Infinity``); above, no fleet.
+MIN_LOAD_RPS, MAX_LOAD_RPS = 1e-5, 1e7
 
 
 def register(subparsers) -> None:
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe_dag.planner.prices import load_prices
     from flexpipe_dag.workload.bundled import load_trace
 
-    check_number(args.load_rps, None, "--load-rps", gt=0, unit="req/s")
+    check_number(args.load_rps, None, "--load-rps", ge=MIN_LOAD_RPS, le=MAX_LOAD_RPS, unit="req/s")
     check_number(args.slo_ttft_ms, None, "--slo-ttft-ms", gt=0, le=MAX_SLO_MS, unit="milliseconds")
     check_number(args.slo_tpot_ms, None, "--slo-tpot-ms", gt=0, le=MAX_SLO_MS, unit="milliseconds")
     for flag, value in (("--context-p95", args.context_p95), ("--output-p95", args.output_p95)):

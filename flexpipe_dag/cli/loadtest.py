@@ -17,6 +17,9 @@ from pathlib import Path
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import check_number
 
+#: Most closed-loop clients one ``--concurrency`` level runs (each is a coroutine with its own connection).
+MAX_CONCURRENCY = 10_000
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("loadtest", help="replay a trace against an OpenAI-compatible endpoint and sweep "
@@ -54,8 +57,9 @@ def _levels(text: str) -> list[int]:
     except ValueError:
         raise InputError(None, "--concurrency", f"expected comma-separated integers such as 1,2,4 ('' skips the "
                                                 f"sweep), got {text!r}") from None
-    if any(c < 1 for c in levels):
-        raise InputError(None, "--concurrency", f"expected levels >= 1, got {text!r}")
+    if any(not 1 <= c <= MAX_CONCURRENCY for c in levels):
+        raise InputError(None, "--concurrency", f"expected levels 1..{MAX_CONCURRENCY} (clients, one coroutine each), "
+                                                f"got {text!r}")
     return levels
 
 

@@ -9,9 +9,12 @@ import time
 from typing import Any
 
 from flexpipe_dag.core.errors import InputError
+from flexpipe_dag.core.settings import check_number
 
 #: A serving run whose heartbeat is older than this is not listed (it died without ending its run).
 DEFAULT_MAX_AGE_S = 30.0
+#: The oldest heartbeat ``--max-age-s`` may reach back to: a year (a timestamp that far back is still a date).
+MAX_AGE_LIMIT_S = 365 * 86400.0
 
 
 def register(subparsers) -> None:
@@ -39,8 +42,7 @@ def live_endpoint(store, max_age_s: float = DEFAULT_MAX_AGE_S) -> str:
 def servers(args: argparse.Namespace) -> int:
     from flexpipe_dag.sql.store import Store
 
-    if not args.max_age_s > 0:
-        raise InputError(None, "--max-age-s", f"expected > 0, got {args.max_age_s}")
+    check_number(args.max_age_s, None, "--max-age-s", gt=0, le=MAX_AGE_LIMIT_S, unit="s")
     runs = Store.from_url().live_serving_runs(args.max_age_s)
     now = time.time()
     rows: list[dict[str, Any]] = [{"run_key": r.run_key, "endpoint": r.endpoint, "gear": r.gear_key,

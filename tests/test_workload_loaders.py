@@ -204,3 +204,28 @@ def test_tide_as_a_request_trace_says_what_to_give_not_a_python_function():
 def test_workload_from_requests_sorts():
     w = Workload.from_requests([Request("b", 2.0, 1, 1), Request("a", 1.0, 1, 1)], name="x")
     assert [r.request_id for r in w] == ["a", "b"]
+
+
+def test_zone_offsets_and_far_years_are_read_not_tracebacks(tmp_path):
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    zoned = _write(tmp_path, "z.csv", header + "2023-11-16 18:15:46+05:00,10,5\n2023-11-16 14:15:47.25+01:00,10,5\n")
+    assert [r.arrival_s for r in load_azure_trace(zoned).requests] == [0.0, 1.25]  # zones agree once in UTC
+    far = _write(tmp_path, "f.csv", header + "2262-04-12 00:00:00,10,5\n2262-04-12 00:00:01.5,10,5\n")
+    assert [r.arrival_s for r in load_azure_trace(far).requests] == [0.0, 1.5]  # past pandas' nanosecond range
+    apart = _write(tmp_path, "a.csv", header + "1677-09-21 00:12:43,10,5\n2023-11-16 18:15:46,10,5\n")
+    with pytest.raises(InputError) as e:
+        load_azure_trace(apart)
+    assert e.value.field == "row 2.TIMESTAMP" and "31 days" in e.value.problem
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("[1, 2]", "got a JSON list; expected one object per line"),
+    ('{"arrival_s": 0, "input_tokens": 5, "output_tokens": 3, "input_tokens": 6}', "duplicate key 'input_tokens'"),
+    ('{"arrival_s": NaN, "input_tokens": 5, "output_tokens": 3}', "NaN is not a number JSON allows"),
+    ('{"arrival_s": 0, "input_tokens": 5', "not valid JSON"),
+])
+def test_a_bad_jsonl_line_is_named_by_its_number(tmp_path, line, problem):
+    p = _write(tmp_path, "t.jsonl", '{"arrival_s": 0, "input_tokens": 5, "output_tokens": 3}\n\n' + line + "\n")
+    with pytest.raises(InputError) as e:
+        load_trace(p)
+    assert e.value.source == str(p) and e.value.field == "line 3" and problem in e.value.problem, str(e.value)

@@ -60,9 +60,37 @@ def read_user_frame(path: Path, what: str, **read_kwargs: Any) -> pd.DataFrame:
     try:
         frame: pd.DataFrame
         if form == "JSONL":
-            frame = pd.read_json(io.StringIO(text), lines=True, dtype=False, precise_float=True)
+            frame = pd.DataFrame.from_records(_jsonl_objects(text, source))
         else:
             frame = pd.read_csv(io.StringIO(text), **read_kwargs)
         return frame
+    except InputError:  # a line named by _jsonl_objects
+        raise
     except (ValueError, pd.errors.ParserError, RecursionError, MemoryError, OverflowError) as exc:
         raise InputError(source, None, f"cannot parse as {form}: {one_line(str(exc) or type(exc).__name__, 300)}") from None
+
+
+def _jsonl_objects(text: str, source: str) -> list[dict[str, Any]]:
+    """Each non-blank line of ``text`` as one JSON object, parsed strictly (:func:`~flexpipe_dag.core.user_yaml.load_user_json`:
+    duplicate keys and ``NaN`` / ``Infinity`` refused, as every JSON file FlexPipe reads).
+
+    Raises:
+        InputError: a line that is not JSON or not an object (``source``, ``line N``); no line at all.
+    """
+    from flexpipe_dag.core.user_yaml import load_user_json
+
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = load_user_json(line, source)
+        except InputError as exc:
+            raise InputError(source, f"line {number}", exc.problem) from None
+        if not isinstance(row, dict):
+            raise InputError(source, f"line {number}", f"got a JSON {type(row).__name__}; expected one object per line "
+                                                        '(e.g. {"arrival_s": 0.5, "input_tokens": 10, "output_tokens": 5})')
+        rows.append(row)
+    if not rows:
+        raise InputError(source, None, "no JSON lines; expected one object per line")
+    return rows

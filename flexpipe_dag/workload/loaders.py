@@ -144,13 +144,22 @@ def load_azure_trace(path: str | Path, *, name: str | None = None, id_prefix: st
     source = str(path)
     frame = _read_table(path)
     _require_columns(frame, AZURE_COLUMNS, source)
-    ts = pd.to_datetime(frame["TIMESTAMP"], format="ISO8601", errors="coerce")
+    # utc=True: a zone offset is honoured (and rows in different zones agree), a timestamp without one is read as UTC
+    ts = pd.to_datetime(frame["TIMESTAMP"], format="ISO8601", errors="coerce", utc=True)
     if ts.isna().any():
         i = int(np.flatnonzero(ts.isna().to_numpy())[0])
         raise InputError(source, _row_field(i, "TIMESTAMP"),
                          f"got {shown(frame['TIMESTAMP'].iloc[i])}; expected a timestamp like '2023-11-16 18:15:46.6805900'")
-    ns = ts.astype("datetime64[ns]").astype("int64").to_numpy()
-    late = (ns - ns.min()) / 1e9 > MAX_ARRIVAL_S
+    # in the unit pandas parsed to (ns where a value has 7+ fractional digits, else coarser, so that years outside
+    # 1677-2262 are read, not an OutOfBoundsDatetime): ticks since the first request, exact
+    stamps = ts.dt.tz_convert(None).to_numpy()
+    ticks = stamps.astype(np.int64)
+    ticks_per_s = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}[np.datetime_data(stamps.dtype)[0]]
+    if (float(ticks.max()) - float(ticks.min())) / ticks_per_s <= MAX_ARRIVAL_S:
+        offsets_s = (ticks - ticks.min()) / ticks_per_s  # exact ticks, one rounding
+    else:  # centuries apart (int64 differences could wrap): only to find the row that is too late
+        offsets_s = (ticks.astype(np.float64) - float(ticks.min())) / ticks_per_s
+    late = offsets_s > MAX_ARRIVAL_S
     if late.any():
         i = int(np.flatnonzero(late)[0])
         raise InputError(source, _row_field(i, "TIMESTAMP"), f"got {shown(frame['TIMESTAMP'].iloc[i])}, more than "
@@ -158,7 +167,7 @@ def load_azure_trace(path: str | Path, *, name: str | None = None, id_prefix: st
     prefix = id_prefix or path.stem
     out = pd.DataFrame({
         "request_id": [f"{prefix}-{i:06d}" for i in range(len(frame))],
-        "arrival_s": (ns - ns.min()) / 1e9,
+        "arrival_s": offsets_s,
         "input_tokens": token_column(frame, "ContextTokens", source),
         "output_tokens": token_column(frame, "GeneratedTokens", source),
         "class": "online",

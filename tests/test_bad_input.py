@@ -193,6 +193,22 @@ def test_out_of_vocabulary_token_ids_are_a_malformed_row_not_a_crash():
     assert len(malformed) == 1 and "vocabulary" in malformed[0].reason and "'oov'" in malformed[0].reason
 
 
+def test_a_prompts_file_of_only_out_of_vocabulary_ids_is_refused_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    import flexpipe_dag.runtime.pipeline as pipeline
+
+    def no_runtime(*args, **kwargs):
+        raise AssertionError("a stage worker was started for a file with no valid row")
+
+    monkeypatch.setattr(pipeline, "PipelineRuntime", no_runtime)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "token_ids": [99999999]}\n{"id": "b", "token_ids": [1, 49152]}\n')
+    assert cli_main(["run", "--stages", "1", "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "no valid request (2 malformed row(s), listed above)" in err
+    assert "row 1: id 'a': field 'token_ids': id 99999999 is outside the model's vocabulary (0..49151)" in err
+    assert not (tmp_path / "o.jsonl").exists() or not (tmp_path / "o.jsonl").read_text()
+
+
 def test_control_file_sections_must_be_mappings(tmp_path):
     from flexpipe_dag.resources.control import ControlSettings
 

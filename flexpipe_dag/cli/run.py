@@ -347,7 +347,7 @@ def stop_line(reason: str, out: Path, state: HeadState, remote: bool = False) ->
 def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
     """The head of a run (everything but a launched stage rank), with ``stop`` routing stop signals."""
 
-    from flexpipe_dag.runtime.batch import prompts_from_trace, read_prompts
+    from flexpipe_dag.runtime.batch import out_of_vocabulary, prompts_from_trace, read_prompts
     from flexpipe_dag.runtime.control_auth import HeadSecret
     from flexpipe_dag.runtime.model_loader import resolve_checkpoint
     from flexpipe_dag.runtime.pipeline import PipelineRuntime, RuntimeOptions
@@ -392,6 +392,8 @@ def _run_head(args: argparse.Namespace, stop, state: HeadState) -> int:
                                              length_scale=args.length_scale), []
     else:  # the parser requires one of the two
         raise InputError(None, "--prompts", "expected --prompts FILE or --trace FILE|NAME")
+    rows, out_of_vocab = out_of_vocabulary(rows, len(ckpt.tokenizer()))
+    malformed = sorted([*malformed, *out_of_vocab], key=lambda m: m.line)
     state.request_ids = {r.request_id for r in rows}
     if not rows:
         for m in malformed[:20]:

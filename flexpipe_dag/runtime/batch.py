@@ -342,6 +342,21 @@ class BatchReport:
         return self.refused_context + len(self.truncated)
 
 
+def out_of_vocabulary(rows: list[PromptRow], vocab_size: int) -> tuple[list[PromptRow], list[MalformedRow]]:
+    """``(rows to run, rows refused)``: a ``token_ids`` row with an id outside ``0..vocab_size - 1`` is refused as a
+    malformed row (as :func:`to_requests` would), before any worker starts, so a file of nothing else is refused
+    whole rather than run to a summary of no results."""
+    keep: list[PromptRow] = []
+    refused: list[MalformedRow] = []
+    for r in rows:
+        if r.token_ids is not None and r.token_ids and max(r.token_ids) >= vocab_size:
+            refused.append(MalformedRow(r.line, f"id {r.request_id!r}: field 'token_ids': id {max(r.token_ids)} is "
+                                                f"outside the model's vocabulary (0..{vocab_size - 1})"))
+        else:
+            keep.append(r)
+    return keep, refused
+
+
 def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...],
                 malformed: list[MalformedRow] | None = None, chat_template: bool = False) -> list[Request]:
     """Tokenise text prompts into :class:`Request` objects (``token_ids`` rows are taken as they are).

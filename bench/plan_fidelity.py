@@ -44,9 +44,9 @@ from flexpipe_dag.planner.envelope import (
     probe_gear,
     probe_reference,
 )
-from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.planner.model_spec import load_model_spec
 from flexpipe_dag.resources.planning import PlanningSettings
+from flexpipe_dag.sim.config import SimConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 FLEETS = ("fragmented_lab", "alibaba_openb", "seed_example")

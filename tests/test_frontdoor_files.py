@@ -515,3 +515,33 @@ def test_a_body_that_cannot_be_parsed_and_a_long_cursor_get_short_errors(store):
         answer = http.post("/v1/files", data={"purpose": "batch", "expires_after": '{"seconds": 60}'},
                            files=[("file", ("a.jsonl", _input(1), "application/jsonl"))])
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "expires_after"
+
+
+def test_reading_a_batch_file_and_storing_an_upload_run_off_the_event_loop(sdk, monkeypatch):
+    """A 300,000-line input checked on the event loop stalled every stream and health check for 3.4 s (a helper's
+    attack): the parse and the store's reads and writes of whole files run on worker threads."""
+    import asyncio
+
+    import flexpipe_dag.serving.frontdoor.app as app_module
+    from flexpipe_dag.sql.store import Store
+
+    on_loop: dict[str, bool] = {}
+
+    def recorded(name, fn):
+        def run(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                on_loop[name] = True
+            except RuntimeError:  # no loop runs in this thread: a worker thread
+                on_loop[name] = False
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(app_module, "create_batch", recorded("create_batch", app_module.create_batch))
+    monkeypatch.setattr(Store, "save_api_file", recorded("save_api_file", Store.save_api_file))
+    monkeypatch.setattr(Store, "api_file_content", recorded("api_file_content", Store.api_file_content))
+    uploaded = sdk.files.create(file=("in.jsonl", _input(3)), purpose="batch")
+    assert sdk.files.content(uploaded.id).content == _input(3)
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.request_counts.total == 3
+    assert on_loop == {"create_batch": False, "save_api_file": False, "api_file_content": False}

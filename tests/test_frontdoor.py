@@ -34,9 +34,9 @@ LONG_PROMPTS = ["Count: 1, 2, 3, 4,", "Write a long story about a dragon who lea
 class Server(ServerProcess):
     """A `flexpipe serve` process run from this checkout; its stderr lines are kept in :attr:`lines`."""
 
-    def __init__(self, *args: str, env: dict | None = None, command: list[str] | None = None):
+    def __init__(self, *args: str, env: dict | None = None, command: list[str] | None = None, new_session: bool = False):
         super().__init__(args, env={"FLEXPIPE_MODEL_CACHE": MODEL_CACHE, "PYTHONPATH": str(REPO), **(env or {})},
-                         cwd=REPO, command=command)
+                         cwd=REPO, command=command, new_session=new_session)
 
     def wait_bound(self, timeout_s: float = 240.0) -> str:
         """``http://HOST:PORT`` (no ``/v1``)."""
@@ -389,15 +389,22 @@ def test_an_api_key_is_required_when_set_and_other_hosts_need_one(tmp_path):
     assert cli.returncode == 2 and str(empty) in cli.stderr and "empty" in cli.stderr
 
 
-def test_sigterm_drains_open_requests_then_stops(tmp_path):
-    srv = Server("--stages", "1", "--port", "0", "--drain-timeout-s", "60", env={"FLEXPIPE_HOME": str(tmp_path)})
+@pytest.mark.parametrize("to_group", [False, True], ids=["main-pid", "process-group"])
+def test_sigterm_drains_open_requests_then_stops(tmp_path, to_group):
+    """SIGTERM to the server's pid, and to its whole process group (systemd's default stop, ``kill -TERM -- -PGID``:
+    the stage workers got it too, died, and the open stream ended with "driver failed" instead of draining)."""
+    srv = Server("--stages", "1", "--port", "0", "--drain-timeout-s", "60", env={"FLEXPIPE_HOME": str(tmp_path)},
+                 new_session=to_group)
     url = srv.wait_bound()
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(client.completions.create, model=MODEL, prompt="Once upon a time", max_tokens=48,
                               temperature=0)
         time.sleep(1.0)
-        srv.proc.send_signal(signal.SIGTERM)  # while the request is open
+        if to_group:  # while the request is open
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+        else:
+            srv.proc.send_signal(signal.SIGTERM)
         out = pending.result(timeout=120)
     assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
     assert srv.proc.wait(timeout=120) == 0  # its own status: uvicorn does not re-raise the signal and kill it

@@ -192,9 +192,10 @@ class RuntimeOptions:
     placement: RayPlacement | None = None
 
 
-#: Modules the forkserver imports once, so stage and driver processes fork with them loaded.
-FORKSERVER_PRELOAD = ["flexpipe_dag.runtime.stage", "flexpipe_dag.runtime.worker", "flexpipe_dag.runtime.driver",
-                      "flexpipe_dag.runtime.live_metrics"]
+#: Modules the forkserver imports once, so stage and driver processes fork with them loaded; the first makes the
+#: forkserver ignore SIGTERM (a stop sent to the head's process group must not end it: module docstring).
+FORKSERVER_PRELOAD = ["flexpipe_dag.runtime.forkserver_signals", "flexpipe_dag.runtime.stage",
+                      "flexpipe_dag.runtime.worker", "flexpipe_dag.runtime.driver", "flexpipe_dag.runtime.live_metrics"]
 
 
 def process_context(start_method: str):

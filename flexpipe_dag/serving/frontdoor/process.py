@@ -33,6 +33,8 @@ class ServerProcess:
         command: the whole command line instead of ``python -m flexpipe_dag.cli serve ARGS`` (``args`` is then
             ignored): a program that runs a :class:`~flexpipe_dag.serving.frontdoor.server.FrontDoorServer`
             itself.
+        new_session: start it in its own session and process group (``os.killpg(proc.pid, sig)`` then signals it
+            and its stage workers, as a service manager stopping it does).
 
     Attributes:
         lines: every stderr line so far.
@@ -40,11 +42,12 @@ class ServerProcess:
     """
 
     def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-                 on_line: Callable[[str], None] | None = None, command: Sequence[str] | None = None):
+                 on_line: Callable[[str], None] | None = None, command: Sequence[str] | None = None,
+                 new_session: bool = False):
         argv = list(command) if command is not None else [sys.executable, "-m", "flexpipe_dag.cli", "serve", *args]
         self.proc = subprocess.Popen(argv, cwd=cwd,
                                      env={**os.environ, **(env or {})}, stderr=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, text=True)
+                                     stdout=subprocess.DEVNULL, text=True, start_new_session=new_session)
         self.lines: list[str] = []
         self.url: str | None = None
         self.on_line = on_line

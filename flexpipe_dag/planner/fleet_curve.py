@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexpipe_dag.core.errors import InputError
-from flexpipe_dag.planner.envelope import probe_gear, probe_reference
+from flexpipe_dag.planner.envelope import CONFIRM_PROBE_S, probe_gear, probe_reference
 from flexpipe_dag.planner.fleet import FleetPlan, FleetSettings, InstanceTemplate
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.workload.request import Workload
@@ -82,7 +82,9 @@ def measure_attainment_curve(template: InstanceTemplate, reference: Workload, se
     attained = []
     for f in fractions:
         rate = float(f) * template.rps_max
-        ref, native = probe_reference(reference, num_requests, rate, settings.slo_ttft_ms)  # long enough for the rate
+        # as long as the probes that confirmed the envelope (CONFIRM_PROBE_S of arrivals): shorter ones end before an
+        # instance near its top fills its seats, and read 0.99+ past the envelope the long probes set
+        ref, native = probe_reference(reference, num_requests, rate, settings.slo_ttft_ms, min_duration_s=CONFIRM_PROBE_S)
         attained.append(probe_gear(template.gear, template.timing, ref, native, rate, config=config,
                                    attainment=settings.attainment, warmup_fraction=warmup_fraction,
                                    early_stop=False).slo_attainment)

@@ -417,6 +417,8 @@ def test_stage_times_no_pipeline_takes_stop_the_run_naming_the_timing_file(costs
 @pytest.mark.parametrize("argv, needle", [
     (["servers", "--max-age-s", "1e308"], "--max-age-s: expected a finite number > 0 and <= 3.1536e+07 (s), got 1e+308"),
     (["servers", "--max-age-s", "inf"], "--max-age-s: expected a finite number > 0"),
+    (["fleet", "--cluster", str(EXAMPLES / "fleet_small.yaml"), "--model", "Llama-3-8B", "--concurrency", "0"],
+     "--concurrency: expected an integer >= 1 and <= 1000000 (sequences), got 0"),
     (["loadtest", "--url", "http://127.0.0.1:9/v1", "--concurrency", "1,20000000"],
      "--concurrency: expected levels 1..10000 (clients, one coroutine each), got '1,20000000'"),
     (["capacity", "--model", "Llama-3-8B", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "200", "--load-rps", "5e-324",

@@ -434,7 +434,8 @@ def test_fleet_plan_and_settings_refuse_bad_values():
     with pytest.raises(InputError, match="rps"):
         plan.instances_for(math.nan)
     for field, value in (("attainment", 0.0), ("attainment", 2.0), ("num_requests", 1), ("max_unit_hosts", True),
-                         ("max_unit_hosts", 1.5), ("slo_ttft_ms", math.nan)):
+                         ("max_unit_hosts", 1.5), ("slo_ttft_ms", math.nan), ("concurrency", 0),
+                         ("context_p95_tokens", 2.5)):
         with pytest.raises(InputError, match=field):
             FleetSettings(**{field: value})
     scaler = FleetScaler(plan)

@@ -26,6 +26,10 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="time-to-first-token SLO, ms (default 2000)")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="time-per-output-token SLO, ms (default 200)")
+    p.add_argument("--concurrency", type=int, default=64,
+                   help="sequences in flight each instance's KV pool must hold (default 64)")
+    p.add_argument("--context-p95", type=int, default=4096,
+                   help="tokens (prompt + output) of each of those sequences (default 4096)")
     p.add_argument("--load-rps", type=float, default=None, help="print the fleet gear that holds this load, req/s")
     p.add_argument("--headroom", type=float, default=None,
                    help="with --load-rps or --day: share of the summed envelope held back, 0..0.9 (default the "
@@ -71,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster_profile(args.cluster)
     model = load_model_spec(args.model)
     reference = load_trace("azure-conv")
-    settings = FleetSettings(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    check_number(args.concurrency, None, "--concurrency", integer=True, ge=1, le=1_000_000, unit="sequences")
+    check_number(args.context_p95, None, "--context-p95", integer=True, ge=1, le=10**7, unit="tokens")
+    settings = FleetSettings(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, concurrency=args.concurrency,
+                             context_p95_tokens=args.context_p95)
     err = plain_console(stderr=True)
     with err.status(f"planning instances of {cluster.cluster_id}"):
         plan = plan_fleet(cluster, model, reference, dtype=dtype, settings=settings)

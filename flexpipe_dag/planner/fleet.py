@@ -324,6 +324,8 @@ class FleetSettings:
         attainment: share of requests that must meet it (0..1].
         num_requests: requests of the reference trace per envelope probe.
         max_unit_hosts: most hosts one instance may span.
+        concurrency / context_p95_tokens: the sequences in flight, of that many tokens each, an instance's KV
+            pool must hold (the planner's; a unit whose memory cannot hold them serves nothing).
     """
 
     slo_ttft_ms: float = 2000.0
@@ -331,6 +333,8 @@ class FleetSettings:
     attainment: float = 0.95
     num_requests: int = 1000
     max_unit_hosts: int = MAX_UNIT_HOSTS
+    concurrency: int = 64
+    context_p95_tokens: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
@@ -338,6 +342,8 @@ class FleetSettings:
         check_number(self.attainment, "fleet settings", "attainment", gt=0, le=1, unit="share of requests")
         check_number(self.num_requests, "fleet settings", "num_requests", integer=True, ge=2, le=10**7)
         check_number(self.max_unit_hosts, "fleet settings", "max_unit_hosts", integer=True, ge=1, le=MAX_UNIT_HOSTS)
+        check_number(self.concurrency, "fleet settings", "concurrency", integer=True, ge=1, le=1_000_000)
+        check_number(self.context_p95_tokens, "fleet settings", "context_p95_tokens", integer=True, ge=1, le=10**7)
 
 
 def plan_template(cluster: ClusterProfile, spec: ModelSpec, unit: tuple[str, ...], reference: Workload, *,
@@ -349,7 +355,8 @@ def plan_template(cluster: ClusterProfile, spec: ModelSpec, unit: tuple[str, ...
     """
     by_host = _devices_by_host(cluster)
     sub = cluster.restricted({d for h in unit for d in by_host[h]}, cluster_id=f"{cluster.cluster_id}-{unit[0]}")
-    gear_set = plan_gear_set(sub, spec, dtype=dtype)
+    gear_set = plan_gear_set(sub, spec, dtype=dtype, concurrency=settings.concurrency,
+                             context_p95_tokens=settings.context_p95_tokens)
     cm = make_search(sub, spec, dtype=dtype).cm
     gears = refine_envelopes(gear_set.gears, cm, reference, slo_ttft_ms=settings.slo_ttft_ms,
                              slo_tpot_ms=settings.slo_tpot_ms, attainment=settings.attainment,

@@ -528,7 +528,9 @@ def test_fleet_command_prints_instances_and_the_fleet_gear_for_a_load(capsys):
     # a load the whole fleet does not hold: said, and exit status 1 (a script can tell)
     assert main(["fleet", "--cluster", str(EXAMPLES / "fleet_small.yaml"), "--model", "Llama-3-8B", "--load-rps",
                  "100000", "--json"]) == 1
-    assert not json.loads(capsys.readouterr().out)["fleet_gear"]["holds"]
+    said = capsys.readouterr()
+    assert not json.loads(said.out)["fleet_gear"]["holds"]
+    assert said.err.startswith("flexpipe fleet: infeasible: 100000 req/s exceeds what all 4 instances hold")
 
 
 @pytest.mark.parametrize("flags, field", [(["--headroom", "0.95", "--day", "1"], "--headroom"), (["--day", "14"], "--day"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import check_number
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     holds = not isinstance(out.get("fleet_gear"), dict) or bool(out["fleet_gear"]["holds"])  # type: ignore[index]
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0 if holds else 1
+        return _exit_status(holds, args.load_rps, len(plan.instances), plan.rps_max, headroom)
     console = plain_console(width=max(120, Console().width))
     table = new_table(f"{cluster.cluster_id}: {len(plan.instances)} instances of {model.name}, fleet envelope "
                       f"{plan.rps_max:,.1f} req/s", ["like host", "instances", "hosts each", "devices each", "stages",
@@ -133,7 +134,16 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  dynamic / best static device-hours: {day['device_hours_vs_best_static']:.3f} (bound: "
                       f"{day['bound_vs_best_static']:.3f}, the fewest instances each minute at 100 % of their "
                       "envelopes, started instantly)")
-    return 0 if holds else 1
+    return _exit_status(holds, args.load_rps, len(plan.instances), plan.rps_max, headroom)
+
+
+def _exit_status(holds: bool, load_rps: float | None, instances: int, rps_max: float, headroom: float) -> int:
+    """0, or (the whole fleet does not hold ``load_rps``) 1 with one line on stderr, as ``plan`` says it."""
+    if holds:
+        return 0
+    print(f"flexpipe fleet: infeasible: {load_rps:g} req/s exceeds what all {instances} instances hold with "
+          f"{headroom:.0%} headroom ({rps_max:,.1f} req/s x (1 - {headroom:g}))", file=sys.stderr)
+    return 1
 
 
 def _count(n: int, noun: str) -> str:

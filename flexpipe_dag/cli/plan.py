@@ -12,6 +12,7 @@ from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.dtypes import DTYPE_NAMES, canonical_dtype
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.core.settings import INT32_MAX, check_number
+from flexpipe_dag.planner.envelope import CONFIRM_PROBE_S
 from flexpipe_dag.planner.operating import (
     DEFAULT_ATTAINMENT,
     DEFAULT_CONCURRENCY,
@@ -195,7 +196,8 @@ def print_plan(plan, cluster_id: str, model_name: str, dtype: str, console=None)
     _print_table(cluster_id, model_name, dtype, plan.gears, console, analytic=plan.analytic_rps_max,
                  recommended=rec.gear_id if rec and rec.holds else None,
                  caption=f"envelope = highest rate served with {plan.basis.describe()}, "
-                         f"{plan.basis.num_requests} requests per probe")
+                         f"{plan.basis.num_requests} requests per probe, held for {CONFIRM_PROBE_S:.0f} s on two "
+                         "samples of the trace; TTFT, TPOT and tokens/s are measured at the envelope's top")
     if rec and rec.holds:
         console.print(f"load {format_number(rec.load_rps, 2)} req/s: run {rec.gear_id} "
                       f"(headroom {rec.headroom_fraction:.0%}). {rec.reason}")

@@ -266,3 +266,23 @@ def test_cli_simulate_day_says_it_does_not_read_the_control_file(tmp_path, capsy
     assert main(["simulate", "--day", "--cluster", str(tmp_path / "missing.yaml"), "--model", MODEL]) == 2
     err = capsys.readouterr().err
     assert "control.yaml) is not read by simulate --day" in err and "missing.yaml" in err
+
+
+def test_planner_gears_that_measure_worse_on_more_devices_are_left_out_with_a_note():
+    from flexpipe_dag.control.day_setting import undominated
+    from flexpipe_dag.sim import manual_gear
+
+    def gear(gear_id: str, devices: int, rps_max: float):
+        return manual_gear([4], replicas=[devices], gear_id=gear_id).model_copy(update={"rps_max": rps_max})
+
+    small, mid, wide, dead = gear("latency-a", 2, 9.99), gear("balanced-b", 4, 6.29), gear("throughput-c", 7, 5.76), \
+        gear("x-d", 1, 0.0)
+    kept, notes = undominated([small, mid, wide, dead])
+    assert [g.gear_id for g in kept] == ["latency-a"]
+    assert notes == ["balanced-b left out: latency-a serves 9.99 req/s on 2 device(s), it 6.29 on 4",
+                     "throughput-c left out: latency-a serves 9.99 req/s on 2 device(s), it 5.76 on 7",
+                     "x-d left out: it meets the SLO at no rate"]
+    bigger = gear("throughput-e", 7, 12.0)  # more devices for more capacity: a real step of the ladder
+    assert [g.gear_id for g in undominated([small, bigger])[0]] == ["latency-a", "throughput-e"]
+    twin = gear("latency-f", 2, 9.99)  # equal on both counts: neither beats the other
+    assert len(undominated([small, twin])[0]) == 2

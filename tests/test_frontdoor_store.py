@@ -128,7 +128,7 @@ def test_serve_plan_starts_on_the_gear_the_plan_recommends_for_the_load(store, l
 @pytest.mark.parametrize(("flags", "message"), [
     (["--concurrency", ","], "--concurrency: expected comma-separated integers"),
     (["--concurrency", "1,,2"], "--concurrency: expected comma-separated integers"),
-    (["--concurrency", "0,2"], "--concurrency: expected levels >= 1"),
+    (["--concurrency", "0,2"], "--concurrency: expected levels 1..10000"),
     (["--slo-ttft-ms", "-1"], "--slo-ttft-ms: expected a finite number > 0"),
     (["--slo-tpot-ms", "nan"], "--slo-tpot-ms: expected a finite number > 0"),
     (["--speedup", "0"], "--speedup: expected a finite number >= 0.001 and <= 1e+06 (factor), got 0.0"),

@@ -53,3 +53,37 @@ def test_the_lab_throughput_gear_envelope_holds_on_minutes_of_held_out_traffic()
         assert ref.duration_s * env.rps_max / native >= 0.99 * CONFIRM_PROBE_S
         held_out = probe_gear(gear, timing, ref, native, env.rps_max, config=config, early_stop=False)
         assert held_out.slo_attainment >= 0.95 and held_out.lost == 0, (phase, held_out)
+
+
+def test_a_top_that_does_not_hold_on_long_probes_steps_down_then_halves(monkeypatch):
+    """The confirming probes step down by 10 % while within half the short probes' top, then halve."""
+    import flexpipe_dag.planner.envelope as envelope
+    from flexpipe_dag.planner.envelope import EnvelopeProbe
+    from flexpipe_dag.sim import manual_gear
+    from flexpipe_dag.workload.request import Request, Workload
+
+    rates: list[tuple[float, bool]] = []  # (rate, long probe?)
+    asked = {"long": False}
+    real_reference = envelope.probe_reference
+
+    def reference(*args, **kwargs):
+        asked["long"] = kwargs.get("min_duration_s", 0.0) >= CONFIRM_PROBE_S
+        return real_reference(*args, **kwargs)
+
+    def probe(gear, timing, ref, native, rate, **kwargs):
+        long = asked["long"]
+        rates.append((rate, long))
+        ok = rate <= (1.0 if long else 10.0)  # short probes pass up to 10 req/s, long ones only up to 1
+        return EnvelopeProbe(rate_rps=rate, slo_attainment=1.0 if ok else 0.0, lost=0, ttft_p99_ms=1.0,
+                             tpot_p99_ms=1.0, passed=ok, estimate=None)
+
+    monkeypatch.setattr(envelope, "probe_gear", probe)
+    monkeypatch.setattr(envelope, "probe_reference", reference)
+    monkeypatch.setattr(envelope, "zero_load_misses", lambda *a, **k: 0)
+    trace = Workload(name="uniform", requests=tuple(Request(f"r{i}", i * 0.01, 1, 1) for i in range(5000)))
+    env = measure_envelope(manual_gear([4], gear_id="g"), None, trace, start_rps=8.0, rel_tol=0.05)
+    long_rates = [r for r, long in rates if long]
+    assert long_rates[0] == 10.0  # the short probes' top (they pass up to 10 req/s)
+    ratios = [round(b / a, 6) for a, b in zip(long_rates, long_rates[1:])]
+    assert ratios[:10] == [0.9] * 7 + [0.5] * 3  # 10 % steps down to half the top, then halvings, until one holds
+    assert 0.95 <= env.rps_max <= 1.0  # bisected back up to the long limit

@@ -535,10 +535,10 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
 
     confirmed = confirm(best.rate_rps)
     if not confirmed.passed:  # the short probes' top does not hold for CONFIRM_PROBE_S: step down, then bisect
-        hi = rate = best.rate_rps
+        top = hi = rate = best.rate_rps
         found: EnvelopeProbe | None = None
-        for _ in range(max_halvings):
-            rate *= CONFIRM_STEP_DOWN if hi / rate < 2.0 else 0.5
+        for _ in range(max_halvings):  # steps of 10 % down to half the top, halvings below it
+            rate *= CONFIRM_STEP_DOWN if top / rate < 2.0 else 0.5
             if rate < floor_rps:
                 break
             p = confirm(rate)

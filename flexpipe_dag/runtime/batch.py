@@ -349,12 +349,20 @@ def out_of_vocabulary(rows: list[PromptRow], vocab_size: int) -> tuple[list[Prom
     keep: list[PromptRow] = []
     refused: list[MalformedRow] = []
     for r in rows:
-        if r.token_ids is not None and r.token_ids and max(r.token_ids) >= vocab_size:
-            refused.append(MalformedRow(r.line, f"id {r.request_id!r}: field 'token_ids': id {max(r.token_ids)} is "
-                                                f"outside the model's vocabulary (0..{vocab_size - 1})"))
+        why = _outside_vocabulary(r, r.token_ids or [], vocab_size)
+        if why is not None:
+            refused.append(why)
         else:
             keep.append(r)
     return keep, refused
+
+
+def _outside_vocabulary(row: PromptRow, ids: list[int], vocab_size: int) -> MalformedRow | None:
+    """The malformed row ``row`` is when one of its prompt ``ids`` lies outside ``0..vocab_size - 1``, else None."""
+    if ids and max(ids) >= vocab_size:
+        return MalformedRow(row.line, f"id {row.request_id!r}: field 'token_ids': id {max(ids)} is outside the "
+                                      f"model's vocabulary (0..{vocab_size - 1})")
+    return None
 
 
 def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...],
@@ -374,10 +382,10 @@ def to_requests(rows: list[PromptRow], tokenizer, eos_token_ids: tuple[int, ...]
             if malformed is not None:
                 malformed.append(MalformedRow(r.line, f"id {r.request_id!r}: prompt tokenises to nothing"))
             continue
-        if vocab_size is not None and max(ids) >= vocab_size:
+        outside = _outside_vocabulary(r, ids, vocab_size) if vocab_size is not None else None
+        if outside is not None:
             if malformed is not None:
-                malformed.append(MalformedRow(r.line, f"id {r.request_id!r}: field 'token_ids': id {max(ids)} is "
-                                                  f"outside the model's vocabulary (0..{vocab_size - 1})"))
+                malformed.append(outside)
             continue
         reqs.append(Request(r.request_id, list(ids), r.max_new_tokens, priority=r.priority, eos_token_ids=eos_token_ids))
     return reqs

@@ -91,9 +91,11 @@ def candidate_gears(context: AssetExecutionContext, planning: PlanningSettings, 
 
 
 def envelope_table(plan) -> pd.DataFrame:
-    """One row per candidate: measured ``rps_max``, probes run and how many stopped early."""
+    """One row per candidate: measured ``rps_max``, probes run, whether ``rps_max`` was confirmed on long probes
+    (only gears chosen in some round are) and how many probes stopped early."""
     return pd.DataFrame([{"candidate": e.gear_id, "rps_max": e.rps_max, "ttft_p99_ms_at_max": e.target_p99_ms,
-                          "probes": len(e.probes), "stopped_early": sum(p.stopped_s is not None for p in e.probes)}
+                          "probes": len(e.probes), "confirmed": e.confirmed,
+                          "stopped_early": sum(p.stopped_s is not None for p in e.probes)}
                          for e in plan.envelopes])
 
 

@@ -87,3 +87,53 @@ def test_a_top_that_does_not_hold_on_long_probes_steps_down_then_halves(monkeypa
     ratios = [round(b / a, 6) for a, b in zip(long_rates, long_rates[1:])]
     assert ratios[:10] == [0.9] * 7 + [0.5] * 3  # 10 % steps down to half the top, then halvings, until one holds
     assert 0.95 <= env.rps_max <= 1.0  # bisected back up to the long limit
+
+
+def test_selection_confirms_only_chosen_gears_and_chooses_again_when_a_top_falls(monkeypatch):
+    """A candidate whose short-probe top does not hold is confirmed, falls, and the slot goes to the next one;
+    a candidate never chosen is never confirmed (its envelope says so)."""
+    import flexpipe_dag.planner.envelope as envelope
+    from flexpipe_dag.core.gear import GearEstimate
+    from flexpipe_dag.planner.envelope import EnvelopeProbe, SelectionSettings, ZeroLoadScreen, select_operating_gears
+    from flexpipe_dag.sim import manual_gear
+    from flexpipe_dag.workload.request import Request, Workload
+
+    # gear -> (short-probe limit, long-probe limit, TPOT at low load): "fast" looks best on short probes only
+    limits = {"fast": (10.0, 5.0, 30.0), "steady": (8.0, 8.0, 40.0), "small": (2.0, 2.0, 20.0), "spare": (7.0, 7.0, 35.0),
+              "slow": (3.0, 3.0, 60.0)}
+    asked = {"long": False}
+    long_probed: set[str] = set()
+    real_reference = envelope.probe_reference
+
+    def reference(*args, **kwargs):
+        asked["long"] = kwargs.get("min_duration_s", 0.0) >= CONFIRM_PROBE_S
+        return real_reference(*args, **kwargs)
+
+    def probe(gear, timing, ref, native, rate, **kwargs):
+        short_max, long_max, tpot = limits[gear.gear_id]
+        if asked["long"]:
+            long_probed.add(gear.gear_id)
+        ok = rate <= (long_max if asked["long"] else short_max)
+        asked["long"] = False
+        est = GearEstimate(throughput_rps=rate, tokens_per_s=rate, ttft_p50_ms=10.0, ttft_p99_ms=20.0,
+                           tpot_p50_ms=tpot, tpot_p99_ms=tpot, bottleneck_stage=0)
+        return EnvelopeProbe(rate_rps=rate, slo_attainment=1.0 if ok else 0.0, lost=0, ttft_p99_ms=20.0,
+                             tpot_p99_ms=tpot, passed=ok, estimate=est)
+
+    monkeypatch.setattr(envelope, "probe_gear", probe)
+    monkeypatch.setattr(envelope, "probe_reference", reference)
+    monkeypatch.setattr(envelope, "zero_load_misses", lambda *a, **k: 0)
+    monkeypatch.setattr(envelope, "screen_zero_load", lambda g, *a, **k: ZeroLoadScreen(g.gear_id, 0.0, 0.05, 100))
+    trace = Workload(name="uniform", requests=tuple(Request(f"r{i}", i * 0.01, 1, 1) for i in range(5000)))
+    candidates = [manual_gear([4], gear_id=name).model_copy(update={"rps_max": 4.0}) for name in limits]
+    sel = select_operating_gears(candidates, lambda g: None, trace, SelectionSettings(rel_tol=0.02))
+    envs = {e.gear_id: e for e in sel.envelopes}
+    by_kind = {g.kind: (envelope.gear_id_suffix(g.gear_id), g.rps_max) for g in sel.gears}
+    # "fast" led on short probes (10), held only 5 on long ones; "steady" (8, holds) takes the throughput slot
+    assert by_kind["throughput"][0] == "steady" and 7.8 <= by_kind["throughput"][1] <= 8.0
+    assert envs["fast"].confirmed and 4.9 <= envs["fast"].rps_max <= 5.0
+    assert by_kind["latency"][0] == "small"  # the lowest TPOT at the low load
+    assert by_kind["balanced"][0] == "spare"  # 7 req/s per device beats fast's confirmed 5
+    # "slow" never held a slot (steady beats it on every count): measured on short probes only, and marked so
+    assert long_probed == {"fast", "steady", "small", "spare"}
+    assert not envs["slow"].confirmed and envs["slow"].rps_max >= 2.9 and envs["slow"].to_dict()["confirmed"] is False

@@ -179,7 +179,7 @@ def plan_json(plan, cluster_id: str, model_summary: dict) -> dict:
             "gears": [g.model_dump(mode="json") for g in plan.gears],
             "analytic_rps_max": plan.analytic_rps_max,
             "recommended": dataclasses.asdict(rec) if rec else None,
-            "candidates": [{"gear_id": e.gear_id, "rps_max": e.rps_max, "probes": len(e.probes)}
+            "candidates": [{"gear_id": e.gear_id, "rps_max": e.rps_max, "confirmed": e.confirmed, "probes": len(e.probes)}
                            for e in plan.envelopes],
             "notes": plan.notes, "planning_wall_s": round(plan.wall_s, 3), "simulations": plan.probes}
 

@@ -48,8 +48,9 @@ allowance (:data:`MARGINAL_ALLOWANCE_SHARE`); the envelope of a marginal gear is
 
 Deterministic (the simulator and the time compression have no randomness) and pure (no Dagster,
 SQL or torch). Cost: about ``log2(range / rel_tol) + 2`` simulations of ``num_requests`` requests
-per gear, then two confirming ones of :data:`CONFIRM_PROBE_S` (a few more when the top does not hold):
-planning the lab fleet took 8.7 s before the confirmation and 18-20 s with it.
+per gear, then two confirming ones of :data:`CONFIRM_PROBE_S` (a few more when the top does not hold).
+:func:`select_operating_gears` confirms only the gears it chooses: planning the lab fleet took 8.7 s before
+the confirmation, 17.9 s confirming every candidate and 14.6 s confirming the chosen (same gears and envelopes).
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ class GearEnvelope:
     """The measured envelope of one gear: ``rps_max``, the TTFT P99 there, and every probe run.
 
     ``screened``: why the gear was left out unmeasured (:class:`ZeroLoadScreen`), its ``rps_max`` then 0.
+    ``confirmed``: ``rps_max`` held on the long probes of module doc step 3; False for a candidate that
+    :func:`select_operating_gears` measured on short probes only (its ``rps_max`` then an upper bound).
     """
 
     gear_id: str
@@ -187,11 +190,12 @@ class GearEnvelope:
     estimate: GearEstimate | None
     probes: tuple[EnvelopeProbe, ...]
     screened: str | None = None
+    confirmed: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for asset metadata: envelope plus a probe table."""
         return {"gear_id": self.gear_id, "rps_max": self.rps_max, "target_p99_ms": self.target_p99_ms,
-                "screened": self.screened,
+                "screened": self.screened, "confirmed": self.confirmed,
                 "estimate": self.estimate.model_dump() if self.estimate else None,
                 "probes": [{"rate_rps": p.rate_rps, "slo_attainment": p.slo_attainment, "lost": p.lost,
                             "ttft_p99_ms": p.ttft_p99_ms, "tpot_p99_ms": p.tpot_p99_ms, "passed": p.passed, "stopped_s": p.stopped_s}
@@ -434,10 +438,70 @@ def screen_zero_load(gear: Gear, timing: StageTimingModel, reference: Workload, 
     return ZeroLoadScreen(gear.gear_id, misses / max(1, len(reqs)), 1.0 - attainment, len(reqs))
 
 
+class _Prober:
+    """The probes of one gear's envelope: short ones (:func:`probe_reference`'s length) for the bisection,
+    long ones (:data:`CONFIRM_PROBE_S` on each of :data:`CONFIRM_PHASES`) for the confirmation; every probe
+    run is kept in ``probes``, in order."""
+
+    def __init__(self, gear: Gear, timing: StageTimingModel, reference: Workload, *, slo_ttft_ms: float,
+                 slo_tpot_ms: float, attainment: float, num_requests: int, warmup_fraction: float, rel_tol: float,
+                 sim_config: SimConfig | None, probes: Sequence[EnvelopeProbe] = ()) -> None:
+        if not 0 < attainment <= 1:
+            raise InputError("refine_envelopes", "attainment", f"got {attainment}; expected 0 < attainment <= 1")
+        if not 0 < rel_tol < 1:
+            raise InputError("refine_envelopes", "rel_tol", f"got {rel_tol}; expected 0 < rel_tol < 1")
+        if not 0 <= warmup_fraction < 1:
+            raise InputError("refine_envelopes", "warmup_fraction", f"got {warmup_fraction}; expected 0 <= f < 1")
+        self.gear, self.timing, self.reference = gear, timing, reference
+        self.slo_ttft_ms, self.attainment, self.num_requests = slo_ttft_ms, attainment, num_requests
+        self.warmup_fraction, self.rel_tol = warmup_fraction, rel_tol
+        # probes grade per-request outcomes: no metric samples (at 0.01 req/s they were most of the cost)
+        self.config = dataclasses.replace(sim_config or SimConfig(), slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                                          metric_samples=False)
+        self.ref, self.native_rps = reference_slice(reference, num_requests)
+        self.floor_rps = self.native_rps * MIN_SPEEDUP  # the slowest the trace can be replayed
+        self.probes: list[EnvelopeProbe] = list(probes)
+
+    def _run(self, rate: float, **sample: float) -> EnvelopeProbe:
+        probe_ref, probe_native = probe_reference(self.reference, self.num_requests, rate, self.slo_ttft_ms, **sample)
+        p = probe_gear(self.gear, self.timing, probe_ref, probe_native, rate, config=self.config,
+                       attainment=self.attainment, warmup_fraction=self.warmup_fraction)
+        self.probes.append(p)
+        return p
+
+    def short(self, rate: float) -> EnvelopeProbe:
+        """One probe of :func:`probe_length` requests at ``rate`` req/s."""
+        return self._run(rate)
+
+    def long(self, rate: float) -> EnvelopeProbe:
+        """``rate`` on :data:`CONFIRM_PROBE_S` of arrivals, on each of :data:`CONFIRM_PHASES`' samples: the first
+        failing probe, else the first sample's."""
+        first: EnvelopeProbe | None = None
+        for phase in CONFIRM_PHASES:
+            p = self._run(rate, min_duration_s=CONFIRM_PROBE_S, phase=phase)
+            if not p.passed:
+                return p
+            first = first or p
+        assert first is not None
+        return first
+
+    def envelope(self, best: EnvelopeProbe | None, *, confirmed: bool) -> GearEnvelope:
+        """The envelope ``best`` (the top passing probe; None: nothing passed) sets, with every probe run."""
+        if best is None:
+            est = self.probes[-1].estimate if self.probes else None
+            return GearEnvelope(self.gear.gear_id, 0.0, self.gear.target_p99_ms, est, tuple(self.probes),
+                                confirmed=confirmed)
+        ok = math.isfinite(best.ttft_p99_ms) and best.ttft_p99_ms > 0
+        target = best.ttft_p99_ms if ok else self.gear.target_p99_ms
+        return GearEnvelope(self.gear.gear_id, best.rate_rps, max(1.0, target), best.estimate, tuple(self.probes),
+                            confirmed=confirmed)
+
+
 def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, *, slo_ttft_ms: float = 2000.0,
                      slo_tpot_ms: float = 200.0, attainment: float = 0.95, num_requests: int = 1000,
                      warmup_fraction: float = 0.25, rel_tol: float = 0.03, start_rps: float | None = None,
-                     max_doublings: int = 12, max_halvings: int = 12, sim_config: SimConfig | None = None) -> GearEnvelope:
+                     max_doublings: int = 12, max_halvings: int = 12, sim_config: SimConfig | None = None,
+                     confirm: bool = True) -> GearEnvelope:
     """Bisect on the offered rate for the highest one ``gear`` serves within the SLO (module doc, steps 1-4).
 
     Each probe stops as soon as its verdict is certain (:func:`probe_gear`), so the failing probes,
@@ -452,6 +516,8 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
         rel_tol: stop when the bracket ``[pass, fail]`` is this narrow relative to ``fail``.
         start_rps: first rate probed (default: the gear's analytic throughput, else the trace's rate).
         sim_config: other simulator settings; its SLO fields are replaced by the arguments.
+        confirm: confirm the top on long probes (:func:`confirm_envelope`); False gives the short
+            probes' top, an upper bound of the confirmed one, with ``confirmed`` False.
 
     Returns:
         The envelope with every probe, in the order run.
@@ -459,45 +525,28 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
     Raises:
         InputError: bad attainment / tolerance / fractions, or a degenerate reference workload.
     """
-    if not 0 < attainment <= 1:
-        raise InputError("refine_envelopes", "attainment", f"got {attainment}; expected 0 < attainment <= 1")
-    if not 0 < rel_tol < 1:
-        raise InputError("refine_envelopes", "rel_tol", f"got {rel_tol}; expected 0 < rel_tol < 1")
-    if not 0 <= warmup_fraction < 1:
-        raise InputError("refine_envelopes", "warmup_fraction", f"got {warmup_fraction}; expected 0 <= f < 1")
-    base = sim_config or SimConfig()
-    # probes grade per-request outcomes: no metric samples (at 0.01 req/s they were most of the cost)
-    config = dataclasses.replace(base, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, metric_samples=False)
-    ref, native = reference_slice(reference, num_requests)
-    graded_from, allowed = _measured_window(len(ref), warmup_fraction, attainment)
-    if zero_load_misses(gear, timing, ref, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+    prober = _Prober(gear, timing, reference, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, attainment=attainment,
+                     num_requests=num_requests, warmup_fraction=warmup_fraction, rel_tol=rel_tol,
+                     sim_config=sim_config)
+    graded_from, allowed = _measured_window(len(prober.ref), warmup_fraction, attainment)
+    if zero_load_misses(gear, timing, prober.ref, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
                         first_index=graded_from) > allowed:
-        return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, None, ())  # no rate can meet the SLO
+        return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, None, (), confirmed=True)  # no rate meets the SLO
     if start_rps is None:
         promised = gear.rps_max if math.isfinite(gear.rps_max) and gear.rps_max > 0 else 0.0
         est = promised or (gear.estimate.throughput_rps if gear.estimate is not None else 0.0)
-        start_rps = est if est > 0 and math.isfinite(est) else native
+        start_rps = est if est > 0 and math.isfinite(est) else prober.native_rps
     if not (start_rps > 0 and math.isfinite(start_rps)):
         raise InputError("refine_envelopes", "start_rps", f"got {start_rps}; expected a rate > 0 req/s")
-    floor_rps = native * MIN_SPEEDUP  # the slowest the trace can be replayed: below it the envelope reads 0
-    start_rps = max(start_rps, floor_rps)
-    probes: list[EnvelopeProbe] = []
-
-    def run(rate: float) -> EnvelopeProbe:
-        probe_ref, probe_native = probe_reference(reference, num_requests, rate, slo_ttft_ms)
-        p = probe_gear(gear, timing, probe_ref, probe_native, rate, config=config, attainment=attainment,
-                       warmup_fraction=warmup_fraction)
-        probes.append(p)
-        return p
-
-    first = run(start_rps)
+    start_rps = max(start_rps, prober.floor_rps)
+    first = prober.short(start_rps)
     best: EnvelopeProbe | None = first if first.passed else None
     fail_rate: float | None = None if first.passed else start_rps
     rate = start_rps
     if first.passed:
         for _ in range(max_doublings):
             rate *= 2.0
-            p = run(rate)
+            p = prober.short(rate)
             if not p.passed:
                 fail_rate = rate
                 break
@@ -505,53 +554,69 @@ def measure_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, 
     else:
         for _ in range(max_halvings):
             rate /= 2.0
-            if rate < floor_rps:
+            if rate < prober.floor_rps:
                 break
-            p = run(rate)
+            p = prober.short(rate)
             if p.passed:
                 best = p
                 break
             fail_rate = rate
-    if best is None:
-        return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, probes[-1].estimate, tuple(probes))
-    if fail_rate is not None:
-        best = _bisect(run, best, fail_rate, rel_tol)
+    if best is not None and fail_rate is not None:
+        best = _bisect(prober.short, best, fail_rate, rel_tol)
+    if best is None or not confirm:
+        return prober.envelope(best, confirmed=best is None)
+    return _confirm(prober, best, max_halvings)
 
-    def confirm(rate: float) -> EnvelopeProbe:
-        """The rate on :data:`CONFIRM_PROBE_S` of arrivals, on each of :data:`CONFIRM_PHASES`' samples: the first
-        failing probe, else the first sample's."""
-        first_probe: EnvelopeProbe | None = None
-        for phase in CONFIRM_PHASES:
-            probe_ref, probe_native = probe_reference(reference, num_requests, rate, slo_ttft_ms,
-                                                      min_duration_s=CONFIRM_PROBE_S, phase=phase)
-            p = probe_gear(gear, timing, probe_ref, probe_native, rate, config=config, attainment=attainment,
-                           warmup_fraction=warmup_fraction)
-            probes.append(p)
-            if not p.passed:
-                return p
-            first_probe = first_probe or p
-        assert first_probe is not None
-        return first_probe
 
-    confirmed = confirm(best.rate_rps)
+def confirm_envelope(gear: Gear, timing: StageTimingModel, reference: Workload, envelope: GearEnvelope, *,
+                     slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, attainment: float = 0.95,
+                     num_requests: int = 1000, warmup_fraction: float = 0.25, rel_tol: float = 0.03,
+                     start_rps: float | None = None, max_doublings: int = 12, max_halvings: int = 12,
+                     sim_config: SimConfig | None = None) -> GearEnvelope:
+    """The confirmation of module doc step 3 for an envelope :func:`measure_envelope` measured with
+    ``confirm=False`` and the same settings: its top must hold on :data:`CONFIRM_PROBE_S` of arrivals on
+    each of :data:`CONFIRM_PHASES`' samples, else the confirming probes step down and bisect back up.
+
+    ``start_rps`` and ``max_doublings`` are accepted (the settings of :func:`measure_envelope`) and unused.
+    An envelope already confirmed, or of 0, is returned as it is.
+
+    Returns:
+        The confirmed envelope (``rps_max`` <= ``envelope.rps_max``), its probes after ``envelope``'s.
+
+    Raises:
+        InputError: as :func:`measure_envelope`.
+    """
+    del start_rps, max_doublings
+    if envelope.confirmed or envelope.rps_max <= 0:
+        return envelope
+    prober = _Prober(gear, timing, reference, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, attainment=attainment,
+                     num_requests=num_requests, warmup_fraction=warmup_fraction, rel_tol=rel_tol,
+                     sim_config=sim_config, probes=envelope.probes)
+    top = next((p for p in reversed(envelope.probes) if p.passed and p.rate_rps == envelope.rps_max), None)
+    if top is None:
+        raise InputError(gear.gear_id, "envelope", f"no passing probe at its rps_max {envelope.rps_max:g} req/s")
+    return _confirm(prober, top, max_halvings)
+
+
+def _confirm(prober: _Prober, best: EnvelopeProbe, max_halvings: int) -> GearEnvelope:
+    """Module doc step 3's confirmation of the short probes' top ``best``: the confirmed envelope."""
+    confirmed = prober.long(best.rate_rps)
     if not confirmed.passed:  # the short probes' top does not hold for CONFIRM_PROBE_S: step down, then bisect
         top = hi = rate = best.rate_rps
         found: EnvelopeProbe | None = None
         for _ in range(max_halvings):  # steps of 10 % down to half the top, halvings below it
             rate *= CONFIRM_STEP_DOWN if top / rate < 2.0 else 0.5
-            if rate < floor_rps:
+            if rate < prober.floor_rps:
                 break
-            p = confirm(rate)
+            p = prober.long(rate)
             if p.passed:
                 found = p
                 break
             hi = rate
         if found is None:
-            return GearEnvelope(gear.gear_id, 0.0, gear.target_p99_ms, probes[-1].estimate, tuple(probes))
-        confirmed = _bisect(confirm, found, hi, rel_tol)
-    best = confirmed
-    target = best.ttft_p99_ms if math.isfinite(best.ttft_p99_ms) and best.ttft_p99_ms > 0 else gear.target_p99_ms
-    return GearEnvelope(gear.gear_id, best.rate_rps, max(1.0, target), best.estimate, tuple(probes))
+            return prober.envelope(None, confirmed=True)
+        confirmed = _bisect(prober.long, found, hi, prober.rel_tol)
+    return prober.envelope(confirmed, confirmed=True)
 
 
 def _bisect(run: Callable[[float], EnvelopeProbe], passed: EnvelopeProbe, fail_rps: float,
@@ -656,13 +721,58 @@ class OperatingSelection:
     Attributes:
         gears: the chosen gears, ordered latency, balanced, throughput (a kind with no distinct
             candidate is left out), relabelled and carrying their measured envelopes.
-        envelopes: the measured :class:`GearEnvelope` of every candidate, with its probes.
+        envelopes: the measured :class:`GearEnvelope` of every candidate, with its probes (``confirmed``
+            only for the candidates that were chosen in some round).
         notes: a sentence for each kind left out.
     """
 
     gears: list[Gear]
     envelopes: list[GearEnvelope]
     notes: list[str]
+
+
+def _choose(pool: Sequence[Gear], envs: dict[str, GearEnvelope], low_load: Callable[[Gear, float], tuple[float, float]],
+            settings: SelectionSettings, *, by_devices: bool) -> tuple[dict[str, Gear], float]:
+    """The rules of :func:`select_operating_gears` on the envelopes ``envs``: ``({kind: gear}, best rps_max)``.
+
+    ``low_load(gear, q_low)`` gives the gear's (TPOT P50, TTFT P50), ms, at ``q_low`` req/s."""
+    best_max = max(e.rps_max for e in envs.values())
+    q_low = settings.low_load_share * best_max
+    low = {g.gear_id: low_load(g, q_low) for g in pool if q_low > 0 and envs[g.gear_id].rps_max >= q_low}
+    inf = (math.inf, math.inf)
+
+    def devices(g: Gear) -> int:
+        return len(g.device_ids)
+
+    def power(g: Gear) -> float:
+        return envs[g.gear_id].rps_max / max(low[g.gear_id][0], 1e-9)
+
+    if by_devices:
+        tied = [g for g in pool if envs[g.gear_id].rps_max >= (1.0 - settings.rel_tol) * best_max]
+        thr = min(tied, key=lambda g: (devices(g), -envs[g.gear_id].rps_max, low.get(g.gear_id, inf), g.gear_id))
+    else:
+        thr = max(pool, key=lambda g: (envs[g.gear_id].rps_max, [-x for x in low.get(g.gear_id, inf)], g.gear_id))
+    chosen: dict[str, Gear] = {"throughput": thr}
+    others = [g for g in pool if g.gear_id != thr.gear_id and g.gear_id in low]
+    if others:
+        if by_devices:
+            lat = min(others, key=lambda g: (devices(g), round(low[g.gear_id][0], 6), round(low[g.gear_id][1], 6), g.gear_id))
+            better = (devices(lat), low[lat.gear_id]) < (devices(thr), low.get(thr.gear_id, inf))
+        else:
+            lat = min(others, key=lambda g: (round(low[g.gear_id][0], 6), round(low[g.gear_id][1], 6), g.gear_id))
+            better = low[lat.gear_id] < low.get(thr.gear_id, inf)
+        if better:
+            chosen["latency"] = lat
+    lo = envs[chosen["latency"].gear_id].rps_max if "latency" in chosen else 0.0
+    hi = envs[thr.gear_id].rps_max
+    # a gear the throughput gear beats on every count (no fewer devices, no lower TPOT at the low load,
+    # a smaller envelope) is no operating point between the two
+    mid = [g for g in others if g.gear_id not in {c.gear_id for c in chosen.values()}
+           and lo < envs[g.gear_id].rps_max < hi
+           and not (devices(g) >= devices(thr) and low[g.gear_id] >= low.get(thr.gear_id, inf))]
+    if mid:
+        chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].rps_max / devices(g), power(g), g.gear_id))
+    return chosen, best_max
 
 
 def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvider | TimingSource,
@@ -673,8 +783,12 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
     First each candidate is screened at zero load on the whole reference (:func:`screen_zero_load`): one
     that misses the SLO idle on more than :data:`MARGINAL_ALLOWANCE_SHARE` of the allowed share of
     requests is left out unmeasured (``GearEnvelope.screened`` says why; a note counts them), unless
-    every candidate is, when all stay with envelope 0. Every other candidate's envelope is measured
-    (:func:`measure_envelope`); then, with ``objective="speed"`` (default),
+    every candidate is, when all stay with envelope 0. Every other candidate's envelope is measured on
+    the short probes (:func:`measure_envelope` with ``confirm=False``); then the slots below are filled,
+    the chosen gears' envelopes confirmed on long probes (:func:`confirm_envelope`), and the slots filled
+    again until every chosen gear's envelope is confirmed (a confirmation only lowers an envelope, so no
+    unconfirmed candidate's upper bound beats a chosen gear's confirmed one where the rules compare
+    envelopes). With ``objective="speed"`` (default),
 
     * ``throughput``: the highest ``rps_max`` (ties: lower TPOT P50 at the low load);
     * ``latency``: among the others serving the low load ``q_low = low_load_share x`` that
@@ -719,61 +833,41 @@ def select_operating_gears(candidates: Sequence[Gear], cost_model: TimingProvide
                          f"got {objective!r}; expected one of {', '.join(SELECTION_OBJECTIVES)}")
     timing_for = _timing_source(cost_model)
     kw = settings.probe_settings()
-    rel_tol, attainment = settings.rel_tol, settings.attainment
+    attainment = settings.attainment
     timings = {g.gear_id: timing_for(g) for g in candidates}
     screens = {g.gear_id: screen_zero_load(g, timings[g.gear_id], reference_workload, slo_ttft_ms=settings.slo_ttft_ms,
                                            slo_tpot_ms=settings.slo_tpot_ms, attainment=attainment) for g in candidates}
-    envs = {g.gear_id: (measure_envelope(g, timings[g.gear_id], reference_workload, **kw)
+    envs = {g.gear_id: (measure_envelope(g, timings[g.gear_id], reference_workload, confirm=False, **kw)
                         if screens[g.gear_id].verdict == "ok" else
                         GearEnvelope(g.gear_id, 0.0, g.target_p99_ms, None, (), screened=screens[g.gear_id].describe()))
             for g in candidates}
     screened_out = [g for g in candidates if envs[g.gear_id].screened]
     pool = [g for g in candidates if not envs[g.gear_id].screened] or list(candidates)
-    best_max = max(e.rps_max for e in envs.values())
-    q_low = settings.low_load_share * best_max
     base = settings.sim_config or SimConfig()
     config = dataclasses.replace(base, slo_ttft_ms=settings.slo_ttft_ms, slo_tpot_ms=settings.slo_tpot_ms,
                                  metric_samples=False)
     ref, native = reference_slice(reference_workload, min(settings.num_requests, settings.low_load_requests))
-    low: dict[str, tuple[float, float]] = {}
-    for g in pool:
-        if q_low > 0 and envs[g.gear_id].rps_max >= q_low:
+    low_cache: dict[tuple[str, float], tuple[float, float]] = {}
+
+    def low_load(g: Gear, q_low: float) -> tuple[float, float]:
+        """TPOT P50 and TTFT P50 (ms) of ``g`` at ``q_low`` req/s."""
+        key = (g.gear_id, q_low)
+        if key not in low_cache:
             est = probe_gear(g, timings[g.gear_id], ref, native, q_low, config=config, attainment=attainment).estimate
-            low[g.gear_id] = (est.tpot_p50_ms, est.ttft_p50_ms)
-    inf = (math.inf, math.inf)
+            low_cache[key] = (est.tpot_p50_ms, est.ttft_p50_ms)
+        return low_cache[key]
+
+    # Only the chosen gears' envelopes are confirmed (the long probes cost most of planning). A short-probe
+    # top bounds the confirmed one from above, so choosing again after each confirmation until every chosen
+    # gear is confirmed leaves no unconfirmed candidate able to beat a chosen one on its envelope.
+    while True:
+        chosen, best_max = _choose(pool, envs, low_load, settings, by_devices=objective == "devices")
+        todo = [g for g in chosen.values() if not envs[g.gear_id].confirmed]
+        if not todo:
+            break
+        for g in todo:
+            envs[g.gear_id] = confirm_envelope(g, timings[g.gear_id], reference_workload, envs[g.gear_id], **kw)
     by_devices = objective == "devices"
-
-    def devices(g: Gear) -> int:
-        return len(g.device_ids)
-
-    def power(g: Gear) -> float:
-        return envs[g.gear_id].rps_max / max(low[g.gear_id][0], 1e-9)
-
-    if by_devices:
-        tied = [g for g in pool if envs[g.gear_id].rps_max >= (1.0 - rel_tol) * best_max]
-        thr = min(tied, key=lambda g: (devices(g), -envs[g.gear_id].rps_max, low.get(g.gear_id, inf), g.gear_id))
-    else:
-        thr = max(pool, key=lambda g: (envs[g.gear_id].rps_max, [-x for x in low.get(g.gear_id, inf)], g.gear_id))
-    chosen: dict[str, Gear] = {"throughput": thr}
-    others = [g for g in pool if g.gear_id != thr.gear_id and g.gear_id in low]
-    if others:
-        if by_devices:
-            lat = min(others, key=lambda g: (devices(g), round(low[g.gear_id][0], 6), round(low[g.gear_id][1], 6), g.gear_id))
-            better = (devices(lat), low[lat.gear_id]) < (devices(thr), low.get(thr.gear_id, inf))
-        else:
-            lat = min(others, key=lambda g: (round(low[g.gear_id][0], 6), round(low[g.gear_id][1], 6), g.gear_id))
-            better = low[lat.gear_id] < low.get(thr.gear_id, inf)
-        if better:
-            chosen["latency"] = lat
-    lo = envs[chosen["latency"].gear_id].rps_max if "latency" in chosen else 0.0
-    hi = envs[thr.gear_id].rps_max
-    # a gear the throughput gear beats on every count (no fewer devices, no lower TPOT at the low load,
-    # a smaller envelope) is no operating point between the two
-    mid = [g for g in others if g.gear_id not in {c.gear_id for c in chosen.values()}
-           and lo < envs[g.gear_id].rps_max < hi
-           and not (devices(g) >= devices(thr) and low[g.gear_id] >= low.get(thr.gear_id, inf))]
-    if mid:
-        chosen["balanced"] = max(mid, key=lambda g: (envs[g.gear_id].rps_max / devices(g), power(g), g.gear_id))
     notes: list[str] = []
     if screened_out:
         worst = max(screened_out, key=lambda g: screens[g.gear_id].miss_share)

@@ -20,6 +20,7 @@ from flexpipe_dag.planner.capacity_math import (
     need_steps,
 )
 from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix, max_rps_within
+from flexpipe_dag.planner.envelope import CONFIRM_PROBE_S
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
 from flexpipe_dag.planner.prices import load_prices
 
@@ -297,7 +298,11 @@ def test_cli_json_shape_and_simulator_confirmation(capsys):
     tokens_per_hour = 2.0 * out["output_tokens_mean"] * 3600 / 1e6
     assert mix["cost_per_million_output_tokens"] == pytest.approx(mix["cost_per_hour"] / tokens_per_hour)
     conf = out["confirmation"]
-    assert conf["load_rps"] == 2.0 and conf["num_requests"] == 60 and 0 <= conf["slo_attainment"] <= 1
+    assert conf["load_rps"] == 2.0 and 0 <= conf["slo_attainment"] <= 1
+    # each instance is replayed as an envelope is confirmed: at least 300 s of arrivals (2 req/s: 600 > 60 asked)
+    assert conf["num_requests"] >= 60 and conf["replay_s"] >= 0.99 * CONFIRM_PROBE_S
+    assert all(row["replay_s"] >= conf["replay_s"] and row["requests"] >= conf["num_requests"]
+               for row in conf["per_option"])
     assert conf["passed"] == (conf["slo_attainment"] >= 0.95 and conf["lost"] == 0)
     for t in out["types"]:  # every type's fleet is replayed too
         assert t["plan"] is None or t["confirmation"]["load_rps"] == 2.0

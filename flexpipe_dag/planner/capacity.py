@@ -46,7 +46,7 @@ from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.numbers import format_number
 from flexpipe_dag.planner.capacity_math import DEFAULT_RESERVE, CapacityNeed, capacity_need, cards_by_memory, need_steps
 from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix
-from flexpipe_dag.planner.envelope import probe_gear, probe_reference, reference_slice, screen_zero_load
+from flexpipe_dag.planner.envelope import CONFIRM_PROBE_S, probe_gear, probe_reference, reference_slice, screen_zero_load
 from flexpipe_dag.planner.envelope_model import estimate_envelope
 from flexpipe_dag.planner.gears import candidate_plans, make_search, to_gear
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec
@@ -129,7 +129,12 @@ class TypePlan:
 
 @dataclass(frozen=True)
 class Confirmation:
-    """The chosen fleet replayed in the simulator at the load (each instance at its share)."""
+    """The chosen fleet replayed in the simulator at the load (each instance at its share).
+
+    ``num_requests`` / ``replay_s``: the fewest requests, and the shortest span of arrivals (s), any
+    instance's replay had (each at least :data:`~flexpipe_dag.planner.envelope.CONFIRM_PROBE_S`, as an
+    envelope's confirmation, unless the trace replays no slower).
+    """
 
     load_rps: float
     slo_attainment: float
@@ -137,6 +142,7 @@ class Confirmation:
     lost: int
     num_requests: int
     per_option: list[dict[str, Any]]
+    replay_s: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -199,7 +205,8 @@ class CapacityPlan:
                          f"{format_number(self.cost_per_million_output_tokens(self.mix), 3)} {self.currency} per 1M output tokens")
         if self.confirmation is not None:
             c = self.confirmation
-            lines.append(f"simulator at {c.load_rps:g} req/s on the trace ({c.num_requests} requests per instance): "
+            lines.append(f"simulator at {c.load_rps:g} req/s on the trace (at least {c.num_requests} requests, "
+                         f"{c.replay_s:.0f} s of arrivals per instance): "
                          f"SLO attainment {c.slo_attainment:.3f} (promised >= {c.promised_attainment:g}), lost {c.lost}")
         return lines
 
@@ -375,9 +382,12 @@ def confirm_mix(mix: Mix, need: CapacityNeed, reference: Workload, *, num_reques
     """Replay ``reference`` through each instance of ``mix`` at its share of ``need.load_rps``.
 
     An instance of envelope ``X_o`` gets ``load x X_o / sum(X)`` req/s (a capacity-weighted balancer);
-    one instance per option is simulated (instances of one option are alike), on the first
-    ``num_requests`` requests of the trace retimed to that rate, the first quarter as warm-up. The
-    fleet's attainment is the request-weighted mean of the instances'.
+    one instance per option is simulated (instances of one option are alike), on ``num_requests``
+    requests drawn from across the trace (:func:`~flexpipe_dag.planner.envelope.probe_reference`), at
+    least :data:`~flexpipe_dag.planner.envelope.CONFIRM_PROBE_S` of arrivals as an envelope's
+    confirmation (near its top a pipeline takes minutes to fill its seats with long requests), retimed
+    to that rate, the first quarter as warm-up. The fleet's attainment is the request-weighted mean of
+    the instances'.
 
     Raises:
         InputError: a degenerate trace; an option whose gear has no timing model (not planned here).
@@ -386,13 +396,16 @@ def confirm_mix(mix: Mix, need: CapacityNeed, reference: Workload, *, num_reques
     config = SimConfig(slo_ttft_ms=need.slo_ttft_ms, slo_tpot_ms=need.slo_tpot_ms,
                        max_context_tokens=max_context_tokens)
     rows, met, total, lost = [], 0.0, 0.0, 0
+    spans: list[tuple[int, float]] = []  # (requests, seconds of arrivals) per option's replay
     for option, count in mix.instances:
         if option.gear is None or option.timing is None:
             raise InputError(option.gpu_type, "gear", "this instance option was not planned by plan_capacity")
         rate = need.load_rps * option.rps_max / mix.rps_max
         # the trace replays no slower than MIN_SPEEDUP x its own rate: a smaller share is replayed there (more load)
         probe_rate = max(rate, native * MIN_SPEEDUP)
-        probe_ref, probe_native = probe_reference(reference, num_requests, probe_rate, need.slo_ttft_ms)
+        probe_ref, probe_native = probe_reference(reference, num_requests, probe_rate, need.slo_ttft_ms,
+                                                  min_duration_s=CONFIRM_PROBE_S)
+        spans.append((len(probe_ref), probe_ref.duration_s * probe_native / probe_rate))
         probe = probe_gear(option.gear, option.timing, probe_ref, probe_native, probe_rate, config=config,
                            attainment=slo_attainment, early_stop=False)
         weight = rate * count
@@ -400,10 +413,13 @@ def confirm_mix(mix: Mix, need: CapacityNeed, reference: Workload, *, num_reques
         total += weight
         lost += probe.lost * count
         rows.append({"gpu_type": option.gpu_type, "cards": option.cards, "instances": count, "rate_rps": rate,
+                     "requests": spans[-1][0], "replay_s": spans[-1][1],
                      "slo_attainment": probe.slo_attainment, "lost": probe.lost,
                      "ttft_p99_ms": probe.ttft_p99_ms, "tpot_p99_ms": probe.tpot_p99_ms})
     return Confirmation(load_rps=need.load_rps, slo_attainment=met / total if total else 0.0,
-                        promised_attainment=slo_attainment, lost=lost, num_requests=len(ref), per_option=rows)
+                        promised_attainment=slo_attainment, lost=lost, per_option=rows,
+                        num_requests=min((n for n, _ in spans), default=len(ref)),
+                        replay_s=min((d for _, d in spans), default=0.0))
 
 
 def capacity_report(model: ModelSpec, trace: Workload, prices: GpuPrices, *, load_rps: float, slo_ttft_ms: float,

@@ -46,7 +46,13 @@ from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.numbers import format_number
 from flexpipe_dag.planner.capacity_math import DEFAULT_RESERVE, CapacityNeed, capacity_need, cards_by_memory, need_steps
 from flexpipe_dag.planner.capacity_mix import InstanceOption, Mix, cheapest_mix
-from flexpipe_dag.planner.envelope import CONFIRM_PROBE_S, probe_gear, probe_reference, reference_slice, screen_zero_load
+from flexpipe_dag.planner.envelope import (
+    CONFIRM_PROBE_S,
+    probe_gear,
+    probe_reference,
+    reference_slice,
+    screen_zero_load,
+)
 from flexpipe_dag.planner.envelope_model import estimate_envelope
 from flexpipe_dag.planner.gears import candidate_plans, make_search, to_gear
 from flexpipe_dag.planner.model_spec import GIB, ModelSpec

@@ -368,9 +368,12 @@ def test_a_single_worker_plan_cut_by_the_candidate_cap_still_comes_back_as_the_c
                   for a, b in (("vm-cpu0", "vm-cpu1"), ("vm-cpu1", "vm-cpu0"))]})
     workload = PlanWorkload(context_p95_tokens=108, concurrency=16, prompt_tokens_mean=94, output_tokens_mean=11,
                             min_residence_s=600.0)
-    gears = candidate_gears(cluster, load_model_spec("SmolLM2-135M"), dtype="fp32", workload=workload, replicas=False)
+    spec = load_model_spec("SmolLM2-135M")
+    gears = candidate_gears(cluster, spec, dtype="fp32", workload=workload, replicas=False, max_candidates=6)
     assert len(gears) > 6 and [len(g.device_ids) for g in gears[6:]] == [1]  # beyond the cap of 6: one compact
     assert min(len(g.device_ids) for g in gears[:6]) == 2
+    default = candidate_gears(cluster, spec, dtype="fp32", workload=workload, replicas=False)
+    assert min(len(g.device_ids) for g in default) == 1  # under the default cap too
 
 
 def test_a_fast_gear_is_probed_long_enough_for_a_backlog_to_miss_the_slo():

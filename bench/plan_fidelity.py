@@ -9,9 +9,11 @@ replayed at 80 % of its promise.
 
 Printed per gear: promised ``rps_max``, the held-out one and their ratio (goal: within 15 %); the
 analytic estimate's ratio to the held-out one (the planner's old promise, the baseline of this run);
-SLO attainment at 80 % of the promise (goal >= 0.90); SLO attainment at 100 % of the promise on 300 s of
-arrivals of another sample of the trace (phase 0.5 of runs of 100: between the runs the planner's probes read,
-as long as the trace holds 4x the sample; goal >= 0.95, the envelope's own definition). Per fleet: whether the held-out envelopes keep
+SLO attainment at 80 % of the promise (goal >= 0.90); SLO attainment at 100 % and at 90 % of the promise on
+300 s of arrivals of each of five other samples of the trace (phases 0.125-0.875 of runs of 100: between
+the runs the confirmation read, as long as the trace holds enough; at 90 %, the controller's headroom, goal
+>= 0.95, the envelope's own definition, on every sample; at 100 % the promise is the worst of the two
+confirming samples' tops, so a new sample falls short of it about one time in three). Per fleet: whether the held-out envelopes keep
 the order throughput >= balanced >= latency, and the planning wall time (goal < 60 s on a 2-core host).
 
 Fleets: the bundled ``fragmented_lab`` (7 GPUs), ``alibaba_openb`` and the seed-form
@@ -37,6 +39,7 @@ from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import InfeasibleError
 from flexpipe_dag.planner.cost_model import CostModel
 from flexpipe_dag.planner.envelope import (
+    CONFIRM_PHASES,
     CONFIRM_PROBE_S,
     check_promise,
     holdout_reference,
@@ -53,16 +56,32 @@ FLEETS = ("fragmented_lab", "alibaba_openb", "seed_example")
 MODELS = ("Llama-3-8B", "Llama-2-70B")
 TOLERANCE = 0.15
 PROMISE_SHARE, PROMISE_ATTAINMENT = 0.8, 0.9
-HELD_OUT_PHASE = 0.5
+#: Samples of the trace (phases of runs of 100) the confirmation never read (it reads 0 and 0.25).
+HELD_OUT_PHASES = (0.125, 0.375, 0.5, 0.625, 0.875)
+#: Shares of the promise replayed on each held-out sample for CONFIRM_PROBE_S: the top, and the top less
+#: the controller's 10 % headroom.
+TOP_SHARES = (1.0, 0.9)
 
 
-def attainment_at_promise(gear, timing, reference, sel) -> float:
-    """SLO attainment of ``gear`` at its own ``rps_max`` on :data:`CONFIRM_PROBE_S` of a phase-0.5 sample."""
-    ref, native = probe_reference(reference, sel.num_requests, gear.rps_max, sel.slo_ttft_ms,
-                                  min_duration_s=CONFIRM_PROBE_S, phase=HELD_OUT_PHASE)
+def attainment_near_promise(gear, timing, reference, sel, share: float) -> list[float]:
+    """SLO attainment of ``gear`` at ``share`` x its ``rps_max`` on :data:`CONFIRM_PROBE_S` of arrivals of each
+    of :data:`HELD_OUT_PHASES`' samples."""
     config = SimConfig(slo_ttft_ms=sel.slo_ttft_ms, slo_tpot_ms=sel.slo_tpot_ms, metric_samples=False)
-    return probe_gear(gear, timing, ref, native, gear.rps_max, config=config, attainment=sel.attainment,
-                      early_stop=False).slo_attainment
+    rate = share * gear.rps_max
+    out = []
+    for phase in HELD_OUT_PHASES:
+        ref, native = probe_reference(reference, sel.num_requests, rate, sel.slo_ttft_ms,
+                                      min_duration_s=CONFIRM_PROBE_S, phase=phase)
+        out.append(probe_gear(gear, timing, ref, native, rate, config=config, attainment=sel.attainment,
+                              early_stop=False).slo_attainment)
+    return out
+
+
+def _passes(values: list[float], attainment: float) -> str:
+    """``k/n (min x)``: how many of ``values`` reach ``attainment``, and the lowest."""
+    if not values:
+        return "-"
+    return f"{sum(v >= attainment for v in values)}/{len(values)} (min {min(values):.3f})"
 
 
 def bench_case(label: str, cluster, settings: PlanningSettings) -> dict | None:
@@ -85,16 +104,18 @@ def bench_case(label: str, cluster, settings: PlanningSettings) -> dict | None:
                                 start_rps=g.rps_max if g.rps_max > 0 else None).rps_max
         promise = check_promise(g, timing, holdout, slo_ttft_ms=sel.slo_ttft_ms, slo_tpot_ms=sel.slo_tpot_ms,
                                 load_share=PROMISE_SHARE, min_attainment=PROMISE_ATTAINMENT) if g.rps_max > 0 else None
-        at_top = attainment_at_promise(g, timing, settings.reference_workload(), sel) if g.rps_max > 0 else math.nan
+        near = {share: attainment_near_promise(g, timing, settings.reference_workload(), sel, share)
+                if g.rps_max > 0 else [] for share in TOP_SHARES}
         ratio = g.rps_max / held if held > 0 else (1.0 if g.rps_max == 0 else math.inf)  # 0 and 0 agree
         analytic = plan.analytic_rps_max.get(g.gear_id, math.nan)
         rows.append({"kind": g.kind, "promised": g.rps_max, "held": held, "ratio": ratio,
                      "analytic_ratio": analytic / held if held > 0 else math.inf,
-                     "attainment": promise.slo_attainment if promise else math.nan, "at_top": at_top})
+                     "attainment": promise.slo_attainment if promise else math.nan, "near": near})
         ok = "ok" if abs(ratio - 1) <= TOLERANCE else "OFF"
         print(f"{label:38s} {g.kind:10s} {len(g.device_ids):3d} dev  promised {g.rps_max:8.3f}  held-out {held:8.3f}  "
               f"ratio {ratio:5.2f} {ok}  analytic/held {rows[-1]['analytic_ratio']:5.2f}  "
-              f"attainment@80% {rows[-1]['attainment']:.3f}  @100% for {CONFIRM_PROBE_S:.0f} s {at_top:.3f}")
+              f"attainment@80% {rows[-1]['attainment']:.3f}  for {CONFIRM_PROBE_S:.0f} s on {len(HELD_OUT_PHASES)} "
+              f"samples: " + "  ".join(f"@{share:.0%} {_passes(v, sel.attainment)}" for share, v in near.items()))
     held_by_kind = {r["kind"]: r["held"] for r in rows}
     order = [held_by_kind[k] for k in ("latency", "balanced", "throughput") if k in held_by_kind]
     ordered = all(a <= b * (1 + TOLERANCE) for a, b in zip(order, order[1:]))
@@ -136,9 +157,14 @@ def main() -> None:
           f"goal all: {'MET' if within == len(rows) else 'MISSED'}")
     print(f"SLO attainment >= {PROMISE_ATTAINMENT} at {PROMISE_SHARE:.0%} of the promise: {kept}/{promised} gears "
           f"with an envelope > 0")
-    held_top = sum(r["at_top"] >= sel_attainment for r in rows if r["promised"] > 0)
-    print(f"SLO attainment >= {sel_attainment} at 100% of the promise for {CONFIRM_PROBE_S:.0f} s of another sample: "
-          f"{held_top}/{promised} gears with an envelope > 0")
+    for share in TOP_SHARES:
+        runs = [a for r in rows if r["promised"] > 0 for a in r["near"][share]]
+        held = sum(a >= sel_attainment for a in runs)
+        goal = (f"goal all: {'MET' if held == len(runs) else 'MISSED'}" if share < 1 else
+                f"a promise confirmed on {len(CONFIRM_PHASES)} samples is their worst: a new sample is worse with "
+                f"odds about 1/{len(CONFIRM_PHASES) + 1}")
+        print(f"SLO attainment >= {sel_attainment} at {share:.0%} of the promise for {CONFIRM_PROBE_S:.0f} s of held-out "
+              f"samples: {held}/{len(runs)} (gear x sample; min {min(runs, default=math.nan):.3f}); {goal}")
     print(f"held-out order latency <= balanced <= throughput: {sum(c['ordered'] for c in done)}/{len(done)} fleets")
     walls = [c["wall_s"] for c in done]
     print(f"planning wall time with defaults: max {max(walls):.1f} s, median {sorted(walls)[len(walls) // 2]:.1f} s "

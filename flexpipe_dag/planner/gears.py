@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexpipe_dag.core.cluster import ClusterProfile, DtypeChoice, choose_gear_dtype
+from flexpipe_dag.core.cluster import ClusterProfile, Device, DtypeChoice, choose_gear_dtype
 from flexpipe_dag.core.dtypes import canonical_dtype
 from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import OPERATING_KINDS, Gear, GearEstimate, GearKind, StagePlan
@@ -522,10 +522,11 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     # plans through the T4s (17 req/s unconstrained, 5 within the SLO) took the slots, and the 2 x A100
     # micro-batch-32 plan (8.8 req/s within the SLO) was cut
     envelope_rps = {id(sp): estimate_envelope(search, sp.plan).rps_at_envelope for sp in scored}
+    devices = {d.device_id: d for d in search.usable}
     by_layout: dict[tuple[object, ...], ScoredPlan] = {}
     for sp in sorted(scored, key=lambda x: (-envelope_rps[id(x)], -x.estimate.tokens_per_s, x.estimate.tpot_idle_ms,
                                             x.plan.signature())):
-        by_layout.setdefault(_layout_key(search, sp.plan), sp)
+        by_layout.setdefault(_layout_key(devices, sp.plan), sp)
     floor = LOW_LOAD_SHARE * max(x.estimate.throughput_rps for x in scored)
     fast = sorted((x for x in scored if x.estimate.throughput_rps >= floor),
                   key=lambda x: (x.estimate.tpot_idle_ms, -x.estimate.tokens_per_s, x.plan.signature()))
@@ -562,10 +563,10 @@ def candidate_gears(cluster: ClusterProfile, model: ModelSpec, *, dtype: str = "
     return out
 
 
-def _layout_key(search: PipelineSearch, plan: PipelinePlan) -> tuple[object, ...]:
+def _layout_key(devices: dict[str, Device], plan: PipelinePlan) -> tuple[object, ...]:
     """A plan's layout up to interchangeable devices: per stage, in order, its layer count and its devices
-    as (host, model) pairs, sorted. Two A100s of one host swapped between stages are one layout."""
-    devices = {d.device_id: d for d in search.usable}
+    (looked up in ``devices``, by id) as (host, model) pairs, sorted. Two A100s of one host swapped between
+    stages are one layout."""
     return tuple((n, tuple(sorted((devices[i].node_id, devices[i].model_name) for i in ids)))
                  for ids, n in zip(plan.device_ids, plan.sizes))
 

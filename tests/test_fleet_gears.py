@@ -21,7 +21,7 @@ from flexpipe_dag.control.fleet_scaler import (
 from flexpipe_dag.core.cluster import load_cluster_profile
 from flexpipe_dag.core.errors import InputError
 from flexpipe_dag.planner.fleet import FleetInstance, FleetPlan, FleetSettings, host_shapes, plan_fleet
-from flexpipe_dag.planner.fleet_curve import AttainmentCurve, measure_attainment_curves
+from flexpipe_dag.planner.fleet_curve import DEFAULT_LOAD_FRACTIONS, AttainmentCurve, measure_attainment_curves
 from flexpipe_dag.planner.model_spec import load_model_spec
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.sim.fleet import FleetSimulator, InstanceChange, attainment_after
@@ -59,6 +59,23 @@ def test_instances_are_planned_once_per_host_shape_and_ordered_by_envelope_per_d
     assert per_device == sorted(per_device, reverse=True)
     assert plan.instances[0].host_ids[0].startswith("a10")  # A10s serve more per device than T4s
     assert plan.rps_max == pytest.approx(sum(i.rps_max for i in plan.instances))
+
+
+def test_only_each_shapes_template_is_confirmed_and_it_beats_every_other_gears_upper_bound(small):
+    """Lazy confirmation: the other gears keep their short probes' tops (upper bounds of their confirmed ones),
+    so a template confirmed above every one of them per device is the one confirming them all would choose."""
+    _, plan, curves = small
+    for template in plan.templates:
+        rows = {gear_id: (devices, rps, confirmed) for gear_id, devices, rps, confirmed in template.candidates}
+        devices, rps, confirmed = rows[template.gear.gear_id]
+        assert confirmed and rps == template.rps_max > 0
+        assert all(other_rps / other_devices <= rps / devices for other_devices, other_rps, _ in rows.values())
+    # each curve stops at its saturation: every load but the last holds the attainment, the last does not
+    for curve in curves.values():
+        held = curve.attainment[:-1]
+        assert np.all(held >= SETTINGS.attainment)
+        assert curve.attainment[-1] < SETTINGS.attainment or len(curve.load_fractions) == len(DEFAULT_LOAD_FRACTIONS)
+        assert curve.saturation_fraction(SETTINGS.attainment) <= curve.load_fractions[-1]
 
 
 def test_fleet_gears_are_nested_prefixes_sized_with_headroom(small):

@@ -15,7 +15,8 @@ How the instances are planned (:func:`plan_fleet`):
 2. The **unit** of a shape is the fewest hosts of that shape, in one rack, on which the model fits
    (one host for a model its devices hold; 2, 4, ... for one they do not, up to ``max_unit_hosts``).
    The planner's operating gears are planned on one unit and their envelopes measured in the
-   simulator on the reference trace (:func:`~flexpipe_dag.planner.envelope.refine_envelopes`); the
+   simulator on the reference trace (:func:`~flexpipe_dag.planner.envelope.measure_envelope`, short probes;
+   only the best per device is confirmed on long ones, :func:`~flexpipe_dag.planner.envelope.confirm_envelope`); the
    gear with the most requests/s per device is the shape's **template**.
 3. Every unit of the fleet becomes one instance: the template with its devices mapped by position
    (host k of the unit, device j of the host), when the unit's device pairs have the template unit's
@@ -35,6 +36,7 @@ shift (:mod:`flexpipe_dag.shift.executor`), unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from flexpipe_dag.core.cluster import ClusterProfile, Device
@@ -42,7 +44,7 @@ from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear, StagePlan
 from flexpipe_dag.core.settings import check_number
 from flexpipe_dag.core.timing import StageTimingModel
-from flexpipe_dag.planner.envelope import refine_envelopes
+from flexpipe_dag.planner.envelope import GearEnvelope, apply_envelopes, confirm_envelope, measure_envelope
 from flexpipe_dag.planner.gears import make_search, plan_gear_set
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.workload import PlanWorkload
@@ -71,14 +73,15 @@ class InstanceTemplate:
         gear: the template gear over those hosts' devices, its envelope (``rps_max``, req/s) measured
             in the simulator.
         timing: the gear's stage-time model (the simulator's input).
-        candidates: ``(gear_id, devices, rps_max)`` of every operating gear measured on the unit.
+        candidates: ``(gear_id, devices, rps_max, confirmed)`` of every operating gear measured on the unit (an
+            unconfirmed ``rps_max`` is its short probes' top, an upper bound: only the template is confirmed).
     """
 
     shape: HostShape
     unit_host_ids: tuple[str, ...]
     gear: Gear
     timing: StageTimingModel
-    candidates: tuple[tuple[str, int, float], ...]
+    candidates: tuple[tuple[str, int, float, bool], ...]
 
     @property
     def unit_hosts(self) -> int:
@@ -358,16 +361,42 @@ def plan_template(cluster: ClusterProfile, spec: ModelSpec, unit: tuple[str, ...
     gear_set = plan_gear_set(sub, spec, dtype=dtype, concurrency=settings.concurrency,
                              context_p95_tokens=settings.context_p95_tokens)
     cm = make_search(sub, spec, dtype=dtype).cm
-    gears = refine_envelopes(gear_set.gears, cm, reference, slo_ttft_ms=settings.slo_ttft_ms,
-                             slo_tpot_ms=settings.slo_tpot_ms, attainment=settings.attainment,
-                             num_requests=settings.num_requests)
+    envs = _best_confirmed(gear_set.gears, cm.timings, reference, settings)
+    gears = apply_envelopes(gear_set.gears, [envs[g.gear_id] for g in gear_set.gears])
     serving = [g for g in gears if g.rps_max > 0 and math.isfinite(g.rps_max)]
     if not serving:
         raise InfeasibleError(f"no gear on {len(unit)} host(s) like {unit[0]} meets TTFT {settings.slo_ttft_ms:g} ms / "
                               f"TPOT {settings.slo_tpot_ms:g} ms for {settings.attainment:.0%} of requests at any rate")
-    best = max(serving, key=lambda g: (g.rps_max / len(g.device_ids), g.rps_max, g.gear_id))
+    best = max(serving, key=lambda g: _per_device(g, g.rps_max))
     return InstanceTemplate(shape=shape, unit_host_ids=unit, gear=best, timing=cm.timings(best),
-                            candidates=tuple((g.gear_id, len(g.device_ids), g.rps_max) for g in gears))
+                            candidates=tuple((g.gear_id, len(g.device_ids), g.rps_max, envs[g.gear_id].confirmed)
+                                             for g in gears))
+
+
+def _per_device(gear: Gear, rps_max: float) -> tuple[float, float, str]:
+    """A template's rank with the envelope ``rps_max`` (req/s): per device, then whole, then id (highest first)."""
+    return rps_max / len(gear.device_ids), rps_max, gear.gear_id
+
+
+def _best_confirmed(gears: Sequence[Gear], timing_of: Callable[[Gear], StageTimingModel], reference: Workload,
+                    settings: FleetSettings) -> dict[str, GearEnvelope]:
+    """Envelopes of ``gears`` by id: each measured on short probes, and only the best per device confirmed
+    (:func:`~flexpipe_dag.planner.envelope.confirm_envelope`), again until the best is a confirmed one.
+
+    A confirmation only lowers a top, so an unconfirmed gear's short-probe top bounds its confirmed one:
+    the template chosen is the one confirming every gear would choose, at a third of the long probes.
+    """
+    probe = {"slo_ttft_ms": settings.slo_ttft_ms, "slo_tpot_ms": settings.slo_tpot_ms,
+             "attainment": settings.attainment, "num_requests": settings.num_requests}
+    envs = {g.gear_id: measure_envelope(g, timing_of(g), reference, confirm=False, **probe) for g in gears}
+    while True:
+        serving = [g for g in gears if envs[g.gear_id].rps_max > 0 and math.isfinite(envs[g.gear_id].rps_max)]
+        if not serving:
+            return envs
+        best = max(serving, key=lambda g: _per_device(g, envs[g.gear_id].rps_max))
+        if envs[best.gear_id].confirmed:
+            return envs
+        envs[best.gear_id] = confirm_envelope(best, timing_of(best), reference, envs[best.gear_id], **probe)
 
 
 def _link_figures(cluster: ClusterProfile, device_ids: list[str]) -> list[tuple[float, float] | None]:

@@ -156,6 +156,23 @@ def test_prompt_rows_with_infinite_numbers_or_string_ids_are_malformed(tmp_path)
     assert len(bad) == 3 and any("max_new_tokens" in b.reason for b in bad)
 
 
+def test_a_prompt_that_is_not_unicode_text_is_a_malformed_row_not_a_tokenizer_crash(tmp_path):
+    """A lone UTF-16 surrogate (JSON's escapes allow it, UTF-8 cannot encode it) made the tokenizer raise
+    mid-run, after the model loaded, and no row was served; now the row is listed and skipped."""
+    from flexpipe_dag.runtime.batch import read_prompts
+
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": "ok", "prompt": "hi"}\n{"id": "x9", "prompt": "\\ud800 surrogate"}\n'
+                 '{"id": "c", "prompt": "hi", "continuations": ["a", "\\udc00"]}\n')
+    rows, bad = read_prompts(p)
+    assert [r.request_id for r in rows] == ["ok"]
+    assert {b.line: b.reason for b in bad} == {
+        2: "field 'prompt': holds a lone UTF-16 surrogate (e.g. \\ud800), which is not Unicode text; expected valid "
+           "UTF-8 text",
+        3: "field 'continuations.1': holds a lone UTF-16 surrogate (e.g. \\ud800), which is not Unicode text; expected "
+           "valid UTF-8 text"}
+
+
 def test_prompt_rows_hold_documented_ids_numbers_not_strings_and_one_prompt(tmp_path):
     from flexpipe_dag.core.settings import INT32_MAX
     from flexpipe_dag.runtime.batch import read_prompts

@@ -262,6 +262,8 @@ def test_requests_are_checked_only_when_the_simulator_replays_them(capsys, monke
     assert main(argv) == 2
     assert "--requests: expected an integer >= 50" in capsys.readouterr().err
     assert main([*argv, "--no-simulate"]) == 0
+    assert main([*argv[:-1], "-5", "--no-simulate"]) == 2  # but a count it is, replayed or not
+    assert "--requests: expected an integer >= 1" in capsys.readouterr().err
     monkeypatch.setenv("FLEXPIPE_REFERENCE_REQUESTS", "10")  # nor is the variable read then
     assert main([*argv[:-2], "--no-simulate"]) == 0
 

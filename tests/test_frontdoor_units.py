@@ -253,6 +253,10 @@ def test_a_body_that_is_empty_or_not_json_and_a_text_part_without_text_are_named
                       headers={"Content-Type": "text/plain"})
     assert plain.status_code == 400 and "Content-Type: application/json (got 'text/plain')" in \
         plain.json()["error"]["message"]
+    for body, kind in ((b"[1, 2]", "array"), (b'"p"', "string")):  # said "must be ... application/json (got it)"
+        other = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert other.status_code == 400 and other.json()["error"]["message"] == \
+            f"the request body is a JSON {kind}; expected a JSON object"
     with pytest.raises(APIError, match="a text content part needs its text as a string, got None"):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text"}]}]).messages[0].text()
     runner = BatchRunner(None, engine, "m")

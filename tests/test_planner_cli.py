@@ -114,3 +114,44 @@ def test_simulate_scores_a_saved_gear_at_the_slo_its_envelope_promises(tmp_path,
     assert json.loads(capsys.readouterr().out)["slo"] == {"ttft_ms": 1500.0, "tpot_ms": 150.0}
     assert main(["simulate", *common[:-1], "--window-s", "99999", "100000"]) == 2
     assert "--window-s" in capsys.readouterr().err
+
+
+def test_simulate_replays_at_a_rate_set_from_the_windows_own_rate(tmp_path, capsys):
+    """``--rate-rps R`` is ``--speedup`` R / the window's own mean rate (checked against the trace read here),
+    and the summary grades the requests after the first quarter of arrivals as an envelope probe does."""
+    from flexpipe_dag.workload import load_trace
+    from flexpipe_dag.workload.transform import time_window
+
+    out = _plan(capsys, "--cluster", str(EXAMPLES / "seed_example.yaml"), "--model", "SmolLM2-135M")
+    gear = out["gears"][-1]
+    path = tmp_path / "gear.json"
+    path.write_text(json.dumps(gear))
+    common = ["simulate", "--gear-file", str(path), "--cluster", str(EXAMPLES / "seed_example.yaml"), "--trace",
+              "azure-conv", "--window-s", "600", "900", "--json"]
+    rate = 0.9 * gear["rps_max"]
+    assert main([*common, "--rate-rps", str(rate)]) == 0
+    by_rate = json.loads(capsys.readouterr().out)
+    own = time_window(load_trace("azure-conv"), 600, 900).mean_rate_rps
+    assert by_rate["replay"]["trace_rate_rps"] == pytest.approx(own)
+    assert by_rate["replay"]["speedup"] == pytest.approx(rate / own)
+    assert main([*common, "--speedup", repr(rate / own)]) == 0
+    by_speedup = json.loads(capsys.readouterr().out)
+    assert {k: by_speedup[k] for k in ("requests", "completed", "slo_attainment", "makespan_s")} == \
+        {k: by_rate[k] for k in ("requests", "completed", "slo_attainment", "makespan_s")}
+    assert 0.0 <= by_rate["slo_attainment_after_warmup"] <= 1.0
+    for flags, said in ((["--rate-rps", "0"], "--rate-rps"), (["--rate-rps", "nan"], "--rate-rps"),
+                        (["--rate-rps", "1e12"], "the trace's own"), (["--rate-rps", "2", "--speedup", "2"], "not both")):
+        assert main([*common, *flags]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_attainment_after_warmup_grades_as_an_envelope_probe_does():
+    import pandas as pd
+
+    from flexpipe_dag.sim.results import attainment_after_warmup
+
+    frame = pd.DataFrame({"slo_met": [False, False, True, True, True, True, False, True]})
+    assert attainment_after_warmup(frame) == pytest.approx(5 / 6)  # the first 2 of 8 are the warm-up
+    assert attainment_after_warmup(frame, 0.0) == pytest.approx(5 / 8)
+    assert attainment_after_warmup(frame.iloc[:1], 0.25) == 0.0  # nothing after the warm-up: every row counts
+    assert attainment_after_warmup(frame.iloc[:0]) == 0.0

@@ -112,7 +112,7 @@ def test_an_unsorted_trace_is_one_warning_line_not_python_s_source_listing(tmp_p
     trace.write_text("request_id,arrival_s,input_tokens,output_tokens\nr1,5,10,10\nr2,1,10,10\n")
     assert main(["simulate", "--gear-file", str(gear_path), "--timing", str(timing_path), "--trace", str(trace)]) == 0
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "warning" in line.lower()]
-    assert err == [f"flexpipe simulate: warning: {trace}: 1 row arrives before the row above them; sorted by arrival_s"]
+    assert err == [f"flexpipe simulate: warning: {trace}: 1 row arrives before the row above it; sorted by arrival_s"]
 
 
 def test_a_timing_table_with_the_wrong_number_of_stages_is_named_by_its_file(tmp_path, capsys):

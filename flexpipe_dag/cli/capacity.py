@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             check_number(value, None, flag, integer=True, ge=1, le=INT32_MAX, unit="tokens")
     reserve = check_reserve(args.reserve)
+    if args.requests is not None:  # a count, even where --no-simulate ignores it (the simulator's minimum below)
+        check_number(args.requests, None, "--requests", integer=True, ge=1, le=INT32_MAX, unit="requests")
     requests = None  # replays per instance: the simulator's alone, so --no-simulate ignores them
     if not args.no_simulate:
         requests = args.requests if args.requests is not None else env_value(

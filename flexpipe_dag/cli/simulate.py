@@ -47,6 +47,7 @@ from flexpipe_dag.core.settings import INT32_MAX, check_number
 from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim import LinearStageTiming, SimConfig, Simulator
 from flexpipe_dag.sim.engine import DrainHorizonError
+from flexpipe_dag.sim.results import attainment_after_warmup
 from flexpipe_dag.sim.timing import COST_FIELDS
 from flexpipe_dag.workload import (
     BUNDLED_TRACES,
@@ -78,6 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bundled = ", ".join(n for n in BUNDLED_TRACES if n != "servegen-tide")
     p.add_argument("--trace", help=f"trace file or bundled name ({bundled}); required unless --day")
     p.add_argument("--speedup", type=float, default=None, help="compress arrival times by this factor (default 1)")
+    p.add_argument("--rate-rps", type=float, default=None,
+                   help="replay at this mean arrival rate, req/s: the speedup is set from the trace's own mean rate "
+                        "(after --window-s); e.g. a gear's rps_max, to check its envelope (instead of --speedup)")
     p.add_argument("--window-s", type=float, nargs=2, metavar=("START", "END"), help="only requests arriving in [START, END) s")
     p.add_argument("--tide-compression", type=float,
                    help="shape the trace by the bundled ServeGen daily tide, this many tide seconds per trace second")
@@ -221,6 +225,10 @@ def check_flags(args: argparse.Namespace) -> None:
     chunked_prefill_tokens(args)
     if args.speedup is not None:  # None: not given, the trace's own pace
         check_number(args.speedup, None, "--speedup", ge=MIN_SPEEDUP, le=MAX_SPEEDUP, unit="factor")
+    if getattr(args, "rate_rps", None) is not None:
+        if args.speedup is not None:
+            raise InputError(None, "--rate-rps", "give --rate-rps or --speedup, not both (the rate sets the speedup)")
+        check_number(args.rate_rps, None, "--rate-rps", gt=0, unit="req/s")
     if args.window_s:
         start_s, end_s = args.window_s
         check_number(start_s, None, "--window-s START", ge=0, unit="trace seconds")
@@ -282,6 +290,18 @@ def build_workload(args: argparse.Namespace) -> Workload:
                              f"the trace spans 0..{span_s:.0f} s")
     if args.tide_compression is not None:
         w = shape_by_tide(w, load_tide_trace(), compression=args.tide_compression)
+    if getattr(args, "rate_rps", None) is not None:
+        own_rps = w.mean_rate_rps
+        if own_rps <= 0:
+            raise InputError(str(args.trace), "--rate-rps", f"{len(w)} request(s) arriving at one instant have no rate "
+                             "to scale; expected a trace (or --window-s) with requests at different times")
+        factor = args.rate_rps / own_rps
+        if not MIN_SPEEDUP <= factor <= MAX_SPEEDUP:
+            raise InputError(str(args.trace), "--rate-rps", f"{args.rate_rps:g} req/s is {factor:.3g}x the trace's own "
+                             f"{own_rps:.3g} req/s; expected a rate {MIN_SPEEDUP:g}..{MAX_SPEEDUP:g}x its own "
+                             f"({MIN_SPEEDUP * own_rps:.3g}..{MAX_SPEEDUP * own_rps:.3g} req/s)")
+        args.speedup = factor
+        args.own_rate_rps = own_rps
     if args.speedup is not None and args.speedup != 1.0:
         w = speedup(w, args.speedup)
     if args.offline:
@@ -329,7 +349,9 @@ def summary_renderables(summary: dict[str, Any]) -> list[RenderableType]:
         f"throughput {n(summary['throughput_rps'], 2)} req/s, {n(summary['tokens_per_s'], 0)} output tokens/s",
         f"goodput {n(summary['goodput_rps'], 2)} req/s (TTFT <= {n(slo['ttft_ms'], 0 if float(slo['ttft_ms']).is_integer() else 2)} ms and "
         f"TPOT <= {n(slo['tpot_ms'], 0 if float(slo['tpot_ms']).is_integer() else 2)} ms; "
-        f"attainment {n(100 * summary['slo_attainment'])} %)",
+        f"attainment {n(100 * summary['slo_attainment'])} %"
+        + (f"; {n(100 * summary['slo_attainment_after_warmup'])} % after the first quarter of arrivals, as an "
+           "envelope is graded" if "slo_attainment_after_warmup" in summary else "") + ")",
     ]
     for gid, util in summary["stage_utilisation"].items():
         tail.append(f"stage utilisation [{gid}]: " + "  ".join(f"s{i} {n(100 * u, 0)}%" for i, u in enumerate(util)))
@@ -378,7 +400,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(args.timing, exc.field, exc.problem) from exc  # the table the stage times came from
     if args.timeseries_csv:
         result.timeseries().to_csv(args.timeseries_csv, index=False)
-    summary = {"trace": str(args.trace), "workload_requests": len(workload), **result.summary}
+    summary = {"trace": str(args.trace), "workload_requests": len(workload), **result.summary,
+               "slo_attainment_after_warmup": attainment_after_warmup(result.requests)}
+    if getattr(args, "own_rate_rps", None) is not None:
+        summary["replay"] = {"rate_rps": args.rate_rps, "speedup": args.speedup, "trace_rate_rps": args.own_rate_rps}
     summary["context"] = {"model": model_name, **(summary.get("context") or {})}
     context_line = sim.context.describe(model_name, "--truncate-context serves them truncated")
     if max_context is None:
@@ -389,9 +414,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         console = cli_console()
+        replay = summary.get("replay")
         console.print(Text(f"trace {args.trace}: {format_number(len(workload))} requests over "
-                           f"{format_number(workload.duration_s, 0)} s", overflow="fold"))
+                           f"{format_number(workload.duration_s, 0)} s"
+                           + (f", replayed at {format_number(replay['rate_rps'], 3)} req/s (its own "
+                              f"{format_number(replay['trace_rate_rps'], 3)} req/s x {replay['speedup']:.4g})"
+                              if replay else ""), overflow="fold"))
         console.print(Text(context_line, overflow="fold"))
-        for item in summary_renderables(result.summary):
+        for item in summary_renderables(summary):
             console.print(item)
     return 0

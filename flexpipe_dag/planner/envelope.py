@@ -69,7 +69,7 @@ from flexpipe_dag.core.timing import StageTimingModel
 from flexpipe_dag.sim.config import SimConfig
 from flexpipe_dag.sim.engine import Simulator
 from flexpipe_dag.sim.evaluate import estimate_from_result
-from flexpipe_dag.sim.results import SimResult
+from flexpipe_dag.sim.results import SimResult, attainment_after_warmup
 from flexpipe_dag.workload.request import Request, Workload
 from flexpipe_dag.workload.transform import MAX_SPEEDUP, MIN_SPEEDUP, repeat_to, sample_chunks, speedup
 
@@ -327,7 +327,7 @@ def _probe(gear: Gear, timing: StageTimingModel, reference: Workload, native_rps
     measured = df.iloc[first:]
     if stopped_s is None:
         lost = int(df["finish_s"].isna().sum())
-        share = float(measured["slo_met"].mean()) if len(measured) else 0.0
+        share = attainment_after_warmup(df, warmup_fraction)
     else:
         lost = rejected
         share = 1.0 - misses / max(1, len(measured))

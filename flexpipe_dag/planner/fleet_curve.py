@@ -4,8 +4,9 @@ For each instance template (:class:`~flexpipe_dag.planner.fleet.InstanceTemplate
 simulator replays the reference trace (the envelope's method and sample: ``settings.num_requests``
 requests drawn across the trace, and at least :data:`~flexpipe_dag.planner.envelope.CONFIRM_PROBE_S` of
 arrivals, as the probes that confirmed the envelope; time-compressed to the rate, lengths and burstiness
-kept) at a grid of loads, as fractions of the instance's envelope ``rps_max``, and grades every request after the warm-up against the SLO
-(no early stop: the attainment is the full run's). Probed otherwise than the envelope, the curve
+kept) at a grid of loads, as fractions of the instance's envelope ``rps_max``, in order up to the first load whose
+attainment falls below the target (the curve's saturation: the day model reads nothing beyond it), and grades every
+request after the warm-up against the SLO (no early stop: the attainment is the full run's). Probed otherwise than the envelope, the curve
 disagrees with it: with 600-request, 40-s probes the fleet_1k curves read 0.99+ past the confirmed
 envelopes, and with 600 requests (not the envelope's 1,000) fleet_small's A10 curve read 0.939 at its
 envelope, where the request-by-request fleet simulator measured 0.997 over a tide day. Between grid points the curve is linear; above the
@@ -78,7 +79,7 @@ def measure_attainment_curve(template: InstanceTemplate, reference: Workload, se
     With ``until_saturated`` (default) the loads are probed in order and the curve ends at the first whose
     attainment is below ``settings.attainment``: the fleet day model reads a curve at most at its saturation
     (:meth:`AttainmentCurve.saturation_fraction`, which that point sets), and the overloaded probes beyond it
-    are the slowest to simulate. Measured on fleet_1k (Llama-3-8B): 4 of 10 loads left out per shape, the
+    are the slowest to simulate. Measured on fleet_1k (Llama-3-8B): 3 of 10 loads left out per shape, the
     day's figures unchanged. False probes every load.
 
     Raises:

@@ -125,6 +125,20 @@ def _class_summary(df: pd.DataFrame, makespan_s: float) -> dict[str, Any]:
     }
 
 
+#: Share of a replay's first arrivals an envelope probe does not grade (its queues are still filling).
+ENVELOPE_WARMUP_FRACTION = 0.25
+
+
+def attainment_after_warmup(frame: pd.DataFrame, warmup_fraction: float = ENVELOPE_WARMUP_FRACTION) -> float:
+    """Share of the requests after the first ``warmup_fraction`` of ``frame``'s rows (arrival order) that met
+    the SLO (``slo_met``; a rejected or unfinished request did not): how an envelope probe grades a replay
+    (:mod:`flexpipe_dag.planner.envelope`). Every row counts when the warm-up would leave none; 0.0 for no rows.
+    """
+    skip = int(len(frame) * warmup_fraction)
+    graded = frame.iloc[skip if skip < len(frame) else 0:]
+    return float(graded["slo_met"].mean()) if len(graded) else 0.0
+
+
 def summarize(frame: pd.DataFrame, samples: list[MetricSample], stage_busy: dict[str, list[float]],
               slo_ttft_ms: float, slo_tpot_ms: float, shifts: int) -> dict[str, Any]:
     """The summary: TTFT / TPOT / end-to-end (mean, P50, P95, P99, ms), throughput (req/s, output

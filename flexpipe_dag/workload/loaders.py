@@ -114,8 +114,9 @@ def _sorted_by_arrival(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     t = frame["arrival_s"].to_numpy()
     out_of_order = int(np.count_nonzero(np.diff(t) < 0))
     if out_of_order:
-        rows = "1 row arrives" if out_of_order == 1 else f"{out_of_order} rows arrive"
-        warnings.warn(f"{source}: {rows} before the row above them; sorted by arrival_s",
+        rows = "1 row arrives before the row above it" if out_of_order == 1 else \
+            f"{out_of_order} rows arrive before the row above them"
+        warnings.warn(f"{source}: {rows}; sorted by arrival_s",
                       UnsortedTraceWarning, stacklevel=3)
         frame = frame.sort_values("arrival_s", kind="stable").reset_index(drop=True)
     return frame

@@ -81,6 +81,19 @@ ROUTE_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_
 MULTIPART_OVERHEAD_BYTES = 1024 * 1024
 
 
+
+def _json_kind(value: object) -> str:
+    """JSON's name for the type of a parsed value (``array``, ``string``, ``number``, ...)."""
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "null" if value is None else type(value).__name__
+
 def endpoint_label(scope) -> str:
     """The ``endpoint`` label of a request: its route's name in :data:`ROUTE_LABELS`, else ``other``."""
     route = scope.get("route")
@@ -147,8 +160,13 @@ def create_app(engine: FrontDoorEngine, model_name: str, api_key: str | None = N
         param = field_path(err.get("loc", ()))
         if param is None:  # the body as a whole: empty, or not a JSON object
             kind = request.headers.get("content-type") or "none"
-            msg = ("the request body is empty; expected a JSON object" if err.get("type") == "missing" else
-                   f"the request body must be a JSON object sent as Content-Type: application/json (got {kind!r})")
+            got = err.get("input")
+            if err.get("type") == "missing":
+                msg = "the request body is empty; expected a JSON object"
+            elif kind.split(";")[0].strip().lower() == "application/json" and not isinstance(got, dict):
+                msg = f"the request body is a JSON {_json_kind(got)}; expected a JSON object"
+            else:
+                msg = f"the request body must be a JSON object sent as Content-Type: application/json (got {kind!r})"
             return refused(request, APIError(400, msg))
         msg = f"{param}: {err.get('msg')}"
         if param == "file" and "UploadFile" in str(err.get("msg")):  # pydantic's words, and the text echoed

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
+from flexpipe_dag.core.text import lone_surrogate_path as lone_surrogate_path  # re-exported: the front door's check
+
 #: Most stop sequences one request may give (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
 #: ``max_tokens`` of a completion that gives none (OpenAI's default for ``/v1/completions``).
@@ -56,28 +58,6 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         """The JSON body of the error response."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """Where a parsed JSON value holds a string (or key) that is no Unicode text: a lone UTF-16
-    surrogate such as ``"\\ud800"``, which JSON's escapes allow and UTF-8 cannot encode. The path is
-    dotted as a client wrote it (``messages.0.content``; ``""`` is the value itself); None when all is text.
-    """
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        where = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and lone_surrogate_path(key) is not None:
-            return path or "(a key)"
-        found = lone_surrogate_path(item, where)
-        if found is not None:
-            return found
-    return None
 
 
 def refuse_lone_surrogates(value: Any, where: str = "", param: str | None = None) -> None:

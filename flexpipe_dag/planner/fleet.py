@@ -44,7 +44,13 @@ from flexpipe_dag.core.errors import InfeasibleError, InputError
 from flexpipe_dag.core.gear import Gear, StagePlan
 from flexpipe_dag.core.settings import check_number
 from flexpipe_dag.core.timing import StageTimingModel
-from flexpipe_dag.planner.envelope import GearEnvelope, apply_envelopes, confirm_envelope, measure_envelope
+from flexpipe_dag.planner.envelope import (
+    GearEnvelope,
+    ProbeSettings,
+    apply_envelopes,
+    confirm_envelope,
+    measure_envelope,
+)
 from flexpipe_dag.planner.gears import make_search, plan_gear_set
 from flexpipe_dag.planner.model_spec import ModelSpec
 from flexpipe_dag.planner.workload import PlanWorkload
@@ -386,8 +392,8 @@ def _best_confirmed(gears: Sequence[Gear], timing_of: Callable[[Gear], StageTimi
     A confirmation only lowers a top, so an unconfirmed gear's short-probe top bounds its confirmed one:
     the template chosen is the one confirming every gear would choose, at a third of the long probes.
     """
-    probe = {"slo_ttft_ms": settings.slo_ttft_ms, "slo_tpot_ms": settings.slo_tpot_ms,
-             "attainment": settings.attainment, "num_requests": settings.num_requests}
+    probe: ProbeSettings = {"slo_ttft_ms": settings.slo_ttft_ms, "slo_tpot_ms": settings.slo_tpot_ms,
+                            "attainment": settings.attainment, "num_requests": settings.num_requests}
     envs = {g.gear_id: measure_envelope(g, timing_of(g), reference, confirm=False, **probe) for g in gears}
     while True:
         serving = [g for g in gears if envs[g.gear_id].rps_max > 0 and math.isfinite(envs[g.gear_id].rps_max)]

@@ -212,9 +212,8 @@ def day_section(days: list[int], fleet_file: Path = FLEET_FILE, model: str = "Ll
     t0 = time.perf_counter()
     curves = measure_attainment_curves(plan, reference, settings)
     curves_s = time.perf_counter() - t0
-    loads = [len(c.load_fractions) for c in curves.values()]
-    print(f"  attainment curves: {len(curves)} shapes, {sum(loads)} loads ({'/'.join(map(str, loads))}: up to each "
-          f"shape's saturation) in {curves_s:.1f} s")
+    print(f"  attainment curves: {len(curves)} shapes x {len(next(iter(curves.values())).load_fractions)} loads "
+          f"in {curves_s:.1f} s")
     peak = 0.8 * plan.rps_max
     for day in days:
         day_run = compare_day(plan, curves, day, peak_rps=peak, settings=settings)

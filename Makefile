@@ -47,8 +47,11 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
+# Two pytest-xdist workers, a test file each at a time (its module fixtures planned once): on a 2-core host
+# the suite's single-process planning and simulation tests fill both cores. PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 2
 test: setup browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
 
 bench: setup
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

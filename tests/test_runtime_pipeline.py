@@ -171,7 +171,7 @@ def test_chunked_prefill_through_two_stage_processes_matches_hf_generate():
 def test_hung_stage_is_named_by_the_watchdog(two_stage):
     """Last user of ``two_stage``: the watchdog ends that pipeline."""
     _use(two_stage, [(0, 20), (20, 30)], 2, "hang")
-    two_stage.options.step_timeout_s = 3.0  # read live by the watchdog
+    two_stage.options.step_timeout_s = 10.0  # read live by the watchdog (3 s named a busy stage 1 on a loaded host)
     got = []
     freeze_stage0 = signal_after_first_result(two_stage.stage_pids()[0], signal.SIGSTOP, got)
     with pytest.raises(StageFailedError) as err:

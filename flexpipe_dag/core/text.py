@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: What a field holding a lone surrogate is told (after its name): the same words on every input surface.
+LONE_SURROGATE_PROBLEM = ("holds a lone UTF-16 surrogate (e.g. \\ud800), which is not Unicode text; "
+                          "expected valid UTF-8 text")
 
 def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     """Where a parsed JSON value holds a string (or key) that is no Unicode text: a lone UTF-16

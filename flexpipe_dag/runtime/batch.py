@@ -37,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 from flexpipe_dag.core.errors import InputError, one_line, shown
 from flexpipe_dag.core.ids import id_problem
 from flexpipe_dag.core.settings import INT32_MAX
-from flexpipe_dag.core.text import lone_surrogate_path
+from flexpipe_dag.core.text import LONE_SURROGATE_PROBLEM, lone_surrogate_path
 from flexpipe_dag.core.user_files import MAX_PROMPTS_BYTES, read_user_bytes, read_user_text
 from flexpipe_dag.core.user_yaml import load_user_json
 from flexpipe_dag.runtime.chat_template import prompt_token_ids
@@ -139,8 +139,7 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
         return MalformedRow(where, f"field 'prompt': {len(prompt)} characters; expected at most {MAX_PROMPT_BYTES} "
                                    "bytes of UTF-8 (checked before tokenising)")
     if lone_surrogate_path(prompt) is not None:  # the tokenizer cannot read it (the front door refuses it too)
-        return MalformedRow(where, "field 'prompt': holds a lone UTF-16 surrogate (e.g. \\ud800), which is not Unicode "
-                                   "text; expected valid UTF-8 text")
+        return MalformedRow(where, f"field 'prompt': {LONE_SURROGATE_PROBLEM}")
     if isinstance(token_ids, list) and len(token_ids) > MAX_PROMPT_TOKENS:
         return MalformedRow(where, f"field 'token_ids': {len(token_ids)} ids; expected at most {MAX_PROMPT_TOKENS}")
     if token_ids is not None:
@@ -182,8 +181,7 @@ def _parse_row(raw: Any, where: int, max_new_tokens: int, seen: set[str]) -> Pro
                                        f"or lists of token ids 0..{INT32_MAX}")
         found = lone_surrogate_path(conts)
         if found is not None:
-            return MalformedRow(where, f"field 'continuations.{found}': holds a lone UTF-16 surrogate (e.g. \\ud800), "
-                                       "which is not Unicode text; expected valid UTF-8 text")
+            return MalformedRow(where, f"field 'continuations.{found}': {LONE_SURROGATE_PROBLEM}")
         conts = list(conts)
     seen.add(rid)
     return PromptRow(rid, prompt if token_ids is None else None, token_ids, mnt, prio, conts, line=where)

@@ -81,7 +81,6 @@ ROUTE_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_
 MULTIPART_OVERHEAD_BYTES = 1024 * 1024
 
 
-
 def _json_kind(value: object) -> str:
     """JSON's name for the type of a parsed value (``array``, ``string``, ``number``, ...)."""
     if isinstance(value, list):
@@ -93,6 +92,7 @@ def _json_kind(value: object) -> str:
     if isinstance(value, (int, float)):
         return "number"
     return "null" if value is None else type(value).__name__
+
 
 def endpoint_label(scope) -> str:
     """The ``endpoint`` label of a request: its route's name in :data:`ROUTE_LABELS`, else ``other``."""

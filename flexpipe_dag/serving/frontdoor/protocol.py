@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
+from flexpipe_dag.core.text import LONE_SURROGATE_PROBLEM
 from flexpipe_dag.core.text import lone_surrogate_path as lone_surrogate_path  # re-exported: the front door's check
 
 #: Most stop sequences one request may give (OpenAI's limit).
@@ -73,8 +74,7 @@ def refuse_lone_surrogates(value: Any, where: str = "", param: str | None = None
     """
     found = lone_surrogate_path(value)
     if found is not None:
-        raise APIError(400, f"{where}{found or 'the body'}: holds a lone UTF-16 surrogate (e.g. \\ud800), which is "
-                            "not Unicode text; expected valid UTF-8 text", param=param or found or None)
+        raise APIError(400, f"{where}{found or 'the body'}: {LONE_SURROGATE_PROBLEM}", param=param or found or None)
 
 
 class _Body(BaseModel):
